@@ -1,0 +1,3 @@
+from .cli import analyze
+
+analyze(prog_name="python -m steplens.analyze")

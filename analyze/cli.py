@@ -1,0 +1,151 @@
+"""Command line: `analyze RUN_DIR`, `steplens analyze RUN_DIR`, `python -m steplens.analyze RUN_DIR`."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from . import schema
+from .ingest import IngestError, IngestResult, Source, discover, ingest
+
+EXIT_PARTIAL = 1  # results written, but some input files could not be used
+EXIT_NOTHING = 2  # nothing usable, or bad arguments
+
+ANALYZE_HELP = f"""Ingest the PyTorch-profiler traces under RUN_DIR into queryable Parquet tables.
+
+RUN_DIR is a folder of per-rank traces (.json or .json.gz, as tensorboard_trace_handler or
+export_chrome_trace wrote them), searched recursively; hidden folders are skipped. Files that are
+not traces are listed as ignored, with what they look like. The inputs are never modified.
+
+Output goes to RUN_DIR/{schema.DEFAULT_OUT_DIR}/ (or --out DIR): run.json plus one folder per table,
+hive-partitioned by rank (trace_events/rank=0/part-*.parquet, ...). Query them with DuckDB:
+
+\b
+    duckdb -c "SELECT rank, kind, count(*) FROM
+      read_parquet('RUN_DIR/{schema.DEFAULT_OUT_DIR}/trace_events/*/*.parquet', hive_partitioning=true)
+      GROUP BY ALL ORDER BY ALL"
+
+Re-running is incremental: files whose size, mtime and first 64 KiB are unchanged are not parsed
+again. The swap to the new result is atomic, so an interrupted run leaves the last result intact.
+
+\b
+Exit status: 0 all inputs used; {EXIT_PARTIAL} results written but some trace files could not be
+used (see the issues); {EXIT_NOTHING} nothing usable.
+"""
+
+
+@click.command("analyze", help=ANALYZE_HELP)
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help=f"Write the run directory here instead of RUN_DIR/{schema.DEFAULT_OUT_DIR}/.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+              help="Files parsed in parallel (default: number of CPUs). Memory grows with it, not with the number of ranks.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the summary.")
+def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool) -> None:
+    console = Console(stderr=False, highlight=False)
+    if not run_dir.exists():
+        _fail(console, f"{run_dir}: no such folder")
+    out = out_dir or run_dir / schema.DEFAULT_OUT_DIR
+    try:
+        total = sum(p.stat().st_size for p in discover(run_dir, out))
+    except OSError:
+        total = 0
+    show_progress = not quiet and sys.stderr.isatty()
+    progress = Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                        console=Console(stderr=True), transient=True, disable=not show_progress)
+    with progress:
+        task = progress.add_task("ingest", total=total or None)
+        try:
+            result = ingest(run_dir, out_dir, jobs=jobs, progress=lambda s: progress.advance(task, s.size))
+        except IngestError as e:
+            _fail(console, str(e))
+    print_summary(console, result)
+    if result.failed:
+        sys.exit(EXIT_PARTIAL)
+
+
+def _fail(console: Console, message: str) -> None:
+    console.print(f"error: {message}", markup=False, highlight=False)
+    sys.exit(EXIT_NOTHING)
+
+
+def print_summary(console: Console, result: IngestResult) -> None:
+    m = result.manifest
+    used = [s for s in result.sources if s.rank is not None]
+    mb = sum(s.raw_bytes for s in result.sources if s.status == "ingested") / 1e6
+    speed = f", {mb / result.seconds:.0f} MB/s" if result.parsed and result.seconds > 0 else ""
+    console.print(
+        f"[bold]{len(used)}[/] trace file(s) -> {result.out_dir}  "
+        f"({result.parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {result.seconds:.1f}s{speed})",
+        highlight=False,
+    )
+    world = f" of world size {m['world_size']}" if m.get("world_size") else ""
+    console.print(f"ranks: {_ranges(m['ranks'])}{world}", highlight=False, markup=False)
+
+    steps = Table(title="steps per rank", title_justify="left", box=None)
+    for col in ("rank", "windows", "steps", "ProfilerStep#"):
+        steps.add_column(col)
+    by_rank: dict[int, list[Source]] = {}
+    for s in used:
+        by_rank.setdefault(s.rank, []).append(s)
+    for rank in sorted(by_rank):
+        numbers = sorted(n for s in by_rank[rank] for n in s.steps)
+        steps.add_row(str(rank), str(len(by_rank[rank])), str(len(numbers)), _ranges(numbers) or "none")
+    console.print(steps)
+
+    kinds = Counter()
+    for s in used:
+        kinds.update(s.kind_counts)
+    table = Table(title="events per kind (all ranks)", title_justify="left", box=None)
+    table.add_column("kind")
+    table.add_column("events", justify="right")
+    for kind in schema.KINDS:
+        if kinds.get(kind):
+            table.add_row(kind, f"{kinds[kind]:,}")
+    console.print(table)
+
+    issues = Table(title="ingest issues", title_justify="left", box=None)
+    for col in ("severity", "reason", "files", "count", "example"):
+        issues.add_column(col, overflow="fold")
+    grouped: dict[tuple, list] = {}
+    for s in result.sources:
+        for severity, reason, count, detail in s.issues:
+            grouped.setdefault((severity, reason), []).append((s.path, count, detail))
+    order = {"error": 0, "warning": 1, "info": 2}
+    for (severity, reason), rows in sorted(grouped.items(), key=lambda kv: (order.get(kv[0][0], 3), kv[0][1])):
+        path, _, detail = rows[0]
+        issues.add_row(severity, reason, str(len(rows)), f"{sum(r[1] for r in rows):,}", f"{path}: {detail}")
+    if grouped:
+        console.print(issues, markup=False)
+    else:
+        console.print("ingest issues: none")
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0,1,2,5,7,8] -> '0-2, 5, 7-8'."""
+    parts, start, prev = [], None, None
+    for n in sorted(set(numbers)):
+        if start is None:
+            start = prev = n
+        elif n == prev + 1:
+            prev = n
+        else:
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = n
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ", ".join(parts)
+
+
+@click.group(help="steplens: post-hoc trace and log analysis for DeepSpeed / PyTorch training runs.")
+def steplens() -> None:
+    pass
+
+
+steplens.add_command(analyze)

@@ -1,0 +1,436 @@
+"""Ingest a folder of per-rank Kineto traces into a steplens run directory.
+
+Never touches the inputs. Output is built in a sibling staging folder and swapped in at the end, so a
+killed ingest leaves the previous result readable. Unchanged inputs (same size, mtime and hash of
+their first 64 KiB) are not parsed again: their Parquet parts are linked over from the last result.
+Files are parsed in worker processes, a bounded number at a time, so memory does not grow with the
+number of ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import kineto, schema
+
+TRACE_SUFFIXES = (".json", ".json.gz")
+RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+HASH_PREFIX_BYTES = 64 << 10
+PARSED_TABLES = ("trace_events", "flows", "steps")
+
+
+class IngestError(Exception):
+    """Nothing usable to ingest; the message is one line for the user."""
+
+
+@dataclass
+class Source:
+    """One input file and what became of it (a row of run.json's `sources`)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    hash_prefix: str
+    status: str = "pending"  # ingested | reused | ignored | error
+    rank: int | None = None
+    rank_origin: str | None = None  # distributedInfo | file name | only trace
+    part_id: str = ""
+    events: int = 0
+    raw_bytes: int = 0
+    kind_counts: dict = field(default_factory=dict)
+    steps: list = field(default_factory=list)
+    trace_rank: int | None = None
+    world_size: int | None = None
+    host_pids: list = field(default_factory=list)
+    trace_meta: dict = field(default_factory=dict)
+    issues: list = field(default_factory=list)  # [severity, reason, count, detail]
+    seconds: float = 0.0
+
+    def fingerprint(self) -> tuple:
+        return (self.path, self.size, self.mtime_ns, self.hash_prefix)
+
+
+@dataclass
+class IngestResult:
+    out_dir: Path
+    manifest: dict
+    sources: list[Source]
+    parsed: int
+    reused: int
+    seconds: float
+
+    @property
+    def failed(self) -> list[Source]:
+        return [s for s in self.sources if s.status == "error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Discovery
+
+
+def discover(run_dir: Path, out_dir: Path) -> list[Path]:
+    """Every .json / .json.gz file under run_dir, skipping hidden folders and the output folder."""
+    found = []
+    out_dir = out_dir.resolve()
+    for root, dirs, files in os.walk(run_dir):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (Path(root) / d).resolve() != out_dir)
+        for name in sorted(files):
+            if name.endswith(TRACE_SUFFIXES) and not name.startswith("."):
+                found.append(Path(root) / name)
+    return found
+
+
+def _describe(path: Path, base: Path) -> Source:
+    stat = path.stat()
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read(HASH_PREFIX_BYTES)).hexdigest()[:16]
+    rel = os.path.relpath(path, base)
+    source = Source(path=rel, size=stat.st_size, mtime_ns=stat.st_mtime_ns, hash_prefix=digest)
+    source.part_id = hashlib.sha256(repr(source.fingerprint()).encode()).hexdigest()[:16]
+    return source
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing one file (runs in a worker process)
+
+
+def _write_table(frame: pl.DataFrame, table: str, path: Path) -> None:
+    arrow = frame.to_arrow().cast(schema.TABLES[table][0])
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(arrow, tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
+    started = time.perf_counter()
+    try:
+        parsed = kineto.parse_trace(Path(abs_path), source.path)
+    except kineto.NotATrace as e:
+        source.status = "ignored"
+        source.issues.append(["info", "not_a_trace", 1, f"not a trace: {e}"])
+        return source
+    except (OSError, EOFError) as e:
+        source.status = "error"
+        source.issues.append(["error", "unreadable", 1, f"cannot read: {e}"])
+        return source
+    if parsed.events.is_empty():
+        source.status = "error"
+        source.issues.append(["error", "no_events", 1, "a trace with no complete events (empty or cut before the first event)"])
+        return source
+    out = Path(scratch) / source.part_id
+    out.mkdir(parents=True, exist_ok=True)
+    for table, frame in (("trace_events", parsed.events), ("flows", parsed.flows), ("steps", parsed.steps)):
+        _write_table(frame, table, out / f"{table}.parquet")
+    _record_trace_facts(source, parsed)
+    source.status = "ingested"
+    source.seconds = round(time.perf_counter() - started, 3)
+    return source
+
+
+def _record_trace_facts(source: Source, parsed: kineto.ParsedTrace) -> None:
+    meta = parsed.metadata
+    info = meta.get("distributedInfo") if isinstance(meta.get("distributedInfo"), dict) else {}
+    source.trace_rank = info.get("rank") if isinstance(info.get("rank"), int) else None
+    source.world_size = info.get("world_size") if isinstance(info.get("world_size"), int) else None
+    devices = meta.get("deviceProperties") or meta.get("computeProperties") or []
+    source.trace_meta = {
+        "schema_version": meta.get("schemaVersion"),
+        "backend": info.get("backend"),
+        "nccl_version": info.get("nccl_version"),
+        "pg_count": info.get("pg_count"),
+        "device_names": sorted({d.get("name", "") for d in devices if isinstance(d, dict)}),
+        "cuda_runtime_version": meta.get("cuda_runtime_version"),
+        "cuda_driver_version": meta.get("cuda_driver_version"),
+        "base_time_ns": meta.get("baseTimeNanoseconds"),
+        "display_time_unit": meta.get("displayTimeUnit"),
+    }
+    events = parsed.events
+    source.events = events.height
+    source.raw_bytes = parsed.raw_bytes
+    source.kind_counts = dict(sorted(events.group_by("kind").len().iter_rows()))
+    source.steps = parsed.steps["step"].to_list()
+    host = events.filter(pl.col("kind").is_in(["cpu_op", "user_annotation"]))["pid"].drop_nulls().unique().sort()
+    source.host_pids = host.head(8).to_list()
+    source.issues.extend([i.severity, i.reason, i.count, i.detail] for i in parsed.issues)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks
+
+
+def _assign_ranks(sources: list[Source]) -> None:
+    """distributedInfo.rank, else a rank<N> in the file name, else rank 0 if it is clearly the only one."""
+    unresolved = []
+    for s in sources:
+        if s.status not in ("ingested", "reused"):
+            continue
+        if s.trace_rank is not None:
+            s.rank, s.rank_origin = s.trace_rank, "distributedInfo"
+        elif m := RANK_IN_NAME.search(Path(s.path).name):
+            s.rank, s.rank_origin = int(m.group(1)), "file name"
+            s.issues.append(["warning", "rank_from_filename", 1,
+                             f"no distributedInfo.rank in the trace; rank {s.rank} taken from the file name"])
+        else:
+            unresolved.append(s)
+    if not unresolved:
+        return
+    resolved = [s for s in sources if s.rank is not None]
+    one_process = len({tuple(s.host_pids) for s in unresolved}) == 1
+    if not resolved and (len(unresolved) == 1 or one_process):
+        for s in unresolved:
+            s.rank, s.rank_origin = 0, "only trace"
+            what = "the only trace" if len(unresolved) == 1 else "windows of one process"
+            s.issues.append(["warning", "rank_assumed", 1, f"no rank in the trace or its name; treated as rank 0 ({what})"])
+        return
+    for s in unresolved:
+        s.status = "error"
+        s.issues.append(["error", "rank_unknown", 1,
+                         "cannot tell which rank this trace is: no distributedInfo.rank and no 'rank<N>' in the "
+                         "file name (rename it, e.g. rank-3.json.gz, to include it)"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Output folder
+
+
+def _previous_manifest(out_dir: Path) -> dict:
+    try:
+        manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if manifest.get("schema_version") == schema.SCHEMA_VERSION else {}
+
+
+def _recover(out_dir: Path) -> None:
+    """Undo a swap that was killed between its two renames, and drop dead staging folders."""
+    parent = out_dir.parent
+    if not parent.exists():
+        return
+    for leftover in parent.glob(f".{out_dir.name}.old-*"):
+        if not out_dir.exists():
+            leftover.rename(out_dir)
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in parent.glob(f".{out_dir.name}.tmp-*"):
+        pid = leftover.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or not _alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _swap_in(staging: Path, out_dir: Path) -> None:
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    if out_dir.exists():
+        out_dir.rename(old)
+    staging.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _place_parts(source: Source, staging: Path, scratch: Path | None = None, previous: tuple[Path, int] | None = None) -> None:
+    """Put a source's parts in its rank partition: moved from scratch, or linked from the last result."""
+    for table in PARSED_TABLES:
+        dst = staging / schema.part_dir(table, source.rank) / f"part-{source.part_id}.parquet"
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if scratch is not None:
+            os.replace(scratch / source.part_id / f"{table}.parquet", dst)
+        else:
+            old_dir, old_rank = previous
+            _link_or_copy(old_dir / schema.part_dir(table, old_rank) / f"part-{source.part_id}.parquet", dst)
+
+
+def _issues_table(sources: list[Source]) -> pa.Table:
+    rows = [
+        {"rank": s.rank, "file": s.path, "severity": sev, "reason": reason, "count": count, "detail": detail}
+        for s in sources
+        for sev, reason, count, detail in s.issues
+    ]
+    return pa.Table.from_pylist(rows, schema=schema.INGEST_ISSUES)
+
+
+def _environment(sources: list[Source]) -> dict:
+    ingested = [s for s in sources if s.rank is not None]
+    meta = [s.trace_meta for s in ingested]
+
+    def distinct(key):
+        return sorted({str(m[key]) for m in meta if m.get(key) not in (None, "")})
+
+    return {
+        "device_names": sorted({n for m in meta for n in m.get("device_names", []) if n}),
+        "backend": distinct("backend"),
+        "nccl_version": distinct("nccl_version"),
+        "cuda_runtime_version": distinct("cuda_runtime_version"),
+        "cuda_driver_version": distinct("cuda_driver_version"),
+        "trace_schema_version": distinct("schema_version"),
+    }
+
+
+def _manifest(sources: list[Source]) -> dict:
+    ingested = [s for s in sources if s.rank is not None]
+    world_sizes = sorted({s.world_size for s in ingested if s.world_size})
+    if len(world_sizes) > 1:
+        for s in ingested:
+            s.issues.append(["warning", "world_size_mismatch", 1,
+                             f"traces disagree on world size {world_sizes}: are they from one run?"])
+    run_id = hashlib.sha256(repr(sorted(s.fingerprint() for s in ingested)).encode()).hexdigest()[:12]
+    return {
+        "schema_version": schema.SCHEMA_VERSION,
+        "run_id": run_id,
+        "created_by": "steplens ingest",
+        "world_size": world_sizes[-1] if world_sizes else None,
+        "ranks": sorted({s.rank for s in ingested}),
+        "sources": [asdict(s) for s in sources],
+        "environment": _environment(sources),
+        "tables": {name: {"partitioned_by_rank": spec[2]} for name, spec in schema.TABLES.items()},
+    }
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def ingest(
+    run_dir: Path,
+    out_dir: Path | None = None,
+    jobs: int | None = None,
+    files: Iterable[Path] | None = None,
+    progress: Callable[[Source], None] | None = None,
+) -> IngestResult:
+    """Ingest the traces under run_dir (or the given files) into out_dir (default run_dir/.steplens)."""
+    started = time.perf_counter()
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise IngestError(f"{run_dir}: not a folder")
+    out_dir = Path(out_dir) if out_dir else run_dir / schema.DEFAULT_OUT_DIR
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _recover(out_dir)
+    paths = list(files) if files is not None else discover(run_dir, out_dir)
+    if not paths:
+        raise IngestError(f"{run_dir}: no .json or .json.gz files found")
+
+    previous = {tuple(s[k] for k in ("path", "size", "mtime_ns", "hash_prefix")): s
+                for s in _previous_manifest(out_dir).get("sources", []) if s.get("status") in ("ingested", "reused")}
+    staging = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    scratch = staging / "_scratch"
+    scratch.mkdir(parents=True)
+
+    sources, to_parse, reused = [], [], []
+    for path in paths:
+        try:
+            source = _describe(path, run_dir)
+        except OSError as e:
+            source = Source(path=os.path.relpath(path, run_dir), size=0, mtime_ns=0, hash_prefix="", status="error")
+            source.issues.append(["error", "unreadable", 1, f"cannot read: {e.strerror or e}"])
+            sources.append(source)
+            continue
+        sources.append(source)
+        if source.size == 0:
+            source.status = "error"
+            source.issues.append(["error", "empty_file", 1, "empty file"])
+        elif (old := previous.get(source.fingerprint())) is not None:
+            old_rank = old["rank"]
+            restored = Source(**{k: v for k, v in old.items() if k in Source.__dataclass_fields__})
+            restored.issues = [i for i in restored.issues if i[1] not in _RUN_LEVEL_REASONS]
+            restored.status, restored.rank = "reused", None
+            sources[-1] = restored
+            reused.append((restored, old_rank))
+        else:
+            to_parse.append((path, source))
+
+    parsed = _parse_all(to_parse, scratch, jobs, progress)
+    by_path = {s.path: s for s in parsed}
+    sources = [by_path.get(s.path, s) for s in sources]
+    _assign_ranks(sources)
+
+    for s in sources:
+        if s.status == "ingested":
+            _place_parts(s, staging, scratch=scratch)
+    for s, old_rank in reused:
+        if s.status == "reused":
+            _place_parts(s, staging, previous=(out_dir, old_rank))
+            if progress:
+                progress(s)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+    manifest = _manifest(sources)
+    issues_dir = staging / schema.part_dir("ingest_issues", None)
+    issues_dir.mkdir(parents=True, exist_ok=True)
+    pq.write_table(_issues_table(sources), issues_dir / "part-0.parquet")
+    _write_json(staging / schema.MANIFEST_FILE, manifest)
+
+    if not manifest["ranks"]:
+        shutil.rmtree(staging, ignore_errors=True)
+        first = next((s for s in sources if s.issues), None)
+        why = f" ({first.path}: {first.issues[0][3]})" if first else ""
+        raise IngestError(f"{run_dir}: no usable trace among {len(sources)} file(s){why}")
+    _swap_in(staging, out_dir)
+    return IngestResult(out_dir, manifest, sources, len(to_parse), len(reused), time.perf_counter() - started)
+
+
+# Issues that depend on the other files of the run, so they are recomputed on every ingest.
+_RUN_LEVEL_REASONS = {"rank_from_filename", "rank_assumed", "rank_unknown", "world_size_mismatch"}
+
+
+def _parse_all(to_parse, scratch: Path, jobs: int | None, progress) -> list[Source]:
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    results = []
+    if jobs == 1 or len(to_parse) <= 1:
+        for path, source in to_parse:
+            results.append(_parse_source(str(path), source, str(scratch)))
+            if progress:
+                progress(results[-1])
+        return results
+    # Spawned workers (not forked: polars' thread pool does not survive fork) with one polars
+    # thread each; `jobs` files are in flight at a time, which bounds memory.
+    saved = os.environ.get("POLARS_MAX_THREADS")
+    os.environ["POLARS_MAX_THREADS"] = "1"
+    try:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(jobs, len(to_parse)), mp_context=context) as pool:
+            futures = [pool.submit(_parse_source, str(p), s, str(scratch)) for p, s in to_parse]
+            for future in futures:
+                results.append(future.result())
+                if progress:
+                    progress(results[-1])
+    finally:
+        if saved is None:
+            os.environ.pop("POLARS_MAX_THREADS", None)
+        else:
+            os.environ["POLARS_MAX_THREADS"] = saved
+    return results

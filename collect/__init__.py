@@ -1,0 +1,1 @@
+"""steplens in-job collector (imports torch/deepspeed lazily)."""

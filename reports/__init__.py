@@ -1,0 +1,1 @@
+"""steplens reports: HTML and markdown."""
