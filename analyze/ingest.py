@@ -27,7 +27,8 @@ import pyarrow.parquet as pq
 
 from . import kineto, schema
 
-TRACE_SUFFIXES = (".json", ".json.gz")
+# Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
+TRACE_SUFFIXES = (".json", ".gz")
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 HASH_PREFIX_BYTES = 64 << 10
 PARSED_TABLES = ("trace_events", "flows", "steps")
@@ -83,7 +84,7 @@ class IngestResult:
 
 
 def discover(run_dir: Path, out_dir: Path) -> list[Path]:
-    """Every .json / .json.gz file under run_dir, skipping hidden folders and the output folder."""
+    """Every .json / .gz file under run_dir, skipping hidden folders and the output folder."""
     found = []
     out_dir = out_dir.resolve()
     for root, dirs, files in os.walk(run_dir):
@@ -341,7 +342,7 @@ def ingest(
     _recover(out_dir)
     paths = list(files) if files is not None else discover(run_dir, out_dir)
     if not paths:
-        raise IngestError(f"{run_dir}: no .json or .json.gz files found")
+        raise IngestError(f"{run_dir}: no trace files (.json, .json.gz) found")
 
     previous = {tuple(s[k] for k in ("path", "size", "mtime_ns", "hash_prefix")): s
                 for s in _previous_manifest(out_dir).get("sources", []) if s.get("status") in ("ingested", "reused")}

@@ -257,12 +257,12 @@ class _ChunkReader:
 
     def _find_array_start(self) -> None:
         self._fill(SNIFF_BYTES)
+        if not sniff(self.buf[:SNIFF_BYTES]):
+            raise NotATrace(_describe_non_trace(self.buf[:4096]))
         text = self.buf.lstrip()
         if text[:1] == b"[":
             start = len(self.buf) - len(text) + 1
         else:
-            if not sniff(self.buf[:SNIFF_BYTES]):
-                raise NotATrace(_describe_non_trace(self.buf[:4096]))
             while True:
                 m = re.search(rb'"traceEvents"\s*:\s*\[', self.buf)
                 if m or self.eof:
@@ -536,7 +536,11 @@ def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl
     if bad_ts or bad_dur:
         issues.append(Issue("warning", "bad_timestamp", bad_ts + bad_dur,
                             "ts/dur values that are not numbers; those events were dropped"))
-    raw = raw.with_columns(ts_ns=ts + base_ns, dur_ns=dur).drop("ts_text", "dur_text")
+    raw = raw.with_columns(
+        ts_ns=ts + base_ns,
+        dur_ns=dur,
+        input_dims=pl.col("input_dims").str.replace_all(r"\s+", ""),
+    ).drop("ts_text", "dur_text")
 
     phase = pl.col("ph")
     is_event = phase.is_in(["X", "i", "I"]) & pl.col("ts_ns").is_not_null()

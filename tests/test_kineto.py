@@ -1,0 +1,192 @@
+"""Parsing single Kineto traces: exact times, old formats, odd values, truncation, non-traces."""
+
+import gzip
+import json
+from decimal import Decimal
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from steplens.analyze import kineto
+from steplens.analyze.kineto import NotATrace, microseconds_text_to_ns, parse_trace
+
+from conftest import write_trace
+
+
+def test_microseconds_text_to_ns_is_exact():
+    text = pl.Series(["1712195495519689.047", "63.813", "5", "-2.5", "0.0001", "1.5e3", '"7.25"', None, "x"])
+    ns, bad = microseconds_text_to_ns(text)
+    assert ns.to_list() == [1712195495519689047, 63813, 5000, -2500, 0, 1500000, 7250, None, None]
+    assert bad == 1  # "x"
+    # float64 cannot do this: the nearest double is off by tens of ns
+    assert round(float("1712195495519689.047") * 1000) != 1712195495519689047
+
+
+def _events(n_kernels=3):
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "pid": 10, "tid": 1, "ts": 100.0, "dur": 50.5}]
+    for i in range(n_kernels):
+        t = 101.25 + i
+        events += [
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 10, "tid": 1, "ts": t, "dur": 0.5, "args": {"correlation": 100 + i}},
+            {"ph": "X", "cat": "kernel", "name": f"k{i}", "pid": 0, "tid": 7, "ts": 120.001 + i, "dur": 0.75,
+             "args": {"correlation": 100 + i, "stream": 7, "device": 0}},
+            {"ph": "s", "id": 100 + i, "pid": 10, "tid": 1, "ts": t, "cat": "ac2g", "name": "ac2g"},
+            {"ph": "f", "id": 100 + i, "pid": 0, "tid": 7, "ts": 120.001 + i, "cat": "ac2g", "name": "ac2g", "bp": "e"},
+        ]
+    return events
+
+
+def test_relative_ts_base_time_steps_and_launch_links(tmp_path):
+    path = write_trace(tmp_path / "t.json", _events(), baseTimeNanoseconds=1_700_000_000_000_000_000,
+                       distributedInfo={"rank": 3, "world_size": 4})
+    parsed = parse_trace(path, "t.json")
+    ev = parsed.events
+    base = 1_700_000_000_000_000_000
+    step = ev.filter(pl.col("name") == "ProfilerStep#7").row(0, named=True)
+    assert (step["ts_ns"], step["dur_ns"]) == (base + 100_000, 50_500)
+    kernels = ev.filter(pl.col("kind") == "kernel").sort("ts_ns")
+    assert kernels["ts_ns"].to_list() == [base + 120_001, base + 121_001, base + 122_001]
+    assert kernels["stream"].to_list() == [7, 7, 7] and kernels["device"].to_list() == [0, 0, 0]
+    # kernels ran after the step's CPU window closed, but belong to it through their launch
+    assert kernels["step"].to_list() == [7, 7, 7]
+    assert parsed.steps.select("step", "start_ns", "end_ns").row(0) == (7, base + 100_000, base + 150_500)
+    launches = ev.filter(pl.col("is_launch"))
+    assert launches.height == 3
+    links = parsed.flows.join(ev.select("event_id", "correlation"), left_on="dst_event_id", right_on="event_id")
+    assert sorted(links["correlation"].to_list()) == [100, 101, 102]
+    assert set(parsed.flows["via"]) == {"correlation"}  # the ac2g flows agree, so add nothing
+    assert parsed.metadata["distributedInfo"]["rank"] == 3
+
+
+def test_graph_launch_links_every_kernel(tmp_path):
+    events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "pid": 1, "tid": 1, "ts": 1, "dur": 2, "args": {"correlation": 9}}]
+    events += [{"ph": "X", "cat": "kernel", "name": f"g{i}", "pid": 0, "tid": 7, "ts": 5 + i, "dur": 1, "args": {"correlation": 9}} for i in range(4)]
+    parsed = parse_trace(write_trace(tmp_path / "g.json", events), "g.json")
+    assert parsed.flows.height == 4
+    assert parsed.flows["src_event_id"].n_unique() == 1
+
+
+@pytest.mark.parametrize("api", ["cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                                 "cudaGraphLaunch", "hipLaunchKernel", "hipExtModuleLaunchKernel", "hipGraphLaunch",
+                                 "cudaMemcpyAsync", "cudaMemsetAsync", "hipMemcpyAsync"])
+def test_every_launch_api_is_a_launch(tmp_path, api):
+    events = [{"ph": "X", "cat": "cuda_driver" if api.startswith("cuL") else "cuda_runtime", "name": api, "pid": 1, "tid": 1, "ts": 1, "dur": 1},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "pid": 1, "tid": 1, "ts": 3, "dur": 1}]
+    ev = parse_trace(write_trace(tmp_path / "a.json", events), "a.json").events
+    assert ev.filter(pl.col("is_launch"))["name"].to_list() == [api]
+
+
+def test_2020_array_format_with_string_tids_and_legacy_categories(tmp_path):
+    events = [
+        {"ph": "X", "cat": "Operator", "name": "aten::mm", "pid": 5, "tid": "4093687616", "ts": 1606910596297023, "dur": 13,
+         "args": {"Input dims": [[2, 3], [3, 4]], "External id": 2}},
+        {"ph": "X", "cat": "Runtime", "name": "cudaLaunchKernel", "pid": 5, "tid": "4093687616", "ts": 1606910596297030, "dur": 4,
+         "args": {"correlation": 11, "External id": 2}},
+        {"ph": "X", "cat": "Kernel", "name": "gemm", "pid": 0, "tid": "stream 7", "ts": 1606910596297040, "dur": 9,
+         "args": {"correlation": 11, "device": 0}},
+        {"ph": "s", "cat": "async", "id": 11, "pid": 5, "tid": "4093687616", "ts": 1606910596297030, "name": "launch"},
+        {"ph": "f", "cat": "async", "id": 11, "pid": 0, "tid": "stream 7", "ts": 1606910596297040, "name": "launch"},
+        {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Traces", "tid": "PyTorch Profiler", "ts": 1606910596288053, "dur": 1},
+    ]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(events, indent=2))
+    parsed = parse_trace(path, "old.json")
+    ev = parsed.events.sort("ts_ns")
+    assert ev["kind"].to_list() == ["other", "cpu_op", "cuda_runtime", "kernel"]
+    kernel = ev.filter(pl.col("kind") == "kernel").row(0, named=True)
+    assert (kernel["tid"], kernel["stream"], kernel["ts_ns"]) == (7, 7, 1606910596297040000)
+    assert ev.filter(pl.col("kind") == "cpu_op")["tid"].to_list() == [4093687616]
+    assert ev.filter(pl.col("kind") == "cpu_op")["input_dims"].to_list() == ["[[2,3],[3,4]]"]
+    assert parsed.flows.height == 1
+    assert not [i for i in parsed.issues if i.severity != "info"]
+
+
+def test_ids_above_int64_are_kept_unsigned(tmp_path):
+    big = 10159970886766084423
+    events = [{"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": 1, "tid": 1, "ts": 1, "dur": 1,
+               "args": {"Comms Id": big, "Collective name": "allreduce", "correlation": 2**70}}]
+    parsed = parse_trace(write_trace(tmp_path / "big.json", events), "big.json")
+    row = parsed.events.row(0, named=True)
+    assert row["comms_id"] == big
+    assert row["correlation"] is None
+    assert [(i.reason, i.count) for i in parsed.issues] == [("unrepresentable_value", 1)]
+
+
+def test_cpu_event_with_stream_arg_is_not_device_activity(tmp_path):
+    events = [{"ph": "X", "cat": "cpu_op", "name": "triton_launcher", "pid": 1, "tid": 1, "ts": 1, "dur": 400,
+               "args": {"stream": 7, "device": 0}}]
+    row = parse_trace(write_trace(tmp_path / "s.json", events), "s.json").events.row(0, named=True)
+    assert row["kind"] == "cpu_op" and row["stream"] is None and row["device"] is None
+
+
+def test_chunked_decoding_matches_whole_file(tmp_path, monkeypatch, corpus):
+    path = corpus / "HolisticTraceAnalysis/nccl_parser_config/nccl_data.json.gz"
+    whole = parse_trace(path, "x")
+    monkeypatch.setattr(kineto, "CHUNK_BYTES", 50_000)
+    monkeypatch.setattr(kineto, "SNIFF_BYTES", 50_000)
+    chunked = parse_trace(path, "x")
+    assert chunked.events.equals(whole.events)
+    assert chunked.flows.equals(whole.flows)
+    assert chunked.metadata == whole.metadata
+
+
+def test_compact_json_and_event_larger_than_chunk(tmp_path, monkeypatch):
+    events = _events(50)
+    events[3]["args"] = {"correlation": 101, "Input Dims": [[1] * 5000]}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"traceEvents": events}, separators=(",", ":")))
+    monkeypatch.setattr(kineto, "CHUNK_BYTES", 1000)
+    parsed = parse_trace(path, "c.json")
+    assert parsed.events.height == 101
+    assert parsed.issues == []
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_truncated_trace_keeps_every_complete_event(tmp_path, corpus, gz):
+    source = corpus / "HolisticTraceAnalysis/trace_filter/sampled_rank-1.json.gz"
+    full = gzip.decompress(source.read_bytes())
+    cut = full[: len(full) * 2 // 3]
+    path = tmp_path / ("cut.json.gz" if gz else "cut.json")
+    path.write_bytes(gzip.compress(full)[: len(gzip.compress(cut))] if gz else cut)
+    parsed = parse_trace(path, path.name)
+    # Ground truth from the stdlib decoder: the events that end before the cut.
+    body = json.loads(full)["traceEvents"]
+    raw_len = parsed.raw_bytes
+    complete = [e for e, stop in zip(body, _event_ends(full)) if stop <= raw_len]
+    expected = sum(1 for e in complete if e.get("ph") in ("X", "i"))
+    assert parsed.events.height == expected > 0
+    assert [i.reason for i in parsed.issues if i.severity == "error"] == ["truncated"]
+
+
+def _event_ends(doc: bytes) -> list[int]:
+    """End offset of each element of traceEvents, found with the stdlib decoder."""
+    text = doc.decode()
+    decoder = json.JSONDecoder()
+    pos = text.index("[", text.index('"traceEvents"')) + 1
+    ends = []
+    while True:
+        while text[pos] in " \n\r\t,":
+            pos += 1
+        if text[pos] == "]":
+            return ends
+        _, pos = decoder.raw_decode(text, pos)
+        ends.append(len(text[:pos].encode()))
+
+
+def test_non_traces_are_named(tmp_path, corpus):
+    with pytest.raises(NotATrace, match="memory_timeline"):
+        parse_trace(corpus / "HolisticTraceAnalysis/memory_analysis/memory_timeline.raw.gz", "m")
+    with pytest.raises(NotATrace, match="rocprofiler"):
+        parse_trace(corpus / "TraceLens/rocprof/908_results.json.gz", "r")
+    (tmp_path / "ds_config.json").write_text('{"train_batch_size": 8}')
+    with pytest.raises(NotATrace, match="train_batch_size"):
+        parse_trace(tmp_path / "ds_config.json", "ds_config.json")
+
+
+def test_multi_member_gzip(tmp_path):
+    data = json.dumps({"traceEvents": _events(2)}).encode()
+    path = tmp_path / "mm.json.gz"
+    path.write_bytes(gzip.compress(data[:100]) + gzip.compress(data[100:]))
+    parsed = parse_trace(path, "mm.json.gz")
+    assert parsed.events.height == 5 and parsed.issues == []
