@@ -50,7 +50,7 @@ used (see the issues); {EXIT_NOTHING} nothing usable.
 def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool) -> None:
     console = Console(stderr=False, highlight=False)
     if not run_dir.exists():
-        _fail(console, f"{run_dir}: no such folder")
+        _fail(f"{run_dir}: no such folder")
     out = out_dir or run_dir / schema.DEFAULT_OUT_DIR
     try:
         total = sum(p.stat().st_size for p in discover(run_dir, out))
@@ -64,14 +64,14 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool) 
         try:
             result = ingest(run_dir, out_dir, jobs=jobs, progress=lambda s: progress.advance(task, s.size))
         except IngestError as e:
-            _fail(console, str(e))
+            _fail(str(e))
     print_summary(console, result)
     if result.failed:
         sys.exit(EXIT_PARTIAL)
 
 
-def _fail(console: Console, message: str) -> None:
-    console.print(f"error: {message}", markup=False, highlight=False)
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
     sys.exit(EXIT_NOTHING)
 
 

@@ -1,0 +1,181 @@
+"""The run-directory contract, incremental and atomic ingest, rank rules, and the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from steplens.analyze import ingest as ingest_module
+from steplens.analyze import schema
+from steplens.analyze.cli import EXIT_NOTHING, EXIT_PARTIAL, analyze, steplens
+from steplens.analyze.ingest import IngestError, ingest
+
+from conftest import write_trace
+
+
+def _trace(rank, n_kernels=2, world=2):
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 10 + rank, "tid": 1, "ts": 0, "dur": 100}]
+    for i in range(n_kernels):
+        events += [
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 10 + rank, "tid": 1, "ts": 10 + i, "dur": 1, "args": {"correlation": i + 1}},
+            {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 20 + i, "dur": 1, "args": {"correlation": i + 1, "stream": 7}},
+        ]
+    return events, {"distributedInfo": {"rank": rank, "world_size": world, "backend": "nccl"}}
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    for rank in (0, 1):
+        events, top = _trace(rank, n_kernels=2 + rank)
+        write_trace(tmp_path / "run" / f"host_{rank}.pt.trace.json.gz", events, gz=True, **top)
+    (tmp_path / "run" / "ds_config.json").write_text('{"train_batch_size": 8}')
+    return tmp_path / "run"
+
+
+def test_run_directory_contract(run_dir):
+    result = ingest(run_dir, jobs=1)
+    out = run_dir / schema.DEFAULT_OUT_DIR
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["schema_version"] == schema.SCHEMA_VERSION
+    assert manifest["ranks"] == [0, 1] and manifest["world_size"] == 2
+    by_path = {s["path"]: s for s in manifest["sources"]}
+    assert by_path["ds_config.json"]["status"] == "ignored"
+    assert by_path["host_1.pt.trace.json.gz"]["hash_prefix"] and by_path["host_1.pt.trace.json.gz"]["rank"] == 1
+    assert manifest["environment"]["backend"] == ["nccl"]
+    # DuckDB and polars read all ranks as one table, rank from the hive path.
+    counts = duckdb.sql(
+        f"SELECT rank, count(*) FROM read_parquet('{out}/trace_events/*/*.parquet', hive_partitioning=true) "
+        "WHERE kind = 'kernel' GROUP BY rank ORDER BY rank").fetchall()
+    assert counts == [(0, 2), (1, 3)]
+    frame = pl.scan_parquet(out / "steps").collect()
+    assert sorted(frame["rank"].to_list()) == [0, 1]
+    for table, (table_schema, docs, partitioned) in schema.TABLES.items():
+        files = list((out / table).rglob("*.parquet"))
+        assert files, table
+        assert all(("rank=" in str(f.parent.name)) == partitioned for f in files)
+        assert set(docs) == set(table_schema.names)
+    issues = pl.read_parquet(out / "ingest_issues" / "*.parquet")
+    assert issues.filter(pl.col("reason") == "not_a_trace")["file"].to_list() == ["ds_config.json"]
+    assert result.failed == []
+
+
+def test_inputs_are_never_modified(run_dir):
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.iterdir() if p.is_file()}
+    ingest(run_dir, jobs=1)
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.iterdir() if p.is_file()} == before
+
+
+def test_incremental_ingest_parses_only_changed_files(run_dir):
+    first = ingest(run_dir, jobs=1)
+    assert (first.parsed, first.reused) == (3, 0)
+    second = ingest(run_dir, jobs=1)
+    assert (second.parsed, second.reused) == (1, 2)  # ds_config.json is looked at again, the traces are not
+    events, top = _trace(1, n_kernels=5)
+    write_trace(run_dir / "host_1.pt.trace.json.gz", events, gz=True, **top)
+    third = ingest(run_dir, jobs=1)
+    assert third.reused == 1
+    kernels = pl.scan_parquet(run_dir / ".steplens" / "trace_events").filter(pl.col("kind") == "kernel").collect()
+    assert kernels.group_by("rank").len().sort("rank").rows() == [(0, 2), (1, 5)]
+
+
+def test_killed_ingest_leaves_previous_result(run_dir, monkeypatch):
+    ingest(run_dir, jobs=1)
+    out = run_dir / ".steplens"
+    before = (out / "run.json").read_text()
+    events, top = _trace(0, n_kernels=9)
+    write_trace(run_dir / "host_0.pt.trace.json.gz", events, gz=True, **top)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ingest_module, "_swap_in", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ingest(run_dir, jobs=1)
+    assert (out / "run.json").read_text() == before
+    assert pl.scan_parquet(out / "trace_events").collect().height > 0
+    # Killed between the two renames of the swap: the next run restores and goes on.
+    monkeypatch.undo()
+    out.rename(run_dir / ".steplens.old-999999")
+    (run_dir / ".steplens.old-999999").rename(run_dir / "..steplens.old-999999")
+    result = ingest(run_dir, jobs=1)
+    assert result.reused == 1 and not (run_dir / "..steplens.old-999999").exists()
+
+
+def test_parallel_ingest_matches_serial(run_dir, tmp_path):
+    serial = ingest(run_dir, tmp_path / "a", jobs=1)
+    parallel = ingest(run_dir, tmp_path / "b", jobs=2)
+    a = pl.scan_parquet(tmp_path / "a" / "trace_events").collect().sort("rank", "event_id")
+    b = pl.scan_parquet(tmp_path / "b" / "trace_events").collect().sort("rank", "event_id")
+    assert a.equals(b) and serial.manifest["ranks"] == parallel.manifest["ranks"]
+
+
+def test_rank_rules(tmp_path):
+    events, _ = _trace(0)
+    write_trace(tmp_path / "a" / "trace_rank-5.json", events)
+    result = ingest(tmp_path / "a", jobs=1)
+    assert result.manifest["ranks"] == [5]
+    assert [i[1] for i in result.sources[0].issues] == ["rank_from_filename"]
+
+    write_trace(tmp_path / "b" / "only.json", events)
+    result = ingest(tmp_path / "b", jobs=1)
+    assert result.manifest["ranks"] == [0] and result.sources[0].issues[0][1] == "rank_assumed"
+
+    events1, top1 = _trace(1)
+    write_trace(tmp_path / "c" / "good.json", events1, **top1)
+    write_trace(tmp_path / "c" / "anonymous.json", events)
+    result = ingest(tmp_path / "c", jobs=1)
+    bad = [s for s in result.sources if s.status == "error"]
+    assert [s.path for s in bad] == ["anonymous.json"] and "rank" in bad[0].issues[0][3]
+    assert result.manifest["ranks"] == [1]
+
+
+def test_cli_summary_and_exit_codes(run_dir, tmp_path):
+    runner = CliRunner()
+    ok = runner.invoke(analyze, [str(run_dir), "--out", str(tmp_path / "o1")])
+    assert ok.exit_code == 0, ok.output
+    assert "ranks: 0-1 of world size 2" in ok.output
+    assert "kernel" in ok.output and "not_a_trace" in ok.output
+
+    (run_dir / "empty.pt.trace.json").write_bytes(b"")
+    partial = runner.invoke(steplens, ["analyze", str(run_dir), "--out", str(tmp_path / "o2")])
+    assert partial.exit_code == EXIT_PARTIAL
+    assert "empty_file" in partial.output and "empty.pt.trace.json" in partial.output
+    assert (tmp_path / "o2" / "run.json").exists()
+
+    (tmp_path / "nothing").mkdir()
+    none = runner.invoke(analyze, [str(tmp_path / "nothing")])
+    assert none.exit_code == EXIT_NOTHING
+    assert none.output.strip().count("\n") == 0 and "no trace files" in none.output
+    assert "Traceback" not in none.output
+
+    only_empty = tmp_path / "only_empty"
+    only_empty.mkdir()
+    (only_empty / "rank0.json").write_bytes(b"")
+    result = runner.invoke(analyze, [str(only_empty)])
+    assert result.exit_code == EXIT_NOTHING and "empty file" in result.output
+
+    assert "DuckDB" in runner.invoke(analyze, ["--help"]).output
+
+
+def test_analyzer_runs_without_torch(run_dir, tmp_path):
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None\n"
+        "import steplens.analyze, steplens.reports\n"
+        "from steplens.analyze.ingest import ingest\n"
+        f"ingest({str(run_dir)!r}, {str(tmp_path / 'o')!r}, jobs=1)\n"
+        "assert 'torch' not in [m for m, v in sys.modules.items() if v is not None]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_python_dash_m_entry_point(run_dir, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run_dir), "--out", str(tmp_path / "o"), "-q"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "2 trace file(s)" in done.stdout
