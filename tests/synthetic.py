@@ -265,23 +265,6 @@ MEMSET_BYTES = 4_194_304
 
 _J = json.dumps
 
-# one kernel launch = cpu_op + runtime/driver call + kernel + flow s + flow f
-T_LAUNCH = (
-    '  {\n    "ph": "X", "cat": "cpu_op", "name": %s, "pid": {PID}, "tid": 1,\n'
-    '    "ts": %d.%03d, "dur": %d.%03d,\n'
-    '    "args": {\n      "External id": %d, "Record function id": 0, "Ev Idx": %d\n    }\n  },\n'
-    '  {\n    "ph": "X", %s, "pid": {PID}, "tid": 1,\n'
-    '    "ts": %d.%03d, "dur": %d.%03d,\n'
-    '    "args": {\n      "External id": %d, "cbid": %d, "correlation": %d\n    }\n  },\n'
-    '  {\n    "ph": "X", "cat": "kernel", "name": %s, "pid": {DEV}, "tid": 7,\n'
-    '    "ts": %d.%03d, "dur": %d.%03d,\n'
-    '    "args": {\n      "External id": %d, "queued": 0, "device": {DEV}, "context": 1, "stream": 7, '
-    '"correlation": %d,\n      %s\n    }\n  },\n'
-    '  {\n    "ph": "s", "id": %d, "pid": {PID}, "tid": 1, "ts": %d.%03d,\n'
-    '    "cat": "ac2g", "name": "ac2g"\n  },\n'
-    '  {\n    "ph": "f", "id": %d, "pid": {DEV}, "tid": 7, "ts": %d.%03d,\n'
-    '    "cat": "ac2g", "name": "ac2g", "bp": "e"\n  }'
-)
 T_X_HOST = (
     '  {\n    "ph": "X", "cat": "%s", "name": %s, "pid": {PID}, "tid": 1,\n'
     '    "ts": %d.%03d, "dur": %d.%03d,\n'
@@ -330,11 +313,22 @@ class _Plan:
                  "bwd", "a_after", "b_after", "opt", "colls", "h2d_dur", "memset_dur", "est_ns")
 
 
+_JCACHE = {}
+
+
+def _jname(x):
+    """JSON-encode a name once (names repeat a lot)."""
+    v = _JCACHE.get(x)
+    if v is None:
+        v = _JCACHE[x] = _J(x)
+    return v
+
+
 def _pick_slot(rng, table):
     opn, kn, kinds, lo, hi, kargs = table[int(rng.random() * len(table))]
     kind = kinds[int(rng.random() * len(kinds))]
     dur = int((lo + rng.random() * (hi - lo)) * 1000)
-    return (_J(opn), _J(kn), kind, dur, kargs)
+    return (_jname(opn), _jname(kn), kind, dur, kargs)
 
 
 def _make_coll(spec, n, rng, seq, n_bwd):
@@ -374,7 +368,7 @@ def _make_plan(cfg, idx, seq0):
             tab = GEMM_FWD if x < 0.35 else ATTN_FWD if x < 0.45 else ELEM if x < 0.85 else TRITON
             pre.append(_pick_slot(rng, tab))
     p.fwd_pre = pre
-    p.graph = [(_J(kn), int((lo + rng.random() * (hi - lo)) * 1000), ka) for kn, lo, hi, ka in GRAPH_KERNELS]
+    p.graph = [(_jname(kn), int((lo + rng.random() * (hi - lo)) * 1000), ka) for kn, lo, hi, ka in GRAPH_KERNELS]
     post = []
     for _ in range(2):
         s = _pick_slot(rng, GEMM_FWD)
@@ -447,7 +441,6 @@ class _Rank:
         self.straggler_factor = cfg["straggler_factor"]
         pid, dev = str(self.pid), str(self.dev)
         sub = lambda t: t.replace("{PID}", pid).replace("{DEV}", dev)  # noqa: E731
-        self.T_LAUNCH = sub(T_LAUNCH)
         self.T_X_HOST = sub(T_X_HOST)
         self.T_X_DEV = sub(T_X_DEV)
         self.T_FLOW = sub(T_FLOW)
@@ -555,12 +548,32 @@ class _Rank:
         if self.kbc is not None:
             self.kbc[corr] = [ks]
         if self.emit:
+            # hot path: an f-string; "%d.%03d" of a value >= 1000 ns is str(v) with a dot before
+            # the last 3 digits (every ts here is >= shift > 1e8 ns, every dur >= 2.5 us)
             sh = self.shift
-            self.buf.append(self.T_LAUNCH % (
-                (opn,) + divmod(t + sh, 1000) + divmod(oe - t, 1000) + (ext, ext, frag)
-                + divmod(l + sh, 1000) + divmod(call, 1000) + (ext, cbid, corr, kn)
-                + divmod(ks + sh, 1000) + divmod(dur, 1000) + (ext, corr, kargs, corr)
-                + divmod(l + sh, 1000) + (corr,) + divmod(ks + sh, 1000)))
+            pid = self.pid
+            dev = self.dev
+            a = str(t + sh)
+            b = str(oe - t)
+            c = str(l + sh)
+            d = str(call)
+            e = str(ks + sh)
+            f = str(dur)
+            self.buf.append(
+                f'  {{\n    "ph": "X", "cat": "cpu_op", "name": {opn}, "pid": {pid}, "tid": 1,\n'
+                f'    "ts": {a[:-3]}.{a[-3:]}, "dur": {b[:-3]}.{b[-3:]},\n'
+                f'    "args": {{\n      "External id": {ext}, "Record function id": 0, "Ev Idx": {ext}\n    }}\n  }},\n'
+                f'  {{\n    "ph": "X", {frag}, "pid": {pid}, "tid": 1,\n'
+                f'    "ts": {c[:-3]}.{c[-3:]}, "dur": {d[:-3]}.{d[-3:]},\n'
+                f'    "args": {{\n      "External id": {ext}, "cbid": {cbid}, "correlation": {corr}\n    }}\n  }},\n'
+                f'  {{\n    "ph": "X", "cat": "kernel", "name": {kn}, "pid": {dev}, "tid": 7,\n'
+                f'    "ts": {e[:-3]}.{e[-3:]}, "dur": {f[:-3]}.{f[-3:]},\n'
+                f'    "args": {{\n      "External id": {ext}, "queued": 0, "device": {dev}, "context": 1, "stream": 7, '
+                f'"correlation": {corr},\n      {kargs}\n    }}\n  }},\n'
+                f'  {{\n    "ph": "s", "id": {corr}, "pid": {pid}, "tid": 1, "ts": {c[:-3]}.{c[-3:]},\n'
+                f'    "cat": "ac2g", "name": "ac2g"\n  }},\n'
+                f'  {{\n    "ph": "f", "id": {corr}, "pid": {dev}, "tid": 7, "ts": {e[:-3]}.{e[-3:]},\n'
+                f'    "cat": "ac2g", "name": "ac2g", "bp": "e"\n  }}')
 
     def _graph(self, graph):
         rnd = self.rnd

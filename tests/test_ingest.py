@@ -179,3 +179,11 @@ def test_python_dash_m_entry_point(run_dir, tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "2 trace file(s)" in done.stdout
+
+
+def test_readme_documents_every_column():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for table, (table_schema, _, _) in schema.TABLES.items():
+        assert f"**`{table}`**" in readme
+        for column in table_schema.names:
+            assert f"`{column}`" in readme, (table, column)
