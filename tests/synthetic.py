@@ -27,7 +27,7 @@ clock offset ``offset_r`` (rank 0 = 0; default uniform in +-500 us, seeded, or s
 with ``--clock-offset-us``): an event that truly happens at ``t`` is written at
 absolute ``T0 + t + offset_r`` ns.  The file stores ``baseTimeNanoseconds = B_r``
 (``1_700_000_000_000_000_000 + (r % 2) * 1e9``, so even and odd ranks deliberately
-use different bases) and every ``ts``/``dur`` in microseconds with exactly three
+use different bases; lowered by whole seconds only for offsets beyond -0.25 s) and every ``ts``/``dur`` in microseconds with exactly three
 decimals, so ``abs_ns = B_r + round(ts * 1000)`` is exact.  Every ``*_ns`` value in
 truth.json is such a *written absolute* ns value (rank-local clock) unless the key
 says ``true``.
@@ -42,7 +42,7 @@ Per step and rank (host pid ``1000 + r``, tid 1; GPU pid = device id, tid = stre
   forward (python_function ``nn.Module: GPT_0``): cpu_op > launch (cudaLaunchKernel,
   cudaLaunchKernelExC, cuLaunchKernel/cuLaunchKernelEx as cat ``cuda_driver``), one
   ``cudaGraphLaunch`` launching 3 kernels with one correlation id; in launch-bound
-  steps a stretch of short kernels whose launches are separated by 35-70 us of
+  steps a stretch of short kernels whose launches are separated by 40-80 us of
   python time (python_function ``model.py(57): _python_heavy_block``);
   ``aten::item`` > ``aten::_local_scalar_dense`` > blocking ``cudaMemcpy`` D2H (it
   starts while stream 7 is busy and returns 2-4 us after the copy ends);
@@ -107,6 +107,48 @@ ProfilerStep start) (clock offsets removed); step_true_window_ns gives [start, e
 as true absolute ns (T0 + t).
 mixed_cause_gaps: gaps where a cross-stream wait coincided with a late launch
 (classified by the rule above, but not single-cause); 0 for the default scenarios.
+
+What the scenarios look like in truth: launch-bound steps have host_bound_idle_ns
+of ~0.1-0.3 ms at 40 kernels/step (more with more kernels; 0 in other steps); every step has ~15-25 us sync_idle_ns (the
+D2H); in a straggler step the other ranks' allgather/reduce-scatter/allreduce
+kernels stretch until the straggler arrives, their optimizer waits for the
+allreduce (large other_idle_ns and exposed_comm_ns), while the straggler itself has
+a long ProfilerStep but a normal GPU span.
+
+truth.json layout (``*_ns`` are ints)
+=====================================
+{"generator": {params..., "steps": steps actually generated},
+ "world_size": N,
+ "ranks": {"<r>": {
+    "base_time_ns", "clock_offset_ns", "host_pid", "device",
+    "event_counts": {"cpu_op", "user_annotation", "python_function", "cuda_runtime",
+                     "cuda_driver", "kernel", "gpu_memcpy", "gpu_memset",
+                     "gpu_user_annotation" (0), "memory", "other" (0)},
+    "flow_events": {"s", "f"},
+    "steps": [{"step", "start_ns", "end_ns", "gpu_start_ns", "gpu_end_ns",
+               "true_start_ns", "true_end_ns"}],
+    "launch_links",
+    "kernels_by_correlation": {"<corr>": [kernel abs start ns, ...]}  (only when the
+        rank has <= 5000 kernels incl. NCCL; graph launches list 3 starts),
+    "first_event_abs_ns", "last_event_end_abs_ns",   (over X and i events)
+    "collectives": [{"seq", "name", "bytes" (= In msg nelems * element size),
+                     "group_size", "kernel_start_ns", "kernel_end_ns", "step",
+                     "correlation", "exposed_ns"}],
+    "idle": {"<step>": {"compute_stream_busy_ns", "host_bound_idle_ns",
+                        "sync_idle_ns", "other_idle_ns"}},
+    "exposed_comm_ns": {"<step>": ns},
+    "mixed_cause_gaps",
+    "raw_bytes" (uncompressed JSON size), "file", "file_bytes"}},
+ "stragglers": [{"rank", "step"}],
+ "step_true_duration_ns": {"<step>": ns}, "step_true_window_ns": {"<step>": [a, b]},
+ "scenarios": {"launch_bound_steps": [...], "device_sync_steps": [...]}}
+
+Size and speed: ``--target-mb-per-rank`` measures the raw bytes per step on a
+12-step dry run of rank 0 and sets the step count to reach the target (within ~1%);
+``--steps`` is then a minimum.  gzip level defaults to 1 with a target size, else 6.
+Compression runs in a writer thread (zlib releases the GIL); ``--jobs J`` writes
+ranks in J processes (each re-simulates the cheap timeline of all ranks, so the
+output is identical to ``--jobs 1``).
 """
 from __future__ import annotations
 
@@ -115,8 +157,10 @@ import gzip
 import json
 import math
 import os
+import queue
 import random
 import sys
+import threading
 import time
 
 T0_ABS_NS = 1_700_000_001_250_000_000
@@ -297,10 +341,6 @@ T_META = (
 )
 
 
-def _fmt_ts(ns: int) -> str:
-    return "%d.%03d" % divmod(ns, 1000)
-
-
 # --------------------------------------------------------------------------- plan
 
 
@@ -354,8 +394,8 @@ def _make_plan(cfg, idx, seq0):
     p.device_sync = idx in cfg["device_sync_idx"] if cfg["device_sync_idx"] is not None else idx % 2 == 1
     k = cfg["kernels_per_step"]
     rest = k - 8  # graph (3) + fwd_post (2) + optimizer (3)
-    n_pre = max(3, rest * 2 // 5)
-    n_bwd = max(4, rest - n_pre)
+    n_pre = max(8, rest * 2 // 5)  # 2 GEMMs + >= 6 (launch-bound stretch in launch-bound steps)
+    n_bwd = rest - n_pre  # >= 4 because kernels_per_step >= 20
     pre = [_pick_slot(rng, GEMM_FWD), _pick_slot(rng, GEMM_FWD)]
     if p.launch_bound:
         p.lb_range = (2, n_pre)
@@ -381,10 +421,8 @@ def _make_plan(cfg, idx, seq0):
         tab = GEMM_BWD if (x < 0.5 or i < 3) else ATTN_BWD if x < 0.6 else ELEM_BWD
         bwd.append(_pick_slot(rng, tab))
     p.bwd = bwd
-    p.a_after = min(2, n_bwd - 1)
-    p.b_after = max(p.a_after + 1, (n_bwd * 2) // 3) if n_bwd > 3 else n_bwd - 1
-    if p.b_after >= n_bwd - 1:
-        p.b_after = n_bwd - 2 if n_bwd >= 3 else n_bwd - 1
+    p.a_after = 2  # n_bwd >= 4
+    p.b_after = max(3, (n_bwd * 2) // 3)
     p.opt = [_pick_slot(rng, [o]) for o in OPT]
     n = cfg["ranks"]
     specs = [COLL_A, COLL_B, COLL_C, COLL_D]
@@ -409,10 +447,12 @@ class _Rank:
         self.pid = 1000 + r
         self.dev = (r % cfg["gpus_per_node"]) if cfg["gpus_per_node"] else 0
         self.offset = offset_ns
-        self.base = BASE_NS + (r % 2) * 1_000_000_000
         self.abs0 = T0_ABS_NS + offset_ns  # written abs ns = t + abs0
-        self.shift = self.abs0 - self.base  # written relative ns = t + shift
-        assert self.shift > 0
+        base = BASE_NS + (r % 2) * 1_000_000_000
+        while self.abs0 - base < 1_000_000:  # only with offsets beyond -0.25 s
+            base -= 1_000_000_000
+        self.base = base
+        self.shift = self.abs0 - base  # written relative ns = t + shift
         self.rng = random.Random(cfg["seed"] * 1_000_003 + 7 * r + 1)
         self.rnd = self.rng.random
         self.cpu = 100_000 + int(self.rnd() * 20_000)
@@ -439,7 +479,8 @@ class _Rank:
         self.last = None
         self.stragglers = set(s for (rr, s) in cfg["stragglers"] if rr == r)
         self.straggler_factor = cfg["straggler_factor"]
-        pid, dev = str(self.pid), str(self.dev)
+        self.spid = pid = str(self.pid)
+        self.sdev = dev = str(self.dev)
         sub = lambda t: t.replace("{PID}", pid).replace("{DEV}", dev)  # noqa: E731
         self.T_X_HOST = sub(T_X_HOST)
         self.T_X_DEV = sub(T_X_DEV)
@@ -551,8 +592,10 @@ class _Rank:
             # hot path: an f-string; "%d.%03d" of a value >= 1000 ns is str(v) with a dot before
             # the last 3 digits (every ts here is >= shift > 1e8 ns, every dur >= 2.5 us)
             sh = self.shift
-            pid = self.pid
-            dev = self.dev
+            pid = self.spid
+            dev = self.sdev
+            ext = str(ext)
+            corr = str(corr)
             a = str(t + sh)
             b = str(oe - t)
             c = str(l + sh)
@@ -756,7 +799,7 @@ class _Rank:
                 lbs = self.cpu + 1000
                 self.cpu = lbs
             if lb is not None and lb[0] <= i < lb[1]:
-                self._op(slot, 35_000 + int(rnd() * 35_000))
+                self._op(slot, 40_000 + int(rnd() * 40_000))
             else:
                 self._op(slot, 1000 + int(rnd() * 2000))
             if lb is not None and i == lb[1] - 1:
@@ -774,7 +817,6 @@ class _Rank:
         # backward
         bs = self.cpu + 1000 + int(rnd() * 1000)
         self.cpu = bs + 1000
-        c_end = None
         for i, slot in enumerate(p.bwd):
             self._op(slot, 1000 + int(rnd() * 2000))
             if i == p.a_after:
@@ -842,7 +884,7 @@ class _Rank:
             self.kbc = None
 
     # ---- file framing
-    def header(self, cfg):
+    def header(self):
         n = self.n
         dp = ('  "deviceProperties": [\n    {\n      "id": %d, "name": "NVIDIA H100 80GB HBM3", "totalGlobalMem": 85029158912,\n'
               '      "computeMajor": 9, "computeMinor": 0,\n      "maxThreadsPerBlock": 1024, "maxThreadsPerMultiprocessor": 2048,\n'
@@ -920,6 +962,60 @@ def _offsets(ranks, seed, clock_offsets_us, max_clock_offset_us):
     return [0] + [int(rng.uniform(-m, m)) for _ in range(1, ranks)]
 
 
+class _Writer:
+    """Background writer thread.  zlib and file writes release the GIL, so compression
+    overlaps event generation; chunks of about 1 MB per rank are handed over."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self):
+        self.q = queue.Queue(maxsize=16)
+        self.err = None
+        self.pending = {}
+        self.th = threading.Thread(target=self._loop, name="synthetic-writer", daemon=True)
+        self.th.start()
+
+    def _loop(self):
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            f, data = item
+            if self.err is None:
+                try:
+                    f.write(data)
+                except BaseException as e:  # re-raised in the main thread
+                    self.err = e
+
+    def write(self, f, data, flush=False):
+        if self.err is not None:
+            raise self.err
+        lst = self.pending.setdefault(f, [0, []])
+        lst[1].append(data)
+        lst[0] += len(data)
+        if flush or lst[0] >= self.CHUNK:
+            self.q.put((f, b"".join(lst[1])))
+            lst[0], lst[1] = 0, []
+
+    def close(self):
+        for f, (n, parts) in self.pending.items():
+            if parts:
+                self.q.put((f, b"".join(parts)))
+        self.pending = {}
+        self.q.put(None)
+        self.th.join()
+        if self.err is not None:
+            raise self.err
+
+
+class _NullFile:
+    def write(self, data):
+        return len(data)
+
+    def close(self):
+        pass
+
+
 def _run(cfg, out_dir, write_ranks, progress=False):
     """Simulate all ranks in lockstep; write files for ``write_ranks``.  Returns (truth per written rank, windows)."""
     n = cfg["ranks"]
@@ -927,31 +1023,27 @@ def _run(cfg, out_dir, write_ranks, progress=False):
     ranks = [_Rank(cfg, r, offs[r], emit=(r in write_ranks)) for r in range(n)]
     ext = ".pt.trace.json.gz" if cfg["gzip"] else ".pt.trace.json"
     files, raws, nbytes, paths = {}, {}, {}, {}
+    writer = _Writer()
     for r in write_ranks:
-        path = os.path.join(out_dir, "rank-%d%s" % (r, ext))
+        path = os.path.join(out_dir or "", "rank-%d%s" % (r, ext))
         paths[r] = path
+        if out_dir is None:  # size probe
+            raws[r] = files[r] = _NullFile()
+            continue
         raws[r] = raw = open(path, "wb")
         files[r] = gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=cfg["compresslevel"], mtime=0) \
             if cfg["gzip"] else raw
-        head = (ranks[r].header(cfg) + ranks[r].metadata(ranks[r].cpu)).encode()
-        files[r].write(head)
+    for r in write_ranks:
+        head = (ranks[r].header() + ranks[r].metadata(ranks[r].cpu)).encode()
+        writer.write(files[r], head)
         nbytes[r] = len(head)
-    target = cfg["target_bytes"]
-    min_steps = cfg["steps"]
+    nsteps = cfg["steps"]
     seq = 1
     idx = 0
     windows = {}
     t_start = time.time()
     probe = write_ranks[0] if write_ranks else None
-    while True:
-        if idx >= min_steps:
-            if target is None:
-                break
-            if cfg["target_steps"] is not None:
-                if idx >= cfg["target_steps"]:
-                    break
-            elif probe is not None and nbytes[probe] >= target:
-                break
+    while idx < nsteps:
         p = _make_plan(cfg, idx, seq)
         seq += len(p.colls)
         gens = [rk.step(p) for rk in ranks]
@@ -972,25 +1064,28 @@ def _run(cfg, out_dir, write_ranks, progress=False):
         for r in write_ranks:
             rk = ranks[r]
             data = (",\n" + ",\n".join(rk.buf)).encode()
-            files[r].write(data)
+            writer.write(files[r], data)
             nbytes[r] += len(data)
             rk.buf = []
         idx += 1
         if progress and idx % 200 == 0 and probe is not None:
             el = time.time() - t_start
-            print("  step %d: %.1f MB/rank raw, %.1f MB/s" % (idx, nbytes[probe] / 1e6, nbytes[probe] * len(write_ranks) / 1e6 / max(el, 1e-9)),
+            mb = nbytes[probe] / 1e6
+            print("  step %d/%d: %.1f MB/rank raw, %.1f MB/s" % (idx, nsteps, mb, mb * len(write_ranks) / max(el, 1e-9)),
                   file=sys.stderr)
     out = {}
     for r in write_ranks:
-        tail = ranks[r].trailer(paths[r][:-3] if cfg["gzip"] else paths[r]).encode()
-        files[r].write(tail)
+        tail = ranks[r].trailer("rank-%d.pt.trace.json" % r).encode()
+        writer.write(files[r], tail)
         nbytes[r] += len(tail)
+    writer.close()
+    for r in write_ranks:
         files[r].close()
         raws[r].close()
         t = ranks[r].truth()
         t["raw_bytes"] = nbytes[r]
         t["file"] = os.path.basename(paths[r])
-        t["file_bytes"] = os.path.getsize(paths[r])
+        t["file_bytes"] = os.path.getsize(paths[r]) if out_dir is not None else 0
         out[r] = t
     return out, windows, idx
 
@@ -1012,8 +1107,8 @@ def generate_run(out_dir, ranks=8, steps=4, kernels_per_step=40, target_mb_per_r
     target size, else 6.  jobs > 1 writes ranks in parallel processes (each re-simulates the
     cheap timeline of all ranks, so results are identical).
     """
-    if kernels_per_step < 14:
-        raise ValueError("kernels_per_step must be >= 14")
+    if kernels_per_step < 20:
+        raise ValueError("kernels_per_step must be >= 20")
     if ranks < 1:
         raise ValueError("ranks must be >= 1")
     os.makedirs(out_dir, exist_ok=True)
@@ -1027,28 +1122,29 @@ def generate_run(out_dir, ranks=8, steps=4, kernels_per_step=40, target_mb_per_r
         "ranks": ranks, "steps": steps, "kernels_per_step": kernels_per_step, "seed": seed,
         "target_mb_per_rank": target_mb_per_rank,
         "target_bytes": int(target_mb_per_rank * 1e6) if target_mb_per_rank else None,
-        "target_steps": None,
         "gzip": bool(gzip_output), "compresslevel": compresslevel, "stragglers": stragglers,
         "straggler_factor": straggler_factor, "first_step": first_step, "gpus_per_node": gpus_per_node,
         "launch_bound_idx": None if launch_bound_steps is None else set(s - first_step for s in launch_bound_steps),
         "device_sync_idx": None if device_sync_steps is None else set(s - first_step for s in device_sync_steps),
         "clock_offsets_ns": _offsets(ranks, seed, clock_offsets_us, max_clock_offset_us),
     }
+    if cfg["target_bytes"] is not None:
+        # size probe: 12 steps (two scenario cycles) of rank 0, not written anywhere
+        npr = 12
+        pr, _, _ = _run(dict(cfg, steps=npr, gzip=False), None, [0])
+        pr1, _, _ = _run(dict(cfg, steps=1, gzip=False), None, [0])
+        per_step = (pr[0]["raw_bytes"] - pr1[0]["raw_bytes"]) / (npr - 1)
+        fixed = pr1[0]["raw_bytes"] - per_step
+        cfg["steps"] = max(steps, int(math.ceil((cfg["target_bytes"] - fixed) / per_step)))
+    for r, s in stragglers:
+        if not first_step <= s < first_step + cfg["steps"]:
+            raise ValueError("straggler step %d outside the generated steps %d..%d"
+                             % (s, first_step, first_step + cfg["steps"] - 1))
     jobs = max(1, min(int(jobs), ranks))
     if jobs == 1:
         per_rank, windows, nsteps = _run(cfg, out_dir, list(range(ranks)), progress)
     else:
         import multiprocessing as mp
-        if cfg["target_bytes"] is not None:
-            # fix the step count first so that every worker simulates the same steps
-            probe_dir = os.path.join(out_dir, ".probe")
-            os.makedirs(probe_dir, exist_ok=True)
-            c2 = dict(cfg, target_bytes=int(cfg["target_bytes"] * 0.02) + 1, gzip=False)
-            pr, _, n2 = _run(c2, probe_dir, [0])
-            per_step = pr[0]["raw_bytes"] / max(n2, 1)
-            cfg["target_steps"] = max(steps, int(math.ceil(cfg["target_bytes"] / per_step)))
-            os.remove(os.path.join(probe_dir, pr[0]["file"]))
-            os.rmdir(probe_dir)
         groups = [list(range(ranks))[j::jobs] for j in range(jobs)]
         with mp.Pool(jobs) as pool:
             res = pool.map(_worker, [(cfg, out_dir, g) for g in groups])
@@ -1097,7 +1193,7 @@ def main(argv=None):
     ap.add_argument("out_dir")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4, help="number of steps (minimum when --target-mb-per-rank is set)")
-    ap.add_argument("--kernels-per-step", type=int, default=40, help="compute-stream kernels per step (>= 14)")
+    ap.add_argument("--kernels-per-step", type=int, default=40, help="compute-stream kernels per step (>= 20)")
     ap.add_argument("--target-mb-per-rank", type=float, default=None,
                     help="add steps until each rank's raw (uncompressed) JSON reaches about this many MB")
     ap.add_argument("--seed", type=int, default=0)
@@ -1122,11 +1218,15 @@ def main(argv=None):
         else:
             ap.error("--clock-offset-us: use either plain values or R:US items")
     t = time.time()
-    truth = generate_run(a.out_dir, ranks=a.ranks, steps=a.steps, kernels_per_step=a.kernels_per_step,
-                         target_mb_per_rank=a.target_mb_per_rank, seed=a.seed, gzip_output=not a.no_gzip,
-                         compresslevel=a.compresslevel, stragglers=a.straggler, straggler_factor=a.straggler_factor,
-                         clock_offsets_us=offs, max_clock_offset_us=a.max_clock_offset_us, first_step=a.first_step,
-                         gpus_per_node=a.gpus_per_node, jobs=a.jobs, progress=not a.quiet)
+    try:
+        truth = generate_run(a.out_dir, ranks=a.ranks, steps=a.steps, kernels_per_step=a.kernels_per_step,
+                             target_mb_per_rank=a.target_mb_per_rank, seed=a.seed, gzip_output=not a.no_gzip,
+                             compresslevel=a.compresslevel, stragglers=a.straggler,
+                             straggler_factor=a.straggler_factor, clock_offsets_us=offs,
+                             max_clock_offset_us=a.max_clock_offset_us, first_step=a.first_step,
+                             gpus_per_node=a.gpus_per_node, jobs=a.jobs, progress=not a.quiet)
+    except ValueError as e:
+        ap.error(str(e))
     el = time.time() - t
     if not a.quiet:
         raw = sum(v["raw_bytes"] for v in truth["ranks"].values())
