@@ -1,0 +1,41 @@
+"""Interval arithmetic on sorted numpy arrays: unions and how much of a window they cover."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge possibly overlapping [start, end) intervals into sorted disjoint ones."""
+    if len(starts) == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    running_end = np.maximum.accumulate(e)
+    # A new block starts where an interval begins after everything before it has ended.
+    new_block = np.empty(len(s), bool)
+    new_block[0] = True
+    new_block[1:] = s[1:] > running_end[:-1]
+    block = np.cumsum(new_block) - 1
+    block_starts = s[new_block]
+    block_ends = np.zeros(block[-1] + 1, np.int64)
+    np.maximum.at(block_ends, block, running_end)
+    return block_starts, block_ends
+
+
+def covered(union_starts: np.ndarray, union_ends: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """For each window [lo, hi), how many ns the disjoint sorted union covers."""
+    if len(union_starts) == 0:
+        return np.zeros(len(lo), np.int64)
+    prefix = np.concatenate([[0], np.cumsum(union_ends - union_starts)])
+
+    def cover_until(x: np.ndarray) -> np.ndarray:
+        # Blocks wholly before x, plus the part of the block x falls in.
+        i = np.searchsorted(union_starts, x, side="right")  # blocks starting at or before x
+        full = prefix[np.maximum(i - 1, 0)]
+        last_start = union_starts[np.maximum(i - 1, 0)]
+        last_end = union_ends[np.maximum(i - 1, 0)]
+        partial = np.clip(np.minimum(x, last_end) - last_start, 0, None)
+        return np.where(i > 0, full + partial, 0)
+
+    return np.clip(cover_until(hi) - cover_until(lo), 0, None)

@@ -1,0 +1,154 @@
+"""Whether the GPU waits on the CPU: launch cost and queueing per kernel, GPU busy/idle per stream and
+step, and idle time split by cause.
+
+Definitions (one cause per gap; the same in tests/synthetic.py, which builds runs with known answers):
+- A stream's span in a step runs from the first start to the last end of the device work (kernels,
+  memcpy, memset) launched in that step on that stream; busy is the union of that work.
+- Each gap between consecutive activities A (ends at g0) and B on the stream is
+  * sync       when B's launch call started at or after g0 and, at g0, the launching thread was
+               inside a synchronizing call (stream/device/event synchronize, blocking memcpy);
+  * host-bound when B's launch call started at or after g0 otherwise: nothing was queued, the GPU
+               waited for the CPU to issue work;
+  * other      when B was already queued before A ended (a cross-stream dependency), or B has no
+               recorded launch.
+HTA's idle breakdown (host wait / kernel wait / other) differs: it looks at kernel-to-kernel gaps
+with a fixed threshold and does not see synchronization; see tests/fixtures/hta/README.md.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+SYNC_API = r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^(cuda|hip)Memcpy(To|From)Symbol$|^cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?$"
+WORK_KINDS = ["kernel", "gpu_memcpy", "gpu_memset"]
+
+
+def kernel_launches(events: pl.DataFrame, flows: pl.DataFrame) -> pl.DataFrame:
+    """One row per device activity with its launch: API, CPU cost of the call, queueing delay."""
+    launches = flows.filter(pl.col("flow_type") == "launch").unique(["rank", "source", "dst_event_id"], keep="first")
+    calls = events.select("rank", "source", "event_id", launch_api="name", launch_ts_ns="ts_ns", api_ns="dur_ns",
+                          launch_pid="pid", launch_tid="tid")
+    work = events.filter(pl.col("kind").is_in(WORK_KINDS)).select(
+        "rank", "source", "event_id", "step", "kind", "name", "stream", "device", "ts_ns", "dur_ns")
+    linked = (
+        work.join(launches.select("rank", "source", "src_event_id", "dst_event_id"),
+                  left_on=["rank", "source", "event_id"], right_on=["rank", "source", "dst_event_id"], how="left")
+        .join(calls, left_on=["rank", "source", "src_event_id"], right_on=["rank", "source", "event_id"], how="left")
+    )
+    return linked.with_columns(
+        queue_ns=pl.col("ts_ns") - (pl.col("launch_ts_ns") + pl.col("api_ns")),
+        launch_delay_ns=pl.col("ts_ns") - pl.col("launch_ts_ns"),
+    ).drop("src_event_id")
+
+
+ALL_STREAMS = -1  # `stream` value of the rows that treat the device as one timeline
+
+
+def idle_gaps(launched: pl.DataFrame, events: pl.DataFrame) -> pl.DataFrame:
+    """Every gap inside a step span, per stream and for the whole device (stream = ALL_STREAMS: the
+    device is idle only when no stream is busy), with its cause and, for sync gaps, the sync call."""
+    work = launched.filter(pl.col("step").is_not_null() & pl.col("stream").is_not_null())
+    lanes = pl.concat([work, work.with_columns(stream=pl.lit(ALL_STREAMS, pl.Int64))])
+    keys = ["rank", "source", "device", "stream", "step"]
+    ordered = lanes.sort(keys + ["ts_ns"]).with_columns(end_ns=pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).with_columns(
+        prev_end_ns=pl.col("end_ns").cum_max().shift(1).over(keys))
+    gaps = ordered.filter(pl.col("ts_ns") > pl.col("prev_end_ns")).select(
+        keys + ["launch_pid", "launch_tid", "launch_ts_ns", pl.col("prev_end_ns").alias("gap_start_ns"),
+                pl.col("ts_ns").alias("gap_end_ns")])
+    syncs = events.filter(pl.col("kind").is_in(["cuda_runtime", "cuda_driver"]) & pl.col("name").str.contains(SYNC_API)).select(
+        "rank", "source", sync_pid="pid", sync_tid="tid", sync_event_id="event_id", sync_name="name",
+        sync_start_ns="ts_ns", sync_end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
+    gaps = gaps.sort("gap_start_ns").join_asof(
+        syncs.sort("sync_start_ns"), left_on="gap_start_ns", right_on="sync_start_ns",
+        by_left=["rank", "source", "launch_pid", "launch_tid"], by_right=["rank", "source", "sync_pid", "sync_tid"],
+        strategy="backward", check_sortedness=False,
+    )
+    in_sync = pl.col("sync_end_ns").is_not_null() & (pl.col("sync_end_ns") > pl.col("gap_start_ns"))
+    issued_after = pl.col("launch_ts_ns").is_not_null() & (pl.col("launch_ts_ns") >= pl.col("gap_start_ns"))
+    cause = pl.when(issued_after & in_sync).then(pl.lit("sync")).when(issued_after).then(pl.lit("host_bound")).otherwise(pl.lit("other"))
+    return gaps.with_columns(cause=cause, idle_ns=pl.col("gap_end_ns") - pl.col("gap_start_ns")).with_columns(
+        sync_event_id=pl.when(pl.col("cause") == "sync").then(pl.col("sync_event_id")),
+        sync_name=pl.when(pl.col("cause") == "sync").then(pl.col("sync_name")),
+    ).select(keys + ["gap_start_ns", "gap_end_ns", "idle_ns", "cause", "sync_event_id", "sync_name"])
+
+
+def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame) -> pl.DataFrame:
+    """Per rank, step and stream (and ALL_STREAMS for the device): span, busy, and idle split by cause
+    (busy + idle causes == span)."""
+    keys = ["rank", "device", "stream", "step"]
+    work = launched.filter(pl.col("step").is_not_null() & pl.col("stream").is_not_null())
+    spans = (
+        pl.concat([work, work.with_columns(stream=pl.lit(ALL_STREAMS, pl.Int64))])
+        .group_by(keys)
+        .agg(span_start_ns=pl.col("ts_ns").min(), span_end_ns=(pl.col("ts_ns") + pl.col("dur_ns")).max(), activities=pl.len())
+        .with_columns(span_ns=pl.col("span_end_ns") - pl.col("span_start_ns"))
+    )
+    causes = gaps.group_by(keys).agg(
+        **{f"{c}_ns": pl.col("idle_ns").filter(pl.col("cause") == c).sum() for c in ("host_bound", "sync", "other")})
+    table = spans.join(causes, on=keys, how="left").with_columns(
+        [pl.col(c).fill_null(0) for c in ("host_bound_ns", "sync_ns", "other_ns")])
+    return table.with_columns(
+        idle_ns=pl.col("host_bound_ns") + pl.col("sync_ns") + pl.col("other_ns"),
+    ).with_columns(busy_ns=pl.col("span_ns") - pl.col("idle_ns")).select(
+        keys + ["span_start_ns", "span_end_ns", "span_ns", "busy_ns", "idle_ns", "host_bound_ns", "sync_ns", "other_ns", "activities"]
+    ).sort(keys)
+
+
+def sync_points(gaps: pl.DataFrame, events: pl.DataFrame, limit: int = 20) -> pl.DataFrame:
+    """The synchronizing calls that left the GPU idle longest, with the CPU op that issued them."""
+    caused = gaps.filter((pl.col("cause") == "sync") & (pl.col("stream") == ALL_STREAMS)).group_by("rank", "source", "sync_event_id").agg(
+        idle_caused_ns=pl.col("idle_ns").sum(), step=pl.col("step").min())
+    if caused.is_empty():
+        return pl.DataFrame(schema={"rank": pl.Int64, "step": pl.Int64, "name": pl.String, "issuing_op": pl.String,
+                                    "ts_ns": pl.Int64, "dur_ns": pl.Int64, "idle_caused_ns": pl.Int64})
+    calls = caused.join(events.select("rank", "source", "event_id", "name", "ts_ns", "dur_ns", "pid", "tid"),
+                        left_on=["rank", "source", "sync_event_id"], right_on=["rank", "source", "event_id"])
+    calls = calls.with_columns(issuing_op=enclosing_op(calls, events))
+    return calls.sort("idle_caused_ns", descending=True).head(limit).select(
+        "rank", "step", "name", "issuing_op", "ts_ns", "dur_ns", "idle_caused_ns")
+
+
+def enclosing_op(calls: pl.DataFrame, events: pl.DataFrame, max_hops: int = 8) -> pl.Series:
+    """Name of the innermost CPU op, annotation or Python frame on the same thread that contains each call.
+
+    Walks back from the latest op starting before the call: an op that ended before the call is a
+    finished sibling, so the container started earlier still. Only ops at least as long as the call
+    can contain it, so calls are bucketed by duration and shorter ops skipped; bounded by `max_hops`.
+    """
+    ops = events.filter(
+        pl.col("kind").is_in(["cpu_op", "user_annotation", "python_function"]) & pl.col("dur_ns").is_not_null()
+    ).select("rank", "source", "pid", "tid", op_start="ts_ns", op_end=pl.col("ts_ns") + pl.col("dur_ns"),
+             op_dur="dur_ns", op_name="name").sort("op_start")
+    queries = calls.select("rank", "source", "pid", "tid", row=pl.int_range(pl.len(), dtype=pl.Int64), start="ts_ns",
+                           end=pl.col("ts_ns") + pl.col("dur_ns"), cursor="ts_ns",
+                           bucket=(pl.col("dur_ns").clip(1).log(4).floor()).cast(pl.Int64))
+    found = []
+    for (bucket,), pending in queries.group_by("bucket"):
+        candidates = ops.filter(pl.col("op_dur") >= 4 ** bucket)
+        pending = pending.drop("bucket")
+        for _ in range(max_hops):
+            if pending.is_empty():
+                break
+            hit = pending.sort("cursor").join_asof(candidates, left_on="cursor", right_on="op_start",
+                                                   by=["rank", "source", "pid", "tid"], check_sortedness=False)
+            hit = hit.filter(pl.col("op_start").is_not_null())
+            contains = (pl.col("op_start") <= pl.col("start")) & (pl.col("op_end") >= pl.col("end"))
+            found.append(hit.filter(contains).select("row", "op_name"))
+            pending = hit.filter(~contains).select("rank", "source", "pid", "tid", "row", "start", "end",
+                                                   cursor=pl.col("op_start") - 1)
+    names = pl.concat(found) if found else pl.DataFrame(schema={"row": pl.Int64, "op_name": pl.String})
+    table = pl.DataFrame({"row": range(calls.height)}, schema={"row": pl.Int64}).join(names, on="row", how="left")
+    return table.sort("row")["op_name"]
+
+
+def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
+    """Per rank and launch API: how many, CPU cost and queueing (median, p90)."""
+    linked = launched.filter(pl.col("launch_api").is_not_null())
+    return linked.group_by("rank", "launch_api").agg(
+        activities=pl.len(),
+        api_ns_median=pl.col("api_ns").median(),
+        api_ns_p90=pl.col("api_ns").quantile(0.9),
+        queue_ns_median=pl.col("queue_ns").median(),
+        queue_ns_p90=pl.col("queue_ns").quantile(0.9),
+        gpu_ns_total=pl.col("dur_ns").sum(),
+    ).sort("rank", "activities", descending=[False, True])

@@ -1,0 +1,113 @@
+"""Which rank and which step is slow: step times per rank, clock offsets, stragglers.
+
+Ranks' clocks are never assumed to agree. Each rank's offset to the reference rank (the lowest rank)
+is estimated from the END times of the same collective instance on both ranks: a collective
+completes on every member at nearly the same moment, whatever time each rank arrived. The estimate
+is the median of the per-instance differences; its uncertainty is half their range.
+
+A straggler is the rank the others wait for: the last to arrive at the step's collectives. Each
+rank's wait in one collective instance is its kernel time minus the shortest kernel time of that
+instance over ranks (the transfer itself).
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+# A step has a straggler when the other ranks waited for it, on median, at least this share of the
+# step's median duration; below it, "last to arrive" is jitter.
+STRAGGLER_MIN_SHARE = 0.05
+
+
+def clock_offsets(calls: pl.DataFrame, ranks: list[int]) -> pl.DataFrame:
+    """offset_ns per rank: add it to the reference rank's clock to get this rank's (aligned = ts - offset)."""
+    reference = min(ranks) if ranks else 0
+    schema = {"rank": pl.Int64, "offset_ns": pl.Int64, "uncertainty_ns": pl.Int64, "matched": pl.Int64,
+              "method": pl.String, "reference_rank": pl.Int64}
+    if calls.is_empty():
+        return pl.DataFrame(
+            [{"rank": r, "offset_ns": 0 if r == reference else None, "uncertainty_ns": 0 if r == reference else None,
+              "matched": 0, "method": "reference" if r == reference else "none (no collectives to match)",
+              "reference_rank": reference} for r in ranks], schema=schema)
+    ends = calls.select("rank", "instance", end=pl.col("ts_ns") + pl.col("dur_ns"))
+    ref = ends.filter(pl.col("rank") == reference).select("instance", ref_end="end")
+    diffs = ends.join(ref, on="instance").with_columns(diff=pl.col("end") - pl.col("ref_end"))
+    estimates = diffs.group_by("rank").agg(
+        offset_ns=pl.col("diff").median().round().cast(pl.Int64),
+        uncertainty_ns=((pl.col("diff").max() - pl.col("diff").min()) / 2).round().cast(pl.Int64),
+        matched=pl.len().cast(pl.Int64),
+    )
+    rows = pl.DataFrame({"rank": ranks}, schema={"rank": pl.Int64}).join(estimates, on="rank", how="left")
+    return rows.with_columns(
+        method=pl.when(pl.col("rank") == reference).then(pl.lit("reference"))
+        .when(pl.col("offset_ns").is_not_null()).then(pl.lit("collective end times"))
+        .otherwise(pl.lit("none (no collective shared with the reference rank)")),
+        matched=pl.col("matched").fill_null(0),
+        reference_rank=pl.lit(reference, pl.Int64),
+    ).select(list(schema))
+
+
+def collective_waits(calls: pl.DataFrame) -> pl.DataFrame:
+    """Per call: how long this rank waited for the others (its time beyond the instance's fastest)."""
+    return calls.with_columns(
+        wait_ns=pl.col("dur_ns") - pl.col("dur_ns").min().over("instance"),
+        ranks_in_instance=pl.col("rank").n_unique().over("instance"),
+    )
+
+
+def step_times(steps: pl.DataFrame, work: pl.DataFrame, waits: pl.DataFrame, offsets: pl.DataFrame) -> pl.DataFrame:
+    """Per rank and step: CPU window, its GPU projection (device work launched in the step), time
+    spent waiting in collectives, and the window on the reference clock."""
+    cpu = steps.group_by("rank", "step").agg(
+        cpu_start_ns=pl.col("start_ns").min(), cpu_end_ns=pl.col("end_ns").max())
+    gpu = work.filter(pl.col("step").is_not_null()).group_by("rank", "step").agg(
+        gpu_start_ns=pl.col("ts_ns").min(), gpu_end_ns=(pl.col("ts_ns") + pl.col("dur_ns")).max())
+    wait = waits.filter(pl.col("ranks_in_instance") > 1).group_by("rank", "step").agg(comm_wait_ns=pl.col("wait_ns").sum())
+    table = (
+        cpu.join(gpu, on=["rank", "step"], how="left")
+        .join(wait, on=["rank", "step"], how="left")
+        .join(offsets.select("rank", "offset_ns"), on="rank", how="left")
+        .with_columns(
+            cpu_dur_ns=pl.col("cpu_end_ns") - pl.col("cpu_start_ns"),
+            gpu_dur_ns=pl.col("gpu_end_ns") - pl.col("gpu_start_ns"),
+            comm_wait_ns=pl.col("comm_wait_ns").fill_null(0),
+            aligned_start_ns=pl.col("cpu_start_ns") - pl.col("offset_ns"),
+            aligned_end_ns=pl.col("cpu_end_ns") - pl.col("offset_ns"),
+        )
+        .drop("offset_ns")
+        .sort("step", "rank")
+    )
+    return table
+
+
+def step_stats(times: pl.DataFrame) -> pl.DataFrame:
+    """Per step across ranks: durations, the slowest rank, the straggler and how long others waited."""
+    has_comm = not times.is_empty() and times["comm_wait_ns"].sum() > 0
+    # The last to arrive waits least; without collectives, fall back to the longest CPU step.
+    last_rank = (
+        pl.col("rank").sort_by(["comm_wait_ns", "cpu_dur_ns"], descending=[False, True]).first()
+        if has_comm else pl.col("rank").sort_by("cpu_dur_ns").last()
+    )
+    stats = times.group_by("step").agg(
+        ranks=pl.len(),
+        min_dur_ns=pl.col("cpu_dur_ns").min(),
+        median_dur_ns=pl.col("cpu_dur_ns").median().round().cast(pl.Int64),
+        max_dur_ns=pl.col("cpu_dur_ns").max(),
+        slowest_rank=pl.col("rank").sort_by("cpu_dur_ns").last(),
+        candidate=last_rank,
+        aligned_dur_ns=pl.col("aligned_end_ns").max() - pl.col("aligned_start_ns").min(),
+    )
+    others = (
+        times.join(stats.select("step", "candidate"), on="step")
+        .filter(pl.col("rank") != pl.col("candidate"))
+        .group_by("step")
+        .agg(others_waited_ns=pl.col("comm_wait_ns").sum(),
+             median_other_wait_ns=pl.col("comm_wait_ns").median().round().cast(pl.Int64))
+    )
+    stats = stats.join(others, on="step", how="left").with_columns(spread_ns=pl.col("max_dur_ns") - pl.col("min_dur_ns"))
+    lateness = pl.col("median_other_wait_ns") if has_comm else pl.col("spread_ns")
+    significant = (pl.col("ranks") > 1) & (lateness >= STRAGGLER_MIN_SHARE * pl.col("median_dur_ns"))
+    return stats.with_columns(straggler_rank=pl.when(significant).then(pl.col("candidate"))).select(
+        "step", "ranks", "min_dur_ns", "median_dur_ns", "max_dur_ns", "spread_ns", "slowest_rank",
+        "straggler_rank", "others_waited_ns", "median_other_wait_ns", "aligned_dur_ns",
+    ).sort("step")
