@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from . import schema
+from . import analyses, kernels, mfu, schema
 from .ingest import IngestError, IngestResult, Source, discover, ingest
 
 EXIT_PARTIAL = 1  # results written, but some input files could not be used
@@ -47,7 +47,23 @@ used (see the issues); {EXIT_NOTHING} nothing usable.
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Files parsed in parallel (default: number of CPUs). Memory grows with it, not with the number of ranks.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the summary.")
-def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool) -> None:
+@click.option("--ingest-only", is_flag=True, help="Write the trace tables only; skip the analyses.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp8", "tf32", "fp32"]), default="bf16", show_default=True,
+              help="Compute dtype whose dense peak MFU divides by.")
+@click.option("--peak-tflops", type=float, default=None,
+              help="Dense peak TFLOP/s per GPU, overriding the device table (needed for devices it does not know).")
+@click.option("--params", type=float, default=None, help="Model shape for the PaLM MFU numerator: non-embedding parameters N.")
+@click.option("--layers", type=int, default=None, help="Model shape: transformer layers L.")
+@click.option("--heads", type=int, default=None, help="Model shape: attention heads H.")
+@click.option("--head-dim", type=int, default=None, help="Model shape: head dimension Q.")
+@click.option("--seq-len", type=int, default=None, help="Model shape: sequence length T.")
+@click.option("--tokens-per-step", type=int, default=None, help="Global tokens per optimizer step (all ranks).")
+@click.option("--recompute", is_flag=True, help="Full activation recompute was on: also report HFU (PaLM + one forward).")
+@click.option("--kernel-categories", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="CSV with columns category,pattern (regex on kernel names), checked before the built-in patterns.")
+def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, ingest_only: bool, dtype: str,
+            peak_tflops: float | None, params, layers, heads, head_dim, seq_len, tokens_per_step, recompute: bool,
+            kernel_categories: Path | None) -> None:
     console = Console(stderr=False, highlight=False)
     if not run_dir.exists():
         _fail(f"{run_dir}: no such folder")
@@ -56,16 +72,28 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool) 
         total = sum(p.stat().st_size for p in discover(run_dir, out))
     except OSError:
         total = 0
+    shape_values = (params, layers, heads, head_dim, seq_len, tokens_per_step)
+    if any(v is not None for v in shape_values) and not all(v is not None for v in shape_values):
+        _fail("the PaLM numerator needs all of --params --layers --heads --head-dim --seq-len --tokens-per-step")
+    options = analyses.Options(
+        dtype=dtype, peak_tflops=peak_tflops, recompute=recompute,
+        shape=mfu.ModelShape(*shape_values) if all(v is not None for v in shape_values) else None,
+        kernel_categories=kernels.load_categories(kernel_categories) if kernel_categories else list(kernels.KERNEL_CATEGORIES),
+    )
+    findings: dict = {}
     show_progress = not quiet and sys.stderr.isatty()
     progress = Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                         console=Console(stderr=True), transient=True, disable=not show_progress)
     with progress:
         task = progress.add_task("ingest", total=total or None)
         try:
-            result = ingest(run_dir, out_dir, jobs=jobs, progress=lambda s: progress.advance(task, s.size))
+            result = ingest(run_dir, out_dir, jobs=jobs, progress=lambda s: progress.advance(task, s.size),
+                            finish=None if ingest_only else lambda staging: findings.update(analyses.run(staging, options)))
         except IngestError as e:
             _fail(str(e))
     print_summary(console, result)
+    if findings:
+        print_findings(console, findings)
     if result.failed:
         sys.exit(EXIT_PARTIAL)
 
@@ -83,7 +111,7 @@ def print_summary(console: Console, result: IngestResult) -> None:
     console.print(
         f"[bold]{len(used)}[/] trace file(s) -> {result.out_dir}  "
         f"({result.parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {result.seconds:.1f}s{speed})",
-        highlight=False,
+        highlight=False, soft_wrap=True,
     )
     world = f" of world size {m['world_size']}" if m.get("world_size") else ""
     console.print(f"ranks: {_ranges(m['ranks'])}{world}", highlight=False, markup=False)
@@ -125,6 +153,45 @@ def print_summary(console: Console, result: IngestResult) -> None:
         console.print(issues, markup=False)
     else:
         console.print("ingest issues: none")
+
+
+def print_findings(console: Console, f: dict) -> None:
+    """The headline: slowest rank and step, GPU idle and its cause, most exposed collective, MFU."""
+    console.print("[bold]findings[/]")
+    lines = []
+    if slow := f.get("slowest_step"):
+        lines.append(f"slowest step: ProfilerStep#{slow['step']} on rank {slow['rank']}, {_ms(slow['dur_ns'])} "
+                     f"(median step {_ms(slow['median_step_ns'])})")
+    for s in f.get("stragglers", []):
+        lines.append(f"straggler: rank {s['rank']} in step {s['step']}; the other ranks waited {_ms(s['others_waited_ns'])} "
+                     "in total for it in collectives")
+    idle = f.get("gpu_idle", {})
+    if idle.get("idle_share") is not None:
+        cause = {"host_bound": "host-bound (GPU waiting for the CPU to launch)", "sync": "synchronization (CPU waiting on the GPU)",
+                 "other": "other (cross-stream waits)"}.get(idle.get("main_cause"), "none")
+        lines.append(f"GPU idle: {idle['idle_share']:.1%} of step GPU time; main cause {cause}")
+    elif idle.get("note"):
+        lines.append(f"GPU idle: {idle['note']}")
+    if top := f.get("most_exposed_collective"):
+        bw = f", median busbw {top['busbw_gbps']:.1f} GB/s" if top.get("busbw_gbps") is not None else ""
+        size = f"{top['bytes']:,} B" if top.get("bytes") is not None else "unknown size"
+        lines.append(f"most exposed collective: {top['op']} of {size}: {_ms(top['exposed_ns'])} exposed over "
+                     f"{top['calls']} calls{bw}")
+    elif f.get("comms_note"):
+        lines.append(f"collectives: {f['comms_note']}")
+    util = f.get("mfu")
+    if isinstance(util, list):
+        for row in util:
+            lines.append(f"{row['metric']}: {row['utilization']:.1%} (median over steps). Numerator: {row['definition']}. "
+                         f"Peak: {row['peak']}")
+    elif isinstance(util, dict):
+        lines.append(f"MFU: not computed: {util['note']}")
+    for line in lines:
+        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _ms(ns) -> str:
+    return "n/a" if ns is None else f"{ns / 1e6:.3f} ms"
 
 
 def _ranges(numbers: list[int]) -> str:

@@ -154,6 +154,7 @@ def _record_trace_facts(source: Source, parsed: kineto.ParsedTrace) -> None:
         "nccl_version": info.get("nccl_version"),
         "pg_count": info.get("pg_count"),
         "device_names": sorted({d.get("name", "") for d in devices if isinstance(d, dict)}),
+        "device_sms": sorted({d["numSms"] for d in devices if isinstance(d, dict) and isinstance(d.get("numSms"), int)}),
         "cuda_runtime_version": meta.get("cuda_runtime_version"),
         "cuda_driver_version": meta.get("cuda_driver_version"),
         "base_time_ns": meta.get("baseTimeNanoseconds"),
@@ -287,6 +288,7 @@ def _environment(sources: list[Source]) -> dict:
 
     return {
         "device_names": sorted({n for m in meta for n in m.get("device_names", []) if n}),
+        "device_sms": sorted({n for m in meta for n in m.get("device_sms", [])}),
         "backend": distinct("backend"),
         "nccl_version": distinct("nccl_version"),
         "cuda_runtime_version": distinct("cuda_runtime_version"),
@@ -331,8 +333,13 @@ def ingest(
     jobs: int | None = None,
     files: Iterable[Path] | None = None,
     progress: Callable[[Source], None] | None = None,
+    finish: Callable[[Path], None] | None = None,
 ) -> IngestResult:
-    """Ingest the traces under run_dir (or the given files) into out_dir (default run_dir/.steplens)."""
+    """Ingest the traces under run_dir (or the given files) into out_dir (default run_dir/.steplens).
+
+    `finish(staging_dir)` runs on the complete new result before it is swapped in (the analyses), so
+    the swap publishes tables and analyses together or not at all.
+    """
     started = time.perf_counter()
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -400,6 +407,8 @@ def ingest(
         first = next((s for s in sources if s.issues), None)
         why = f" ({first.path}: {first.issues[0][3]})" if first else ""
         raise IngestError(f"{run_dir}: no usable trace among {len(sources)} file(s){why}")
+    if finish:
+        finish(staging)
     _swap_in(staging, out_dir)
     return IngestResult(out_dir, manifest, sources, len(to_parse), len(reused), time.perf_counter() - started)
 

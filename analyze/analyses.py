@@ -1,0 +1,148 @@
+"""Run every analysis over a run directory's tables and write each result as its own Parquet table.
+
+Each analysis module is a pure function from tables to tables; this module only reads the inputs
+(the columns they need), calls them in dependency order, writes the results and collects the
+headline findings the terminal summary and the report show.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+
+from . import comms, kernels, launch, mfu, schema, steps
+
+EVENT_COLUMNS = [
+    "source", "event_id", "ts_ns", "dur_ns", "kind", "name", "pid", "tid", "stream", "device", "correlation",
+    "step", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "group_name", "seq", "flops",
+]
+
+
+@dataclass
+class Options:
+    dtype: str = "bf16"
+    peak_tflops: float | None = None
+    shape: mfu.ModelShape | None = None
+    recompute: bool = False
+    kernel_categories: list = field(default_factory=lambda: list(kernels.KERNEL_CATEGORIES))
+
+
+def _read(out_dir: Path, table: str, columns: list[str] | None = None) -> pl.DataFrame:
+    folder = out_dir / table
+    if not any(folder.rglob("*.parquet")):
+        return pl.DataFrame()
+    frame = pl.scan_parquet(folder, hive_partitioning=True)
+    if columns:
+        frame = frame.select(["rank"] + columns)
+    return frame.collect()
+
+
+def _write(out_dir: Path, table: str, frame: pl.DataFrame) -> None:
+    folder = out_dir / table
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "part-0.parquet.tmp"
+    frame.write_parquet(tmp, compression="zstd")
+    tmp.replace(folder / "part-0.parquet")
+
+
+def run(out_dir: Path, options: Options | None = None) -> dict:
+    """All analyses over out_dir; returns the headline findings (also written to findings.json)."""
+    options = options or Options()
+    manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
+    ranks = manifest["ranks"]
+    world_size = manifest.get("world_size") or len(ranks)
+    events = _read(out_dir, "trace_events", EVENT_COLUMNS)
+    flows = _read(out_dir, "flows", ["source", "flow_type", "src_event_id", "dst_event_id"])
+    step_windows = _read(out_dir, "steps", ["step", "start_ns", "end_ns"])
+
+    work = kernels.device_work(events, options.kernel_categories)
+    calls = comms.collectives(events, world_size)
+    offsets = steps.clock_offsets(calls, ranks)
+    waits = steps.collective_waits(calls)
+    times = steps.step_times(step_windows, work, waits, offsets)
+    stats = steps.step_stats(times)
+    launched = launch.kernel_launches(events, flows)
+    gaps = launch.idle_gaps(launched, events)
+    idle = launch.gpu_idle(launched, gaps)
+    device_name, num_sms = _device(manifest)
+    peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops)
+    utilization = mfu.mfu_table(stats, times, events, peak, world_size, options.shape, options.recompute)
+
+    tables = {
+        "clock_offsets": offsets,
+        "step_times": times,
+        "step_stats": stats,
+        "collectives": calls,
+        "collective_instances": comms.instances(calls, offsets),
+        "kernel_launches": launched,
+        "launch_summary": launch.launch_summary(launched),
+        "gpu_idle": idle,
+        "sync_points": launch.sync_points(gaps, events),
+        "kernel_categories": kernels.category_time(work),
+        "top_kernels": kernels.top_kernels(work),
+        "mfu": utilization,
+    }
+    for name, frame in tables.items():
+        _write(out_dir, name, frame)
+    findings = headline(tables, events, peak_problem, device_name)
+    (out_dir / "findings.json").write_text(json.dumps(findings, indent=1, default=str))
+    return findings
+
+
+def _device(manifest: dict) -> tuple[str | None, int | None]:
+    """The run's GPU model. Kineto lists every GPU of the node; a mixed node has no single peak."""
+    env = manifest.get("environment", {})
+    names, sms = env.get("device_names") or [], env.get("device_sms") or []
+    if len(names) != 1:
+        return None, None
+    return names[0], sms[0] if len(sms) == 1 else None
+
+
+def headline(tables: dict[str, pl.DataFrame], events: pl.DataFrame, peak_problem: str, device_name: str | None) -> dict:
+    """The few numbers a user came for, each with what it means."""
+    findings: dict = {"device": device_name}
+    stats = tables["step_stats"]
+    if not stats.is_empty():
+        slow = stats.sort("max_dur_ns", descending=True).row(0, named=True)
+        findings["slowest_step"] = {"step": slow["step"], "rank": slow["slowest_rank"], "dur_ns": slow["max_dur_ns"],
+                                    "median_step_ns": int(stats["median_dur_ns"].median())}
+        stragglers = stats.filter(pl.col("straggler_rank").is_not_null())
+        findings["stragglers"] = [
+            {"step": s, "rank": r, "others_waited_ns": w} for s, r, w in
+            stragglers.select("step", "straggler_rank", "others_waited_ns").iter_rows()]
+    device_idle = tables["gpu_idle"].filter(pl.col("stream") == launch.ALL_STREAMS)
+    if not device_idle.is_empty():
+        totals = device_idle.select(pl.col("span_ns", "idle_ns", "host_bound_ns", "sync_ns", "other_ns").sum()).row(0, named=True)
+        causes = {c: totals[f"{c}_ns"] for c in ("host_bound", "sync", "other")}
+        findings["gpu_idle"] = {
+            "idle_share": totals["idle_ns"] / totals["span_ns"] if totals["span_ns"] else None,
+            "main_cause": max(causes, key=causes.get) if totals["idle_ns"] else None,
+            **{f"{c}_ns": v for c, v in causes.items()},
+            "definition": "device idle (no stream busy) inside each step's GPU span, summed over ranks and steps",
+        }
+    else:
+        findings["gpu_idle"] = {"idle_share": None, "note": "no device activity in the traces (CPU-only or no kernels)"}
+    calls = tables["collectives"]
+    if not calls.is_empty():
+        worst = calls.group_by("op", "bytes").agg(exposed_ns=pl.col("exposed_ns").sum(), calls=pl.len(),
+                                                  busbw_gbps=pl.col("busbw_gbps").median()).sort("exposed_ns", descending=True)
+        top = worst.row(0, named=True)
+        findings["most_exposed_collective"] = top
+        findings["exposed_comm_ns"] = int(calls["exposed_ns"].sum())
+    else:
+        cpu_comms = events.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()).height
+        findings["most_exposed_collective"] = None
+        findings["comms_note"] = (
+            f"communication without NCCL/RCCL kernels: {cpu_comms} record_param_comms CPU ops (gloo or CPU collectives)"
+            if cpu_comms else "no collectives in the traces")
+    table = tables["mfu"]
+    if table.is_empty():
+        findings["mfu"] = {"note": peak_problem or "no FLOPs numerator: give the model shape (--params ...) or profile with_flops=True"}
+    else:
+        summary = table.group_by("metric", "numerator", "definition", "peak").agg(
+            utilization=pl.col("utilization").median()).sort("metric", descending=True)
+        findings["mfu"] = summary.to_dicts()
+    return findings

@@ -1,0 +1,158 @@
+"""How far the run is from the hardware: MFU and HFU with one stated peak and named numerators.
+
+MFU = model FLOPs per step / (step time x GPUs x peak); HFU counts the FLOPs actually executed,
+recomputation included. The peak is the DENSE datasheet rate of the device for the dtype (never a
+sparse rate, never a measured "achievable" one); every figure carries the peak, its source and the
+numerator's definition. An unknown device gives no MFU and says how to supply a peak.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import polars as pl
+
+PEAK_TABLE_VERSION = 1
+
+# Dense peak TFLOP/s per device and dtype. Sources: vendor datasheets (dense = the sparsity figure
+# halved where the sheet quotes sparsity), as collected and cross-checked in
+# ../shared/reference/anchors-mfu-comms-peers.md §1 (Lightning throughput.py, composer
+# speed_monitor.py, torchtitan tools/utils.py, PyTorch inductor device_info.py).
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "h100-sxm": {"bf16": 989.5, "fp16": 989.5, "fp8": 1979.0, "tf32": 494.5, "fp32": 67.0},
+    "h100-pcie": {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "tf32": 378.0, "fp32": 51.2},
+    "h100-nvl": {"bf16": 835.5, "fp16": 835.5, "fp8": 1671.0, "tf32": 417.5, "fp32": 60.0},
+    "h200-sxm": {"bf16": 989.5, "fp16": 989.5, "fp8": 1979.0, "tf32": 494.5, "fp32": 67.0},
+    "h200-nvl": {"bf16": 835.5, "fp16": 835.5, "fp8": 1671.0, "tf32": 417.5, "fp32": 60.0},
+    "b200": {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "tf32": 1125.0, "fp32": 75.0},
+    "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "mi300x": {"bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9, "tf32": 653.7, "fp32": 163.4},
+    "v100-sxm": {"fp16": 125.0, "fp32": 15.7},
+    "v100-pcie": {"fp16": 112.0, "fp32": 14.0},
+    "v100s-pcie": {"fp16": 130.0, "fp32": 16.4},
+    "l4": {"bf16": 121.0, "fp16": 121.0, "fp8": 242.5, "tf32": 60.0, "fp32": 30.3},
+    "a10g": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+}
+PEAK_SOURCES = {
+    "h100-sxm": "NVIDIA H100 datasheet, SXM5 column (dense)",
+    "h100-pcie": "NVIDIA H100 datasheet, PCIe column (dense)",
+    "h100-nvl": "NVIDIA H100 NVL datasheet (dense = sparse / 2)",
+    "h200-sxm": "NVIDIA H200 datasheet, SXM column (dense; same tensor cores as H100 SXM)",
+    "h200-nvl": "NVIDIA H200 NVL datasheet (dense)",
+    "b200": "NVIDIA DGX B200 / HGX B200 datasheet per GPU (dense = sparse / 2)",
+    "a100": "NVIDIA A100 datasheet (SXM and PCIe equal for tensor rates; dense)",
+    "mi300x": "AMD Instinct MI300X datasheet (dense, not the measured max-achievable figure)",
+    "v100-sxm": "NVIDIA V100 datasheet, SXM2 column (tensor fp16)",
+    "v100-pcie": "NVIDIA V100 datasheet, PCIe column (tensor fp16)",
+    "v100s-pcie": "NVIDIA V100S datasheet (tensor fp16)",
+    "l4": "NVIDIA L4 datasheet (dense = sparse / 2)",
+    "a10g": "NVIDIA A10 datasheet rates, as Lightning uses for A10G (AWS publishes none of its own)",
+}
+
+# (key, name pattern, SM count or None). Checked in order; the SM count separates H100 SXM (132)
+# from PCIe (114) when the name is bare "NVIDIA H100".
+DEVICE_RULES: list[tuple[str, str, int | None]] = [
+    ("h100-nvl", r"H100.*NVL", None),
+    ("h100-pcie", r"H100.*(PCIe|PCIE|HBM2e)", None),
+    ("h100-sxm", r"H100.*(SXM|HBM3)", None),
+    ("h100-sxm", r"H100", 132),
+    ("h100-pcie", r"H100", 114),
+    ("h200-nvl", r"H200.*NVL", None),
+    ("h200-sxm", r"H200", None),
+    ("b200", r"B200", None),
+    ("a100", r"A100", None),
+    ("mi300x", r"MI300X", None),
+    ("v100s-pcie", r"V100S", None),
+    ("v100-pcie", r"V100.*PCIE", None),
+    ("v100-sxm", r"V100.*SXM", None),
+    ("l4", r"(^|\s)L4($|\s)", None),
+    ("a10g", r"A10G", None),
+]
+
+
+def match_device(name: str, num_sms: int | None = None) -> str | None:
+    """Peak-table key for a device name (as in Kineto's deviceProperties), or None."""
+    for key, pattern, sms in DEVICE_RULES:
+        if re.search(pattern, name, re.IGNORECASE) and (sms is None or sms == num_sms):
+            return key
+    return None
+
+
+@dataclass
+class Peak:
+    flops: float  # per GPU, FLOP/s
+    label: str  # what it is, for every printed figure
+
+
+def peak_for(device_name: str | None, dtype: str, num_sms: int | None = None,
+             peak_tflops: float | None = None) -> tuple[Peak | None, str]:
+    """The peak to divide by, or None with a message saying why and how to supply one."""
+    if peak_tflops:
+        return Peak(peak_tflops * 1e12, f"{peak_tflops:g} TFLOP/s per GPU (given with --peak-tflops)"), ""
+    if not device_name:
+        return None, "no device name in the traces; pass --peak-tflops (dense, per GPU) to compute MFU"
+    key = match_device(device_name, num_sms)
+    if key is None:
+        return None, f"unknown device {device_name!r}; pass --peak-tflops (dense, per GPU) to compute MFU"
+    tflops = PEAK_TFLOPS[key].get(dtype)
+    if tflops is None:
+        return None, f"no {dtype} peak for {key}; pass --peak-tflops or another --dtype"
+    return Peak(tflops * 1e12, f"{tflops:g} TFLOP/s dense {dtype}, {key} ({PEAK_SOURCES[key]})"), ""
+
+
+@dataclass
+class ModelShape:
+    """For the PaLM numerator (Chowdhery et al. 2022, App. B): 6N + 12·L·H·Q·T FLOPs per token."""
+
+    params: float  # N, non-embedding parameters
+    layers: int  # L
+    heads: int  # H
+    head_dim: int  # Q
+    seq_len: int  # T
+    tokens_per_step: int  # global tokens per optimizer step
+
+    def flops_per_step(self, recompute: bool = False) -> float:
+        per_token = 6 * self.params + 12 * self.layers * self.heads * self.head_dim * self.seq_len
+        # Full activation recompute runs the forward (a third of 6N + 12LHQT) once more.
+        return per_token * (4 / 3 if recompute else 1) * self.tokens_per_step
+
+
+PALM_DEFINITION = "PaLM model FLOPs: (6N + 12*L*H*Q*T) per token x tokens per step (attention not causal-halved)"
+PROFILER_DEFINITION = ("FLOPs counted by torch.profiler(with_flops=True) on the ops it knows (matmul, conv, "
+                       "elementwise) in the step, forward and backward as executed: hardware FLOPs")
+
+
+def mfu_table(step_stats: pl.DataFrame, step_times: pl.DataFrame, events: pl.DataFrame, peak: Peak | None,
+              world_size: int, shape: ModelShape | None = None, recompute: bool = False) -> pl.DataFrame:
+    """MFU/HFU per step for every numerator the run supports, each row naming its definition."""
+    columns = {"step": pl.Int64, "rank": pl.Int64, "metric": pl.String, "numerator": pl.String, "flops": pl.Float64,
+               "step_time_ns": pl.Int64, "gpus": pl.Int64, "peak_flops": pl.Float64, "utilization": pl.Float64,
+               "definition": pl.String, "peak": pl.String}
+    if peak is None:
+        return pl.DataFrame(schema=columns)
+    rows = []
+    if shape is not None:
+        variants = [("MFU", shape.flops_per_step(), PALM_DEFINITION)]
+        if recompute:
+            variants.append(("HFU", shape.flops_per_step(recompute=True), PALM_DEFINITION + " + one forward recompute"))
+        for metric, flops, definition in variants:
+            # Wall time of the step across ranks; without clock alignment, the slowest rank's.
+            times = step_stats.select("step", pl.coalesce("aligned_dur_ns", "max_dur_ns"))
+            for step, dur in times.iter_rows():
+                if dur:
+                    rows.append({"step": step, "rank": None, "metric": metric, "numerator": "palm", "flops": flops,
+                                 "step_time_ns": dur, "gpus": world_size, "peak_flops": peak.flops,
+                                 "utilization": flops / (dur * 1e-9 * world_size * peak.flops),
+                                 "definition": definition, "peak": peak.label})
+    counted = events.filter(pl.col("flops").is_not_null() & (pl.col("flops") > 0) & pl.col("step").is_not_null())
+    if not counted.is_empty():
+        per_rank = counted.group_by("rank", "step").agg(flops=pl.col("flops").sum()).join(
+            step_times.select("rank", "step", "cpu_dur_ns"), on=["rank", "step"])
+        for rank, step, flops, dur in per_rank.select("rank", "step", "flops", "cpu_dur_ns").iter_rows():
+            if dur:
+                rows.append({"step": step, "rank": rank, "metric": "HFU", "numerator": "profiler_flops", "flops": flops,
+                             "step_time_ns": dur, "gpus": 1, "peak_flops": peak.flops,
+                             "utilization": flops / (dur * 1e-9 * peak.flops),
+                             "definition": PROFILER_DEFINITION, "peak": peak.label})
+    return pl.DataFrame(rows, schema=columns).sort("numerator", "step", "rank", nulls_last=True)

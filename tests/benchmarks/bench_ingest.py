@@ -1,0 +1,176 @@
+"""Ingest benchmark: steplens `analyze` vs Holistic Trace Analysis (HTA) loading the same traces.
+
+    .venv/bin/python tests/benchmarks/bench_ingest.py [--quick] [--runs 3] [--cache DIR] [--jobs N]
+
+Input sets (each a folder of symlinks to the trace files only, under --cache):
+  synthetic-8r : 8 ranks, >= 50 MB raw JSON per rank, gzipped, made once by tests/synthetic.py
+  trace_diff   : /work/shared/corpus/HolisticTraceAnalysis/trace_diff (2 ranks, ~33 MB raw each)
+  mtia_single  : .../mtia_trace_single_rank (1 rank, 83 MB raw)
+--quick: 4 ranks x 10 MB generated, trace_diff only, 1 run (smoke test).
+Each set: steplens and HTA alternate (steplens, hta, steplens, hta, ...) --runs times; medians.
+Wall seconds = the whole process (interpreter start-up and imports included, for both tools),
+peak RSS = summed RSS of the process tree (tests/benchmarks/peak_rss.py). Then steplens alone on
+1, 2, 4, 8 rank subsets of the generated set: peak RSS should stay flat (<= --jobs files in flight).
+Standard library + psutil only. Nothing is written outside --cache and tempfile's directory.
+"""
+import argparse
+import gzip
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+from peak_rss import measure  # noqa: E402
+
+CORPUS = Path("/work/shared/corpus/HolisticTraceAnalysis")
+ANALYZE = Path(sys.executable).parent / "analyze"
+TRACE_SUFFIXES = (".json", ".json.gz")
+
+
+def trace_files(d: Path) -> list:
+    return sorted(p for p in d.iterdir() if p.name.endswith(TRACE_SUFFIXES) and p.name != "truth.json")
+
+
+def link_set(dest: Path, files) -> Path:
+    """dest/ = fresh folder of symlinks to `files` (keeps truth.json etc. away from both tools)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for f in files:
+        (dest / f.name).symlink_to(f.resolve())
+    return dest
+
+
+def generate(cache: Path, ranks: int, mb: int) -> Path:
+    out = cache / f"gen-{ranks}x{mb}mb"
+    if not (out / ".done").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"generating {ranks} ranks x {mb} MB into {out} ...", flush=True)
+        subprocess.run([sys.executable, str(REPO / "tests" / "synthetic.py"), str(out),
+                        "--ranks", str(ranks), "--steps", "4", "--target-mb-per-rank", str(mb),
+                        "--seed", "0"], check=True)
+        (out / ".done").touch()
+    return out
+
+
+def scan(path: Path, cache: dict) -> dict:
+    """Uncompressed bytes and X/i event count of one file; cached by path, size and mtime."""
+    st = path.resolve().stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    if key not in cache:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rb") as fh:
+            raw = fh.read()
+        events = json.loads(raw).get("traceEvents", [])
+        cache[key] = {"bytes": len(raw),
+                      "events": sum(1 for e in events if isinstance(e, dict) and e.get("ph") in ("X", "i"))}
+    return cache[key]
+
+
+def run_steplens(d: Path, jobs: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="steplens-bench-out-") as tmp:
+        r = measure([str(ANALYZE), str(d), "--out", os.path.join(tmp, "out"), "-q", "--jobs", str(jobs)],
+                    capture=True, stderr=subprocess.STDOUT)
+    if r["returncode"] != 0:
+        print(f"  steplens exit {r['returncode']} on {d}:\n{r['stdout'][-3000:]}", flush=True)
+    return r
+
+
+def run_hta(hta_py: str, d: Path) -> dict:
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: HTA logs a lot
+        r = measure([hta_py, str(HERE / "hta_load.py"), str(d), "--json"], capture=True, stderr=err)
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+    lines = [ln for ln in r["stdout"].splitlines() if ln.startswith("{")]
+    if r["returncode"] != 0 or not lines:
+        print(f"  HTA exit {r['returncode']} on {d}:\n{stderr[-3000:]}", flush=True)
+        return {**r, "hta": None}
+    r["hta"] = json.loads(lines[-1])
+    if r["hta"].get("skipped_files"):
+        print(f"  HTA skipped files: {r['hta']['skipped_files']}", flush=True)
+    return r
+
+
+def med(results, key):
+    vals = [r[key] for r in results if r.get("returncode") == 0]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def bench_set(name, d, hta_py, runs, jobs, counts):
+    files = trace_files(d)
+    mb = sum(scan(f, counts)["bytes"] for f in files) / 1e6
+    events = sum(scan(f, counts)["events"] for f in files)
+    sl, hta = [], []
+    for i in range(runs):
+        sl.append(run_steplens(d, jobs))
+        hta.append(run_hta(hta_py, d))
+        print(f"  [{name}] run {i + 1}/{runs}: steplens {sl[-1]['seconds']:.2f} s {sl[-1]['peak_rss_mb']:.0f} MiB"
+              f" | hta {hta[-1]['seconds']:.2f} s {hta[-1]['peak_rss_mb']:.0f} MiB", flush=True)
+    hta_ok = [r for r in hta if r["hta"]]
+    hta_inner = statistics.median(r["hta"]["seconds"] for r in hta_ok) if hta_ok else float("nan")
+    hta_rows = statistics.median(r["hta"]["events"] for r in hta_ok) if hta_ok else 0
+    rows = [("steplens", med(sl, "seconds"), med(sl, "peak_rss_mb")),
+            ("hta", med(hta, "seconds"), med(hta, "peak_rss_mb")),
+            ("hta (internal load time)", hta_inner, med(hta, "peak_rss_mb"))]
+    print(f"\n== {name}: {len(files)} file(s), {mb:.1f} MB raw JSON, {events:,} input events (X+i);"
+          f" median of {runs} run(s), steplens --jobs {jobs}")
+    print(f"   {'tool':<26}{'seconds':>9}{'raw MB/s':>10}{'events/s':>12}{'peak RSS MiB':>14}")
+    for tool, s, rss in rows:
+        print(f"   {tool:<26}{s:>9.2f}{mb / s:>10.1f}{events / s:>12,.0f}{rss:>14.0f}")
+    print(f"   (wall seconds include interpreter start-up and imports for both tools; HTA kept "
+          f"{hta_rows:,.0f} rows after its own filtering)")
+    s_sl, s_hta, rss_sl, rss_hta = rows[0][1], rows[1][1], rows[0][2], rows[1][2]
+    print(f"   steplens MB/s / HTA MB/s = {s_hta / s_sl:.1f}x wall (target >= 10),"
+          f" {hta_inner / s_sl:.1f}x vs HTA internal load time")
+    print(f"   steplens peak RSS / HTA peak RSS = {rss_sl / rss_hta:.2f} (target <= 1)\n", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4 ranks x 10 MB, trace_diff only, 1 run")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cache", type=Path, default=Path("/tmp/steplens-bench"))
+    ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="steplens --jobs (default: CPUs)")
+    args = ap.parse_args()
+    runs = 1 if args.quick else args.runs
+    cache = args.cache.resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+
+    hta_py = subprocess.run(["bash", str(HERE / "hta_env.sh")], check=True, capture_output=True,
+                            text=True).stdout.strip().splitlines()[-1]
+    ranks, mb = (4, 10) if args.quick else (8, 50)
+    gen = generate(cache, ranks, mb)
+    gen_files = trace_files(gen)
+    sets = [(f"synthetic-{ranks}r", link_set(cache / "sets" / f"synthetic-{ranks}r", gen_files)),
+            ("trace_diff", link_set(cache / "sets" / "trace_diff", trace_files(CORPUS / "trace_diff")))]
+    if not args.quick:
+        sets.append(("mtia_single", link_set(cache / "sets" / "mtia_single",
+                                             trace_files(CORPUS / "mtia_trace_single_rank"))))
+
+    counts_path = cache / "counts.json"
+    counts = json.loads(counts_path.read_text()) if counts_path.exists() else {}
+    print(f"steplens: {ANALYZE}\nHTA python: {hta_py}\ncache: {cache}\n", flush=True)
+    for name, d in sets:
+        bench_set(name, d, hta_py, runs, args.jobs, counts)
+        counts_path.write_text(json.dumps(counts, indent=1))
+
+    print(f"== steplens peak RSS vs rank count (generated set, --jobs {args.jobs}, median of {runs})")
+    print(f"   {'ranks':>5}{'raw MB':>9}{'seconds':>9}{'peak RSS MiB':>14}")
+    for n in (1, 2, 4, 8):
+        if n > len(gen_files):
+            break
+        d = link_set(cache / "sets" / f"synthetic-first{n}", gen_files[:n])
+        res = [run_steplens(d, args.jobs) for _ in range(runs)]
+        raw = sum(scan(f, counts)["bytes"] for f in gen_files[:n]) / 1e6
+        print(f"   {n:>5}{raw:>9.1f}{med(res, 'seconds'):>9.2f}{med(res, 'peak_rss_mb'):>14.0f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

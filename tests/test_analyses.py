@@ -1,0 +1,231 @@
+"""The analyses against known answers: generated runs (tests/synthetic.py truth) and hand-computed cases."""
+
+import json
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from steplens.analyze import analyses, comms, launch, mfu, steps
+from steplens.analyze.cli import analyze
+from steplens.analyze.ingest import ingest
+from synthetic import generate_run
+
+from conftest import CORPUS, write_trace
+
+
+@pytest.fixture(scope="module")
+def analysed(tmp_path_factory):
+    run = tmp_path_factory.mktemp("gen") / "run"
+    generate_run(run, ranks=4, steps=5, seed=3, stragglers=[(2, 12)])
+    truth = json.loads((run / "truth.json").read_text())
+    out = run / ".steplens"
+    findings = {}
+    ingest(run, out, jobs=1, finish=lambda staging: findings.update(analyses.run(staging)))
+    return out, truth, findings
+
+
+def _table(out, name):
+    return pl.read_parquet(out / name / "part-0.parquet")
+
+
+def test_clock_offsets_within_10us(analysed):
+    out, truth, _ = analysed
+    offsets = _table(out, "clock_offsets").sort("rank")
+    for rank, offset, uncertainty in offsets.select("rank", "offset_ns", "uncertainty_ns").iter_rows():
+        assert abs(offset - truth["ranks"][str(rank)]["clock_offset_ns"]) <= 10_000
+        assert uncertainty <= 10_000
+
+
+def test_straggler_rank_and_step_exact(analysed):
+    out, truth, findings = analysed
+    stats = _table(out, "step_stats")
+    found = stats.filter(pl.col("straggler_rank").is_not_null()).select("straggler_rank", "step").rows()
+    assert found == [(s["rank"], s["step"]) for s in truth["stragglers"]]
+    assert [(s["rank"], s["step"]) for s in findings["stragglers"]] == found
+    # Aligned step wall time across ranks matches the true duration once clocks are aligned.
+    for step, dur in stats.select("step", "aligned_dur_ns").iter_rows():
+        assert abs(dur - truth["step_true_duration_ns"][str(step)]) <= 10_000
+
+
+def test_idle_split_matches_truth(analysed):
+    out, truth, _ = analysed
+    idle = _table(out, "gpu_idle").filter(pl.col("stream") == 7)
+    for rank, info in truth["ranks"].items():
+        for step, expected in info["idle"].items():
+            row = idle.filter((pl.col("rank") == int(rank)) & (pl.col("step") == int(step))).row(0, named=True)
+            assert row["busy_ns"] == pytest.approx(expected["compute_stream_busy_ns"], rel=0.02)
+            for mine, theirs in (("host_bound_ns", "host_bound_idle_ns"), ("sync_ns", "sync_idle_ns"), ("other_ns", "other_idle_ns")):
+                assert row[mine] == pytest.approx(expected[theirs], rel=0.02, abs=1000), (rank, step, mine)
+            assert row["busy_ns"] + row["idle_ns"] == row["span_ns"]
+
+
+def test_exposed_communication_matches_truth(analysed):
+    out, truth, _ = analysed
+    calls = _table(out, "collectives")
+    for rank, info in truth["ranks"].items():
+        per_step = dict(calls.filter(pl.col("rank") == int(rank)).group_by("step").agg(pl.col("exposed_ns").sum()).iter_rows())
+        for step, expected in info["exposed_comm_ns"].items():
+            assert per_step[int(step)] == pytest.approx(expected, rel=0.02, abs=1000)
+        by_seq = {c["seq"]: c for c in info["collectives"]}
+        mine = calls.filter(pl.col("rank") == int(rank)).select("seq", "exposed_ns", "bytes", "busbw_gbps", "dur_ns")
+        for seq, exposed, nbytes, busbw, dur in mine.iter_rows():
+            c = by_seq[seq]
+            n = c["group_size"]
+            assert exposed == c["exposed_ns"]
+            assert dur == c["kernel_end_ns"] - c["kernel_start_ns"]
+            # nccl-tests S: the whole output for allgather (truth records the per-rank input), else the input.
+            expected = c["bytes"] * n if c["name"] == "_allgather_base" else c["bytes"]
+            assert nbytes == expected
+            factor = 2 * (n - 1) / n if c["name"] == "allreduce" else (n - 1) / n
+            assert busbw == pytest.approx(expected / dur * factor, rel=1e-12)
+
+
+def test_launch_apis_all_counted(analysed):
+    out, truth, _ = analysed
+    launched = _table(out, "kernel_launches")
+    apis = set(launched["launch_api"].drop_nulls())
+    assert {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"} <= apis
+    # No device activity is dropped: every one is in the table, and every one has its launch.
+    for rank, info in truth["ranks"].items():
+        mine = launched.filter(pl.col("rank") == int(rank))
+        expected = sum(info["event_counts"][k] for k in ("kernel", "gpu_memcpy", "gpu_memset"))
+        assert mine.height == expected == info["launch_links"]
+        assert mine["launch_api"].null_count() == 0
+
+
+def test_sync_points_name_the_issuing_op(analysed):
+    out, _, _ = analysed
+    points = _table(out, "sync_points")
+    assert not points.is_empty()
+    blocking = points.filter(pl.col("name") == "cudaMemcpy")
+    assert set(blocking["issuing_op"]) == {"aten::_local_scalar_dense"}
+
+
+def _nccl_trace(tmp_path, nbytes_elems, dur_us, group=8, name="ncclDevKernel_AllReduce_Sum_bf16_RING_LL", coll="allreduce"):
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0, "dur": 20000},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": 10, "dur": 5, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 20, "ts": 100, "dur": dur_us,
+         "args": {"correlation": 1, "stream": 20, "device": 0, "Collective name": coll, "In msg nelems": nbytes_elems,
+                  "Out msg nelems": nbytes_elems, "dtype": "BFloat16", "Group size": group, "Process Group Name": "0", "Seq": 1}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": 20, "dur": 5, "args": {"correlation": 2}},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 100, "dur": dur_us / 4,
+         "args": {"correlation": 2, "stream": 7, "device": 0}},
+    ]
+    return write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": group},
+                       deviceProperties=[{"id": 0, "name": "NVIDIA H100 80GB HBM3", "numSms": 132}])
+
+
+def test_busbw_exact_for_given_size_and_duration(tmp_path):
+    _nccl_trace(tmp_path, nbytes_elems=500_000_000, dur_us=10_000)  # 1e9 bytes of bf16 in 10 ms
+    ev = pl.scan_parquet(ingest(tmp_path / "run", jobs=1).out_dir / "trace_events").collect()
+    call = comms.collectives(ev).row(0, named=True)
+    assert call["bytes"] == 1_000_000_000
+    assert call["algbw_gbps"] == pytest.approx(100.0)  # 1e9 B / 10 ms = 100 GB/s
+    assert call["busbw_gbps"] == pytest.approx(100.0 * 2 * 7 / 8)  # allreduce: 2(n-1)/n
+    assert (call["overlapped_ns"], call["exposed_ns"]) == (2_500_000, 7_500_000)  # the gemm covers a quarter
+    assert call["regime"] == "bandwidth-bound"
+
+
+@pytest.mark.parametrize("coll,kernel,size_elems,expected_bytes,factor", [
+    ("_allgather_base", "ncclDevKernel_AllGather_RING_LL", 1000, 2000, 7 / 8),  # out nelems x 2 B
+    ("_reduce_scatter_base", "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 1000, 2000, 7 / 8),
+    ("broadcast", "ncclKernel_Broadcast_RING_LL_Sum_int8_t", 1000, 2000, 1.0),
+    ("send", "ncclDevKernel_SendRecv", 1000, 2000, 1.0),
+])
+def test_bus_bandwidth_factors(tmp_path, coll, kernel, size_elems, expected_bytes, factor):
+    _nccl_trace(tmp_path, nbytes_elems=size_elems, dur_us=1, name=kernel, coll=coll)
+    ev = pl.scan_parquet(ingest(tmp_path / "run", jobs=1).out_dir / "trace_events").collect()
+    call = comms.collectives(ev).row(0, named=True)
+    assert call["bytes"] == expected_bytes
+    assert call["busbw_gbps"] == pytest.approx(expected_bytes / 1000 * factor)
+    assert call["regime"] == "latency-bound"
+
+
+def test_generic_nccl_kernel_without_args_is_still_communication(tmp_path):
+    events = [{"ph": "X", "cat": "kernel", "name": "ncclDevKernel_Generic", "pid": 0, "tid": 20, "ts": 1, "dur": 5, "args": {"stream": 20}}]
+    write_trace(tmp_path / "run" / "t.json", events)
+    ev = pl.scan_parquet(ingest(tmp_path / "run", jobs=1).out_dir / "trace_events").collect()
+    call = comms.collectives(ev).row(0, named=True)
+    assert call["op"] == "unknown" and call["bytes"] is None and call["busbw_gbps"] is None
+
+
+@pytest.mark.parametrize("name,sms,key", [
+    ("NVIDIA H100 80GB HBM3", 132, "h100-sxm"), ("NVIDIA H100 PCIe", 114, "h100-pcie"), ("NVIDIA H100 NVL", 132, "h100-nvl"),
+    ("NVIDIA H100", 132, "h100-sxm"), ("NVIDIA H100", 114, "h100-pcie"), ("NVIDIA H200", 132, "h200-sxm"),
+    ("NVIDIA H200 NVL", 132, "h200-nvl"), ("NVIDIA B200", 148, "b200"), ("NVIDIA A100-PG509-200", 108, "a100"),
+    ("NVIDIA A100-SXM4-80GB", 108, "a100"), ("AMD Instinct MI300X VF", 304, "mi300x"), ("AMD Instinct MI300X", 304, "mi300x"),
+    ("Tesla V100-SXM2-32GB", 80, "v100-sxm"), ("Tesla V100-PCIE-16GB", 80, "v100-pcie"), ("NVIDIA L4", 58, "l4"),
+    ("NVIDIA A10G", 80, "a10g"), ("NVIDIA L40S", 142, None), ("AMD Radeon Graphics", None, None),
+    ("Quadro GP100", 56, None), ("NVIDIA H100", None, None),
+])
+def test_device_matching_is_explicit(name, sms, key):
+    assert mfu.match_device(name, sms) == key
+
+
+def test_unknown_device_gives_no_mfu_and_says_how():
+    peak, problem = mfu.peak_for("AMD Radeon Graphics", "bf16")
+    assert peak is None and "--peak-tflops" in problem
+    peak, problem = mfu.peak_for("Tesla V100-SXM2-32GB", "bf16")
+    assert peak is None and "no bf16 peak" in problem
+    peak, _ = mfu.peak_for("AMD Radeon Graphics", "bf16", peak_tflops=100)
+    assert peak.flops == 100e12
+
+
+def test_mfu_arithmetic_exact():
+    shape = mfu.ModelShape(params=1e9, layers=24, heads=16, head_dim=128, seq_len=2048, tokens_per_step=1_048_576)
+    per_token = 6e9 + 12 * 24 * 16 * 128 * 2048
+    assert shape.flops_per_step() == per_token * 1_048_576
+    stats = pl.DataFrame({"step": [1], "aligned_dur_ns": [2_000_000_000], "max_dur_ns": [2_000_000_000]})
+    peak, _ = mfu.peak_for("NVIDIA H100 80GB HBM3", "bf16")
+    table = mfu.mfu_table(stats, pl.DataFrame(), pl.DataFrame({"flops": [], "step": [], "rank": []},
+                                                                 schema={"flops": pl.Float64, "step": pl.Int64, "rank": pl.Int64}),
+                          peak, world_size=8, shape=shape, recompute=True)
+    rows = {r["metric"]: r for r in table.to_dicts()}
+    assert rows["MFU"]["utilization"] == pytest.approx(per_token * 1_048_576 / (2.0 * 8 * 989.5e12), rel=1e-12)
+    assert rows["HFU"]["utilization"] == pytest.approx(rows["MFU"]["utilization"] * 4 / 3, rel=1e-12)
+    assert "6N + 12*L*H*Q*T" in rows["MFU"]["definition"] and "989.5 TFLOP/s dense bf16" in rows["MFU"]["peak"]
+
+
+def test_profiler_flops_numerator(tmp_path):
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "pid": 1, "tid": 1, "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10, "dur": 100, "args": {"flops": 4.0e11}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 200, "dur": 100, "args": {"flops": 5.895e11}},
+    ]
+    write_trace(tmp_path / "run" / "t.json", events, deviceProperties=[{"id": 0, "name": "NVIDIA A100-SXM4-80GB", "numSms": 108}])
+    findings = {}
+    ingest(tmp_path / "run", jobs=1, finish=lambda s: findings.update(analyses.run(s)))
+    table = pl.read_parquet(tmp_path / "run" / ".steplens" / "mfu" / "part-0.parquet")
+    row = table.row(0, named=True)
+    # 9.895e11 FLOPs in a 1 ms step on a 312 TFLOP/s A100 = 3.171...%
+    assert row["utilization"] == pytest.approx(9.895e11 / (1e-3 * 312e12))
+    assert row["numerator"] == "profiler_flops" and row["metric"] == "HFU"
+
+
+@pytest.mark.skipif(not CORPUS.is_dir(), reason="shared corpus not found")
+@pytest.mark.parametrize("folder", [
+    "HolisticTraceAnalysis/cpu_only", "HolisticTraceAnalysis/distributed_info_unavailable", "HolisticTraceAnalysis/trace_compare",
+    "HolisticTraceAnalysis/mtia_inference_trace", "HolisticTraceAnalysis/cupti_profiler", "TraceLens/inference_sglang_decode",
+    "HolisticTraceAnalysis/mixed_files", "param/dlrm_kineto", "HolisticTraceAnalysis/large_integer_trace",
+])
+def test_odd_real_runs_analyse_without_crashing(tmp_path, folder):
+    result = CliRunner().invoke(analyze, [str(CORPUS / folder), "--out", str(tmp_path / "o"), "-q"])
+    assert result.exit_code in (0, 1), result.output
+    assert "findings" in result.output
+    findings = json.loads((tmp_path / "o" / "findings.json").read_text())
+    if folder.endswith("distributed_info_unavailable"):
+        assert "without NCCL/RCCL kernels" in findings["comms_note"]
+    if folder.endswith("cpu_only"):
+        assert findings["comms_note"] == "no collectives in the traces" and findings["gpu_idle"]["idle_share"] is None
+
+
+def test_cli_reports_mfu_with_definition(tmp_path):
+    _nccl_trace(tmp_path, nbytes_elems=1000, dur_us=100)
+    result = CliRunner().invoke(analyze, [str(tmp_path / "run"), "-q", "--params", "1e9", "--layers", "2", "--heads", "4",
+                                          "--head-dim", "64", "--seq-len", "128", "--tokens-per-step", "4096"])
+    assert result.exit_code == 0, result.output
+    assert "MFU:" in result.output and "6N + 12*L*H*Q*T" in result.output and "989.5 TFLOP/s dense bf16" in result.output
+    partial = CliRunner().invoke(analyze, [str(tmp_path / "run"), "-q", "--params", "1e9"])
+    assert partial.exit_code == 2 and "needs all of" in partial.output
