@@ -44,6 +44,12 @@ def _write(out_dir: Path, table: str, frame: pl.DataFrame) -> None:
     folder = out_dir / table
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / "part-0.parquet.tmp"
+    columns = list(schema.ANALYSIS_TABLES[table])
+    missing = [c for c in columns if c not in frame.columns]
+    if missing and not frame.is_empty():
+        raise KeyError(f"analysis table {table} lacks columns {missing}")
+    # An analysis with nothing to say still writes its (empty) table, so SQL over it works.
+    frame = frame.with_columns([pl.lit(None).alias(c) for c in missing]).select(columns)
     frame.write_parquet(tmp, compression="zstd")
     tmp.replace(folder / "part-0.parquet")
 

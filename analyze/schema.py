@@ -136,3 +136,99 @@ def part_dir(table: str, rank: int | None) -> str:
     """Relative folder of a table's part files for one rank (or the run-level folder)."""
     partitioned = TABLES[table][2]
     return f"{table}/rank={rank}" if partitioned else table
+
+
+# Analysis results: run-level tables (<table>/part-0.parquet), rewritten by every `analyze` run.
+# name -> {column: meaning}. Written by analyze/analyses.py; tests check the columns match.
+ANALYSIS_TABLES: dict[str, dict[str, str]] = {
+    "clock_offsets": {
+        "rank": "Rank.",
+        "offset_ns": "This rank's clock minus the reference rank's (aligned time = ts_ns - offset_ns).",
+        "uncertainty_ns": "Half the range of the per-collective estimates.",
+        "matched": "Collective instances shared with the reference rank.",
+        "method": "How it was estimated (collective end times, reference, or none).",
+        "reference_rank": "The rank whose clock is the reference (the lowest).",
+    },
+    "step_times": {
+        "rank": "Rank.", "step": "ProfilerStep number.",
+        "cpu_start_ns": "Start of the step annotation (rank clock).", "cpu_end_ns": "Its end.",
+        "cpu_dur_ns": "CPU step duration.",
+        "gpu_start_ns": "First start of device work launched in the step.", "gpu_end_ns": "Last end of it.",
+        "gpu_dur_ns": "GPU projection of the step.",
+        "comm_wait_ns": "Time this rank waited in collectives for slower ranks in the step.",
+        "aligned_start_ns": "cpu_start_ns on the reference clock.", "aligned_end_ns": "cpu_end_ns on the reference clock.",
+    },
+    "step_stats": {
+        "step": "ProfilerStep number.", "ranks": "Ranks that recorded it.",
+        "min_dur_ns": "Shortest CPU step over ranks.", "median_dur_ns": "Median.", "max_dur_ns": "Longest.",
+        "spread_ns": "max_dur_ns - min_dur_ns.", "slowest_rank": "Rank with the longest CPU step.",
+        "straggler_rank": "Rank the others waited for (last to arrive at collectives), when they waited >= 5% of the step.",
+        "others_waited_ns": "Total collective wait of the other ranks in the step.",
+        "median_other_wait_ns": "Median of it over the other ranks.",
+        "aligned_dur_ns": "Step wall time across ranks on the aligned clock (first start to last end).",
+    },
+    "collectives": {
+        "rank": "Rank.", "step": "Step of the launch.", "event_id": "The NCCL/RCCL kernel's event_id.",
+        "instance": "Cross-rank key: process group + Seq, else process group + op + order.",
+        "op": "Collective in nccl-tests terms (allreduce, allgather, reducescatter, alltoall, broadcast, reduce, sendrecv, ...).",
+        "collective": "'Collective name' as recorded.", "name": "Kernel name.", "group_name": "Process group.",
+        "group_size": "n of the nccl-tests formulas: the process group's size.", "seq": "Sequence number in the group.",
+        "dtype": "Element type.", "bytes": "nccl-tests message size S (allgather: whole output; reducescatter: whole input).",
+        "ts_ns": "Kernel start.", "dur_ns": "Kernel duration.", "algbw_gbps": "S / duration, GB/s (1e9 B/s).",
+        "busbw_gbps": "algbw x nccl-tests bus factor (allreduce 2(n-1)/n, allgather/reducescatter/alltoall (n-1)/n, else 1).",
+        "overlapped_ns": "Part covered by compute kernels on another stream of the same device.",
+        "exposed_ns": "dur_ns - overlapped_ns.", "regime": "latency-bound below 1 MiB, else bandwidth-bound.",
+        "device": "GPU.", "stream": "Stream.",
+    },
+    "collective_instances": {
+        "instance": "Cross-rank key.", "op": "Collective.", "ranks": "Ranks that recorded it.", "step": "Step.",
+        "bytes": "S.", "group_size": "n.", "min_dur_ns": "Minimum kernel time over ranks: the transfer itself.",
+        "max_dur_ns": "Maximum: includes waiting for the last rank.",
+        "start_skew_ns": "Spread of kernel starts over ranks (aligned clocks).",
+        "end_skew_ns": "Spread of kernel ends over ranks (aligned clocks).",
+        "last_rank": "Rank that started last (the others waited for it).",
+        "busbw_at_min_latency_gbps": "busbw at the minimum latency.",
+    },
+    "kernel_launches": {
+        "rank": "Rank.", "source": "Source file.", "event_id": "Device event.", "step": "Step.", "kind": "kernel, gpu_memcpy or gpu_memset.",
+        "name": "Device event name.", "stream": "Stream.", "device": "GPU.", "ts_ns": "Start on the GPU.", "dur_ns": "GPU duration.",
+        "launch_api": "Runtime/driver call that enqueued it (null: no launch recorded).", "launch_ts_ns": "Start of that call.",
+        "api_ns": "CPU cost of the call.", "launch_pid": "Launching process.", "launch_tid": "Launching thread.",
+        "queue_ns": "From the end of the call to the start on the GPU (negative for blocking copies).",
+        "launch_delay_ns": "From the start of the call to the start on the GPU.",
+    },
+    "launch_summary": {
+        "rank": "Rank.", "launch_api": "Launch API.", "activities": "Device activities it launched.",
+        "api_ns_median": "Median CPU cost.", "api_ns_p90": "90th percentile CPU cost.",
+        "queue_ns_median": "Median queueing.", "queue_ns_p90": "90th percentile queueing.", "gpu_ns_total": "GPU time launched.",
+    },
+    "gpu_idle": {
+        "rank": "Rank.", "device": "GPU.", "stream": "Stream, or -1: the whole device (idle only when no stream is busy).",
+        "step": "Step.", "span_start_ns": "First start of the step's device work.", "span_end_ns": "Last end.",
+        "span_ns": "The span.", "busy_ns": "Union of activity.", "idle_ns": "span_ns - busy_ns.",
+        "host_bound_ns": "Idle with nothing queued: the GPU waited for the CPU to launch.",
+        "sync_ns": "Idle while the launching thread sat in a synchronizing call.",
+        "other_ns": "Idle with work queued (cross-stream waits) or launches not recorded.",
+        "activities": "Device activities in the span.",
+    },
+    "sync_points": {
+        "rank": "Rank.", "step": "Step.", "name": "Synchronizing call.", "issuing_op": "Innermost CPU op, annotation or frame around it.",
+        "ts_ns": "Start of the call.", "dur_ns": "Its duration.", "idle_caused_ns": "Device idle it caused (sync gaps).",
+    },
+    "kernel_categories": {
+        "rank": "Rank.", "step": "Step.", "category": "gemm, attention, elementwise/reduction, communication, memcpy, memset, other.",
+        "kernels": "Activities.", "time_ns": "Summed GPU time (streams may overlap).",
+    },
+    "top_kernels": {
+        "name": "Kernel.", "category": "Category.", "calls": "Calls over all ranks.", "time_ns": "Total time.",
+        "ranks": "Ranks that ran it.", "min_rank_time_ns": "Least time on one rank.", "max_rank_time_ns": "Most time on one rank.",
+        "mean_ns": "Mean per call.",
+    },
+    "mfu": {
+        "step": "Step.", "rank": "Rank (null: the whole job).", "metric": "MFU (model FLOPs) or HFU (executed FLOPs).",
+        "numerator": "palm (6N + 12LHQT per token) or profiler_flops (torch.profiler with_flops).", "flops": "FLOPs in the step.",
+        "step_time_ns": "Step time divided by.", "gpus": "GPUs.", "peak_flops": "Dense peak per GPU, FLOP/s.",
+        "utilization": "flops / (step time x gpus x peak).", "definition": "The numerator's definition.",
+        "peak": "The peak, its dtype and source.",
+    },
+}

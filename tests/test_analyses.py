@@ -229,3 +229,11 @@ def test_cli_reports_mfu_with_definition(tmp_path):
     assert "MFU:" in result.output and "6N + 12*L*H*Q*T" in result.output and "989.5 TFLOP/s dense bf16" in result.output
     partial = CliRunner().invoke(analyze, [str(tmp_path / "run"), "-q", "--params", "1e9"])
     assert partial.exit_code == 2 and "needs all of" in partial.output
+
+
+def test_analysis_tables_match_the_contract(analysed):
+    from steplens.analyze import schema
+    out, _, _ = analysed
+    for table, columns in schema.ANALYSIS_TABLES.items():
+        written = pl.read_parquet_schema(out / table / "part-0.parquet")
+        assert list(written) == list(columns), table

@@ -187,3 +187,10 @@ def test_readme_documents_every_column():
         assert f"**`{table}`**" in readme
         for column in table_schema.names:
             assert f"`{column}`" in readme, (table, column)
+
+
+def test_readme_documents_every_analysis_table():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for table, columns in schema.ANALYSIS_TABLES.items():
+        line = next(l for l in readme.splitlines() if l.startswith(f"- **`{table}`**"))
+        assert all(f"`{c}`" in line for c in columns), table

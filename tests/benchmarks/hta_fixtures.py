@@ -23,7 +23,6 @@ import collections
 import copy
 import gzip
 import inspect
-import io
 import json
 import logging
 import math
@@ -235,10 +234,8 @@ def audit_rank(ta, rank: int, launch_df, idle_df) -> dict:
 
     t = ta.t
     sym = t.symbol_table.get_sym_table()
-    sid = t.symbol_table.get_sym_id_map()
     df = t.get_trace(rank)
     cat = df["cat"].map(lambda i: sym[i])
-    name = df["name"].map(lambda i: sym[i])
     out: dict = {"rows_loaded": int(len(df))}
 
     # events HTA treats as "GPU" (stream != -1) although they are not GPU activity
@@ -321,7 +318,6 @@ def audit_rank(ta, rank: int, launch_df, idle_df) -> dict:
     gk = df[gpu_mask]
     types = collections.Counter(get_kernel_type(sym[n]) for n in gk["name"])
     out["kernel_types_stream_ne_minus1"] = dict(types)
-    del sid
     return out
 
 
@@ -374,7 +370,6 @@ def breakdown_collapse(ta, all_kernel_df) -> dict:
 
 # --------------------------------------------------------------------------- per trace
 def run_trace(short: str, corpus: Path, rel: str, out_root: Path) -> dict:
-    import pandas as pd
     from hta.trace_analysis import TraceAnalysis
 
     src = corpus / rel
@@ -471,7 +466,6 @@ def run_trace(short: str, corpus: Path, rel: str, out_root: Path) -> dict:
                 rec[k] = json.loads(results[k].to_json(orient="records"))
         if "gpu_kernel_breakdown" in results:
             rec["kernel_type_breakdown"] = json.loads(results["gpu_kernel_breakdown"][0].to_json(orient="records"))
-        del pd
     finally:
         hta_logger.removeHandler(cap)
         rec["hta_warnings"] = cap.messages
@@ -629,7 +623,9 @@ def discrepancies(manifest: dict) -> str:
                 tb = {int(x["rank"]): x for x in rec.get("temporal_breakdown", [])}.get(int(r))
                 fix = {int(x["rank"]): x for x in rec.get("temporal_without_non_gpu_stream_rows", [])
                        if isinstance(x, dict)}.get(int(r))
-                lines.append(f"- **{short}** rank {r}: {a['non_gpu_rows_with_stream_count']} row(s), {a['non_gpu_rows_with_stream_dur_sum']} us: {ex}.")
+                real = sum(x["gpu_dur_sum_raw_us"] for x in rec["raw"])
+                lines.append(f"- **{short}** rank {r}: {a['non_gpu_rows_with_stream_count']} row(s), {a['non_gpu_rows_with_stream_dur_sum']} us: {ex}. "
+                             f"Actual GPU activity (kernel/memcpy/memset) in the file: {real:g} us raw, {a['gpu_activity_rows']} row(s).")
                 if tb and fix:
                     keys = ["kernel_time(us)", "idle_time(us)", "compute_time(us)", "non_compute_time(us)",
                             "idle_time_pctg", "compute_time_pctg"]
