@@ -29,7 +29,7 @@ def kernel_launches(events: pl.DataFrame, flows: pl.DataFrame) -> pl.DataFrame:
     calls = events.select("rank", "source", "event_id", launch_api="name", launch_ts_ns="ts_ns", api_ns="dur_ns",
                           launch_pid="pid", launch_tid="tid")
     work = events.filter(pl.col("kind").is_in(WORK_KINDS)).select(
-        "rank", "source", "event_id", "step", "kind", "name", "stream", "device", "ts_ns", "dur_ns")
+        "rank", "source", "event_id", "step", "kind", "name", "stream", "device", "correlation", "ts_ns", "dur_ns")
     linked = (
         work.join(launches.select("rank", "source", "src_event_id", "dst_event_id"),
                   left_on=["rank", "source", "event_id"], right_on=["rank", "source", "dst_event_id"], how="left")

@@ -191,7 +191,8 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
     },
     "kernel_launches": {
         "rank": "Rank.", "source": "Source file.", "event_id": "Device event.", "step": "Step.", "kind": "kernel, gpu_memcpy or gpu_memset.",
-        "name": "Device event name.", "stream": "Stream.", "device": "GPU.", "ts_ns": "Start on the GPU.", "dur_ns": "GPU duration.",
+        "name": "Device event name.", "stream": "Stream.", "device": "GPU.", "correlation": "Correlation id.",
+        "ts_ns": "Start on the GPU.", "dur_ns": "GPU duration.",
         "launch_api": "Runtime/driver call that enqueued it (null: no launch recorded).", "launch_ts_ns": "Start of that call.",
         "api_ns": "CPU cost of the call.", "launch_pid": "Launching process.", "launch_tid": "Launching thread.",
         "queue_ns": "From the end of the call to the start on the GPU (negative for blocking copies).",
