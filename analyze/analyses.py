@@ -15,10 +15,12 @@ import polars as pl
 
 from . import comms, kernels, launch, mfu, schema, steps
 
-EVENT_COLUMNS = [
-    "source", "event_id", "ts_ns", "dur_ns", "kind", "name", "pid", "tid", "stream", "device", "correlation",
-    "step", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "group_name", "seq", "flops",
-]
+# Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
+DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
+                  "collective", "in_nelems", "out_nelems", "dtype", "group_size", "group_name", "seq"]
+CALL_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid"]
+CPU_COLUMNS = ["source", "ts_ns", "dur_ns", "kind", "name", "pid", "tid", "step", "collective", "flops"]
+CPU_KINDS = ["cpu_op", "user_annotation", "python_function"]
 
 
 @dataclass
@@ -30,14 +32,11 @@ class Options:
     kernel_categories: list = field(default_factory=lambda: list(kernels.KERNEL_CATEGORIES))
 
 
-def _read(out_dir: Path, table: str, columns: list[str] | None = None) -> pl.DataFrame:
-    folder = out_dir / table
-    if not any(folder.rglob("*.parquet")):
-        return pl.DataFrame()
-    frame = pl.scan_parquet(folder, hive_partitioning=True)
-    if columns:
-        frame = frame.select(["rank"] + columns)
-    return frame.collect()
+def _read(out_dir: Path, table: str, columns: list[str], where: pl.Expr | None = None) -> pl.DataFrame:
+    frame = pl.scan_parquet(out_dir / table, hive_partitioning=True)
+    if where is not None:
+        frame = frame.filter(where)
+    return frame.select(["rank"] + columns).collect()
 
 
 def _write(out_dir: Path, table: str, frame: pl.DataFrame) -> None:
@@ -50,7 +49,7 @@ def _write(out_dir: Path, table: str, frame: pl.DataFrame) -> None:
         raise KeyError(f"analysis table {table} lacks columns {missing}")
     # An analysis with nothing to say still writes its (empty) table, so SQL over it works.
     frame = frame.with_columns([pl.lit(None).alias(c) for c in missing]).select(columns)
-    frame.write_parquet(tmp, compression="zstd")
+    frame.write_parquet(tmp, compression="zstd", compression_level=1)
     tmp.replace(folder / "part-0.parquet")
 
 
@@ -60,22 +59,25 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
     ranks = manifest["ranks"]
     world_size = manifest.get("world_size") or len(ranks)
-    events = _read(out_dir, "trace_events", EVENT_COLUMNS)
+    kind = pl.col("kind")
+    device = _read(out_dir, "trace_events", DEVICE_COLUMNS, kind.is_in(launch.WORK_KINDS))
+    runtime = _read(out_dir, "trace_events", CALL_COLUMNS, kind.is_in(["cuda_runtime", "cuda_driver"]))
+    cpu = _read(out_dir, "trace_events", CPU_COLUMNS, kind.is_in(CPU_KINDS))
     flows = _read(out_dir, "flows", ["source", "flow_type", "src_event_id", "dst_event_id"])
     step_windows = _read(out_dir, "steps", ["step", "start_ns", "end_ns"])
 
-    work = kernels.device_work(events, options.kernel_categories)
-    calls = comms.collectives(events, world_size)
+    work = kernels.device_work(device, options.kernel_categories)
+    calls = comms.collectives(device, world_size)
     offsets = steps.clock_offsets(calls, ranks)
     waits = steps.collective_waits(calls)
     times = steps.step_times(step_windows, work, waits, offsets)
     stats = steps.step_stats(times)
-    launched = launch.kernel_launches(events, flows)
-    gaps = launch.idle_gaps(launched, events)
+    launched = launch.kernel_launches(device, runtime, flows)
+    gaps = launch.idle_gaps(launched, runtime)
     idle = launch.gpu_idle(launched, gaps)
     device_name, num_sms = _device(manifest)
     peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops)
-    utilization = mfu.mfu_table(stats, times, events, peak, world_size, options.shape, options.recompute)
+    utilization = mfu.mfu_table(stats, times, cpu, peak, world_size, options.shape, options.recompute)
 
     tables = {
         "clock_offsets": offsets,
@@ -86,14 +88,14 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
         "kernel_launches": launched,
         "launch_summary": launch.launch_summary(launched),
         "gpu_idle": idle,
-        "sync_points": launch.sync_points(gaps, events),
+        "sync_points": launch.sync_points(gaps, runtime, cpu),
         "kernel_categories": kernels.category_time(work),
         "top_kernels": kernels.top_kernels(work),
         "mfu": utilization,
     }
     for name, frame in tables.items():
         _write(out_dir, name, frame)
-    findings = headline(tables, events, peak_problem, device_name)
+    findings = headline(tables, cpu, peak_problem, device_name)
     (out_dir / "findings.json").write_text(json.dumps(findings, indent=1, default=str))
     return findings
 
@@ -107,7 +109,7 @@ def _device(manifest: dict) -> tuple[str | None, int | None]:
     return names[0], sms[0] if len(sms) == 1 else None
 
 
-def headline(tables: dict[str, pl.DataFrame], events: pl.DataFrame, peak_problem: str, device_name: str | None) -> dict:
+def headline(tables: dict[str, pl.DataFrame], cpu: pl.DataFrame, peak_problem: str, device_name: str | None) -> dict:
     """The few numbers a user came for, each with what it means."""
     findings: dict = {"device": device_name}
     stats = tables["step_stats"]
@@ -139,7 +141,7 @@ def headline(tables: dict[str, pl.DataFrame], events: pl.DataFrame, peak_problem
         findings["most_exposed_collective"] = top
         findings["exposed_comm_ns"] = int(calls["exposed_ns"].sum())
     else:
-        cpu_comms = events.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()).height
+        cpu_comms = cpu.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()).height
         findings["most_exposed_collective"] = None
         findings["comms_note"] = (
             f"communication without NCCL/RCCL kernels: {cpu_comms} record_param_comms CPU ops (gloo or CPU collectives)"

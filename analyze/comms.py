@@ -52,9 +52,9 @@ def collective_kernels(events: pl.DataFrame) -> pl.DataFrame:
     return kernels.with_columns(op=pl.coalesce(_op("collective"), _op("name"), pl.lit("unknown")))
 
 
-def collectives(events: pl.DataFrame, world_size: int | None = None) -> pl.DataFrame:
+def collectives(device: pl.DataFrame, world_size: int | None = None) -> pl.DataFrame:
     """Per call: bytes, algbw/busbw, exposed vs overlapped time, regime and cross-rank instance key."""
-    comm = collective_kernels(events)
+    comm = collective_kernels(device)
     if comm.is_empty():
         return _empty()
     elem = pl.col("dtype").replace_strict(DTYPE_BYTES, default=None, return_dtype=pl.Int64)
@@ -70,7 +70,7 @@ def collectives(events: pl.DataFrame, world_size: int | None = None) -> pl.DataF
     comm = comm.with_columns(
         algbw_gbps=pl.when(pl.col("dur_ns") > 0).then(pl.col("bytes") / pl.col("dur_ns")),  # bytes/ns == GB/s
     ).with_columns(busbw_gbps=pl.col("algbw_gbps") * busbw_factor())
-    comm = _add_exposure(comm, events)
+    comm = _add_exposure(comm, device)
     # Same instance on every rank: process group + sequence number when the trace has them, else order.
     ordinal = pl.int_range(pl.len()).over("rank", "group_name", "op")
     comm = comm.sort("rank", "ts_ns").with_columns(
@@ -100,9 +100,9 @@ def busbw_factor() -> pl.Expr:
     )
 
 
-def _add_exposure(comm: pl.DataFrame, events: pl.DataFrame) -> pl.DataFrame:
+def _add_exposure(comm: pl.DataFrame, device: pl.DataFrame) -> pl.DataFrame:
     """Overlapped = covered by compute kernels on another stream of the same device; the rest is exposed."""
-    compute = events.filter(
+    compute = device.filter(
         (pl.col("kind") == "kernel") & pl.col("collective").is_null() & ~pl.col("name").str.contains(NCCL_KERNEL)
     ).select("rank", "device", "stream", "ts_ns", "dur_ns")
     pieces = []

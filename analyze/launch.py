@@ -23,17 +23,19 @@ SYNC_API = r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^(cuda|hip)Memcpy(To|From)S
 WORK_KINDS = ["kernel", "gpu_memcpy", "gpu_memset"]
 
 
-def kernel_launches(events: pl.DataFrame, flows: pl.DataFrame) -> pl.DataFrame:
-    """One row per device activity with its launch: API, CPU cost of the call, queueing delay."""
+def kernel_launches(device: pl.DataFrame, calls: pl.DataFrame, flows: pl.DataFrame) -> pl.DataFrame:
+    """One row per device activity with its launch: API, CPU cost of the call, queueing delay.
+
+    `device` holds the device-side events, `calls` the runtime/driver calls."""
     launches = flows.filter(pl.col("flow_type") == "launch").unique(["rank", "source", "dst_event_id"], keep="first")
-    calls = events.select("rank", "source", "event_id", launch_api="name", launch_ts_ns="ts_ns", api_ns="dur_ns",
-                          launch_pid="pid", launch_tid="tid")
-    work = events.filter(pl.col("kind").is_in(WORK_KINDS)).select(
+    call_info = calls.select("rank", "source", "event_id", launch_api="name", launch_ts_ns="ts_ns", api_ns="dur_ns",
+                             launch_pid="pid", launch_tid="tid")
+    work = device.filter(pl.col("kind").is_in(WORK_KINDS)).select(
         "rank", "source", "event_id", "step", "kind", "name", "stream", "device", "correlation", "ts_ns", "dur_ns")
     linked = (
         work.join(launches.select("rank", "source", "src_event_id", "dst_event_id"),
                   left_on=["rank", "source", "event_id"], right_on=["rank", "source", "dst_event_id"], how="left")
-        .join(calls, left_on=["rank", "source", "src_event_id"], right_on=["rank", "source", "event_id"], how="left")
+        .join(call_info, left_on=["rank", "source", "src_event_id"], right_on=["rank", "source", "event_id"], how="left")
     )
     return linked.with_columns(
         queue_ns=pl.col("ts_ns") - (pl.col("launch_ts_ns") + pl.col("api_ns")),
@@ -44,7 +46,7 @@ def kernel_launches(events: pl.DataFrame, flows: pl.DataFrame) -> pl.DataFrame:
 ALL_STREAMS = -1  # `stream` value of the rows that treat the device as one timeline
 
 
-def idle_gaps(launched: pl.DataFrame, events: pl.DataFrame) -> pl.DataFrame:
+def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     """Every gap inside a step span, per stream and for the whole device (stream = ALL_STREAMS: the
     device is idle only when no stream is busy), with its cause and, for sync gaps, the sync call."""
     work = launched.filter(pl.col("step").is_not_null() & pl.col("stream").is_not_null())
@@ -55,7 +57,7 @@ def idle_gaps(launched: pl.DataFrame, events: pl.DataFrame) -> pl.DataFrame:
     gaps = ordered.filter(pl.col("ts_ns") > pl.col("prev_end_ns")).select(
         keys + ["launch_pid", "launch_tid", "launch_ts_ns", pl.col("prev_end_ns").alias("gap_start_ns"),
                 pl.col("ts_ns").alias("gap_end_ns")])
-    syncs = events.filter(pl.col("kind").is_in(["cuda_runtime", "cuda_driver"]) & pl.col("name").str.contains(SYNC_API)).select(
+    syncs = calls.filter(pl.col("name").str.contains(SYNC_API)).select(
         "rank", "source", sync_pid="pid", sync_tid="tid", sync_event_id="event_id", sync_name="name",
         sync_start_ns="ts_ns", sync_end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
     gaps = gaps.sort("gap_start_ns").join_asof(
@@ -94,30 +96,29 @@ def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame) -> pl.DataFrame:
     ).sort(keys)
 
 
-def sync_points(gaps: pl.DataFrame, events: pl.DataFrame, limit: int = 20) -> pl.DataFrame:
+def sync_points(gaps: pl.DataFrame, calls: pl.DataFrame, cpu: pl.DataFrame, limit: int = 20) -> pl.DataFrame:
     """The synchronizing calls that left the GPU idle longest, with the CPU op that issued them."""
     caused = gaps.filter((pl.col("cause") == "sync") & (pl.col("stream") == ALL_STREAMS)).group_by("rank", "source", "sync_event_id").agg(
         idle_caused_ns=pl.col("idle_ns").sum(), step=pl.col("step").min())
     if caused.is_empty():
         return pl.DataFrame(schema={"rank": pl.Int64, "step": pl.Int64, "name": pl.String, "issuing_op": pl.String,
                                     "ts_ns": pl.Int64, "dur_ns": pl.Int64, "idle_caused_ns": pl.Int64})
-    calls = caused.join(events.select("rank", "source", "event_id", "name", "ts_ns", "dur_ns", "pid", "tid"),
-                        left_on=["rank", "source", "sync_event_id"], right_on=["rank", "source", "event_id"])
-    calls = calls.with_columns(issuing_op=enclosing_op(calls, events))
-    return calls.sort("idle_caused_ns", descending=True).head(limit).select(
+    points = caused.join(calls.select("rank", "source", "event_id", "name", "ts_ns", "dur_ns", "pid", "tid"),
+                         left_on=["rank", "source", "sync_event_id"], right_on=["rank", "source", "event_id"])
+    points = points.sort("idle_caused_ns", descending=True).head(limit)
+    points = points.with_columns(issuing_op=enclosing_op(points, cpu))
+    return points.sort("idle_caused_ns", descending=True).head(limit).select(
         "rank", "step", "name", "issuing_op", "ts_ns", "dur_ns", "idle_caused_ns")
 
 
-def enclosing_op(calls: pl.DataFrame, events: pl.DataFrame, max_hops: int = 8) -> pl.Series:
+def enclosing_op(calls: pl.DataFrame, cpu: pl.DataFrame, max_hops: int = 8) -> pl.Series:
     """Name of the innermost CPU op, annotation or Python frame on the same thread that contains each call.
 
     Walks back from the latest op starting before the call: an op that ended before the call is a
     finished sibling, so the container started earlier still. Only ops at least as long as the call
     can contain it, so calls are bucketed by duration and shorter ops skipped; bounded by `max_hops`.
     """
-    ops = events.filter(
-        pl.col("kind").is_in(["cpu_op", "user_annotation", "python_function"]) & pl.col("dur_ns").is_not_null()
-    ).select("rank", "source", "pid", "tid", op_start="ts_ns", op_end=pl.col("ts_ns") + pl.col("dur_ns"),
+    ops = cpu.filter(pl.col("dur_ns").is_not_null()).select("rank", "source", "pid", "tid", op_start="ts_ns", op_end=pl.col("ts_ns") + pl.col("dur_ns"),
              op_dur="dur_ns", op_name="name").sort("op_start")
     queries = calls.select("rank", "source", "pid", "tid", row=pl.int_range(pl.len(), dtype=pl.Int64), start="ts_ns",
                            end=pl.col("ts_ns") + pl.col("dur_ns"), cursor="ts_ns",
