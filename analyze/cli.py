@@ -12,7 +12,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from . import analyses, kernels, mfu, schema
-from .ingest import IngestError, IngestResult, Source, discover, ingest
+from .ingest import IngestError, IngestResult, Source, discover, ingest, use_system_allocator
 
 EXIT_PARTIAL = 1  # results written, but some input files could not be used
 EXIT_NOTHING = 2  # nothing usable, or bad arguments
@@ -64,6 +64,7 @@ used (see the issues); {EXIT_NOTHING} nothing usable.
 def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, ingest_only: bool, dtype: str,
             peak_tflops: float | None, params, layers, heads, head_dim, seq_len, tokens_per_step, recompute: bool,
             kernel_categories: Path | None) -> None:
+    use_system_allocator()
     console = Console(stderr=False, highlight=False)
     if not run_dir.exists():
         _fail(f"{run_dir}: no such folder")

@@ -32,7 +32,7 @@ from isal import isal_zlib
 
 from . import schema
 
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 4 << 20
 # A ts above this many ns (~1973 as epoch time) is already absolute, not relative to a base time.
 ABSOLUTE_NS_THRESHOLD = 10**17
 SNIFF_BYTES = 1 << 20
@@ -422,7 +422,7 @@ def _raw_column(raws: list[msgspec.Raw]) -> pa.Array:
         return pa.array([bytes(r).decode("utf-8", "replace") or None for r in raws], type=pa.string())
     table = pacsv.read_csv(
         io.BytesIO(joined + b"\n"),
-        read_options=pacsv.ReadOptions(column_names=["v"], block_size=1 << 26),
+        read_options=pacsv.ReadOptions(column_names=["v"], use_threads=False),
         parse_options=pacsv.ParseOptions(ignore_empty_lines=False, quote_char=False, delimiter="\x01"),
         convert_options=pacsv.ConvertOptions(column_types={"v": pa.string()}, strings_can_be_null=True),
     )
@@ -594,27 +594,24 @@ def _steps(events: pl.DataFrame) -> pl.DataFrame:
 
 
 def _assign_steps(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
-    """CPU events get the step whose window holds their start; device events the step of their launch."""
+    """CPU events get the step whose window holds their start; device events the step of their launch.
+
+    `events` is sorted by ts_ns (event_id order), which the as-of join needs and keeps."""
     if steps.is_empty():
         return events.with_columns(step=pl.lit(None, pl.Int64))
-    windows = steps.select("start_ns", "end_ns", "step").sort("start_ns")
-    by_time = (
-        events.select("event_id", "ts_ns")
-        .sort("ts_ns")
-        .join_asof(windows, left_on="ts_ns", right_on="start_ns", strategy="backward")
-        .select("event_id", time_step=pl.when(pl.col("ts_ns") < pl.col("end_ns")).then(pl.col("step")))
-    )
-    events = events.join(by_time, on="event_id", how="left")
+    windows = steps.select("start_ns", step_end_ns="end_ns", window_step="step").sort("start_ns")
+    events = events.join_asof(windows, left_on="ts_ns", right_on="start_ns", strategy="backward", check_sortedness=False)
+    events = events.with_columns(time_step=pl.when(pl.col("ts_ns") < pl.col("step_end_ns")).then(pl.col("window_step")))
     launch_steps = (
         events.filter(pl.col("kind").is_in(["cuda_runtime", "cuda_driver"]) & pl.col("correlation").is_not_null())
         .group_by("correlation")
         .agg(launch_step=pl.col("time_step").first())
     )
     device = pl.col("kind").is_in(schema.DEVICE_KINDS)
-    events = events.join(launch_steps, on="correlation", how="left").with_columns(
+    events = events.join(launch_steps, on="correlation", how="left", maintain_order="left").with_columns(
         step=pl.when(device).then(pl.coalesce("launch_step", "time_step")).otherwise(pl.col("time_step"))
     )
-    return events.drop("time_step", "launch_step").sort("event_id")
+    return events.drop("start_ns", "step_end_ns", "window_step", "time_step", "launch_step")
 
 
 def _launch_links(events: pl.DataFrame) -> pl.DataFrame:

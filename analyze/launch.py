@@ -33,9 +33,10 @@ def kernel_launches(device: pl.DataFrame, calls: pl.DataFrame, flows: pl.DataFra
     work = device.filter(pl.col("kind").is_in(WORK_KINDS)).select(
         "rank", "source", "event_id", "step", "kind", "name", "stream", "device", "correlation", "ts_ns", "dur_ns")
     linked = (
-        work.join(launches.select("rank", "source", "src_event_id", "dst_event_id"),
-                  left_on=["rank", "source", "event_id"], right_on=["rank", "source", "dst_event_id"], how="left")
-        .join(call_info, left_on=["rank", "source", "src_event_id"], right_on=["rank", "source", "event_id"], how="left")
+        work.join(launches.select("rank", "source", "src_event_id", "dst_event_id"), left_on=["rank", "source", "event_id"],
+                  right_on=["rank", "source", "dst_event_id"], how="left", maintain_order="left")
+        .join(call_info, left_on=["rank", "source", "src_event_id"], right_on=["rank", "source", "event_id"],
+              how="left", maintain_order="left")
     )
     return linked.with_columns(
         queue_ns=pl.col("ts_ns") - (pl.col("launch_ts_ns") + pl.col("api_ns")),
@@ -48,15 +49,19 @@ ALL_STREAMS = -1  # `stream` value of the rows that treat the device as one time
 
 def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     """Every gap inside a step span, per stream and for the whole device (stream = ALL_STREAMS: the
-    device is idle only when no stream is busy), with its cause and, for sync gaps, the sync call."""
-    work = launched.filter(pl.col("step").is_not_null() & pl.col("stream").is_not_null())
-    lanes = pl.concat([work, work.with_columns(stream=pl.lit(ALL_STREAMS, pl.Int64))])
+    device is idle only when no stream is busy), with its cause and, for sync gaps, the sync call.
+
+    `launched` must be in time order within each (rank, source), as kernel_launches leaves it."""
+    work = launched.filter(pl.col("step").is_not_null() & pl.col("stream").is_not_null()).with_columns(
+        end_ns=pl.col("ts_ns") + pl.col("dur_ns").fill_null(0))
     keys = ["rank", "source", "device", "stream", "step"]
-    ordered = lanes.sort(keys + ["ts_ns"]).with_columns(end_ns=pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).with_columns(
-        prev_end_ns=pl.col("end_ns").cum_max().shift(1).over(keys))
-    gaps = ordered.filter(pl.col("ts_ns") > pl.col("prev_end_ns")).select(
-        keys + ["launch_pid", "launch_tid", "launch_ts_ns", pl.col("prev_end_ns").alias("gap_start_ns"),
-                pl.col("ts_ns").alias("gap_end_ns")])
+    lanes = []
+    for lane_keys, stream in ((keys, pl.col("stream")), ([k for k in keys if k != "stream"], pl.lit(ALL_STREAMS, pl.Int64))):
+        prev_end = pl.col("end_ns").cum_max().shift(1).over(lane_keys)
+        lanes.append(work.with_columns(prev_end_ns=prev_end).filter(pl.col("ts_ns") > pl.col("prev_end_ns")).select(
+            "rank", "source", "device", stream.alias("stream"), "step", "launch_pid", "launch_tid", "launch_ts_ns",
+            gap_start_ns="prev_end_ns", gap_end_ns="ts_ns"))
+    gaps = pl.concat(lanes)
     syncs = calls.filter(pl.col("name").str.contains(SYNC_API)).select(
         "rank", "source", sync_pid="pid", sync_tid="tid", sync_event_id="event_id", sync_name="name",
         sync_start_ns="ts_ns", sync_end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
@@ -79,12 +84,11 @@ def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame) -> pl.DataFrame:
     (busy + idle causes == span)."""
     keys = ["rank", "device", "stream", "step"]
     work = launched.filter(pl.col("step").is_not_null() & pl.col("stream").is_not_null())
-    spans = (
-        pl.concat([work, work.with_columns(stream=pl.lit(ALL_STREAMS, pl.Int64))])
-        .group_by(keys)
-        .agg(span_start_ns=pl.col("ts_ns").min(), span_end_ns=(pl.col("ts_ns") + pl.col("dur_ns")).max(), activities=pl.len())
-        .with_columns(span_ns=pl.col("span_end_ns") - pl.col("span_start_ns"))
-    )
+    span = dict(span_start_ns=pl.col("ts_ns").min(), span_end_ns=(pl.col("ts_ns") + pl.col("dur_ns")).max(), activities=pl.len())
+    spans = pl.concat([
+        work.group_by(keys).agg(**span),
+        work.group_by("rank", "device", "step").agg(**span).with_columns(stream=pl.lit(ALL_STREAMS, pl.Int64)).select(keys + list(span)),
+    ]).with_columns(span_ns=pl.col("span_end_ns") - pl.col("span_start_ns"))
     causes = gaps.group_by(keys).agg(
         **{f"{c}_ns": pl.col("idle_ns").filter(pl.col("cause") == c).sum() for c in ("host_bound", "sync", "other")})
     table = spans.join(causes, on=keys, how="left").with_columns(

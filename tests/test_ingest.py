@@ -107,7 +107,8 @@ def test_killed_ingest_leaves_previous_result(run_dir, monkeypatch):
     assert result.reused == 1 and not (run_dir / "..steplens.old-999999").exists()
 
 
-def test_parallel_ingest_matches_serial(run_dir, tmp_path):
+def test_parallel_ingest_matches_serial(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(ingest_module, "WORKER_WORTH_BYTES", 0)  # small inputs would stay in-process
     serial = ingest(run_dir, tmp_path / "a", jobs=1)
     parallel = ingest(run_dir, tmp_path / "b", jobs=2)
     a = pl.scan_parquet(tmp_path / "a" / "trace_events").collect().sort("rank", "event_id")
