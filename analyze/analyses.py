@@ -17,7 +17,7 @@ from . import comms, kernels, launch, mfu, schema, steps
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
-                  "collective", "in_nelems", "out_nelems", "dtype", "group_size", "group_name", "seq"]
+                  "launch_event_id", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "group_name", "seq"]
 CALL_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid"]
 CPU_COLUMNS = ["source", "ts_ns", "dur_ns", "kind", "name", "pid", "tid", "step", "collective", "flops"]
 CPU_KINDS = ["cpu_op", "user_annotation", "python_function"]
@@ -63,7 +63,6 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     device = _read(out_dir, "trace_events", DEVICE_COLUMNS, kind.is_in(launch.WORK_KINDS))
     runtime = _read(out_dir, "trace_events", CALL_COLUMNS, kind.is_in(["cuda_runtime", "cuda_driver"]))
     cpu = _read(out_dir, "trace_events", CPU_COLUMNS, kind.is_in(CPU_KINDS))
-    flows = _read(out_dir, "flows", ["source", "flow_type", "src_event_id", "dst_event_id"])
     step_windows = _read(out_dir, "steps", ["step", "start_ns", "end_ns"])
 
     work = kernels.device_work(device, options.kernel_categories)
@@ -72,7 +71,7 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     waits = steps.collective_waits(calls)
     times = steps.step_times(step_windows, work, waits, offsets)
     stats = steps.step_stats(times)
-    launched = launch.kernel_launches(device, runtime, flows)
+    launched = launch.kernel_launches(device, runtime)
     gaps = launch.idle_gaps(launched, runtime)
     idle = launch.gpu_idle(launched, gaps)
     device_name, num_sms = _device(manifest)

@@ -30,22 +30,25 @@ def load_categories(path: Path) -> list[tuple[str, str]]:
     return rows + KERNEL_CATEGORIES
 
 
-def categorize(names: pl.DataFrame, patterns: list[tuple[str, str]] = KERNEL_CATEGORIES) -> pl.Expr:
-    """An expression giving each (kind, name, collective) row its category."""
-    expr = pl.when(pl.col("kind") == "gpu_memcpy").then(pl.lit("memcpy")).when(pl.col("kind") == "gpu_memset").then(pl.lit("memset"))
-    expr = expr.when(pl.col("has_collective") & (pl.col("kind") == "kernel")).then(pl.lit("communication"))
+def categorize(patterns: list[tuple[str, str]] = KERNEL_CATEGORIES) -> pl.Expr:
+    """An expression giving a kernel name its category (first matching pattern)."""
+    expr = pl.when(pl.lit(False)).then(pl.lit(None, pl.String))
     for category, pattern in patterns:
         expr = expr.when(pl.col("name").str.contains(f"(?i){pattern}")).then(pl.lit(category))
     return expr.otherwise(pl.lit("other"))
 
 
 def device_work(device: pl.DataFrame, patterns=KERNEL_CATEGORIES) -> pl.DataFrame:
-    """Kernels, memcpy and memset with their category. Patterns run once per distinct name."""
-    work = device.filter(pl.col("kind").is_in(["kernel", "gpu_memcpy", "gpu_memset"])).with_columns(
-        has_collective=pl.col("collective").is_not_null())
-    names = work.select("kind", "name", "has_collective").unique()
-    names = names.with_columns(category=categorize(names, patterns))
-    return work.join(names, on=["kind", "name", "has_collective"], how="left").drop("has_collective")
+    """Kernels, memcpy and memset with their category. Patterns run once per distinct kernel name."""
+    work = device.filter(pl.col("kind").is_in(["kernel", "gpu_memcpy", "gpu_memset"]))
+    names = work.select(pl.col("name").unique()).with_columns(category=categorize(patterns))
+    by_name = pl.col("name").replace_strict(names["name"], names["category"], default="other")
+    return work.with_columns(
+        category=pl.when(pl.col("kind") == "gpu_memcpy").then(pl.lit("memcpy"))
+        .when(pl.col("kind") == "gpu_memset").then(pl.lit("memset"))
+        .when(pl.col("collective").is_not_null()).then(pl.lit("communication"))
+        .otherwise(by_name)
+    )
 
 
 def category_time(work: pl.DataFrame) -> pl.DataFrame:

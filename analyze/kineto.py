@@ -711,12 +711,17 @@ def parse_trace(path: Path, source: str) -> ParsedTrace:
             raise NotATrace("a JSON array whose elements are not trace events")
         raw = _columns([], counters)
     else:
-        raw = pl.concat(chunks, how="vertical_relaxed")
+        raw = pl.concat(chunks, how="vertical_relaxed", rechunk=False)
+    del chunks  # each stage drops its input as soon as it is done: peak memory is about two copies
     base_ns = _base_time_ns(metadata)
     events, endpoints = _normalize(raw, base_ns, issues)
+    del raw
     steps = _steps(events)
     events = _assign_steps(events, steps)
     flows = _flows(events, endpoints, issues)
+    launched_by = flows.filter(pl.col("flow_type") == "launch").unique("dst_event_id", keep="first").select(
+        event_id="dst_event_id", launch_event_id="src_event_id")
+    events = events.join(launched_by, on="event_id", how="left", maintain_order="left")
     events = events.select(
         [pl.col(c) if c != "source" else pl.lit(source).alias("source") for c in schema.TRACE_EVENTS.names]
     )

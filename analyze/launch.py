@@ -23,25 +23,21 @@ SYNC_API = r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^(cuda|hip)Memcpy(To|From)S
 WORK_KINDS = ["kernel", "gpu_memcpy", "gpu_memset"]
 
 
-def kernel_launches(device: pl.DataFrame, calls: pl.DataFrame, flows: pl.DataFrame) -> pl.DataFrame:
+def kernel_launches(device: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     """One row per device activity with its launch: API, CPU cost of the call, queueing delay.
 
-    `device` holds the device-side events, `calls` the runtime/driver calls."""
-    launches = flows.filter(pl.col("flow_type") == "launch").unique(["rank", "source", "dst_event_id"], keep="first")
+    `device` holds the device-side events (with launch_event_id), `calls` the runtime/driver calls."""
     call_info = calls.select("rank", "source", "event_id", launch_api="name", launch_ts_ns="ts_ns", api_ns="dur_ns",
                              launch_pid="pid", launch_tid="tid")
     work = device.filter(pl.col("kind").is_in(WORK_KINDS)).select(
-        "rank", "source", "event_id", "step", "kind", "name", "stream", "device", "correlation", "ts_ns", "dur_ns")
-    linked = (
-        work.join(launches.select("rank", "source", "src_event_id", "dst_event_id"), left_on=["rank", "source", "event_id"],
-                  right_on=["rank", "source", "dst_event_id"], how="left", maintain_order="left")
-        .join(call_info, left_on=["rank", "source", "src_event_id"], right_on=["rank", "source", "event_id"],
-              how="left", maintain_order="left")
-    )
+        "rank", "source", "event_id", "step", "kind", "name", "stream", "device", "correlation", "ts_ns", "dur_ns",
+        "launch_event_id")
+    linked = work.join(call_info, left_on=["rank", "source", "launch_event_id"], right_on=["rank", "source", "event_id"],
+                       how="left", maintain_order="left")
     return linked.with_columns(
         queue_ns=pl.col("ts_ns") - (pl.col("launch_ts_ns") + pl.col("api_ns")),
         launch_delay_ns=pl.col("ts_ns") - pl.col("launch_ts_ns"),
-    ).drop("src_event_id")
+    ).drop("launch_event_id")
 
 
 ALL_STREAMS = -1  # `stream` value of the rows that treat the device as one timeline

@@ -68,6 +68,7 @@ TRACE_EVENTS, TRACE_EVENTS_DOC = _table(
     ("external_id", pa.int64(), "'External id': links a CPU op to the runtime calls it made."),
     ("step", pa.int64(), "ProfilerStep number: CPU events by time window, device events via their launch."),
     ("is_launch", pa.bool_(), "Runtime/driver call that enqueues device work (kernel, graph, memcpy, memset)."),
+    ("launch_event_id", pa.int64(), "For device work: event_id of the call that launched it (as in flows)."),
     ("collective", pa.string(), "record_param_comms 'Collective name' (on the CPU op and the NCCL kernel)."),
     ("in_nelems", pa.int64(), "'In msg nelems' (elements, not bytes)."),
     ("out_nelems", pa.int64(), "'Out msg nelems' (elements, not bytes)."),
