@@ -105,9 +105,11 @@ def _add_exposure(comm: pl.DataFrame, device: pl.DataFrame) -> pl.DataFrame:
     compute = device.filter(
         (pl.col("kind") == "kernel") & pl.col("collective").is_null() & ~pl.col("name").str.contains(NCCL_KERNEL)
     ).select("rank", "device", "stream", "ts_ns", "dur_ns")
+    by_device = compute.partition_by("rank", "device", as_dict=True)
+    empty = compute.clear()
     pieces = []
     for (rank, device, stream), group in comm.group_by("rank", "device", "stream", maintain_order=True):
-        others = compute.filter((pl.col("rank") == rank) & (pl.col("device") == device) & (pl.col("stream") != stream))
+        others = by_device.get((rank, device), empty).filter(pl.col("stream") != stream)
         starts = others["ts_ns"].to_numpy()
         u_s, u_e = intervals.union(starts, starts + others["dur_ns"].fill_null(0).to_numpy())
         lo = group["ts_ns"].to_numpy()
