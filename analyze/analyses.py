@@ -66,7 +66,7 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     step_windows = _read(out_dir, "steps", ["step", "start_ns", "end_ns"])
 
     work = kernels.device_work(device, options.kernel_categories)
-    calls = comms.collectives(device, world_size)
+    calls = comms.with_call_sites(comms.collectives(device, world_size), runtime, cpu)
     offsets = steps.clock_offsets(calls, ranks)
     waits = steps.collective_waits(calls)
     times = steps.step_times(step_windows, work, waits, offsets)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import polars as pl
 
 from . import intervals
+from .launch import enclosing_op
 
 # c10 ScalarType names (record_param_comms `dtype`) -> bytes per element.
 DTYPE_BYTES = {
@@ -84,8 +85,25 @@ def collectives(device: pl.DataFrame, world_size: int | None = None) -> pl.DataF
     return comm.select(
         "rank", "step", "event_id", "instance", "op", "collective", "name", "group_name", "group_size", "seq",
         "dtype", "bytes", "ts_ns", "dur_ns", "algbw_gbps", "busbw_gbps", "overlapped_ns", "exposed_ns", "regime",
-        "device", "stream",
+        "device", "stream", "source", "launch_event_id",
     )
+
+
+# Wrappers around the real call site: the op that records the collective's arguments.
+RECORDING_OPS = ["record_param_comms"]
+
+
+def with_call_sites(calls: pl.DataFrame, runtime: pl.DataFrame, cpu: pl.DataFrame) -> pl.DataFrame:
+    """Add issuing_op: the innermost CPU op, annotation or Python frame around each collective's
+    launch, skipping record_param_comms (it wraps every collective and says nothing of the caller)."""
+    if calls.is_empty():
+        return calls.with_columns(issuing_op=pl.lit(None, pl.String)).drop("source", "launch_event_id")
+    launches = calls.select("rank", "source", "launch_event_id").join(
+        runtime.select("rank", "source", "event_id", "ts_ns", "dur_ns", "pid", "tid"),
+        left_on=["rank", "source", "launch_event_id"], right_on=["rank", "source", "event_id"], how="left",
+        maintain_order="left")
+    sites = enclosing_op(launches, cpu.filter(~pl.col("name").is_in(RECORDING_OPS)))
+    return calls.with_columns(issuing_op=sites).drop("source", "launch_event_id")
 
 
 def busbw_factor() -> pl.Expr:
@@ -154,5 +172,5 @@ def _empty() -> pl.DataFrame:
         "collective": pl.String, "name": pl.String, "group_name": pl.String, "group_size": pl.Int64, "seq": pl.Int64,
         "dtype": pl.String, "bytes": pl.Int64, "ts_ns": pl.Int64, "dur_ns": pl.Int64, "algbw_gbps": pl.Float64,
         "busbw_gbps": pl.Float64, "overlapped_ns": pl.Int64, "exposed_ns": pl.Int64, "regime": pl.String,
-        "device": pl.Int64, "stream": pl.Int64,
+        "device": pl.Int64, "stream": pl.Int64, "source": pl.String, "launch_event_id": pl.Int64,
     })

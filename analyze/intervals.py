@@ -39,3 +39,27 @@ def covered(union_starts: np.ndarray, union_ends: np.ndarray, lo: np.ndarray, hi
         return np.where(i > 0, full + partial, 0)
 
     return np.clip(cover_until(hi) - cover_until(lo), 0, None)
+
+
+def innermost_container(starts: np.ndarray, ends: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """For each query [lo, hi), the index of the last interval (in start order) that contains it, or -1.
+
+    `starts` must be sorted, with ties ordered outermost first; for properly nested intervals the
+    last container is the innermost. A sparse table of range maxima over `ends` lets every query
+    jump back over whole blocks of intervals that end too early, log2(n) steps in all.
+    """
+    n = len(starts)
+    if n == 0:
+        return np.full(len(lo), -1)
+    levels = [ends]
+    while (1 << len(levels)) <= n:
+        prev, half = levels[-1], 1 << (len(levels) - 1)
+        levels.append(np.maximum(prev[:-half], prev[half:]))  # levels[k][x] = max(ends[x : x + 2**k])
+    pos = np.searchsorted(starts, lo, side="right") - 1
+    for k in range(len(levels) - 1, -1, -1):
+        first = pos - (1 << k) + 1
+        inside = first >= 0
+        block_max = levels[k][np.clip(first, 0, len(levels[k]) - 1)]
+        pos = np.where(inside & (block_max < hi), pos - (1 << k), pos)
+    found = (pos >= 0) & (ends[np.clip(pos, 0, n - 1)] >= hi)
+    return np.where(found, pos, -1)

@@ -32,7 +32,7 @@ from isal import isal_zlib
 
 from . import schema
 
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 2 << 20
 # A ts above this many ns (~1973 as epoch time) is already absolute, not relative to a base time.
 ABSOLUTE_NS_THRESHOLD = 10**17
 SNIFF_BYTES = 1 << 20

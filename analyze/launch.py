@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from . import intervals
+
 SYNC_API = r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^(cuda|hip)Memcpy(To|From)Symbol$|^cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?$"
 WORK_KINDS = ["kernel", "gpu_memcpy", "gpu_memset"]
 
@@ -111,35 +113,26 @@ def sync_points(gaps: pl.DataFrame, calls: pl.DataFrame, cpu: pl.DataFrame, limi
         "rank", "step", "name", "issuing_op", "ts_ns", "dur_ns", "idle_caused_ns")
 
 
-def enclosing_op(calls: pl.DataFrame, cpu: pl.DataFrame, max_hops: int = 8) -> pl.Series:
-    """Name of the innermost CPU op, annotation or Python frame on the same thread that contains each call.
-
-    Walks back from the latest op starting before the call: an op that ended before the call is a
-    finished sibling, so the container started earlier still. Only ops at least as long as the call
-    can contain it, so calls are bucketed by duration and shorter ops skipped; bounded by `max_hops`.
-    """
-    ops = cpu.filter(pl.col("dur_ns").is_not_null()).select("rank", "source", "pid", "tid", op_start="ts_ns", op_end=pl.col("ts_ns") + pl.col("dur_ns"),
-             op_dur="dur_ns", op_name="name").sort("op_start")
-    queries = calls.select("rank", "source", "pid", "tid", row=pl.int_range(pl.len(), dtype=pl.Int64), start="ts_ns",
-                           end=pl.col("ts_ns") + pl.col("dur_ns"), cursor="ts_ns",
-                           bucket=(pl.col("dur_ns").clip(1).log(4).floor()).cast(pl.Int64))
-    found = []
-    for (bucket,), pending in queries.group_by("bucket"):
-        candidates = ops.filter(pl.col("op_dur") >= 4 ** bucket)
-        pending = pending.drop("bucket")
-        for _ in range(max_hops):
-            if pending.is_empty():
-                break
-            hit = pending.sort("cursor").join_asof(candidates, left_on="cursor", right_on="op_start",
-                                                   by=["rank", "source", "pid", "tid"], check_sortedness=False)
-            hit = hit.filter(pl.col("op_start").is_not_null())
-            contains = (pl.col("op_start") <= pl.col("start")) & (pl.col("op_end") >= pl.col("end"))
-            found.append(hit.filter(contains).select("row", "op_name"))
-            pending = hit.filter(~contains).select("rank", "source", "pid", "tid", "row", "start", "end",
-                                                   cursor=pl.col("op_start") - 1)
-    names = pl.concat(found) if found else pl.DataFrame(schema={"row": pl.Int64, "op_name": pl.String})
-    table = pl.DataFrame({"row": range(calls.height)}, schema={"row": pl.Int64}).join(names, on="row", how="left")
-    return table.sort("row")["op_name"]
+def enclosing_op(calls: pl.DataFrame, cpu: pl.DataFrame) -> pl.Series:
+    """Name of the innermost CPU op, annotation or Python frame on the same thread that contains each
+    call (null when none does). `calls` needs rank, source, pid, tid, ts_ns, dur_ns."""
+    keys = ["rank", "source", "pid", "tid"]
+    ops = cpu.filter(pl.col("dur_ns").is_not_null()).with_columns(end_ns=pl.col("ts_ns") + pl.col("dur_ns")).sort(
+        keys + ["ts_ns", "end_ns"], descending=[False] * 5 + [True])
+    threads = ops.partition_by(keys, as_dict=True)
+    names = [None] * calls.height
+    queries = calls.with_columns(row=pl.int_range(pl.len()), end_ns=pl.col("ts_ns") + pl.col("dur_ns")).drop_nulls("end_ns")
+    for key, group in queries.partition_by(keys, as_dict=True).items():
+        thread = threads.get(key)
+        if thread is None:
+            continue
+        found = intervals.innermost_container(thread["ts_ns"].to_numpy(), thread["end_ns"].to_numpy(),
+                                              group["ts_ns"].to_numpy(), group["end_ns"].to_numpy())
+        thread_names = thread["name"].to_list()
+        for row, index in zip(group["row"].to_list(), found.tolist()):
+            if index >= 0:
+                names[row] = thread_names[index]
+    return pl.Series("issuing_op", names, dtype=pl.String)
 
 
 def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:

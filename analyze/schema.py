@@ -180,6 +180,7 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "overlapped_ns": "Part covered by compute kernels on another stream of the same device.",
         "exposed_ns": "dur_ns - overlapped_ns.", "regime": "latency-bound below 1 MiB, else bandwidth-bound.",
         "device": "GPU.", "stream": "Stream.",
+        "issuing_op": "Innermost CPU op, annotation or Python frame around the launch (record_param_comms skipped).",
     },
     "collective_instances": {
         "instance": "Cross-rank key.", "op": "Collective.", "ranks": "Ranks that recorded it.", "step": "Step.",

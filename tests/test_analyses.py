@@ -237,3 +237,52 @@ def test_analysis_tables_match_the_contract(analysed):
     for table, columns in schema.ANALYSIS_TABLES.items():
         written = pl.read_parquet_schema(out / table / "part-0.parquet")
         assert list(written) == list(columns), table
+
+
+def test_kernel_categories_and_user_patterns(tmp_path):
+    from steplens.analyze import kernels
+    device = pl.DataFrame({
+        "rank": [0] * 7, "step": [1] * 7,
+        "kind": ["kernel"] * 5 + ["gpu_memcpy", "gpu_memset"],
+        "name": ["sm90_xmma_gemm_bf16bf16", "void flash_fwd_kernel<...>", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL",
+                 "void at::native::vectorized_elementwise_kernel<4>", "my_custom_fused_op", "Memcpy HtoD", "Memset (Device)"],
+        "collective": [None] * 7, "dur_ns": [100, 200, 300, 400, 500, 600, 700],
+    })
+    work = kernels.device_work(device)
+    assert work["category"].to_list() == ["gemm", "attention", "communication", "elementwise/reduction", "other", "memcpy", "memset"]
+    csv = tmp_path / "cats.csv"
+    csv.write_text("category,pattern\nattention,my_custom_fused\n")
+    assert kernels.device_work(device, kernels.load_categories(csv))["category"][4] == "attention"
+    per_category = dict(kernels.category_time(work).select("category", "time_ns").iter_rows())
+    assert per_category == {"gemm": 100, "attention": 200, "communication": 300, "elementwise/reduction": 400,
+                            "other": 500, "memcpy": 600, "memset": 700}
+    top = kernels.top_kernels(work, limit=2)
+    assert top["name"].to_list() == ["Memset (Device)", "Memcpy HtoD"]
+
+
+def test_collectives_name_their_call_site(analysed):
+    out, _, _ = analysed
+    sites = _table(out, "collectives")["issuing_op"]
+    assert sites.null_count() == 0 and "record_param_comms" not in set(sites)
+
+
+def test_step_missing_on_one_rank(tmp_path):
+    for rank, step_numbers in ((0, [1, 2, 3]), (1, [1, 3])):
+        events = []
+        for i, n in enumerate(step_numbers):
+            t = n * 1000
+            events += [
+                {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{n}", "pid": 1, "tid": 1, "ts": t, "dur": 500},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": t + 10, "dur": 5,
+                 "args": {"correlation": n}},
+                {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": t + 20, "dur": 100,
+                 "args": {"correlation": n, "stream": 7, "device": 0}},
+            ]
+        write_trace(tmp_path / "run" / f"rank{rank}.json", events, distributedInfo={"rank": rank, "world_size": 2})
+    findings = {}
+    ingest(tmp_path / "run", jobs=1, finish=lambda s: findings.update(analyses.run(s)))
+    stats = pl.read_parquet(tmp_path / "run" / ".steplens" / "step_stats" / "part-0.parquet").sort("step")
+    assert stats.select("step", "ranks").rows() == [(1, 2), (2, 1), (3, 2)]
+    offsets = pl.read_parquet(tmp_path / "run" / ".steplens" / "clock_offsets" / "part-0.parquet").sort("rank")
+    assert offsets["method"].to_list() == ["reference", "none (no collectives to match)"]
+    assert findings["comms_note"] == "no collectives in the traces"
