@@ -214,7 +214,7 @@ def _previous_manifest(out_dir: Path) -> dict:
         manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    return manifest if manifest.get("schema_version") == schema.SCHEMA_VERSION else {}
+    return manifest if manifest.get("schema_fingerprint") == schema.fingerprint() else {}
 
 
 def _recover(out_dir: Path) -> None:
@@ -307,6 +307,7 @@ def _manifest(sources: list[Source]) -> dict:
     run_id = hashlib.sha256(repr(sorted(s.fingerprint() for s in ingested)).encode()).hexdigest()[:12]
     return {
         "schema_version": schema.SCHEMA_VERSION,
+        "schema_fingerprint": schema.fingerprint(),
         "run_id": run_id,
         "created_by": "steplens ingest",
         "world_size": world_sizes[-1] if world_sizes else None,

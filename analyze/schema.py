@@ -21,6 +21,8 @@ Bump SCHEMA_VERSION whenever a table's columns or meaning change; readers refuse
 
 from __future__ import annotations
 
+import hashlib
+
 import pyarrow as pa
 
 SCHEMA_VERSION = 1
@@ -131,6 +133,13 @@ TABLES: dict[str, tuple[pa.Schema, dict[str, str], bool]] = {
 #   sources          list of {path, kind, size, mtime_ns, hash_prefix, status, rank, parts, events}
 #   environment      {devices: [...], backend, nccl_version, cuda_runtime_version, ...} where known
 #   tables           {name: {"partitioned_by_rank": bool}}
+
+
+def fingerprint() -> str:
+    """Hash of every parsed table's columns and types: parts written under another layout (an older
+    steplens) are never reused, even where SCHEMA_VERSION was not bumped."""
+    layout = repr([(name, str(spec[0])) for name, spec in sorted(TABLES.items())]) + str(SCHEMA_VERSION)
+    return hashlib.sha256(layout.encode()).hexdigest()[:16]
 
 
 def part_dir(table: str, rank: int | None) -> str:

@@ -195,3 +195,13 @@ def test_readme_documents_every_analysis_table():
     for table, columns in schema.ANALYSIS_TABLES.items():
         line = next(l for l in readme.splitlines() if l.startswith(f"- **`{table}`**"))
         assert all(f"`{c}`" in line for c in columns), table
+
+
+def test_parts_from_another_table_layout_are_not_reused(run_dir):
+    ingest(run_dir, jobs=1)
+    manifest_path = run_dir / ".steplens" / "run.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["schema_fingerprint"] = "written-by-an-older-steplens"
+    manifest_path.write_text(json.dumps(manifest))
+    again = ingest(run_dir, jobs=1)
+    assert again.reused == 0 and again.parsed == 3
