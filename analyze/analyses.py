@@ -66,7 +66,8 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     step_windows = _read(out_dir, "steps", ["step", "start_ns", "end_ns"])
 
     work = kernels.device_work(device, options.kernel_categories)
-    calls = comms.with_call_sites(comms.collectives(device, world_size), runtime, cpu)
+    threads = launch.cpu_threads(cpu)
+    calls = comms.with_call_sites(comms.collectives(device, world_size), runtime, threads)
     offsets = steps.clock_offsets(calls, ranks)
     waits = steps.collective_waits(calls)
     times = steps.step_times(step_windows, work, waits, offsets)
@@ -87,7 +88,7 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
         "kernel_launches": launched,
         "launch_summary": launch.launch_summary(launched),
         "gpu_idle": idle,
-        "sync_points": launch.sync_points(gaps, runtime, cpu),
+        "sync_points": launch.sync_points(gaps, runtime, threads),
         "kernel_categories": kernels.category_time(work),
         "top_kernels": kernels.top_kernels(work),
         "mfu": utilization,

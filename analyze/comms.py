@@ -49,7 +49,10 @@ def _op(column: str) -> pl.Expr:
 
 def collective_kernels(events: pl.DataFrame) -> pl.DataFrame:
     """NCCL/RCCL kernels (by name or by record_param_comms args) with their collective."""
-    kernels = events.filter((pl.col("kind") == "kernel") & (pl.col("collective").is_not_null() | pl.col("name").str.contains(NCCL_KERNEL)))
+    kernels = events.filter(pl.col("kind") == "kernel")
+    names = kernels.select(pl.col("name").unique())
+    nccl = names.filter(pl.col("name").str.contains(NCCL_KERNEL))["name"].implode()  # regex once per distinct name
+    kernels = kernels.filter(pl.col("collective").is_not_null() | pl.col("name").is_in(nccl))
     return kernels.with_columns(op=pl.coalesce(_op("collective"), _op("name"), pl.lit("unknown")))
 
 
@@ -90,10 +93,10 @@ def collectives(device: pl.DataFrame, world_size: int | None = None) -> pl.DataF
 
 
 # Wrappers around the real call site: the op that records the collective's arguments.
-RECORDING_OPS = ["record_param_comms"]
+RECORDING_OPS = ("record_param_comms",)
 
 
-def with_call_sites(calls: pl.DataFrame, runtime: pl.DataFrame, cpu: pl.DataFrame) -> pl.DataFrame:
+def with_call_sites(calls: pl.DataFrame, runtime: pl.DataFrame, threads: dict) -> pl.DataFrame:
     """Add issuing_op: the innermost CPU op, annotation or Python frame around each collective's
     launch, skipping record_param_comms (it wraps every collective and says nothing of the caller)."""
     if calls.is_empty():
@@ -102,7 +105,7 @@ def with_call_sites(calls: pl.DataFrame, runtime: pl.DataFrame, cpu: pl.DataFram
         runtime.select("rank", "source", "event_id", "ts_ns", "dur_ns", "pid", "tid"),
         left_on=["rank", "source", "launch_event_id"], right_on=["rank", "source", "event_id"], how="left",
         maintain_order="left")
-    sites = enclosing_op(launches, cpu.filter(~pl.col("name").is_in(RECORDING_OPS)))
+    sites = enclosing_op(launches, threads, skip=RECORDING_OPS)
     return calls.with_columns(issuing_op=sites).drop("source", "launch_event_id")
 
 

@@ -98,7 +98,7 @@ def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame) -> pl.DataFrame:
     ).sort(keys)
 
 
-def sync_points(gaps: pl.DataFrame, calls: pl.DataFrame, cpu: pl.DataFrame, limit: int = 20) -> pl.DataFrame:
+def sync_points(gaps: pl.DataFrame, calls: pl.DataFrame, threads: dict, limit: int = 20) -> pl.DataFrame:
     """The synchronizing calls that left the GPU idle longest, with the CPU op that issued them."""
     caused = gaps.filter((pl.col("cause") == "sync") & (pl.col("stream") == ALL_STREAMS)).group_by("rank", "source", "sync_event_id").agg(
         idle_caused_ns=pl.col("idle_ns").sum(), step=pl.col("step").min())
@@ -108,24 +108,33 @@ def sync_points(gaps: pl.DataFrame, calls: pl.DataFrame, cpu: pl.DataFrame, limi
     points = caused.join(calls.select("rank", "source", "event_id", "name", "ts_ns", "dur_ns", "pid", "tid"),
                          left_on=["rank", "source", "sync_event_id"], right_on=["rank", "source", "event_id"])
     points = points.sort("idle_caused_ns", descending=True).head(limit)
-    points = points.with_columns(issuing_op=enclosing_op(points, cpu))
+    points = points.with_columns(issuing_op=enclosing_op(points, threads))
     return points.sort("idle_caused_ns", descending=True).head(limit).select(
         "rank", "step", "name", "issuing_op", "ts_ns", "dur_ns", "idle_caused_ns")
 
 
-def enclosing_op(calls: pl.DataFrame, cpu: pl.DataFrame) -> pl.Series:
+THREAD_KEYS = ["rank", "source", "pid", "tid"]
+
+
+def cpu_threads(cpu: pl.DataFrame) -> dict[tuple, pl.DataFrame]:
+    """CPU ops per thread, by start with the outermost first on ties: the input of enclosing_op."""
+    ops = cpu.filter(pl.col("dur_ns").is_not_null()).with_columns(end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
+    ops = ops.sort(THREAD_KEYS + ["ts_ns", "end_ns"], descending=[False] * 5 + [True])
+    return ops.partition_by(THREAD_KEYS, as_dict=True)
+
+
+def enclosing_op(calls: pl.DataFrame, threads: dict[tuple, pl.DataFrame], skip: tuple[str, ...] = ()) -> pl.Series:
     """Name of the innermost CPU op, annotation or Python frame on the same thread that contains each
-    call (null when none does). `calls` needs rank, source, pid, tid, ts_ns, dur_ns."""
-    keys = ["rank", "source", "pid", "tid"]
-    ops = cpu.filter(pl.col("dur_ns").is_not_null()).with_columns(end_ns=pl.col("ts_ns") + pl.col("dur_ns")).sort(
-        keys + ["ts_ns", "end_ns"], descending=[False] * 5 + [True])
-    threads = ops.partition_by(keys, as_dict=True)
+    call, ignoring ops named in `skip` (null when none does). `calls` needs rank, source, pid, tid,
+    ts_ns, dur_ns; `threads` comes from cpu_threads."""
     names = [None] * calls.height
     queries = calls.with_columns(row=pl.int_range(pl.len()), end_ns=pl.col("ts_ns") + pl.col("dur_ns")).drop_nulls("end_ns")
-    for key, group in queries.partition_by(keys, as_dict=True).items():
+    for key, group in queries.partition_by(THREAD_KEYS, as_dict=True).items():
         thread = threads.get(key)
         if thread is None:
             continue
+        if skip:
+            thread = thread.filter(~pl.col("name").is_in(list(skip)))
         found = intervals.innermost_container(thread["ts_ns"].to_numpy(), thread["end_ns"].to_numpy(),
                                               group["ts_ns"].to_numpy(), group["end_ns"].to_numpy())
         thread_names = thread["name"].to_list()
