@@ -418,8 +418,8 @@ def _raw_column(raws: list[msgspec.Raw]) -> pa.Array:
     joined = b"\n".join(raws)
     if not joined.strip():
         return pa.nulls(len(raws), pa.string())
-    if b"\r" in joined or joined.count(b"\n") != len(raws) - 1:  # multi-line values: no CSV shortcut
-        return pa.array([bytes(r).decode("utf-8", "replace") or None for r in raws], type=pa.string())
+    if b"\r" in joined or joined.count(b"\n") != len(raws) - 1:  # multi-line values: re-encode compactly
+        return pa.array([msgspec.json.encode(msgspec.json.decode(r)).decode() if r else None for r in raws], type=pa.string())
     table = pacsv.read_csv(
         io.BytesIO(joined + b"\n"),
         read_options=pacsv.ReadOptions(column_names=["v"], use_threads=False),
@@ -536,11 +536,7 @@ def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl
     if bad_ts or bad_dur:
         issues.append(Issue("warning", "bad_timestamp", bad_ts + bad_dur,
                             "ts/dur values that are not numbers; those events were dropped"))
-    raw = raw.with_columns(
-        ts_ns=ts + base_ns,
-        dur_ns=dur,
-        input_dims=pl.col("input_dims").str.replace_all(r"\s+", ""),
-    ).drop("ts_text", "dur_text")
+    raw = raw.with_columns(ts_ns=ts + base_ns, dur_ns=dur).drop("ts_text", "dur_text")
 
     phase = pl.col("ph")
     is_event = phase.is_in(["X", "i", "I"]) & pl.col("ts_ns").is_not_null()
