@@ -24,12 +24,17 @@ export_chrome_trace wrote them), searched recursively; hidden folders are skippe
 not traces are listed as ignored, with what they look like. The inputs are never modified.
 
 Output goes to RUN_DIR/{schema.DEFAULT_OUT_DIR}/ (or --out DIR): run.json plus one folder per table,
-hive-partitioned by rank (trace_events/rank=0/part-*.parquet, ...). Query them with DuckDB:
+hive-partitioned by rank (trace_events/rank=0/part-*.parquet, ...), and one folder per analysis
+(step_stats, gpu_idle, collectives, mfu, ...). Query them with DuckDB from Python:
 
 \b
-    duckdb -c "SELECT rank, kind, count(*) FROM
-      read_parquet('RUN_DIR/{schema.DEFAULT_OUT_DIR}/trace_events/*/*.parquet', hive_partitioning=true)
-      GROUP BY ALL ORDER BY ALL"
+    import duckdb
+    duckdb.sql("SELECT rank, kind, count(*) FROM read_parquet("
+               "'RUN_DIR/{schema.DEFAULT_OUT_DIR}/trace_events/*/*.parquet', hive_partitioning=true) "
+               "GROUP BY ALL ORDER BY ALL").show()
+
+After ingest it runs the analyses and prints the headline: slowest step and rank, stragglers, GPU
+idle and its main cause, the most exposed collective, and MFU with its definition and peak.
 
 Re-running is incremental: files whose size, mtime and first 64 KiB are unchanged are not parsed
 again. The swap to the new result is atomic, so an interrupted run leaves the last result intact.

@@ -205,3 +205,19 @@ def test_parts_from_another_table_layout_are_not_reused(run_dir):
     manifest_path.write_text(json.dumps(manifest))
     again = ingest(run_dir, jobs=1)
     assert again.reused == 0 and again.parsed == 3
+
+
+def test_readme_python_examples_run(tmp_path):
+    """The README's Python snippets, run as written against a copy of the bundled sample."""
+    import re
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "sample_runs", tmp_path / "sample_runs", ignore=shutil.ignore_patterns(".steplens"))
+    assert CliRunner().invoke(analyze, [str(tmp_path / "sample_runs" / "synthetic_8rank"), "-q"]).exit_code == 0
+    blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.S)
+    assert len(blocks) >= 3
+    for block in blocks:
+        done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, (block, done.stderr)
+        assert done.stdout.strip()
