@@ -113,10 +113,11 @@ def print_summary(console: Console, result: IngestResult) -> None:
     m = result.manifest
     used = [s for s in result.sources if s.rank is not None]
     mb = sum(s.raw_bytes for s in result.sources if s.status == "ingested") / 1e6
-    speed = f", {mb / result.seconds:.0f} MB/s" if result.parsed and result.seconds > 0 else ""
+    parsed = sum(1 for s in result.sources if s.status == "ingested")
+    speed = f", {mb / result.seconds:.0f} MB/s" if parsed and result.seconds > 0 else ""
     console.print(
         f"[bold]{len(used)}[/] trace file(s) -> {result.out_dir}  "
-        f"({result.parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {result.seconds:.1f}s{speed})",
+        f"({parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {result.seconds:.1f}s{speed})",
         highlight=False, soft_wrap=True,
     )
     world = f" of world size {m['world_size']}" if m.get("world_size") else ""
