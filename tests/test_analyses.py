@@ -6,7 +6,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from steplens.analyze import analyses, comms, launch, mfu, steps
+from steplens.analyze import analyses, comms, mfu
 from steplens.analyze.cli import analyze
 from steplens.analyze.ingest import ingest
 from synthetic import generate_run

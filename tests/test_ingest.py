@@ -1,7 +1,6 @@
 """The run-directory contract, incremental and atomic ingest, rank rules, and the CLI."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from click.testing import CliRunner
 from steplens.analyze import ingest as ingest_module
 from steplens.analyze import schema
 from steplens.analyze.cli import EXIT_NOTHING, EXIT_PARTIAL, analyze, steplens
-from steplens.analyze.ingest import IngestError, ingest
+from steplens.analyze.ingest import ingest
 
 from conftest import write_trace
 

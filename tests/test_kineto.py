@@ -2,8 +2,6 @@
 
 import gzip
 import json
-from decimal import Decimal
-from pathlib import Path
 
 import polars as pl
 import pytest
