@@ -223,3 +223,54 @@ def steplens() -> None:
 
 
 steplens.add_command(analyze)
+
+
+def _sql_help() -> str:
+    from .sql import EXAMPLES
+
+    tables = ", ".join(list(schema.TABLES) + list(schema.ANALYSIS_TABLES))
+    examples = "\n".join(f"    # {title}\n    {text}\n" for title, text in EXAMPLES.items())
+    return f"""Run one SELECT over every steplens run under RUNS_DIR (any folder holding a run.json, such
+as RUN/.steplens/), with DuckDB.
+
+Each table is a view across all runs, with a run_id column (per-rank tables also have rank):
+{tables}. The view `runs` lists the runs (run_id, path, world_size, ranks, devices, created_by).
+Columns are documented in analyze/schema.py and the README. Queries never modify a run: only a
+single SELECT is accepted.
+
+\b
+Examples:
+{examples}"""
+
+
+@click.command("sql", help=_sql_help())
+@click.argument("runs_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("query")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
+              help="table for reading, csv or json (one object per row) for other tools.")
+def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
+    from .sql import QueryError, find_runs
+    from .sql import query as run_query
+
+    if not find_runs(runs_dir):
+        _fail(f"{runs_dir}: no steplens runs (no run.json) under this folder; run `analyze` first")
+    try:
+        result = run_query(runs_dir, query)
+    except QueryError as e:
+        _fail(str(e))
+    if fmt == "csv":
+        click.echo(result.write_csv(), nl=False)
+    elif fmt == "json":
+        click.echo(result.write_ndjson(), nl=False)
+    else:
+        with pl_config():
+            click.echo(result)
+
+
+def pl_config():
+    import polars as pl
+
+    return pl.Config(tbl_rows=200, tbl_cols=-1, tbl_width_chars=200, fmt_str_lengths=80, tbl_hide_dataframe_shape=True)
+
+
+steplens.add_command(sql_command)

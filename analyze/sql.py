@@ -1,0 +1,86 @@
+"""SQL over many runs: one DuckDB view per table across every run (and rank) under a folder.
+
+A run is any folder holding a steplens `run.json` (an `analyze` output such as `RUN/.steplens/`, or
+a collector run directory). Every view has a `run_id` column; per-rank tables also have `rank`.
+The `runs` view lists the runs themselves. Only SELECT statements are accepted: querying never
+changes a run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import duckdb
+import polars as pl
+
+from . import schema
+
+EXAMPLES = {
+    "slowest step per run": "SELECT run_id, step, max_dur_ns / 1e6 AS ms, straggler_rank FROM step_stats "
+                            "QUALIFY row_number() OVER (PARTITION BY run_id ORDER BY max_dur_ns DESC) = 1",
+    "busbw by message size across runs": "SELECT run_id, op, bytes, count(*) AS calls, median(busbw_gbps) AS busbw_gbps "
+                                         "FROM collectives GROUP BY ALL ORDER BY op, bytes, run_id",
+    "MFU by run": "SELECT run_id, metric, numerator, median(utilization) AS utilization FROM mfu GROUP BY ALL",
+    "GPU idle by cause": "SELECT run_id, sum(host_bound_ns) / 1e6 AS host_bound_ms, sum(sync_ns) / 1e6 AS sync_ms "
+                         "FROM gpu_idle WHERE stream = -1 GROUP BY run_id",
+}
+
+
+class QueryError(Exception):
+    """A query that is not a single SELECT, or that DuckDB rejects; the message is for the user."""
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Folders under root (root included) that hold a steplens run.json."""
+    found = []
+    for manifest in sorted(Path(root).rglob(schema.MANIFEST_FILE)):
+        try:
+            if "schema_version" in json.loads(manifest.read_text()):
+                found.append(manifest.parent)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def connect(root: Path) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with a view per table over every run under root."""
+    runs = find_runs(root)
+    con = duckdb.connect()
+    rows, parts = [], {}
+    for run in runs:
+        manifest = json.loads((run / schema.MANIFEST_FILE).read_text())
+        run_id = str(manifest.get("run_id") or run)
+        rows.append({"run_id": run_id, "path": str(run), "world_size": manifest.get("world_size"),
+                     "ranks": len(manifest.get("ranks", [])),
+                     "devices": ", ".join(manifest.get("environment", {}).get("device_names", [])),
+                     "created_by": manifest.get("created_by")})
+        for table in list(schema.TABLES) + list(schema.ANALYSIS_TABLES):
+            partitioned = table in schema.TABLES and schema.TABLES[table][2]
+            pattern = run / table / ("*/*.parquet" if partitioned else "*.parquet")
+            if any((run / table).glob("*/*.parquet" if partitioned else "*.parquet")):
+                parts.setdefault(table, []).append(
+                    f"SELECT {_quote(run_id)} AS run_id, * FROM read_parquet({_quote(str(pattern))}"
+                    f"{', hive_partitioning = true' if partitioned else ''})")
+    con.register("runs_frame", pl.DataFrame(rows, schema={"run_id": pl.String, "path": pl.String, "world_size": pl.Int64,
+                                                           "ranks": pl.Int64, "devices": pl.String, "created_by": pl.String}))
+    con.execute("CREATE VIEW runs AS SELECT * FROM runs_frame")
+    for table, selects in parts.items():
+        con.execute(f"CREATE VIEW {table} AS " + " UNION ALL BY NAME ".join(selects))
+    return con
+
+
+def query(root: Path, sql: str) -> pl.DataFrame:
+    """Run one SELECT over every run under root; the result as a polars DataFrame."""
+    statements = duckdb.extract_statements(sql)
+    if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
+        raise QueryError("only a single SELECT (or WITH ... SELECT) statement is accepted")
+    con = connect(root)
+    try:
+        return con.sql(sql).pl()
+    except duckdb.Error as e:
+        raise QueryError(str(e).splitlines()[0]) from None

@@ -1,0 +1,67 @@
+"""`steplens sql`: DuckDB views across runs, read-only, with documented examples that run."""
+
+import json
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from steplens.analyze import analyses, schema, sql
+from steplens.analyze.cli import steplens
+from steplens.analyze.ingest import ingest
+from synthetic import generate_run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    truths = {}
+    for name, ranks, straggler in (("a", 2, (1, 11)), ("b", 3, (2, 12))):
+        generate_run(root / name, ranks=ranks, steps=4, seed=ranks, stragglers=[straggler])
+        result = ingest(root / name, jobs=1, finish=lambda s: analyses.run(s))
+        truths[result.manifest["run_id"]] = json.loads((root / name / "truth.json").read_text())
+    return root, truths
+
+
+def test_views_span_runs_and_ranks(runs):
+    root, truths = runs
+    counts = sql.query(root, "SELECT run_id, rank, count(*) AS kernels FROM trace_events WHERE kind = 'kernel' GROUP BY ALL")
+    for run_id, truth in truths.items():
+        for rank, info in truth["ranks"].items():
+            row = counts.filter((pl.col("run_id") == run_id) & (pl.col("rank") == int(rank)))
+            assert row["kernels"].to_list() == [info["event_counts"]["kernel"]]
+    listed = sql.query(root, "SELECT run_id, world_size FROM runs ORDER BY world_size")
+    assert listed["world_size"].to_list() == [2, 3] and set(listed["run_id"]) == set(truths)
+
+
+def test_documented_examples_run(runs):
+    root, truths = runs
+    for title, text in sql.EXAMPLES.items():
+        assert isinstance(sql.query(root, text), pl.DataFrame), title
+    slowest = sql.query(root, sql.EXAMPLES["slowest step per run"])
+    for run_id, truth in truths.items():
+        expected = truth["stragglers"][0]
+        row = slowest.filter(pl.col("run_id") == run_id).row(0, named=True)
+        assert (row["step"], row["straggler_rank"]) == (expected["step"], expected["rank"])
+
+
+def test_only_select_is_accepted(runs):
+    root, _ = runs
+    for statement in ("DELETE FROM runs", "COPY (SELECT 1) TO 'x.csv'", "SELECT 1; SELECT 2", "CREATE TABLE t AS SELECT 1"):
+        with pytest.raises(sql.QueryError):
+            sql.query(root, statement)
+
+
+def test_cli_formats_and_errors(runs, tmp_path):
+    root, truths = runs
+    runner = CliRunner()
+    csv = runner.invoke(steplens, ["sql", str(root), "SELECT run_id, ranks FROM runs ORDER BY ranks", "--format", "csv"])
+    assert csv.exit_code == 0 and csv.output.splitlines()[0] == "run_id,ranks"
+    lines = runner.invoke(steplens, ["sql", str(root), "SELECT ranks FROM runs ORDER BY ranks", "--format", "json"]).output
+    assert [json.loads(line)["ranks"] for line in lines.splitlines()] == [2, 3]
+    bad = runner.invoke(steplens, ["sql", str(root), "SELECT nope FROM runs"])
+    assert bad.exit_code == 2 and "nope" in bad.output and "Traceback" not in bad.output
+    empty = runner.invoke(steplens, ["sql", str(tmp_path), "SELECT 1"])
+    assert empty.exit_code == 2 and "no steplens runs" in empty.output
+    help_text = runner.invoke(steplens, ["sql", "--help"]).output
+    assert all(table in help_text for table in list(schema.TABLES) + list(schema.ANALYSIS_TABLES))
