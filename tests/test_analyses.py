@@ -286,3 +286,39 @@ def test_step_missing_on_one_rank(tmp_path):
     offsets = pl.read_parquet(tmp_path / "run" / ".steplens" / "clock_offsets" / "part-0.parquet").sort("rank")
     assert offsets["method"].to_list() == ["reference", "none (no collectives to match)"]
     assert findings["comms_note"] == "no collectives in the traces"
+
+
+def test_printed_summary_and_findings_match_truth(tmp_path):
+    """Every number the terminal summary prints for the bundled sample, against its truth.json."""
+    import re
+    import shutil
+    from pathlib import Path
+
+    sample = Path(__file__).resolve().parents[1] / "sample_runs" / "synthetic_8rank"
+    run = tmp_path / "run"
+    shutil.copytree(sample, run, ignore=shutil.ignore_patterns(".steplens"))
+    truth = json.loads((run / "truth.json").read_text())
+    result = CliRunner().invoke(analyze, [str(run), "-q"])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    for kind in ("cpu_op", "cuda_runtime", "kernel", "gpu_memcpy", "gpu_memset", "memory"):
+        total = sum(r["event_counts"][kind] for r in truth["ranks"].values())
+        assert re.search(rf"^\s*{kind}\s+{total:,}\s*$", text, re.M), kind
+    for rank, info in truth["ranks"].items():
+        steps = [s["step"] for s in info["steps"]]
+        assert re.search(rf"^\s*{rank}\s+1\s+{len(steps)}\s+{steps[0]}-{steps[-1]}\s*$", text, re.M)
+    s = truth["stragglers"][0]
+    assert f"straggler: rank {s['rank']} in step {s['step']};" in text
+    findings = json.loads((run / ".steplens" / "findings.json").read_text())
+    # Device-level host-bound idle: the compute stream's host-bound gaps (the comm stream is idle then).
+    host_bound = sum(v["host_bound_idle_ns"] for r in truth["ranks"].values() for v in r["idle"].values())
+    assert findings["gpu_idle"]["host_bound_ns"] == pytest.approx(host_bound, rel=0.02)
+    assert f"GPU idle: {findings['gpu_idle']['idle_share']:.1%}" in text
+    # Most exposed collective: truth's exposure summed per (collective, nccl-tests size).
+    exposed = {}
+    for r in truth["ranks"].values():
+        for c in r["collectives"]:
+            size = c["bytes"] * c["group_size"] if c["name"] == "_allgather_base" else c["bytes"]
+            exposed[(c["name"], size)] = exposed.get((c["name"], size), 0) + c["exposed_ns"]
+    (name, size), ns = max(exposed.items(), key=lambda kv: kv[1])
+    assert f"of {size:,} B: {ns / 1e6:.3f} ms exposed" in text
