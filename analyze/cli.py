@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -87,6 +88,12 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         kernel_categories=kernels.load_categories(kernel_categories) if kernel_categories else list(kernels.KERNEL_CATEGORIES),
     )
     findings: dict = {}
+
+    def run_analyses(staging: Path) -> None:
+        started = time.perf_counter()
+        findings.update(analyses.run(staging, options))
+        findings["analysis_seconds"] = time.perf_counter() - started
+
     show_progress = not quiet and sys.stderr.isatty()
     progress = Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                         console=Console(stderr=True), transient=True, disable=not show_progress)
@@ -94,10 +101,10 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         task = progress.add_task("ingest", total=total or None)
         try:
             result = ingest(run_dir, out_dir, jobs=jobs, progress=lambda s: progress.advance(task, s.size),
-                            finish=None if ingest_only else lambda staging: findings.update(analyses.run(staging, options)))
+                            finish=None if ingest_only else lambda staging: run_analyses(staging))
         except IngestError as e:
             _fail(str(e))
-    print_summary(console, result)
+    print_summary(console, result, findings.get("analysis_seconds"))
     if findings:
         print_findings(console, findings)
     if result.failed:
@@ -109,15 +116,17 @@ def _fail(message: str) -> None:
     sys.exit(EXIT_NOTHING)
 
 
-def print_summary(console: Console, result: IngestResult) -> None:
+def print_summary(console: Console, result: IngestResult, analysis_seconds: float | None = None) -> None:
     m = result.manifest
     used = [s for s in result.sources if s.rank is not None]
     mb = sum(s.raw_bytes for s in result.sources if s.status == "ingested") / 1e6
     parsed = sum(1 for s in result.sources if s.status == "ingested")
-    speed = f", {mb / result.seconds:.0f} MB/s" if parsed and result.seconds > 0 else ""
+    ingest_seconds = result.seconds - (analysis_seconds or 0)
+    speed = f", {mb / ingest_seconds:.0f} MB/s" if parsed and ingest_seconds > 0 else ""
+    analysed = f"; analyses {analysis_seconds:.2f}s" if analysis_seconds is not None else ""
     console.print(
         f"[bold]{len(used)}[/] trace file(s) -> {result.out_dir}  "
-        f"({parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {result.seconds:.1f}s{speed})",
+        f"({parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed})",
         highlight=False, soft_wrap=True,
     )
     world = f" of world size {m['world_size']}" if m.get("world_size") else ""

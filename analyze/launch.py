@@ -137,10 +137,10 @@ def enclosing_op(calls: pl.DataFrame, threads: dict[tuple, pl.DataFrame], skip: 
             thread = thread.filter(~pl.col("name").is_in(list(skip)))
         found = intervals.innermost_container(thread["ts_ns"].to_numpy(), thread["end_ns"].to_numpy(),
                                               group["ts_ns"].to_numpy(), group["end_ns"].to_numpy())
-        thread_names = thread["name"].to_list()
-        for row, index in zip(group["row"].to_list(), found.tolist()):
-            if index >= 0:
-                names[row] = thread_names[index]
+        hit = found >= 0
+        rows = group["row"].to_numpy()[hit]
+        for row, name in zip(rows.tolist(), thread["name"].gather(found[hit]).to_list()):
+            names[row] = name
     return pl.Series("issuing_op", names, dtype=pl.String)
 
 
