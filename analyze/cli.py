@@ -283,3 +283,43 @@ def pl_config():
 
 
 steplens.add_command(sql_command)
+
+
+def _step_range(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    first, _, last = value.partition(":")
+    try:
+        return int(first), int(last or first)
+    except ValueError:
+        raise click.BadParameter("expected A:B (ProfilerStep numbers, inclusive) or A") from None
+
+
+@click.command("export-trace")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--steps", default=None, help="Only ProfilerSteps A to B inclusive, as A:B (or one step A).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Output file (default: merged_trace.json in the run directory).")
+def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None) -> None:
+    """Write one Chrome-trace JSON with every rank of an analysed run on one clock.
+
+    RUN_DIR is a run folder that `analyze` has processed (or its .steplens/ output). Each rank becomes
+    a process, its GPU streams become threads, times move onto the reference rank's clock (the
+    clock_offsets analysis) and launch links stay as flow arrows. Open the file in Perfetto UI
+    (ui.perfetto.dev) or chrome://tracing; slices that overlap without nesting, which Perfetto drops,
+    are counted in the summary.
+    """
+    from .export import export_trace
+
+    out_dir = run_dir if (run_dir / schema.MANIFEST_FILE).exists() else run_dir / schema.DEFAULT_OUT_DIR
+    if not (out_dir / schema.MANIFEST_FILE).exists():
+        _fail(f"{run_dir}: not an analysed run (no run.json); run `analyze {run_dir}` first")
+    out_path = out_path or out_dir / "merged_trace.json"
+    counts = export_trace(out_dir, out_path, _step_range(steps))
+    if not counts["events"]:
+        _fail(f"{run_dir}: no events to export" + (f" in steps {steps}" if steps else ""))
+    click.echo(f"{out_path}: {counts['events']:,} events and {counts['flows']:,} launch flows from "
+               f"{counts['ranks']} rank(s); {counts['partial_overlaps']:,} slices overlap without nesting")
+
+
+steplens.add_command(export_trace_command)

@@ -1,0 +1,80 @@
+"""`steplens export-trace`: all ranks on one clock, exact times, flows kept, slices nested."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from steplens.analyze import analyses
+from steplens.analyze.cli import steplens
+from steplens.analyze.ingest import ingest
+from synthetic import generate_run
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    run = tmp_path_factory.mktemp("exp") / "run"
+    generate_run(run, ranks=3, steps=4, seed=11, stragglers=[(1, 12)])
+    ingest(run, jobs=1, finish=lambda s: analyses.run(s))
+    truth = json.loads((run / "truth.json").read_text())
+    result = CliRunner().invoke(steplens, ["export-trace", str(run)])
+    assert result.exit_code == 0, result.output
+    return run, truth, json.loads((run / ".steplens" / "merged_trace.json").read_text()), result.output
+
+
+def _ns(us) -> int:
+    text = f"{us:.3f}"
+    whole, frac = text.split(".")
+    return int(whole) * 1000 + int(frac)
+
+
+def test_ranks_share_the_reference_clock(exported):
+    run, truth, trace, _ = exported
+    origin = trace["otherData"]["origin_ns"]
+    starts = {(e["pid"], e["name"]): _ns(e["ts"]) + origin for e in trace["traceEvents"]
+              if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")}
+    for rank, info in truth["ranks"].items():
+        for step in info["steps"]:
+            # Rank 0's clock is the reference and truth's rank 0 has no offset: aligned = true time.
+            assert starts[(int(rank), f"ProfilerStep#{step['step']}")] == step["true_start_ns"]
+
+
+def test_every_event_and_launch_is_exported(exported):
+    run, truth, trace, output = exported
+    kinds = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver", "kernel", "gpu_memcpy", "gpu_memset")
+    for rank, info in truth["ranks"].items():
+        mine = [e for e in trace["traceEvents"] if e.get("pid") == int(rank) and e.get("ph") == "X"]
+        assert len(mine) == sum(info["event_counts"][k] for k in kinds)
+    starts = [e for e in trace["traceEvents"] if e.get("ph") == "s"]
+    ends = {e["id"] for e in trace["traceEvents"] if e.get("ph") == "f"}
+    assert len(starts) == sum(i["launch_links"] for i in truth["ranks"].values()) and {e["id"] for e in starts} == ends
+    assert "0 slices overlap without nesting" in output
+
+
+def test_slices_nest_on_every_thread(exported):
+    _, _, trace, _ = exported
+    threads = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            threads.setdefault((e["pid"], e["tid"]), []).append((_ns(e["ts"]), _ns(e["ts"]) + _ns(e["dur"])))
+    for spans in threads.values():
+        stack = []
+        for start, end in sorted(spans, key=lambda s: (s[0], -s[1])):
+            while stack and stack[-1] <= start:
+                stack.pop()
+            assert not stack or end <= stack[-1]
+            stack.append(end)
+
+
+def test_step_range_and_errors(exported, tmp_path):
+    run, _, _, _ = exported
+    runner = CliRunner()
+    out = tmp_path / "s.json"
+    assert runner.invoke(steplens, ["export-trace", str(run), "--steps", "12:12", "--out", str(out)]).exit_code == 0
+    steps = {e["args"]["step"] for e in json.loads(out.read_text())["traceEvents"] if e.get("ph") == "X"}
+    assert steps == {12}
+    assert runner.invoke(steplens, ["export-trace", str(run), "--steps", "x"]).exit_code == 2
+    none = runner.invoke(steplens, ["export-trace", str(run), "--steps", "99:99", "--out", str(out)])
+    assert none.exit_code == 2 and "no events" in none.output
+    missing = runner.invoke(steplens, ["export-trace", str(tmp_path)])
+    assert missing.exit_code == 2 and "analyze" in missing.output
