@@ -8,6 +8,7 @@ headline findings the terminal summary and the report show.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,10 +40,10 @@ def _read(out_dir: Path, table: str, columns: list[str], where: pl.Expr | None =
     return frame.select(["rank"] + columns).collect()
 
 
-def _write(out_dir: Path, table: str, frame: pl.DataFrame) -> None:
+def _write(out_dir: Path, table: str, frame: pl.DataFrame, part: str = "part-0") -> None:
     folder = out_dir / table
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / "part-0.parquet.tmp"
+    tmp = folder / f"{part}.parquet.tmp"
     columns = list(schema.ANALYSIS_TABLES[table])
     missing = [c for c in columns if c not in frame.columns]
     if missing and not frame.is_empty():
@@ -50,34 +51,72 @@ def _write(out_dir: Path, table: str, frame: pl.DataFrame) -> None:
     # An analysis with nothing to say still writes its (empty) table, so SQL over it works.
     frame = frame.with_columns([pl.lit(None).alias(c) for c in missing]).select(columns)
     frame.write_parquet(tmp, compression="zstd", compression_level=1)
-    tmp.replace(folder / "part-0.parquet")
+    tmp.replace(folder / f"{part}.parquet")
+
+
+@dataclass
+class _RankResults:
+    """What one rank contributes: per-rank tables, and the small pieces the cross-rank analyses need."""
+
+    calls: pl.DataFrame
+    idle: pl.DataFrame
+    launch_summary: pl.DataFrame
+    sync_points: pl.DataFrame
+    categories: pl.DataFrame
+    kernel_totals: pl.DataFrame
+    gpu_spans: pl.DataFrame
+    flops: pl.DataFrame
+    cpu_comm_ops: int
+
+
+def _analyse_rank(out_dir: Path, rank: int, world_size: int, options: Options) -> _RankResults:
+    """The per-rank analyses, reading only this rank's partition (memory does not grow with ranks)."""
+    this_rank, kind = pl.col("rank") == rank, pl.col("kind")
+    device = _read(out_dir, "trace_events", DEVICE_COLUMNS, this_rank & kind.is_in(launch.WORK_KINDS))
+    runtime = _read(out_dir, "trace_events", CALL_COLUMNS, this_rank & kind.is_in(["cuda_runtime", "cuda_driver"]))
+    cpu = _read(out_dir, "trace_events", CPU_COLUMNS, this_rank & kind.is_in(CPU_KINDS))
+    work = kernels.device_work(device, options.kernel_categories)
+    threads = launch.cpu_threads(cpu)
+    launched = launch.kernel_launches(device, runtime)
+    _write(out_dir, "kernel_launches", launched, part=f"part-{rank}")
+    gaps = launch.idle_gaps(launched, runtime)
+    return _RankResults(
+        calls=comms.with_call_sites(comms.collectives(device, world_size), runtime, threads),
+        idle=launch.gpu_idle(launched, gaps),
+        launch_summary=launch.launch_summary(launched),
+        sync_points=launch.sync_points(gaps, runtime, threads),
+        categories=kernels.category_time(work),
+        kernel_totals=kernels.kernel_totals(work),
+        gpu_spans=steps.gpu_spans(work),
+        flops=mfu.step_flops(cpu),
+        cpu_comm_ops=cpu.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()).height,
+    )
 
 
 def run(out_dir: Path, options: Options | None = None) -> dict:
-    """All analyses over out_dir; returns the headline findings (also written to findings.json)."""
+    """All analyses over out_dir; returns the headline findings (also written to findings.json).
+
+    Ranks are analysed one at a time; only small per-rank results (collective calls, step spans,
+    totals) are kept for the cross-rank analyses, so memory is bounded by the largest rank."""
     options = options or Options()
     manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
     ranks = manifest["ranks"]
     world_size = manifest.get("world_size") or len(ranks)
-    kind = pl.col("kind")
-    device = _read(out_dir, "trace_events", DEVICE_COLUMNS, kind.is_in(launch.WORK_KINDS))
-    runtime = _read(out_dir, "trace_events", CALL_COLUMNS, kind.is_in(["cuda_runtime", "cuda_driver"]))
-    cpu = _read(out_dir, "trace_events", CPU_COLUMNS, kind.is_in(CPU_KINDS))
-    step_windows = _read(out_dir, "steps", ["step", "start_ns", "end_ns"])
+    for table in schema.ANALYSIS_TABLES:
+        shutil.rmtree(out_dir / table, ignore_errors=True)
+    per_rank = [_analyse_rank(out_dir, rank, world_size, options) for rank in ranks]
 
-    work = kernels.device_work(device, options.kernel_categories)
-    threads = launch.cpu_threads(cpu)
-    calls = comms.with_call_sites(comms.collectives(device, world_size), runtime, threads)
+    def gather(field: str) -> pl.DataFrame:
+        frames = [getattr(r, field) for r in per_rank]
+        return pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
+
+    step_windows = _read(out_dir, "steps", ["step", "start_ns", "end_ns"])
+    calls = gather("calls")
     offsets = steps.clock_offsets(calls, ranks)
-    waits = steps.collective_waits(calls)
-    times = steps.step_times(step_windows, work, waits, offsets)
+    times = steps.step_times(step_windows, gather("gpu_spans"), steps.collective_waits(calls), offsets)
     stats = steps.step_stats(times)
-    launched = launch.kernel_launches(device, runtime)
-    gaps = launch.idle_gaps(launched, runtime)
-    idle = launch.gpu_idle(launched, gaps)
     device_name, num_sms = _device(manifest)
     peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops)
-    utilization = mfu.mfu_table(stats, times, cpu, peak, world_size, options.shape, options.recompute)
 
     tables = {
         "clock_offsets": offsets,
@@ -85,17 +124,18 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
         "step_stats": stats,
         "collectives": calls,
         "collective_instances": comms.instances(calls, offsets),
-        "kernel_launches": launched,
-        "launch_summary": launch.launch_summary(launched),
-        "gpu_idle": idle,
-        "sync_points": launch.sync_points(gaps, runtime, threads),
-        "kernel_categories": kernels.category_time(work),
-        "top_kernels": kernels.top_kernels(work),
-        "mfu": utilization,
+        "launch_summary": gather("launch_summary"),
+        "gpu_idle": gather("idle"),
+        "sync_points": gather("sync_points").sort("idle_caused_ns", descending=True).head(launch.SYNC_POINTS),
+        "kernel_categories": gather("categories"),
+        "top_kernels": kernels.top_kernels(gather("kernel_totals")),
+        "mfu": mfu.mfu_table(stats, times, gather("flops"), peak, world_size, options.shape, options.recompute),
     }
     for name, frame in tables.items():
         _write(out_dir, name, frame)
-    findings = headline(tables, cpu, peak_problem, device_name)
+    if not ranks:
+        _write(out_dir, "kernel_launches", pl.DataFrame())
+    findings = headline(tables, sum(r.cpu_comm_ops for r in per_rank), peak_problem, device_name)
     (out_dir / "findings.json").write_text(json.dumps(findings, indent=1, default=str))
     return findings
 
@@ -109,7 +149,7 @@ def _device(manifest: dict) -> tuple[str | None, int | None]:
     return names[0], sms[0] if len(sms) == 1 else None
 
 
-def headline(tables: dict[str, pl.DataFrame], cpu: pl.DataFrame, peak_problem: str, device_name: str | None) -> dict:
+def headline(tables: dict[str, pl.DataFrame], cpu_comm_ops: int, peak_problem: str, device_name: str | None) -> dict:
     """The few numbers a user came for, each with what it means."""
     findings: dict = {"device": device_name}
     stats = tables["step_stats"]
@@ -141,11 +181,10 @@ def headline(tables: dict[str, pl.DataFrame], cpu: pl.DataFrame, peak_problem: s
         findings["most_exposed_collective"] = top
         findings["exposed_comm_ns"] = int(calls["exposed_ns"].sum())
     else:
-        cpu_comms = cpu.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()).height
         findings["most_exposed_collective"] = None
         findings["comms_note"] = (
-            f"communication without NCCL/RCCL kernels: {cpu_comms} record_param_comms CPU ops (gloo or CPU collectives)"
-            if cpu_comms else "no collectives in the traces")
+            f"communication without NCCL/RCCL kernels: {cpu_comm_ops} record_param_comms CPU ops (gloo or CPU collectives)"
+            if cpu_comm_ops else "no collectives in the traces")
     table = tables["mfu"]
     if table.is_empty():
         findings["mfu"] = {"note": peak_problem or "no FLOPs numerator: give the model shape (--params ...) or profile with_flops=True"}

@@ -60,11 +60,17 @@ def category_time(work: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def top_kernels(work: pl.DataFrame, limit: int = 50) -> pl.DataFrame:
+def kernel_totals(work: pl.DataFrame) -> pl.DataFrame:
+    """Time and calls per kernel name and rank: the input of top_kernels."""
+    return work.group_by("name", "category", "rank").agg(time_ns=pl.col("dur_ns").sum(), calls=pl.len())
+
+
+def top_kernels(totals: pl.DataFrame, limit: int = 50) -> pl.DataFrame:
     """Kernels by total time over all ranks, with how they spread across ranks."""
-    per_rank = work.group_by("name", "category", "rank").agg(time_ns=pl.col("dur_ns").sum(), calls=pl.len())
+    if totals.is_empty():
+        return totals
     return (
-        per_rank.group_by("name", "category")
+        totals.group_by("name", "category")
         .agg(
             calls=pl.col("calls").sum(),
             time_ns=pl.col("time_ns").sum(),

@@ -98,7 +98,10 @@ def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame) -> pl.DataFrame:
     ).sort(keys)
 
 
-def sync_points(gaps: pl.DataFrame, calls: pl.DataFrame, threads: dict, limit: int = 20) -> pl.DataFrame:
+SYNC_POINTS = 20  # the synchronizing calls kept, worst first
+
+
+def sync_points(gaps: pl.DataFrame, calls: pl.DataFrame, threads: dict, limit: int = SYNC_POINTS) -> pl.DataFrame:
     """The synchronizing calls that left the GPU idle longest, with the CPU op that issued them."""
     caused = gaps.filter((pl.col("cause") == "sync") & (pl.col("stream") == ALL_STREAMS)).group_by("rank", "source", "sync_event_id").agg(
         idle_caused_ns=pl.col("idle_ns").sum(), step=pl.col("step").min())

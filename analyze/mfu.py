@@ -123,9 +123,17 @@ PROFILER_DEFINITION = ("FLOPs counted by torch.profiler(with_flops=True) on the 
                        "elementwise) in the step, forward and backward as executed: hardware FLOPs")
 
 
-def mfu_table(step_stats: pl.DataFrame, step_times: pl.DataFrame, events: pl.DataFrame, peak: Peak | None,
+def step_flops(cpu: pl.DataFrame) -> pl.DataFrame:
+    """Profiler-counted FLOPs per rank and step (the with_flops numerator)."""
+    counted = cpu.filter(pl.col("flops").is_not_null() & (pl.col("flops") > 0) & pl.col("step").is_not_null())
+    return counted.group_by("rank", "step").agg(flops=pl.col("flops").sum())
+
+
+def mfu_table(step_stats: pl.DataFrame, step_times: pl.DataFrame, counted_flops: pl.DataFrame, peak: Peak | None,
               world_size: int, shape: ModelShape | None = None, recompute: bool = False) -> pl.DataFrame:
-    """MFU/HFU per step for every numerator the run supports, each row naming its definition."""
+    """MFU/HFU per step for every numerator the run supports, each row naming its definition.
+
+    `counted_flops` is step_flops' table (profiler-counted FLOPs per rank and step), possibly empty."""
     columns = {"step": pl.Int64, "rank": pl.Int64, "metric": pl.String, "numerator": pl.String, "flops": pl.Float64,
                "step_time_ns": pl.Int64, "gpus": pl.Int64, "peak_flops": pl.Float64, "utilization": pl.Float64,
                "definition": pl.String, "peak": pl.String}
@@ -145,10 +153,8 @@ def mfu_table(step_stats: pl.DataFrame, step_times: pl.DataFrame, events: pl.Dat
                                  "step_time_ns": dur, "gpus": world_size, "peak_flops": peak.flops,
                                  "utilization": flops / (dur * 1e-9 * world_size * peak.flops),
                                  "definition": definition, "peak": peak.label})
-    counted = events.filter(pl.col("flops").is_not_null() & (pl.col("flops") > 0) & pl.col("step").is_not_null())
-    if not counted.is_empty():
-        per_rank = counted.group_by("rank", "step").agg(flops=pl.col("flops").sum()).join(
-            step_times.select("rank", "step", "cpu_dur_ns"), on=["rank", "step"])
+    if not counted_flops.is_empty():
+        per_rank = counted_flops.join(step_times.select("rank", "step", "cpu_dur_ns"), on=["rank", "step"])
         for rank, step, flops, dur in per_rank.select("rank", "step", "flops", "cpu_dur_ns").iter_rows():
             if dur:
                 rows.append({"step": step, "rank": rank, "metric": "HFU", "numerator": "profiler_flops", "flops": flops,

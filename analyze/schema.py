@@ -148,7 +148,8 @@ def part_dir(table: str, rank: int | None) -> str:
     return f"{table}/rank={rank}" if partitioned else table
 
 
-# Analysis results: run-level tables (<table>/part-0.parquet), rewritten by every `analyze` run.
+# Analysis results: run-level tables (<table>/part-*.parquet: part-0, or part-<rank> for the per-rank
+# kernel_launches), rewritten by every `analyze` run.
 # name -> {column: meaning}. Written by analyze/analyses.py; tests check the columns match.
 ANALYSIS_TABLES: dict[str, dict[str, str]] = {
     "clock_offsets": {

@@ -55,13 +55,19 @@ def collective_waits(calls: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def step_times(steps: pl.DataFrame, work: pl.DataFrame, waits: pl.DataFrame, offsets: pl.DataFrame) -> pl.DataFrame:
-    """Per rank and step: CPU window, its GPU projection (device work launched in the step), time
-    spent waiting in collectives, and the window on the reference clock."""
+def gpu_spans(work: pl.DataFrame) -> pl.DataFrame:
+    """Per rank and step: first start and last end of the device work launched in the step."""
+    return work.filter(pl.col("step").is_not_null()).group_by("rank", "step").agg(
+        gpu_start_ns=pl.col("ts_ns").min(), gpu_end_ns=(pl.col("ts_ns") + pl.col("dur_ns")).max())
+
+
+def step_times(steps: pl.DataFrame, gpu: pl.DataFrame, waits: pl.DataFrame, offsets: pl.DataFrame) -> pl.DataFrame:
+    """Per rank and step: CPU window, its GPU projection (`gpu`, from gpu_spans), time spent waiting
+    in collectives, and the window on the reference clock."""
     cpu = steps.group_by("rank", "step").agg(
         cpu_start_ns=pl.col("start_ns").min(), cpu_end_ns=pl.col("end_ns").max())
-    gpu = work.filter(pl.col("step").is_not_null()).group_by("rank", "step").agg(
-        gpu_start_ns=pl.col("ts_ns").min(), gpu_end_ns=(pl.col("ts_ns") + pl.col("dur_ns")).max())
+    if gpu.is_empty():
+        gpu = pl.DataFrame(schema={"rank": pl.Int64, "step": pl.Int64, "gpu_start_ns": pl.Int64, "gpu_end_ns": pl.Int64})
     wait = waits.filter(pl.col("ranks_in_instance") > 1).group_by("rank", "step").agg(comm_wait_ns=pl.col("wait_ns").sum())
     table = (
         cpu.join(gpu, on=["rank", "step"], how="left")

@@ -50,7 +50,7 @@ def analysed(tmp_path_factory):
 
 
 def _table(out, name):
-    return pl.read_parquet(out / name / "part-0.parquet")
+    return pl.read_parquet(out / name / "*.parquet")
 
 
 @pytest.mark.parametrize("name,hta_file", [
