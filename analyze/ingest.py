@@ -405,8 +405,9 @@ def ingest(
 
     if not manifest["ranks"]:
         shutil.rmtree(staging, ignore_errors=True)
-        first = next((s for s in sources if s.issues), None)
-        why = f" ({first.path}: {first.issues[0][3]})" if first else ""
+        problems = [(s.path, i[3]) for s in sources for i in s.issues if i[0] == "error"]
+        problems = problems or [(s.path, i[3]) for s in sources for i in s.issues]
+        why = f" ({problems[0][0]}: {problems[0][1]})" if problems else ""
         raise IngestError(f"{run_dir}: no usable trace among {len(sources)} file(s){why}")
     if finish:
         finish(staging)

@@ -191,7 +191,7 @@ def _describe_non_trace(head: bytes) -> str:
     if text[:1] == b"[":
         inner = text[1:].lstrip()[:1]
         if inner == b"[":
-            return "a JSON array of arrays (looks like a torch memory_timeline export), not a trace"
+            return "a JSON array of arrays (looks like a torch memory_timeline export)"
         return "a JSON array whose elements are not trace events"
     if text[:1] == b"{":
         key = re.match(rb'\{\s*"([^"]{0,80})"', text)

@@ -100,3 +100,10 @@ def test_hip_launches_are_linked(tmp_path):
     device = parsed.events.filter(pl.col("kind").is_in(["kernel", "gpu_memcpy", "gpu_memset"]))
     linked = parsed.flows.filter(pl.col("flow_type") == "launch")["dst_event_id"].n_unique()
     assert device.height == 61 and linked == 61  # 60 kernels and a memcpy, every one with its launch
+
+
+@pytest.mark.skipif(not TRACE_FILES, reason="shared corpus not found")
+def test_unusable_folder_names_the_error_not_a_notice(tmp_path):
+    """Two single-process traces with no rank anywhere: the one-line error says why, not an info note."""
+    with pytest.raises(IngestError, match="cannot tell which rank"):
+        ingest(CORPUS / "TraceLens/h100", tmp_path / "out", jobs=1)
