@@ -11,6 +11,7 @@ from __future__ import annotations
 import polars as pl
 
 from . import intervals
+from .kernels import first_match
 from .launch import enclosing_op
 
 # c10 ScalarType names (record_param_comms `dtype`) -> bytes per element.
@@ -41,10 +42,7 @@ NCCL_KERNEL = r"(?i)nccl|rccl"
 
 
 def _op(column: str) -> pl.Expr:
-    expr = pl.when(pl.lit(False)).then(pl.lit(None, pl.String))
-    for op, pattern in _OPS:
-        expr = expr.when(pl.col(column).str.contains(pattern)).then(pl.lit(op))
-    return expr.otherwise(pl.lit(None, pl.String))
+    return first_match(column, _OPS, None)
 
 
 def collective_kernels(events: pl.DataFrame) -> pl.DataFrame:

@@ -30,12 +30,17 @@ def load_categories(path: Path) -> list[tuple[str, str]]:
     return rows + KERNEL_CATEGORIES
 
 
-def categorize(patterns: list[tuple[str, str]] = KERNEL_CATEGORIES) -> pl.Expr:
-    """An expression giving a kernel name its category (first matching pattern)."""
+def first_match(column: str, patterns: list[tuple[str, str]], default: str | None) -> pl.Expr:
+    """The label of the first (label, regex) pattern the column matches, else `default`."""
     expr = pl.when(pl.lit(False)).then(pl.lit(None, pl.String))
-    for category, pattern in patterns:
-        expr = expr.when(pl.col("name").str.contains(f"(?i){pattern}")).then(pl.lit(category))
-    return expr.otherwise(pl.lit("other"))
+    for label, pattern in patterns:
+        expr = expr.when(pl.col(column).str.contains(pattern)).then(pl.lit(label))
+    return expr.otherwise(pl.lit(default, pl.String))
+
+
+def categorize(patterns: list[tuple[str, str]] = KERNEL_CATEGORIES) -> pl.Expr:
+    """An expression giving a kernel name its category (first matching pattern, case-insensitive)."""
+    return first_match("name", [(category, f"(?i){pattern}") for category, pattern in patterns], "other")
 
 
 def device_work(device: pl.DataFrame, patterns=KERNEL_CATEGORIES) -> pl.DataFrame:
