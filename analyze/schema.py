@@ -116,13 +116,145 @@ INGEST_ISSUES, INGEST_ISSUES_DOC = _table(
     ("detail", pa.string(), "What happened and what was done, for a human."),
 )
 
+# Training telemetry: written per rank by the collector (collect/) and by the importers of native
+# DeepSpeed artifacts (logs, csv_monitor, TensorBoard, W&B, FLOPs-profiler text, comms dumps,
+# autotuning results). Run-level tables with the rank as a column, because one native file often
+# holds several ranks (interleaved logs) or none (autotuning). Parts: <table>/part-<source>.parquet.
+# Values keep the units DeepSpeed reports (ms timers) only where the column name says so.
+
+TRAIN_STEPS, TRAIN_STEPS_DOC = _table(
+    ("rank", pa.int64(), "Rank."),
+    ("source", pa.string(), "Writer (collector part) or input file."),
+    ("step", pa.int64(), "Optimizer step the micro step belongs to (engine global_steps before it ends, from 0)."),
+    ("micro_step", pa.int64(), "Micro step index over the run (engine micro_steps), from 0."),
+    ("start_ns", pa.int64(), "Wall-clock start, ns since epoch (host clock of the rank)."),
+    ("end_ns", pa.int64(), "Wall-clock end."),
+    ("dur_ns", pa.int64(), "end_ns - start_ns."),
+    ("is_boundary", pa.bool_(), "Gradient-accumulation boundary: the optimizer stepped after this micro step."),
+    ("skipped", pa.bool_(), "The optimizer step was skipped (fp16 overflow); null on non-boundary micro steps."),
+    ("global_samples", pa.int64(), "Samples consumed by the whole job after this micro step."),
+    ("global_tokens", pa.int64(), "global_samples x sequence length, when the sequence length is known."),
+    ("loss_scale", pa.float64(), "fp16 loss scale after the step (null without fp16)."),
+    ("lr", pa.float64(), "Learning rate of the first parameter group."),
+)
+
+STEP_TIMERS, STEP_TIMERS_DOC = _table(
+    ("rank", pa.int64(), "Rank that printed or recorded the timers."),
+    ("source", pa.string(), "Writer or input file."),
+    ("step", pa.int64(), "Optimizer step (null when a log gives no step for the line)."),
+    ("line", pa.int64(), "Order of the timer line/record within the source (joins the timers of one print)."),
+    ("scope", pa.string(), "global (per optimizer step, summed over micro steps), micro (one micro step) or optimizer."),
+    ("timer", pa.string(), "DeepSpeed timer name: fwd, bwd, bwd_inner, bwd_allreduce, step, fwd_microstep, optimizer_step, ..."),
+    ("ms", pa.float64(), "Host wall milliseconds, as DeepSpeed's wall_clock_breakdown reports them."),
+)
+
+SCALARS, SCALARS_DOC = _table(
+    ("rank", pa.int64(), "Rank that wrote it (DeepSpeed monitors write on rank 0 only)."),
+    ("source", pa.string(), "Writer or input file."),
+    ("origin", pa.string(), "collector | csv_monitor | tensorboard | wandb | log."),
+    ("name", pa.string(), "Tag as written, e.g. Train/Samples/lr, train/loss."),
+    ("step", pa.int64(), "Optimizer step when known."),
+    ("global_samples", pa.int64(), "Samples seen by the whole job: the x axis curves are aligned on."),
+    ("global_tokens", pa.int64(), "Tokens seen by the whole job, when the sequence length is known."),
+    ("value", pa.float64(), "Value (NaN and inf kept)."),
+    ("wall_ns", pa.int64(), "Wall-clock time of the point, ns since epoch, when recorded."),
+)
+
+COMMS_CALLS, COMMS_CALLS_DOC = _table(
+    ("rank", pa.int64(), "Rank that made (or logged) the call."),
+    ("source", pa.string(), "Writer or input file."),
+    ("call_index", pa.int64(), "Order of the call within (rank, source)."),
+    ("ts_ns", pa.int64(), "Wall-clock start when known (collector), or the log line's time."),
+    ("step", pa.int64(), "Optimizer step when known."),
+    ("op", pa.string(), "DeepSpeed comm op (log_name), e.g. all_reduce, all_gather_into_tensor."),
+    ("caller", pa.string(), "Calling function (DeepSpeed debug mode or the collector), else null."),
+    ("msg_bytes", pa.int64(), "Message size as DeepSpeed records it (all_gather: the per-rank shard)."),
+    ("nccl_bytes", pa.int64(), "nccl-tests message size S (all_gather: msg_bytes x n)."),
+    ("group_size", pa.int64(), "n: ranks in the process group."),
+    ("latency_ns", pa.int64(), "Latency of this one call."),
+    ("latency_origin", pa.string(), "measured (per call) | repaired_cumulative (difference of DeepSpeed's running totals) | as_logged."),
+    ("synchronized", pa.bool_(), "Timing forced a device synchronization (the numbers are not free-running throughput)."),
+    ("algbw_gbps", pa.float64(), "nccl-tests algbw, GB/s (1e9 B/s), recomputed from nccl_bytes and latency_ns."),
+    ("busbw_gbps", pa.float64(), "nccl-tests busbw, GB/s."),
+)
+
+COMMS_SUMMARY, COMMS_SUMMARY_DOC = _table(
+    ("rank", pa.int64(), "Rank whose summary it is."),
+    ("source", pa.string(), "Input file (log_summary text or dict)."),
+    ("op", pa.string(), "DeepSpeed comm op."),
+    ("msg_bytes", pa.int64(), "Message size as DeepSpeed records it."),
+    ("count", pa.int64(), "Calls."),
+    ("total_latency_ms", pa.float64(), "As printed (a sum of running totals on DeepSpeed >= 0.18.3: wrong)."),
+    ("avg_latency_ms", pa.float64(), "As printed (a trimmed mean)."),
+    ("busbw_gbps", pa.float64(), "As printed (DeepSpeed's Gbps)."),
+    ("trusted", pa.bool_(), "False when the latencies are known to be cumulative or otherwise wrong."),
+)
+
+FLOPS_PROFILE, FLOPS_PROFILE_DOC = _table(
+    ("rank", pa.int64(), "Rank profiled (DeepSpeed profiles rank 0)."),
+    ("source", pa.string(), "Writer or input file."),
+    ("profile_step", pa.int64(), "Step profiled, as DeepSpeed prints it."),
+    ("path", pa.string(), "Module path from the root ('' for the root), e.g. blocks.0.qkv."),
+    ("module_class", pa.string(), "Module class, e.g. Linear."),
+    ("depth", pa.int64(), "0 for the root."),
+    ("params", pa.int64(), "Parameters, children included."),
+    ("macs", pa.int64(), "MACs of the module's own functional ops."),
+    ("flops", pa.int64(), "FLOPs of the module's own functional ops."),
+    ("macs_total", pa.int64(), "MACs including children."),
+    ("flops_total", pa.int64(), "FLOPs including children."),
+    ("duration_ns", pa.int64(), "Forward wall time (profiler hooks; not a latency breakdown you can add up)."),
+    ("duration_bogus", pa.bool_(), "The duration is a known profiler error (root latency when started by the engine)."),
+    ("exact", pa.bool_(), "Counts are exact integers (collector) rather than parsed from rounded text."),
+)
+
+RUN_STATUS, RUN_STATUS_DOC = _table(
+    ("rank", pa.int64(), "Rank, or null for the whole job/launcher."),
+    ("source", pa.string(), "Input file."),
+    ("run_index", pa.int64(), "Which run in the file, when several runs were concatenated (0 first)."),
+    ("status", pa.string(), "completed | failed | killed | incomplete (cut off, or still running) | unknown."),
+    ("exit_code", pa.int64(), "Exit code when printed."),
+    ("error", pa.string(), "Last exception line of a traceback, or the kill message."),
+    ("detail", pa.string(), "What the status rests on, for a human."),
+)
+
+AUTOTUNE_EXPERIMENTS, AUTOTUNE_EXPERIMENTS_DOC = _table(
+    ("experiment", pa.string(), "Experiment name, e.g. z1_gas1_tmbspg4, or a collector trial run's id."),
+    ("source", pa.string(), "Folder or file it was read from."),
+    ("trial", pa.int64(), "Repeat number for the same config (0 when measured once)."),
+    ("zero_stage", pa.int64(), "ZeRO stage of the experiment's ds_config."),
+    ("micro_batch", pa.int64(), "train_micro_batch_size_per_gpu."),
+    ("grad_accum", pa.int64(), "gradient_accumulation_steps."),
+    ("config_json", pa.string(), "The experiment's ds_config as JSON (autotuning block removed)."),
+    ("status", pa.string(), "ok | oom | error | interrupted | not_run."),
+    ("error", pa.string(), "The error line from stderr.log, when it failed."),
+    ("latency_us", pa.float64(), "metrics.json latency: (fwd+bwd+step) x gas, microseconds."),
+    ("throughput", pa.float64(), "metrics.json throughput, samples/s."),
+    ("flops_per_gpu", pa.float64(), "metrics.json FLOPS_per_gpu."),
+    ("fwd_us", pa.float64(), "metrics.json fwd, microseconds."),
+    ("bwd_us", pa.float64(), "metrics.json bwd, microseconds."),
+    ("step_us", pa.float64(), "metrics.json step, microseconds."),
+    ("environment", pa.string(), "Host, devices and versions the experiment ran with, when recorded."),
+)
+
 # name -> (schema, column docs, partitioned by rank)
 TABLES: dict[str, tuple[pa.Schema, dict[str, str], bool]] = {
     "trace_events": (TRACE_EVENTS, TRACE_EVENTS_DOC, True),
     "flows": (FLOWS, FLOWS_DOC, True),
     "steps": (STEPS, STEPS_DOC, True),
     "ingest_issues": (INGEST_ISSUES, INGEST_ISSUES_DOC, False),
+    "train_steps": (TRAIN_STEPS, TRAIN_STEPS_DOC, False),
+    "step_timers": (STEP_TIMERS, STEP_TIMERS_DOC, False),
+    "scalars": (SCALARS, SCALARS_DOC, False),
+    "comms_calls": (COMMS_CALLS, COMMS_CALLS_DOC, False),
+    "comms_summary": (COMMS_SUMMARY, COMMS_SUMMARY_DOC, False),
+    "flops_profile": (FLOPS_PROFILE, FLOPS_PROFILE_DOC, False),
+    "run_status": (RUN_STATUS, RUN_STATUS_DOC, False),
+    "autotune_experiments": (AUTOTUNE_EXPERIMENTS, AUTOTUNE_EXPERIMENTS_DOC, False),
 }
+
+# Tables filled by the collector and the native importers (not by the Kineto parser).
+TELEMETRY_TABLES = ("train_steps", "step_timers", "scalars", "comms_calls", "comms_summary",
+                    "flops_profile", "run_status", "autotune_experiments")
 
 # run.json keys, for the README and for readers:
 #   schema_version   int, SCHEMA_VERSION of the writer
