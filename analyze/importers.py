@@ -51,8 +51,14 @@ def conform(frame: pl.DataFrame | list[dict], table: str) -> pl.DataFrame:
     )
 
 
+from . import scalars  # after the classes above: the importer modules use them
+
 # Order is priority: specific file names before generic suffixes.
-IMPORTERS: list[Importer] = []
+IMPORTERS: list[Importer] = [
+    Importer("tensorboard", scalars.claims_tensorboard, scalars.parse_tensorboard),
+    Importer("wandb", scalars.claims_wandb, scalars.parse_wandb),
+    Importer("csv_monitor", scalars.claims_csv, scalars.parse_csv_monitor),
+]
 
 
 def claimant(path: Path) -> Importer | None:

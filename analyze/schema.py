@@ -158,6 +158,7 @@ SCALARS, SCALARS_DOC = _table(
     ("global_tokens", pa.int64(), "Tokens seen by the whole job, when the sequence length is known."),
     ("value", pa.float64(), "Value (NaN and inf kept)."),
     ("wall_ns", pa.int64(), "Wall-clock time of the point, ns since epoch, when recorded."),
+    ("segment", pa.int64(), "Process that wrote it within the source: 0, +1 after each restart (a repeated CSV header)."),
 )
 
 COMMS_CALLS, COMMS_CALLS_DOC = _table(
