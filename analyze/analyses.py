@@ -34,6 +34,9 @@ class Options:
 
 
 def _read(out_dir: Path, table: str, columns: list[str], where: pl.Expr | None = None) -> pl.DataFrame:
+    if not (out_dir / table).exists():  # a run with no traces has no per-rank tables
+        empty = pl.from_arrow(schema.TABLES[table][0].empty_table())
+        return empty.with_columns(rank=pl.lit(None, pl.Int64)).select(["rank"] + columns)
     frame = pl.scan_parquet(out_dir / table, hive_partitioning=True)
     if where is not None:
         frame = frame.filter(where)
@@ -100,7 +103,7 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     totals) are kept for the cross-rank analyses, so memory is bounded by the largest rank."""
     options = options or Options()
     manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
-    ranks = manifest["ranks"]
+    ranks = manifest["trace_ranks"]
     world_size = manifest.get("world_size") or len(ranks)
     for table in schema.ANALYSIS_TABLES:
         shutil.rmtree(out_dir / table, ignore_errors=True)

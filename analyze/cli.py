@@ -76,7 +76,8 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         _fail(f"{run_dir}: no such folder")
     out = out_dir or run_dir / schema.DEFAULT_OUT_DIR
     try:
-        total = sum(p.stat().st_size for p in discover(run_dir, out))
+        found = discover(run_dir, out)
+        total = sum(p.stat().st_size for p in found.traces + [path for path, _, _ in found.native])
     except OSError:
         total = 0
     shape_values = (params, layers, heads, head_dim, seq_len, tokens_per_step)
@@ -118,7 +119,7 @@ def _fail(message: str) -> None:
 
 def print_summary(console: Console, result: IngestResult, analysis_seconds: float | None = None) -> None:
     m = result.manifest
-    used = [s for s in result.sources if s.rank is not None]
+    used = [s for s in result.sources if s.rank is not None and s.kind == "kineto"]
     mb = sum(s.raw_bytes for s in result.sources if s.status == "ingested") / 1e6
     parsed = sum(1 for s in result.sources if s.status == "ingested")
     ingest_seconds = result.seconds - (analysis_seconds or 0)
@@ -131,6 +132,13 @@ def print_summary(console: Console, result: IngestResult, analysis_seconds: floa
     )
     world = f" of world size {m['world_size']}" if m.get("world_size") else ""
     console.print(f"ranks: {_ranges(m['ranks'])}{world}", highlight=False, markup=False)
+    artifacts = Counter(s.kind for s in result.sources if s.kind != "kineto" and s.status in ("ingested", "reused"))
+    if artifacts:
+        console.print("other inputs: " + ", ".join(f"{kind} {n}" for kind, n in sorted(artifacts.items())),
+                      highlight=False, markup=False)
+    if m.get("ignored_count"):
+        console.print(f"not read: {m['ignored_count']} file(s) in no format steplens knows (listed in run.json "
+                      "ignored_files)", highlight=False, markup=False)
 
     steps = Table(title="steps per rank", title_justify="left", box=None)
     for col in ("rank", "windows", "steps", "ProfilerStep#"):

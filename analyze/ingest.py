@@ -1,4 +1,5 @@
-"""Ingest a folder of per-rank Kineto traces into a steplens run directory.
+"""Ingest a run folder (per-rank Kineto traces, the collector's Parquet parts, native DeepSpeed
+artifacts) into a steplens run directory.
 
 Never touches the inputs. Output is built in a sibling staging folder and swapped in at the end, so a
 killed ingest leaves the previous result readable. Unchanged inputs (same size, mtime and hash of
@@ -25,12 +26,13 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import kineto, schema
+from . import importers, kineto, schema
 
 # Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
 TRACE_SUFFIXES = (".json", ".gz")
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 HASH_PREFIX_BYTES = 64 << 10
+IGNORED_LISTED = 200  # run.json lists this many unrecognised files by name (a checkpoint folder has thousands)
 PARSED_TABLES = ("trace_events", "flows", "steps")
 
 
@@ -47,6 +49,11 @@ class Source:
     mtime_ns: int
     hash_prefix: str
     status: str = "pending"  # ingested | reused | ignored | error
+    kind: str = "kineto"  # kineto, or the name of the importer that read it
+    companions: list = field(default_factory=list)  # other files read with it (relative paths)
+    tables: list = field(default_factory=list)  # tables it has parts in (non-Kineto sources)
+    ranks: list = field(default_factory=list)  # ranks in its rows (non-Kineto sources)
+    facts: dict = field(default_factory=dict)  # run facts it gave (versions, config, ...)
     rank: int | None = None
     rank_origin: str | None = None  # distributedInfo | file name | only trace
     part_id: str = ""
@@ -83,24 +90,50 @@ class IngestResult:
 # Discovery
 
 
-def discover(run_dir: Path, out_dir: Path) -> list[Path]:
-    """Every .json / .gz file under run_dir, skipping hidden folders and the output folder."""
-    found = []
+@dataclass
+class Discovered:
+    """The files of a run folder, sorted by who reads them."""
+
+    traces: list[Path]  # Kineto candidates (.json/.gz nobody else claimed)
+    native: list[tuple[Path, importers.Importer, list[Path]]]  # (file, importer, companions)
+    unknown: list[Path]  # nobody reads these
+
+
+def discover(run_dir: Path, out_dir: Path) -> Discovered:
+    """Every file under run_dir, skipping hidden files and folders and the output folder."""
+    files = []
     out_dir = out_dir.resolve()
-    for root, dirs, files in os.walk(run_dir):
+    for root, dirs, names in os.walk(run_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (Path(root) / d).resolve() != out_dir)
-        for name in sorted(files):
-            if name.endswith(TRACE_SUFFIXES) and not name.startswith("."):
-                found.append(Path(root) / name)
-    return found
+        files.extend(Path(root) / name for name in sorted(names) if not name.startswith("."))
+    return classify(files)
 
 
-def _describe(path: Path, base: Path) -> Source:
+def classify(files: list[Path]) -> Discovered:
+    """Offer each file to the importers; unclaimed .json/.gz files are Kineto candidates."""
+    native, taken = [], set()
+    for path in files:
+        if path in taken or (importer := importers.claimant(path)) is None:
+            continue
+        companions = [c for c in importer.companions(path) if c.is_file()]
+        taken.update([path, *companions])
+        native.append((path, importer, companions))
+    rest = [p for p in files if p not in taken]
+    return Discovered(traces=[p for p in rest if p.name.endswith(TRACE_SUFFIXES)], native=native,
+                      unknown=[p for p in rest if not p.name.endswith(TRACE_SUFFIXES)])
+
+
+def _describe(path: Path, base: Path, companions: list[Path] = ()) -> Source:
     stat = path.stat()
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read(HASH_PREFIX_BYTES)).hexdigest()[:16]
+        digest.update(f.read(HASH_PREFIX_BYTES))
+    for other in companions:  # a change in any file read with it means parsing again
+        other_stat = other.stat()
+        digest.update(f"{os.path.relpath(other, base)}:{other_stat.st_size}:{other_stat.st_mtime_ns}".encode())
     rel = os.path.relpath(path, base)
-    source = Source(path=rel, size=stat.st_size, mtime_ns=stat.st_mtime_ns, hash_prefix=digest)
+    source = Source(path=rel, size=stat.st_size, mtime_ns=stat.st_mtime_ns, hash_prefix=digest.hexdigest()[:16],
+                    companions=[os.path.relpath(c, base) for c in companions])
     source.part_id = hashlib.sha256(repr(source.fingerprint()).encode()).hexdigest()[:16]
     return source
 
@@ -142,6 +175,37 @@ def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
     return source
 
 
+def _parse_native(path: Path, source: Source, importer: importers.Importer, scratch: Path) -> Source:
+    """Run one importer; a crash in it costs that file only, reported with the file's name."""
+    started = time.perf_counter()
+    source.kind = importer.name
+    try:
+        imported = importer.parse(path, source.path)
+    except Exception as e:  # noqa: BLE001 - one bad file must not end the ingest of the others
+        source.status = "error"
+        source.issues.append(["error", "import_failed", 1, f"{importer.name} importer failed: {type(e).__name__}: {e}"])
+        return source
+    source.issues.extend(imported.issues)
+    source.facts = imported.facts
+    out = scratch / source.part_id
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = set()
+    for table, frame in imported.tables.items():
+        if frame.is_empty():
+            continue
+        _write_table(importers.conform(frame, table), table, out / f"{table}.parquet")
+        source.tables.append(table)
+        ranks.update(r for r in frame["rank"].unique().to_list() if r is not None)
+        source.events += frame.height
+    source.ranks = sorted(ranks)
+    has_errors = any(i[0] == "error" for i in imported.issues)
+    source.status = "ingested" if source.tables or imported.facts else ("error" if has_errors else "ignored")
+    if source.status == "ignored" and not imported.issues:
+        source.issues.append(["info", "no_data", 1, f"recognised as {importer.name} but holds no data"])
+    source.seconds = round(time.perf_counter() - started, 3)
+    return source
+
+
 def _record_trace_facts(source: Source, parsed: kineto.ParsedTrace) -> None:
     meta = parsed.metadata
     info = meta.get("distributedInfo") if isinstance(meta.get("distributedInfo"), dict) else {}
@@ -178,7 +242,7 @@ def _assign_ranks(sources: list[Source]) -> None:
     """distributedInfo.rank, else a rank<N> in the file name, else rank 0 if it is clearly the only one."""
     unresolved = []
     for s in sources:
-        if s.status not in ("ingested", "reused"):
+        if s.status not in ("ingested", "reused") or s.kind != "kineto":
             continue
         if s.trace_rank is not None:
             s.rank, s.rank_origin = s.trace_rank, "distributedInfo"
@@ -190,7 +254,7 @@ def _assign_ranks(sources: list[Source]) -> None:
             unresolved.append(s)
     if not unresolved:
         return
-    resolved = [s for s in sources if s.rank is not None]
+    resolved = [s for s in sources if s.rank is not None and s.kind == "kineto"]
     one_process = len({tuple(s.host_pids) for s in unresolved}) == 1
     if not resolved and (len(unresolved) == 1 or one_process):
         for s in unresolved:
@@ -259,8 +323,10 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def _place_parts(source: Source, staging: Path, scratch: Path | None = None, previous: tuple[Path, int] | None = None) -> None:
-    """Put a source's parts in its rank partition: moved from scratch, or linked from the last result."""
-    for table in PARSED_TABLES:
+    """Put a source's parts in place (a trace's in its rank partition): moved from scratch, or linked
+    from the last result."""
+    tables = PARSED_TABLES if source.kind == "kineto" else source.tables
+    for table in tables:
         dst = staging / schema.part_dir(table, source.rank) / f"part-{source.part_id}.parquet"
         dst.parent.mkdir(parents=True, exist_ok=True)
         if scratch is not None:
@@ -268,6 +334,15 @@ def _place_parts(source: Source, staging: Path, scratch: Path | None = None, pre
         else:
             old_dir, old_rank = previous
             _link_or_copy(old_dir / schema.part_dir(table, old_rank) / f"part-{source.part_id}.parquet", dst)
+
+
+def _write_empty_tables(staging: Path) -> None:
+    """Every run-level table exists, empty when no input had rows for it, so SQL over it works."""
+    for table, (arrow_schema, _, partitioned) in schema.TABLES.items():
+        folder = staging / table
+        if not partitioned and not any(folder.glob("*.parquet")):
+            folder.mkdir(parents=True, exist_ok=True)
+            pq.write_table(arrow_schema.empty_table(), folder / "part-empty.parquet")
 
 
 def _issues_table(sources: list[Source]) -> pa.Table:
@@ -297,22 +372,45 @@ def _environment(sources: list[Source]) -> dict:
     }
 
 
-def _manifest(sources: list[Source]) -> dict:
+def _facts(sources: list[Source]) -> dict:
+    """Run facts from the non-trace sources (collector manifests, launcher headers, ...); the first
+    source to give a fact wins, and disagreements are kept under `conflicts`."""
+    merged, conflicts = {}, {}
+    for s in sources:
+        for key, value in (s.facts or {}).items():
+            if key not in merged:
+                merged[key] = value
+            elif merged[key] != value:
+                conflicts.setdefault(key, []).append({"source": s.path, "value": value})
+    if conflicts:
+        merged["conflicts"] = conflicts
+    return merged
+
+
+def _manifest(sources: list[Source], ignored: list[str]) -> dict:
     ingested = [s for s in sources if s.rank is not None]
+    facts = _facts([s for s in sources if s.status in ("ingested", "reused")])
     world_sizes = sorted({s.world_size for s in ingested if s.world_size})
     if len(world_sizes) > 1:
         for s in ingested:
             s.issues.append(["warning", "world_size_mismatch", 1,
                              f"traces disagree on world size {world_sizes}: are they from one run?"])
-    run_id = hashlib.sha256(repr(sorted(s.fingerprint() for s in ingested)).encode()).hexdigest()[:12]
+    used = [s for s in sources if s.status in ("ingested", "reused")]
+    run_id = hashlib.sha256(repr(sorted(s.fingerprint() for s in used)).encode()).hexdigest()[:12]
+    trace_ranks = sorted({s.rank for s in ingested})
+    world_size = world_sizes[-1] if world_sizes else facts.get("world_size")
     return {
         "schema_version": schema.SCHEMA_VERSION,
         "schema_fingerprint": schema.fingerprint(),
         "run_id": run_id,
         "created_by": "steplens ingest",
-        "world_size": world_sizes[-1] if world_sizes else None,
-        "ranks": sorted({s.rank for s in ingested}),
+        "world_size": world_size,
+        "ranks": sorted(set(trace_ranks).union(*(s.ranks for s in used))),
+        "trace_ranks": trace_ranks,
         "sources": [asdict(s) for s in sources],
+        "ignored_files": ignored[:IGNORED_LISTED],
+        "ignored_count": len(ignored),
+        "facts": facts,
         "environment": _environment(sources),
         "tables": {name: {"partitioned_by_rank": spec[2]} for name, spec in schema.TABLES.items()},
     }
@@ -348,9 +446,10 @@ def ingest(
     out_dir = Path(out_dir) if out_dir else run_dir / schema.DEFAULT_OUT_DIR
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _recover(out_dir)
-    paths = list(files) if files is not None else discover(run_dir, out_dir)
-    if not paths:
-        raise IngestError(f"{run_dir}: no trace files (.json, .json.gz) found")
+    found = classify(list(files)) if files is not None else discover(run_dir, out_dir)
+    if not found.traces and not found.native:
+        raise IngestError(f"{run_dir}: nothing steplens reads here (no traces, collector output or DeepSpeed artifacts"
+                          f"; {len(found.unknown)} other file(s))")
 
     previous = {tuple(s[k] for k in ("path", "size", "mtime_ns", "hash_prefix")): s
                 for s in _previous_manifest(out_dir).get("sources", []) if s.get("status") in ("ingested", "reused")}
@@ -359,12 +458,14 @@ def ingest(
     scratch = staging / "_scratch"
     scratch.mkdir(parents=True)
 
-    sources, to_parse, reused = [], [], []
-    for path in paths:
+    sources, to_parse, reused, native = [], [], [], []
+    candidates = [(path, None, []) for path in found.traces] + found.native
+    for path, importer, companions in candidates:
         try:
-            source = _describe(path, run_dir)
+            source = _describe(path, run_dir, companions)
         except OSError as e:
-            source = Source(path=os.path.relpath(path, run_dir), size=0, mtime_ns=0, hash_prefix="", status="error")
+            source = Source(path=os.path.relpath(path, run_dir), size=0, mtime_ns=0, hash_prefix="", status="error",
+                            kind=importer.name if importer else "kineto")
             source.issues.append(["error", "unreadable", 1, f"cannot read: {e.strerror or e}"])
             sources.append(source)
             continue
@@ -376,13 +477,18 @@ def ingest(
             old_rank = old["rank"]
             restored = Source(**{k: v for k, v in old.items() if k in Source.__dataclass_fields__})
             restored.issues = [i for i in restored.issues if i[1] not in _RUN_LEVEL_REASONS]
-            restored.status, restored.rank = "reused", None
+            restored.status = "reused"
+            restored.rank = None if restored.kind == "kineto" else restored.rank
             sources[-1] = restored
             reused.append((restored, old_rank))
+        elif importer is not None:
+            native.append(_parse_native(path, source, importer, scratch))
+            if progress:
+                progress(native[-1])
         else:
             to_parse.append((path, source))
 
-    parsed = _parse_all(to_parse, scratch, jobs, progress)
+    parsed = _parse_all(to_parse, scratch, jobs, progress) + native
     by_path = {s.path: s for s in parsed}
     sources = [by_path.get(s.path, s) for s in sources]
     _assign_ranks(sources)
@@ -396,23 +502,24 @@ def ingest(
             if progress:
                 progress(s)
     shutil.rmtree(scratch, ignore_errors=True)
+    _write_empty_tables(staging)
 
-    manifest = _manifest(sources)
+    manifest = _manifest(sources, [os.path.relpath(p, run_dir) for p in found.unknown])
     issues_dir = staging / schema.part_dir("ingest_issues", None)
     issues_dir.mkdir(parents=True, exist_ok=True)
     pq.write_table(_issues_table(sources), issues_dir / "part-0.parquet")
     _write_json(staging / schema.MANIFEST_FILE, manifest)
 
-    if not manifest["ranks"]:
+    if not any(s.status in ("ingested", "reused") for s in sources):
         shutil.rmtree(staging, ignore_errors=True)
         problems = [(s.path, i[3]) for s in sources for i in s.issues if i[0] == "error"]
         problems = problems or [(s.path, i[3]) for s in sources for i in s.issues]
         why = f" ({problems[0][0]}: {problems[0][1]})" if problems else ""
-        raise IngestError(f"{run_dir}: no usable trace among {len(sources)} file(s){why}")
+        raise IngestError(f"{run_dir}: nothing usable among {len(sources)} file(s){why}")
     if finish:
         finish(staging)
     _swap_in(staging, out_dir)
-    return IngestResult(out_dir, manifest, sources, len(to_parse), len(reused), time.perf_counter() - started)
+    return IngestResult(out_dir, manifest, sources, len(to_parse) + len(native), len(reused), time.perf_counter() - started)
 
 
 # Issues that depend on the other files of the run, so they are recomputed on every ingest.

@@ -151,7 +151,7 @@ def test_cli_summary_and_exit_codes(run_dir, tmp_path):
     (tmp_path / "nothing").mkdir()
     none = runner.invoke(analyze, [str(tmp_path / "nothing")])
     assert none.exit_code == EXIT_NOTHING
-    assert none.output.strip().count("\n") == 0 and "no trace files" in none.output
+    assert none.output.strip().count("\n") == 0 and "nothing steplens reads here" in none.output
     assert "Traceback" not in none.output
 
     only_empty = tmp_path / "only_empty"
