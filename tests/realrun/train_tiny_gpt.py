@@ -1,0 +1,229 @@
+"""Train a tiny GPT (random tokens) with real DeepSpeed, for tests, the sample run and the benchmark.
+
+Runs on CPU with 2 ranks (gloo), see launch.py:
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 tests/realrun/train_tiny_gpt.py \
+        --out_dir /tmp/run --zero_stage 2 --steps 8
+
+Native DeepSpeed artifacts are switched on one by one (--csv_monitor, --tensorboard, --wandb,
+--comms_logger verbose, --wall_clock_breakdown, --ds_flops_profiler, --log_level info), so other tests can
+make fresh ones. The steplens collector is on by default (--no-collector turns it off).
+
+Besides DeepSpeed's and the collector's output, every rank writes `script/rank<r>.json`: the script's own
+per-step wall times and the engine's global_samples after each optimizer step, an independent record
+the tests compare the collector against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 512
+D_MODEL = 128
+HEADS = 4
+LAYERS = 2
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(D_MODEL)
+        self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL)
+        self.proj = nn.Linear(D_MODEL, D_MODEL)
+        self.ln2 = nn.LayerNorm(D_MODEL)
+        self.mlp = nn.Sequential(nn.Linear(D_MODEL, 4 * D_MODEL), nn.GELU(), nn.Linear(4 * D_MODEL, D_MODEL))
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(batch, seq, 3, HEADS, D_MODEL // HEADS).unbind(2)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, D_MODEL))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, seq_len: int):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, D_MODEL)
+        self.pos = nn.Embedding(seq_len, D_MODEL)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(D_MODEL)
+        self.head = nn.Linear(D_MODEL, VOCAB)
+
+    def forward(self, tokens):
+        x = self.tok(tokens[:, :-1]) + self.pos.weight[: tokens.shape[1] - 1]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
+    p.add_argument("--out_dir", required=True, help="Run folder: collector output and native artifacts go here.")
+    p.add_argument("--zero_stage", type=int, default=2, choices=[0, 1, 2, 3])
+    p.add_argument("--steps", type=int, default=8, help="Optimizer steps.")
+    p.add_argument("--gas", type=int, default=1, help="gradient_accumulation_steps.")
+    p.add_argument("--micro_batch", type=int, default=4, help="train_micro_batch_size_per_gpu.")
+    p.add_argument("--seq_len", type=int, default=64, help="Tokens per sample.")
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision.")
+    p.add_argument("--deepspeed_config", help="Use this ds_config file instead of building one (the switches below are then ignored).")
+
+    native = p.add_argument_group("native DeepSpeed artifacts (written under --out_dir)")
+    native.add_argument("--csv_monitor", action="store_true", help="csv_monitor -> csv_monitor/tiny_gpt/*.csv")
+    native.add_argument("--tensorboard", action="store_true", help="tensorboard monitor -> tensorboard/tiny_gpt/events.*")
+    native.add_argument("--wandb", action="store_true", help="wandb monitor; set WANDB_MODE=offline WANDB_DIR=... yourself")
+    native.add_argument("--comms_logger", choices=["off", "summary", "verbose", "debug"], default="off",
+                        help="comms_logger block; verbose/debug print one line per call (needs --log_level info); "
+                             "summary and above write comms/log_summary_rank<r>.json at the end")
+    native.add_argument("--wall_clock_breakdown", action="store_true", help="wall_clock_breakdown timer lines")
+    native.add_argument("--ds_flops_profiler", type=int, metavar="STEP", default=None,
+                        help="DeepSpeed's own flops profiler at this profile_step -> flops_profiler/flops_profile.txt")
+    native.add_argument("--log_level", default=None, help='ds_config "log_level", e.g. info')
+    native.add_argument("--steps_per_print", type=int, default=2)
+
+    collector = p.add_argument_group("steplens collector")
+    collector.add_argument("--collector", action=argparse.BooleanOptionalAction, default=True,
+                           help="Attach steplens.collect (default on).")
+    collector.add_argument("--flush_every", type=int, default=4, help="Collector flush interval, optimizer steps.")
+    collector.add_argument("--flops_step", type=int, default=2, help="Step the collector profiles FLOPs on (-1: off).")
+    collector.add_argument("--profile_window", default="1,1,1,1", metavar="WAIT,WARMUP,ACTIVE,REPEAT",
+                           help="torch.profiler schedule of the collector ('off': none).")
+    collector.add_argument("--profile_skip_first", type=int, default=2, help="Steps before the first profiler window.")
+    collector.add_argument("--scalars_all_ranks", action="store_true", help="Collector scalars on every rank, not only rank 0.")
+
+    tests = p.add_argument_group("test hooks")
+    tests.add_argument("--probe_comms", type=int, metavar="STEP", default=None,
+                       help="After this step: an all_reduce that rank 1 enters 200 ms late, timed by the script itself.")
+    tests.add_argument("--unknown_comm_op", action="store_true",
+                       help="Call all_gather_object and monitored_barrier once (ops DeepSpeed's comms logger exits on).")
+    tests.add_argument("--kill_rank", type=int, default=None, help="This rank SIGKILLs itself ...")
+    tests.add_argument("--kill_at_step", type=int, default=None, help="... after this optimizer step.")
+    tests.add_argument("--inject_fault", default=None, metavar="HOOK",
+                       help="Make this collector method raise (e.g. _record_comm), to show training goes on.")
+    return p.parse_args()
+
+
+def ds_config(args: argparse.Namespace, out_dir: Path) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.gas,
+        "steps_per_print": args.steps_per_print,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True, "adam_w_mode": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 5}},
+        "zero_optimization": {"stage": args.zero_stage},
+        "wall_clock_breakdown": args.wall_clock_breakdown,
+    }
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+    if args.log_level:
+        config["log_level"] = args.log_level
+    for monitor in ("csv_monitor", "tensorboard"):
+        if getattr(args, monitor):
+            config[monitor] = {"enabled": True, "output_path": str(out_dir / monitor), "job_name": "tiny_gpt"}
+    if args.wandb:
+        config["wandb"] = {"enabled": True, "project": "tiny_gpt_ds", "group": f"zero{args.zero_stage}"}
+    if args.comms_logger != "off":
+        # DeepSpeed enables the logger when the key is present, whatever "enabled" says.
+        config["comms_logger"] = {"enabled": True, "verbose": args.comms_logger in ("verbose", "debug"),
+                                  "prof_all": True, "debug": args.comms_logger == "debug"}
+    if args.ds_flops_profiler is not None:
+        config["flops_profiler"] = {"enabled": True, "profile_step": args.ds_flops_profiler, "module_depth": -1,
+                                    "top_modules": 3, "detailed": True,
+                                    "output_file": str(out_dir / "flops_profiler" / "flops_profile.txt")}
+    if args.collector:
+        profile = None
+        if args.profile_window != "off":
+            wait, warmup, active, repeat = (int(x) for x in args.profile_window.split(","))
+            profile = {"skip_first": args.profile_skip_first, "wait": wait, "warmup": warmup, "active": active,
+                       "repeat": repeat}
+        config["steplens"] = {"run_dir": str(out_dir), "flush_every": args.flush_every, "seq_len": args.seq_len,
+                              "flops_step": None if args.flops_step < 0 else args.flops_step, "profile": profile,
+                              "scalars_all_ranks": args.scalars_all_ranks}
+    return config
+
+
+def main() -> None:
+    args = parse_args()
+    out_dir = Path(args.out_dir).resolve()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = deepspeed.comm.get_rank()
+    torch.manual_seed(0)
+    model = TinyGPT(args.seq_len + 1)
+    if args.deepspeed_config:
+        config = json.loads(Path(args.deepspeed_config).read_text())
+    else:
+        config = ds_config(args, out_dir)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "ds_config.json").write_text(json.dumps(config, indent=2))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    collector = None
+    if args.collector and "steplens" in config:
+        from steplens.collect import attach
+
+        collector = attach(engine)  # settings from the ds_config's "steplens" block
+        if args.inject_fault:
+            def fault(*_args, **_kwargs):
+                raise RuntimeError(f"injected fault in {args.inject_fault}")
+            setattr(collector, args.inject_fault, fault)
+
+    generator = torch.Generator().manual_seed(1 + rank)
+    record = {"rank": rank, "steps": [], "probe": None}
+    for step in range(args.steps):
+        start = time.time_ns()
+        for _ in range(args.gas):
+            tokens = torch.randint(0, VOCAB, (args.micro_batch, args.seq_len + 1), generator=generator)
+            loss = engine(tokens)
+            engine.backward(loss)
+            engine.step()
+        end = time.time_ns()
+        record["steps"].append({"step": step, "start_ns": start, "end_ns": end,
+                                "global_samples": engine.global_samples, "global_steps": engine.global_steps})
+        if collector is not None:
+            collector.log("train/loss", loss.item())
+        if args.probe_comms == step:
+            record["probe"] = probe_comms(rank)
+        if args.unknown_comm_op and step == 0:
+            objects = [None] * deepspeed.comm.get_world_size()
+            deepspeed.comm.all_gather_object(objects, {"rank": rank})
+            deepspeed.comm.monitored_barrier()
+        if args.kill_rank == rank and args.kill_at_step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if args.comms_logger != "off":
+        summary = deepspeed.comm.log_summary(return_dict=True)
+        (out_dir / "comms").mkdir(exist_ok=True)
+        (out_dir / "comms" / f"log_summary_rank{rank}.json").write_text(json.dumps(summary, indent=1, default=str))
+    if collector is not None:
+        collector.close()
+    (out_dir / "script").mkdir(exist_ok=True)
+    (out_dir / "script" / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+
+
+def probe_comms(rank: int) -> dict:
+    """An all_reduce that rank 1 enters 200 ms late, timed here with the wall clock: on rank 0 the call
+    takes about 200 ms. `caller` is this function's name, as the collector should record it."""
+    tensor = torch.ones(1024)
+    deepspeed.comm.barrier()
+    if rank == 1:
+        time.sleep(0.2)
+    start = time.time_ns()
+    deepspeed.comm.all_reduce(tensor)
+    end = time.time_ns()
+    return {"caller": "probe_comms", "start_ns": start, "end_ns": end, "msg_bytes": tensor.numel() * 4}
+
+
+if __name__ == "__main__":
+    main()
