@@ -51,13 +51,17 @@ def conform(frame: pl.DataFrame | list[dict], table: str) -> pl.DataFrame:
     )
 
 
-from . import scalars  # after the classes above: the importer modules use them
+from . import comms_dump, dslog, flops_text, scalars  # after the classes above: the importer modules use them
 
 # Order is priority: specific file names before generic suffixes.
 IMPORTERS: list[Importer] = [
     Importer("tensorboard", scalars.claims_tensorboard, scalars.parse_tensorboard),
     Importer("wandb", scalars.claims_wandb, scalars.parse_wandb),
     Importer("csv_monitor", scalars.claims_csv, scalars.parse_csv_monitor),
+    Importer("deepspeed_comms_dict", comms_dump.claims_raw, comms_dump.parse_raw, comms_dump.summary_sibling),
+    Importer("deepspeed_comms_summary_dict", comms_dump.claims_summary, comms_dump.parse_summary),
+    Importer("deepspeed_flops_profile", flops_text.claims, flops_text.parse, flops_text.ds_config_files),
+    Importer("deepspeed_log", dslog.claims, dslog.parse),  # after the FLOPs text: a log may embed a profile
 ]
 
 
