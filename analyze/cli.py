@@ -18,11 +18,13 @@ from .ingest import IngestError, IngestResult, Source, discover, ingest, use_sys
 EXIT_PARTIAL = 1  # results written, but some input files could not be used
 EXIT_NOTHING = 2  # nothing usable, or bad arguments
 
-ANALYZE_HELP = f"""Ingest the PyTorch-profiler traces under RUN_DIR into queryable Parquet tables.
+ANALYZE_HELP = f"""Turn what a training job left in RUN_DIR into queryable Parquet tables, analyses and a report.
 
-RUN_DIR is a folder of per-rank traces (.json or .json.gz, as tensorboard_trace_handler or
-export_chrome_trace wrote them), searched recursively; hidden folders are skipped. Files that are
-not traces are listed as ignored, with what they look like. The inputs are never modified.
+RUN_DIR is searched recursively (hidden folders skipped) for: per-rank PyTorch-profiler traces
+(.json or .json.gz, as tensorboard_trace_handler or export_chrome_trace wrote them); the steplens
+collector's output; and native DeepSpeed artifacts (job logs, FLOPs-profiler text, comms-logger
+dumps, csv_monitor, TensorBoard event files, W&B offline runs, autotuning results). Files it does
+not read are listed in run.json as ignored. The inputs are never modified.
 
 Output goes to RUN_DIR/{schema.DEFAULT_OUT_DIR}/ (or --out DIR): run.json plus one folder per table,
 hive-partitioned by rank (trace_events/rank=0/part-*.parquet, ...), and one folder per analysis
@@ -35,7 +37,9 @@ hive-partitioned by rank (trace_events/rank=0/part-*.parquet, ...), and one fold
                "GROUP BY ALL ORDER BY ALL").show()
 
 After ingest it runs the analyses and prints the headline: slowest step and rank, stragglers, GPU
-idle and its main cause, the most exposed collective, and MFU with its definition and peak.
+idle and its main cause, the most exposed collective, and MFU with its definition and peak. It
+writes report.html (one self-contained file: attach it to a PR) and summary.md (a PR comment)
+into the output folder; --format md prints the summary instead of the terminal tables.
 
 Re-running is incremental: files whose size, mtime and first 64 KiB are unchanged are not parsed
 again. The swap to the new result is atomic, so an interrupted run leaves the last result intact.
@@ -65,11 +69,13 @@ used (see the issues); {EXIT_NOTHING} nothing usable.
 @click.option("--seq-len", type=int, default=None, help="Model shape: sequence length T.")
 @click.option("--tokens-per-step", type=int, default=None, help="Global tokens per optimizer step (all ranks).")
 @click.option("--recompute", is_flag=True, help="Full activation recompute was on: also report HFU (PaLM + one forward).")
+@click.option("--format", "fmt", type=click.Choice(["text", "md"]), default="text", show_default=True,
+              help="text: terminal tables; md: print summary.md (markdown for a PR comment) instead.")
 @click.option("--kernel-categories", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="CSV with columns category,pattern (regex on kernel names), checked before the built-in patterns.")
 def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, ingest_only: bool, dtype: str,
             peak_tflops: float | None, params, layers, heads, head_dim, seq_len, tokens_per_step, recompute: bool,
-            kernel_categories: Path | None) -> None:
+            fmt: str, kernel_categories: Path | None) -> None:
     use_system_allocator()
     console = Console(stderr=False, highlight=False)
     if not run_dir.exists():
@@ -91,9 +97,15 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
     findings: dict = {}
 
     def run_analyses(staging: Path) -> None:
+        from steplens.reports import html, markdown
+
         started = time.perf_counter()
         findings.update(analyses.run(staging, options))
         findings["analysis_seconds"] = time.perf_counter() - started
+        started = time.perf_counter()
+        html.write(staging)
+        markdown.write(staging)
+        findings["report_seconds"] = time.perf_counter() - started
 
     show_progress = not quiet and sys.stderr.isatty()
     progress = Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
@@ -105,9 +117,14 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
                             finish=None if ingest_only else lambda staging: run_analyses(staging))
         except IngestError as e:
             _fail(str(e))
-    print_summary(console, result, findings.get("analysis_seconds"))
-    if findings:
-        print_findings(console, findings)
+    if fmt == "md" and findings:
+        click.echo((result.out_dir / "summary.md").read_text(), nl=False)
+    else:
+        print_summary(console, result, findings.get("analysis_seconds"))
+        if findings:
+            print_findings(console, findings)
+            console.print(f"report: {result.out_dir / 'report.html'} (rendered in {findings['report_seconds']:.2f}s); "
+                          f"PR summary: {result.out_dir / 'summary.md'}", markup=False, highlight=False, soft_wrap=True)
     if result.failed:
         sys.exit(EXIT_PARTIAL)
 

@@ -505,6 +505,7 @@ def ingest(
     _write_empty_tables(staging)
 
     manifest = _manifest(sources, [os.path.relpath(p, run_dir) for p in found.unknown])
+    manifest["run_name"] = run_dir.resolve().name
     issues_dir = staging / schema.part_dir("ingest_issues", None)
     issues_dir.mkdir(parents=True, exist_ok=True)
     pq.write_table(_issues_table(sources), issues_dir / "part-0.parquet")

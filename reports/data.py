@@ -1,0 +1,69 @@
+"""What a report needs from a run directory: the manifest, the findings, and any table by name.
+
+Reports read the Parquet tables `analyze` wrote; they never parse inputs themselves.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from steplens.analyze import schema
+
+
+@dataclass
+class Run:
+    out_dir: Path
+    manifest: dict
+    findings: dict
+
+    @property
+    def name(self) -> str:
+        return self.manifest.get("run_name") or self.manifest.get("run_id", "run")
+
+    def table(self, name: str) -> pl.DataFrame:
+        """A table (per-rank tables with their `rank` column); empty when the run has none."""
+        folder = self.out_dir / name
+        if not folder.exists() or not any(folder.rglob("*.parquet")):
+            return pl.DataFrame()
+        partitioned = name in schema.TABLES and schema.TABLES[name][2]
+        return pl.read_parquet(folder, hive_partitioning=partitioned)
+
+
+def load(out_dir: Path) -> Run:
+    """A run directory written by `analyze` (the `.steplens` folder, or the run folder holding it)."""
+    out_dir = Path(out_dir)
+    if not (out_dir / schema.MANIFEST_FILE).exists() and (out_dir / schema.DEFAULT_OUT_DIR / schema.MANIFEST_FILE).exists():
+        out_dir = out_dir / schema.DEFAULT_OUT_DIR
+    manifest_path = out_dir / schema.MANIFEST_FILE
+    if not manifest_path.exists():
+        raise FileNotFoundError(f"{out_dir}: not an analysed run (no {schema.MANIFEST_FILE}); run `analyze` on it first")
+    findings_path = out_dir / "findings.json"
+    findings = json.loads(findings_path.read_text()) if findings_path.exists() else {}
+    return Run(out_dir, json.loads(manifest_path.read_text()), findings)
+
+
+def ms(ns: float | None) -> str:
+    """A duration for people: ns -> the unit that reads best."""
+    if ns is None:
+        return "n/a"
+    ns = float(ns)
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
+        if abs(ns) >= scale:
+            return f"{ns / scale:.3g} {unit}" if abs(ns) < 100 * scale else f"{ns / scale:,.0f} {unit}"
+    return f"{ns:.0f} ns"
+
+
+def size(num_bytes: float | None) -> str:
+    """Bytes in binary units, as nccl-tests prints message sizes."""
+    if num_bytes is None:
+        return "n/a"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value} GiB"

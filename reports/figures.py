@@ -1,0 +1,125 @@
+"""Plots as inline SVG text: the report stays one file that opens offline.
+
+Every figure is drawn from an aggregate table (never raw events), so its size does not grow with
+the trace. Labels that come from traces are passed to matplotlib as plain text (usetex off,
+math text off), and the SVG is embedded as markup the template marks safe: matplotlib escapes
+text it writes into SVG.
+"""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.ticker  # noqa: E402
+import polars as pl  # noqa: E402
+
+plt.rcParams.update({
+    "svg.fonttype": "none",  # text stays text: smaller files, searchable, no glyph paths
+    "text.usetex": False,
+    "text.parse_math": False,  # a kernel name with $ signs is not math
+    "font.size": 9,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "svg.hashsalt": "steplens",  # fixed element ids: the same data gives the same bytes
+})
+
+
+# Log axes print ticks as math text by default; math parsing is off (trace labels are not math).
+PLAIN_NUMBER = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+
+
+def _binary(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:g} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:g} GiB"
+
+
+def _svg(fig) -> str:
+    buffer = io.StringIO()
+    fig.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None})
+    plt.close(fig)
+    text = buffer.getvalue()
+    return text[text.index("<svg"):]  # drop the XML prolog and doctype: inline SVG does not take them
+
+
+def step_heatmap(step_times: pl.DataFrame) -> str:
+    """CPU step time per rank (rows) x step (columns)."""
+    grid = step_times.pivot(on="step", index="rank", values="cpu_dur_ns", aggregate_function="max").sort("rank")
+    steps = [c for c in grid.columns if c != "rank"]
+    values = grid.select(steps).to_numpy() / 1e6
+    fig, ax = plt.subplots(figsize=(min(2 + 0.35 * len(steps), 11), min(1 + 0.28 * grid.height, 9)))
+    image = ax.imshow(values, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_xticks(range(len(steps)), steps)
+    ranks = grid["rank"].to_list()
+    ax.set_yticks(range(len(ranks)), ranks) if len(ranks) <= 64 else None
+    ax.set_xlabel("ProfilerStep")
+    ax.set_ylabel("rank")
+    fig.colorbar(image, ax=ax, label="CPU step time (ms)")
+    return _svg(fig)
+
+
+def launch_delay(launches: pl.DataFrame) -> str:
+    """Distribution of queueing (end of the launch call to start on the GPU), log scale."""
+    queue = launches.filter(pl.col("queue_ns") > 0)["queue_ns"].to_numpy() / 1e3
+    fig, ax = plt.subplots(figsize=(6, 2.6))
+    ax.hist(queue, bins=_log_bins(queue), color="#4c72b0")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(PLAIN_NUMBER)
+    ax.set_xlabel("queueing: launch call end -> GPU start (µs, log)")
+    ax.set_ylabel("device activities")
+    return _svg(fig)
+
+
+def _log_bins(values, count: int = 40):
+    import numpy as np
+
+    low, high = max(values.min(), 1e-3), max(values.max(), 1e-3)
+    return np.logspace(np.log10(low), np.log10(high * 1.0001), count) if high > low else 10
+
+
+def idle_by_cause(idle: pl.DataFrame) -> str:
+    """Whole-device idle per rank, stacked by cause."""
+    per_rank = idle.group_by("rank").agg(pl.col("host_bound_ns", "sync_ns", "other_ns").sum() / 1e6).sort("rank")
+    fig, ax = plt.subplots(figsize=(min(2 + 0.4 * per_rank.height, 10), 2.8))
+    bottom = None
+    ranks = [str(r) for r in per_rank["rank"].to_list()]
+    for column, label, color in (("host_bound_ns", "host-bound", "#dd8452"), ("sync_ns", "sync", "#c44e52"),
+                                 ("other_ns", "other", "#8c8c8c")):
+        values = per_rank[column].to_numpy()
+        ax.bar(ranks, values, bottom=bottom, label=label, color=color)
+        bottom = values if bottom is None else bottom + values
+    ax.set_xlabel("rank")
+    ax.set_ylabel("GPU idle (ms)")
+    ax.legend(frameon=False, ncols=3, loc="upper left", bbox_to_anchor=(0, 1.18))
+    return _svg(fig)
+
+
+def busbw_by_size(collectives: pl.DataFrame) -> str:
+    """busbw against message size, one series per collective (nccl-tests' view)."""
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for op, group in collectives.filter(pl.col("busbw_gbps").is_not_null()).group_by("op", maintain_order=True):
+        ax.scatter(group["bytes"].to_numpy(), group["busbw_gbps"].to_numpy(), s=10, label=str(op[0]), alpha=0.7)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: _binary(value)))
+    ax.set_xlabel("message size S (bytes, log2)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.legend(frameon=False, fontsize=8)
+    return _svg(fig)
+
+
+def curves(scalars: pl.DataFrame, x: str, names: list[str]) -> str:
+    """Monitor scalars against global samples (or tokens), one panel per name."""
+    fig, axes = plt.subplots(len(names), 1, figsize=(6.5, 1.9 * len(names)), squeeze=False, sharex=True)
+    for ax, name in zip(axes[:, 0], names):
+        series = scalars.filter(pl.col("name") == name).sort(x)
+        for rank, group in series.group_by("rank", maintain_order=True):
+            ax.plot(group[x].to_numpy(), group["value"].to_numpy(), lw=1.2, label=f"rank {rank[0]}")
+        ax.set_title(name, loc="left", fontsize=9)
+    axes[-1, 0].set_xlabel(x.replace("_", " "))
+    return _svg(fig)

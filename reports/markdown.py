@@ -1,0 +1,81 @@
+"""summary.md: the verdict and the key tables, sized for a PR comment (GitHub-flavoured markdown).
+
+Names from traces go into table cells and list items; characters markdown or HTML would act on
+(`|`, `<`, `>`, backticks, `*`, `_`, `[`, `]`) are escaped so a kernel name cannot break the
+table or inject markup.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import polars as pl
+
+from . import caveats
+from .data import Run, load, ms, size
+from .html import SUMMARY_FILE
+from .verdict import verdict
+
+MD_SPECIAL = re.compile(r"([\\`*_\[\]|<>#])")
+TOP_ROWS = 5
+MAX_CELL = 80  # long C++ kernel names would make the table unreadable in a PR comment
+
+
+def escape(text) -> str:
+    return MD_SPECIAL.sub(r"\\\1", str(text).replace("\n", " "))
+
+
+def _cell(text) -> str:
+    text = str(text)
+    return escape(text if len(text) <= MAX_CELL else text[: MAX_CELL - 1] + "…")
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def render(out_dir: Path) -> str:
+    run = load(out_dir)
+    m = run.manifest
+    devices = ", ".join(m.get("environment", {}).get("device_names", [])) or "devices not recorded"
+    lines = [f"### steplens: {escape(run.name)}", "",
+             f"world size {m.get('world_size') or 'unknown'}, ranks {len(m.get('ranks', []))}, {escape(devices)}", ""]
+    lines += [f"- {escape(line)}" for line in verdict(run)] + [""]
+    stats = run.table("step_stats")
+    if not stats.is_empty():
+        lines += ["**Step time** (CPU, over ranks)", ""]
+        lines += _table(["step", "median", "slowest", "slowest rank", "straggler"],
+                        [[r["step"], ms(r["median_dur_ns"]), ms(r["max_dur_ns"]), r["slowest_rank"],
+                          r["straggler_rank"] if r["straggler_rank"] is not None else ""]
+                         for r in stats.sort("step").iter_rows(named=True)][:10])
+    top = run.table("top_kernels")
+    if not top.is_empty():
+        lines += ["**Top kernels**", ""]
+        lines += _table(["kernel", "category", "calls", "total"],
+                        [[r["name"], r["category"], r["calls"], ms(r["time_ns"])] for r in top.head(TOP_ROWS).iter_rows(named=True)])
+    calls = run.table("collectives")
+    if not calls.is_empty():
+        by_op = calls.group_by("op", "bytes").agg(calls=pl.len(), exposed=pl.col("exposed_ns").sum(),
+                                                    busbw=pl.col("busbw_gbps").median()).sort("exposed", descending=True)
+        lines += ["**Collectives** (most exposed first)", ""]
+        lines += _table(["collective", "size", "calls", "exposed", "median busbw GB/s"],
+                        [[r["op"], size(r["bytes"]), r["calls"], ms(r["exposed"]),
+                          f"{r['busbw']:.1f}" if r["busbw"] is not None else ""] for r in by_op.head(TOP_ROWS).iter_rows(named=True)])
+    notes = caveats.caveats(run)
+    if notes:
+        lines += ["<details><summary>Method and caveats</summary>", ""]
+        lines += [f"- **{escape(c['title'])}**: {escape(c['detail'])}" for c in notes]
+        lines += ["", "</details>", ""]
+    lines.append("Full report: report.html beside this file; tables: Parquet, queryable with `steplens sql`.")
+    return "\n".join(lines) + "\n"
+
+
+def write(out_dir: Path) -> Path:
+    path = Path(out_dir) / SUMMARY_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(render(out_dir), encoding="utf-8")
+    tmp.replace(path)
+    return path
