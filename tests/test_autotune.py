@@ -1,0 +1,230 @@
+"""Autotuner results: the real autotune1 run in ../shared, hand-made failed experiments, and the
+noise verdict on synthetic repeated trials with known separation."""
+
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+from steplens.analyze import autotune, importers, schema
+
+RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
+CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
+
+
+def autotune1() -> Path:
+    path = RUNS / "autotune1"
+    if not path.is_dir():
+        pytest.skip(f"shared autotune run not found at {path}")
+    return path
+
+
+def import_folder(base: Path) -> tuple[pl.DataFrame, dict, list, set]:
+    """What ingest does: offer every file to the importers in order, companions taken with their claimant."""
+    frames, facts, issues, taken = [], {}, [], set()
+    for path in sorted(p for p in base.rglob("*") if p.is_file()):
+        if path in taken or (importer := importers.claimant(path)) is None:
+            continue
+        taken.update([path, *importer.companions(path)])
+        if not importer.name.startswith("autotune"):  # the launcher's log etc. are other importers' business
+            continue
+        result = importer.parse(path, str(path.relative_to(base)))
+        facts.update(result.facts)
+        issues.extend(result.issues)
+        if "autotune_experiments" in result.tables:
+            frames.append(result.tables["autotune_experiments"])
+    return pl.concat(frames), facts, issues, taken
+
+
+def test_autotune1_every_experiment_read_with_its_files():
+    base = autotune1()
+    experiments, facts, issues, taken = import_folder(base)
+    result_dirs = {p.name for p in (base / "autotuning_results").iterdir() if p.is_dir()} - {"profile_model_info"}
+    assert set(experiments["experiment"]) == result_dirs and issues == []
+    assert (experiments["status"] == "ok").all()
+    specs = {p for p in (base / "autotuning_exps").iterdir()}
+    assert specs <= taken  # specs of experiments that ran are read with their result folder
+    for name in result_dirs:  # all of an experiment's files are read as one unit
+        assert {p.name for p in (base / "autotuning_results" / name).iterdir()} <= {p.name for p in taken if p.parent.name == name}
+    assert facts["autotune_metric"] == "throughput"
+    assert facts["autotune_model_info"]["num_params"] == 932608
+    assert facts["autotune_summary"]["total_experiments"] == 8
+
+
+def test_autotune1_metrics_are_microseconds():
+    """latency = (fwd + bwd + step) x gas and throughput = train_batch_size x 1e6 / latency: both hold
+    only if the times are microseconds."""
+    experiments, *_ = import_folder(autotune1())
+    for row in experiments.iter_rows(named=True):
+        config = json.loads(row["config_json"])
+        assert row["latency_us"] == pytest.approx((row["fwd_us"] + row["bwd_us"] + row["step_us"]) * row["grad_accum"])
+        assert row["throughput"] == pytest.approx(config["train_batch_size"] * 1e6 / row["latency_us"])
+
+
+def test_autotune1_stale_metric_pick_is_detected():
+    base = autotune1()
+    # Ground truth straight from the files: each experiment's own metrics.json, and summary.txt's rows.
+    own = {d.name: json.loads((d / "metrics.json").read_text())["throughput"]
+           for d in (base / "autotuning_results").iterdir() if (d / "metrics.json").exists()}
+    rows = [line.strip("|").split("|") for line in (base / "autotuning_results/summary.txt").read_text().splitlines()
+            if line.startswith(("| z", "| global"))]
+    picked = {cells[0].strip(): cells[3].strip() for cells in rows}
+    best_z1 = max((n for n in own if n.startswith("z1_")), key=own.get)
+    assert picked["z1"] != best_z1  # DeepSpeed's z1 pick is not the best measured one
+
+    experiments, facts, *_ = import_folder(base)
+    verdicts = {r["tuning_space"]: r for r in autotune.autotune_tables(experiments, facts)["autotune_verdict"].iter_rows(named=True)}
+    z1 = verdicts["z1"]
+    assert z1["winner"] == best_z1 and z1["deepspeed_pick"] == picked["z1"] and z1["pick_mismatch"] is True
+    assert picked["z1"] in z1["pick_detail"] and best_z1 in z1["pick_detail"]
+    global_best = max(own, key=own.get)
+    assert verdicts["global"]["winner"] == global_best == picked["global"]
+    assert verdicts["global"]["pick_mismatch"] is False and verdicts["z2"]["pick_mismatch"] is False
+
+
+def test_autotune1_single_measurements_do_not_establish_a_ranking():
+    experiments, facts, *_ = import_folder(autotune1())
+    tables = autotune.autotune_tables(experiments, facts)
+    for row in tables["autotune_verdict"].iter_rows(named=True):
+        assert row["established"] is not True  # DeepSpeed measured every config once
+        if row["runner_up"] is not None:
+            assert row["trials_needed"] == autotune.min_trials() == 4 and "not established" in row["detail"]
+    assert tables["autotune_verdict"]["same_environment"].all()
+    for table in ("autotune_ranking", "autotune_verdict"):
+        assert set(tables[table].columns) == set(schema.ANALYSIS_TABLES[table])
+
+
+def test_environment_difference_is_reported(tmp_path):
+    copy = tmp_path / "autotune1"
+    shutil.copytree(autotune1(), copy)
+    cmd = copy / "autotuning_results/z1_gas1_tmbspg7/cmd.txt"
+    cmd.write_text(cmd.read_text().replace("--steps 20", "--steps 30"))
+    experiments, facts, *_ = import_folder(copy)
+    tables = autotune.autotune_tables(experiments, facts)
+    ranking = tables["autotune_ranking"].filter(pl.col("tuning_space") == "global")
+    assert ranking.filter(pl.col("environment_differs"))["experiment"].to_list() == ["z1_gas1_tmbspg7"]
+    verdicts = {r["tuning_space"]: r for r in tables["autotune_verdict"].iter_rows(named=True)}
+    assert verdicts["global"]["same_environment"] is False and "z1_gas1_tmbspg7" in verdicts["global"]["environment_detail"]
+    assert verdicts["z2"]["same_environment"] is True
+
+
+@pytest.mark.parametrize(("stderr", "status", "error"), [
+    ("Traceback (most recent call last):\n  File \"t.py\", line 3\n"
+     + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n", "oom", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ("    raise RuntimeError(f\"[simulated] CPU out of memory: mbs {mbs}\")\n"
+     + "RuntimeError: [simulated] CPU out of memory: mbs 6\n", "oom", "RuntimeError: [simulated] CPU out of memory: mbs 6"),
+    ("warn: x is deprecated\nTraceback (most recent call last):\nKeyError: 'hostfile'\n", "error", "KeyError: 'hostfile'"),
+    ("Traceback (most recent call last):\n  File \"t.py\", line 9\nKeyboardInterrupt\n", "interrupted", "KeyboardInterrupt"),
+    ("FutureWarning: something is deprecated\n", "interrupted", None),
+    (None, "not_run", None),
+])
+def test_failed_experiment_classified_from_stderr(tmp_path, stderr, status, error):
+    folder = tmp_path / "autotuning_results" / "z3_gas1_tmbspg9"
+    folder.mkdir(parents=True)
+    ds_config = {"train_micro_batch_size_per_gpu": 9, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3}}
+    (folder / "exp.json").write_text(json.dumps({"name": folder.name, "ds_config": ds_config, "num_gpus": 8}))
+    if stderr is not None:
+        (folder / "stderr.log").write_text(stderr)
+    assert importers.claimant(folder / "exp.json").name == "autotune_experiment"
+    row = autotune.parse_experiment(folder / "exp.json", "exp.json").tables["autotune_experiments"].row(0, named=True)
+    assert row["status"] == status and row["zero_stage"] == 3 and row["micro_batch"] == 9
+    if error:
+        assert row["error"] == error
+    assert row["throughput"] is None
+
+
+def test_spec_without_result_folder_is_not_run(tmp_path):
+    exps = tmp_path / "autotuning_exps"
+    exps.mkdir()
+    spec = {"name": "z2_gas1_tmbspg4", "ds_config": {"train_micro_batch_size_per_gpu": 4}, "num_gpus": 2}
+    (exps / "z2_gas1_tmbspg4.json").write_text(json.dumps(spec))
+    (exps / "z2_gas1_tmbspg2.json").write_text(json.dumps({**spec, "name": "z2_gas1_tmbspg2"}))
+    (tmp_path / "autotuning_results" / "z2_gas1_tmbspg2").mkdir(parents=True)
+    (tmp_path / "autotuning_results" / "z2_gas1_tmbspg2" / "exp.json").write_text(json.dumps(spec))
+    assert importers.claimant(exps / "z2_gas1_tmbspg4.json").name == "autotune_experiment"
+    assert importers.claimant(exps / "z2_gas1_tmbspg2.json") is None  # its result folder is read instead
+    row = autotune.parse_experiment(exps / "z2_gas1_tmbspg4.json", "spec").tables["autotune_experiments"].row(0, named=True)
+    assert row["status"] == "not_run" and row["experiment"] == "z2_gas1_tmbspg4"
+
+
+def test_bad_files_give_issues_not_exceptions(tmp_path):
+    folder = tmp_path / "z1_gas1_tmbspg2"
+    folder.mkdir()
+    (folder / "exp.json").write_text('{"ds_config": {"train_micro_batch_size_per_gpu": 2}, "name": "z1_gas1_tmbspg2"}')
+    (folder / "metrics.json").write_bytes(b'{"throughput": 7\x00\xff')
+    (folder / "stderr.log").write_text("RuntimeError: boom\n")
+    result = autotune.parse_experiment(folder / "exp.json", "z1_gas1_tmbspg2/exp.json")
+    assert result.tables["autotune_experiments"]["status"].to_list() == ["error"]
+    assert result.issues[0][:2] == ["error", "bad_autotune_file"] and "metrics.json" in result.issues[0][3]
+    junk = tmp_path / "exp.json"
+    junk.write_bytes(b'\x00\x01"ds_config" garbage')
+    bad = autotune.parse_experiment(junk, "exp.json")
+    assert bad.tables == {} and bad.issues[0][:2] == ["error", "bad_autotune_experiment"]
+    empty_summary = tmp_path / "summary.txt"
+    empty_summary.write_text("| tuning_space | x |\n")
+    assert autotune.parse_summary(empty_summary, "summary.txt").issues[0][1] == "bad_autotune_summary"
+    assert autotune.autotune_tables(pl.DataFrame(), {})["autotune_verdict"].is_empty()
+
+
+def test_summary_table_from_deepspeed_docs():
+    path = CORPUS / "DeepSpeed" / "docs_examples" / "autotuning_md_summary_gpt2-large_16xV100.txt"
+    if not path.exists():
+        pytest.skip("corpus not found")
+    summary = autotune.parse_summary_text(path.read_text())
+    spaces = {s["tuning_space"]: s for s in summary["spaces"]}
+    assert list(spaces) == ["z0", "z1", "z2", "z3", "global"]
+    assert spaces["global"]["best_exp_name"] == spaces["z1"]["best_exp_name"]
+    assert sum(spaces[z]["num_experiments"] for z in ("z0", "z1", "z2", "z3")) == summary["total_experiments"]
+    assert spaces["z3"]["best_metric_val"] == 0  # every z3 experiment failed (DeepSpeed records 0)
+
+
+# --- noise verdict on synthetic trials (ground truth by construction) ----------------------------
+
+def trials(configs: dict[str, list[float]]) -> pl.DataFrame:
+    """Collector-style repeated trial runs: distinct run ids, the same ds_config per configuration."""
+    rows = []
+    for name, values in configs.items():
+        micro = int(name.removeprefix("mbs"))
+        config = json.dumps({"train_micro_batch_size_per_gpu": micro, "zero_optimization": {"stage": 2}})
+        rows += [{"experiment": f"{name}_run{i}", "trial": i, "zero_stage": 2, "micro_batch": micro, "config_json": config,
+                  "status": "ok", "throughput": value} for i, value in enumerate(values)]
+    return importers.conform(rows, "autotune_experiments")
+
+
+def global_verdict(configs: dict[str, list[float]]) -> dict:
+    return autotune.autotune_tables(trials(configs), {})["autotune_verdict"].row(0, named=True)
+
+
+def test_min_trials_rule():
+    assert autotune.min_trials(0.05) == 4  # 1/C(6,3) = 0.05 is not below 0.05; 1/C(8,4) = 1/70 is
+    assert autotune.min_trials(0.01) == 5  # 1/C(10,5) = 1/252
+
+
+def test_separated_trials_establish_the_winner():
+    result = global_verdict({"mbs4": [100.0, 101.0, 99.5, 100.5, 100.2], "mbs2": [90.0, 91.0, 89.0, 90.5, 90.2]})
+    assert result["winner"] == "mbs4_run0" and result["runner_up"] == "mbs2_run0"
+    assert result["established"] is True and result["test"] == "mann_whitney_u_exact_one_sided"
+    assert result["statistic"] == 25 and result["p_value"] == pytest.approx(1 / 252)
+    assert result["winner_median"] == 100.2 and result["winner_trials"] == 5
+
+
+def test_three_separated_trials_are_not_enough():
+    result = global_verdict({"mbs4": [100.0, 101.0, 102.0], "mbs2": [90.0, 91.0, 92.0]})
+    assert result["established"] is False and result["p_value"] == pytest.approx(0.05)
+    assert result["trials_needed"] == 4
+
+
+def test_overlapping_trials_are_not_established():
+    result = global_verdict({"mbs4": [100.0, 102.0, 98.0, 101.0, 99.0], "mbs2": [99.5, 101.5, 97.5, 100.5, 98.5]})
+    assert result["established"] is False and result["p_value"] > 0.05
+    assert result["trials_needed"] > 5 and "not established" in result["detail"]
+
+
+def test_failed_configs_rank_last_and_keep_their_error():
+    frame = pl.concat([trials({"mbs4": [100.0], "mbs2": [90.0]}), importers.conform(
+        [{"experiment": "mbs8", "zero_stage": 2, "micro_batch": 8, "status": "oom", "error": "CUDA out of memory"}],
+        "autotune_experiments")])
+    ranking = autotune.autotune_tables(frame, {})["autotune_ranking"].filter(pl.col("tuning_space") == "global")
+    assert ranking["experiment"].to_list() == ["mbs4_run0", "mbs2_run0", "mbs8"]
+    assert ranking["rank"].to_list() == [1, 2, None] and ranking["error"][2] == "CUDA out of memory"
