@@ -95,6 +95,10 @@ NCCL_VERSION = re.compile(r"NCCL_VERSION=(\S+)")
 DS_VERSION = re.compile(r"DeepSpeed info: version=([\w.+\-]+)")
 # ds_report: "torch version .................... 1.11.0+cu113" (only whole, well-formed lines).
 REPORT_VERSION = re.compile(r"^(torch|deepspeed|nvcc|torch cuda|transformers) (?:version|info) \.{3,} (\d+\.\d+[\w.+\-]*)(?:,|\s*$)")
+# ds_report rows (deepspeed/env_report.py): "<key> ....... <value>", one per line.
+REPORT_KEY = re.compile(r"torch install path|torch version|torch cuda version|torch hip version|nvcc version"
+                        r"|deepspeed install path|deepspeed info|deepspeed wheel compiled w\.")
+REPORT_ROW = re.compile(rf"^(?:{REPORT_KEY.pattern}) \.{{3,}} \S")
 CONFIG_ITEM = re.compile(r"\[config\.py:\d+:print\]\s+(\w+) \.+ (.*)$")
 CONFIG_JSON_START = re.compile(r"\[config\.py:\d+:print_user_config\]\s+json = (\{.*)$")
 EXIT_OK = re.compile(r"\[launch\.py:\d+:main\] Process (\d+) exits successfully")
@@ -129,7 +133,7 @@ class LogState:
     scalars: list = field(default_factory=list)
     summary: list = field(default_factory=list)
     facts: dict = field(default_factory=dict)
-    garbled: int = 0
+    garbled: set = field(default_factory=set)  # indices of lines written over by another process, or undecodable
     flops_blocks: list = field(default_factory=list)  # (first line, lines)
 
     @property
@@ -171,8 +175,8 @@ def parse(path: Path, rel: str) -> Imported:
     if not data.endswith(b"\n"):
         issues.append(["info", "no_final_newline", 1, f"{rel}: the last line has no newline (cut off or still being written)"])
     if state.garbled:
-        issues.append(["info", "garbled_lines", state.garbled,
-                       (f"{rel}: {state.garbled} lines hold interleaved writes from several processes or undecodable bytes; "
+        issues.append(["info", "garbled_lines", len(state.garbled),
+                       (f"{rel}: {len(state.garbled)} lines hold interleaved writes from several processes or undecodable bytes; "
                        "records in them that did not parse whole were skipped")])
     return _build(state, issues)
 
@@ -193,10 +197,12 @@ def _ts_ns(line: str) -> int | None:
 
 
 def _is_garbled(line: str) -> bool:
-    # A logger timestamp that is not at the start, or twice, means two writers shared the line.
+    # A logger timestamp or ds_report key that is not alone at the start means two writers shared the line.
     stamps = [m.start() for m in LOG_STAMP.finditer(line)]
     misplaced = len(stamps) > 1 or (stamps and stamps[0] > 0)
-    return "\ufffd" in line or "\x00" in line or misplaced or line.count("[Rank ") > 1
+    report_keys = REPORT_KEY.findall(line)
+    mixed_report = bool(report_keys) and not (len(report_keys) == 1 and REPORT_ROW.match(line))
+    return "\ufffd" in line or "\x00" in line or misplaced or mixed_report or line.count("[Rank ") > 1
 
 
 def _start_run_if_new(state: LogState, marker: str) -> None:
@@ -213,13 +219,13 @@ def _read_line(state: LogState, lines: list[str], i: int) -> int:
     """Read line i (and any block it opens); return the index of the next unread line."""
     line = lines[i]
     if _is_garbled(line):
-        state.garbled += 1
+        state.garbled.add(i)
     if m := TIMER_LINE.search(line):
         _timer(state, m, i)
     elif m := COMM_LINE.search(line):
         _comm(state, m, line, i)
     elif m := STEP_LINE.search(line):
-        _step(state, m)
+        _step(state, m, i)
     elif m := THROUGHPUT_LINE.search(line):
         _throughput(state, m, line)
     elif m := MEGATRON_LINE.match(line):
@@ -242,7 +248,7 @@ def _timer(state: LogState, m: re.Match, i: int) -> None:
         if item := TIMER_ITEM.match(part):
             items.append((item[1], float(item[2])))
         elif part.strip():
-            state.garbled += 1  # a cut or interleaved item: keep the whole ones
+            state.garbled.add(i)  # a cut or interleaved item: keep the whole ones
     if not items:
         return
     names = {name for name, _ in items}
@@ -287,7 +293,7 @@ def _scalar(state: LogState, rank: int, name: str, value: float, steps_done: int
     })
 
 
-def _step(state: LogState, m: re.Match) -> None:
+def _step(state: LogState, m: re.Match, i: int) -> None:
     line = m.string
     rank, steps_done = int(m[1]), int(m[2])
     _scalar(state, rank, "skipped_steps", float(m[3]), steps_done, line)
@@ -296,7 +302,7 @@ def _step(state: LogState, m: re.Match) -> None:
         try:
             _scalar(state, rank, "lr", float(lrs[0]), steps_done, line)
         except ValueError:
-            state.garbled += 1
+            state.garbled.add(i)
 
 
 def _throughput(state: LogState, m: re.Match, line: str) -> None:
@@ -366,7 +372,7 @@ def _config_json(state: LogState, lines: list[str], i: int, first: str) -> int:
     try:
         config = json.loads("\n".join(block))
     except ValueError:
-        state.garbled += 1
+        state.garbled.add(i)
         return i + 1
     state.facts["ds_config"] = config
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
@@ -387,7 +393,7 @@ def _launcher_or_status(state: LogState, line: str, i: int) -> None:
         try:
             facts["world_info"] = ast.literal_eval(m[1])
         except (ValueError, SyntaxError):
-            state.garbled += 1
+            state.garbled.add(i)
     elif m := MPI_RANK0.search(line):
         _start_run_if_new(state, "mpi0")
         facts["world_size"] = int(m[1])

@@ -1,0 +1,157 @@
+"""comms_dict_raw / log_summary_dict importers on the real DeepSpeed 0.19.8 CPU runs (../shared).
+
+Known answers come from the JSON files themselves (running totals, counts) and from the verbose
+comms-logger lines of the same rank and run, which keep the call order across message sizes.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+from steplens.analyze import comms_dump, dslog, importers
+
+RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
+VERBOSE = re.compile(r"comm op: (.+?) \| time \(ms\): ([\d.]+) \| msg size")
+
+
+@pytest.fixture
+def runs() -> Path:
+    if not RUNS.is_dir():
+        pytest.skip(f"DeepSpeed CPU runs not found at {RUNS}")
+    return RUNS
+
+
+def _raw(runs: Path, run: str, rank: int = 0):
+    path = runs / run / "comms" / f"comms_dict_raw_rank{rank}.json"
+    return json.loads(path.read_text()), comms_dump.parse_raw(path, f"{run}/comms/{path.name}")
+
+
+def test_running_totals_detected():
+    assert comms_dump.is_running_total([[1.0, 2.0, 2.0, 5.0]]) is True
+    assert comms_dump.is_running_total([[1.0, 2.0, 5.0], [3.0, 1.0]]) is False
+    assert comms_dump.is_running_total([[1.0, 2.0]]) is None  # two values prove nothing
+    assert comms_dump.per_call([1.0, 3.5, 4.0]) == [1.0, 2.5, 0.5]
+
+
+def test_size_text_back_to_bytes():
+    assert comms_dump.size_from_text("512.0 B") == 512
+    assert comms_dump.size_from_text("0B") == 0
+    assert comms_dump.size_from_text("1.78 MB") == round(1.78 * 2**20)
+    assert comms_dump.size_from_text("garbage") is None
+
+
+@pytest.mark.parametrize("run", ["run1", "run2", "run3", "run5"])
+def test_repaired_latencies_sum_to_last_running_total(runs, run):
+    raw, imported = _raw(runs, run)
+    calls = imported.tables["comms_calls"]
+    assert set(calls["latency_origin"]) == {"repaired_cumulative"}
+    assert any(i[1] == "cumulative_comms_latency" for i in imported.issues)
+    for record, sizes in raw.items():
+        op, caller = comms_dump.split_record_name(record)
+        mine = calls.filter((pl.col("op") == op) & pl.col("caller").eq_missing(caller))
+        totals = [lat for entry in sizes.values() for lat in entry[1]]
+        assert mine.height == len(totals) == sum(entry[0] for entry in sizes.values())
+        assert mine["latency_ns"].sum() / 1e6 == pytest.approx(max(totals), abs=1e-5 * len(totals))
+        assert mine["latency_ns"].min() >= 0
+
+
+def test_dict_order_matches_the_verbose_lines(runs):
+    """Sorting a record name's running totals recovers the call order the log shows, sizes interleaved."""
+    _, imported = _raw(runs, "run1")
+    log = next((runs / "run1" / "rank_logs").glob("*_rank0.log")).read_text()
+    calls = imported.tables["comms_calls"]
+    logged: dict[str, list[float]] = {}
+    for record, total in VERBOSE.findall(log):
+        logged.setdefault(record, []).append(float(total))
+    for record in ("all_reduce", "broadcast", "all_gather_into_tensor"):
+        from_log = comms_dump.per_call(logged[record])
+        from_dict = (calls.filter(pl.col("op") == record)["latency_ns"] / 1e6).to_list()
+        # The log prints 2 decimals: each difference is off by at most 0.01 ms.
+        assert from_dict[: len(from_log)] == pytest.approx(from_log, abs=0.0101)
+    # all_reduce alternates 3.56 MB (gradient bucket) and 4 B (grad norm) in the log.
+    sizes = calls.filter(pl.col("op") == "all_reduce")["msg_bytes"].head(4).to_list()
+    assert sizes == [3730432, 4, 3730432, 4]
+
+
+def test_bandwidth_is_nccl_tests(runs):
+    _, imported = _raw(runs, "run1")
+    calls = imported.tables["comms_calls"]
+    gather = calls.filter(pl.col("op") == "all_gather_into_tensor").row(0, named=True)
+    # DeepSpeed's msg size is the per-rank shard; nccl-tests S is the whole output (x n = 2).
+    assert gather["group_size"] == 2 and gather["nccl_bytes"] == 1865216 * 2
+    assert gather["algbw_gbps"] == pytest.approx(1865216 * 2 / gather["latency_ns"])
+    assert gather["busbw_gbps"] == pytest.approx(gather["algbw_gbps"] * (2 - 1) / 2)
+    reduce = calls.filter((pl.col("op") == "all_reduce") & (pl.col("msg_bytes") == 3730432)).row(0, named=True)
+    assert reduce["nccl_bytes"] == 3730432
+    assert reduce["busbw_gbps"] == pytest.approx(reduce["algbw_gbps"] * 2 * (2 - 1) / 2)
+
+
+def test_debug_record_names_split_caller(runs):
+    raw, imported = _raw(runs, "run2")
+    calls = imported.tables["comms_calls"]
+    callers = set(calls.filter(pl.col("op") == "all_reduce")["caller"])
+    assert {"allreduce_bucket", "get_grad_norm_direct"} <= callers
+    bucket = raw["all_reduce | [Caller Func: allreduce_bucket]"]
+    mine = calls.filter(pl.col("caller") == "allreduce_bucket")
+    assert mine["latency_ns"].sum() / 1e6 == pytest.approx(max(lat for e in bucket.values() for lat in e[1]), abs=1e-4)
+
+
+def test_summary_companion_is_untrusted(runs):
+    raw_summary = json.loads((runs / "run1" / "comms" / "log_summary_dict_rank0.json").read_text())
+    _, imported = _raw(runs, "run1")
+    summary = imported.tables["comms_summary"]
+    assert set(summary["trusted"]) == {False}
+    expected = raw_summary["summary"]["all_reduce"]["3730432"]
+    row = summary.filter((pl.col("op") == "all_reduce") & (pl.col("msg_bytes") == 3730432)).row(0, named=True)
+    assert row["count"] == expected["count"] and row["total_latency_ms"] == expected["total_latency_ms"]
+    assert imported.facts["world_size"] == raw_summary["metadata"]["world_size"]
+
+
+def test_claims_and_companions(runs, tmp_path):
+    comms = runs / "run1" / "comms"
+    assert importers.claimant(comms / "comms_dict_raw_rank1.json").name == "deepspeed_comms_dict"
+    assert importers.claimant(comms / "log_summary_dict_rank1.json") is None  # its raw dict reads it
+    assert importers.claimant(comms / "log_summary_rank0.txt").name == "deepspeed_log"
+    alone = tmp_path / "log_summary_dict_rank1.json"
+    shutil.copy(comms / alone.name, alone)
+    assert importers.claimant(alone).name == "deepspeed_comms_summary_dict"
+    summary = comms_dump.parse_summary(alone, alone.name)
+    assert summary.tables["comms_summary"]["trusted"].null_count() == summary.tables["comms_summary"].height
+
+
+def test_verbose_lines_and_raw_dict_agree_per_rank_and_run(runs):
+    """The same calls seen twice: rank 0's verbose log lines and its comms_dict_raw."""
+    log_path = next((runs / "run3" / "rank_logs").glob("*_rank0.log"))
+    from_log = dslog.parse(log_path, log_path.name).tables["comms_calls"]
+    _, from_dict = _raw(runs, "run3")
+    dict_calls = from_dict.tables["comms_calls"]
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        a = (from_log.filter(pl.col("op") == op)["latency_ns"] / 1e6).to_list()
+        b = (dict_calls.filter(pl.col("op") == op)["latency_ns"] / 1e6).to_list()
+        assert len(a) == len(b) > 0
+        assert a == pytest.approx(b, abs=0.0101)
+
+
+def test_bad_inputs_give_issues_not_exceptions(runs, tmp_path):
+    whole = (runs / "run1" / "comms" / "comms_dict_raw_rank0.json").read_bytes()
+    cut = tmp_path / "comms_dict_raw_rank0.json"
+    cut.write_bytes(whole[: len(whole) // 2])
+    imported = comms_dump.parse_raw(cut, cut.name)
+    assert imported.tables == {} and imported.issues[0][:2] == ["error", "bad_json"]
+
+    odd = tmp_path / "comms_dict_raw_rank1.json"
+    odd.write_text(json.dumps({"all_reduce": {"4": [2, [1.0, 2.5], [], []], "8": "junk"}, "broadcast": [1]}))
+    imported = comms_dump.parse_raw(odd, odd.name)
+    assert imported.tables["comms_calls"].height == 2
+    assert {i[1] for i in imported.issues} >= {"bad_entry", "no_world_size", "comms_latency_kind_unknown"}
+
+    listing = tmp_path / "comms_dict_raw_rank2.json"
+    listing.write_text("[1, 2]")
+    assert comms_dump.parse_raw(listing, listing.name).issues[0][1] == "unexpected_layout"
+    empty = tmp_path / "comms_dict_raw_rank3.json"
+    empty.write_bytes(b"")
+    assert comms_dump.parse_raw(empty, empty.name).issues[0][1] == "bad_json"
+    assert not comms_dump.claims_raw(empty)

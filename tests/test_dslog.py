@@ -1,0 +1,202 @@
+"""DeepSpeed / Megatron-DeepSpeed log importer on real logs: the DeepSpeed 0.19.8 CPU runs and the
+corpus's section-3 logs (../shared). Known answers come from the log lines themselves (counted with
+independent regexes here), from the same run's csv_monitor files, or from reading the file by hand
+(line numbers cited)."""
+
+import csv
+import re
+from pathlib import Path
+
+import polars as pl
+import pytest
+from steplens.analyze import dslog, importers
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+RUNS = SHARED / "deepspeed-cpu-runs"
+CORPUS = SHARED / "corpus"
+MEGATRON = CORPUS / "Megatron-DeepSpeed/random_ltd_gpt3_baseline/gpt3-0.125B-tokendropping-graduallyIncrease-lr-3.0e-4-baseline.log"
+CONCATENATED = CORPUS / "DeepSpeedExamples/random_ltd_vit_cifar/training.log"
+CHAT_SFT = CORPUS / "DeepSpeedExamples/deepspeed_chat_step1_sft/opt-1.3b-globalBatchSize128.log"
+SECTION3_LOGS = [
+    CHAT_SFT,
+    CORPUS / "DeepSpeedExamples/deepspeed_chat_step2_reward/opt-350m_globalBatchSize-64.log",
+    CORPUS / "DeepSpeedExamples/data_efficiency_gpt_check_base/training.log",
+    CONCATENATED,
+    MEGATRON,
+]
+FIXTURES = Path(__file__).parent / "fixtures" / "dslog"
+
+
+def _need(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} not found")
+    return path
+
+
+def _rank0_log(run: str) -> Path:
+    return next(_need(RUNS / run / "rank_logs").glob("*_rank0.log"))
+
+
+def _parse(path: Path):
+    return dslog.parse(path, path.name)
+
+
+def _all_logs() -> list[Path]:
+    found = sorted(RUNS.glob("*/rank_logs/*.log")) + sorted(RUNS.glob("*/launcher.log")) + sorted(RUNS.glob("*/comms/*.txt"))
+    return found + [p for p in SECTION3_LOGS if p.exists()]
+
+
+@pytest.mark.parametrize("path", _all_logs(), ids=lambda p: str(p.relative_to(SHARED)))
+def test_every_real_log_is_claimed_and_parses(path):
+    assert importers.claimant(path).name == "deepspeed_log"
+    imported = _parse(path)
+    assert not [i for i in imported.issues if i[0] == "error"]
+    for table, frame in imported.tables.items():
+        assert importers.conform(frame, table).columns == frame.columns
+
+
+def test_global_timers_equal_the_log_lines_and_the_csv_monitor():
+    path = _rank0_log("run1")
+    timers = _parse(path).tables["step_timers"]
+    text = path.read_text()
+    fwd_lines = [float(x) for x in re.findall(r"\[Rank 0\] time \(ms\) \| fwd: ([\d.]+)", text)]
+    fwd = timers.filter((pl.col("scope") == "global") & (pl.col("timer") == "fwd")).sort("step")
+    assert fwd["step"].to_list() == list(range(len(fwd_lines)))
+    assert fwd["ms"].to_list() == fwd_lines
+    # The engine wrote the same timer to csv_monitor at global_samples = (step + 1) x train_batch_size (8).
+    with open(RUNS / "run1/csv_monitor/tiny_gpt/Train_Samples_elapsed_time_ms_forward.csv") as f:
+        monitor = {int(r["step"]): float(r["elapsed_time_ms_forward"]) for r in csv.DictReader(f)}
+    for step, ms in zip(fwd["step"], fwd["ms"]):
+        assert ms == pytest.approx(monitor[(step + 1) * 8], abs=0.006)
+    # The optimizer line of step 1 (log line 237 of run1): printed before that step's global line.
+    optimizer = timers.filter((pl.col("scope") == "optimizer") & (pl.col("step") == 1))
+    assert dict(zip(optimizer["timer"], optimizer["ms"])) == {
+        "optimizer_allgather": 6.38, "optimizer_gradients": 1.85, "optimizer_step": 1.27}
+
+
+def test_gradient_accumulation_two_micro_lines_per_step():
+    """run2 has gas=2: two micro lines then the global line, which holds their sum (reference, section 4)."""
+    timers = _parse(_rank0_log("run2")).tables["step_timers"]
+    micro = timers.filter(pl.col("timer") == "fwd_microstep").group_by("step").agg(pl.len(), pl.col("ms").sum())
+    glob = timers.filter(pl.col("timer") == "fwd").select("step", pl.col("ms").alias("global_ms"))
+    joined = micro.join(glob, on="step")
+    assert joined.height == glob.height == 10
+    assert set(joined["len"]) == {2}
+    for row in joined.iter_rows(named=True):  # each value printed with 2 decimals
+        assert row["ms"] == pytest.approx(row["global_ms"], abs=0.0151)
+
+
+def test_step_lines_become_scalars_on_the_monitor_axis():
+    path = _rank0_log("run1")
+    scalars = _parse(path).tables["scalars"]
+    lr = scalars.filter(pl.col("name") == "lr").drop_nulls("step")
+    with open(RUNS / "run1/csv_monitor/tiny_gpt/Train_Samples_lr.csv") as f:
+        monitor = {int(r["step"]): float(r["lr"]) for r in csv.DictReader(f)}
+    assert lr.height == len(re.findall(r"\] step=[1-9]\d*, skipped", path.read_text()))
+    for row in lr.iter_rows(named=True):
+        assert row["global_samples"] == (row["step"] + 1) * 8
+        assert row["value"] == monitor[row["global_samples"]]
+    # epoch=0/micro_step=4/global_step=4 line: 4 optimizer steps done.
+    speed = scalars.filter((pl.col("name") == "CurrSamplesPerSec") & (pl.col("step") == 3)).row(0, named=True)
+    assert speed["value"] == 70.76169681439102 and speed["global_samples"] == 32
+    assert speed["wall_ns"] is not None
+
+
+def test_verbose_comms_lines_repaired_to_the_last_running_total():
+    path = _rank0_log("run1")
+    imported = _parse(path)
+    calls = imported.tables["comms_calls"]
+    totals: dict[str, list[float]] = {}
+    for record, total in re.findall(r"comm op: (.+?) \| time \(ms\): ([\d.]+)", path.read_text()):
+        totals.setdefault(record, []).append(float(total))
+    assert calls.height == sum(len(v) for v in totals.values())
+    assert set(calls["latency_origin"]) == {"repaired_cumulative"}
+    for record, values in totals.items():
+        mine = calls.filter(pl.col("op") == record)
+        assert mine["latency_ns"].sum() / 1e6 == pytest.approx(values[-1], abs=1e-6)
+    assert [i for i in imported.issues if i[1] == "cumulative_comms_latency"]
+    # The log_summary table printed into the same log: untrusted, as printed.
+    summary = imported.tables["comms_summary"]
+    row = summary.filter((pl.col("op") == "all_reduce") & (pl.col("count") == 12) & (pl.col("total_latency_ms") == 651.52))
+    assert row.height == 1 and row["trusted"].to_list() == [False]
+
+
+def test_facts_from_the_launcher_and_config_dump():
+    imported = _parse(_rank0_log("run1"))
+    assert imported.facts["train_batch_size"] == 8 and imported.facts["zero_stage"] == 2
+    assert imported.facts["ds_config"]["comms_logger"]["verbose"] is True
+    launcher = _parse(_need(RUNS / "run1/launcher.log"))
+    assert launcher.facts["world_size"] == 2
+    status = launcher.tables["run_status"].row(0, named=True)
+    assert (status["status"], status["exit_code"]) == ("completed", 0)
+
+
+def test_megatron_log_killed_with_iteration_scalars():
+    path = _need(MEGATRON)
+    imported = _parse(path)
+    status = imported.tables["run_status"]
+    assert status["status"].to_list() == ["killed"]
+    assert "SIGTERM" in status["error"][0]
+    scalars = imported.tables["scalars"]
+    # Line 2740: iteration 10 | consumed samples: 2560 | consumed tokens: 5242880 | elapsed ... (ms): 1001.5
+    first = scalars.filter((pl.col("name") == "elapsed time per iteration (ms)") & (pl.col("step") == 9)).row(0, named=True)
+    assert (first["value"], first["global_samples"], first["global_tokens"]) == (1001.5, 2560, 5242880)
+    iterations = len(re.findall(r"(?m)^ iteration\s+\d+/", path.read_text()))
+    assert scalars.filter(pl.col("name") == "lm loss").height == iterations
+    assert imported.facts["world_size"] == 8 and imported.facts["deepspeed_version"] == "0.7.3+d505437d"
+    # ds_report lines interleaved by several ranks (e.g. "torch version ... 11.31.11.0+cu113") are not believed.
+    assert imported.facts["torch_version"] == "1.11.0+cu113"
+    garbled = [i for i in imported.issues if i[1] == "garbled_lines"]
+    assert garbled and garbled[0][2] > 0
+
+
+def test_concatenated_runs_counted_with_their_status():
+    path = _need(CONCATENATED)
+    text = path.read_text()
+    launches = len(re.findall(r"\[runner\.py:\d+:main\] cmd = ", text))
+    first_launch = text.index("] cmd = ")
+    launcherless = len(re.findall(r"Discovered MPI settings of world_rank=0", text[:first_launch]))
+    status = _parse(path).tables["run_status"].sort("run_index")
+    assert status.height == launches + launcherless == 21
+    # Line 122: the first launch's rank 15 "exits with return code = 2"; the file ends "exits successfully".
+    first = status.filter(pl.col("run_index") == launcherless).row(0, named=True)
+    assert (first["status"], first["exit_code"]) == ("failed", 2)
+    assert status["status"][-1] == "completed"
+    failures = len(re.findall(r"exits with return code = [1-9]", text))
+    assert status.filter(pl.col("status") == "failed").height == failures
+
+
+def test_rank0_stdout_without_launcher_header():
+    path = _need(CHAT_SFT)
+    imported = _parse(path)
+    steps = len(re.findall(r"\] step=\d+, skipped=", path.read_text()))
+    assert imported.tables["scalars"].filter(pl.col("name") == "lr").height == steps
+    assert imported.tables["run_status"]["status"].to_list() == ["completed"]
+
+
+def test_bad_inputs_give_issues_not_exceptions(tmp_path):
+    empty = tmp_path / "empty.log"
+    empty.write_bytes(b"")
+    assert _parse(empty).issues[0][1] == "empty_file"
+
+    junk = tmp_path / "junk.log"
+    junk.write_bytes(bytes(range(256)) * 64)
+    imported = _parse(junk)
+    assert imported.tables == {} and not [i for i in imported.issues if i[0] == "error"]
+    assert not dslog.claims(junk)
+
+    whole = _rank0_log("run1").read_bytes()
+    cut = tmp_path / "cut_rank0.log"
+    cut.write_bytes(whole[: len(whole) * 2 // 3 + 7])  # mid-line
+    imported = _parse(cut)
+    assert 0 < imported.tables["step_timers"].height < _parse(_rank0_log("run1")).tables["step_timers"].height
+    assert any(i[1] == "no_final_newline" for i in imported.issues)
+
+    garbled = FIXTURES / "garbled_interleaved.log"
+    imported = _parse(garbled)
+    timers = imported.tables["step_timers"]
+    # The fixture's second timer line was split by another rank's write: only its whole items are kept.
+    assert timers.filter(pl.col("line") == 2)["timer"].to_list() == ["fwd_microstep"]
+    assert next(i for i in imported.issues if i[1] == "garbled_lines")[2] == 3
+    assert imported.tables["run_status"]["status"].to_list() == ["failed"]
+    assert imported.tables["run_status"]["error"].to_list() == ["RuntimeError: CUDA error: an illegal memory access"]
