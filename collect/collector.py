@@ -1,0 +1,504 @@
+"""The collector: hooks on a DeepSpeed engine (or a plain torch model and optimizer) that record steps,
+timers, monitor scalars, comms calls, one FLOPs profile and bounded torch.profiler windows of one rank.
+
+Safety: every hook runs inside `guard(part, ...)`. An exception there is logged once, disables that part
+(recorded in the manifest) and never reaches the training loop; the wrapped engine call always runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import sys
+import time
+from pathlib import Path
+
+from . import environment
+from .parts import PartWriter
+
+log = logging.getLogger("steplens.collect")
+
+TABLES = ("train_steps", "step_timers", "scalars", "comms_calls", "flops_profile")
+MANIFEST_FORMAT = "steplens-collector-manifest"
+MANIFEST_VERSION = 1
+SOURCE = "collector"
+_ABSENT = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The `steplens` block of a ds_config, or the dict given to `attach`."""
+
+    run_dir: str = "."  # collector/ and traces/ are written here
+    flush_every: int = 50  # optimizer steps between flushes (and at exit)
+    seq_len: int | None = None  # tokens per sample: gives global_tokens
+    flops_step: int | None = None  # optimizer step whose first forward is FLOPs-profiled (rank 0)
+    profile: dict | None = None  # torch.profiler schedule: skip_first, wait, warmup, active, repeat (>= 1)
+    profile_with_stack: bool = False
+    comms: bool = True  # one record per deepspeed.comm call
+    comms_synchronize: bool = True  # wait for async / device-queued ops so the latency covers the transfer
+    scalars_all_ranks: bool = False  # scalars from every rank, not only rank 0
+    samples_per_step: int | None = None  # plain torch only: global samples per optimizer step
+
+    @classmethod
+    def parse(cls, config: dict | None) -> Settings:
+        config = dict(config or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := set(config) - known:
+            raise ValueError(f"steplens collector: unknown settings {sorted(unknown)}; known: {sorted(known)}")
+        settings = cls(**config)
+        if settings.flush_every < 1:
+            raise ValueError("steplens collector: flush_every must be >= 1")
+        if settings.profile is not None:
+            schedule = {"skip_first": 0, "wait": 0, "warmup": 1, "active": 1, "repeat": 1, **settings.profile}
+            if set(schedule) != {"skip_first", "wait", "warmup", "active", "repeat"}:
+                raise ValueError(f"steplens collector: profile keys are skip_first, wait, warmup, active, repeat; got {sorted(settings.profile)}")
+            if schedule["repeat"] < 1 or schedule["active"] < 1:
+                raise ValueError("steplens collector: profile windows must be bounded (repeat >= 1, active >= 1)")
+            settings = dataclasses.replace(settings, profile=schedule)
+        return settings
+
+
+class Collector:
+    """What both forms share: output, manifest, guard, scalars, profiler windows, comms."""
+
+    def __init__(self, settings: Settings, rank: int, world_size: int):
+        self.settings = settings
+        self.rank = rank
+        self.world_size = world_size
+        self.run_dir = Path(settings.run_dir).resolve()
+        self.writer = PartWriter(self.run_dir, rank, TABLES)
+        self.disabled: dict[str, str] = {}
+        self.step = 0  # optimizer step in progress
+        self.completed_steps = 0
+        self.call_index = 0
+        self.flags: dict[str, str] = {}
+        self.run_facts: dict = {}
+        self.flops_step = settings.flops_step
+        self.profiler = None
+        self.profiler_steps_left = 0
+        self.comms = None
+        self.restore: list[tuple[object, str, object]] = []  # (owner, attribute, value before) for close
+        self.started_ns = time.time_ns()
+        self.status = "running"
+        self.closed = False
+        self.last_flush_step: int | None = None
+
+    # --- safety -------------------------------------------------------------------------------
+
+    def active(self, part: str) -> bool:
+        return part not in self.disabled
+
+    def guard(self, part: str, fn, *args):
+        """fn(*args), or None; a failure disables `part` for the rest of the job."""
+        if part in self.disabled:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.disabled[part] = f"{type(exc).__name__}: {exc}"
+            log.warning("steplens collector: %s disabled on rank %d after %s", part, self.rank, self.disabled[part],
+                        exc_info=True)
+            return None
+
+    # --- rows -----------------------------------------------------------------------------------
+
+    def tokens(self, samples: int | None) -> int | None:
+        return samples * self.settings.seq_len if samples is not None and self.settings.seq_len else None
+
+    def writes_scalars(self) -> bool:
+        return self.rank == 0 or self.settings.scalars_all_ranks
+
+    def add_scalar(self, name: str, value: float, step: int | None, samples: int | None) -> None:
+        self.writer.add("scalars", {
+            "rank": self.rank, "source": SOURCE, "origin": "collector", "name": name, "step": step,
+            "global_samples": samples, "global_tokens": self.tokens(samples), "value": float(value),
+            "wall_ns": time.time_ns(),
+        })
+
+    def log(self, name: str, value: float) -> None:
+        """A user scalar (train/loss, train/grad_norm, perf/step_time, mem/peak, ...) at the last finished step."""
+        if self.writes_scalars():
+            self.guard("scalars", self.add_scalar, name, value, self.completed_steps - 1, self.samples_now())
+
+    def samples_now(self) -> int | None:
+        raise NotImplementedError
+
+    def record_comm(self, row: dict) -> None:
+        row.update(rank=self.rank, source=SOURCE, call_index=self.call_index, step=self.step)
+        self.call_index += 1
+        self.writer.add("comms_calls", row)
+
+    def add_flops(self, rows: list[dict]) -> None:
+        for row in rows:
+            self.writer.add("flops_profile", {"rank": self.rank, "source": SOURCE, "profile_step": self.step, **row})
+
+    # --- windows and flushes ----------------------------------------------------------------------
+
+    def start_profiler(self) -> None:
+        import torch
+        import torch.profiler as tp
+
+        schedule = self.settings.profile
+        activities = [tp.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(tp.ProfilerActivity.CUDA)
+        traces = self.run_dir / "traces"
+        traces.mkdir(parents=True, exist_ok=True)
+        self.profiler = tp.profile(
+            activities=activities, record_shapes=True, with_stack=self.settings.profile_with_stack,
+            schedule=tp.schedule(**schedule),
+            # Standard gzipped Kineto JSON: rank<r>.<ns>.pt.trace.json.gz, read by analyze and Perfetto.
+            on_trace_ready=tp.tensorboard_trace_handler(str(traces), worker_name=f"rank{self.rank}", use_gzip=True),
+        )
+        # ProfilerStep#N counts prof.step() calls from here, so N is the optimizer step.
+        self.profiler.start()
+        self.profiler_steps_left = schedule["skip_first"] + (
+            schedule["wait"] + schedule["warmup"] + schedule["active"]) * schedule["repeat"]
+
+    def profiler_step(self) -> None:
+        if self.profiler is None:
+            return
+        self.profiler.step()
+        self.profiler_steps_left -= 1
+        if self.profiler_steps_left <= 0:  # past the last window: detach, no cost from here on
+            self.stop_profiler()
+
+    def stop_profiler(self) -> None:
+        profiler, self.profiler = self.profiler, None
+        if profiler is not None:
+            profiler.stop()
+
+    def step_finished(self) -> None:
+        """After each optimizer step: profiler schedule, periodic flush."""
+        self.completed_steps += 1
+        self.guard("profiler", self.profiler_step)
+        if self.completed_steps % self.settings.flush_every == 0:
+            self.guard("writer", self.flush)
+
+    def flush(self) -> None:
+        if self.writer.rows["comms_calls"]:
+            from .comms import with_bandwidth
+
+            self.writer.rows["comms_calls"] = with_bandwidth(self.writer.rows["comms_calls"])
+        self.writer.flush()
+        self.last_flush_step = self.completed_steps - 1
+        self.write_manifest()
+
+    # --- manifest -----------------------------------------------------------------------------------
+
+    def base_facts(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "environment": environment.versions(),
+            "git": environment.git_revision(environment.training_script_dir()),
+            "settings": dataclasses.asdict(self.settings),
+        }
+
+    def write_manifest(self) -> None:
+        self.writer.write_manifest({
+            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "rank": self.rank, "status": self.status,
+            "started_ns": self.started_ns, "updated_ns": time.time_ns(),
+            "steps_completed": self.completed_steps, "last_flushed_step": self.last_flush_step,
+            "flushes": self.writer.seq, "rows_written": self.writer.rows_written,
+            "disabled": self.disabled, "flags": self.flags, "host": environment.describe_host(),
+            "run": self.run_facts,
+        })
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.run_facts = self.guard("manifest", self.base_facts) or {}
+        self.guard("manifest", self.write_manifest)
+        if self.settings.profile is not None:
+            self.guard("profiler", self.start_profiler)
+        atexit.register(self.close_at_exit)
+        previous_hook = sys.excepthook
+
+        def note_crash(kind, value, traceback):
+            self.status = "failed"
+            previous_hook(kind, value, traceback)
+
+        sys.excepthook = note_crash
+
+    def wrap(self, owner, name: str, replacement) -> None:
+        """Set owner.name (a method is shadowed by an instance attribute); close() puts back what was there."""
+        self.restore.append((owner, name, vars(owner).get(name, _ABSENT)))
+        setattr(owner, name, replacement)
+
+    def close(self, status: str = "completed") -> None:
+        """Flush what is buffered, stop profiling, unhook, and mark the manifest finished. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.guard("profiler", self.stop_profiler)
+        if self.comms is not None:
+            self.guard("comms", self.comms.uninstall)
+        for owner, name, before in reversed(self.restore):
+            if before is _ABSENT:
+                vars(owner).pop(name, None)
+            else:
+                setattr(owner, name, before)
+        self.restore.clear()
+        if self.status == "running":
+            self.status = status
+        self.guard("writer", self.flush)
+        self.guard("manifest", self.write_manifest)
+
+    def close_at_exit(self) -> None:
+        self.close(status="completed" if self.status == "running" else self.status)
+
+
+class EngineCollector(Collector):
+    """Hooks on an initialized DeepSpeed engine."""
+
+    def __init__(self, engine, settings: Settings):
+        super().__init__(settings, rank=engine.global_rank, world_size=engine.world_size)
+        self.engine = engine
+        self.micro_start_ns = 0
+        self.micro_step = 0
+        self.micros_since_boundary = 0
+        self.timer_line = 0
+        self.samples_per_micro = engine.train_micro_batch_size_per_gpu() * engine.dp_world_size
+
+    def samples_now(self) -> int:
+        return self.engine.global_samples
+
+    def run_description(self) -> dict:
+        e = self.engine
+        dtype = "bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32"
+        config = getattr(e._config, "_param_dict", None) or e.config
+        return {
+            "zero_stage": e.zero_optimization_stage(), "dtype": dtype, "dp_world_size": e.dp_world_size,
+            "micro_batch": e.train_micro_batch_size_per_gpu(), "grad_accum": e.gradient_accumulation_steps(),
+            "train_batch_size": e.train_batch_size(), "seq_len": self.settings.seq_len,
+            "param_count": sum(getattr(p, "ds_numel", p.numel()) for p in e.module.parameters()),
+            "ds_config": config, "wall_clock_breakdown": bool(e.wall_clock_breakdown()),
+        }
+
+    def base_facts(self) -> dict:
+        return {**super().base_facts(), **self.run_description()}
+
+    def note_profiler_pitfalls(self) -> None:
+        e = self.engine
+        if e.flops_profiler_enabled():
+            self.flags["engine_flops_profiler_root_latency_bogus"] = (
+                "DeepSpeed's own flops profiler is on: its root-module latency is bogus (started inside the root's "
+                "forward pre-hook) and every '% latency' is 0; the collector's flops_profile table is not affected")
+            if self.flops_step == e.flops_profiler_profile_step():
+                self.flops_step += 1
+                self.flags["flops_step_moved"] = (
+                    f"flops_step moved to {self.flops_step}: DeepSpeed's profiler runs on step {self.flops_step - 1} "
+                    "and two profilers on one forward would count every op twice")
+        if self.flops_step is not None and e.zero_optimization_stage() == 3:
+            self.flags["flops_zero3_double_counting"] = (
+                "ZeRO-3: the FLOPs profiler counts Linear MACs twice (ZeRO-3's linear wrapper and F.linear both "
+                "patched), so macs/flops of Linear modules and their parents are about 2x")
+
+    def attach(self) -> None:
+        e = self.engine
+        self.guard("manifest", self.note_profiler_pitfalls)
+        self.wrap(e, "forward", self.wrapped_forward(e.forward))
+        self.wrap(e, "step", self.wrapped_step(e.step))
+        if hasattr(e.timers, "timers"):  # a NoopTimer (wall_clock_breakdown off) has nothing to read
+            self.wrap(e.timers, "log", self.wrapped_timer_log(e.timers.log))
+        self.wrap(e.monitor, "write_events", self.wrapped_write_events(e.monitor.write_events))
+        if not e.monitor.enabled:
+            # With no monitor configured the engine builds no events; this makes it build them for us.
+            self.wrap(e.monitor, "enabled", True)
+        if self.settings.comms:
+            from .comms import CommsRecorder
+
+            self.comms = self.guard("comms", CommsRecorder, self, self.settings.comms_synchronize)
+            if self.comms is not None:
+                self.guard("comms", self.comms.install)
+        self.start()
+
+    # --- engine hooks ---------------------------------------------------------------------------------
+
+    def wrapped_forward(self, forward):
+        def forward_recorded(*args, **kwargs):
+            self.guard("steps", self.micro_started)
+            capture = self.guard("flops", self.flops_begin)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                if capture is not None:
+                    self.guard("flops", self.flops_end, capture)
+        return forward_recorded
+
+    def wrapped_step(self, step):
+        def step_recorded(*args, **kwargs):
+            boundary = self.engine.is_gradient_accumulation_boundary()  # the engine's own answer; step() asks too
+            skipped_before = self.engine.skipped_steps
+            result = step(*args, **kwargs)
+            self.guard("steps", self.micro_finished, boundary, skipped_before)
+            if boundary:
+                self.step_finished()
+            return result
+        return step_recorded
+
+    def wrapped_timer_log(self, timer_log):
+        def log_recorded(names, *args, **kwargs):
+            self.guard("timers", self.record_timers, names)
+            return timer_log(names, *args, **kwargs)
+        return log_recorded
+
+    def wrapped_write_events(self, write_events):
+        def write_events_recorded(event_list):
+            self.guard("scalars", self.record_events, event_list)
+            return write_events(event_list)
+        return write_events_recorded
+
+    def micro_started(self) -> None:
+        self.micro_start_ns = time.time_ns()
+        self.step = self.engine.global_steps
+        self.micro_step = self.engine.micro_steps
+
+    def micro_finished(self, boundary: bool, skipped_before: int) -> None:
+        e = self.engine
+        end = time.time_ns()
+        self.micros_since_boundary = 0 if boundary else self.micros_since_boundary + 1
+        # The engine counts samples at the boundary only; between, add this step's micro batches so far.
+        samples = e.global_samples + self.micros_since_boundary * self.samples_per_micro
+        scale = e._get_optimizer_loss_scale() if e.fp16_enabled() else None
+        self.writer.add("train_steps", {
+            "rank": self.rank, "source": SOURCE, "step": self.step, "micro_step": self.micro_step,
+            "start_ns": self.micro_start_ns, "end_ns": end, "dur_ns": end - self.micro_start_ns,
+            "is_boundary": boundary, "skipped": e.skipped_steps > skipped_before if boundary else None,
+            "global_samples": samples, "global_tokens": self.tokens(samples),
+            "loss_scale": None if scale is None else float(scale), "lr": float(e.get_lr()[0]) if e.get_lr() else None,
+        })
+
+    def record_timers(self, names) -> None:
+        timers, engine_timers = self.engine.timers, self.engine.engine_timers
+        micro, global_ = set(engine_timers.micro_timers), set(engine_timers.global_timers)
+        line = self.timer_line
+        self.timer_line += 1
+        for name in names:
+            if name in timers.timers:
+                scope = "micro" if name in micro else "global" if name in global_ else "optimizer"
+                self.writer.add("step_timers", {
+                    "rank": self.rank, "source": SOURCE, "step": self.step, "line": line, "scope": scope,
+                    "timer": name, "ms": float(timers.timers[name].elapsed(reset=False)),
+                })
+
+    def record_events(self, event_list) -> None:
+        if self.writes_scalars():
+            for name, value, samples in event_list:
+                self.add_scalar(name, value, self.step, int(samples))
+
+    def flops_begin(self):
+        """A FLOPs capture around the first forward of flops_step (rank 0), else None."""
+        due = (self.flops_step is not None and self.rank == 0 and self.engine.global_steps == self.flops_step
+               and self.micros_since_boundary == 0)
+        if not due:
+            return None
+        from .flops import FlopsCapture
+
+        self.flops_step = None  # one profile per job
+        return FlopsCapture(self.engine.module)
+
+    def flops_end(self, capture) -> None:
+        self.add_flops(capture.finish())
+
+
+class TorchCollector(Collector):
+    """Reduced form for a plain torch model and optimizer: one train_steps row per optimizer step (from the
+    first forward after the previous step to the end of optimizer.step()), scalars, FLOPs, profiler windows."""
+
+    def __init__(self, model, optimizer, settings: Settings):
+        rank, world_size = 0, 1
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        super().__init__(settings, rank=rank, world_size=world_size)
+        self.model = model
+        self.optimizer = optimizer
+        self.step_start_ns = None
+        self.micro_steps = 0
+        self.capture = None
+        self.handles = []
+
+    def samples_now(self) -> int | None:
+        per_step = self.settings.samples_per_step
+        return per_step * self.completed_steps if per_step else None
+
+    def attach(self) -> None:
+        self.run_facts_extra = {
+            "param_count": sum(p.numel() for p in self.model.parameters()), "seq_len": self.settings.seq_len,
+            "train_batch_size": self.settings.samples_per_step,
+        }
+        self.handles = [
+            self.model.register_forward_pre_hook(lambda module, args: self.guard("steps", self.forward_started)),
+            self.model.register_forward_hook(lambda module, args, out: self.guard("flops", self.forward_finished)),
+            self.optimizer.register_step_post_hook(lambda opt, args, kwargs: self.optimizer_stepped()),
+        ]
+        self.start()
+
+    def base_facts(self) -> dict:
+        return {**super().base_facts(), **self.run_facts_extra}
+
+    def forward_started(self) -> None:
+        if self.step_start_ns is None:
+            self.step_start_ns = time.time_ns()
+        self.micro_steps += 1
+        if self.flops_step == self.completed_steps and self.rank == 0 and self.capture is None:
+            from .flops import FlopsCapture
+
+            self.flops_step = None
+            self.capture = self.guard("flops", FlopsCapture, self.model)
+
+    def forward_finished(self) -> None:
+        capture, self.capture = self.capture, None
+        if capture is not None:
+            self.add_flops(capture.finish())
+
+    def optimizer_stepped(self) -> None:
+        self.guard("steps", self.record_step)
+        self.step_finished()
+        self.step = self.completed_steps
+
+    def record_step(self) -> None:
+        end = time.time_ns()
+        start = self.step_start_ns or end
+        self.step_start_ns = None
+        per_step = self.settings.samples_per_step
+        samples = per_step * (self.completed_steps + 1) if per_step else None
+        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
+        self.writer.add("train_steps", {
+            "rank": self.rank, "source": SOURCE, "step": self.completed_steps, "micro_step": self.micro_steps - 1,
+            "start_ns": start, "end_ns": end, "dur_ns": end - start, "is_boundary": True, "skipped": False,
+            "global_samples": samples, "global_tokens": self.tokens(samples),
+            "lr": None if lr is None else float(lr),
+        })
+
+    def close(self, status: str = "completed") -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        super().close(status)
+
+
+def attach(target, config: dict | None = None, optimizer=None, **settings) -> Collector:
+    """Start collecting on a DeepSpeed engine, or on a plain torch model with its optimizer.
+
+    Settings come from `config` / keyword arguments, else from the engine's ds_config block "steplens"
+    (see `Settings`). Returns the collector: `collector.log(name, value)` for user scalars and
+    `collector.close()` at the end (also run at exit).
+    """
+    is_engine = hasattr(target, "is_gradient_accumulation_boundary") and hasattr(target, "global_steps")
+    if config is None and not settings and is_engine:
+        ds_config = getattr(target._config, "_param_dict", None) or {}
+        config = ds_config.get("steplens", {})
+    parsed = Settings.parse({**(config or {}), **settings})
+    if is_engine:
+        collector = EngineCollector(target, parsed)
+    else:
+        if optimizer is None:
+            raise ValueError("steplens collector: a plain torch model needs its optimizer (attach(model, optimizer=opt))")
+        collector = TorchCollector(target, optimizer, parsed)
+    collector.attach()
+    return collector
