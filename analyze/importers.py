@@ -51,10 +51,11 @@ def conform(frame: pl.DataFrame | list[dict], table: str) -> pl.DataFrame:
     )
 
 
-from . import autotune, comms_dump, dslog, flops_text, scalars  # after the classes above: the importer modules use them
+from . import autotune, collected, comms_dump, dslog, flops_text, scalars  # after the classes above: the importer modules use them
 
 # Order is priority: specific file names before generic suffixes.
 IMPORTERS: list[Importer] = [
+    collected.IMPORTER,
     Importer("autotune_experiment", autotune.claims_experiment, autotune.parse_experiment, autotune.experiment_companions),
     Importer("autotune_summary", autotune.claims_summary, autotune.parse_summary, autotune.summary_companions),
     Importer("tensorboard", scalars.claims_tensorboard, scalars.parse_tensorboard),
