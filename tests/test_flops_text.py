@@ -1,0 +1,132 @@
+"""FLOPs-profiler text importer against the exact integers of the direct API in the same run
+(api_results.json), within the text's rounding, and on the BERT-large A100 output of DeepSpeed's docs."""
+
+import json
+import math
+from pathlib import Path
+
+import polars as pl
+import pytest
+from steplens.analyze import flops_text, importers
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+RUNS = SHARED / "deepspeed-cpu-runs"
+BERT = SHARED / "corpus/DeepSpeed/docs_examples/flops_profiler_output_bert-large_A100.txt"
+
+
+def _need(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} not found")
+    return path
+
+
+def _rounding(exact: float) -> float:
+    """Half a unit of the last printed digit: number_to_string prints 2 decimals of a 1e3-power unit."""
+    if exact < 1:
+        return 0.005
+    return 0.005 * 10 ** (3 * math.floor(math.log10(exact) / 3))
+
+
+def test_number_parsing():
+    assert flops_text.number("12.58 MMACs") == pytest.approx((12.58e6, 0.005e6))
+    assert flops_text.number("888.35 us")[0] == pytest.approx(888.35e-6)
+    assert flops_text.number("932.61 K")[0] == pytest.approx(932610)
+    assert flops_text.number("1.3 B")[0] == pytest.approx(1.3e9)  # params_to_string writes B for G
+    assert flops_text.number("260 mFLOPS")[0] == pytest.approx(0.26)
+    assert flops_text.number("0 MACs") == (0.0, 0.5)
+    assert flops_text.number("1.8 Gs")[0] == pytest.approx(1.8e9)
+    assert flops_text.number("n/a") is None
+
+
+@pytest.mark.parametrize("run", ["run1", "run2", "run5", "run3"])
+def test_modules_match_the_direct_api_within_rounding(run):
+    folder = _need(RUNS / run / "flops_profiler")
+    api = {m["name"].replace("<root>", ""): m for m in json.loads((folder / "api_results.json").read_text())["per_module"]}
+    path = folder / "api_print_model_profile.txt"
+    imported = flops_text.parse(path, path.name)
+    rows = {r["path"]: r for r in imported.tables["flops_profile"].iter_rows(named=True)}
+    assert set(rows) == set(api)
+    for name, exact in api.items():
+        row = rows[name]
+        assert row["depth"] == exact["depth"] and row["module_class"] == exact["class"]
+        children = [m for n, m in api.items() if name and n.startswith(f"{name}.") and n.count(".") == name.count(".") + 1]
+        # A ModuleList prints no numbers: its values are sums of its children's rounded ones.
+        summed = exact["class"] == "ModuleList"
+        params_tolerance = sum(_rounding(c["params"]) for c in children) if summed else _rounding(exact["params"])
+        macs_tolerance = sum(_rounding(c["macs_incl_children"]) for c in children) if summed else 0
+        assert row["params"] == pytest.approx(exact["params"], abs=params_tolerance)
+        assert row["macs_total"] == pytest.approx(
+            exact["macs_incl_children"], abs=macs_tolerance or _rounding(exact["macs_incl_children"]))
+        tolerance = _rounding(exact["macs_incl_children"]) + sum(_rounding(c["macs_incl_children"]) for c in children)
+        assert row["macs"] == pytest.approx(exact["own_macs"], abs=tolerance)
+        assert row["exact"] is False
+    facts = imported.facts
+    totals = json.loads((folder / "api_results.json").read_text())["values"]
+    assert facts["fwd_macs_per_gpu"] == pytest.approx(totals["get_total_macs()"], abs=_rounding(totals["get_total_macs()"]))
+    assert facts["fwd_flops_per_gpu"] == pytest.approx(totals["get_total_flops()"], abs=_rounding(totals["get_total_flops()"]))
+    assert rows[""]["duration_bogus"] is False  # the direct API started before the forward
+
+
+def test_engine_profile_root_latency_is_flagged():
+    path = _need(RUNS / "run1/flops_profiler/flops_profile.txt")
+    imported = flops_text.parse(path, path.name)
+    root = imported.tables["flops_profile"].filter(pl.col("depth") == 0).row(0, named=True)
+    assert root["duration_bogus"] is True and root["duration_ns"] == 1.8e18  # "1.8 Gs"
+    exact = json.loads((RUNS / "run1/flops_profiler/api_results.json").read_text())["values"]["get_total_macs()"]
+    assert root["macs_total"] == pytest.approx(exact, abs=_rounding(exact))  # same model and batch, ZeRO-2
+    assert [i for i in imported.issues if i[1] == "bogus_root_latency"]
+    # Summary block (flops_profile.txt lines 10-27) as printed.
+    facts = imported.facts
+    assert (facts["profile_step"], facts["world_size"], facts["batch_size_per_gpu"]) == (4, 2, 4)
+    assert facts["fwd_latency_s"] == pytest.approx(0.03398)
+    assert facts["samples_per_second"] == 71.44
+    assert facts["zero_stage"] == 2
+    assert not [i for i in imported.issues if i[1] == "zero3_double_count"]
+
+
+def test_zero3_double_count_flagged():
+    path = _need(RUNS / "run3/flops_profiler/flops_profile.txt")
+    imported = flops_text.parse(path, path.name)
+    assert imported.facts["zero_stage"] == 3
+    assert [i for i in imported.issues if i[1] == "zero3_double_count"]
+    zero2 = json.loads((RUNS / "run1/flops_profiler/api_results.json").read_text())["values"]
+    # What the flag is about: the same model and batch under ZeRO-2 (run1) has about half the MACs.
+    assert imported.facts["fwd_macs_per_gpu"] / zero2["get_total_macs()"] == pytest.approx(2, rel=0.05)
+
+
+def test_bert_large_docs_output():
+    path = _need(BERT)
+    assert importers.claimant(path).name == "deepspeed_flops_profile"
+    imported = flops_text.parse(path, path.name)
+    rows = {r["path"]: r for r in imported.tables["flops_profile"].iter_rows(named=True)}
+    assert imported.facts["profile_step"] == 10 and imported.facts["batch_size_per_gpu"] == 80
+    assert rows[""]["macs_total"] == 3139.93e9 and rows[""]["params"] == 336.23e6
+    assert rows[""]["duration_bogus"] is False  # 76.39 ms against a 76.67 ms fwd latency
+    query = rows["bert.encoder.layer.0.attention.self.query"]
+    assert (query["module_class"], query["depth"], query["macs_total"]) == ("Linear", 7, 10.74e9)
+    assert query["macs"] == query["macs_total"]
+    assert rows["bert.embeddings"]["macs_total"] is None  # printed as "(...)"
+    assert rows[""]["macs"] is None and rows["bert.encoder.layer"]["macs"] is None  # children left out
+    assert rows["bert.encoder.layer.0.attention.self"]["macs"] is None  # its dropout and softmax are "(...)"
+    assert rows["bert.encoder.layer.0.intermediate"]["macs"] == 0  # all of it is in its one printed child
+
+
+def test_cut_and_bad_inputs(tmp_path):
+    engine_crash = _need(RUNS / "run1/flops_profiler/api_print_model_profile_with_engine.txt")
+    imported = flops_text.parse(engine_crash, engine_crash.name)  # ZeroDivisionError mid-summary
+    assert imported.tables == {} and imported.facts["fwd_macs_per_gpu"] == 234.88e6
+    assert [i for i in imported.issues if i[1] == "no_module_tree"]
+
+    whole = (RUNS / "run1/flops_profiler/flops_profile.txt").read_text().splitlines(keepends=True)
+    tree_start = next(i for i, line in enumerate(whole) if line.startswith("TinyGPT("))
+    cut = tmp_path / "cut.txt"
+    cut.write_text("".join(whole[: tree_start + 12]))
+    imported = flops_text.parse(cut, cut.name)
+    assert imported.tables["flops_profile"].height == 10  # TinyGPT, tok, pos, blocks, blocks.0 and 5 of its layers
+    assert [i for i in imported.issues if i[1] == "truncated"]
+
+    for name, data in (("empty.txt", b""), ("junk.txt", bytes(range(256)) * 8)):
+        bad = tmp_path / name
+        bad.write_bytes(data)
+        assert not flops_text.claims(bad)
+        assert flops_text.parse(bad, name).issues[0][:2] == ["error", "not_a_flops_profile"]
