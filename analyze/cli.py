@@ -97,15 +97,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
     findings: dict = {}
 
     def run_analyses(staging: Path) -> None:
-        from steplens.reports import html, markdown
-
-        started = time.perf_counter()
-        findings.update(analyses.run(staging, options))
-        findings["analysis_seconds"] = time.perf_counter() - started
-        started = time.perf_counter()
-        html.write(staging)
-        markdown.write(staging)
-        findings["report_seconds"] = time.perf_counter() - started
+        findings.update(analyse_and_report(staging, options))
 
     show_progress = not quiet and sys.stderr.isatty()
     progress = Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
@@ -127,6 +119,20 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
                           f"PR summary: {result.out_dir / 'summary.md'}", markup=False, highlight=False, soft_wrap=True)
     if result.failed:
         sys.exit(EXIT_PARTIAL)
+
+
+def analyse_and_report(staging: Path, options: analyses.Options) -> dict:
+    """The analyses, then report.html and summary.md, inside the staged output (published together)."""
+    from steplens.reports import html, markdown
+
+    started = time.perf_counter()
+    findings = analyses.run(staging, options)
+    findings["analysis_seconds"] = time.perf_counter() - started
+    started = time.perf_counter()
+    html.write(staging)
+    markdown.write(staging)
+    findings["report_seconds"] = time.perf_counter() - started
+    return findings
 
 
 def _fail(message: str) -> None:
@@ -348,3 +354,78 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
 
 
 steplens.add_command(export_trace_command)
+
+
+EXIT_REGRESSION = 3  # compare --fail-on-regression: a significant slowdown beyond the threshold
+
+
+def _analysed(run_dir: Path) -> Path:
+    """The run's analysed output folder, analysing it first (default options) when it has none."""
+    for candidate in (run_dir, run_dir / schema.DEFAULT_OUT_DIR):
+        if (candidate / schema.MANIFEST_FILE).exists():
+            return candidate
+    click.echo(f"analysing {run_dir} first (default options) ...", err=True)
+    try:
+        return ingest(run_dir, finish=lambda staging: analyse_and_report(staging, analyses.Options())).out_dir
+    except IngestError as e:
+        _fail(str(e))
+
+
+@click.command("compare")
+@click.argument("base_run", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("new_run", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("steplens-compare"),
+              show_default=True, help="Folder for compare.html and compare.md.")
+@click.option("--format", "fmt", type=click.Choice(["text", "md"]), default="text", show_default=True,
+              help="text: terminal tables; md: print compare.md (for a PR comment).")
+@click.option("--fail-on-regression", "fail_pct", type=float, default=None, metavar="PCT",
+              help=f"Exit {EXIT_REGRESSION} when step time regressed significantly by more than PCT percent (CI gating).")
+def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail_pct: float | None) -> None:
+    """Compare two runs: step time with a noise-aware verdict, and MFU, GPU idle, exposed
+    communication, kernel categories and top kernels side by side.
+
+    BASE_RUN and NEW_RUN are run folders (analysed first if they have no .steplens/ output) or
+    analysed output folders. A step-time change counts only when a bootstrap 95% interval of the
+    relative change of the median excludes zero and a Mann-Whitney U test gives p < 0.05; with fewer
+    than 5 steps per run the verdict is "not established". Writes compare.html and compare.md.
+    """
+    from steplens.reports import compare, html, markdown
+    from steplens.reports.data import load
+
+    result = compare.compare(load(_analysed(base_run)), load(_analysed(new_run)))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (("compare.html", html.render_compare(result)), ("compare.md", markdown.render_compare(result))):
+        tmp = out_dir / f".{name}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out_dir / name)
+    if fmt == "md":
+        click.echo((out_dir / "compare.md").read_text(), nl=False)
+    else:
+        console = Console(highlight=False)
+        step = result["step_time"]
+        console.print(f"[bold]step time: {step['verdict']}[/] {step.get('why', '')}", markup=True, soft_wrap=True)
+        for warning in result["warnings"]:
+            console.print(f"warning: {warning}", markup=False, soft_wrap=True)
+        for table in compare.display_tables(result):
+            if table["rows"]:
+                view = Table(title=table["title"], title_justify="left", box=None)
+                for header in table["header"]:
+                    view.add_column(header, overflow="ellipsis", no_wrap=True, max_width=60)
+                for row in table["rows"]:
+                    view.add_row(*row)
+                console.print(view, markup=False)
+        console.print(f"written: {out_dir / 'compare.html'}, {out_dir / 'compare.md'}", markup=False)
+    if fail_pct is not None and compare.regressed(result, fail_pct):
+        sys.exit(EXIT_REGRESSION)
+
+
+steplens.add_command(compare_command)
+
+
+def analyze_entry() -> None:
+    """The `analyze` script: `analyze RUN_DIR`, and `analyze compare BASE NEW` (unless RUN_DIR is a
+    folder named compare)."""
+    if len(sys.argv) > 1 and sys.argv[1] == "compare" and not Path("compare").is_dir():
+        compare_command.main(sys.argv[2:], prog_name="analyze compare")
+    else:
+        analyze.main(prog_name="analyze")

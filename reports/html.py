@@ -311,6 +311,12 @@ def render(out_dir: Path) -> str:
         caveats=caveats.caveats(run))
 
 
+def render_compare(result: dict) -> str:
+    from .compare import METHOD, display_tables
+
+    return TEMPLATES.get_template("compare.html.j2").render(r=result, tables=display_tables(result), method=METHOD)
+
+
 def write(out_dir: Path) -> Path:
     """Render report.html into out_dir, atomically."""
     path = Path(out_dir) / REPORT_FILE

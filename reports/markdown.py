@@ -73,6 +73,21 @@ def render(out_dir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_compare(result: dict) -> str:
+    from .compare import METHOD, display_tables
+
+    step = result["step_time"]
+    lines = [f"### steplens compare: {escape(result['base'])} → {escape(result['new'])}", "",
+             f"**Step time: {escape(step['verdict'])}**" + (f": {escape(step['why'])}" if step.get("why") else ""), ""]
+    lines += [f"- {escape(w)}" for w in result["warnings"]]
+    for table in display_tables(result):
+        if table["rows"]:
+            lines += ["", f"**{escape(table['title'])}**" + (f" ({escape(table['note'])})" if table["note"] else ""), ""]
+            lines += _table(table["header"], table["rows"])
+    lines += ["<details><summary>Method</summary>", "", escape(METHOD), "", "</details>", ""]
+    return "\n".join(lines)
+
+
 def write(out_dir: Path) -> Path:
     path = Path(out_dir) / SUMMARY_FILE
     tmp = path.with_name(f".{path.name}.tmp")

@@ -1,0 +1,223 @@
+"""report.html, summary.md and compare: contents against known answers, escaping, and a real browser."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from synthetic import generate_run
+
+from conftest import CORPUS, write_trace
+from steplens.analyze.cli import EXIT_REGRESSION, analyze, steplens
+from steplens.reports import compare
+from steplens.reports.data import load
+
+ROOT = Path(__file__).resolve().parents[1]
+HOSTILE = '<script>alert("x")</script> | "quoted" & \'single\' — ünïcødé 日本 `tick` *star* [link](http://example.com)'
+
+
+def _analyse(run: Path, *args) -> Path:
+    result = CliRunner().invoke(analyze, [str(run), "-q", *args])
+    assert result.exit_code in (0, 1), result.output
+    return run / ".steplens"
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    run = tmp_path_factory.mktemp("gen") / "run"
+    truth = generate_run(run, ranks=4, steps=6, seed=5, stragglers=[(1, 13)])
+    return _analyse(run), truth
+
+
+def _hostile_run(tmp_path: Path) -> Path:
+    """One rank whose kernel, op and step-annotation names are hostile text."""
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "cpu_op", "name": HOSTILE, "pid": 1, "tid": 1, "ts": 5, "dur": 50},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": 10, "dur": 5,
+         "args": {"correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": HOSTILE, "pid": 0, "tid": 7, "ts": 100, "dur": 300,
+         "args": {"correlation": 1, "stream": 7, "device": 0}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "pid": 1, "tid": 1, "ts": 20, "dur": 500},
+    ]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    return _analyse(tmp_path / "run")
+
+
+def test_analyze_writes_report_and_summary_with_the_truths_numbers(generated):
+    out, truth = generated
+    html = (out / "report.html").read_text()
+    summary = (out / "summary.md").read_text()
+    findings = json.loads((out / "findings.json").read_text())
+    straggler = findings["stragglers"][0]
+    assert (straggler["rank"], straggler["step"]) == (1, 13)  # the generator's truth
+    for text in (html, summary):
+        assert "Straggler: rank 1 in step 13" in text
+    slow = findings["slowest_step"]
+    assert f"ProfilerStep#{slow['step']} on rank {slow['rank']}" in html
+    assert f"ProfilerStep\\#{slow['step']} on rank {slow['rank']}" in summary  # markdown escapes '#'
+    for section in ("Verdict", "Run and environment", "Step time", "CPU vs GPU", "Kernels", "Collectives", "FLOPs and MFU",
+                    "Monitor curves", "Ingest issues", "Method and caveats"):
+        assert f">{section}</h2>" in html
+    assert html.count("<svg") >= 4  # heatmap, launch delay, idle by cause, busbw
+    assert len(html) < 3_000_000 and len(summary.splitlines()) < 80
+
+
+def test_report_escapes_trace_text(tmp_path):
+    out = _hostile_run(tmp_path)
+    html = (out / "report.html").read_text()
+    assert "<script" not in html.replace("&lt;script", "")
+    assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;" in html
+    assert "ünïcødé 日本" in html
+    assert "script-src" not in html and "default-src 'none'" in html  # the CSP forbids scripts and fetches
+    summary = (out / "summary.md").read_text()
+    assert "<script>" not in summary and "\\<script\\>" in summary
+    table_rows = [line for line in summary.splitlines() if "alert" in line and line.startswith("|")]
+    assert table_rows and all(len(re.findall(r"(?<!\\)\|", row)) == 5 for row in table_rows)  # 4 columns, | escaped
+
+
+def test_sections_without_data_say_so_in_one_line(tmp_path, corpus):
+    run = tmp_path / "cpu_only"
+    shutil.copytree(CORPUS / "HolisticTraceAnalysis" / "cpu_only", run)
+    out = _analyse(run)
+    html = (out / "report.html").read_text()
+    assert "No device activity in the traces" in html
+    assert "No monitor scalars" in html
+
+
+def test_markdown_format_prints_the_summary(generated):
+    out, _ = generated
+    result = CliRunner().invoke(analyze, [str(out.parent), "-q", "--format", "md"])
+    assert result.exit_code == 0
+    assert result.output == (out / "summary.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# compare
+
+
+def _samples(values, source="s"):
+    return compare.StepSamples(np.asarray(values, dtype=float), source)
+
+
+def test_noise_verdicts_on_known_separations():
+    rng = np.random.default_rng(1)
+    base = rng.normal(100e6, 2e6, 40)
+    slower = compare.step_time_verdict(_samples(base), _samples(rng.normal(110e6, 2e6, 40)))
+    assert slower["verdict"] == "regression" and slower["ci_low"] > 0 and slower["p_value"] < 0.05
+    assert slower["delta"] == pytest.approx(0.10, abs=0.02)
+    faster = compare.step_time_verdict(_samples(base), _samples(rng.normal(90e6, 2e6, 40)))
+    assert faster["verdict"] == "improvement" and faster["ci_high"] < 0
+    same = compare.step_time_verdict(_samples(base), _samples(rng.normal(100e6, 2e6, 40)))
+    assert same["verdict"] == "within noise" and same["ci_low"] < 0 < same["ci_high"]
+    few = compare.step_time_verdict(_samples(base[:3]), _samples(base[:3] * 2))
+    assert few["verdict"] == "not established"
+    mixed = compare.step_time_verdict(_samples(base, "a"), _samples(base, "b"))
+    assert mixed["verdict"] == "not comparable"
+
+
+def test_noisy_small_difference_is_not_called():
+    """A 3% shift under 20% noise with 8 steps each is not a finding."""
+    rng = np.random.default_rng(7)
+    base, new = rng.normal(100, 20, 8), rng.normal(103, 20, 8)
+    assert compare.step_time_verdict(_samples(base), _samples(new))["verdict"] == "within noise"
+
+
+@pytest.fixture(scope="module")
+def ab_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ab")
+    generate_run(root / "base", ranks=2, steps=12, seed=11)
+    # The same job with rank 1 straggling (x3 compute) in every step: step time rises.
+    first = 10
+    generate_run(root / "slow", ranks=2, steps=12, seed=11, stragglers=[(1, s) for s in range(first, first + 12)])
+    return root
+
+
+def test_compare_gates_a_real_slowdown(ab_runs, tmp_path):
+    runner = CliRunner()
+    gated = runner.invoke(steplens, ["compare", str(ab_runs / "base"), str(ab_runs / "slow"), "--out", str(tmp_path / "c"),
+                                     "--fail-on-regression", "5"])
+    assert gated.exit_code == EXIT_REGRESSION, gated.output
+    assert "step time: regression" in gated.output
+    base, slow = load(ab_runs / "base"), load(ab_runs / "slow")
+    result = compare.compare(base, slow)
+    medians = [float(np.median(compare.step_samples(r).values_ns)) for r in (base, slow)]
+    assert result["step_time"]["delta"] == pytest.approx(medians[1] / medians[0] - 1)
+    html = (tmp_path / "c" / "compare.html").read_text()
+    assert "Step time: regression" in html and "Mann-Whitney" in html
+    same = runner.invoke(steplens, ["compare", str(ab_runs / "base"), str(ab_runs / "base"), "--out", str(tmp_path / "d"),
+                                    "--fail-on-regression", "5", "--format", "md"])
+    assert same.exit_code == 0 and "Step time: within noise" in same.output
+
+
+def test_analyze_compare_is_the_same_command(ab_runs, tmp_path):
+    script = Path(sys.executable).parent / "analyze"
+    done = subprocess.run([str(script), "compare", str(ab_runs / "base"), str(ab_runs / "slow"), "--out", str(tmp_path / "c")],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "step time: regression" in done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# A real browser
+
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip("Debian chromium and chromium-driver are not installed (.ci/run installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1200,2000"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def _open(driver, path: Path, screenshot: Path) -> tuple[list, list]:
+    driver.get_log("performance")  # drop what earlier pages logged
+    driver.get_log("browser")
+    driver.get(path.resolve().as_uri())
+    driver.save_screenshot(str(screenshot))
+    requests = [json.loads(entry["message"])["message"] for entry in driver.get_log("performance")]
+    urls = [m["params"]["request"]["url"] for m in requests if m["method"] == "Network.requestWillBeSent"]
+    return urls, driver.get_log("browser")
+
+
+@pytest.mark.parametrize("sample", sorted(p.name for p in (ROOT / "sample_runs").iterdir() if p.is_dir()))
+def test_bundled_sample_reports_render_offline_in_chromium(browser, sample, tmp_path):
+    run = tmp_path / sample
+    shutil.copytree(ROOT / "sample_runs" / sample, run, ignore=shutil.ignore_patterns(".steplens"))
+    out = _analyse(run)
+    urls, console = _open(browser, out / "report.html", tmp_path / "shot.png")
+    assert [u for u in urls if not u.startswith(("file:", "data:"))] == []
+    assert [c for c in console if c["level"] == "SEVERE"] == []
+    assert (tmp_path / "shot.png").stat().st_size > 10_000  # a real picture, not a blank page
+    assert browser.find_element("id", "verdict").text == "Verdict"
+
+
+def test_hostile_names_render_as_text_in_chromium(browser, tmp_path):
+    out = _hostile_run(tmp_path)
+    urls, console = _open(browser, out / "report.html", tmp_path / "shot.png")
+    assert HOSTILE in browser.find_element("tag name", "body").text
+    assert browser.execute_script("return document.scripts.length") == 0
+    assert [c for c in console if c["level"] == "SEVERE"] == []
+    assert [u for u in urls if not u.startswith(("file:", "data:"))] == []
+
