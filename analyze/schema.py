@@ -408,4 +408,16 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "same_environment": "All experiments ran with one environment and the same fixed ds_config.",
         "environment_detail": "What differs, when something does.",
     },
+    "comms_log_stats": {
+        "op": "DeepSpeed comm op (log_name), e.g. all_reduce, all_gather_into_tensor.",
+        "msg_bytes": "Message size as DeepSpeed records it (all_gather: the per-rank shard).",
+        "nccl_bytes": "nccl-tests message size S.", "group_size": "n (DeepSpeed's world size: the logger knows no group).",
+        "calls": "Calls timed, over all ranks (one source per rank: the comms dump before the log).",
+        "ranks": "Ranks that timed them.", "median_latency_ns": "Median per-call latency.",
+        "p90_latency_ns": "90th percentile.", "total_latency_ns": "Summed latency.",
+        "median_algbw_gbps": "Median nccl-tests algbw, GB/s.", "median_busbw_gbps": "Median nccl-tests busbw, GB/s.",
+        "latency_origin": "measured | repaired_cumulative | as_logged (several joined by commas).",
+        "synchronized": "The timer synchronized around the op (DeepSpeed's comms logger always does).",
+        "caveat": "Why these are not free-running throughput numbers.",
+    },
 }

@@ -7,11 +7,12 @@ comms-logger lines of the same rank and run, which keep the call order across me
 import json
 import re
 import shutil
+import statistics
 from pathlib import Path
 
 import polars as pl
 import pytest
-from steplens.analyze import comms_dump, dslog, importers
+from steplens.analyze import comms_dump, commslog, dslog, importers, schema
 
 RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
 VERBOSE = re.compile(r"comm op: (.+?) \| time \(ms\): ([\d.]+) \| msg size")
@@ -155,3 +156,29 @@ def test_bad_inputs_give_issues_not_exceptions(runs, tmp_path):
     empty.write_bytes(b"")
     assert comms_dump.parse_raw(empty, empty.name).issues[0][1] == "bad_json"
     assert not comms_dump.claims_raw(empty)
+
+
+def test_comms_log_stats_counts_each_call_once(runs):
+    """Rank 0's calls come twice (log lines and dump); the stats use the dump. Expected values are
+    recomputed here from the two JSON dumps: sort a record name's totals, take differences."""
+    log_path = next((runs / "run1" / "rank_logs").glob("*_rank0.log"))
+    frames = [dslog.parse(log_path, log_path.name).tables["comms_calls"]]
+    expected = []
+    for rank in (0, 1):
+        raw, imported = _raw(runs, "run1", rank)
+        frames.append(imported.tables["comms_calls"])
+        totals = sorted((lat, int(size)) for size, entry in raw["all_reduce"].items() for lat in entry[1])
+        previous = 0.0
+        for total, size in totals:
+            if size == 3730432:
+                expected.append((total - previous) * 1e6)
+            previous = total
+    stats = commslog.comms_log_stats(pl.concat(frames))
+    row = stats.filter((pl.col("op") == "all_reduce") & (pl.col("nccl_bytes") == 3730432)).row(0, named=True)
+    assert (row["calls"], row["ranks"], row["group_size"]) == (len(expected), 2, 2) == (24, 2, 2)
+    assert row["median_latency_ns"] == pytest.approx(statistics.median(expected), abs=1)
+    assert row["total_latency_ns"] == pytest.approx(sum(expected), abs=len(expected))
+    assert row["latency_origin"] == "repaired_cumulative" and row["synchronized"] and "synchronizes" in row["caveat"]
+    # Nothing from the log's rounded sizes ("3.56 MB") leaks in beside the dump's exact ones.
+    assert stats.filter(pl.col("op") == "all_reduce")["nccl_bytes"].is_in([round(3.56 * 2**20)]).sum() == 0
+    assert set(stats.columns) == set(schema.ANALYSIS_TABLES["comms_log_stats"])

@@ -1,0 +1,48 @@
+"""Statistics of the calls DeepSpeed's comms logger timed (`comms_calls` from logs and dumps).
+
+The comms logger wraps every op in `timed_op` (deepspeed/comm/comm.py), which synchronizes the
+device before and after it, so each latency includes waiting for the slowest rank and the op never
+overlaps compute: these are per-op costs under the logger, not the job's free-running throughput.
+
+One rank's calls may arrive twice (its verbose log lines and its comms_dict_raw dump); per rank only
+one source is used (the dump first), so no call is counted twice.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+CAVEAT = ("timed by DeepSpeed's comms logger, which synchronizes around every op: latency includes waiting "
+          "for the slowest rank and nothing overlaps; not free-running throughput")
+
+
+def one_source_per_rank(calls: pl.DataFrame) -> pl.DataFrame:
+    """Keep, for each rank, one source: a comms dump (.json: exact sizes, unrounded latencies) before
+    a log (sizes and times rounded as printed), then the one with the most calls, then by name."""
+    counts = calls.group_by("rank", "source").len().with_columns(dump=pl.col("source").str.ends_with(".json"))
+    counts = counts.sort(["rank", "dump", "len", "source"], descending=[False, True, True, False])
+    chosen = counts.unique("rank", keep="first", maintain_order=True).select("rank", "source")
+    return calls.join(chosen, on=["rank", "source"], how="semi", nulls_equal=True)
+
+
+def comms_log_stats(comms_calls: pl.DataFrame) -> pl.DataFrame:
+    """comms_calls -> one row per (op, nccl_bytes, group_size): calls, ranks, median/p90/total latency,
+    median algbw/busbw (nccl-tests GB/s), how the latencies were obtained, and the caveat."""
+    calls = one_source_per_rank(comms_calls)
+    stats = calls.group_by("op", "nccl_bytes", "group_size").agg(
+        pl.col("msg_bytes").first(),
+        calls=pl.len(),
+        ranks=pl.col("rank").n_unique(),
+        median_latency_ns=pl.col("latency_ns").median().round().cast(pl.Int64),
+        p90_latency_ns=pl.col("latency_ns").quantile(0.9, "linear").round().cast(pl.Int64),
+        total_latency_ns=pl.col("latency_ns").sum(),
+        median_algbw_gbps=pl.col("algbw_gbps").median(),
+        median_busbw_gbps=pl.col("busbw_gbps").median(),
+        latency_origin=pl.col("latency_origin").unique().sort().str.join(","),
+        synchronized=pl.col("synchronized").any(),
+    )
+    caveat = pl.when(pl.col("synchronized")).then(pl.lit(CAVEAT)).otherwise(pl.lit(None, pl.String))
+    return stats.with_columns(caveat=caveat).sort("total_latency_ns", descending=True).select(
+        "op", "msg_bytes", "nccl_bytes", "group_size", "calls", "ranks", "median_latency_ns", "p90_latency_ns",
+        "total_latency_ns", "median_algbw_gbps", "median_busbw_gbps", "latency_origin", "synchronized", "caveat",
+    )
