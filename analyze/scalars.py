@@ -183,11 +183,12 @@ LOG_FULL, LOG_FIRST, LOG_MIDDLE, LOG_LAST = 1, 2, 3, 4
 # wandb_internal_pb2): Record.history=2, .summary=3, .config=5, .run=17;
 # HistoryRecord.item=1, .step=2 (HistoryStep.num=1); HistoryItem.key=1, .nested_key=2, .value_json=16;
 # RunRecord.run_id=1, .entity=2, .project=3, .config=4 (ConfigRecord.update=1: ConfigItem key=1,
-# nested_key=2, value_json=16), .run_group=6, .host=13, .start_time=17 (Timestamp seconds=1, nanos=2).
+# nested_key=2, value_json=16), .run_group=6, .host=13, .git=21 (GitRepoRecord remote_url=1, commit=2).
 RECORD_HISTORY, RECORD_RUN = 2, 17
 HISTORY_ITEM, HISTORY_STEP, STEP_NUM = 1, 2, 1
 ITEM_KEY, ITEM_NESTED_KEY, ITEM_VALUE_JSON = 1, 2, 16
-RUN_ID, RUN_ENTITY, RUN_PROJECT, RUN_CONFIG, RUN_GROUP, RUN_HOST = 1, 2, 3, 4, 6, 13
+RUN_ID, RUN_ENTITY, RUN_PROJECT, RUN_CONFIG, RUN_GROUP, RUN_HOST, RUN_GIT = 1, 2, 3, 4, 6, 13, 21
+GIT_REMOTE, GIT_COMMIT = 1, 2
 CONFIG_UPDATE = 1
 WANDB_AXES = {"_step", "_runtime", "_timestamp"}  # wandb adds these to every history row
 
@@ -294,6 +295,10 @@ def _run_facts(buf: bytes) -> dict:
                     key, decoded = _item(update)
                     if not key.startswith("_wandb"):
                         config[key] = decoded
+        elif number == RUN_GIT:
+            git = dict(proto_fields(value))
+            facts.update({name: git[field].decode() for name, field in (("git_remote", GIT_REMOTE), ("git_commit", GIT_COMMIT))
+                          if field in git})
     facts["config"] = config
     return facts
 

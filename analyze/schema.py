@@ -420,4 +420,21 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "synchronized": "The timer synchronized around the op (DeepSpeed's comms logger always does).",
         "caveat": "Why these are not free-running throughput numbers.",
     },
+    "monitor_alarms": {
+        "alarm": "nan_inf | loss_spike | grad_norm_high | throughput_drop (a rate falls or a step time rises) | memory_growth.",
+        "name": "Scalar tag.", "origin": "Where the series came from (one origin per tag: the fullest).",
+        "source": "Input file.", "global_samples": "x of the point.", "step": "Optimizer step, when train_batch_size is known.",
+        "value": "The value (memory_growth: the last one).",
+        "baseline": "Median of the 25 points on each side (memory_growth: fitted value at the start).",
+        "score": "Modified z-score 0.6745 (value - median) / MAD (memory_growth: Theil-Sen slope per sample).",
+        "threshold": "|z| limit 3.5 (Iglewicz & Hoaglin), the grad-norm threshold given, or the 5% growth floor.",
+        "detail": "The alarm in words.",
+    },
+    "run_comparability": {
+        "field": "world_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size, "
+                 "code_revision, zero_stage, seq_len, deepspeed_version.",
+        "required": "Runs cannot be shown comparable without it.",
+        "status": "same | different | missing (in some run) | recorded (one run).",
+        "values": "JSON {run: value}.", "detail": "What it means for comparing the runs.",
+    },
 }

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -140,6 +141,10 @@ run.finish()
 
 def make_wandb_run(folder: Path, steps: int) -> Path:
     pytest.importorskip("wandb")
+    if shutil.which("git"):  # wandb records the commit of the repository it runs in
+        subprocess.run(["git", "init", "-q"], cwd=folder, check=True)
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"],
+                       cwd=folder, check=True)
     script = folder / "log.py"
     script.write_text(WANDB_SCRIPT)
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(folder), "WANDB_SILENT": "true"}
@@ -172,6 +177,10 @@ def test_wandb_history_matches_what_was_logged(wandb_run):
     assert set(frame["name"]) == {"Train/Samples/train_loss", "Train/Samples/lr"}  # _step etc. are axes
     assert frame["wall_ns"].is_not_null().all()
     assert result.facts["wandb"]["config"] == {"train_batch_size": 16, "zero_stage": 2}
+    if shutil.which("git"):
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=wandb_run.parents[2], capture_output=True, text=True,
+                              check=True)
+        assert result.facts["wandb"]["git_commit"] == head.stdout.strip()
     assert [i[1] for i in result.issues] == ["non_numeric_history"]
 
 

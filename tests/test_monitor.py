@@ -1,0 +1,162 @@
+"""Monitor analysis: alarms on synthetic series whose spikes, NaNs and drops are known by
+construction; curve alignment and comparability on the real runs in ../shared."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from steplens.analyze import importers, monitor, schema
+
+RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
+BATCH = 16
+
+
+def series(name: str, values, origin: str = "collector", segment: int = 0) -> pl.DataFrame:
+    rows = [{"rank": 0, "source": f"{origin}.src", "origin": origin, "name": name, "global_samples": BATCH * (k + 1),
+             "value": float(v), "segment": segment} for k, v in enumerate(values)]
+    return importers.conform(rows, "scalars")
+
+
+def alarm_samples(alarms: pl.DataFrame, kind: str) -> list[int]:
+    return sorted(alarms.filter(pl.col("alarm") == kind)["global_samples"].to_list())
+
+
+def test_loss_spikes_and_non_finite_values_found_exactly():
+    rng = np.random.default_rng(6)
+    loss = 2.0 * np.exp(-np.arange(400) / 150) + 1.0 + rng.normal(0, 0.01, 400)
+    spikes, nans, infs = [120, 250, 251, 390], [60, 300], [200]
+    loss[spikes] += 0.5
+    loss[nans], loss[infs] = math.nan, math.inf
+    alarms = monitor.monitor_alarms(series("train/loss", loss), {})
+    assert alarm_samples(alarms, "loss_spike") == [BATCH * (i + 1) for i in spikes]
+    assert alarm_samples(alarms, "nan_inf") == [BATCH * (i + 1) for i in sorted(nans + infs)]
+    spike = alarms.filter(pl.col("alarm") == "loss_spike").row(0, named=True)
+    assert spike["score"] > monitor.SPIKE_Z and spike["threshold"] == monitor.SPIKE_Z
+    assert spike["value"] == pytest.approx(loss[120]) and "robust z" in spike["detail"]
+
+
+def test_loss_scale_is_not_a_loss():
+    values = [65536.0] * 30 + [131072.0]  # the fp16 loss scale doubles: not a loss spike
+    assert monitor.monitor_alarms(series("Train/Samples/loss_scale", values), {}).is_empty()
+
+
+def test_grad_norm_above_a_threshold():
+    norms = [0.5, 0.8, 1.2, 0.9, 3.0, 0.7]
+    alarms = monitor.monitor_alarms(series("grad_norm", norms), {}, grad_norm_threshold=1.0)
+    assert alarm_samples(alarms, "grad_norm_high") == [BATCH * 3, BATCH * 5]
+    assert set(alarms["threshold"]) == {1.0}
+
+
+def test_grad_norm_spike_without_a_threshold():
+    rng = np.random.default_rng(1)
+    norms = 1.0 + rng.normal(0, 0.05, 100)
+    norms[70] = 8.0
+    assert alarm_samples(monitor.monitor_alarms(series("train/grad-norm", norms), {}), "grad_norm_high") == [BATCH * 71]
+
+
+def test_throughput_drops_need_both_a_robust_z_and_ten_percent():
+    rng = np.random.default_rng(2)
+    rate = 1000 + rng.normal(0, 2, 200)
+    rate[[50, 150]] = 700  # -30%: drops
+    rate[100] = 960  # -4%: far outside the noise, but under the 10% floor
+    alarms = monitor.monitor_alarms(series("samples_per_sec", rate), {})
+    assert alarm_samples(alarms, "throughput_drop") == [BATCH * 51, BATCH * 151]
+
+
+def test_slow_steps_count_as_throughput_drops():
+    rng = np.random.default_rng(3)
+    step_ms = 35 + rng.normal(0, 0.5, 100)
+    step_ms[0] = 900  # warm-up step: too little history to judge
+    step_ms[80] = 60
+    alarms = monitor.monitor_alarms(series("Train/Samples/elapsed_time_ms_step", step_ms), {})
+    assert alarm_samples(alarms, "throughput_drop") == [BATCH * 81]
+
+
+def test_memory_growth_found_and_flat_memory_left_alone():
+    rng = np.random.default_rng(4)
+    leaking = 10_000 + 20 * np.arange(100) + rng.normal(0, 30, 100)  # +20% over the run
+    flat = 10_000 + rng.normal(0, 30, 100)
+    frame = pl.concat([series("memory/allocated_mb", leaking), series("memory/reserved_mb", flat)])
+    alarms = monitor.monitor_alarms(frame, {}).filter(pl.col("alarm") == "memory_growth")
+    assert alarms["name"].to_list() == ["memory/allocated_mb"]
+    assert alarms["score"][0] == pytest.approx(20 / BATCH, rel=0.1)  # slope per sample
+
+
+def test_restart_segment_replaces_overlapping_points():
+    first = series("train/loss", [3.0, 2.9, 2.8, 2.7], origin="csv_monitor")
+    second = series("train/loss", [2.85, 2.75, 2.65, 2.6, 2.5], origin="csv_monitor", segment=1).with_columns(
+        global_samples=pl.col("global_samples") + BATCH)  # resumed from the first checkpoint
+    curve = monitor.one_origin(pl.concat([first, second]))
+    assert curve["global_samples"].to_list() == [BATCH * k for k in range(1, 7)]
+    assert curve["value"].to_list() == [3.0, 2.85, 2.75, 2.65, 2.6, 2.5]
+
+
+def test_empty_input_gives_empty_tables():
+    empty = importers.conform([], "scalars")
+    tables = monitor.monitor_tables(empty, {})
+    assert tables["monitor_alarms"].is_empty() and tables["run_comparability"].height == len(monitor.COMPARABILITY_FIELDS)
+    for table, frame in tables.items():
+        assert frame.columns == list(schema.ANALYSIS_TABLES[table])
+
+
+# --- on the real runs ----------------------------------------------------------------------------
+
+def load_run(name: str) -> tuple[pl.DataFrame, dict]:
+    """Scalars from every monitor file of a run, and the facts the ingest would record for it."""
+    base = RUNS / name
+    if not base.is_dir():
+        pytest.skip(f"shared DeepSpeed runs not found at {RUNS}")
+    frames = []
+    for path in sorted(p for p in base.rglob("*") if p.is_file()):
+        importer = importers.claimant(path)
+        if importer and importer.name in ("csv_monitor", "tensorboard"):
+            frames.append(importer.parse(path, str(path.relative_to(base))).tables["scalars"])
+    world_size = int(re.search(r"--num_gpus (\d+)", (base / "COMMAND.txt").read_text())[1])
+    return pl.concat(frames), {"world_size": world_size, "ds_config": json.loads((base / "ds_config.json").read_text())}
+
+
+def test_one_curve_per_tag_from_csv_and_tensorboard():
+    scalars, _ = load_run("run1")
+    assert set(scalars["origin"]) == {"csv_monitor", "tensorboard"}
+    curve = monitor.one_origin(scalars)
+    assert curve.group_by("name").agg(pl.col("origin").n_unique())["origin"].to_list() == [1] * curve["name"].n_unique()
+    assert curve.height == scalars.height // 2
+
+
+def test_curves_align_on_samples_not_steps():
+    run1, run2 = load_run("run1"), load_run("run2")  # gas 1 vs gas 2: 8 vs 16 samples per step
+    comparison = monitor.comparability({"run1": run1[1], "run2": run2[1]})
+    status = dict(comparison.select("field", "status").iter_rows())
+    assert status["gradient_accumulation_steps"] == status["train_batch_size"] == "different"
+    assert status["world_size"] == status["train_micro_batch_size_per_gpu"] == "same"
+    assert status["code_revision"] == "missing"
+    with pytest.raises(ValueError, match="global_samples"):
+        monitor.aligned_curves({"run1": run1, "run2": run2}, axis="step")
+    curves = monitor.aligned_curves({"run1": run1, "run2": run2}).filter(pl.col("name") == "Train/Samples/lr")
+    x = {run: frame["x"].to_list() for (run,), frame in curves.group_by("run")}
+    assert x["run1"] == [8 * k for k in range(1, 13)] and x["run2"] == [16 * k for k in range(1, 11)]
+    with_steps = monitor.with_axes(monitor.one_origin(run2[0]), run2[1])
+    assert with_steps.filter(pl.col("name") == "Train/Samples/lr")["step"].to_list() == list(range(1, 11))
+
+
+def test_tokens_axis_needs_a_sequence_length():
+    scalars, facts = load_run("run1")
+    assert monitor.aligned_curves({"run1": (scalars, facts)}, axis="global_tokens").is_empty()
+    curves = monitor.aligned_curves({"run1": (scalars, {**facts, "seq_len": 64})}, axis="global_tokens")
+    assert curves.filter(pl.col("name") == "Train/Samples/lr")["x"].to_list() == [8 * 64 * k for k in range(1, 13)]
+
+
+def test_alarms_on_a_real_run_name_real_points():
+    scalars, facts = load_run("run1")
+    tables = monitor.monitor_tables(scalars, facts)
+    alarms = tables["monitor_alarms"]
+    points = set(scalars.select("name", "global_samples").iter_rows())
+    assert all((row["name"], row["global_samples"]) in points for row in alarms.iter_rows(named=True))
+    assert "nan_inf" not in set(alarms["alarm"])  # run1 logged finite values only
+    assert np.isfinite(scalars["value"].to_numpy()).all()
+    status = dict(tables["run_comparability"].select("field", "status").iter_rows())
+    assert status["train_batch_size"] == "recorded" and status["code_revision"] == "missing"
