@@ -173,7 +173,7 @@ def parse_raw(path: Path, rel: str) -> Imported:
             except (TypeError, ValueError, IndexError):
                 bad += 1
     if bad:
-        issues.append(["warning", "bad_entry", bad, f"{rel}: {bad} record/size entries not [count, [latencies], ...]; skipped"])
+        issues.append(["warning", "bad_entry", bad, f"{bad} record/size entries not [count, [latencies], ...]; skipped"])
 
     per_size_series = [[lat for s, lat in calls if s == size] for calls in entries.values() for size in {s for s, _ in calls}]
     cumulative = is_running_total(per_size_series)
@@ -191,10 +191,10 @@ def parse_raw(path: Path, rel: str) -> Imported:
                 "group_size": world_size, "latency_ns": round(latency * 1e6),
                 "latency_origin": "repaired_cumulative" if cumulative else "as_logged", "synchronized": True,
             })
-    _report_cumulative(cumulative, rel, len(rows), issues)
+    report_cumulative(cumulative, "", len(rows), issues)
     if world_size is None and rows:
         issues.append(["warning", "no_world_size", len(rows),
-                       f"{rel}: world size unknown (no log_summary_dict_rank{rank}.json metadata); no nccl_bytes/bandwidth"])
+                       f"world size unknown (no log_summary_dict_rank{rank}.json metadata); no nccl_bytes/bandwidth"])
     tables = {"comms_calls": with_bandwidth(conform(rows, "comms_calls"))} if rows else {}
     if summary is not None:
         summary_rel = str(Path(rel).with_name(summary_path.name))
@@ -205,14 +205,14 @@ def parse_raw(path: Path, rel: str) -> Imported:
     return Imported(tables=tables, issues=issues, facts=facts)
 
 
-def _report_cumulative(cumulative: bool | None, rel: str, calls: int, issues: list) -> None:
+def report_cumulative(cumulative: bool | None, where: str, calls: int, issues: list) -> None:
     if cumulative:
         issues.append(["warning", "cumulative_comms_latency", calls,
-                       (f"{rel}: comms-logger latencies are running totals per record name (DeepSpeed >= 0.18.3); "
+                       (f"{where}comms-logger latencies are running totals per record name (DeepSpeed >= 0.18.3); "
                        "per-call latency = difference of consecutive totals, bandwidth recomputed (nccl-tests)")])
     elif cumulative is None and calls:
         issues.append(["info", "comms_latency_kind_unknown", calls,
-                       f"{rel}: too few calls per op to tell per-call from cumulative latencies; kept as logged"])
+                       f"{where}too few calls per op to tell per-call from cumulative latencies; kept as logged"])
 
 
 def parse_summary(path: Path, rel: str) -> Imported:
@@ -229,7 +229,7 @@ def parse_summary(path: Path, rel: str) -> Imported:
     rows = summary_rows(doc, meta.get("rank", rank_from_name(path)), rel, None, issues)
     if rows:
         issues.append(["info", "comms_summary_trust_unknown", len(rows),
-                       (f"{rel}: without the raw dict or verbose lines it cannot be told whether latencies are running totals "
+                       ("without the raw dict or verbose lines it cannot be told whether latencies are running totals "
                        "(DeepSpeed >= 0.18.3); trusted left null")])
     world_size = meta.get("world_size")
     return Imported(tables={"comms_summary": conform(rows, "comms_summary")} if rows else {}, issues=issues,

@@ -161,9 +161,9 @@ def parse(path: Path, rel: str) -> Imported:
     try:
         data = path.read_bytes()
     except OSError as e:
-        return Imported(issues=[["error", "unreadable", 1, f"{rel}: {e}"]])
+        return Imported(issues=[["error", "unreadable", 1, f"{e}"]])
     if not data.strip():
-        return Imported(issues=[["warning", "empty_file", 1, f"{rel}: empty log; nothing read"]])
+        return Imported(issues=[["warning", "empty_file", 1, "empty log; nothing read"]])
     text = data.decode("utf-8", "replace")
     name_rank = RANK_IN_NAME.search(path.name)
     state = LogState(rel=rel, file_rank=int(name_rank[1]) if name_rank else None)
@@ -173,10 +173,10 @@ def parse(path: Path, rel: str) -> Imported:
     while i < len(lines):
         i = _read_line(state, lines, i)
     if not data.endswith(b"\n"):
-        issues.append(["info", "no_final_newline", 1, f"{rel}: the last line has no newline (cut off or still being written)"])
+        issues.append(["info", "no_final_newline", 1, "the last line has no newline (cut off or still being written)"])
     if state.garbled:
         issues.append(["info", "garbled_lines", len(state.garbled),
-                       (f"{rel}: {len(state.garbled)} lines hold interleaved writes from several processes or undecodable bytes; "
+                       (f"{len(state.garbled)} lines hold interleaved writes from several processes or undecodable bytes; "
                        "records in them that did not parse whole were skipped")])
     return _build(state, issues)
 
@@ -469,9 +469,9 @@ def _comms_rows(state: LogState, issues: list) -> list[dict]:
                     "latency_ns": call["latency_ns"], "synchronized": True,
                     "latency_origin": "repaired_cumulative" if cumulative else "as_logged",
                 })
-            comms_dump._report_cumulative(cumulative, f"{state.rel} (run {run.index}, rank {rank})", len(calls), issues)
+            comms_dump.report_cumulative(cumulative, f"run {run.index}, rank {rank}: ", len(calls), issues)
     if rows and world_size is None:
-        issues.append(["warning", "no_world_size", len(rows), f"{state.rel}: world size not in the log; no nccl_bytes/bandwidth"])
+        issues.append(["warning", "no_world_size", len(rows), "world size not in the log; no nccl_bytes/bandwidth"])
     return rows
 
 
@@ -498,7 +498,7 @@ def _build(state: LogState, issues: list) -> Imported:
     if statuses:
         tables["run_status"] = conform([{**s, "source": state.rel} for s in statuses], "run_status")
     if len(state.runs) > 1:
-        issues.append(["info", "several_runs", len(state.runs), f"{state.rel}: {len(state.runs)} runs appended to one file"])
+        issues.append(["info", "several_runs", len(state.runs), f"{len(state.runs)} runs appended to one file"])
     facts = {k: v for k, v in state.facts.items() if k != "world_info"}
     if state.runs and len(state.runs) > 1:
         facts["runs_in_file"] = len(state.runs)
@@ -510,7 +510,7 @@ def _build(state: LogState, issues: list) -> Imported:
                                                  embedded.tables["flops_profile"]])
         facts.setdefault("flops_profiler", embedded.facts)
     if not tables and not facts:
-        issues.append(["info", "no_records", 1, f"{state.rel}: DeepSpeed markers but no timer, step, comms or status lines"])
+        issues.append(["info", "no_records", 1, "DeepSpeed markers but no timer, step, comms or status lines"])
     return Imported(tables=tables, issues=issues, facts=facts)
 
 

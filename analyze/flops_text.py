@@ -89,7 +89,7 @@ def parse(path: Path, rel: str) -> Imported:
     try:
         text = path.read_bytes().decode("utf-8", "replace")
     except OSError as e:
-        return Imported(issues=[["error", "unreadable", 1, f"{rel}: {e}"]])
+        return Imported(issues=[["error", "unreadable", 1, f"{e}"]])
     context = {}
     for config_path in ds_config_files(path):
         try:
@@ -112,13 +112,13 @@ def parse_lines(lines: list[str], rel: str, context: dict | None = None) -> Impo
     context = context or {}
     issues: list = []
     if not any(HEADER in line for line in lines[:50]):
-        return Imported(issues=[["error", "not_a_flops_profile", 1, f"{rel}: no '{HEADER.strip('- ')}' header"]])
+        return Imported(issues=[["error", "not_a_flops_profile", 1, f"no '{HEADER.strip('- ')}' header"]])
     facts, tree_start = _summary(lines)
     rows = _tree(lines[tree_start:], issues) if tree_start is not None else []
     if tree_start is None:
-        issues.append(["warning", "no_module_tree", 1, f"{rel}: no detailed per-module profile (detailed=false or cut off)"])
+        issues.append(["warning", "no_module_tree", 1, "no detailed per-module profile (detailed=false or cut off)"])
     elif rows and _unclosed(lines[tree_start:]):
-        issues.append(["warning", "truncated", 1, f"{rel}: the module tree is cut off; the modules printed so far are kept"])
+        issues.append(["warning", "truncated", 1, "the module tree is cut off; the modules printed so far are kept"])
     for row in rows:
         row.update(rank=0, source=rel, profile_step=facts.get("profile_step"), exact=False)
     if rows:
@@ -132,7 +132,7 @@ def parse_lines(lines: list[str], rel: str, context: dict | None = None) -> Impo
         facts["zero_stage"] = stage
     if stage == 3:
         issues.append(["warning", "zero3_double_count", 1,
-                       (f"{rel}: ZeRO stage 3 (ds_config): DeepSpeed's profiler counts Linear MACs twice under ZeRO-3, "
+                       ("ZeRO stage 3 (ds_config): DeepSpeed's profiler counts Linear MACs twice under ZeRO-3, "
                        "so its MACs, flops and FLOPS are about 2x too high")])
     table = {"flops_profile": conform(rows, "flops_profile")} if rows else {}
     return Imported(tables=table, issues=issues, facts=facts)
@@ -254,5 +254,5 @@ def _flag_bogus_root(root: dict, facts: dict, rel: str, issues: list) -> None:
     if bogus:
         instead = f"; the summary's fwd latency is {fwd:.4g} s" if fwd else ""
         issues.append(["warning", "bogus_root_latency", 1,
-                       (f"{rel}: root module latency {duration_s:.3g} s is time.time() minus an unset start (the engine "
+                       (f"root module latency {duration_s:.3g} s is time.time() minus an unset start (the engine "
                        f"starts the profiler inside the root's forward pre-hook); flagged duration_bogus{instead}")])
