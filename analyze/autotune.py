@@ -179,7 +179,7 @@ def parse_experiment(path: Path, source: str) -> Imported:
     row["environment"] = json.dumps(environment, sort_keys=True)
     metrics = _read_json(folder / "metrics.json", problems)
     if metrics is not None:
-        row.update(status="ok", latency_us=metrics.get("latency"), throughput=metrics.get("throughput"),
+        row.update(status="ok", rank=metrics.get("rank"), latency_us=metrics.get("latency"), throughput=metrics.get("throughput"),
                    flops_per_gpu=metrics.get("FLOPS_per_gpu"), fwd_us=metrics.get("fwd"), bwd_us=metrics.get("bwd"),
                    step_us=metrics.get("step"))
     else:

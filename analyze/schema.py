@@ -219,6 +219,7 @@ RUN_STATUS, RUN_STATUS_DOC = _table(
 )
 
 AUTOTUNE_EXPERIMENTS, AUTOTUNE_EXPERIMENTS_DOC = _table(
+    ("rank", pa.int64(), "Rank that wrote metrics.json (DeepSpeed: 0); null when the experiment left none."),
     ("experiment", pa.string(), "Experiment name, e.g. z1_gas1_tmbspg4, or a collector trial run's id."),
     ("source", pa.string(), "Folder or file it was read from."),
     ("trial", pa.int64(), "Repeat number for the same config (0 when measured once)."),
