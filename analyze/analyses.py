@@ -92,7 +92,9 @@ def _analyse_rank(out_dir: Path, rank: int, world_size: int, options: Options) -
         kernel_totals=kernels.kernel_totals(work),
         gpu_spans=steps.gpu_spans(work),
         flops=mfu.step_flops(cpu),
-        cpu_comm_ops=cpu.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()).height,
+        # record_param_comms (NCCL builds) or the c10d ops themselves (gloo/CPU runs record no comms args)
+        cpu_comm_ops=cpu.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()
+                                | pl.col("name").str.starts_with("c10d::")).height,
     )
 
 
@@ -161,9 +163,11 @@ def headline(tables: dict[str, pl.DataFrame], cpu_comm_ops: int, peak_problem: s
         findings["slowest_step"] = {"step": slow["step"], "rank": slow["slowest_rank"], "dur_ns": slow["max_dur_ns"],
                                     "median_step_ns": int(stats["median_dur_ns"].median())}
         stragglers = stats.filter(pl.col("straggler_rank").is_not_null())
+        # Without collective waits (gloo/CPU runs, or no NCCL kernels) the straggler is the longest CPU step.
+        basis = "collective_wait" if stats["others_waited_ns"].fill_null(0).sum() > 0 else "step_spread"
         findings["stragglers"] = [
-            {"step": s, "rank": r, "others_waited_ns": w} for s, r, w in
-            stragglers.select("step", "straggler_rank", "others_waited_ns").iter_rows()]
+            {"step": s, "rank": r, "others_waited_ns": w, "spread_ns": d, "basis": basis} for s, r, w, d in
+            stragglers.select("step", "straggler_rank", "others_waited_ns", "spread_ns").iter_rows()]
     device_idle = tables["gpu_idle"].filter(pl.col("stream") == launch.ALL_STREAMS)
     if not device_idle.is_empty():
         totals = device_idle.select(pl.col("span_ns", "idle_ns", "host_bound_ns", "sync_ns", "other_ns").sum()).row(0, named=True)
@@ -186,7 +190,7 @@ def headline(tables: dict[str, pl.DataFrame], cpu_comm_ops: int, peak_problem: s
     else:
         findings["most_exposed_collective"] = None
         findings["comms_note"] = (
-            f"communication without NCCL/RCCL kernels: {cpu_comm_ops} record_param_comms CPU ops (gloo or CPU collectives)"
+            f"communication without NCCL/RCCL kernels: {cpu_comm_ops} CPU collective ops (gloo or CPU collectives: record_param_comms or c10d::*)"
             if cpu_comm_ops else "no collectives in the traces")
     table = tables["mfu"]
     if table.is_empty():

@@ -195,6 +195,7 @@ def print_summary(console: Console, result: IngestResult, analysis_seconds: floa
     order = {"error": 0, "warning": 1, "info": 2}
     for (severity, reason), rows in sorted(grouped.items(), key=lambda kv: (order.get(kv[0][0], 3), kv[0][1])):
         path, _, detail = rows[0]
+        detail = detail.removeprefix(f"{path}: ")
         issues.add_row(severity, reason, str(len(rows)), f"{sum(r[1] for r in rows):,}", f"{path}: {detail}")
     if grouped:
         console.print(issues, markup=False)
@@ -210,8 +211,12 @@ def print_findings(console: Console, f: dict) -> None:
         lines.append(f"slowest step: ProfilerStep#{slow['step']} on rank {slow['rank']}, {_ms(slow['dur_ns'])} "
                      f"(median step {_ms(slow['median_step_ns'])})")
     for s in f.get("stragglers", []):
-        lines.append(f"straggler: rank {s['rank']} in step {s['step']}; the other ranks waited {_ms(s['others_waited_ns'])} "
-                     "in total for it in collectives")
+        if s["basis"] == "collective_wait":
+            lines.append(f"straggler: rank {s['rank']} in step {s['step']}; the other ranks waited {_ms(s['others_waited_ns'])} "
+                         "in total for it in collectives")
+        else:
+            lines.append(f"straggler: rank {s['rank']} in step {s['step']}, {_ms(s['spread_ns'])} longer than the fastest "
+                         "rank (no collective timing in the traces to show who waited)")
     idle = f.get("gpu_idle", {})
     if idle.get("idle_share") is not None:
         cause = {"host_bound": "host-bound (GPU waiting for the CPU to launch)", "sync": "synchronization (CPU waiting on the GPU)",

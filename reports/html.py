@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import jinja2
@@ -222,7 +223,7 @@ def _mfuSection(run: Run) -> dict:
         modules = profile.filter(pl.col("depth") <= 2).sort("flops_total", descending=True, nulls_last=True)
         section.text("FLOPs profiler, modules to depth 2 (theoretical counts, not time):")
         section.table(_rows(modules, {
-            "path": ("module", _text), "module_class": ("class", _text), "params": ("params", _num),
+            "source": ("from", _text), "path": ("module", _text), "module_class": ("class", _text), "params": ("params", _num),
             "flops_total": ("FLOPs incl. children", _num), "macs_total": ("MACs incl. children", _num),
             "duration_ns": ("fwd duration", ms), "duration_bogus": ("duration is a profiler error", _text)}))
     return section
@@ -244,15 +245,17 @@ def _monitorSection(run: Run) -> dict:
     return section
 
 
-PREFERRED_CURVES = ("loss", "grad_norm", "lr", "step_time", "samples", "mem")
+# The curves a reviewer looks for first, as patterns on the scalar's name.
+PREFERRED_CURVES = [re.compile(p) for p in (r"loss", r"grad.?norm", r"(^|[/_])lr($|[/_])",
+                                            r"samplespersec|throughput|step.?time", r"mem")]
 MAX_CURVES = 6
 
 
 def _preferred(names: list[str]) -> list[str]:
-    """Loss, grad norm, lr, throughput and memory first: the curves a reviewer looks for."""
-    rank = {name: next((i for i, key in enumerate(PREFERRED_CURVES) if key in name.lower()), len(PREFERRED_CURVES))
-            for name in names}
-    return sorted(names, key=lambda n: (rank[n], n))[:MAX_CURVES]
+    def rank(name: str) -> int:
+        return next((i for i, pattern in enumerate(PREFERRED_CURVES) if pattern.search(name.lower())), len(PREFERRED_CURVES))
+
+    return sorted(names, key=lambda n: (rank(n), n))[:MAX_CURVES]
 
 
 def _extra_analyses(run: Run) -> list[dict]:

@@ -21,8 +21,12 @@ def verdict(run: Run) -> list[str]:
         lines.append(f"Slowest step: ProfilerStep#{slow['step']} on rank {slow['rank']}, {ms(slow['dur_ns'])} "
                      f"against a median step of {ms(slow['median_step_ns'])}.")
     for s in f.get("stragglers", [])[:2]:
-        lines.append(f"Straggler: rank {s['rank']} in step {s['step']}; the other ranks waited "
-                     f"{ms(s['others_waited_ns'])} in total for it in collectives.")
+        if s["basis"] == "collective_wait":
+            lines.append(f"Straggler: rank {s['rank']} in step {s['step']}; the other ranks waited "
+                         f"{ms(s['others_waited_ns'])} in total for it in collectives.")
+        else:
+            lines.append(f"Straggler: rank {s['rank']} in step {s['step']}, {ms(s['spread_ns'])} longer than the fastest "
+                         "rank (no collective timing in the traces shows who waited).")
     idle = f.get("gpu_idle") or {}
     if idle.get("idle_share") is not None:
         cause = {"host_bound": "host-bound: the GPU waited for the CPU to launch work",
