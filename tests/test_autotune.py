@@ -228,3 +228,31 @@ def test_failed_configs_rank_last_and_keep_their_error():
     ranking = autotune.autotune_tables(frame, {})["autotune_ranking"].filter(pl.col("tuning_space") == "global")
     assert ranking["experiment"].to_list() == ["mbs4_run0", "mbs2_run0", "mbs8"]
     assert ranking["rank"].to_list() == [1, 2, None] and ranking["error"][2] == "CUDA out of memory"
+
+
+def collector_run(step_ms: float, micro_batch: int, steps: int = 6, **config_extra) -> tuple[pl.DataFrame, dict]:
+    """A collector run's train_steps on two ranks: a 2 s warm-up step, then steps of `step_ms`."""
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 2}, **config_extra}
+    rows, start = [], 1_000_000_000
+    for step in range(steps):
+        end = start + int((2000 if step == 0 else step_ms) * 1e6)
+        rows += [{"rank": rank, "step": step, "micro_step": step, "start_ns": start, "end_ns": end, "is_boundary": True,
+                  "global_samples": 2 * micro_batch * (step + 1)} for rank in (0, 1)]
+        start = end
+    return importers.conform(rows, "train_steps"), {"ds_config": config, "world_size": 2}
+
+
+def test_collector_trial_runs_are_ranked_the_same_way():
+    runs = {f"fast{i}": collector_run(100 + i, micro_batch=8) for i in range(4)}
+    runs |= {f"slow{i}": collector_run(120 + i, micro_batch=8, fp16={"enabled": True}) for i in range(4)}
+    runs["cut"] = collector_run(100, micro_batch=4, steps=1)  # one step: nothing to time
+    experiments = autotune.experiments_from_runs(runs)
+    fast0 = experiments.filter(pl.col("experiment") == "fast0").row(0, named=True)
+    assert fast0["throughput"] == pytest.approx(16 / 0.100) and fast0["latency_us"] == pytest.approx(100_000)
+    for prefix in ("fast", "slow"):  # runs with one ds_config are trials of one configuration
+        assert experiments.filter(pl.col("experiment").str.starts_with(prefix))["trial"].to_list() == [0, 1, 2, 3]
+    assert experiments.filter(pl.col("experiment") == "cut")["status"].to_list() == ["interrupted"]
+    verdict = autotune.autotune_tables(experiments, {})["autotune_verdict"].row(0, named=True)
+    assert verdict["winner"] == "fast0" and verdict["runner_up"] == "slow0" and verdict["winner_trials"] == 4
+    assert verdict["established"] is True and verdict["p_value"] == pytest.approx(1 / 70)
