@@ -135,7 +135,8 @@ def _cpu_gpuSection(run: Run) -> dict:
     if launches.is_empty():
         return Section("CPU vs GPU", "cpu-gpu", empty="No device activity in the traces (CPU-only run or no kernels).")
     section = Section("CPU vs GPU", "cpu-gpu")
-    section.figure(figures.launch_delay(launches))
+    if (launches["queue_ns"] > 0).any():
+        section.figure(figures.launch_delay(launches))
     device_idle = idle.filter(pl.col("stream") == -1)
     if not device_idle.is_empty():
         section.figure(figures.idle_by_cause(device_idle))
