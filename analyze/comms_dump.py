@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # importers imports this module to register its parsers
     from .importers import Imported
 
 RAW_NAME = re.compile(r"comms_dict_raw_rank(\d+)\.json$")
-SUMMARY_NAME = re.compile(r"log_summary_dict_rank(\d+)\.json$")
+SUMMARY_NAME = re.compile(r"log_summary(?:_dict)?_rank(\d+)\.json$")  # either name is in use
 CALLER = re.compile(r"^(?P<op>.*?) \| \[Caller Func: (?P<caller>.*)\]$")  # comms_logging.py get_caller_func
 # A record name needs this many calls before its monotone latencies count as evidence of running
 # totals: real per-call latencies fluctuate, so 3+ in non-decreasing order by chance is unlikely
@@ -247,5 +247,8 @@ def claims_raw(path: Path) -> bool:
 
 def claims_summary(path: Path) -> bool:
     """A summary dict on its own; next to its raw dict it is that dict's companion."""
-    raw = path.with_name(path.name.replace("log_summary_dict", "comms_dict_raw"))
-    return bool(SUMMARY_NAME.search(path.name)) and _peek_is_json_object(path) and not raw.is_file()
+    match = SUMMARY_NAME.search(path.name)
+    if not match or not _peek_is_json_object(path):
+        return False
+    companion = path.with_name(f"log_summary_dict_rank{match[1]}.json")
+    return not (path == companion and path.with_name(f"comms_dict_raw_rank{match[1]}.json").is_file())

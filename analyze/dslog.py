@@ -430,6 +430,9 @@ def _status(run: Run, file_rank: int | None) -> dict:
     if run.signal:
         status, detail = "killed", f"the launcher received {run.signal} and killed its ranks"
         error = f"received {run.signal}"
+    elif signalled := [c for c in failed_codes if c < 0]:  # subprocess returncode -N: ended by signal N
+        status, error = "killed", f"a rank was ended by signal {-signalled[0]}"
+        detail = f"a rank exited with return code {signalled[0]} (launcher sigkill_handler)"
     elif failed_codes:
         status, error = "failed", errors[-1] if errors else None
         detail = f"a rank exited with return code {failed_codes[0]} (launcher sigkill_handler)"

@@ -4,12 +4,14 @@ independent regexes here), from the same run's csv_monitor files, or from readin
 (line numbers cited)."""
 
 import csv
+import json
 import re
+import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
-from steplens.analyze import dslog, importers
+from steplens.analyze import dslog, flops_text, importers
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 RUNS = SHARED / "deepspeed-cpu-runs"
@@ -200,3 +202,50 @@ def test_bad_inputs_give_issues_not_exceptions(tmp_path):
     assert next(i for i in imported.issues if i[1] == "garbled_lines")[2] == 3
     assert imported.tables["run_status"]["status"].to_list() == ["failed"]
     assert imported.tables["run_status"]["error"].to_list() == ["RuntimeError: CUDA error: an illegal memory access"]
+
+
+@pytest.fixture(scope="module")
+def fresh_runs(tmp_path_factory) -> dict[str, Path]:
+    """Two real 2-rank DeepSpeed CPU jobs (tests/realrun, about 25 s each): one with the comms logger
+    verbose, wall-clock timers and DeepSpeed's FLOPs profiler; one where rank 1 SIGKILLs itself."""
+    pytest.importorskip("torch")
+    pytest.importorskip("deepspeed")
+    sys.path.insert(0, str(Path(__file__).parent / "realrun"))
+    from launch import run_tiny_gpt
+
+    root = tmp_path_factory.mktemp("dslog_runs")
+    common = ("--zero_stage", "2", "--no-collector", "--wall_clock_breakdown", "--log_level", "info")
+    return {
+        "verbose": run_tiny_gpt(root / "verbose", *common, "--steps", "4", "--comms_logger", "verbose",
+                                "--ds_flops_profiler", "2"),
+        "killed": run_tiny_gpt(root / "killed", *common, "--steps", "6", "--kill_rank", "1", "--kill_at_step", "2",
+                               check=False),
+    }
+
+
+def test_fresh_run_logs(fresh_runs):
+    run = fresh_runs["verbose"]
+    log = next((run / "rank_logs").glob("*_rank0.log"))
+    imported = _parse(log)
+    text = log.read_text()
+    calls = imported.tables["comms_calls"]
+    logged = re.findall(r"comm op: (\S+) \| time \(ms\): ([\d.]+) \| msg size: ([^|]+?) \|", text)
+    assert calls.height == len(logged) > 0
+    assert set(calls["latency_origin"]) == {"repaired_cumulative"}  # DeepSpeed 0.19.8 logs running totals
+    for op in {op for op, _, _ in logged}:
+        last_total = [float(ms) for name, ms, _ in logged if name == op][-1]
+        assert calls.filter(pl.col("op") == op)["latency_ns"].sum() / 1e6 == pytest.approx(last_total, abs=1e-6)
+    # The summary dict written at the end counts the same calls per op and size (as DeepSpeed prints the size).
+    summary = json.loads((run / "comms" / "log_summary_rank0.json").read_text())["summary"]
+    for op, sizes in summary.items():
+        for stats in sizes.values():
+            seen = sum(1 for name, _, size in logged if name == op and size.strip() == stats["msg_size_str"])
+            assert seen >= stats["count"]  # the log also holds calls made after the summary (its own barrier)
+    timers = imported.tables["step_timers"]
+    assert timers.filter(pl.col("timer") == "fwd")["step"].to_list() == [0, 1, 2, 3]
+    flops = flops_text.parse(run / "flops_profiler" / "flops_profile.txt", "flops_profile.txt")
+    assert flops.tables["flops_profile"].filter(pl.col("depth") == 0)["duration_bogus"].to_list() == [True]
+    launcher = _parse(run / "launcher.log").tables["run_status"]
+    assert (launcher["status"][0], launcher["exit_code"][0]) == ("completed", 0)
+    killed = _parse(fresh_runs["killed"] / "launcher.log").tables["run_status"].row(0, named=True)
+    assert killed["status"] == "killed" and killed["exit_code"] == -9
