@@ -99,6 +99,25 @@ def test_csv_claims_only_step_headers(tmp_path):
     assert [IMPORTER["csv_monitor"].claims(tmp_path / n) for n in ("a.csv", "b.csv", "c.csv")] == [True, False, False]
 
 
+def test_every_tensorboard_point_is_read(tmp_path):
+    """More points than TensorBoard's default 10,000-point reservoir sample for scalars."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    points = 10_050
+    writer = EventFileWriter(str(tmp_path))
+    for k in range(1, points + 1):
+        value = summary_pb2.Summary.Value(tag="Train/Samples/lr", simple_value=k / 4)  # exact in float32
+        writer.add_event(event_pb2.Event(wall_time=1.7e9 + k, step=8 * k, summary=summary_pb2.Summary(value=[value])))
+    writer.close()
+    [path] = tmp_path.glob("events.out.tfevents.*")
+    result = scalars.parse_tensorboard(path, path.name)
+    frame = result.tables["scalars"]
+    assert result.issues == [] and frame.height == points
+    assert frame["global_samples"].to_list() == [8 * k for k in range(1, points + 1)]
+    assert frame["value"].to_list() == [k / 4 for k in range(1, points + 1)]
+
+
 def test_truncated_event_file_keeps_complete_records(tmp_path):
     base = run_dir("run1")
     [original] = sorted((base / "tensorboard").rglob("events.out.tfevents.*"))
