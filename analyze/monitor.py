@@ -64,8 +64,9 @@ def run_fact(facts: dict, field: str):
 
 def one_origin(scalars: pl.DataFrame) -> pl.DataFrame:
     """One series per tag: the same tag from csv_monitor, TensorBoard and W&B is one curve; keep the
-    origin with most points (then the more exact one). Within it, after a restart the later
-    segment's point replaces the earlier one at the same x."""
+    origin with most points (then the more exact one), and the lowest rank (the collector can log
+    scalars on every rank). Within it, after a restart the later segment's point replaces the
+    earlier one at the same x."""
     if scalars.is_empty():
         return scalars
     preference = {o: i for i, o in enumerate(ORIGIN_PREFERENCE)}
@@ -73,7 +74,9 @@ def one_origin(scalars: pl.DataFrame) -> pl.DataFrame:
               .with_columns(pref=pl.col("origin").replace_strict(preference, default=len(preference)))
               .sort(["name", "len", "pref"], descending=[False, True, False])
               .unique("name", keep="first").select("name", "origin"))
+    rank = pl.col("rank").fill_null(0)
     return (scalars.join(counts, on=["name", "origin"])
+            .filter(rank == rank.min().over("name"))
             .sort(["name", "global_samples", pl.col("segment").fill_null(0)])
             .unique(["name", "global_samples"], keep="last", maintain_order=True))
 
