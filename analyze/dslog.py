@@ -12,7 +12,8 @@ totals) restarts with each run.
 
 Ranks. `[Rank N]` in the line (log_dist), else `[rankN]:` (PyTorch), else `rank<N>` in the file
 name, else 0: the lines without a rank prefix that are read here (throughput, log_summary tables)
-are printed by rank 0 only in DeepSpeed.
+are printed by rank 0 only in DeepSpeed. Megatron's iteration line is printed by the last rank:
+world_size - 1 when the launcher header gave the world size, else null.
 
 Steps. `step` is the 0-based optimizer step everywhere, as in `train_steps`:
 * wall-clock timers (`[Rank r] time (ms) | name: ms | ...`, printed with print, always present
@@ -32,7 +33,15 @@ Comms. Verbose comms-logger lines (`comm op: <record> | time (ms): ... | msg siz
 log_level info) become comms_calls; on DeepSpeed >= 0.18.3 the times are running totals per record
 name (see comms_dump), detected per run and rank (every record name non-decreasing in line order)
 and repaired to per-call latencies. Message sizes are DeepSpeed's rounded text ("3.56 MB").
-Log lines carry local time without a zone; ts_ns reads it as UTC.
+Log lines carry local time without a zone; ts_ns reads it as UTC. `step` of a comms call is left
+null: nothing in the line ties it to a step (init-time broadcasts look like any other call).
+
+Status. One run_status row per run with evidence (launcher lines, exits, a signal, a traceback):
+killed (the launcher got SIGTERM/SIGINT, or a rank's return code is -N), failed (a nonzero return
+code, or a traceback without every process exiting 0), completed (every local process exited 0),
+incomplete (launched, no exit record), unknown (started without the launcher, no exit record).
+
+A FLOPs profile printed into the log (no output_file) is read with `flops_text`.
 """
 
 from __future__ import annotations
@@ -134,7 +143,7 @@ class LogState:
     summary: list = field(default_factory=list)
     facts: dict = field(default_factory=dict)
     garbled: set = field(default_factory=set)  # indices of lines written over by another process, or undecodable
-    flops_blocks: list = field(default_factory=list)  # (first line, lines)
+    flops_blocks: list = field(default_factory=list)  # lines of each FLOPs profile printed into the log
 
     @property
     def run(self) -> Run:
@@ -254,7 +263,7 @@ def _timer(state: LogState, m: re.Match, i: int) -> None:
     names = {name for name, _ in items}
     if all(name.endswith("_microstep") for name in names):
         scope = "micro"
-    elif names <= OPTIMIZER_TIMERS or all(name.startswith("optimizer_") or name in OPTIMIZER_TIMERS for name in names):
+    elif all(name.startswith("optimizer_") or name in OPTIMIZER_TIMERS for name in names):
         scope = "optimizer"
     else:
         scope = "global"
@@ -317,7 +326,9 @@ def _throughput(state: LogState, m: re.Match, line: str) -> None:
 
 
 def _megatron(state: LogState, m: re.Match, line: str) -> None:
-    rank = _rank(state, line)
+    # megatron/training.py training_log prints with print_rank_last: rank world_size - 1.
+    world_size = state.facts.get("world_size")
+    rank = state.file_rank if state.file_rank is not None else (world_size - 1 if world_size else None)
     fields = {}
     for part in m[3].split("|"):
         if item := MEGATRON_ITEM.match(part):
@@ -358,7 +369,7 @@ def _flops_block(state: LogState, lines: list[str], i: int) -> int:
     end = i + 1
     while end < len(lines) and not (lines[end].startswith("-----") and set(lines[end].strip()) == {"-"}):
         end += 1
-    state.flops_blocks.append((i + 1, lines[i:end + 1]))
+    state.flops_blocks.append(lines[i:end + 1])
     return end + 1
 
 
@@ -436,10 +447,13 @@ def _status(run: Run, file_rank: int | None) -> dict:
     elif failed_codes:
         status, error = "failed", errors[-1] if errors else None
         detail = f"a rank exited with return code {failed_codes[0]} (launcher sigkill_handler)"
+    elif run.exits_ok and (run.local_procs is None or run.exits_ok >= run.local_procs):
+        # Every process exited 0: a traceback before that was caught and printed, not fatal.
+        status, error = "completed", None
+        detail = f"{run.exits_ok} process(es) exited successfully (launcher)" + (
+            f"; {len(errors)} traceback(s) printed before that" if errors else "")
     elif errors:
         status, error, detail = "failed", errors[-1], f"{len(errors)} traceback(s); no successful exit after them"
-    elif run.exits_ok and (run.local_procs is None or run.exits_ok >= run.local_procs):
-        status, error, detail = "completed", None, f"{run.exits_ok} process(es) exited successfully (launcher)"
     elif launched:
         status, error = "incomplete", None
         detail = f"started by the launcher; {run.exits_ok} of {run.local_procs or '?'} processes reported an exit"
@@ -503,9 +517,9 @@ def _build(state: LogState, issues: list) -> Imported:
     if len(state.runs) > 1:
         issues.append(["info", "several_runs", len(state.runs), f"{len(state.runs)} runs appended to one file"])
     facts = {k: v for k, v in state.facts.items() if k != "world_info"}
-    if state.runs and len(state.runs) > 1:
+    if len(state.runs) > 1:
         facts["runs_in_file"] = len(state.runs)
-    for first_line, block in state.flops_blocks:
+    for block in state.flops_blocks:
         embedded = flops_text.parse_lines(block, state.rel, facts)
         issues.extend(embedded.issues)
         if "flops_profile" in embedded.tables:

@@ -143,6 +143,7 @@ def test_megatron_log_killed_with_iteration_scalars():
     # Line 2740: iteration 10 | consumed samples: 2560 | consumed tokens: 5242880 | elapsed ... (ms): 1001.5
     first = scalars.filter((pl.col("name") == "elapsed time per iteration (ms)") & (pl.col("step") == 9)).row(0, named=True)
     assert (first["value"], first["global_samples"], first["global_tokens"]) == (1001.5, 2560, 5242880)
+    assert first["rank"] == 7  # Megatron's print_rank_last, dist_world_size=8 (line 32)
     iterations = len(re.findall(r"(?m)^ iteration\s+\d+/", path.read_text()))
     assert scalars.filter(pl.col("name") == "lm loss").height == iterations
     assert imported.facts["world_size"] == 8 and imported.facts["deepspeed_version"] == "0.7.3+d505437d"
@@ -249,3 +250,18 @@ def test_fresh_run_logs(fresh_runs):
     assert (launcher["status"][0], launcher["exit_code"][0]) == ("completed", 0)
     killed = _parse(fresh_runs["killed"] / "launcher.log").tables["run_status"].row(0, named=True)
     assert killed["status"] == "killed" and killed["exit_code"] == -9
+
+
+def test_flops_profile_printed_into_the_log(tmp_path):
+    """Without output_file the engine prints the profile to stdout, between ordinary log lines."""
+    profile = _need(RUNS / "run1/flops_profiler/flops_profile.txt").read_text()
+    log_lines = _rank0_log("run1").read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(log_lines) if "Flops profiler finished" in line)
+    mixed = tmp_path / "stdout_rank0.log"
+    mixed.write_text("".join(log_lines[:at]) + profile + "".join(log_lines[at:]))
+    imported = _parse(mixed)
+    alone = flops_text.parse(RUNS / "run1/flops_profiler/flops_profile.txt", "x")
+    assert imported.tables["flops_profile"].drop("source").equals(alone.tables["flops_profile"].drop("source"))
+    assert imported.facts["flops_profiler"]["fwd_macs_per_gpu"] == 234.88e6
+    # The lines around it are read as before.
+    assert imported.tables["step_timers"].height == _parse(_rank0_log("run1")).tables["step_timers"].height
