@@ -13,13 +13,16 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import schema
-from .importers import Imported, Importer, conform
+
+if TYPE_CHECKING:  # importers imports this module to register it
+    from .importers import Imported
 
 PART = re.compile(r"rank(\d+)-(\d+)\.parquet")
 MANIFEST = re.compile(r"rank(\d+)\.json")
@@ -44,10 +47,16 @@ def claims(path: Path) -> bool:
 
 
 def parse(path: Path, rel: str) -> Imported:
+    """Registered in importers.IMPORTERS as "collector", ahead of the native-artifact importers."""
     return _parse_part(path, rel) if _is_part(path) else _parse_manifest(path, rel)
 
 
 def _parse_part(path: Path, rel: str) -> Imported:
+    from .importers import (  # at call time: importers imports this module
+        Imported,
+        conform,
+    )
+
     table = path.parent.name
     rank = int(PART.fullmatch(path.name).group(1))
     expected = schema.TABLES[table][0]
@@ -69,6 +78,8 @@ def _parse_part(path: Path, rel: str) -> Imported:
 
 
 def _parse_manifest(path: Path, rel: str) -> Imported:
+    from .importers import Imported, conform
+
     doc = json.loads(path.read_text())
     if doc.get("format") != MANIFEST_FORMAT:
         return Imported(issues=[["warning", "not_a_collector_manifest", 1, f"{rel} is not a collector manifest"]])
@@ -95,6 +106,3 @@ def _parse_manifest(path: Path, rel: str) -> Imported:
                        f"rank {rank}: the collector's {part} recording was disabled after {error}; its rows stop there"])
     rows = [{"rank": rank, "source": rel, "run_index": 0, "status": run_status, "detail": detail}]
     return Imported(tables={"run_status": conform(rows, "run_status")}, issues=issues, facts=facts)
-
-
-IMPORTER = Importer(name="collector", claims=claims, parse=parse)

@@ -55,7 +55,7 @@ from . import autotune, collected, comms_dump, dslog, flops_text, scalars  # aft
 
 # Order is priority: specific file names before generic suffixes.
 IMPORTERS: list[Importer] = [
-    collected.IMPORTER,
+    Importer("collector", collected.claims, collected.parse),
     Importer("autotune_experiment", autotune.claims_experiment, autotune.parse_experiment, autotune.experiment_companions),
     Importer("autotune_summary", autotune.claims_summary, autotune.parse_summary, autotune.summary_companions),
     Importer("tensorboard", scalars.claims_tensorboard, scalars.parse_tensorboard),
