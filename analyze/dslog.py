@@ -128,7 +128,6 @@ class Run:
     exit_codes: list = field(default_factory=list)
     signal: str | None = None
     exceptions: list = field(default_factory=list)  # (rank, last exception line)
-    first_line: int = 0
     steps_done: dict = field(default_factory=dict)  # rank -> optimizer steps closed by a global timer line
     comms: dict = field(default_factory=dict)  # rank -> list of comms row dicts (latency still as logged)
 
@@ -170,7 +169,7 @@ def parse(path: Path, rel: str) -> Imported:
     try:
         data = path.read_bytes()
     except OSError as e:
-        return Imported(issues=[["error", "unreadable", 1, f"{e}"]])
+        return Imported(issues=[["error", "unreadable", 1, str(e)]])
     if not data.strip():
         return Imported(issues=[["warning", "empty_file", 1, "empty log; nothing read"]])
     text = data.decode("utf-8", "replace")

@@ -89,7 +89,7 @@ def parse(path: Path, rel: str) -> Imported:
     try:
         text = path.read_bytes().decode("utf-8", "replace")
     except OSError as e:
-        return Imported(issues=[["error", "unreadable", 1, f"{e}"]])
+        return Imported(issues=[["error", "unreadable", 1, str(e)]])
     context = {}
     for config_path in ds_config_files(path):
         try:
