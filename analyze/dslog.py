@@ -508,6 +508,10 @@ def _build(state: LogState, issues: list) -> Imported:
         rows = [{**{k: v for k, v in row.items() if k != "run_index"}, "trusted": trust[row["run_index"]]}
                 for row in state.summary]
         tables["comms_summary"] = conform(rows, "comms_summary")
+        if unknown := sum(row["trusted"] is None for row in rows):
+            issues.append(["info", "comms_summary_trust_unknown", unknown,
+                           ("log_summary table without verbose comms lines in the same run: whether its latencies are "
+                           "running totals (DeepSpeed >= 0.18.3) cannot be told; trusted left null")])
     # A run_status row needs evidence: launcher lines, exits, a signal or a traceback.
     statuses = [_status(run, state.file_rank) for run in state.runs
                 if run.markers or run.exceptions or run.exits_ok or run.exit_codes or run.signal]

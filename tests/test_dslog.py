@@ -123,6 +123,16 @@ def test_verbose_comms_lines_repaired_to_the_last_running_total():
     assert row.height == 1 and row["trusted"].to_list() == [False]
 
 
+def test_summary_text_alone_has_unknown_trust():
+    path = _need(RUNS / "run1/comms/log_summary_rank0.txt")
+    imported = _parse(path)
+    summary = imported.tables["comms_summary"]
+    text = path.read_text().split("_____")[0]  # the straggler breakdown after it is not read
+    assert summary.height == len(re.findall(r"(?m)^ +\d+(?:\.\d+)? ?[KMG]?B +\d+ ", text)) == 11
+    assert summary["trusted"].null_count() == summary.height
+    assert [i for i in imported.issues if i[1] == "comms_summary_trust_unknown"]
+
+
 def test_facts_from_the_launcher_and_config_dump():
     imported = _parse(_rank0_log("run1"))
     assert imported.facts["train_batch_size"] == 8 and imported.facts["zero_stage"] == 2
