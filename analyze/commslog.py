@@ -18,11 +18,15 @@ CAVEAT = ("timed by DeepSpeed's comms logger, which synchronizes around every op
 
 def one_source_per_rank(calls: pl.DataFrame) -> pl.DataFrame:
     """Keep, for each rank, one source: a comms dump (.json: exact sizes, unrounded latencies) before
-    a log (sizes and times rounded as printed), then the one with the most calls, then by name."""
+    a log (sizes and times rounded as printed), then the one with the most calls, then by name.
+    A rank the collector measured (latency_origin measured) keeps all of those and nothing else: its
+    flushed parts are pieces of one record, and the comms logger timed the same calls."""
+    measured = calls.filter(pl.col("latency_origin") == "measured")
+    calls = calls.join(measured.select("rank").unique(), on="rank", how="anti", nulls_equal=True)
     counts = calls.group_by("rank", "source").len().with_columns(dump=pl.col("source").str.ends_with(".json"))
     counts = counts.sort(["rank", "dump", "len", "source"], descending=[False, True, True, False])
     chosen = counts.unique("rank", keep="first", maintain_order=True).select("rank", "source")
-    return calls.join(chosen, on=["rank", "source"], how="semi", nulls_equal=True)
+    return pl.concat([measured, calls.join(chosen, on=["rank", "source"], how="semi", nulls_equal=True)])
 
 
 def comms_log_stats(comms_calls: pl.DataFrame) -> pl.DataFrame:

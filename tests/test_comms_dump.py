@@ -182,3 +182,20 @@ def test_comms_log_stats_counts_each_call_once(runs):
     # Nothing from the log's rounded sizes ("3.56 MB") leaks in beside the dump's exact ones.
     assert stats.filter(pl.col("op") == "all_reduce")["nccl_bytes"].is_in([round(3.56 * 2**20)]).sum() == 0
     assert set(stats.columns) == set(schema.ANALYSIS_TABLES["comms_log_stats"])
+
+
+def test_collector_measurements_replace_the_logger_for_their_rank():
+    """Rank 0 measured by the collector (two flushed parts) and timed by the comms logger; rank 1 only
+    in a dump and a log. Expected by hand: rank 0's two measured calls + rank 1's dump call."""
+    def call(rank, source, latency, origin):
+        return {"rank": rank, "source": source, "op": "all_reduce", "msg_bytes": 8, "nccl_bytes": 8, "group_size": 2,
+                "latency_ns": latency, "latency_origin": origin, "synchronized": origin != "measured"}
+    calls = importers.conform([
+        call(0, "collector/part-a", 10, "measured"), call(0, "collector/part-b", 30, "measured"),
+        call(0, "comms/comms_dict_raw_rank0.json", 99, "repaired_cumulative"),
+        call(1, "comms/comms_dict_raw_rank1.json", 20, "repaired_cumulative"),
+        call(1, "rank_logs/x_rank1.log", 21, "repaired_cumulative"),
+    ], "comms_calls")
+    row = commslog.comms_log_stats(calls).row(0, named=True)
+    assert (row["calls"], row["ranks"], row["total_latency_ns"]) == (3, 2, 60)
+    assert row["latency_origin"] == "measured,repaired_cumulative"
