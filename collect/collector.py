@@ -433,7 +433,6 @@ class TorchCollector(Collector):
         }
         self.handles = [
             self.model.register_forward_pre_hook(lambda module, args: self.guard("steps", self.forward_started)),
-            self.model.register_forward_hook(lambda module, args, out: self.guard("flops", self.forward_finished)),
             self.optimizer.register_step_post_hook(lambda opt, args, kwargs: self.optimizer_stepped()),
         ]
         self.start()
@@ -450,9 +449,14 @@ class TorchCollector(Collector):
 
             self.flops_step = None
             self.capture = self.guard("flops", FlopsCapture, self.model)
+            if self.capture is not None:
+                # Registered after the profiler's own hooks, so it runs after them (the root's duration is set).
+                self.handles.append(self.model.register_forward_hook(
+                    lambda module, args, out: self.guard("flops", self.forward_profiled)))
 
-    def forward_finished(self) -> None:
+    def forward_profiled(self) -> None:
         capture, self.capture = self.capture, None
+        self.handles.pop().remove()  # one profile per job
         if capture is not None:
             self.add_flops(capture.finish())
 

@@ -1,0 +1,345 @@
+"""The in-job collector on real DeepSpeed jobs (CPU, 2 ranks, gloo), read back through `analyze`.
+
+The jobs run once per session (tests/realrun/train_tiny_gpt.py, about 25 s each on 2 cores):
+  z1_gas2_fault  ZeRO-1, 2 micro steps per step, a fault injected into the timer hook
+  z2             ZeRO-2: comms logger verbose, unknown comm ops, a comms probe, FLOPs, a profiler window
+  z3             ZeRO-3 with a FLOPs profile (the double-counting flag)
+  killed         ZeRO-2, rank 1 SIGKILLs itself after step 4, flushes every 2 steps
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+from steplens.analyze import collected, ingest, schema
+from steplens.collect import Settings
+
+sys.path.insert(0, str(Path(__file__).parent / "realrun"))
+
+STEPS = 6
+MICRO_BATCH = 4  # train_tiny_gpt.py default
+SEQ_LEN = 64  # train_tiny_gpt.py default
+RANKS = 2
+KILLED_RANK, KILL_AT_STEP, KILL_STEPS = 1, 4, 8
+PROBE_STEP = 3
+PROFILE = {"skip_first": 2, "wait": 1, "warmup": 1, "active": 1, "repeat": 1}  # train_tiny_gpt.py defaults
+JOBS = {
+    "z1_gas2_fault": ("--zero_stage", "1", "--gas", "2", "--steps", "4", "--wall_clock_breakdown",
+                      "--inject_fault", "record_timers", "--profile_window", "off", "--flops_step", "-1"),
+    "z2": ("--zero_stage", "2", "--steps", str(STEPS), "--wall_clock_breakdown", "--csv_monitor",
+           "--comms_logger", "verbose", "--log_level", "info", "--unknown_comm_op", "--probe_comms", str(PROBE_STEP),
+           "--flush_every", "2"),
+    "z3": ("--zero_stage", "3", "--steps", "4", "--flops_step", "1", "--profile_window", "off"),
+    "killed": ("--zero_stage", "2", "--steps", str(KILL_STEPS), "--flush_every", "2", "--kill_rank", str(KILLED_RANK),
+               "--kill_at_step", str(KILL_AT_STEP), "--profile_window", "off", "--flops_step", "-1"),
+}
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    pytest.importorskip("torch")
+    pytest.importorskip("deepspeed")
+    from launch import run_tiny_gpt
+
+    if reuse := os.environ.get("STEPLENS_COLLECT_RUNS"):  # a folder of runs made before: iterate on the tests faster
+        root = Path(reuse)
+        if all((root / name / "script").exists() or name == "killed" for name in JOBS):
+            for name in JOBS:
+                shutil.rmtree(root / name / ".steplens", ignore_errors=True)
+            return {name: root / name for name in JOBS}
+    else:
+        root = tmp_path_factory.mktemp("collector_runs")
+    return {name: run_tiny_gpt(root / name, *args, check=name != "killed") for name, args in JOBS.items()}
+
+
+@pytest.fixture(scope="session")
+def ingested(runs) -> dict[str, ingest.IngestResult]:
+    return {name: ingest.ingest(path, jobs=1) for name, path in runs.items()}
+
+
+def table(result: ingest.IngestResult, name: str, collector_only: bool = True) -> pl.DataFrame:
+    frame = pl.read_parquet(result.out_dir / name)
+    return frame.filter(pl.col("source").str.starts_with("collector/")) if collector_only else frame
+
+
+def issues(result: ingest.IngestResult) -> pl.DataFrame:
+    return pl.read_parquet(result.out_dir / "ingest_issues")
+
+
+def script_record(run: Path, rank: int) -> dict:
+    return json.loads((run / "script" / f"rank{rank}.json").read_text())
+
+
+# --- a finished job: analyze reads all of it ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["z1_gas2_fault", "z2", "z3"])
+def test_analyze_reads_every_collector_file(ingested, runs, name):
+    result = ingested[name]
+    collector_files = sorted(str(p.relative_to(runs[name])) for p in (runs[name] / "collector").rglob("*") if p.is_file())
+    sources = {s.path: s for s in result.sources}
+    assert collector_files and all(sources[f].kind == "collector" and sources[f].status == "ingested"
+                                   for f in collector_files)
+    ours = issues(result).filter(pl.col("file").str.starts_with("collector/") | pl.col("file").str.starts_with("traces/"))
+    assert ours.filter(pl.col("severity") == "error").is_empty()
+    facts = result.manifest["facts"]
+    config = json.loads((runs[name] / "ds_config.json").read_text())
+    assert facts["ds_config"] == config
+    assert facts["zero_stage"] == config["zero_optimization"]["stage"]
+    assert facts["world_size"] == RANKS and facts["dtype"] == "fp32" and facts["seq_len"] == SEQ_LEN
+    assert facts["micro_batch"] == MICRO_BATCH and facts["grad_accum"] == config["gradient_accumulation_steps"]
+    assert facts["train_batch_size"] == MICRO_BATCH * config["gradient_accumulation_steps"] * RANKS
+    import deepspeed
+    import torch
+
+    assert facts["environment"]["torch"] == torch.__version__ and facts["environment"]["deepspeed"] == deepspeed.__version__
+    # The training script's revision: HEAD when the job ran (others may have committed since).
+    subprocess.run(["git", "merge-base", "--is-ancestor", facts["git"]["commit"], "HEAD"], check=True,
+                   cwd=Path(__file__).parent)
+    for rank in range(RANKS):
+        assert facts[f"collector_rank{rank}"]["status"] == "completed"
+    status = table(result, "run_status")
+    assert sorted(status["rank"].to_list()) == [0, 1] and set(status["status"]) == {"completed"}
+
+
+def test_one_row_per_micro_step_with_the_engines_global_samples(ingested, runs):
+    """z1 runs 2 micro steps per optimizer step: the samples count up by one micro batch per rank in
+    between, and reach the engine's global_samples (recorded by the script) at each boundary."""
+    gas, steps = 2, 4
+    rows = table(ingested["z1_gas2_fault"], "train_steps").sort("rank", "micro_step")
+    for rank in range(RANKS):
+        mine = rows.filter(pl.col("rank") == rank)
+        assert mine["micro_step"].to_list() == list(range(steps * gas))
+        assert mine["step"].to_list() == [m // gas for m in range(steps * gas)]
+        assert mine["is_boundary"].to_list() == [m % gas == gas - 1 for m in range(steps * gas)]
+        engine = [s["global_samples"] for s in script_record(runs["z1_gas2_fault"], rank)["steps"]]
+        assert mine.filter("is_boundary")["global_samples"].to_list() == engine
+        between = mine.filter(~pl.col("is_boundary"))["global_samples"].to_list()
+        assert between == [e - MICRO_BATCH * RANKS for e in engine]
+        assert (mine["global_tokens"] == mine["global_samples"] * SEQ_LEN).all()
+        assert (mine["dur_ns"] > 0).all() and (mine["start_ns"].diff().drop_nulls() > 0).all()
+
+
+def test_scalars_carry_the_engines_global_samples(ingested, runs):
+    result = ingested["z2"]
+    scalars = table(result, "scalars")
+    engine = {s["step"]: s["global_samples"] for s in script_record(runs["z2"], 0)["steps"]}
+    for name in ("Train/Samples/lr", "Train/Samples/elapsed_time_ms_forward", "train/loss"):
+        points = scalars.filter(pl.col("name") == name).sort("step")
+        assert dict(zip(points["step"], points["global_samples"])) == engine, name
+    assert set(scalars["rank"]) == {0}  # rank 0 by default
+    # The collector and csv_monitor saw the same DeepSpeed events.
+    csv = table(result, "scalars", collector_only=False).filter(pl.col("origin") == "csv_monitor")
+    joined = csv.join(scalars, on=["name", "global_samples"], suffix="_collector")
+    assert joined.height == csv.height > 0
+    assert ((joined["value"] - joined["value_collector"]).abs() < 1e-9).all()
+
+
+def test_step_timers_per_step_match_the_monitor_events(ingested):
+    result = ingested["z2"]
+    timers = table(result, "step_timers")
+    scalars = table(result, "scalars")
+    for rank in range(RANKS):
+        mine = timers.filter(pl.col("rank") == rank)
+        assert set(mine.filter(pl.col("scope") == "global")["timer"]) == {"fwd", "bwd", "bwd_inner", "bwd_allreduce", "step"}
+        assert set(mine.filter(pl.col("scope") == "optimizer")["timer"]) >= {"optimizer_step"}
+        assert mine.filter(pl.col("timer") == "fwd")["step"].sort().to_list() == list(range(STEPS))
+    # DeepSpeed writes Train/Samples/elapsed_time_ms_forward from the same timer just before logging it.
+    fwd = timers.filter((pl.col("rank") == 0) & (pl.col("timer") == "fwd")).sort("step")["ms"]
+    event = scalars.filter(pl.col("name") == "Train/Samples/elapsed_time_ms_forward").sort("step")["value"]
+    assert ((fwd - event).abs() < 1e-6).all()
+
+
+# --- comms -------------------------------------------------------------------------------------------
+
+
+def test_comms_latency_per_call_matches_an_independent_wall_clock(ingested, runs):
+    """The probe all_reduce: rank 1 enters it 200 ms late; the script timed it on rank 0 itself."""
+    calls = table(ingested["z2"], "comms_calls")
+    probe = script_record(runs["z2"], 0)["probe"]
+    (row,) = calls.filter((pl.col("rank") == 0) & (pl.col("caller") == "probe_comms") & (pl.col("op") == "all_reduce")).rows(named=True)
+    wall = probe["end_ns"] - probe["start_ns"]
+    assert wall > 150e6  # it did wait for rank 1
+    assert wall - 2e6 < row["latency_ns"] <= wall  # per call, inside the script's own span
+    assert row["step"] == PROBE_STEP and row["msg_bytes"] == probe["msg_bytes"]
+    assert row["latency_origin"] == "measured" and row["synchronized"] is False  # gloo on CPU: done when it returns
+
+
+def test_comms_latencies_are_per_call_not_running_totals(ingested):
+    """Each call lies inside its step on the wall clock, so the calls of a step cannot add up to more than
+    the step (DeepSpeed's logger, whose totals run on, would exceed it after a few steps)."""
+    result = ingested["z2"]
+    calls = table(result, "comms_calls").filter(pl.col("caller") != "probe_comms")
+    steps = table(result, "train_steps")
+    joined = calls.join(steps, on=["rank", "step"], suffix="_step")
+    inside = joined.filter(pl.col("caller").is_in(["allreduce_bucket", "get_grad_norm_direct"]))
+    assert inside.height == RANKS * STEPS * 2
+    assert (inside["ts_ns"] >= inside["start_ns"]).all()
+    assert (inside["ts_ns"] + inside["latency_ns"] <= inside["end_ns"]).all()
+    per_step = inside.group_by("rank", "step").agg(pl.col("latency_ns").sum(), pl.col("dur_ns").first())
+    assert (per_step["latency_ns"] < per_step["dur_ns"]).all()
+    # DeepSpeed's own verbose lines are read too, and flagged as running totals.
+    flagged = issues(result).filter(pl.col("reason") == "cumulative_comms_latency")
+    assert flagged.height >= 1
+
+
+def test_comms_sizes_and_bandwidth_follow_nccl_tests(ingested):
+    calls = table(ingested["z2"], "comms_calls")
+    gather = calls.filter(pl.col("op") == "all_gather_into_tensor")
+    assert gather.height == RANKS * STEPS
+    assert (gather["nccl_bytes"] == gather["msg_bytes"] * gather["group_size"]).all()
+    assert (gather["busbw_gbps"] - gather["algbw_gbps"] * 0.5).abs().max() < 1e-12  # (n-1)/n, n = 2
+    reduce = calls.filter(pl.col("caller") == "allreduce_bucket")
+    assert ((reduce["algbw_gbps"] - reduce["nccl_bytes"] / reduce["latency_ns"]).abs() < 1e-12).all()
+    assert (reduce["busbw_gbps"] - reduce["algbw_gbps"]).abs().max() < 1e-12  # 2(n-1)/n = 1
+    assert set(calls["group_size"]) == {RANKS}
+
+
+def test_ops_deepspeeds_logger_does_not_know_do_not_end_the_job(runs, ingested):
+    """all_gather_object and monitored_barrier with the comms logger on: DeepSpeed alone calls exit(0)."""
+    calls = table(ingested["z2"], "comms_calls")
+    assert set(calls.filter(pl.col("caller") == "main")["op"]) >= {"all_gather_object", "monitored_barrier"}
+    for rank in range(RANKS):
+        assert len(script_record(runs["z2"], rank)["steps"]) == STEPS
+
+
+# --- FLOPs and profiler windows ------------------------------------------------------------------------
+
+
+def test_flops_table_is_exact_per_module(ingested):
+    flops = table(ingested["z2"], "flops_profile")
+    assert set(flops["rank"]) == {0} and set(flops["profile_step"]) == {2} and flops["exact"].all()
+    root = flops.filter(pl.col("path") == "").row(0, named=True)
+    assert root["module_class"] == "TinyGPT" and root["depth"] == 0
+    assert root["flops_total"] == flops["flops"].sum() and root["macs_total"] == flops["macs"].sum()
+    tokens = MICRO_BATCH * SEQ_LEN  # the model sees seq_len inputs per sample
+    qkv = flops.filter(pl.col("path") == "blocks.0.qkv").row(0, named=True)
+    d_model = 128
+    assert qkv["macs"] == tokens * d_model * 3 * d_model and qkv["flops"] == 2 * qkv["macs"]
+    assert qkv["params"] == d_model * 3 * d_model + 3 * d_model and qkv["depth"] == 3
+    assert not flops["duration_bogus"].any() and root["duration_ns"] > 0
+
+
+def test_zero3_flops_double_counting_is_flagged(ingested):
+    result = ingested["z3"]
+    assert "flops_zero3_double_counting" in result.manifest["facts"]["collector_flags"]
+    assert not table(result, "flops_profile").is_empty()
+    assert "flops_zero3_double_counting" not in ingested["z2"].manifest["facts"]["collector_flags"]
+
+
+def test_profiler_window_is_a_standard_gzipped_kineto_trace_per_rank(runs, ingested):
+    traces = sorted((runs["z2"] / "traces").iterdir())
+    assert [p.name.split(".")[0] for p in traces] == ["rank0", "rank1"]
+    assert all(p.name.endswith(".pt.trace.json.gz") for p in traces)
+    doc = json.loads(gzip.decompress(traces[0].read_bytes()))
+    assert doc["distributedInfo"]["rank"] == 0 and doc["traceEvents"]
+    steps = pl.read_parquet(ingested["z2"].out_dir / "steps")
+    active = PROFILE["skip_first"] + PROFILE["wait"] + PROFILE["warmup"]
+    assert sorted(steps["step"].unique().to_list()) == list(range(active, active + PROFILE["active"]))
+    assert (runs["z1_gas2_fault"] / "traces").exists() is False  # windows only when asked for
+
+
+# --- safety ------------------------------------------------------------------------------------------
+
+
+def test_a_fault_in_a_collector_hook_disables_that_part_only(runs, ingested):
+    result = ingested["z1_gas2_fault"]
+    for rank in range(RANKS):
+        assert len(script_record(runs["z1_gas2_fault"], rank)["steps"]) == 4  # training went on
+        assert "injected fault" in result.manifest["facts"][f"collector_rank{rank}"]["disabled"]["timers"]
+    assert table(result, "step_timers").is_empty()
+    assert not table(result, "train_steps").is_empty() and not table(result, "comms_calls").is_empty()
+    disabled = issues(result).filter(pl.col("reason") == "collector_part_disabled")
+    assert disabled.height == RANKS
+
+
+def test_a_killed_rank_leaves_readable_parts_and_analyze_reports_the_missing_tail(runs, ingested):
+    run = runs["killed"]
+    parts = sorted((run / "collector").glob("*/rank*.parquet"))
+    for part in parts:  # every flushed part reads
+        assert pq.read_table(part).schema.names == schema.TABLES[part.parent.name][0].names
+    assert not list((run / "collector").rglob("*.tmp"))
+    manifest = json.loads((run / "collector" / "manifest" / f"rank{KILLED_RANK}.json").read_text())
+    assert manifest["status"] == "running"
+    result = ingested["killed"]
+    status = table(result, "run_status")
+    assert status.filter(pl.col("rank") == KILLED_RANK)["status"].to_list() == ["incomplete"]
+    (missing,) = issues(result).filter((pl.col("reason") == "collector_missing_tail")
+                                       & (pl.col("detail").str.contains(f"rank {KILLED_RANK}"))).rows(named=True)
+    assert missing["severity"] == "error"
+    # Everything up to the last flush is there, nothing after it.
+    steps = table(result, "train_steps").filter(pl.col("rank") == KILLED_RANK)
+    last = manifest["last_flushed_step"]
+    assert last is not None and last < KILL_AT_STEP
+    assert steps["step"].sort().to_list() == list(range(last + 1))
+
+
+def test_a_damaged_part_costs_that_part_only(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["z2"] / "collector", run / "collector")
+    parts = sorted((run / "collector" / "comms_calls").glob("rank0-*.parquet"))
+    damaged = parts[0]
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    result = ingest.ingest(run, jobs=1)
+    rel = str(damaged.relative_to(run))
+    errors = issues(result).filter(pl.col("severity") == "error")
+    assert errors["file"].to_list() == [rel] and errors["reason"].to_list() == ["collector_part_unreadable"]
+    calls = table(result, "comms_calls")
+    expected = sum(pq.read_table(p).num_rows for p in (run / "collector" / "comms_calls").glob("*.parquet") if p != damaged)
+    assert calls.height == expected > 0 and rel not in set(calls["source"])
+
+
+# --- plain torch and settings ----------------------------------------------------------------------
+
+
+def test_plain_torch_model_in_reduced_form(tmp_path):
+    torch = pytest.importorskip("torch")
+    from steplens.collect import attach
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), samples_per_step=8, flops_step=1,
+                       profile={"wait": 0, "warmup": 1, "active": 1}, flush_every=2)
+    for _ in range(4):
+        loss = model(torch.randn(8, 16)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        collector.log("train/loss", loss.item())
+    collector.close()
+    result = ingest.ingest(tmp_path, jobs=1)
+    steps = table(result, "train_steps").sort("step")
+    assert steps["step"].to_list() == [0, 1, 2, 3] and steps["global_samples"].to_list() == [8, 16, 24, 32]
+    loss = table(result, "scalars").sort("step")
+    assert loss["global_samples"].to_list() == [8, 16, 24, 32]
+    flops = table(result, "flops_profile")
+    assert flops.filter(pl.col("path") == "0")["macs"].to_list() == [8 * 16 * 32]
+    assert len(list((tmp_path / "traces").glob("rank0.*.pt.trace.json.gz"))) == 1
+    # The hooks are gone after close.
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="unknown settings"):
+        Settings.parse({"flush_evry": 5})
+    with pytest.raises(ValueError, match="bounded"):
+        Settings.parse({"profile": {"wait": 1, "warmup": 1, "active": 2, "repeat": 0}})
+    assert Settings.parse({"profile": {"active": 2}}).profile == {"skip_first": 0, "wait": 0, "warmup": 1, "active": 2,
+                                                                 "repeat": 1}
+
+
+def test_importer_claims_only_collector_layout(tmp_path):
+    assert collected.claims(Path("run/collector/train_steps/rank0-00001.parquet"))
+    assert collected.claims(Path("run/collector/manifest/rank3.json"))
+    assert not collected.claims(Path("run/collector/train_steps/.rank0-00001.parquet.tmp"))
+    assert not collected.claims(Path("run/other/train_steps/rank0-00001.parquet"))
+    assert not collected.claims(Path("run/collector/not_a_table/rank0-00001.parquet"))
