@@ -14,7 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
-from . import comms, kernels, launch, mfu, schema, steps
+from . import autotune, comms, commslog, kernels, launch, mfu, monitor, schema, steps
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
@@ -31,6 +31,7 @@ class Options:
     shape: mfu.ModelShape | None = None
     recompute: bool = False
     kernel_categories: list = field(default_factory=lambda: list(kernels.KERNEL_CATEGORIES))
+    grad_norm_threshold: float | None = None
 
 
 def _read(out_dir: Path, table: str, columns: list[str], where: pl.Expr | None = None) -> pl.DataFrame:
@@ -110,20 +111,39 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     for table in schema.ANALYSIS_TABLES:
         shutil.rmtree(out_dir / table, ignore_errors=True)
     per_rank = [_analyse_rank(out_dir, rank, world_size, options) for rank in ranks]
+    device_name, num_sms = _device(manifest)
+    peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops)
+    if ranks:
+        tables = _cross_rank(out_dir, per_rank, ranks, world_size, peak, options)
+    else:  # logs, monitors or autotuning only: the trace analyses are empty tables
+        tables = {name: pl.DataFrame(schema={c: pl.Null for c in columns})
+                  for name, columns in schema.ANALYSIS_TABLES.items() if name != "kernel_launches"}
+        peak_problem = "no profiler traces in this run"
+    tables.update(_telemetry_analyses(out_dir, manifest.get("facts", {}), options))
+    for name, frame in tables.items():
+        _write(out_dir, name, frame)
+    if not ranks:
+        _write(out_dir, "kernel_launches", pl.DataFrame())
+    findings = headline(tables, sum(r.cpu_comm_ops for r in per_rank), peak_problem, device_name) if ranks \
+        else {"device": None, "traces": "no profiler traces: step, GPU, collective and MFU analyses need them"}
+    findings.update(telemetry_headline(tables))
+    (out_dir / "findings.json").write_text(json.dumps(findings, indent=1, default=str))
+    return findings
+
+
+def _cross_rank(out_dir: Path, per_rank: list[_RankResults], ranks: list[int], world_size: int, peak, options: Options
+                ) -> dict[str, pl.DataFrame]:
+    """The analyses that need every rank's small results: alignment, stragglers, collectives, MFU."""
 
     def gather(field: str) -> pl.DataFrame:
-        frames = [getattr(r, field) for r in per_rank]
-        return pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
+        return pl.concat([getattr(r, field) for r in per_rank], how="diagonal_relaxed")
 
     step_windows = _read(out_dir, "steps", ["step", "start_ns", "end_ns"])
     calls = gather("calls")
     offsets = steps.clock_offsets(calls, ranks)
     times = steps.step_times(step_windows, gather("gpu_spans"), steps.collective_waits(calls), offsets)
     stats = steps.step_stats(times)
-    device_name, num_sms = _device(manifest)
-    peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops)
-
-    tables = {
+    return {
         "clock_offsets": offsets,
         "step_times": times,
         "step_stats": stats,
@@ -136,13 +156,20 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
         "top_kernels": kernels.top_kernels(gather("kernel_totals")),
         "mfu": mfu.mfu_table(stats, times, gather("flops"), peak, world_size, options.shape, options.recompute),
     }
-    for name, frame in tables.items():
-        _write(out_dir, name, frame)
-    if not ranks:
-        _write(out_dir, "kernel_launches", pl.DataFrame())
-    findings = headline(tables, sum(r.cpu_comm_ops for r in per_rank), peak_problem, device_name)
-    (out_dir / "findings.json").write_text(json.dumps(findings, indent=1, default=str))
-    return findings
+
+
+def _telemetry_analyses(out_dir: Path, facts: dict, options: Options) -> dict[str, pl.DataFrame]:
+    """Analyses of the collector's and the native artifacts' tables (run-level, always present after ingest)."""
+
+    def read(table: str) -> pl.DataFrame:
+        return pl.read_parquet(out_dir / table) if (out_dir / table).exists() else pl.DataFrame()
+
+    calls = read("comms_calls")
+    return {
+        **monitor.monitor_tables(read("scalars"), facts, options.grad_norm_threshold),
+        **autotune.autotune_tables(read("autotune_experiments"), facts),
+        "comms_log_stats": commslog.comms_log_stats(calls) if not calls.is_empty() else pl.DataFrame(),
+    }
 
 
 def _device(manifest: dict) -> tuple[str | None, int | None]:
@@ -199,4 +226,23 @@ def headline(tables: dict[str, pl.DataFrame], cpu_comm_ops: int, peak_problem: s
         summary = table.group_by("metric", "numerator", "definition", "peak").agg(
             utilization=pl.col("utilization").median()).sort("metric", descending=True)
         findings["mfu"] = summary.to_dicts()
+    return findings
+
+
+def telemetry_headline(tables: dict[str, pl.DataFrame]) -> dict:
+    """Findings from logs, monitors and autotuning: alarms by kind, autotuning verdicts, the slowest
+    logged collective."""
+    findings: dict = {}
+    alarms = tables["monitor_alarms"]
+    if not alarms.is_empty():
+        findings["monitor_alarms"] = dict(alarms.group_by("alarm").len().sort("alarm").iter_rows())
+    verdicts = tables["autotune_verdict"]
+    if not verdicts.is_empty():
+        findings["autotune"] = verdicts.select("tuning_space", "winner", "established", "trials_needed", "pick_mismatch",
+                                               "pick_detail", "detail").to_dicts()
+    stats = tables["comms_log_stats"]
+    if not stats.is_empty():
+        top = stats.sort("total_latency_ns", descending=True).row(0, named=True)
+        findings["logged_comms"] = {k: top[k] for k in ("op", "nccl_bytes", "calls", "median_latency_ns", "total_latency_ns",
+                                                         "median_busbw_gbps", "latency_origin")}
     return findings

@@ -69,13 +69,15 @@ used (see the issues); {EXIT_NOTHING} nothing usable.
 @click.option("--seq-len", type=int, default=None, help="Model shape: sequence length T.")
 @click.option("--tokens-per-step", type=int, default=None, help="Global tokens per optimizer step (all ranks).")
 @click.option("--recompute", is_flag=True, help="Full activation recompute was on: also report HFU (PaLM + one forward).")
+@click.option("--grad-norm-threshold", type=float, default=None,
+              help="Alarm when a grad-norm scalar exceeds this (default: alarm on robust-z spikes only).")
 @click.option("--format", "fmt", type=click.Choice(["text", "md"]), default="text", show_default=True,
               help="text: terminal tables; md: print summary.md (markdown for a PR comment) instead.")
 @click.option("--kernel-categories", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="CSV with columns category,pattern (regex on kernel names), checked before the built-in patterns.")
 def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, ingest_only: bool, dtype: str,
             peak_tflops: float | None, params, layers, heads, head_dim, seq_len, tokens_per_step, recompute: bool,
-            fmt: str, kernel_categories: Path | None) -> None:
+            grad_norm_threshold: float | None, fmt: str, kernel_categories: Path | None) -> None:
     use_system_allocator()
     console = Console(stderr=False, highlight=False)
     if not run_dir.exists():
@@ -90,7 +92,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
     if any(v is not None for v in shape_values) and not all(v is not None for v in shape_values):
         _fail("the PaLM numerator needs all of --params --layers --heads --head-dim --seq-len --tokens-per-step")
     options = analyses.Options(
-        dtype=dtype, peak_tflops=peak_tflops, recompute=recompute,
+        dtype=dtype, peak_tflops=peak_tflops, recompute=recompute, grad_norm_threshold=grad_norm_threshold,
         shape=mfu.ModelShape(*shape_values) if all(v is not None for v in shape_values) else None,
         kernel_categories=kernels.load_categories(kernel_categories) if kernel_categories else list(kernels.KERNEL_CATEGORIES),
     )
@@ -238,8 +240,30 @@ def print_findings(console: Console, f: dict) -> None:
                          f"Peak: {row['peak']}")
     elif isinstance(util, dict):
         lines.append(f"MFU: not computed: {util['note']}")
+    if f.get("traces"):
+        lines.append(f["traces"])
+    lines.extend(telemetry_lines(f))
     for line in lines:
         console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+
+
+def telemetry_lines(f: dict) -> list[str]:
+    """Findings from logs, monitors and autotuning, as sentences (shared with the report's verdict)."""
+    lines = []
+    if logged := f.get("logged_comms"):
+        busbw = logged["median_busbw_gbps"]
+        lines.append(f"logged comms: {logged['op']} of {logged['nccl_bytes']:,} B costs most, {_ms(logged['total_latency_ns'])} over "
+                     f"{logged['calls']} calls (median {_ms(logged['median_latency_ns'])}"
+                     + (f", busbw {busbw:.2f} GB/s" if busbw is not None else "")
+                     + f"; latencies {logged['latency_origin']}; timed with the comms logger on, not throughput)")
+    if alarms := f.get("monitor_alarms"):
+        lines.append("monitor alarms: " + ", ".join(f"{kind} x{n}" for kind, n in alarms.items()) + " (table monitor_alarms)")
+    for space in f.get("autotune", []):
+        if space["pick_mismatch"]:
+            lines.append(f"autotuning {space['tuning_space']}: DeepSpeed's pick disagrees with the experiments' own metrics: "
+                         f"{space['pick_detail']}")
+        lines.append(f"autotuning {space['tuning_space']}: {space['detail']}")
+    return lines
 
 
 def _ms(ns) -> str:

@@ -6,7 +6,7 @@ import polars as pl
 
 from .data import Run, ms, size
 
-MAX_FINDINGS = 6
+MAX_FINDINGS = 10
 
 
 def verdict(run: Run) -> list[str]:
@@ -42,6 +42,9 @@ def verdict(run: Run) -> list[str]:
         for row in utilization:
             lines.append(f"{row['metric']} {row['utilization']:.1%} (median over steps; numerator {row['numerator']}, "
                          f"peak {row['peak']}).")
+    from steplens.analyze.cli import telemetry_lines
+
+    lines.extend(line[0].upper() + line[1:] + "." for line in telemetry_lines(f))
     issues = run.table("ingest_issues")
     if not issues.is_empty() and (errors := issues.filter(pl.col("severity") == "error")).height:
         lines.append(f"{errors.height} input problem(s) lost data (see Ingest issues); numbers cover what was readable.")
