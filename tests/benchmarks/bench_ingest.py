@@ -87,15 +87,20 @@ ANALYSES = """
 import sys, time
 from pathlib import Path
 from steplens.analyze import analyses
+from steplens.reports import html, markdown
 started = time.perf_counter()
 analyses.run(Path(sys.argv[1]))
-print(time.perf_counter() - started)
+analysed = time.perf_counter()
+report = html.write(Path(sys.argv[1]))
+markdown.write(Path(sys.argv[1]))
+print(analysed - started, time.perf_counter() - analysed, report.stat().st_size)
 """
 
 
-def time_analyses(d: Path, jobs: int, runs: int) -> tuple[float, float]:
-    """Median seconds of ingest (--ingest-only) and of all analyses reading that run's Parquet."""
-    ingest_s, analyses_s = [], []
+def time_analyses(d: Path, jobs: int, runs: int) -> tuple[float, float, float, int]:
+    """Median seconds of ingest (--ingest-only), of all analyses reading that run's Parquet and of
+    rendering report.html + summary.md from it; and the report's size in bytes."""
+    ingest_s, analyses_s, report_s, report_bytes = [], [], [], 0
     for _ in range(runs):
         with tempfile.TemporaryDirectory(prefix="steplens-bench-out-") as tmp:
             out = os.path.join(tmp, "out")
@@ -104,8 +109,10 @@ def time_analyses(d: Path, jobs: int, runs: int) -> tuple[float, float]:
                            check=True, capture_output=True)
             ingest_s.append(time.perf_counter() - started)
             done = subprocess.run([sys.executable, "-c", ANALYSES, out], check=True, capture_output=True, text=True)
-            analyses_s.append(float(done.stdout.strip().splitlines()[-1]))
-    return statistics.median(ingest_s), statistics.median(analyses_s)
+            analysis_time, report_time, report_bytes = done.stdout.strip().splitlines()[-1].split()
+            analyses_s.append(float(analysis_time))
+            report_s.append(float(report_time))
+    return statistics.median(ingest_s), statistics.median(analyses_s), statistics.median(report_s), int(report_bytes)
 
 
 def run_hta(hta_py: str, d: Path) -> dict:
@@ -186,9 +193,11 @@ def main() -> int:
         bench_set(name, d, hta_py, runs, args.jobs, counts)
         counts_path.write_text(json.dumps(counts, indent=1))
 
-    ingest_s, analyses_s = time_analyses(sets[0][1], args.jobs, runs)
+    ingest_s, analyses_s, report_s, report_bytes = time_analyses(sets[0][1], args.jobs, runs)
     print(f"== analyses on {sets[0][0]} (reading Parquet): {analyses_s:.2f} s = {analyses_s / ingest_s:.1%} of its ingest "
-          f"time {ingest_s:.2f} s (target <= 5%)\n", flush=True)
+          f"time {ingest_s:.2f} s (target <= 5%)", flush=True)
+    print(f"== report.html + summary.md from Parquet: {report_s:.2f} s (ingest {ingest_s:.2f} s); "
+          f"report.html {report_bytes / 1e6:.2f} MB\n", flush=True)
 
     print(f"== steplens peak RSS vs rank count (generated set, --jobs {args.jobs}, median of {runs})")
     print(f"   {'ranks':>5}{'raw MB':>9}{'seconds':>9}{'peak RSS MiB':>14}")

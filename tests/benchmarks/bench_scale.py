@@ -1,10 +1,11 @@
-"""Scale benchmark: many generated ranks end to end (ingest + analyses), peak memory against rank count.
+"""Scale benchmark: many generated ranks end to end (ingest, analyses, report), peak memory against rank count.
 
     .venv/bin/python tests/benchmarks/bench_scale.py [--ranks 64] [--mb-per-rank 20] [--cache DIR]
 
 Generates `--ranks` ranks of about `--mb-per-rank` MB of raw Kineto JSON each (once, cached), then runs
 `analyze` on the first 8, 16, 32, ... ranks and prints, for each: raw MB, ingest seconds, analysis
-seconds (both as `analyze` reports them) and peak RSS of the whole process tree. The memory should
+seconds, report seconds (as `analyze` reports them), the size of report.html and peak RSS of the
+whole process tree. The memory should
 stay flat as ranks grow: at most --jobs files are parsed at once and the analyses go rank by rank.
 """
 
@@ -24,6 +25,7 @@ from peak_rss import measure  # noqa: E402
 
 ANALYZE = Path(sys.executable).parent / "analyze"
 SUMMARY = re.compile(r"([\d.]+) MB JSON in ([\d.]+)s.*analyses ([\d.]+)s")
+REPORT = re.compile(r"rendered in ([\d.]+)s")
 
 
 def generate(cache: Path, ranks: int, mb: int) -> Path:
@@ -55,20 +57,22 @@ def main() -> int:
     cache = args.cache.resolve()
     cache.mkdir(parents=True, exist_ok=True)
     gen = generate(cache, args.ranks, args.mb_per_rank)
-    print(f"\n   {'ranks':>5}{'raw MB':>9}{'ingest s':>10}{'analyses s':>12}{'wall s':>8}{'peak RSS MiB':>14}")
+    print(f"\n   {'ranks':>5}{'raw MB':>9}{'ingest s':>10}{'analyses s':>12}{'report s':>10}{'report KB':>11}"
+          f"{'wall s':>8}{'peak RSS MiB':>14}")
     n = 8
     while n <= args.ranks:
         d = subset(cache, gen, n)
         with tempfile.TemporaryDirectory(prefix="steplens-scale-") as tmp:
             r = measure([str(ANALYZE), str(d), "--out", str(Path(tmp) / "out"), "-q"], capture=True,
                         stderr=subprocess.STDOUT)
-        found = SUMMARY.search(r["stdout"])
-        if r["returncode"] != 0 or not found:
+            report_kb = (Path(tmp) / "out" / "report.html").stat().st_size / 1e3 if r["returncode"] == 0 else 0
+        found, rendered = SUMMARY.search(r["stdout"]), REPORT.search(r["stdout"])
+        if r["returncode"] != 0 or not found or not rendered:
             print(f"analyze failed on {n} ranks:\n{r['stdout'][-2000:]}")
             return 1
         mb, ingest_s, analyses_s = (float(x) for x in found.groups())
-        print(f"   {n:>5}{mb:>9.0f}{ingest_s:>10.1f}{analyses_s:>12.2f}{r['seconds']:>8.1f}{r['peak_rss_mb']:>14.0f}",
-              flush=True)
+        print(f"   {n:>5}{mb:>9.0f}{ingest_s:>10.1f}{analyses_s:>12.2f}{float(rendered.group(1)):>10.2f}{report_kb:>11.0f}"
+              f"{r['seconds']:>8.1f}{r['peak_rss_mb']:>14.0f}", flush=True)
         n *= 2
     return 0
 
