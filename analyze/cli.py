@@ -255,7 +255,7 @@ def telemetry_lines(f: dict) -> list[str]:
         lines.append(f"logged comms: {logged['op']} of {logged['nccl_bytes']:,} B costs most, {_ms(logged['total_latency_ns'])} over "
                      f"{logged['calls']} calls (median {_ms(logged['median_latency_ns'])}"
                      + (f", busbw {busbw:.2f} GB/s" if busbw is not None else "")
-                     + f"; latencies {logged['latency_origin']}; timed with the comms logger on, not throughput)")
+                     + f"; latencies {logged['latency_origin']}; synchronizing timers: per-op cost, not throughput)")
     if alarms := f.get("monitor_alarms"):
         lines.append("monitor alarms: " + ", ".join(f"{kind} x{n}" for kind, n in alarms.items()) + " (table monitor_alarms)")
     for space in f.get("autotune", []):

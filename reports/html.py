@@ -17,8 +17,6 @@ import jinja2
 import polars as pl
 from markupsafe import Markup
 
-from steplens.analyze import schema
-
 from . import caveats, figures
 from .data import Run, load, ms, size
 from .verdict import verdict
@@ -174,7 +172,7 @@ def _kernelsSection(run: Run) -> dict:
 
 
 def _collectivesSection(run: Run) -> dict:
-    calls, logged = run.table("collectives"), run.table("comms_calls")
+    calls, logged = run.table("collectives"), run.table("comms_log_stats")
     if calls.is_empty() and logged.is_empty():
         note = run.findings.get("comms_note", "No collectives recorded.")
         return Section("Collectives", "collectives", empty=note)
@@ -195,15 +193,13 @@ def _collectivesSection(run: Run) -> dict:
         section.table(_rows(sites, {"issuing_op": ("call site", _text), "op": ("collective", _text),
                                                "calls": ("calls", _num), "exposed": ("exposed", ms)}))
     if not logged.is_empty():
-        per_op = (logged.group_by("op", "nccl_bytes", "group_size").agg(
-            calls=pl.len(), median=pl.col("latency_ns").median(), busbw=pl.col("busbw_gbps").median(),
-            origin=pl.col("latency_origin").first()).sort("calls", descending=True))
-        section.text("Communication calls timed by DeepSpeed's comms logger or the collector "
-                                     "(synchronizing timers: see Method and caveats):")
-        section.table(_rows(per_op, {"op": ("op", _text), "nccl_bytes": ("size S", size),
-                                                "group_size": ("ranks", _text), "calls": ("calls", _num),
-                                                "median": ("median latency", ms), "busbw": ("median busbw GB/s", _num),
-                                                "origin": ("latency", _text)}))
+        section.text("Communication calls timed by DeepSpeed's comms logger or the collector (synchronizing timers, "
+                     "one source per rank: see Method and caveats):")
+        section.table(_rows(logged.sort("total_latency_ns", descending=True), {
+            "op": ("op", _text), "nccl_bytes": ("size S", size), "group_size": ("ranks in group", _text),
+            "calls": ("calls", _num), "median_latency_ns": ("median latency", ms), "p90_latency_ns": ("p90", ms),
+            "total_latency_ns": ("total", ms), "median_busbw_gbps": ("median busbw GB/s", _num),
+            "latency_origin": ("latency", _text)}))
     return section
 
 
@@ -238,8 +234,7 @@ def _monitorSection(run: Run) -> dict:
     aligned = scalars.filter(pl.col("global_samples").is_not_null() & pl.col("value").is_finite())
     names = (aligned.group_by("name").len().filter(pl.col("len") > 1).sort("name")["name"].to_list())
     if names:
-        x = "global_tokens" if aligned["global_tokens"].null_count() < aligned.height else "global_samples"
-        section.figure(figures.curves(aligned, x, _preferred(names)))
+        section.figure(figures.curves(aligned, "global_samples", _preferred(names)))
     counts = scalars.group_by("origin", "name").agg(points=pl.len(), ranks=pl.col("rank").n_unique()).sort("origin", "name")
     section.table(_rows(counts, {"origin": ("from", _text), "name": ("scalar", _text),
                                             "points": ("points", _num), "ranks": ("ranks", _num)}, limit=40))
@@ -259,19 +254,27 @@ def _preferred(names: list[str]) -> list[str]:
     return sorted(names, key=lambda n: (rank(n), n))[:MAX_CURVES]
 
 
+# Analyses of logs, monitors and autotuning, with the columns a reader needs (the Parquet tables
+# have the rest).
+EXTRA_TABLES = {
+    "monitor_alarms": ("Monitor alarms", ["alarm", "name", "global_samples", "step", "value", "baseline", "score", "detail"]),
+    "autotune_verdict": ("Autotuning verdict", ["tuning_space", "winner", "runner_up", "relative_difference", "established",
+                                                "trials_needed", "pick_mismatch", "pick_detail", "detail"]),
+    "autotune_ranking": ("Autotuning experiments", ["tuning_space", "rank", "experiment", "zero_stage", "micro_batch",
+                                                    "grad_accum", "trials", "statuses", "metric", "median", "spread",
+                                                    "environment_differs", "error"]),
+    "run_comparability": ("What another run must match to be compared", ["field", "required", "status", "values", "detail"]),
+}
+
+
 def _extra_analyses(run: Run) -> list[dict]:
-    """Analyses of logs, monitors and autotuning, shown as their tables with their documented columns."""
-    shown = {"clock_offsets", "step_times", "step_stats", "collectives", "collective_instances", "kernel_launches",
-             "launch_summary", "gpu_idle", "sync_points", "kernel_categories", "top_kernels", "mfu"}
     sections = []
-    for name, columns in schema.ANALYSIS_TABLES.items():
-        if name in shown:
-            continue
+    for name, (title, columns) in EXTRA_TABLES.items():
         frame = run.table(name)
         if frame.is_empty():
             continue
-        section = Section(name.replace("_", " ").capitalize(), name.replace("_", "-"))
-        section.table(_rows(frame, {c: (c, _cell) for c in columns if c in frame.columns}))
+        section = Section(title, name.replace("_", "-"))
+        section.table(_rows(frame, {c: (c.replace("_", " "), _cell) for c in columns}))
         sections.append(section)
     return sections
 
