@@ -48,8 +48,11 @@ def run_fact(facts: dict, field: str):
     """A comparability field from run facts (ds_config, launcher, W&B config), or None."""
     config = facts.get("ds_config") or {}
     wandb = facts.get("wandb") or {}
-    if field == "code_revision":
-        return facts.get("code_revision") or facts.get("git_commit") or wandb.get("git_commit")
+    if field == "code_revision":  # launcher/W&B facts, or the collector manifest's git block
+        return (facts.get("code_revision") or facts.get("git_commit") or wandb.get("git_commit")
+                or (facts.get("git") or {}).get("commit"))
+    if field == "deepspeed_version" and facts.get(field) is None:
+        return (facts.get("environment") or {}).get("deepspeed")
     if field == "seq_len":
         return facts.get("seq_len") or facts.get("sequence_length")
     value = facts.get(field, config.get(field))

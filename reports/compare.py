@@ -16,6 +16,8 @@ import numpy as np
 import polars as pl
 from scipy import stats
 
+from steplens.analyze import monitor
+
 from .data import Run, ms
 
 ALPHA = 0.05
@@ -31,24 +33,36 @@ class StepSamples:
     source: str  # which table and column the samples are
 
 
-def step_samples(run: Run) -> StepSamples | None:
-    """Per-step wall time, from the best source the run has: aligned profiler steps across ranks,
-    collector optimizer steps, or DeepSpeed's wall-clock timers."""
+def step_samples(run: Run) -> list[StepSamples]:
+    """Per-step wall time from every source the run has, best first: aligned profiler steps across
+    ranks, collector optimizer steps, DeepSpeed's wall-clock timers."""
+    found = []
     stats_table = run.table("step_stats")
     if not stats_table.is_empty():
-        return StepSamples(stats_table["aligned_dur_ns"].drop_nulls().to_numpy(),
-                           "profiler steps: wall time across ranks on the aligned clock (step_stats.aligned_dur_ns)")
+        found.append(StepSamples(stats_table["aligned_dur_ns"].drop_nulls().to_numpy(),
+                                 "profiler steps: wall time across ranks on the aligned clock (step_stats.aligned_dur_ns)"))
     train = run.table("train_steps")
     if not train.is_empty():
         per_step = train.group_by("rank", "step").agg(pl.col("dur_ns").sum()).group_by("step").agg(pl.col("dur_ns").max())
-        return StepSamples(per_step["dur_ns"].drop_nulls().to_numpy(),
-                           "collector optimizer steps: slowest rank's sum of micro steps (train_steps)")
+        found.append(StepSamples(per_step["dur_ns"].drop_nulls().to_numpy(),
+                                 "collector optimizer steps: slowest rank's sum of micro steps (train_steps)"))
     timers = run.table("step_timers")
     if not timers.is_empty():
         main = timers.filter((pl.col("scope") == "global") & pl.col("timer").is_in(["fwd", "bwd", "step"]))
         per_step = main.group_by("rank", "line").agg(pl.col("ms").sum()).filter(pl.col("rank") == pl.col("rank").min())
-        return StepSamples((per_step["ms"] * 1e6).to_numpy(), "DeepSpeed wall-clock timers: fwd + bwd + step (step_timers)")
-    return None
+        if not per_step.is_empty():
+            found.append(StepSamples((per_step["ms"] * 1e6).to_numpy(),
+                                     "DeepSpeed wall-clock timers: fwd + bwd + step (step_timers)"))
+    return found
+
+
+def common_samples(base: Run, new: Run) -> tuple[StepSamples, StepSamples] | None:
+    """The source both runs have with the most steps in the smaller run (ties: the better source)."""
+    base_by_source = {s.source: s for s in step_samples(base)}
+    pairs = [(base_by_source[s.source], s) for s in step_samples(new) if s.source in base_by_source]
+    if not pairs:
+        return None
+    return max(pairs, key=lambda pair: min(len(pair[0].values_ns), len(pair[1].values_ns)))
 
 
 def step_time_verdict(base: StepSamples, new: StepSamples) -> dict:
@@ -118,12 +132,12 @@ def side_by_side(base: pl.DataFrame, new: pl.DataFrame, key: str, limit: int) ->
 
 
 def compare(base: Run, new: Run) -> dict:
-    base_steps, new_steps = step_samples(base), step_samples(new)
-    if base_steps is None or new_steps is None:
-        missing = [r.name for r, s in ((base, base_steps), (new, new_steps)) if s is None]
-        step = {"verdict": "not comparable", "why": f"no step times in {', '.join(missing)}"}
+    pair = common_samples(base, new)
+    if pair is None:
+        step = {"verdict": "not comparable", "why": "the runs have no step-time source in common (profiler steps, "
+                                                    "collector steps or DeepSpeed timers)"}
     else:
-        step = step_time_verdict(base_steps, new_steps) | {"source": base_steps.source}
+        step = step_time_verdict(*pair) | {"source": pair[0].source}
     base_metrics, new_metrics = metrics(base), metrics(new)
     categories = side_by_side(per_step_rank(base.table("kernel_categories"), "category", base),
                               per_step_rank(new.table("kernel_categories"), "category", new), "category", 20) \
@@ -134,24 +148,44 @@ def compare(base: Run, new: Run) -> dict:
     return {
         "base": base.name, "new": new.name, "step_time": step,
         "metrics": [{"metric": k, "base": base_metrics[k], "new": new_metrics[k]} for k in base_metrics],
-        "categories": categories, "kernels": kernels, "warnings": comparability(base, new),
+        "categories": categories, "kernels": kernels, "comparability": (table := comparability(base, new)),
+        "warnings": warnings(table, base, new), "curves": curves(base, new),
     }
 
 
-def comparability(base: Run, new: Run) -> list[str]:
-    """Differences in what a step is: a per-step comparison across them compares different amounts of work."""
-    warnings = []
-    for key in ("world_size", "train_batch_size", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu",
-                "seq_len", "zero_stage"):
-        b = base.manifest.get(key) if key == "world_size" else base.manifest.get("facts", {}).get(key)
-        n = new.manifest.get(key) if key == "world_size" else new.manifest.get("facts", {}).get(key)
-        if b is not None and n is not None and b != n:
-            warnings.append(f"{key} differs ({b} vs {n}): a step is a different amount of work; compare throughput "
-                            "or time per global sample, not step time.")
+def _facts(run: Run) -> dict:
+    return {"world_size": run.manifest.get("world_size"), **run.manifest.get("facts", {})}
+
+
+def comparability(base: Run, new: Run) -> pl.DataFrame:
+    """monitor.comparability over the two runs' facts: which fields decide whether a step of one is
+    the same amount of work as a step of the other, and whether they agree."""
+    return monitor.comparability({"base": _facts(base), "new": _facts(new)})
+
+
+def warnings(table: pl.DataFrame, base: Run, new: Run) -> list[str]:
+    found = [f"{row['field']} differs ({row['values']}): {row['detail']}; compare throughput or time per global "
+             "sample, not per step." for row in table.filter(pl.col("status") == "different").iter_rows(named=True)]
+    found += [f"{row['field']} {row['detail']}." for row in
+              table.filter((pl.col("status") == "missing") & pl.col("required")).iter_rows(named=True)]
     devices = [tuple(r.manifest.get("environment", {}).get("device_names", [])) for r in (base, new)]
     if devices[0] and devices[1] and devices[0] != devices[1]:
-        warnings.append(f"devices differ ({', '.join(devices[0])} vs {', '.join(devices[1])}).")
-    return warnings
+        found.append(f"devices differ ({', '.join(devices[0])} vs {', '.join(devices[1])}).")
+    return found
+
+
+MAX_CURVES = 4
+
+
+def curves(base: Run, new: Run) -> pl.DataFrame:
+    """Monitor curves of both runs on global samples (never on step), for the names both have."""
+    runs = {"base": (base.table("scalars"), _facts(base)), "new": (new.table("scalars"), _facts(new))}
+    if any(frame.is_empty() for frame, _ in runs.values()):
+        return pl.DataFrame()
+    aligned = monitor.aligned_curves(runs, "global_samples").filter(pl.col("value").is_finite())
+    common = (aligned.group_by("name").agg(pl.col("run").n_unique().alias("runs")).filter(pl.col("runs") == 2)
+              .sort("name")["name"].to_list())
+    return aligned.filter(pl.col("name").is_in(common[:MAX_CURVES]))
 
 
 def regressed(result: dict, threshold_pct: float) -> bool:
@@ -185,6 +219,9 @@ def display_tables(result: dict) -> list[dict]:
     tables.append({"title": "Efficiency", "note": "", "header": ["metric", "base", "new", "change"],
                    "rows": [[m["metric"], _fmt_metric(m["metric"], m["base"]), _fmt_metric(m["metric"], m["new"]),
                              _fmt_delta(m["base"], m["new"])] for m in result["metrics"]]})
+    comparable = result["comparability"]
+    tables.append({"title": "What a step is in each run", "note": "", "header": ["field", "status", "values", "detail"],
+                   "rows": [[r["field"], r["status"], r["values"], r["detail"]] for r in comparable.iter_rows(named=True)]})
     for key, title, label in (("categories", "Kernel categories", "category"), ("kernels", "Top kernels", "name")):
         frame = result[key]
         rows = [] if frame.is_empty() else [

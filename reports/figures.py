@@ -123,3 +123,16 @@ def curves(scalars: pl.DataFrame, x: str, names: list[str]) -> str:
         ax.set_title(name, loc="left", fontsize=9)
     axes[-1, 0].set_xlabel(x.replace("_", " "))
     return _svg(fig)
+
+
+def run_curves(aligned: pl.DataFrame) -> str:
+    """Two runs' monitor curves on one global-samples axis (columns run, name, x, value)."""
+    names = sorted(set(aligned["name"].to_list()))
+    fig, axes = plt.subplots(len(names), 1, figsize=(6.5, 1.9 * len(names)), squeeze=False, sharex=True)
+    for ax, name in zip(axes[:, 0], names):
+        for run, group in aligned.filter(pl.col("name") == name).sort("x").group_by("run", maintain_order=True):
+            ax.plot(group["x"].to_numpy(), group["value"].to_numpy(), lw=1.2, label=str(run[0]))
+        ax.set_title(name, loc="left", fontsize=9)
+        ax.legend(frameon=False, fontsize=8)
+    axes[-1, 0].set_xlabel("global samples")
+    return _svg(fig)

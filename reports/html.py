@@ -321,7 +321,9 @@ def render(out_dir: Path) -> str:
 def render_compare(result: dict) -> str:
     from .compare import METHOD, display_tables
 
-    return TEMPLATES.get_template("compare.html.j2").render(r=result, tables=display_tables(result), method=METHOD)
+    figure = Markup(figures.run_curves(result["curves"])) if not result["curves"].is_empty() else None
+    return TEMPLATES.get_template("compare.html.j2").render(r=result, tables=display_tables(result), method=METHOD,
+                                                            curves=figure)
 
 
 def write(out_dir: Path) -> Path:

@@ -148,7 +148,7 @@ def test_compare_gates_a_real_slowdown(ab_runs, tmp_path):
     assert "step time: regression" in gated.output
     base, slow = load(ab_runs / "base"), load(ab_runs / "slow")
     result = compare.compare(base, slow)
-    medians = [float(np.median(compare.step_samples(r).values_ns)) for r in (base, slow)]
+    medians = [float(np.median(samples.values_ns)) for samples in compare.common_samples(base, slow)]
     assert result["step_time"]["delta"] == pytest.approx(medians[1] / medians[0] - 1)
     html = (tmp_path / "c" / "compare.html").read_text()
     assert "Step time: regression" in html and "Mann-Whitney" in html
