@@ -173,7 +173,7 @@ COMMS_CALLS, COMMS_CALLS_DOC = _table(
     ("nccl_bytes", pa.int64(), "nccl-tests message size S (all_gather: msg_bytes x n)."),
     ("group_size", pa.int64(), "n: ranks in the process group."),
     ("latency_ns", pa.int64(), "Latency of this one call."),
-    ("latency_origin", pa.string(), "measured (per call) | repaired_cumulative (difference of DeepSpeed's running totals) | as_logged."),
+    ("latency_origin", pa.string(), "measured (per call) | issue_only (an async or unsynchronized op: the time to issue it) | repaired_cumulative (difference of DeepSpeed's running totals) | as_logged."),
     ("synchronized", pa.bool_(), "Timing forced a device synchronization (the numbers are not free-running throughput)."),
     ("algbw_gbps", pa.float64(), "nccl-tests algbw, GB/s (1e9 B/s), recomputed from nccl_bytes and latency_ns."),
     ("busbw_gbps", pa.float64(), "nccl-tests busbw, GB/s."),

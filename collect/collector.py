@@ -68,7 +68,9 @@ class Collector:
         self.rank = rank
         self.world_size = world_size
         self.run_dir = Path(settings.run_dir).resolve()
-        self.writer = PartWriter(self.run_dir, rank, TABLES)
+        from .comms import with_bandwidth
+
+        self.writer = PartWriter(self.run_dir, rank, TABLES, prepare={"comms_calls": with_bandwidth})
         self.disabled: dict[str, str] = {}
         self.step = 0  # optimizer step in progress
         self.completed_steps = 0
@@ -84,6 +86,7 @@ class Collector:
         self.status = "running"
         self.closed = False
         self.last_flush_step: int | None = None
+        self.host: dict = {}
 
     # --- safety -------------------------------------------------------------------------------
 
@@ -177,14 +180,9 @@ class Collector:
         if self.completed_steps % self.settings.flush_every == 0:
             self.guard("writer", self.flush)
 
-    def flush(self) -> None:
-        if self.writer.rows["comms_calls"]:
-            from .comms import with_bandwidth
-
-            self.writer.rows["comms_calls"] = with_bandwidth(self.writer.rows["comms_calls"])
-        self.writer.flush()
+    def flush(self, background: bool = True) -> None:
         self.last_flush_step = self.completed_steps - 1
-        self.write_manifest()
+        self.writer.flush(self.manifest(), background)
 
     # --- manifest -----------------------------------------------------------------------------------
 
@@ -196,31 +194,34 @@ class Collector:
             "settings": dataclasses.asdict(self.settings),
         }
 
-    def write_manifest(self) -> None:
-        self.writer.write_manifest({
+    def manifest(self) -> dict:
+        return {
             "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "rank": self.rank, "status": self.status,
             "started_ns": self.started_ns, "updated_ns": time.time_ns(),
             "steps_completed": self.completed_steps, "last_flushed_step": self.last_flush_step,
-            "flushes": self.writer.seq, "rows_written": self.writer.rows_written,
-            "disabled": self.disabled, "flags": self.flags, "host": environment.describe_host(),
-            "run": self.run_facts,
-        })
+            "flushes": self.writer.seq, "rows_written": dict(self.writer.rows_written),
+            "disabled": dict(self.disabled), "flags": self.flags, "host": self.host, "run": self.run_facts,
+        }
+
+    def write_manifest(self) -> None:
+        self.writer.write_manifest(self.manifest())
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
     def start(self) -> None:
         self.run_facts = self.guard("manifest", self.base_facts) or {}
+        self.host = self.guard("manifest", environment.describe_host) or {}
         self.guard("manifest", self.write_manifest)
         if self.settings.profile is not None:
             self.guard("profiler", self.start_profiler)
         atexit.register(self.close_at_exit)
         previous_hook = sys.excepthook
 
-        def note_crash(kind, value, traceback):
+        def note_crash(kind, value, traceback):  # an uncaught exception ends the job: the manifest says failed
             self.status = "failed"
             previous_hook(kind, value, traceback)
 
-        sys.excepthook = note_crash
+        self.wrap(sys, "excepthook", note_crash)
 
     def wrap(self, owner, name: str, replacement) -> None:
         """Set owner.name (a method is shadowed by an instance attribute); close() puts back what was there."""
@@ -243,8 +244,9 @@ class Collector:
         self.restore.clear()
         if self.status == "running":
             self.status = status
-        self.guard("writer", self.flush)
-        self.guard("manifest", self.write_manifest)
+        self.guard("writer", self.flush, False)
+        self.guard("writer", self.writer.close)
+        self.guard("manifest", self.write_manifest)  # the final status, even when the last flush failed
 
     def close_at_exit(self) -> None:
         self.close(status="completed" if self.status == "running" else self.status)
@@ -363,12 +365,13 @@ class EngineCollector(Collector):
         # The engine counts samples at the boundary only; between, add this step's micro batches so far.
         samples = e.global_samples + self.micros_since_boundary * self.samples_per_micro
         scale = e._get_optimizer_loss_scale() if e.fp16_enabled() else None
+        lr = e.get_lr()
         self.writer.add("train_steps", {
             "rank": self.rank, "source": SOURCE, "step": self.step, "micro_step": self.micro_step,
             "start_ns": self.micro_start_ns, "end_ns": end, "dur_ns": end - self.micro_start_ns,
             "is_boundary": boundary, "skipped": e.skipped_steps > skipped_before if boundary else None,
             "global_samples": samples, "global_tokens": self.tokens(samples),
-            "loss_scale": None if scale is None else float(scale), "lr": float(e.get_lr()[0]) if e.get_lr() else None,
+            "loss_scale": None if scale is None else float(scale), "lr": float(lr[0]) if lr else None,
         })
 
     def record_timers(self, names) -> None:

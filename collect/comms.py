@@ -10,6 +10,7 @@ would end the job.
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import time
 from pathlib import Path
@@ -79,7 +80,7 @@ class CommsRecorder:
         from deepspeed.accelerator import get_accelerator
         from deepspeed.comm.utils import get_msg_size_from_args
 
-        _COMM_DIR = str(Path(ds_comm_impl.__file__).parent)
+        _COMM_DIR = str(Path(ds_comm_impl.__file__).parent) + os.sep
         self.collector = collector
         self.modules = (ds_comm, ds_comm_impl)
         self.accelerator = get_accelerator()
@@ -159,7 +160,10 @@ class CommsRecorder:
         key = id(group)
         if key not in self.group_sizes:
             self.group_sizes[key] = self.get_world_size(group)
-        issue_only = name in P2P_ASYNC_OPS or (bound.get("async_op") and not waited)
+        # Without a wait, the span covers the transfer only for a blocking host op (gloo), or a device op that
+        # DeepSpeed's logger synchronized; otherwise it is the time to issue the op.
+        returned_done = not bound.get("async_op") and (not self.device_queued or self.logger.enabled)
+        issue_only = name in P2P_ASYNC_OPS or not (waited or returned_done)
         self.collector.record_comm({
             "op": name, "caller": caller_name(frame), "ts_ns": wall,
             "msg_bytes": self.msg_size(original, *args, **kwargs), "group_size": self.group_sizes[key],
@@ -169,13 +173,12 @@ class CommsRecorder:
         })
 
 
-def with_bandwidth(rows: list[dict]) -> list[dict]:
+def with_bandwidth(calls: pl.DataFrame) -> pl.DataFrame:
     """nccl_bytes, algbw_gbps and busbw_gbps by the nccl-tests definitions (analyze.comms)."""
     msg, size = pl.col("msg_bytes"), pl.col("group_size")
-    frame = pl.DataFrame(rows, infer_schema_length=None).with_columns(
-        nccl_bytes=pl.when(pl.col("op").is_in(list(SHARD_SIZED_OPS))).then(msg * size).otherwise(msg))
-    factor = frame.select(
+    calls = calls.with_columns(nccl_bytes=pl.when(pl.col("op").is_in(list(SHARD_SIZED_OPS))).then(msg * size).otherwise(msg))
+    factor = calls.select(
         op=pl.col("op").replace_strict(NCCL_TESTS_OP, default=None, return_dtype=pl.String), group_size=size,
     ).select(factor=analyze_comms.busbw_factor())["factor"]
     algbw = pl.when(pl.col("latency_ns") > 0).then(pl.col("nccl_bytes") / pl.col("latency_ns"))  # B/ns = GB/s
-    return frame.with_columns(algbw_gbps=algbw, busbw_gbps=algbw * factor).to_dicts()
+    return calls.with_columns(algbw_gbps=algbw, busbw_gbps=algbw * factor)

@@ -169,7 +169,8 @@ def test_comms_latency_per_call_matches_an_independent_wall_clock(ingested, runs
     (row,) = calls.filter((pl.col("rank") == 0) & (pl.col("caller") == "probe_comms") & (pl.col("op") == "all_reduce")).rows(named=True)
     wall = probe["end_ns"] - probe["start_ns"]
     assert wall > 150e6  # it did wait for rank 1
-    assert wall - 2e6 < row["latency_ns"] <= wall  # per call, inside the script's own span
+    # Per call, inside the script's own span (5 ms: the wrapper's bookkeeping, a busy 2-core machine).
+    assert wall - 5e6 < row["latency_ns"] < wall + 1e5  # + 0.1 ms: perf_counter and the wall clock may drift apart
     assert row["step"] == PROBE_STEP and row["msg_bytes"] == probe["msg_bytes"]
     assert row["latency_origin"] == "measured" and row["synchronized"] is False  # gloo on CPU: done when it returns
 
@@ -267,7 +268,8 @@ def test_a_killed_rank_leaves_readable_parts_and_analyze_reports_the_missing_tai
     parts = sorted((run / "collector").glob("*/rank*.parquet"))
     for part in parts:  # every flushed part reads
         assert pq.read_table(part).schema.names == schema.TABLES[part.parent.name][0].names
-    assert not list((run / "collector").rglob("*.tmp"))
+    # A write cut by the kill can only leave a hidden temporary file, which analyze does not read.
+    assert all(p.name.startswith(".") for p in (run / "collector").rglob("*.tmp"))
     manifest = json.loads((run / "collector" / "manifest" / f"rank{KILLED_RANK}.json").read_text())
     assert manifest["status"] == "running"
     result = ingested["killed"]
@@ -276,11 +278,11 @@ def test_a_killed_rank_leaves_readable_parts_and_analyze_reports_the_missing_tai
     (missing,) = issues(result).filter((pl.col("reason") == "collector_missing_tail")
                                        & (pl.col("detail").str.contains(f"rank {KILLED_RANK}"))).rows(named=True)
     assert missing["severity"] == "error"
-    # Everything up to the last flush is there, nothing after it.
-    steps = table(result, "train_steps").filter(pl.col("rank") == KILLED_RANK)
+    # Every step up to the last flush the manifest records is there, and nothing from the kill on (a flush
+    # still on its way to the manifest when the kill came may add steps beyond it).
+    steps = table(result, "train_steps").filter(pl.col("rank") == KILLED_RANK)["step"].sort().to_list()
     last = manifest["last_flushed_step"]
-    assert last is not None and last < KILL_AT_STEP
-    assert steps["step"].sort().to_list() == list(range(last + 1))
+    assert last is not None and steps == list(range(len(steps))) and last < len(steps) <= KILL_AT_STEP
 
 
 def test_a_damaged_part_costs_that_part_only(runs, tmp_path):

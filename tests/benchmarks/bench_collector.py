@@ -1,0 +1,65 @@
+"""Step-time overhead of the collector outside profiler windows (issue 4; target: ratio <= 1.02).
+
+The same 2-rank DeepSpeed CPU job (tests/realrun/train_tiny_gpt.py, ZeRO-2) runs with the collector on
+(its defaults: steps, timers, scalars, per-call comms; flushes every --flush-every steps; no FLOPs step and no
+profiler window, which are bounded one-off costs) and off, interleaved on/off/on/off..., so drift of the
+machine hits both alike. Step time is the training script's own wall clock per optimizer step
+(script/rank<r>.json), the same measurement whether the collector runs or not; the first --warmup steps are
+left out. Per run: the median step over ranks and steps; then the median over runs of each kind.
+
+    .venv/bin/python tests/benchmarks/bench_collector.py --repeats 4 --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "realrun"))
+
+from launch import run_tiny_gpt  # the path is set just above
+
+
+def median_step_ms(run: Path, warmup: int) -> float:
+    steps = []
+    for record in sorted((run / "script").glob("rank*.json")):
+        for step in json.loads(record.read_text())["steps"][warmup:]:
+            steps.append((step["end_ns"] - step["start_ns"]) / 1e6)
+    return statistics.median(steps)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=4, help="Runs of each kind.")
+    p.add_argument("--steps", type=int, default=60, help="Optimizer steps per run.")
+    p.add_argument("--warmup", type=int, default=5, help="First steps left out.")
+    p.add_argument("--flush-every", type=int, default=20, help="Collector flush interval (steps).")
+    p.add_argument("--zero-stage", default="2")
+    args = p.parse_args()
+
+    job = ("--zero_stage", args.zero_stage, "--steps", str(args.steps))
+    collector_on = ("--collector", "--flush_every", str(args.flush_every), "--flops_step", "-1", "--profile_window", "off")
+    medians: dict[str, list[float]] = {"on": [], "off": []}
+    with tempfile.TemporaryDirectory(prefix="bench_collector_") as tmp:
+        for repeat in range(args.repeats):
+            for kind in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
+                extra = collector_on if kind == "on" else ("--no-collector",)
+                started = time.perf_counter()
+                run = run_tiny_gpt(Path(tmp) / f"{kind}{repeat}", *job, *extra)
+                medians[kind].append(median_step_ms(run, args.warmup))
+                print(f"repeat {repeat} collector {kind:3}: median step {medians[kind][-1]:7.2f} ms "
+                      f"(job {time.perf_counter() - started:5.1f} s)", flush=True)
+    on, off = statistics.median(medians["on"]), statistics.median(medians["off"])
+    print(f"\nZeRO-{args.zero_stage}, 2 ranks on CPU, {args.steps} steps per run, first {args.warmup} left out, "
+          f"{args.repeats} runs each")
+    print(f"median step time  collector on: {on:.2f} ms  off: {off:.2f} ms")
+    print(f"overhead ratio (on / off): {on / off:.4f}  (target <= 1.02)")
+
+
+if __name__ == "__main__":
+    main()
