@@ -17,12 +17,10 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import polars as pl
 
-if TYPE_CHECKING:  # importers imports this module to register the parsers below
-    from .importers import Imported
+from .imported import Imported, conform, peek
 
 EXPERIMENT_FILES = ("metrics.json", "stderr.log", "stdout.log", "ds_config.json", "cmd.txt", "model_info.json")
 SUMMARY_FILES = ("ds_config_optimal.json", "cmd_optimal.txt")
@@ -49,7 +47,6 @@ DEFAULT_METRIC = "throughput"  # DeepSpeed's default autotuning metric
 
 
 def _imported() -> Imported:
-    from .importers import Imported  # at call time: importers imports this module
 
     return Imported()
 
@@ -68,20 +65,13 @@ def _read_json(path: Path, problems: list[str]) -> dict | None:
     return value
 
 
-def _peek(path: Path, size: int = 512) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read(size)
-    except OSError:
-        return b""
-
 
 # --- importer: one experiment ---------------------------------------------------------------------
 
 def claims_experiment(path: Path) -> bool:
     """A result folder's exp.json, or a spec in autotuning_exps/ whose experiment has no result folder."""
     if path.name == "exp.json":
-        return b'"ds_config"' in _peek(path)
+        return b'"ds_config"' in peek(path, 512)
     if path.parent.name == EXPS_DIR and path.suffix == ".json":
         return not (path.parent.parent / RESULTS_DIR / path.stem / "exp.json").exists()
     return False
@@ -198,7 +188,6 @@ def _read_text(path: Path) -> str | None:
 
 
 def _rows(rows: list[dict]) -> pl.DataFrame:
-    from .importers import conform
 
     for row in rows:  # metrics.json numbers may be ints
         for key in ("latency_us", "throughput", "flops_per_gpu", "fwd_us", "bwd_us", "step_us"):
@@ -212,7 +201,7 @@ def _rows(rows: list[dict]) -> pl.DataFrame:
 # --- importer: DeepSpeed's summary ------------------------------------------------------------------
 
 def claims_summary(path: Path) -> bool:
-    return path.name == "summary.txt" and _peek(path, 64).lstrip().startswith(b"| tuning_space")
+    return path.name == "summary.txt" and peek(path, 64).lstrip().startswith(b"| tuning_space")
 
 
 def summary_companions(path: Path) -> list[Path]:

@@ -9,11 +9,24 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from . import analyses, kernels, mfu, schema
-from .ingest import IngestError, IngestResult, Source, discover, ingest, use_system_allocator
+from .ingest import (
+    IngestError,
+    IngestResult,
+    Source,
+    discover,
+    ingest,
+    use_system_allocator,
+)
 
 EXIT_PARTIAL = 1  # results written, but some input files could not be used
 EXIT_NOTHING = 2  # nothing usable, or bad arguments
@@ -419,14 +432,12 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
     than 5 steps per run the verdict is "not established". Writes compare.html and compare.md.
     """
     from steplens.reports import compare, html, markdown
-    from steplens.reports.data import load
+    from steplens.reports.data import load, write_atomic
 
     result = compare.compare(load(_analysed(base_run)), load(_analysed(new_run)))
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in (("compare.html", html.render_compare(result)), ("compare.md", markdown.render_compare(result))):
-        tmp = out_dir / f".{name}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(out_dir / name)
+    write_atomic(out_dir / "compare.html", html.render_compare(result))
+    write_atomic(out_dir / "compare.md", markdown.render_compare(result))
     if fmt == "md":
         click.echo((out_dir / "compare.md").read_text(), nl=False)
     else:

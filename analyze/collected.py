@@ -13,16 +13,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import schema
-
-if TYPE_CHECKING:  # importers imports this module to register it
-    from .importers import Imported
+from .imported import Imported, conform
 
 PART = re.compile(r"rank(\d+)-(\d+)\.parquet")
 MANIFEST = re.compile(r"rank(\d+)\.json")
@@ -52,10 +49,6 @@ def parse(path: Path, rel: str) -> Imported:
 
 
 def _parse_part(path: Path, rel: str) -> Imported:
-    from .importers import (  # at call time: importers imports this module
-        Imported,
-        conform,
-    )
 
     table = path.parent.name
     rank = int(PART.fullmatch(path.name).group(1))
@@ -78,7 +71,6 @@ def _parse_part(path: Path, rel: str) -> Imported:
 
 
 def _parse_manifest(path: Path, rel: str) -> Imported:
-    from .importers import Imported, conform
 
     doc = json.loads(path.read_text())
     if doc.get("format") != MANIFEST_FORMAT:

@@ -28,15 +28,12 @@ import itertools
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import polars as pl
 
 from .comms import _op as nccl_op
 from .comms import busbw_factor
-
-if TYPE_CHECKING:  # importers imports this module to register its parsers
-    from .importers import Imported
+from .imported import Imported, conform, peek
 
 RAW_NAME = re.compile(r"comms_dict_raw_rank(\d+)\.json$")
 SUMMARY_NAME = re.compile(r"log_summary(?:_dict)?_rank(\d+)\.json$")  # either name is in use
@@ -104,11 +101,7 @@ def rank_from_name(path: Path) -> int | None:
 
 
 def _peek_is_json_object(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4096).lstrip().startswith(b"{")
-    except OSError:
-        return False
+    return peek(path, 4096).lstrip().startswith(b"{")
 
 
 def _load(path: Path, issues: list) -> dict | None:
@@ -149,10 +142,6 @@ def summary_rows(doc: dict, rank: int | None, source: str, trusted: bool | None,
 
 def parse_raw(path: Path, rel: str) -> Imported:
     """comms_dict_raw_rank<N>.json (+ its log_summary_dict_rank<N>.json) -> comms_calls, comms_summary."""
-    from .importers import (  # at call time: importers imports this module
-        Imported,
-        conform,
-    )
     issues: list = []
     rank = rank_from_name(path)
     raw = _load(path, issues)
@@ -217,10 +206,6 @@ def report_cumulative(cumulative: bool | None, where: str, calls: int, issues: l
 
 def parse_summary(path: Path, rel: str) -> Imported:
     """A log_summary_dict_rank<N>.json without its raw dict: comms_summary only, trust unknown."""
-    from .importers import (  # at call time: importers imports this module
-        Imported,
-        conform,
-    )
     issues: list = []
     doc = _load(path, issues)
     if doc is None:

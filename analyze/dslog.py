@@ -52,14 +52,11 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import polars as pl
 
 from . import comms_dump, flops_text
-
-if TYPE_CHECKING:  # importers imports this module to register its parsers
-    from .importers import Imported
+from .imported import Imported, conform, peek
 
 PEEK_BYTES = 64 << 10
 SUFFIXES = (".log", ".txt", ".out")
@@ -154,17 +151,12 @@ def claims(path: Path) -> bool:
     if not path.name.endswith(SUFFIXES) or (path.name == "output.log" and path.parent.name == "files"
                                             and "run-" in path.parent.parent.name):
         return False
-    try:
-        with open(path, "rb") as f:
-            head = f.read(PEEK_BYTES).decode("utf-8", "replace")
-    except OSError:
-        return False
+    head = peek(path, PEEK_BYTES).decode("utf-8", "replace")
     return bool(LOGGER_LINE.search(head) or TIMER_LINE.search(head) or SUMMARY_HEADER.search(head)
                 or re.search(r"(?m)^\s*iteration\s+\d+/\s*\d+ \|.*elapsed time per iteration", head))
 
 
 def parse(path: Path, rel: str) -> Imported:
-    from .importers import Imported  # at call time: importers imports this module
     issues: list = []
     try:
         data = path.read_bytes()
@@ -492,10 +484,6 @@ def _comms_rows(state: LogState, issues: list) -> list[dict]:
 
 
 def _build(state: LogState, issues: list) -> Imported:
-    from .importers import (  # at call time: importers imports this module
-        Imported,
-        conform,
-    )
     tables: dict[str, pl.DataFrame] = {}
     if state.timers:
         tables["step_timers"] = conform(state.timers, "step_timers")

@@ -26,11 +26,8 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # importers imports this module to register its parsers
-    from .importers import Imported
-
+from .imported import Imported, conform, peek
 
 HEADER = "-- DeepSpeed Flops Profiler --"
 # number_to_string / params_to_string prefixes (profiler.py), B = 1e9 in params_to_string.
@@ -72,12 +69,7 @@ def number(text: str) -> tuple[float, float] | None:
 def claims(path: Path) -> bool:
     if not path.name.endswith((".txt", ".log", ".out")):
         return False
-    try:
-        with open(path, "rb") as f:
-            head = f.read(2048).decode("utf-8", "replace")
-    except OSError:
-        return False
-    return HEADER in head
+    return HEADER in peek(path, 2048).decode("utf-8", "replace")
 
 
 def ds_config_files(path: Path) -> list[Path]:
@@ -85,7 +77,6 @@ def ds_config_files(path: Path) -> list[Path]:
 
 
 def parse(path: Path, rel: str) -> Imported:
-    from .importers import Imported  # at call time: importers imports this module
     try:
         text = path.read_bytes().decode("utf-8", "replace")
     except OSError as e:
@@ -105,10 +96,6 @@ def parse(path: Path, rel: str) -> Imported:
 
 def parse_lines(lines: list[str], rel: str, context: dict | None = None) -> Imported:
     """One profiler printout (lines from its header on). `context` may give zero_stage."""
-    from .importers import (  # at call time: importers imports this module
-        Imported,
-        conform,
-    )
     context = context or {}
     issues: list = []
     if not any(HEADER in line for line in lines[:50]):

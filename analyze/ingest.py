@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import importers, kineto, schema
+from .imported import Importer, conform
 
 # Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
 TRACE_SUFFIXES = (".json", ".gz")
@@ -95,7 +96,7 @@ class Discovered:
     """The files of a run folder, sorted by who reads them."""
 
     traces: list[Path]  # Kineto candidates (.json/.gz nobody else claimed)
-    native: list[tuple[Path, importers.Importer, list[Path]]]  # (file, importer, companions)
+    native: list[tuple[Path, Importer, list[Path]]]  # (file, importer, companions)
     unknown: list[Path]  # nobody reads these
 
 
@@ -175,7 +176,7 @@ def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
     return source
 
 
-def _parse_native(path: Path, source: Source, importer: importers.Importer, scratch: Path) -> Source:
+def _parse_native(path: Path, source: Source, importer: Importer, scratch: Path) -> Source:
     """Run one importer; a crash in it costs that file only, reported with the file's name."""
     started = time.perf_counter()
     source.kind = importer.name
@@ -193,7 +194,7 @@ def _parse_native(path: Path, source: Source, importer: importers.Importer, scra
     for table, frame in imported.tables.items():
         if frame.is_empty():
             continue
-        _write_table(importers.conform(frame, table), table, out / f"{table}.parquet")
+        _write_table(conform(frame, table), table, out / f"{table}.parquet")
         source.tables.append(table)
         ranks.update(r for r in frame["rank"].unique().to_list() if r is not None)
         source.events += frame.height

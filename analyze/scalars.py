@@ -13,25 +13,21 @@ import math
 import struct
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import polars as pl
 
-if TYPE_CHECKING:  # importers imports this module to register the parsers below
-    from .importers import Imported
+from .imported import Imported, conform, peek
 
 MONITOR_RANK = 0  # DeepSpeed's MonitorMaster writes on rank 0 only
 SHOWN_LINES = 5  # line numbers quoted in an issue
 
 
 def _result() -> Imported:
-    from .importers import Imported  # at call time: importers imports this module
 
     return Imported()
 
 
 def _frame(rows: list[dict]) -> dict[str, pl.DataFrame]:
-    from .importers import conform
 
     return {"scalars": conform(rows, "scalars")} if rows else {}
 
@@ -42,18 +38,11 @@ def _frame(rows: list[dict]) -> dict[str, pl.DataFrame]:
 # process writes the file: a restarted job appends a second header (deepspeed/monitor/csv_monitor.py).
 
 
-def _peek(path: Path, size: int = 256) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read(size)
-    except OSError:
-        return b""
-
 
 def claims_csv(path: Path) -> bool:
     if path.suffix != ".csv":
         return False
-    header = _peek(path).split(b"\n", 1)[0].strip().split(b",")
+    header = peek(path, 256).split(b"\n", 1)[0].strip().split(b",")
     return len(header) == 2 and header[0] == b"step" and bool(header[1])
 
 

@@ -6,6 +6,7 @@ Reports read the Parquet tables `analyze` wrote; they never parse inputs themsel
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,14 @@ def load(out_dir: Path) -> Run:
     findings_path = out_dir / "findings.json"
     findings = json.loads(findings_path.read_text()) if findings_path.exists() else {}
     return Run(out_dir, json.loads(manifest_path.read_text()), findings)
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Write a text file so that a reader never sees half of it (a temporary file renamed over it)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return path
 
 
 def ms(ns: float | None) -> str:

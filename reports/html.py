@@ -9,7 +9,6 @@ rendering mistake cannot make the page call out.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import polars as pl
 from markupsafe import Markup
 
 from . import caveats, figures
-from .data import Run, load, ms, size
+from .data import Run, load, ms, size, write_atomic
 from .verdict import verdict
 
 TEMPLATES = jinja2.Environment(
@@ -328,8 +327,4 @@ def render_compare(result: dict) -> str:
 
 def write(out_dir: Path) -> Path:
     """Render report.html into out_dir, atomically."""
-    path = Path(out_dir) / REPORT_FILE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(render(out_dir), encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return write_atomic(Path(out_dir) / REPORT_FILE, render(out_dir))

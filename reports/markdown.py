@@ -13,7 +13,7 @@ from pathlib import Path
 import polars as pl
 
 from . import caveats
-from .data import Run, load, ms, size
+from .data import load, ms, size, write_atomic
 from .html import SUMMARY_FILE
 from .verdict import verdict
 
@@ -89,8 +89,5 @@ def render_compare(result: dict) -> str:
 
 
 def write(out_dir: Path) -> Path:
-    path = Path(out_dir) / SUMMARY_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(render(out_dir), encoding="utf-8")
-    tmp.replace(path)
-    return path
+    """Render summary.md into out_dir, atomically."""
+    return write_atomic(Path(out_dir) / SUMMARY_FILE, render(out_dir))

@@ -8,6 +8,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from steplens.analyze import autotune, importers, schema
+from steplens.analyze.imported import conform
 
 RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
@@ -189,7 +190,7 @@ def trials(configs: dict[str, list[float]]) -> pl.DataFrame:
         config = json.dumps({"train_micro_batch_size_per_gpu": micro, "zero_optimization": {"stage": 2}})
         rows += [{"experiment": f"{name}_run{i}", "trial": i, "zero_stage": 2, "micro_batch": micro, "config_json": config,
                   "status": "ok", "throughput": value} for i, value in enumerate(values)]
-    return importers.conform(rows, "autotune_experiments")
+    return conform(rows, "autotune_experiments")
 
 
 def global_verdict(configs: dict[str, list[float]]) -> dict:
@@ -222,7 +223,7 @@ def test_overlapping_trials_are_not_established():
 
 
 def test_failed_configs_rank_last_and_keep_their_error():
-    frame = pl.concat([trials({"mbs4": [100.0], "mbs2": [90.0]}), importers.conform(
+    frame = pl.concat([trials({"mbs4": [100.0], "mbs2": [90.0]}), conform(
         [{"experiment": "mbs8", "zero_stage": 2, "micro_batch": 8, "status": "oom", "error": "CUDA out of memory"}],
         "autotune_experiments")])
     ranking = autotune.autotune_tables(frame, {})["autotune_ranking"].filter(pl.col("tuning_space") == "global")
@@ -240,7 +241,7 @@ def collector_run(step_ms: float, micro_batch: int, steps: int = 6, **config_ext
         rows += [{"rank": rank, "step": step, "micro_step": step, "start_ns": start, "end_ns": end, "is_boundary": True,
                   "global_samples": 2 * micro_batch * (step + 1)} for rank in (0, 1)]
         start = end
-    return importers.conform(rows, "train_steps"), {"ds_config": config, "world_size": 2}
+    return conform(rows, "train_steps"), {"ds_config": config, "world_size": 2}
 
 
 def test_collector_trial_runs_are_ranked_the_same_way():

@@ -13,6 +13,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from steplens.analyze import comms_dump, commslog, dslog, importers, schema
+from steplens.analyze.imported import conform
 
 RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
 VERBOSE = re.compile(r"comm op: (.+?) \| time \(ms\): ([\d.]+) \| msg size")
@@ -190,7 +191,7 @@ def test_collector_measurements_replace_the_logger_for_their_rank():
     def call(rank, source, latency, origin):
         return {"rank": rank, "source": source, "op": "all_reduce", "msg_bytes": 8, "nccl_bytes": 8, "group_size": 2,
                 "latency_ns": latency, "latency_origin": origin, "synchronized": origin != "measured"}
-    calls = importers.conform([
+    calls = conform([
         call(0, "collector/part-a", 10, "measured"), call(0, "collector/part-b", 30, "measured"),
         call(0, "comms/comms_dict_raw_rank0.json", 99, "repaired_cumulative"),
         call(1, "comms/comms_dict_raw_rank1.json", 20, "repaired_cumulative"),

@@ -12,6 +12,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from steplens.analyze import dslog, flops_text, importers
+from steplens.analyze.imported import conform
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 RUNS = SHARED / "deepspeed-cpu-runs"
@@ -54,7 +55,7 @@ def test_every_real_log_is_claimed_and_parses(path):
     imported = _parse(path)
     assert not [i for i in imported.issues if i[0] == "error"]
     for table, frame in imported.tables.items():
-        assert importers.conform(frame, table).columns == frame.columns
+        assert conform(frame, table).columns == frame.columns
 
 
 def test_global_timers_equal_the_log_lines_and_the_csv_monitor():

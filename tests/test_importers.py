@@ -7,9 +7,8 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-
 from steplens.analyze import importers, ingest, schema
-from steplens.analyze.importers import Importer, Imported, conform
+from steplens.analyze.imported import Imported, Importer, conform
 
 
 def _parse_counts(path: Path, rel: str) -> Imported:

@@ -10,6 +10,7 @@ import numpy as np
 import polars as pl
 import pytest
 from steplens.analyze import importers, monitor, schema
+from steplens.analyze.imported import conform
 
 RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
 BATCH = 16
@@ -18,7 +19,7 @@ BATCH = 16
 def series(name: str, values, origin: str = "collector", segment: int = 0) -> pl.DataFrame:
     rows = [{"rank": 0, "source": f"{origin}.src", "origin": origin, "name": name, "global_samples": BATCH * (k + 1),
              "value": float(v), "segment": segment} for k, v in enumerate(values)]
-    return importers.conform(rows, "scalars")
+    return conform(rows, "scalars")
 
 
 def alarm_samples(alarms: pl.DataFrame, kind: str) -> list[int]:
@@ -96,7 +97,7 @@ def test_restart_segment_replaces_overlapping_points():
 
 
 def test_empty_input_gives_empty_tables():
-    empty = importers.conform([], "scalars")
+    empty = conform([], "scalars")
     tables = monitor.monitor_tables(empty, {})
     assert tables["monitor_alarms"].is_empty() and tables["run_comparability"].height == len(monitor.COMPARABILITY_FIELDS)
     for table, frame in tables.items():
