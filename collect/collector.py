@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from . import environment
+from .comms import CommsRecorder, with_bandwidth
 from .parts import PartWriter
 
 log = logging.getLogger("steplens.collect")
@@ -68,8 +69,6 @@ class Collector:
         self.rank = rank
         self.world_size = world_size
         self.run_dir = Path(settings.run_dir).resolve()
-        from .comms import with_bandwidth
-
         self.writer = PartWriter(self.run_dir, rank, TABLES, prepare={"comms_calls": with_bandwidth})
         self.disabled: dict[str, str] = {}
         self.step = 0  # optimizer step in progress
@@ -310,8 +309,6 @@ class EngineCollector(Collector):
             # With no monitor configured the engine builds no events; this makes it build them for us.
             self.wrap(e.monitor, "enabled", True)
         if self.settings.comms:
-            from .comms import CommsRecorder
-
             self.comms = self.guard("comms", CommsRecorder, self, self.settings.comms_synchronize)
             if self.comms is not None:
                 self.guard("comms", self.comms.install)

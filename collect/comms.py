@@ -48,6 +48,8 @@ NCCL_TESTS_OP = {
 }
 # DeepSpeed records the per-rank shard for all-gathers; nccl-tests' S is the whole output (x n).
 SHARD_SIZED_OPS = frozenset(("all_gather", "all_gather_into_tensor"))
+# The argument whose size DeepSpeed records as msg_size, first match (deepspeed/comm/utils.py get_tensor_position).
+MESSAGE_ARGS = ("tensor", "tensors", "input_list", "input_tensor_list", "p2p_op_list")
 
 _COMM_DIR = None  # deepspeed/comm, skipped when looking for the caller
 
@@ -58,6 +60,17 @@ def _original(wrapper):
         return inspect.getclosurevars(wrapper).nonlocals.get("func", wrapper)
     except (TypeError, ValueError):
         return wrapper
+
+
+def message_bytes(arguments: dict) -> int:
+    """msg_size as DeepSpeed's get_msg_size_from_args computes it, from the call's bound arguments (without
+    its two inspect.signature calls per op)."""
+    for name in MESSAGE_ARGS:
+        if (value := arguments.get(name)) is not None:
+            if isinstance(value, list):  # list ops sum their tensors; P2POp objects wrap theirs
+                return sum(t.element_size() * t.nelement() for t in (getattr(x, "tensor", x) for x in value))
+            return value.element_size() * value.nelement()
+    return 0
 
 
 def caller_name(frame) -> str | None:
@@ -78,7 +91,6 @@ class CommsRecorder:
         import deepspeed.comm as ds_comm
         import deepspeed.comm.comm as ds_comm_impl
         from deepspeed.accelerator import get_accelerator
-        from deepspeed.comm.utils import get_msg_size_from_args
 
         _COMM_DIR = str(Path(ds_comm_impl.__file__).parent) + os.sep
         self.collector = collector
@@ -87,7 +99,6 @@ class CommsRecorder:
         # Host ops (gloo on CPU) finish inside the call; device ops are queued and need a sync to time.
         self.device_queued = self.accelerator.device_name() != "cpu"
         self.synchronize = synchronize
-        self.msg_size = get_msg_size_from_args
         self.get_world_size = ds_comm.get_world_size
         self.logger = ds_comm_impl.comms_logger
         self.saved: list[tuple[object, str, object]] = []
@@ -122,7 +133,6 @@ class CommsRecorder:
 
     def _wrap(self, name: str, op):
         signature = inspect.signature(_original(op))
-        original = _original(op)
         collector = self.collector
 
         def timed(*args, **kwargs):
@@ -133,8 +143,8 @@ class CommsRecorder:
             result = op(*args, **kwargs)
             waited = collector.guard("comms", self._wait, name, result)
             latency = time.perf_counter_ns() - start
-            collector.guard("comms", self._record, name, original, signature, args, kwargs, wall, latency,
-                            bool(waited), sys._getframe(1))
+            collector.guard("comms", self._record, name, signature, args, kwargs, wall, latency, bool(waited),
+                            sys._getframe(1))
             return result
 
         timed.__name__ = name
@@ -154,7 +164,7 @@ class CommsRecorder:
             forced = True
         return forced
 
-    def _record(self, name, original, signature, args, kwargs, wall, latency, waited, frame) -> None:
+    def _record(self, name, signature, args, kwargs, wall, latency, waited, frame) -> None:
         bound = signature.bind_partial(*args, **kwargs).arguments
         group = bound.get("group")
         key = id(group)
@@ -166,7 +176,7 @@ class CommsRecorder:
         issue_only = name in P2P_ASYNC_OPS or not (waited or returned_done)
         self.collector.record_comm({
             "op": name, "caller": caller_name(frame), "ts_ns": wall,
-            "msg_bytes": self.msg_size(original, *args, **kwargs), "group_size": self.group_sizes[key],
+            "msg_bytes": message_bytes(bound), "group_size": self.group_sizes[key],
             "latency_ns": latency, "latency_origin": "issue_only" if issue_only else "measured",
             # DeepSpeed's own logger also synchronizes queued device work when it is on.
             "synchronized": waited or (self.device_queued and self.logger.enabled),

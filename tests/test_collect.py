@@ -205,6 +205,18 @@ def test_comms_sizes_and_bandwidth_follow_nccl_tests(ingested):
     assert set(calls["group_size"]) == {RANKS}
 
 
+def test_comms_calls_match_deepspeeds_own_count_and_sizes(runs, ingested):
+    """DeepSpeed's comms logger (on in z2) counted the same calls with the same message sizes; only its
+    latencies are running totals."""
+    calls = table(ingested["z2"], "comms_calls")
+    for rank in range(RANKS):
+        summary = json.loads((runs["z2"] / "comms" / f"log_summary_rank{rank}.json").read_text())["summary"]
+        for op in ("all_reduce", "all_gather_into_tensor"):  # broadcasts also ran inside initialize, before attach
+            logged = {int(size): record["count"] for size, record in summary[op].items()}
+            ours = calls.filter((pl.col("rank") == rank) & (pl.col("op") == op)).group_by("msg_bytes").len()
+            assert dict(ours.iter_rows()) == logged, (rank, op)
+
+
 def test_ops_deepspeeds_logger_does_not_know_do_not_end_the_job(runs, ingested):
     """all_gather_object and monitored_barrier with the comms logger on: DeepSpeed alone calls exit(0)."""
     calls = table(ingested["z2"], "comms_calls")
