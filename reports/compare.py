@@ -48,8 +48,11 @@ def step_samples(run: Run) -> list[StepSamples]:
                                  "collector optimizer steps: slowest rank's sum of micro steps (train_steps)"))
     timers = run.table("step_timers")
     if not timers.is_empty():
-        main = timers.filter((pl.col("scope") == "global") & pl.col("timer").is_in(["fwd", "bwd", "step"]))
-        per_step = main.group_by("rank", "line").agg(pl.col("ms").sum()).filter(pl.col("rank") == pl.col("rank").min())
+        main = timers.filter((pl.col("scope") == "global") & pl.col("timer").is_in(["fwd", "bwd", "step"])
+                             & (pl.col("rank") == pl.col("rank").min()))
+        # The same timers may come from the collector and from the log: one source, the fullest.
+        fullest = main.group_by("source").len().sort("len", "source", descending=[True, False])["source"].first()
+        per_step = main.filter(pl.col("source") == fullest).group_by("line").agg(pl.col("ms").sum())
         if not per_step.is_empty():
             found.append(StepSamples((per_step["ms"] * 1e6).to_numpy(),
                                      "DeepSpeed wall-clock timers: fwd + bwd + step (step_timers)"))

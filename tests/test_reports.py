@@ -221,3 +221,25 @@ def test_hostile_names_render_as_text_in_chromium(browser, tmp_path):
     assert [c for c in console if c["level"] == "SEVERE"] == []
     assert [u for u in urls if not u.startswith(("file:", "data:"))] == []
 
+
+
+def test_compare_uses_the_step_source_both_runs_have(tmp_path, corpus):
+    """The collector sample (profiler, collector and log timers) against a run that left only logs:
+    the shared source is DeepSpeed's timer lines, read here independently of the importer."""
+    runs = {}
+    for name, folder in (("sample", ROOT / "sample_runs" / "deepspeed_cpu_2rank"),
+                         ("run5", CORPUS.parent / "deepspeed-cpu-runs" / "run5")):
+        shutil.copytree(folder, tmp_path / name, ignore=shutil.ignore_patterns(".steplens"))
+        runs[name] = load(_analyse(tmp_path / name))
+    result = compare.compare(runs["sample"], runs["run5"])["step_time"]
+    assert "wall-clock timers" in result["source"]
+
+    def logged_steps(folder: Path) -> list[float]:
+        log = next((folder / "rank_logs").glob("*rank0.log")).read_text()
+        return [sum(float(v) for v in re.findall(r"\b(?:fwd|bwd|step): ([\d.]+)", line))
+                for line in log.splitlines() if "time (ms) | fwd: " in line]
+
+    sample, run5 = logged_steps(tmp_path / "sample"), logged_steps(tmp_path / "run5")
+    assert (result["base_steps"], result["new_steps"]) == (len(sample), len(run5))
+    assert result["base_median_ns"] == pytest.approx(np.median(sample) * 1e6)
+    assert result["new_median_ns"] == pytest.approx(np.median(run5) * 1e6)
