@@ -51,7 +51,9 @@ class PartWriter:
                  prepare: dict[str, Callable[[pl.DataFrame], pl.DataFrame]]):
         self.root = Path(run_dir) / COLLECTOR_DIR
         self.rank = rank
-        self.seq = 0
+        # After this rank's existing parts: a resumed job (or a second attach) writing into the same folder
+        # adds parts and never replaces one.
+        self.seq = 1 + max((int(p.stem.split("-")[1]) for p in self.root.glob(f"*/rank{rank}-*.parquet")), default=-1)
         self.prepare = prepare  # table -> frame transform run at write time (e.g. derived columns)
         self.rows: dict[str, list[dict]] = {table: [] for table in tables}
         self.rows_written: dict[str, int] = dict.fromkeys(tables, 0)

@@ -357,3 +357,17 @@ def test_importer_claims_only_collector_layout(tmp_path):
     assert not collected.claims(Path("run/collector/train_steps/.rank0-00001.parquet.tmp"))
     assert not collected.claims(Path("run/other/train_steps/rank0-00001.parquet"))
     assert not collected.claims(Path("run/collector/not_a_table/rank0-00001.parquet"))
+
+
+def test_a_second_writer_adds_parts_after_the_existing_ones(tmp_path):
+    """A resumed job writing into the same run folder never replaces a part of the first one."""
+    from steplens.collect.parts import PartWriter
+
+    for value in (1.0, 2.0):
+        writer = PartWriter(tmp_path, 0, ("scalars",), prepare={})
+        writer.add("scalars", {"rank": 0, "name": "train/loss", "value": value})
+        writer.flush({"status": "completed"}, background=False)
+        writer.close()
+    parts = sorted((tmp_path / "collector" / "scalars").iterdir())
+    assert [p.name for p in parts] == ["rank0-00000.parquet", "rank0-00001.parquet"]
+    assert [pq.read_table(p)["value"].to_pylist() for p in parts] == [[1.0], [2.0]]

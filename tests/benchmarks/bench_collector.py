@@ -9,6 +9,10 @@ left out. Per run: the median step over ranks and steps. Printed: the ratio of t
 kind, and the median of the per-repeat ratios (on / off of the two runs made back to back), which is less
 sensitive to other load on a shared machine.
 
+Second figure, with less noise from other load: one job that attaches the collector for --block steps, closes
+it for --block steps, and so on (train_tiny_gpt.py --collector_ab); per pair of neighbouring blocks the ratio
+of their median steps, then the median over pairs (the first block, warm-up, left out).
+
     .venv/bin/python tests/benchmarks/bench_collector.py --repeats 6 --steps 120
 """
 
@@ -37,15 +41,24 @@ def median_step_ms(run: Path, warmup: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=6, help="Runs of each kind.")
+    p.add_argument("--repeats", type=int, default=6, help="Runs of each kind (0: skip the interleaved runs).")
     p.add_argument("--steps", type=int, default=120, help="Optimizer steps per run.")
     p.add_argument("--warmup", type=int, default=5, help="First steps left out.")
     p.add_argument("--flush-every", type=int, default=20, help="Collector flush interval (steps).")
     p.add_argument("--zero-stage", default="2")
+    p.add_argument("--block", type=int, default=10, help="Steps per block of the same-job figure.")
+    p.add_argument("--ab-steps", type=int, default=400, help="Steps of the same-job run (0: skip it).")
     args = p.parse_args()
 
     job = ("--zero_stage", args.zero_stage, "--steps", str(args.steps))
     collector_on = ("--collector", "--flush_every", str(args.flush_every), "--flops_step", "-1", "--profile_window", "off")
+    if args.repeats:
+        interleaved_runs(args, job, collector_on)
+    if args.ab_steps:
+        same_job(args, job, collector_on)
+
+
+def interleaved_runs(args, job, collector_on) -> None:
     medians: dict[str, list[float]] = {"on": [], "off": []}
     with tempfile.TemporaryDirectory(prefix="bench_collector_") as tmp:
         for repeat in range(args.repeats):
@@ -64,6 +77,25 @@ def main() -> None:
     print(f"median step time  collector on: {on:.2f} ms  off: {off:.2f} ms  ratio of medians: {on / off:.4f}")
     print(f"per-repeat ratios: {' '.join(f'{r:.3f}' for r in paired)}")
     print(f"overhead ratio (median of per-repeat on / off): {statistics.median(paired):.4f}  (target <= 1.02)")
+
+
+def same_job(args, job, collector_on) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench_collector_ab_") as tmp:
+        ab_job = (*job[:-1], str(args.ab_steps))  # job ends with the step count
+        run = run_tiny_gpt(Path(tmp) / "ab", *ab_job, *collector_on, "--collector_ab", str(args.block))
+        blocks: dict[int, dict] = {}
+        for record in sorted((run / "script").glob("rank*.json")):
+            for step in json.loads(record.read_text())["steps"]:
+                block = blocks.setdefault(step["step"] // args.block, {"on": step["collector_on"], "ms": []})
+                block["ms"].append((step["end_ns"] - step["start_ns"]) / 1e6)
+    medians = [(b["on"], statistics.median(b["ms"])) for _, b in sorted(blocks.items())][1:]
+    ratios = [(a if on_first else b) / (b if on_first else a)
+              for (on_first, a), (_, b) in zip(medians[::2], medians[1::2])]
+    print(f"\nsame job, collector attached and closed every {args.block} steps, {args.ab_steps} steps, "
+          f"{len(ratios)} block pairs")
+    print(f"median step time  collector on: {statistics.median(m for on, m in medians if on):.2f} ms  "
+          f"off: {statistics.median(m for on, m in medians if not on):.2f} ms")
+    print(f"overhead ratio (median over block pairs of on / off): {statistics.median(ratios):.4f}  (target <= 1.02)")
 
 
 if __name__ == "__main__":

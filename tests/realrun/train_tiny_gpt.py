@@ -110,7 +110,10 @@ def parse_args() -> argparse.Namespace:
     tests.add_argument("--kill_rank", type=int, default=None, help="This rank SIGKILLs itself ...")
     tests.add_argument("--kill_at_step", type=int, default=None, help="... after this optimizer step.")
     tests.add_argument("--inject_fault", default=None, metavar="HOOK",
-                       help="Make this collector method raise (e.g. _record_comm), to show training goes on.")
+                       help="Make this collector method raise (e.g. record_timers), to show training goes on.")
+    tests.add_argument("--collector_ab", type=int, default=None, metavar="BLOCK",
+                       help="Benchmark: attach the collector for BLOCK steps, close it for BLOCK steps, and so on "
+                            "(script/rank<r>.json says which steps ran with it).")
     return p.parse_args()
 
 
@@ -182,6 +185,12 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1 + rank)
     record = {"rank": rank, "steps": [], "probe": None}
     for step in range(args.steps):
+        if args.collector_ab and step % args.collector_ab == 0 and step:
+            if collector is None:
+                collector = attach(engine)
+            else:
+                collector.close()
+                collector = None
         start = time.time_ns()
         for _ in range(args.gas):
             tokens = torch.randint(0, VOCAB, (args.micro_batch, args.seq_len + 1), generator=generator)
@@ -189,7 +198,7 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
         end = time.time_ns()
-        record["steps"].append({"step": step, "start_ns": start, "end_ns": end,
+        record["steps"].append({"step": step, "start_ns": start, "end_ns": end, "collector_on": collector is not None,
                                 "global_samples": engine.global_samples, "global_steps": engine.global_steps})
         if collector is not None:
             collector.log("train/loss", loss.item())
