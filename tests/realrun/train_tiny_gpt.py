@@ -1,8 +1,7 @@
 """Train a tiny GPT (random tokens) with real DeepSpeed, for tests, the sample run and the benchmark.
 
 Runs on CPU with 2 ranks (gloo), see launch.py:
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 tests/realrun/train_tiny_gpt.py \
-        --out_dir /tmp/run --zero_stage 2 --steps 8
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 tests/realrun/train_tiny_gpt.py --out_dir /tmp/run
 
 Native DeepSpeed artifacts are switched on one by one (--csv_monitor, --tensorboard, --wandb,
 --comms_logger verbose, --wall_clock_breakdown, --ds_flops_profiler, --log_level info), so other tests can
@@ -16,6 +15,7 @@ the tests compare the collector against.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import signal
@@ -77,7 +77,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro_batch", type=int, default=4, help="train_micro_batch_size_per_gpu.")
     p.add_argument("--seq_len", type=int, default=64, help="Tokens per sample.")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision.")
-    p.add_argument("--deepspeed_config", help="Use this ds_config file instead of building one (the switches below are then ignored).")
+    p.add_argument("--deepspeed_config", help="Use this ds_config (a .json file, or base64 JSON as the autotuner passes it) instead of building one; "
+                        "the switches below are then ignored.")
 
     native = p.add_argument_group("native DeepSpeed artifacts (written under --out_dir)")
     native.add_argument("--csv_monitor", action="store_true", help="csv_monitor -> csv_monitor/tiny_gpt/*.csv")
@@ -156,6 +157,13 @@ def ds_config(args: argparse.Namespace, out_dir: Path) -> dict:
     return config
 
 
+def load_config(value: str) -> dict:
+    """A ds_config file, or the base64 JSON the DeepSpeed autotuner passes in --deepspeed_config."""
+    if value.endswith(".json"):
+        return json.loads(Path(value).read_text())
+    return json.loads(base64.urlsafe_b64decode(value))
+
+
 def main() -> None:
     args = parse_args()
     out_dir = Path(args.out_dir).resolve()
@@ -164,7 +172,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = TinyGPT(args.seq_len + 1)
     if args.deepspeed_config:
-        config = json.loads(Path(args.deepspeed_config).read_text())
+        config = load_config(args.deepspeed_config)
     else:
         config = ds_config(args, out_dir)
     if rank == 0:
