@@ -304,7 +304,9 @@ class EngineCollector(Collector):
         self.wrap(e, "step", self.wrapped_step(e.step))
         if hasattr(e.timers, "timers"):  # a NoopTimer (wall_clock_breakdown off) has nothing to read
             self.wrap(e.timers, "log", self.wrapped_timer_log(e.timers.log))
-        self.wrap(e.monitor, "write_events", self.wrapped_write_events(e.monitor.write_events))
+        from .monitor import SteplensMonitor
+
+        self.wrap(e.monitor, "write_events", self.wrapped_write_events(e.monitor.write_events, SteplensMonitor(self)))
         if not e.monitor.enabled:
             # With no monitor configured the engine builds no events; this makes it build them for us.
             self.wrap(e.monitor, "enabled", True)
@@ -344,11 +346,11 @@ class EngineCollector(Collector):
             return timer_log(names, *args, **kwargs)
         return log_recorded
 
-    def wrapped_write_events(self, write_events):
-        def write_events_recorded(event_list):
-            self.guard("scalars", self.record_events, event_list)
+    def wrapped_write_events(self, write_events, backend):
+        def write_events_to_all(event_list):
+            backend.write_events(event_list)
             return write_events(event_list)
-        return write_events_recorded
+        return write_events_to_all
 
     def micro_started(self) -> None:
         self.micro_start_ns = time.time_ns()
