@@ -101,14 +101,22 @@ def idle_by_cause(idle: pl.DataFrame) -> str:
 
 
 def busbw_by_size(collectives: pl.DataFrame) -> str:
-    """busbw against message size, one series per collective (nccl-tests' view)."""
+    """busbw against message size, one series per collective (nccl-tests' view): the median per size
+    with a bar from the 10th to the 90th percentile, so the plot stays small however many calls."""
+    summary = (collectives.filter(pl.col("busbw_gbps").is_not_null())
+               .group_by("op", "bytes").agg(median=pl.col("busbw_gbps").median(),
+                                            low=pl.col("busbw_gbps").quantile(0.1, "linear"),
+                                            high=pl.col("busbw_gbps").quantile(0.9, "linear"))
+               .sort("op", "bytes"))
     fig, ax = plt.subplots(figsize=(6, 3))
-    for op, group in collectives.filter(pl.col("busbw_gbps").is_not_null()).group_by("op", maintain_order=True):
-        ax.scatter(group["bytes"].to_numpy(), group["busbw_gbps"].to_numpy(), s=10, label=str(op[0]), alpha=0.7)
+    for op, group in summary.group_by("op", maintain_order=True):
+        median = group["median"].to_numpy()
+        spread = [median - group["low"].to_numpy(), group["high"].to_numpy() - median]
+        ax.errorbar(group["bytes"].to_numpy(), median, yerr=spread, fmt="o-", ms=4, lw=1, capsize=2, label=str(op[0]))
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: _binary(value)))
-    ax.set_xlabel("message size S (bytes, log2)")
-    ax.set_ylabel("busbw (GB/s)")
+    ax.set_xlabel("message size S (log2)")
+    ax.set_ylabel("busbw (GB/s), median and p10-p90")
     ax.legend(frameon=False, fontsize=8)
     return _svg(fig)
 
