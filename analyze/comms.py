@@ -41,7 +41,8 @@ _OPS = [
 NCCL_KERNEL = r"(?i)nccl|rccl"
 
 
-def _op(column: str) -> pl.Expr:
+def nccl_op(column: str) -> pl.Expr:
+    """A collective's name (NCCL kernel, record_param_comms or DeepSpeed op) in nccl-tests terms."""
     return first_match(column, _OPS, None)
 
 
@@ -51,7 +52,7 @@ def collective_kernels(events: pl.DataFrame) -> pl.DataFrame:
     names = kernels.select(pl.col("name").unique())
     nccl = names.filter(pl.col("name").str.contains(NCCL_KERNEL))["name"].implode()  # regex once per distinct name
     kernels = kernels.filter(pl.col("collective").is_not_null() | pl.col("name").is_in(nccl))
-    return kernels.with_columns(op=pl.coalesce(_op("collective"), _op("name"), pl.lit("unknown")))
+    return kernels.with_columns(op=pl.coalesce(nccl_op("collective"), nccl_op("name"), pl.lit("unknown")))
 
 
 def collectives(device: pl.DataFrame, world_size: int | None = None) -> pl.DataFrame:

@@ -31,8 +31,7 @@ from pathlib import Path
 
 import polars as pl
 
-from .comms import _op as nccl_op
-from .comms import busbw_factor
+from .comms import busbw_factor, nccl_op
 from .imported import Imported, conform, peek
 
 RAW_NAME = re.compile(r"comms_dict_raw_rank(\d+)\.json$")
