@@ -55,13 +55,22 @@ def step_heatmap(step_times: pl.DataFrame) -> str:
     values = grid.select(steps).to_numpy() / 1e6
     fig, ax = plt.subplots(figsize=(min(2 + 0.35 * len(steps), 11), min(1 + 0.28 * grid.height, 9)))
     image = ax.imshow(values, aspect="auto", cmap="viridis", interpolation="nearest")
-    ax.set_xticks(range(len(steps)), steps)
-    ranks = grid["rank"].to_list()
-    ax.set_yticks(range(len(ranks)), ranks) if len(ranks) <= 64 else None
+    _index_ticks(ax.xaxis, steps)
+    _index_ticks(ax.yaxis, grid["rank"].to_list())
     ax.set_xlabel("ProfilerStep")
     ax.set_ylabel("rank")
     fig.colorbar(image, ax=ax, label="CPU step time (ms)")
     return _svg(fig)
+
+
+MAX_TICKS = 24  # hundreds of tick labels make the figure unreadable and slow to lay out
+
+
+def _index_ticks(axis, labels: list) -> None:
+    """Ticks at cell indices labelled with the step or rank they stand for, at most MAX_TICKS of them."""
+    axis.set_major_locator(matplotlib.ticker.MaxNLocator(MAX_TICKS, integer=True))
+    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda value, _: str(labels[int(value)]) if 0 <= int(value) < len(labels) and value == int(value) else ""))
 
 
 def launch_delay(launches: pl.DataFrame) -> str:

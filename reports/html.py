@@ -112,7 +112,10 @@ def _stepsSection(run: Run) -> dict:
     section = Section("Step time", "steps")
     if not times.is_empty():
         section.figure(figures.step_heatmap(times))
-        section.table(_rows(stats.sort("step"), {
+        if stats.height > TABLE_ROWS:
+            section.text(f"The {TABLE_ROWS} slowest of {stats.height} steps:")
+            stats = stats.sort("max_dur_ns", descending=True)
+        section.table(_rows(stats.sort("step") if stats.height <= TABLE_ROWS else stats, {
             "step": ("step", _text), "ranks": ("ranks", _text), "median_dur_ns": ("median", ms),
             "max_dur_ns": ("slowest", ms), "slowest_rank": ("slowest rank", _text), "spread_ns": ("spread", ms),
             "straggler_rank": ("straggler", _text), "others_waited_ns": ("others waited", ms),
