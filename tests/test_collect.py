@@ -2,7 +2,8 @@
 
 The jobs run once per session (tests/realrun/train_tiny_gpt.py, about 25 s each on 2 cores):
   z1_gas2_fault  ZeRO-1, 2 micro steps per step, a fault injected into the timer hook
-  z2             ZeRO-2: comms logger verbose, unknown comm ops, a comms probe, FLOPs, a profiler window
+  z2             ZeRO-2: comms logger verbose, unknown comm ops, a comms probe, FLOPs, a profiler window;
+                 DeepSpeed's csv_monitor, TensorBoard and W&B (offline) monitors on
   z3             ZeRO-3 with a FLOPs profile (the double-counting flag)
   killed         ZeRO-2, rank 1 SIGKILLs itself after step 4, flushes every 2 steps
 """
@@ -35,7 +36,7 @@ PROFILE = {"skip_first": 2, "wait": 1, "warmup": 1, "active": 1, "repeat": 1}  #
 JOBS = {
     "z1_gas2_fault": ("--zero_stage", "1", "--gas", "2", "--steps", "4", "--wall_clock_breakdown",
                       "--inject_fault", "record_timers", "--profile_window", "off", "--flops_step", "-1"),
-    "z2": ("--zero_stage", "2", "--steps", str(STEPS), "--wall_clock_breakdown", "--csv_monitor",
+    "z2": ("--zero_stage", "2", "--steps", str(STEPS), "--wall_clock_breakdown", "--csv_monitor", "--tensorboard", "--wandb",
            "--comms_logger", "verbose", "--log_level", "info", "--unknown_comm_op", "--probe_comms", str(PROBE_STEP),
            "--flush_every", "2"),
     "z3": ("--zero_stage", "3", "--steps", "4", "--flops_step", "1", "--profile_window", "off"),
@@ -142,6 +143,21 @@ def test_scalars_carry_the_engines_global_samples(ingested, runs):
     joined = csv.join(scalars, on=["name", "global_samples"], suffix="_collector")
     assert joined.height == csv.height > 0
     assert ((joined["value"] - joined["value_collector"]).abs() < 1e-9).all()
+
+
+def test_the_jobs_own_monitors_agree_through_their_importers(ingested):
+    """DeepSpeed wrote the same events to csv_monitor, TensorBoard and an offline W&B run; each is read
+    by its own importer (CSV text, TFRecord protobufs, LevelDB-log protobufs) and every point agrees
+    with the collector's Monitor backend."""
+    scalars = table(ingested["z2"], "scalars", collector_only=False)
+    assert set(scalars["origin"]) >= {"collector", "csv_monitor", "tensorboard", "wandb"}
+    collector = scalars.filter(pl.col("origin") == "collector").select("name", "global_samples", "value")
+    engine_events = collector.filter(pl.col("name").str.starts_with("Train/Samples/"))
+    for origin in ("csv_monitor", "tensorboard", "wandb"):
+        native = scalars.filter(pl.col("origin") == origin).select("name", "global_samples", "value")
+        joined = engine_events.join(native, on=["name", "global_samples"], how="left", suffix="_native")
+        assert joined["value_native"].null_count() == 0, origin  # every event the engine wrote is there
+        assert ((joined["value"] - joined["value_native"]).abs() <= 1e-6 * joined["value"].abs().clip(1)).all(), origin
 
 
 def test_step_timers_per_step_match_the_monitor_events(ingested):
