@@ -163,21 +163,27 @@ def print_summary(console: Console, result: IngestResult, analysis_seconds: floa
     ingest_seconds = result.seconds - (analysis_seconds or 0)
     speed = f", {mb / ingest_seconds:.0f} MB/s" if parsed and ingest_seconds > 0 else ""
     analysed = f"; analyses {analysis_seconds:.2f}s" if analysis_seconds is not None else ""
+    artifacts = Counter(s.kind for s in result.sources if s.kind != "kineto" and s.status in ("ingested", "reused"))
+    others = f" and {sum(artifacts.values())} other input(s)" if artifacts else ""
     console.print(
-        f"[bold]{len(used)}[/] trace file(s) -> {result.out_dir}  "
+        f"[bold]{len(used)}[/] trace file(s){others} -> {result.out_dir}  "
         f"({parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed})",
         highlight=False, soft_wrap=True,
     )
     world = f" of world size {m['world_size']}" if m.get("world_size") else ""
     console.print(f"ranks: {_ranges(m['ranks'])}{world}", highlight=False, markup=False)
-    artifacts = Counter(s.kind for s in result.sources if s.kind != "kineto" and s.status in ("ingested", "reused"))
     if artifacts:
         console.print("other inputs: " + ", ".join(f"{kind} {n}" for kind, n in sorted(artifacts.items())),
                       highlight=False, markup=False)
     if m.get("ignored_count"):
         console.print(f"not read: {m['ignored_count']} file(s) in no format steplens knows (listed in run.json "
                       "ignored_files)", highlight=False, markup=False)
+    if used:
+        _print_trace_tables(console, used)
+    _print_issues(console, result)
 
+
+def _print_trace_tables(console: Console, used: list[Source]) -> None:
     steps = Table(title="steps per rank", title_justify="left", box=None)
     for col in ("rank", "windows", "steps", "ProfilerStep#"):
         steps.add_column(col)
@@ -200,6 +206,8 @@ def print_summary(console: Console, result: IngestResult, analysis_seconds: floa
             table.add_row(kind, f"{kinds[kind]:,}")
     console.print(table)
 
+
+def _print_issues(console: Console, result: IngestResult) -> None:
     issues = Table(title="ingest issues", title_justify="left", box=None)
     for col in ("severity", "reason", "files", "count", "example"):
         issues.add_column(col, overflow="fold")
