@@ -16,7 +16,8 @@ def verdict(run: Run) -> list[str]:
         bad = status.filter(pl.col("status").is_in(["failed", "killed", "incomplete"]))
         for row in bad.head(2).iter_rows(named=True):
             error = f": {row['error']}" if row["error"] else ""
-            lines.append(f"The job {row['status']} ({row['source']}{error}).")
+            what = {"failed": "failed", "killed": "was killed", "incomplete": "did not finish"}[row["status"]]
+            lines.append(f"The job {what} ({row['source']}{error}).")
     if slow := f.get("slowest_step"):
         lines.append(f"Slowest step: ProfilerStep#{slow['step']} on rank {slow['rank']}, {ms(slow['dur_ns'])} "
                      f"against a median step of {ms(slow['median_step_ns'])}.")
@@ -44,7 +45,7 @@ def verdict(run: Run) -> list[str]:
                          f"peak {row['peak']}).")
     from steplens.analyze.cli import telemetry_lines
 
-    lines.extend(line[0].upper() + line[1:] + "." for line in telemetry_lines(f))
+    lines.extend(line[0].upper() + line[1:] + ("" if line.endswith(".") else ".") for line in telemetry_lines(f))
     issues = run.table("ingest_issues")
     if not issues.is_empty() and (errors := issues.filter(pl.col("severity") == "error")).height:
         lines.append(f"{errors.height} input problem(s) lost data (see Ingest issues); numbers cover what was readable.")
