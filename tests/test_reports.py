@@ -243,3 +243,16 @@ def test_compare_uses_the_step_source_both_runs_have(tmp_path, corpus):
     assert (result["base_steps"], result["new_steps"]) == (len(sample), len(run5))
     assert result["base_median_ns"] == pytest.approx(np.median(sample) * 1e6)
     assert result["new_median_ns"] == pytest.approx(np.median(run5) * 1e6)
+
+
+def test_verdict_says_how_a_killed_job_ended(tmp_path, corpus):
+    """A Megatron-DeepSpeed log that ends with the launcher's SIGTERM: logs only, no traces."""
+    run = tmp_path / "megatron"
+    shutil.copytree(CORPUS / "Megatron-DeepSpeed", run)
+    log = next(run.rglob("*.log"))
+    assert "received SIGTERM" in log.read_text()[-5000:]
+    out = _analyse(run)
+    summary = (out / "summary.md").read_text()
+    assert "The job was killed" in summary and "received SIGTERM" in summary
+    html = (out / "report.html").read_text()
+    assert ">How the job ended</h2>" in html and "No device activity in the traces" in html
