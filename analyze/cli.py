@@ -324,7 +324,8 @@ def _sql_help() -> str:
 as RUN/.steplens/), with DuckDB.
 
 Each table is a view across all runs, with a run_id column (per-rank tables also have rank):
-{tables}. The view `runs` lists the runs (run_id, path, world_size, ranks, devices, created_by).
+{tables}. The view `runs` lists the runs (run_id, run_name, path, world_size, ranks, devices, created_by,
+zero_stage, train_batch_size, code_revision, deepspeed_version).
 Columns are documented in analyze/schema.py and the README. Queries never modify a run: only a
 single SELECT is accepted.
 

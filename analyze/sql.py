@@ -14,7 +14,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from . import schema
+from . import monitor, schema
 
 EXAMPLES = {
     "slowest step per run": "SELECT run_id, step, max_dur_ns / 1e6 AS ms, straggler_rank FROM step_stats "
@@ -24,7 +24,17 @@ EXAMPLES = {
     "MFU by run": "SELECT run_id, metric, numerator, median(utilization) AS utilization FROM mfu GROUP BY ALL",
     "GPU idle by cause": "SELECT run_id, sum(host_bound_ns) / 1e6 AS host_bound_ms, sum(sync_ns) / 1e6 AS sync_ms "
                          "FROM gpu_idle WHERE stream = -1 GROUP BY run_id",
+    "MFU by code revision and ZeRO stage": "SELECT r.code_revision, r.zero_stage, median(m.utilization) AS mfu "
+                                           "FROM mfu m JOIN runs r USING (run_id) WHERE m.metric = 'MFU' GROUP BY ALL",
+    "loss against global samples across runs": "SELECT run_id, global_samples, value AS loss FROM scalars "
+                                               "WHERE name ILIKE '%loss%' ORDER BY run_id, global_samples",
+    "slowest logged collective per run": "SELECT run_id, op, nccl_bytes, median_latency_ns / 1e6 AS median_ms, latency_origin "
+                                         "FROM comms_log_stats QUALIFY row_number() OVER "
+                                         "(PARTITION BY run_id ORDER BY total_latency_ns DESC) = 1",
 }
+# Facts of each run shown in the `runs` view (monitor.run_fact reads them from any importer's facts).
+RUN_FACTS = {"zero_stage": pl.Int64, "train_batch_size": pl.Int64, "code_revision": pl.String,
+             "deepspeed_version": pl.String}
 
 
 class QueryError(Exception):
@@ -55,10 +65,12 @@ def connect(root: Path) -> duckdb.DuckDBPyConnection:
     for run in runs:
         manifest = json.loads((run / schema.MANIFEST_FILE).read_text())
         run_id = str(manifest.get("run_id") or run)
-        rows.append({"run_id": run_id, "path": str(run), "world_size": manifest.get("world_size"),
-                     "ranks": len(manifest.get("ranks", [])),
+        facts = manifest.get("facts", {})
+        rows.append({"run_id": run_id, "run_name": manifest.get("run_name"), "path": str(run),
+                     "world_size": manifest.get("world_size"), "ranks": len(manifest.get("ranks", [])),
                      "devices": ", ".join(manifest.get("environment", {}).get("device_names", [])),
-                     "created_by": manifest.get("created_by")})
+                     "created_by": manifest.get("created_by"),
+                     **{field: _fact(monitor.run_fact(facts, field), dtype) for field, dtype in RUN_FACTS.items()}})
         for table in list(schema.TABLES) + list(schema.ANALYSIS_TABLES):
             partitioned = table in schema.TABLES and schema.TABLES[table][2]
             pattern = run / table / ("*/*.parquet" if partitioned else "*.parquet")
@@ -66,12 +78,22 @@ def connect(root: Path) -> duckdb.DuckDBPyConnection:
                 parts.setdefault(table, []).append(
                     f"SELECT {_quote(run_id)} AS run_id, * FROM read_parquet({_quote(str(pattern))}"
                     f"{', hive_partitioning = true' if partitioned else ''})")
-    con.register("runs_frame", pl.DataFrame(rows, schema={"run_id": pl.String, "path": pl.String, "world_size": pl.Int64,
-                                                           "ranks": pl.Int64, "devices": pl.String, "created_by": pl.String}))
+    con.register("runs_frame", pl.DataFrame(rows, schema={
+        "run_id": pl.String, "run_name": pl.String, "path": pl.String, "world_size": pl.Int64, "ranks": pl.Int64,
+        "devices": pl.String, "created_by": pl.String, **RUN_FACTS}))
     con.execute("CREATE VIEW runs AS SELECT * FROM runs_frame")
     for table, selects in parts.items():
         con.execute(f"CREATE VIEW {table} AS " + " UNION ALL BY NAME ".join(selects))
     return con
+
+
+def _fact(value, dtype):
+    """A fact as the column's type, or null when it does not fit (facts come from free-form sources)."""
+    if value is None:
+        return None
+    if dtype == pl.Int64:
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return str(value)
 
 
 def query(root: Path, sql: str) -> pl.DataFrame:

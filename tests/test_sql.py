@@ -1,6 +1,8 @@
 """`steplens sql`: DuckDB views across runs, read-only, with documented examples that run."""
 
 import json
+import shutil
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -65,3 +67,20 @@ def test_cli_formats_and_errors(runs, tmp_path):
     assert empty.exit_code == 2 and "no steplens runs" in empty.output
     help_text = runner.invoke(steplens, ["sql", "--help"]).output
     assert all(table in help_text for table in list(schema.TABLES) + list(schema.ANALYSIS_TABLES))
+
+
+def test_runs_view_carries_the_facts_that_group_runs(tmp_path):
+    """The collector sample's ZeRO stage, batch size and revision, as its own files state them."""
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "deepspeed_cpu_2rank"
+    shutil.copytree(root / "sample_runs" / "deepspeed_cpu_2rank", run, ignore=shutil.ignore_patterns(".steplens"))
+    assert CliRunner().invoke(steplens, ["analyze", str(run), "-q"]).exit_code == 0
+    config = json.loads((run / "ds_config.json").read_text())
+    manifest = json.loads((run / "collector" / "manifest" / "rank0.json").read_text())
+    row = sql.query(tmp_path, "SELECT * FROM runs").row(0, named=True)
+    assert row["run_name"] == "deepspeed_cpu_2rank"
+    assert row["zero_stage"] == config["zero_optimization"]["stage"]
+    # DeepSpeed's definition: micro batch x gradient accumulation x data-parallel ranks
+    assert row["train_batch_size"] == (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
+                                       * manifest["run"]["world_size"])
+    assert row["code_revision"] == manifest["run"]["git"]["commit"]
