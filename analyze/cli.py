@@ -58,7 +58,7 @@ Re-running is incremental: files whose size, mtime and first 64 KiB are unchange
 again. The swap to the new result is atomic, so an interrupted run leaves the last result intact.
 
 \b
-Exit status: 0 all inputs used; {EXIT_PARTIAL} results written but some trace files could not be
+Exit status: 0 all inputs used; {EXIT_PARTIAL} results written but some input files could not be
 used (see the issues); {EXIT_NOTHING} nothing usable.
 """
 
