@@ -31,7 +31,7 @@ def _cell(text) -> str:
     return escape(text if len(text) <= MAX_CELL else text[: MAX_CELL - 1] + "…")
 
 
-def _table(header: list[str], rows: list[list]) -> list[str]:
+def table_lines(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines + [""]
@@ -47,21 +47,21 @@ def render(out_dir: Path) -> str:
     stats = run.table("step_stats")
     if not stats.is_empty():
         lines += ["**Step time** (CPU, over ranks)", ""]
-        lines += _table(["step", "median", "slowest", "slowest rank", "straggler"],
+        lines += table_lines(["step", "median", "slowest", "slowest rank", "straggler"],
                         [[r["step"], ms(r["median_dur_ns"]), ms(r["max_dur_ns"]), r["slowest_rank"],
                           r["straggler_rank"] if r["straggler_rank"] is not None else ""]
                          for r in stats.sort("step").iter_rows(named=True)][:10])
     top = run.table("top_kernels")
     if not top.is_empty():
         lines += ["**Top kernels**", ""]
-        lines += _table(["kernel", "category", "calls", "total"],
+        lines += table_lines(["kernel", "category", "calls", "total"],
                         [[r["name"], r["category"], r["calls"], ms(r["time_ns"])] for r in top.head(TOP_ROWS).iter_rows(named=True)])
     calls = run.table("collectives")
     if not calls.is_empty():
         by_op = calls.group_by("op", "bytes").agg(calls=pl.len(), exposed=pl.col("exposed_ns").sum(),
                                                     busbw=pl.col("busbw_gbps").median()).sort("exposed", descending=True)
         lines += ["**Collectives** (most exposed first)", ""]
-        lines += _table(["collective", "size", "calls", "exposed", "median busbw GB/s"],
+        lines += table_lines(["collective", "size", "calls", "exposed", "median busbw GB/s"],
                         [[r["op"], size(r["bytes"]), r["calls"], ms(r["exposed"]),
                           f"{r['busbw']:.1f}" if r["busbw"] is not None else ""] for r in by_op.head(TOP_ROWS).iter_rows(named=True)])
     notes = caveats.caveats(run)
@@ -83,7 +83,7 @@ def render_compare(result: dict) -> str:
     for table in display_tables(result):
         if table["rows"]:
             lines += ["", f"**{escape(table['title'])}**" + (f" ({escape(table['note'])})" if table["note"] else ""), ""]
-            lines += _table(table["header"], table["rows"])
+            lines += table_lines(table["header"], table["rows"])
     lines += ["<details><summary>Method</summary>", "", escape(METHOD), "", "</details>", ""]
     return "\n".join(lines)
 

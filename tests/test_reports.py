@@ -256,3 +256,41 @@ def test_verdict_says_how_a_killed_job_ended(tmp_path, corpus):
     assert "The job was killed" in summary and "received SIGTERM" in summary
     html = (out / "report.html").read_text()
     assert ">How the job ended</h2>" in html and "No device activity in the traces" in html
+
+
+def _trial_run(folder: Path, step_ms: float, zero_stage: int) -> None:
+    """A collector run folder: the sample's rank-0 manifest with another ds_config, and 6 optimizer
+    steps of a known duration (8 samples each)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from steplens.analyze import schema
+
+    manifest = json.loads((ROOT / "sample_runs/deepspeed_cpu_2rank/collector/manifest/rank0.json").read_text())
+    manifest["run"]["ds_config"]["zero_optimization"] = {"stage": zero_stage}
+    (folder / "collector" / "manifest").mkdir(parents=True)
+    (folder / "collector" / "manifest" / "rank0.json").write_text(json.dumps(manifest))
+    start, rows = 1_000_000_000, []
+    for step in range(6):
+        end = start + int(step_ms * 1e6)
+        rows.append({"rank": 0, "source": "collector", "step": step, "micro_step": step, "start_ns": start, "end_ns": end,
+                     "dur_ns": end - start, "is_boundary": True, "global_samples": 8 * (step + 1)})
+        start = end
+    (folder / "collector" / "train_steps").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema.TRAIN_STEPS), folder / "collector/train_steps/rank0-00000.parquet")
+
+
+def test_trials_rank_repeated_collector_runs(tmp_path):
+    for i in range(4):
+        _trial_run(tmp_path / f"z2_run{i}", 100 + i, zero_stage=2)
+        _trial_run(tmp_path / f"z3_run{i}", 120 + i, zero_stage=3)
+    result = CliRunner().invoke(steplens, ["trials", str(tmp_path), "--format", "md"])
+    assert result.exit_code == 0, result.output
+    # 4 trials each, fully separated: the exact one-sided Mann-Whitney p is 1/C(8,4) = 1/70.
+    verdict = next(line for line in result.stdout.splitlines() if line.startswith("**"))
+    assert "z2\\_run0 beats z3\\_run0" in verdict and f"p = {1 / 70:.3g}" in verdict
+    first = next(line for line in result.stdout.splitlines() if line.startswith("| 1 |"))
+    median_throughput = float(np.median([8 / (0.100 + i / 1000) for i in range(4)]))  # samples/s per trial
+    assert "z2\\_run0,z2\\_run1,z2\\_run2,z2\\_run3" in first and f"| {median_throughput:,.4g} |" in first
+    text = CliRunner().invoke(steplens, ["trials", str(tmp_path)])
+    assert text.exit_code == 0 and "z2_run0 beats z3_run0" in text.stdout and "configurations" in text.stdout
