@@ -118,14 +118,21 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     else:  # logs, monitors or autotuning only: the trace analyses are empty tables
         tables = {name: pl.DataFrame(schema={c: pl.Null for c in columns})
                   for name, columns in schema.ANALYSIS_TABLES.items() if name != "kernel_launches"}
-        peak_problem = "no profiler traces in this run"
-    tables.update(_telemetry_analyses(out_dir, manifest.get("facts", {}), options))
+    facts = manifest.get("facts", {})
+    tables.update(_telemetry_analyses(out_dir, facts, options))
+    collector_rows, collector_problem = mfu.collector_mfu(_run_table(out_dir, "train_steps"),
+                                                          _run_table(out_dir, "flops_profile"), facts, peak,
+                                                          world_size or 1)
+    if not collector_rows.is_empty():
+        tables["mfu"] = pl.concat([tables["mfu"], collector_rows], how="diagonal_relaxed")
     for name, frame in tables.items():
         _write(out_dir, name, frame)
     if not ranks:
         _write(out_dir, "kernel_launches", pl.DataFrame())
-    findings = headline(tables, sum(r.cpu_comm_ops for r in per_rank), peak_problem, device_name) if ranks \
-        else {"device": None, "traces": "no profiler traces: step, GPU, collective and MFU analyses need them"}
+    findings = headline(tables, sum(r.cpu_comm_ops for r in per_rank), collector_problem or peak_problem, device_name) \
+        if ranks \
+        else {"device": None, "traces": "no profiler traces: step, GPU and collective analyses need them",
+              "mfu": mfu_finding(tables["mfu"], collector_problem or peak_problem)}
     findings.update(telemetry_headline(tables))
     (out_dir / "findings.json").write_text(json.dumps(findings, indent=1, default=str))
     return findings
@@ -158,16 +165,17 @@ def _cross_rank(out_dir: Path, per_rank: list[_RankResults], ranks: list[int], w
     }
 
 
+def _run_table(out_dir: Path, table: str) -> pl.DataFrame:
+    return pl.read_parquet(out_dir / table) if (out_dir / table).exists() else pl.DataFrame()
+
+
 def _telemetry_analyses(out_dir: Path, facts: dict, options: Options) -> dict[str, pl.DataFrame]:
     """Analyses of the collector's and the native artifacts' tables (run-level, always present after ingest)."""
 
-    def read(table: str) -> pl.DataFrame:
-        return pl.read_parquet(out_dir / table) if (out_dir / table).exists() else pl.DataFrame()
-
-    calls = read("comms_calls")
+    calls = _run_table(out_dir, "comms_calls")
     return {
-        **monitor.monitor_tables(read("scalars"), facts, options.grad_norm_threshold),
-        **autotune.autotune_tables(read("autotune_experiments"), facts),
+        **monitor.monitor_tables(_run_table(out_dir, "scalars"), facts, options.grad_norm_threshold),
+        **autotune.autotune_tables(_run_table(out_dir, "autotune_experiments"), facts),
         "comms_log_stats": commslog.comms_log_stats(calls) if not calls.is_empty() else pl.DataFrame(),
     }
 
@@ -219,14 +227,18 @@ def headline(tables: dict[str, pl.DataFrame], cpu_comm_ops: int, peak_problem: s
         findings["comms_note"] = (
             f"communication without NCCL/RCCL kernels: {cpu_comm_ops} CPU collective ops (gloo or CPU collectives: record_param_comms or c10d::*)"
             if cpu_comm_ops else "no collectives in the traces")
-    table = tables["mfu"]
-    if table.is_empty():
-        findings["mfu"] = {"note": peak_problem or "no FLOPs numerator: give the model shape (--params ...) or profile with_flops=True"}
-    else:
-        summary = table.group_by("metric", "numerator", "definition", "peak").agg(
-            utilization=pl.col("utilization").median()).sort("metric", descending=True)
-        findings["mfu"] = summary.to_dicts()
+    findings["mfu"] = mfu_finding(tables["mfu"], peak_problem)
     return findings
+
+
+def mfu_finding(table: pl.DataFrame, problem: str) -> list[dict] | dict:
+    """Median utilization per metric and numerator, or why there is none."""
+    if table.is_empty():
+        return {"note": problem or "no FLOPs numerator: give the model shape (--params ...), profile with_flops=True, "
+                                   "or let the collector take a FLOPs profile"}
+    summary = table.group_by("metric", "numerator", "definition", "peak").agg(
+        utilization=pl.col("utilization").median()).sort("metric", "numerator", descending=[True, False])
+    return summary.to_dicts()
 
 
 def telemetry_headline(tables: dict[str, pl.DataFrame]) -> dict:

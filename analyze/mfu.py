@@ -129,6 +129,37 @@ def step_flops(cpu: pl.DataFrame) -> pl.DataFrame:
     return counted.group_by("rank", "step").agg(flops=pl.col("flops").sum())
 
 
+COLLECTOR_DEFINITION = ("3 x the forward FLOPs DeepSpeed's FLOPs profiler counted for one micro batch on rank 0 "
+                        "(forward + backward = 3 forward, no recompute), x micro batches per step x data-parallel ranks")
+
+
+def collector_mfu(train_steps: pl.DataFrame, flops_profile: pl.DataFrame, facts: dict, peak: Peak | None,
+                  world_size: int) -> tuple[pl.DataFrame, str]:
+    """MFU per optimizer step from the collector's exact FLOPs profile and its step times.
+
+    The numerator counts what the profiler counts (matmuls as 2 x MACs plus the other functional
+    ops) for one micro batch, x3 for the backward pass; the step time is the slowest rank's sum of
+    its micro steps. Returns the rows and, when there are none, why."""
+    exact = flops_profile.filter(pl.col("exact").fill_null(False) & (pl.col("depth") == 0))
+    if exact.is_empty() or train_steps.is_empty():
+        return pl.DataFrame(), ""
+    if "flops_zero3_double_counting" in (facts.get("collector_flags") or {}):
+        return pl.DataFrame(), "the FLOPs profile was taken under ZeRO-3, which counts Linear FLOPs twice: no MFU from it"
+    if peak is None:
+        return pl.DataFrame(), ""
+    micro = facts.get("gradient_accumulation_steps") or facts.get("grad_accum") or 1
+    data_parallel = facts.get("dp_world_size") or world_size
+    flops = 3 * float(exact["flops_total"].max()) * micro * data_parallel
+    times = (train_steps.group_by("rank", "step").agg(pl.col("dur_ns").sum())
+             .group_by("step").agg(step_time_ns=pl.col("dur_ns").max()).sort("step"))
+    frame = times.filter(pl.col("step_time_ns") > 0).select(
+        "step", rank=pl.lit(None, pl.Int64), metric=pl.lit("MFU"), numerator=pl.lit("collector_flops_profile"),
+        flops=pl.lit(flops), step_time_ns="step_time_ns", gpus=pl.lit(world_size, pl.Int64),
+        peak_flops=pl.lit(peak.flops), utilization=flops / (pl.col("step_time_ns") * 1e-9 * world_size * peak.flops),
+        definition=pl.lit(COLLECTOR_DEFINITION), peak=pl.lit(peak.label))
+    return frame, ""
+
+
 def mfu_table(step_stats: pl.DataFrame, step_times: pl.DataFrame, counted_flops: pl.DataFrame, peak: Peak | None,
               world_size: int, shape: ModelShape | None = None, recompute: bool = False) -> pl.DataFrame:
     """MFU/HFU per step for every numerator the run supports, each row naming its definition.

@@ -373,7 +373,8 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
     },
     "mfu": {
         "step": "Step.", "rank": "Rank (null: the whole job).", "metric": "MFU (model FLOPs) or HFU (executed FLOPs).",
-        "numerator": "palm (6N + 12LHQT per token) or profiler_flops (torch.profiler with_flops).", "flops": "FLOPs in the step.",
+        "numerator": "palm (6N + 12LHQT per token), profiler_flops (torch.profiler with_flops) or collector_flops_profile "
+                     "(3 x the collector's profiled forward FLOPs).", "flops": "FLOPs in the step.",
         "step_time_ns": "Step time divided by.", "gpus": "GPUs.", "peak_flops": "Dense peak per GPU, FLOP/s.",
         "utilization": "flops / (step time x gpus x peak).", "definition": "The numerator's definition.",
         "peak": "The peak, its dtype and source.",

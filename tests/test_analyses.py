@@ -322,3 +322,26 @@ def test_printed_summary_and_findings_match_truth(tmp_path):
             exposed[(c["name"], size)] = exposed.get((c["name"], size), 0) + c["exposed_ns"]
     (name, size), ns = max(exposed.items(), key=lambda kv: kv[1])
     assert f"of {size:,} B: {ns / 1e6:.3f} ms exposed" in text
+
+
+def test_mfu_from_the_collectors_flops_profile(tmp_path):
+    """3 x the profiled forward FLOPs x micro batches x data-parallel ranks over the slowest rank's step,
+    recomputed here from the collector's own Parquet parts and manifest."""
+    import shutil
+    from pathlib import Path
+
+    sample = Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank"
+    run = tmp_path / "run"
+    shutil.copytree(sample, run, ignore=shutil.ignore_patterns(".steplens"))
+    result = CliRunner().invoke(analyze, [str(run), "-q", "--peak-tflops", "2"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((run / "collector" / "manifest" / "rank0.json").read_text())["run"]
+    profile = pl.read_parquet(run / "collector" / "flops_profile")
+    forward = profile.filter(pl.col("path") == "")["flops_total"].item()
+    steps = pl.read_parquet(run / "collector" / "train_steps")
+    step_time = steps.group_by("rank", "step").agg(pl.col("dur_ns").sum()).group_by("step").agg(pl.col("dur_ns").max())
+    flops = 3 * forward * manifest["grad_accum"] * manifest["dp_world_size"]
+    expected = {step: flops / (ns * 1e-9 * manifest["world_size"] * 2e12) for step, ns in step_time.iter_rows()}
+    table = _table(run / ".steplens", "mfu").filter(pl.col("numerator") == "collector_flops_profile")
+    assert dict(zip(table["step"], table["utilization"])) == pytest.approx(expected)
+    assert "MFU" in result.output and "FLOPs profiler counted" in result.output

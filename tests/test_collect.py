@@ -391,3 +391,13 @@ def test_a_second_writer_adds_parts_after_the_existing_ones(tmp_path):
     parts = sorted((tmp_path / "collector" / "scalars").iterdir())
     assert [p.name for p in parts] == ["rank0-00000.parquet", "rank0-00001.parquet"]
     assert [pq.read_table(p)["value"].to_pylist() for p in parts] == [[1.0], [2.0]]
+
+
+def test_no_mfu_from_a_zero3_flops_profile(ingested):
+    """ZeRO-3 profiles count Linear FLOPs twice: the collector flags it and analyze refuses the numerator."""
+    from steplens.analyze import analyses
+
+    findings = analyses.run(ingested["z3"].out_dir, analyses.Options(peak_tflops=1.0))
+    rows = pl.read_parquet(ingested["z3"].out_dir / "mfu")
+    assert rows.filter(pl.col("numerator") == "collector_flops_profile").is_empty()
+    assert "ZeRO-3" in findings["mfu"]["note"]
