@@ -20,6 +20,8 @@ from rich.progress import (
 from rich.table import Table
 
 from . import analyses, autotune, kernels, mfu, schema
+from steplens.reports.verdict import telemetry_lines
+
 from .ingest import (
     IngestError,
     IngestResult,
@@ -267,25 +269,6 @@ def print_findings(console: Console, f: dict) -> None:
     lines.extend(telemetry_lines(f))
     for line in lines:
         console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
-
-
-def telemetry_lines(f: dict) -> list[str]:
-    """Findings from logs, monitors and autotuning, as sentences (shared with the report's verdict)."""
-    lines = []
-    if logged := f.get("logged_comms"):
-        busbw = logged["median_busbw_gbps"]
-        lines.append(f"logged comms: {logged['op']} of {logged['nccl_bytes']:,} B costs most, {_ms(logged['total_latency_ns'])} over "
-                     f"{logged['calls']} calls (median {_ms(logged['median_latency_ns'])}"
-                     + (f", busbw {busbw:.2f} GB/s" if busbw is not None else "")
-                     + f"; latencies {logged['latency_origin']}; synchronizing timers: per-op cost, not throughput)")
-    if alarms := f.get("monitor_alarms"):
-        lines.append("monitor alarms: " + ", ".join(f"{kind} x{n}" for kind, n in alarms.items()) + " (table monitor_alarms)")
-    for space in f.get("autotune", []):
-        if space["pick_mismatch"]:
-            lines.append(f"autotuning {space['tuning_space']}: DeepSpeed's pick disagrees with the experiments' own metrics: "
-                         f"{space['pick_detail']}")
-        lines.append(f"autotuning {space['tuning_space']}: {space['detail']}")
-    return lines
 
 
 def _ms(ns) -> str:

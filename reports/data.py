@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
@@ -20,18 +20,24 @@ class Run:
     out_dir: Path
     manifest: dict
     findings: dict
+    _tables: dict = field(default_factory=dict, repr=False)  # each table read once per report
 
     @property
     def name(self) -> str:
         return self.manifest.get("run_name") or self.manifest.get("run_id", "run")
 
-    def table(self, name: str) -> pl.DataFrame:
-        """A table (per-rank tables with their `rank` column); empty when the run has none."""
-        folder = self.out_dir / name
-        if not folder.exists() or not any(folder.rglob("*.parquet")):
-            return pl.DataFrame()
-        partitioned = name in schema.TABLES and schema.TABLES[name][2]
-        return pl.read_parquet(folder, hive_partitioning=partitioned)
+    def table(self, name: str, columns: list[str] | None = None) -> pl.DataFrame:
+        """A table (per-rank tables with their `rank` column), or only some of its columns (the big
+        per-event tables); empty when the run has none."""
+        key = (name, tuple(columns or ()))
+        if key not in self._tables:
+            folder = self.out_dir / name
+            if not folder.exists() or not any(folder.rglob("*.parquet")):
+                self._tables[key] = pl.DataFrame()
+            else:
+                partitioned = name in schema.TABLES and schema.TABLES[name][2]
+                self._tables[key] = pl.read_parquet(folder, columns=columns, hive_partitioning=partitioned)
+        return self._tables[key]
 
 
 def load(out_dir: Path) -> Run:

@@ -131,7 +131,8 @@ def _stepsSection(run: Run) -> dict:
 
 
 def _cpu_gpuSection(run: Run) -> dict:
-    launches, idle, sync = run.table("kernel_launches"), run.table("gpu_idle"), run.table("sync_points")
+    launches = run.table("kernel_launches", ["queue_ns"])  # one row per device activity: read only what is drawn
+    idle, sync = run.table("gpu_idle"), run.table("sync_points")
     if launches.is_empty():
         return Section("CPU vs GPU", "cpu-gpu", empty="No device activity in the traces (CPU-only run or no kernels).")
     section = Section("CPU vs GPU", "cpu-gpu")

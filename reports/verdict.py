@@ -9,6 +9,25 @@ from .data import Run, ms, size
 MAX_FINDINGS = 10
 
 
+def telemetry_lines(f: dict) -> list[str]:
+    """Findings from logs, monitors and autotuning, as sentences (the terminal summary prints them too)."""
+    lines = []
+    if logged := f.get("logged_comms"):
+        busbw = logged["median_busbw_gbps"]
+        lines.append(f"logged comms: {logged['op']} of {logged['nccl_bytes']:,} B costs most, {ms(logged['total_latency_ns'])} over "
+                     f"{logged['calls']} calls (median {ms(logged['median_latency_ns'])}"
+                     + (f", busbw {busbw:.2f} GB/s" if busbw is not None else "")
+                     + f"; latencies {logged['latency_origin']}; synchronizing timers: per-op cost, not throughput)")
+    if alarms := f.get("monitor_alarms"):
+        lines.append("monitor alarms: " + ", ".join(f"{kind} x{n}" for kind, n in alarms.items()) + " (table monitor_alarms)")
+    for space in f.get("autotune", []):
+        if space["pick_mismatch"]:
+            lines.append(f"autotuning {space['tuning_space']}: DeepSpeed's pick disagrees with the experiments' own metrics: "
+                         f"{space['pick_detail']}")
+        lines.append(f"autotuning {space['tuning_space']}: {space['detail']}")
+    return lines
+
+
 def verdict(run: Run) -> list[str]:
     f, lines = run.findings, []
     status = run.table("run_status")
@@ -43,8 +62,6 @@ def verdict(run: Run) -> list[str]:
         for row in utilization:
             lines.append(f"{row['metric']} {row['utilization']:.1%} (median over steps; numerator {row['numerator']}, "
                          f"peak {row['peak']}).")
-    from steplens.analyze.cli import telemetry_lines
-
     lines.extend(line[0].upper() + line[1:] + ("" if line.endswith(".") else ".") for line in telemetry_lines(f))
     issues = run.table("ingest_issues")
     if not issues.is_empty() and (errors := issues.filter(pl.col("severity") == "error")).height:

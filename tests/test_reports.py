@@ -150,6 +150,12 @@ def test_compare_gates_a_real_slowdown(ab_runs, tmp_path):
     result = compare.compare(base, slow)
     medians = [float(np.median(samples.values_ns)) for samples in compare.common_samples(base, slow)]
     assert result["step_time"]["delta"] == pytest.approx(medians[1] / medians[0] - 1)
+    metrics = {m["metric"]: m for m in result["metrics"]}
+    for run, side in ((base, "base"), (slow, "new")):
+        steps, ranks = run.table("step_stats").height, len(run.manifest["trace_ranks"])
+        assert metrics["GPU idle share"][side] == run.findings["gpu_idle"]["idle_share"]
+        assert metrics["exposed communication per step and rank (ns)"][side] == pytest.approx(
+            run.findings["exposed_comm_ns"] / steps / ranks)
     html = (tmp_path / "c" / "compare.html").read_text()
     assert "Step time: regression" in html and "Mann-Whitney" in html
     same = runner.invoke(steplens, ["compare", str(ab_runs / "base"), str(ab_runs / "base"), "--out", str(tmp_path / "d"),
@@ -294,3 +300,20 @@ def test_trials_rank_repeated_collector_runs(tmp_path):
     assert "z2\\_run0,z2\\_run1,z2\\_run2,z2\\_run3" in first and f"| {median_throughput:,.4g} |" in first
     text = CliRunner().invoke(steplens, ["trials", str(tmp_path)])
     assert text.exit_code == 0 and "z2_run0 beats z3_run0" in text.stdout and "configurations" in text.stdout
+
+
+def test_printed_logged_comms_line_counts_the_collectors_calls(tmp_path):
+    """The terminal's 'logged comms' finding names the op that cost most and its call count, both
+    recomputed here from the collector's own comms_calls parts."""
+    import polars as pl
+
+    run = tmp_path / "run"
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", run, ignore=shutil.ignore_patterns(".steplens"))
+    result = CliRunner().invoke(analyze, [str(run), "-q"])
+    assert result.exit_code == 0, result.output
+    calls = pl.read_parquet(run / "collector" / "comms_calls")
+    costliest = (calls.group_by("op", "nccl_bytes").agg(pl.len().alias("calls"), pl.col("latency_ns").sum())
+                 .sort("latency_ns", descending=True).row(0, named=True))
+    line = next(line for line in result.stdout.splitlines() if "logged comms:" in line)
+    assert f"{costliest['op']} of {costliest['nccl_bytes']:,} B costs most" in line
+    assert f"over {costliest['calls']} calls" in line and "latencies measured" in line
