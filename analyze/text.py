@@ -1,0 +1,20 @@
+"""Untrusted text (file, kernel and run names from traces and logs) made safe for a terminal.
+
+A name in a trace can hold raw escape sequences (set the window title, clear the screen) or rich
+markup (`[bold]`, `[/x]`). Printed text goes through `safe_text`; rich output is printed with
+`markup=False` or through `rich.markup.escape`.
+"""
+
+from __future__ import annotations
+
+import re
+
+# C0 and C1 control characters (ESC, BEL, CSI, ...) except tab and newline; DEL too.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# Characters that reorder or hide text on screen (bidirectional overrides, zero-width marks).
+_INVISIBLE = re.compile(r"[\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def safe_text(value: object) -> str:
+    """`value` as text with control and bidi-override characters replaced by `?` (one line per line)."""
+    return _INVISIBLE.sub("?", _CONTROL.sub("?", str(value)))
