@@ -21,6 +21,7 @@ from pathlib import Path
 import polars as pl
 
 from .imported import Imported, conform, peek
+from .noise import ALPHA
 
 EXPERIMENT_FILES = ("metrics.json", "stderr.log", "stdout.log", "ds_config.json", "cmd.txt", "model_info.json")
 SUMMARY_FILES = ("ds_config_optimal.json", "cmd_optimal.txt")
@@ -249,8 +250,8 @@ def parse_summary(path: Path, source: str) -> Imported:
 # against the runner-up (scipy.stats.mannwhitneyu), significant at ALPHA. With fewer trials no
 # rank test can separate two configs: the smallest exact one-sided p-value with n trials each is
 # 1 / C(2n, n) (all winner trials above all runner-up trials): 1/6 for n=2, 1/20 = 0.05 for n=3,
-# 1/70 for n=4. So MIN_TRIALS = 4 per config is the floor, whatever the gap.
-ALPHA = 0.05
+# 1/70 for n=4. So MIN_TRIALS = 4 per config is the floor, whatever the gap. ALPHA is the one level
+# every steplens verdict uses (noise.ALPHA).
 POWER_Z = 0.8416  # z of 80% power
 ALPHA_Z = 1.6449  # z of a one-sided 5% test
 # Asymptotic relative efficiency of the Mann-Whitney test to the t-test is at least 0.864

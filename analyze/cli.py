@@ -411,32 +411,43 @@ def _analysed(run_dir: Path) -> Path:
 @click.argument("new_run", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("steplens-compare"),
               show_default=True, help="Folder for compare.html and compare.md.")
-@click.option("--format", "fmt", type=click.Choice(["text", "md"]), default="text", show_default=True,
-              help="text: terminal tables; md: print compare.md (for a PR comment).")
+@click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True,
+              help="text: terminal tables; md: print compare.md (for a PR comment); json: the verdict as data.")
 @click.option("--fail-on-regression", "fail_pct", type=float, default=None, metavar="PCT",
-              help=f"Exit {EXIT_REGRESSION} when step time regressed significantly by more than PCT percent (CI gating).")
+              help=f"Exit {EXIT_REGRESSION} when the judged metric (step time, or throughput when the work per step "
+                   "differs) got significantly worse by more than PCT percent (CI gating).")
 def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail_pct: float | None) -> None:
-    """Compare two runs: step time with a noise-aware verdict, and MFU, GPU idle, exposed
+    """Compare two runs: a noise-aware verdict on the work done, and MFU, GPU idle, exposed
     communication, kernel categories and top kernels side by side.
 
     BASE_RUN and NEW_RUN are run folders (analysed first if they have no .steplens/ output) or
-    analysed output folders. A step-time change counts only when a bootstrap 95% interval of the
-    relative change of the median excludes zero and a Mann-Whitney U test gives p < 0.05; with fewer
-    than 5 steps per run the verdict is "not established". Writes compare.html and compare.md.
+    analysed output folders. When micro batch, gradient accumulation and world size agree the
+    verdict is on step time; when any differs, on throughput (tokens/s when both runs know their
+    sequence length, else samples/s), and the output says so. A change counts only when a bootstrap
+    95% interval of the relative change of the median excludes zero and a Mann-Whitney U test gives
+    p < 0.05; with fewer than 5 steps per run the verdict is "not established". Writes compare.html
+    and compare.md.
     """
+    import json
+
+    from steplens.analyze import compare as comparison
     from steplens.reports import compare, html, markdown
     from steplens.reports.data import load, write_atomic
 
-    result = compare.compare(load(_analysed(base_run)), load(_analysed(new_run)))
+    result = comparison.compare(load(_analysed(base_run)), load(_analysed(new_run)))
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / "compare.html", html.render_compare(result))
     write_atomic(out_dir / "compare.md", markdown.render_compare(result))
     if fmt == "md":
         click.echo((out_dir / "compare.md").read_text(), nl=False)
+    elif fmt == "json":
+        click.echo(json.dumps(comparison.as_data(result), indent=1, default=str))
     else:
         console = Console(highlight=False)
-        step = result["step_time"]
-        console.print(f"[bold]step time: {step['verdict']}[/] {step.get('why', '')}", markup=True, soft_wrap=True)
+        verdict = result["verdict"]
+        console.print(f"{verdict['metric']}: {verdict['verdict']} {verdict.get('why', '')}", markup=False, soft_wrap=True)
+        if verdict.get("why_metric"):
+            console.print(f"judged on {verdict['metric']}: {verdict['why_metric']}", markup=False, soft_wrap=True)
         for warning in result["warnings"]:
             console.print(f"warning: {warning}", markup=False, soft_wrap=True)
         for table in compare.display_tables(result):
@@ -448,7 +459,7 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
                     view.add_row(*row)
                 console.print(view, markup=False)
         console.print(f"written: {out_dir / 'compare.html'}, {out_dir / 'compare.md'}", markup=False)
-    if fail_pct is not None and compare.regressed(result, fail_pct):
+    if fail_pct is not None and comparison.regressed(result, fail_pct):
         sys.exit(EXIT_REGRESSION)
 
 

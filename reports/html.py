@@ -322,11 +322,11 @@ def render(out_dir: Path) -> str:
 
 
 def render_compare(result: dict) -> str:
-    from .compare import METHOD, display_tables
+    from .compare import METHOD, display_tables, headline
 
     figure = Markup(figures.run_curves(result["curves"])) if not result["curves"].is_empty() else None
     return TEMPLATES.get_template("compare.html.j2").render(r=result, tables=display_tables(result), method=METHOD,
-                                                            curves=figure)
+                                                            curves=figure, headline=headline(result))
 
 
 def write(out_dir: Path) -> Path:

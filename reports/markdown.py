@@ -74,11 +74,10 @@ def render(out_dir: Path) -> str:
 
 
 def render_compare(result: dict) -> str:
-    from .compare import METHOD, display_tables
+    from .compare import METHOD, display_tables, headline
 
-    step = result["step_time"]
     lines = [f"### steplens compare: {escape(result['base'])} → {escape(result['new'])}", "",
-             f"**Step time: {escape(step['verdict'])}**" + (f": {escape(step['why'])}" if step.get("why") else ""), ""]
+             f"**{escape(headline(result))}**", ""]
     lines += [f"- {escape(w)}" for w in result["warnings"]]
     for table in display_tables(result):
         if table["rows"]:

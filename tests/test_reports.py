@@ -16,7 +16,7 @@ from synthetic import generate_run
 
 from conftest import CORPUS, write_trace
 from steplens.analyze.cli import EXIT_REGRESSION, analyze, steplens
-from steplens.reports import compare
+from steplens.analyze import compare, noise
 from steplens.reports.data import load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,31 +103,27 @@ def test_markdown_format_prints_the_summary(generated):
 # compare
 
 
-def _samples(values, source="s"):
-    return compare.StepSamples(np.asarray(values, dtype=float), source)
-
-
 def test_noise_verdicts_on_known_separations():
     rng = np.random.default_rng(1)
     base = rng.normal(100e6, 2e6, 40)
-    slower = compare.step_time_verdict(_samples(base), _samples(rng.normal(110e6, 2e6, 40)))
+    slower = noise.two_run_verdict(base, rng.normal(110e6, 2e6, 40))
     assert slower["verdict"] == "regression" and slower["ci_low"] > 0 and slower["p_value"] < 0.05
     assert slower["delta"] == pytest.approx(0.10, abs=0.02)
-    faster = compare.step_time_verdict(_samples(base), _samples(rng.normal(90e6, 2e6, 40)))
+    faster = noise.two_run_verdict(base, rng.normal(90e6, 2e6, 40))
     assert faster["verdict"] == "improvement" and faster["ci_high"] < 0
-    same = compare.step_time_verdict(_samples(base), _samples(rng.normal(100e6, 2e6, 40)))
+    # Throughput: less is the regression.
+    assert noise.two_run_verdict(base, rng.normal(90e6, 2e6, 40), higher_is_better=True)["verdict"] == "regression"
+    same = noise.two_run_verdict(base, rng.normal(100e6, 2e6, 40))
     assert same["verdict"] == "within noise" and same["ci_low"] < 0 < same["ci_high"]
-    few = compare.step_time_verdict(_samples(base[:3]), _samples(base[:3] * 2))
+    few = noise.two_run_verdict(base[:3], base[:3] * 2)
     assert few["verdict"] == "not established"
-    mixed = compare.step_time_verdict(_samples(base, "a"), _samples(base, "b"))
-    assert mixed["verdict"] == "not comparable"
 
 
 def test_noisy_small_difference_is_not_called():
     """A 3% shift under 20% noise with 8 steps each is not a finding."""
     rng = np.random.default_rng(7)
     base, new = rng.normal(100, 20, 8), rng.normal(103, 20, 8)
-    assert compare.step_time_verdict(_samples(base), _samples(new))["verdict"] == "within noise"
+    assert noise.two_run_verdict(base, new)["verdict"] == "within noise"
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +145,8 @@ def test_compare_gates_a_real_slowdown(ab_runs, tmp_path):
     base, slow = load(ab_runs / "base"), load(ab_runs / "slow")
     result = compare.compare(base, slow)
     medians = [float(np.median(samples.values_ns)) for samples in compare.common_samples(base, slow)]
-    assert result["step_time"]["delta"] == pytest.approx(medians[1] / medians[0] - 1)
+    assert result["verdict"]["metric"] == "step time"
+    assert result["verdict"]["delta"] == pytest.approx(medians[1] / medians[0] - 1)
     metrics = {m["metric"]: m for m in result["metrics"]}
     for run, side in ((base, "base"), (slow, "new")):
         steps, ranks = run.table("step_stats").height, len(run.manifest["trace_ranks"])
