@@ -14,7 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
-from . import autotune, comms, commslog, kernels, launch, mfu, monitor, schema, steps
+from . import autotune, comms, commslog, kernels, launch, mfu, monitor, schema, step_breakdown, step_time, steps
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
@@ -115,11 +115,18 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops)
     if ranks:
         tables = _cross_rank(out_dir, per_rank, ranks, world_size, peak, options)
+        launches = pl.scan_parquet(out_dir / "kernel_launches")
+        tables.update(step_breakdown.step_breakdown_tables(
+            lambda rank: launches.filter(pl.col("rank") == rank).select(step_breakdown.LAUNCH_COLUMNS).collect(), ranks,
+            tables["collectives"], tables["gpu_idle"], tables["step_stats"], tables["clock_offsets"]))
     else:  # logs, monitors or autotuning only: the trace analyses are empty tables
         tables = {name: pl.DataFrame(schema={c: pl.Null for c in columns})
                   for name, columns in schema.ANALYSIS_TABLES.items() if name != "kernel_launches"}
     facts = manifest.get("facts", {})
     tables.update(_telemetry_analyses(out_dir, facts, options))
+    tables["step_time"] = step_time.step_time_table(
+        _run_table(out_dir, "train_steps"), _run_table(out_dir, "step_timers"), _run_table(out_dir, "scalars"),
+        _read(out_dir, "steps", ["step", "start_ns", "end_ns"]), _run_table(out_dir, "flops_profile"), facts)
     collector_rows, collector_problem = mfu.collector_mfu(_run_table(out_dir, "train_steps"),
                                                           _run_table(out_dir, "flops_profile"), facts, peak,
                                                           world_size or 1)
@@ -133,6 +140,7 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
         if ranks \
         else {"device": None, "traces": "no profiler traces: step, GPU and collective analyses need them",
               "mfu": mfu_finding(tables["mfu"], collector_problem or peak_problem)}
+    findings["step_time"] = step_time.step_time_summary(tables["step_time"])
     findings.update(telemetry_headline(tables))
     (out_dir / "findings.json").write_text(json.dumps(findings, indent=1, default=str))
     return findings

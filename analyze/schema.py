@@ -439,4 +439,18 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "status": "same | different | missing (in some run) | recorded (one run).",
         "values": "JSON {run: value}.", "detail": "What it means for comparing the runs.",
     },
+    "step_breakdown": {
+        "rank": "Rank.", "device": "GPU.", "step": "Step.",
+        "span_ns": "First start to last end of the device work launched in the step.",
+        "compute_ns": "Union of the step's non-communication device work (kernels, copies, sets).",
+        "exposed_comm_ns": "Union of its communication kernels not covered by that compute.",
+        "idle_ns": "span_ns - compute_ns - exposed_comm_ns: no device work at all.",
+        "host_bound_ns": "Idle with nothing queued (gpu_idle).", "sync_ns": "Idle during a synchronizing call (gpu_idle).",
+        "other_ns": "Idle with work queued or launches not recorded (gpu_idle).",
+    },
+    "step_timeline": {
+        "rank": "Rank.", "step": "The slowest profiled step (longest wall time across ranks).",
+        "activity": "compute | exposed communication | idle (as in step_breakdown).",
+        "start_ns": "Segment start on the reference rank's clock (ts - clock offset).", "end_ns": "Segment end.",
+    },
 }
