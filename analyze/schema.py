@@ -379,6 +379,19 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "utilization": "flops / (step time x gpus x peak).", "definition": "The numerator's definition.",
         "peak": "The peak, its dtype and source.",
     },
+    "step_time": {
+        "step": "Optimizer step, from 0 (ProfilerStep#N when the source is profiler_steps).",
+        "source": "train_steps (collector) | log | profiler_steps: the best source the run has (analyze/step_time.py).",
+        "step_time_ns": "Slowest rank's sum of the step's micro steps (logs: the stated time of the step).",
+        "slowest_rank": "Rank with that time.", "ranks": "Ranks that recorded the step.",
+        "micro_steps": "Micro steps of the slowest rank.", "start_ns": "Earliest start over ranks (rank clocks).",
+        "end_ns": "Latest end.", "samples": "Samples the whole job consumed in the step.",
+        "skipped": "The optimizer skipped the step (fp16 overflow).", "loss_scale": "fp16 loss scale after the step.",
+        "excluded": "Left out of the run's step-time summary.",
+        "reason": "Why: warm_up, flops_profiler, profiler_warmup, profiler_window, profiler_export, checkpoint_save, "
+                  "overflow_skipped, incomplete (comma-separated).",
+        "definition": "The step-time definition of the source, in words.",
+    },
     "autotune_ranking": {
         "tuning_space": "global, or z<stage>: the experiments of one ZeRO stage (as DeepSpeed's summary.txt groups them).",
         "rank": "1 = best by the median metric from the experiments' own metrics.json; null: no metrics (failed).",
