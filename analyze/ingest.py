@@ -41,6 +41,14 @@ class IngestError(Exception):
     """Nothing usable to ingest; the message is one line for the user."""
 
 
+class UnsafeOutput(IngestError):
+    """The output folder is not one steplens may replace (it holds inputs or files it did not write)."""
+
+
+class OutputUnwritable(Exception):
+    """The output cannot be written (permissions, read-only or full disk); nothing was published."""
+
+
 @dataclass
 class Source:
     """One input file and what became of it (a row of run.json's `sources`)."""
@@ -271,31 +279,92 @@ def _assign_ranks(sources: list[Source]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Output folder
+# Output folder: steplens replaces only a folder it wrote itself (marked by its own run.json, every
+# entry in it listed there), never an input folder, a parent of the inputs or a user's files.
+
+OUTPUT_CREATOR = "steplens ingest"
+# Entries of an output folder written before run.json listed them (`output_entries`).
+_KNOWN_OUTPUT_FILES = {schema.MANIFEST_FILE, "report.html", "summary.md", "findings.json"}
+PART_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def _read_manifest(folder: Path) -> dict:
+    try:
+        manifest = json.loads((folder / schema.MANIFEST_FILE).read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _written_by_steplens(folder: Path) -> bool:
+    return _read_manifest(folder).get("created_by") == OUTPUT_CREATOR
+
+
+def _foreign_entries(folder: Path) -> list[str]:
+    """Entries of an existing output folder that steplens did not write."""
+    manifest = _read_manifest(folder)
+    listed = manifest.get("output_entries")
+    owned = set(listed) if isinstance(listed, list) else (
+        _KNOWN_OUTPUT_FILES | set(schema.TABLES) | set(schema.ANALYSIS_TABLES))
+    return sorted(name for name in os.listdir(folder) if name not in owned)
+
+
+def check_output_folder(run_dir: Path, out_dir: Path) -> None:
+    """Refuse an output folder whose replacement would lose anything that is not steplens's own output."""
+    run, out = Path(run_dir).resolve(), Path(out_dir).resolve()
+    if out == run or run.is_relative_to(out):
+        raise UnsafeOutput(f"--out {out_dir} holds the inputs ({run_dir}): the output folder is replaced on every "
+                           f"run, so give a folder of its own (the default is RUN_DIR/{schema.DEFAULT_OUT_DIR})")
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise UnsafeOutput(f"{out_dir} exists and is not a folder steplens wrote: give a new or empty folder with --out")
+    try:
+        if not any(out.iterdir()):
+            return
+        if not _written_by_steplens(out):
+            raise UnsafeOutput(f"{out_dir} is not empty and holds no steplens {schema.MANIFEST_FILE}: steplens replaces "
+                               "its output folder whole, so give a new or empty folder with --out")
+        foreign = _foreign_entries(out)
+    except OSError as e:
+        raise OutputUnwritable(f"cannot read {out_dir}: {e.strerror or e}") from e
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UnsafeOutput(f"{out_dir} holds files steplens did not write ({shown}); move them, or give another "
+                           "folder with --out")
 
 
 def _previous_manifest(out_dir: Path) -> dict:
-    try:
-        manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return manifest if manifest.get("schema_fingerprint") == schema.fingerprint() else {}
+    manifest = _read_manifest(out_dir)
+    ok = manifest.get("schema_fingerprint") == schema.fingerprint() and isinstance(manifest.get("sources"), list)
+    return manifest if ok else {}
 
 
 def _recover(out_dir: Path) -> None:
-    """Undo a swap that was killed between its two renames, and drop dead staging folders."""
+    """Undo a swap that was killed between its two renames, and drop dead staging folders (only
+    folders steplens named and wrote)."""
     parent = out_dir.parent
     if not parent.exists():
         return
     for leftover in parent.glob(f".{out_dir.name}.old-*"):
+        if not leftover.is_dir() or leftover.is_symlink() or not _written_by_steplens(leftover):
+            continue
         if not out_dir.exists():
             leftover.rename(out_dir)
         else:
             shutil.rmtree(leftover, ignore_errors=True)
     for leftover in parent.glob(f".{out_dir.name}.tmp-*"):
         pid = leftover.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or not _alive(int(pid)):
+        if not pid.isdigit() or leftover.is_symlink() or not leftover.is_dir():
+            continue
+        if not _alive(int(pid)) and _is_staging(leftover):
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _is_staging(folder: Path) -> bool:
+    """A staging folder holds steplens's scratch space or manifest, or nothing yet."""
+    names = set(os.listdir(folder))
+    return not names or "_scratch" in names or _written_by_steplens(folder)
 
 
 def _alive(pid: int) -> bool:
@@ -308,12 +377,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _swap_in(staging: Path, out_dir: Path) -> None:
+def _swap_in(staging: Path, out_dir: Path, run_dir: Path) -> None:
+    """Publish: the staged result replaces the last one in two renames (checked again just before)."""
+    check_output_folder(run_dir, out_dir)
     old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
     if out_dir.exists():
         out_dir.rename(old)
     staging.rename(out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    if old.exists() and _written_by_steplens(old):
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -434,8 +506,10 @@ def ingest(
     files: Iterable[Path] | None = None,
     progress: Callable[[Source], None] | None = None,
     finish: Callable[[Path], None] | None = None,
+    found: Discovered | None = None,
 ) -> IngestResult:
-    """Ingest the traces under run_dir (or the given files) into out_dir (default run_dir/.steplens).
+    """Ingest the traces under run_dir (or the given files, or what `discover` found) into out_dir
+    (default run_dir/.steplens).
 
     `finish(staging_dir)` runs on the complete new result before it is swapped in (the analyses), so
     the swap publishes tables and analyses together or not at all.
@@ -445,19 +519,60 @@ def ingest(
     if not run_dir.is_dir():
         raise IngestError(f"{run_dir}: not a folder")
     out_dir = Path(out_dir) if out_dir else run_dir / schema.DEFAULT_OUT_DIR
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _recover(out_dir)
-    found = classify(list(files)) if files is not None else discover(run_dir, out_dir)
+    check_output_folder(run_dir, out_dir)
+    if found is None:
+        found = classify(list(files)) if files is not None else discover(run_dir, out_dir)
     if not found.traces and not found.native:
         raise IngestError(f"{run_dir}: nothing steplens reads here (no traces, collector output or DeepSpeed artifacts"
                           f"; {len(found.unknown)} other file(s))")
-
-    previous = {tuple(s[k] for k in ("path", "size", "mtime_ns", "hash_prefix")): s
-                for s in _previous_manifest(out_dir).get("sources", []) if s.get("status") in ("ingested", "reused")}
     staging = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _recover(out_dir)
+        check_output_folder(run_dir, out_dir)
+        if staging.exists() and _is_staging(staging):
+            shutil.rmtree(staging)
+        (staging / "_scratch").mkdir(parents=True)
+        return _ingest_into(run_dir, out_dir, staging, found, jobs, progress, finish, started)
+    except OSError as e:
+        where = e.filename or out_dir
+        raise OutputUnwritable(f"cannot write to {where}: {e.strerror or e}: use --out DIR") from e
+    finally:
+        if staging.exists() and _is_staging(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _reusable(old: dict, out_dir: Path) -> Source | None:
+    """A source of the last result whose parts are all there and readable, with paths that stay
+    inside out_dir; None means parse the file again (the cache never fails a run)."""
+    try:
+        restored = Source(**{k: v for k, v in old.items() if k in Source.__dataclass_fields__})
+    except TypeError:
+        return None
+    rank = old.get("rank")
+    tables = PARSED_TABLES if restored.kind == "kineto" else restored.tables
+    if (not isinstance(restored.part_id, str) or not PART_ID.fullmatch(restored.part_id)
+            or not (rank is None or (type(rank) is int and 0 <= rank < schema.MAX_RANK))
+            or not isinstance(tables, (list, tuple)) or any(t not in schema.TABLES for t in tables)
+            or (restored.kind == "kineto" and rank is None)):
+        return None
+    for table in tables:
+        part = out_dir / schema.part_dir(table, rank) / f"part-{restored.part_id}.parquet"
+        try:
+            pq.read_metadata(part)
+        except Exception:  # noqa: BLE001 - missing, truncated or not Parquet: parse the input again
+            return None
+    return restored
+
+
+def _ingest_into(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs, progress, finish,
+                 started: float) -> IngestResult:
     scratch = staging / "_scratch"
-    scratch.mkdir(parents=True)
+    previous = {}
+    for old in _previous_manifest(out_dir).get("sources", []):
+        key = tuple(old.get(k) for k in ("path", "size", "mtime_ns", "hash_prefix")) if isinstance(old, dict) else ()
+        if key and all(isinstance(v, (str, int)) for v in key) and old.get("status") in ("ingested", "reused"):
+            previous[key] = old
 
     sources, to_parse, reused, native = [], [], [], []
     candidates = [(path, None, []) for path in found.traces] + found.native
@@ -474,10 +589,10 @@ def ingest(
         if source.size == 0:
             source.status = "error"
             source.issues.append(["error", "empty_file", 1, "empty file"])
-        elif (old := previous.get(source.fingerprint())) is not None:
+        elif (old := previous.get(source.fingerprint())) is not None and (restored := _reusable(old, out_dir)):
             old_rank = old["rank"]
-            restored = Source(**{k: v for k, v in old.items() if k in Source.__dataclass_fields__})
-            restored.issues = [i for i in restored.issues if i[1] not in _RUN_LEVEL_REASONS]
+            restored.issues = [i for i in restored.issues if isinstance(i, list) and len(i) == 4
+                               and i[1] not in _RUN_LEVEL_REASONS]
             restored.status = "reused"
             restored.rank = None if restored.kind == "kineto" else restored.rank
             sources[-1] = restored
@@ -513,14 +628,15 @@ def ingest(
     _write_json(staging / schema.MANIFEST_FILE, manifest)
 
     if not any(s.status in ("ingested", "reused") for s in sources):
-        shutil.rmtree(staging, ignore_errors=True)
         problems = [(s.path, i[3]) for s in sources for i in s.issues if i[0] == "error"]
         problems = problems or [(s.path, i[3]) for s in sources for i in s.issues]
         why = f" ({problems[0][0]}: {problems[0][1]})" if problems else ""
         raise IngestError(f"{run_dir}: nothing usable among {len(sources)} file(s){why}")
     if finish:
         finish(staging)
-    _swap_in(staging, out_dir)
+    manifest["output_entries"] = sorted(os.listdir(staging))
+    _write_json(staging / schema.MANIFEST_FILE, manifest)
+    _swap_in(staging, out_dir, run_dir)
     return IngestResult(out_dir, manifest, sources, len(to_parse) + len(native), len(reused), time.perf_counter() - started)
 
 

@@ -28,6 +28,9 @@ import pyarrow as pa
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "run.json"
 DEFAULT_OUT_DIR = ".steplens"
+# Largest rank or world size taken from an input; beyond it the value is not a rank (the largest
+# jobs run on ~10^5 GPUs) and an int64 table or a per-rank figure would overflow.
+MAX_RANK = 1 << 24
 
 # Event kinds. Device-side kinds are the only ones that count as GPU activity, even when a CPU
 # event carries a `stream` arg (Triton launchers do).
