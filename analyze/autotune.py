@@ -385,35 +385,6 @@ def verdict(ranked: pl.DataFrame, higher_is_better: bool = True, alpha: float = 
     return out
 
 
-def experiments_from_runs(runs: dict[str, tuple[pl.DataFrame, dict]]) -> pl.DataFrame:
-    """Repeated trial runs made by the collector (one run folder each: its `train_steps` and run
-    facts) as `autotune_experiments` rows, so they rank and get the same verdict: runs with the same
-    ds_config are trials of one configuration. throughput = median samples per optimizer step /
-    median optimizer-step time, steps timed end to end on the lowest rank (the first step, warm-up,
-    has no previous end and drops out); latency_us = that median step time."""
-    rows = []
-    for name, (train_steps, facts) in runs.items():
-        config = dict(facts.get("ds_config") or {})
-        config.pop("autotuning", None)
-        row = {"experiment": name, "source": name, "config_json": json.dumps(config, sort_keys=True) if config else None,
-               "zero_stage": (config.get("zero_optimization") or {}).get("stage"),
-               "micro_batch": config.get("train_micro_batch_size_per_gpu"),
-               "grad_accum": config.get("gradient_accumulation_steps")}
-        rank = train_steps["rank"].min() if train_steps.height else None
-        boundaries = train_steps.filter((pl.col("rank") == rank) & pl.col("is_boundary")).sort("step")
-        step_ns = boundaries["end_ns"].diff().drop_nulls()
-        samples = boundaries["global_samples"].diff().drop_nulls()
-        if len(step_ns) and len(samples) and step_ns.median() > 0:
-            row.update(rank=rank, status="ok", latency_us=step_ns.median() / 1e3,
-                       throughput=samples.median() / (step_ns.median() / 1e9))
-        else:
-            row.update(status="interrupted", error=f"{boundaries.height} optimizer step(s) recorded: no step time to measure")
-        rows.append(row)
-    frame = _rows(rows)
-    trial = pl.col("experiment").cum_count().over(pl.coalesce("config_json", "experiment")) - 1
-    return frame.with_columns(trial=trial.cast(pl.Int64))
-
-
 def autotune_tables(experiments: pl.DataFrame, facts: dict) -> dict[str, pl.DataFrame]:
     """`autotune_ranking` (per tuning space and configuration) and `autotune_verdict` (per tuning
     space: the winner, the noise verdict, DeepSpeed's pick and whether it rests on a stale metric)."""

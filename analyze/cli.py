@@ -19,7 +19,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import analyses, autotune, kernels, mfu, schema
+from . import analyses, kernels, mfu, schema
 from steplens.reports.verdict import telemetry_lines
 
 from .ingest import (
@@ -477,47 +477,59 @@ def analyze_entry() -> None:
 
 @click.command("trials")
 @click.argument("runs_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["text", "md"]), default="text", show_default=True,
-              help="text: terminal tables; md: markdown for a PR comment.")
+@click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True,
+              help="text: terminal tables; md: markdown for a PR comment; json: the verdict as data.")
 def trials_command(runs_dir: Path, fmt: str) -> None:
     """Rank repeated trial runs made by the collector, with a noise-aware verdict.
 
     Every folder directly under RUNS_DIR is one run (analysed first if it has no .steplens/ output).
-    Runs with the same ds_config are trials of one configuration; each is measured by its median
+    Runs whose ds_configs differ only in settings that do not change the work (the steplens block and
+    its run_dir, output paths, logging, monitor, profiler and comms-logger settings, autotuning) are
+    trials of one configuration; what was ignored is printed. Each run is measured by its median
     optimizer-step time and samples per step (collector train_steps). Configurations are ranked by
     median throughput, as the autotuning analysis ranks DeepSpeed's experiments, and the winner is
     called only when an exact one-sided Mann-Whitney U test over the trials gives p < 0.05 (which
     needs at least 4 trials per configuration).
     """
+    import json
+
+    from steplens.analyze.trials import trials
     from steplens.reports.data import load
 
     folders = sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     runs = {}
     for folder in folders:
         run = load(_analysed(folder))
-        runs[folder.name] = (run.table("train_steps"), run.manifest.get("facts", {}))
+        runs[folder.name] = (run.table("train_steps"), {"world_size": run.manifest.get("world_size"),
+                                                        **run.manifest.get("facts", {})})
     measured = {name: value for name, value in runs.items() if not value[0].is_empty()}
     if not measured:
         _fail(f"{runs_dir}: no run folder with collector steps (train_steps) under it")
-    tables = autotune.autotune_tables(autotune.experiments_from_runs(measured), {})
-    verdicts = tables["autotune_verdict"].filter(pl.col("tuning_space") == "global")
-    ranking = tables["autotune_ranking"].filter(pl.col("tuning_space") == "global").sort("rank", nulls_last=True)
-    columns = ["rank", "experiments", "trials", "ok_trials", "median", "min", "max", "metric"]
+    result = trials(measured)
+    if fmt == "json":
+        click.echo(json.dumps(result, indent=1, default=str))
+        return
+    columns = ["rank", "runs", "trials", "ok_trials", "median", "min", "max", "metric"]
+    rows = [[_cell(",".join(c["runs"]) if column == "runs" else c[column]) for column in columns]
+            for c in result["configurations"]]
+    ignored = (f"ignored settings that differed between trials: {', '.join(result['ignored_differences'])}"
+               if result["ignored_differences"] else "no ignored setting differed between trials")
     if fmt == "md":
         from steplens.reports.markdown import escape, table_lines
 
-        click.echo("\n".join([f"**{escape(row['detail'])}**" for row in verdicts.iter_rows(named=True)] + [""]
-                             + table_lines(columns, [[_cell(row[c]) for c in columns] for row in ranking.iter_rows(named=True)])))
+        click.echo("\n".join([f"**{escape(result['verdict']['detail'])}**", "", escape(ignored) + ".", ""]
+                             + table_lines(columns, rows) + ["", escape(result["ignored_rule"]) + "."]))
         return
     console = Console(highlight=False)
-    for row in verdicts.iter_rows(named=True):
-        console.print(row["detail"], markup=False, soft_wrap=True)
+    console.print(result["verdict"]["detail"], markup=False, soft_wrap=True)
+    console.print(ignored, markup=False, soft_wrap=True)
     view = Table(title="configurations (median over trials)", title_justify="left", box=None)
     for column in columns:
         view.add_column(column, overflow="fold")
-    for row in ranking.iter_rows(named=True):
-        view.add_row(*(_cell(row[c]) for c in columns))
+    for row in rows:
+        view.add_row(*row)
     console.print(view, markup=False)
+    console.print(result["ignored_rule"], markup=False, soft_wrap=True)
 
 
 def _cell(value) -> str:

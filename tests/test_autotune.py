@@ -8,6 +8,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from steplens.analyze import autotune, importers, schema
+from steplens.analyze import trials as trial_runs
 from steplens.analyze.imported import conform
 
 RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
@@ -248,7 +249,7 @@ def test_collector_trial_runs_are_ranked_the_same_way():
     runs = {f"fast{i}": collector_run(100 + i, micro_batch=8) for i in range(4)}
     runs |= {f"slow{i}": collector_run(120 + i, micro_batch=8, fp16={"enabled": True}) for i in range(4)}
     runs["cut"] = collector_run(100, micro_batch=4, steps=1)  # one step: nothing to time
-    experiments = autotune.experiments_from_runs(runs)
+    experiments, _ = trial_runs.experiments_from_runs(runs)
     fast0 = experiments.filter(pl.col("experiment") == "fast0").row(0, named=True)
     assert fast0["throughput"] == pytest.approx(16 / 0.100) and fast0["latency_us"] == pytest.approx(100_000)
     for prefix in ("fast", "slow"):  # runs with one ds_config are trials of one configuration

@@ -1,0 +1,123 @@
+"""`steplens trials`: repeated collector runs grouped into configurations by the work they do, ranked
+by throughput, with the autotuning noise verdict (`autotune.verdict`, at `noise.ALPHA`).
+
+Two runs are trials of one configuration when their ds_configs differ only in settings that do not
+change the work: where output goes and what is logged or profiled (IGNORED_KEYS, and any key named
+in IGNORED_NAMES at any depth, such as a monitor's output_path or the steplens block's run_dir).
+The world size is part of the work; so is the sequence length the steplens block records (seq_len
+describes the samples). Which ignored settings actually differed between the runs grouped together
+is returned, so a reader sees what was set aside.
+"""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+
+from . import autotune
+
+# Top-level ds_config keys that do not change the work of a step: the tuner's own block, where
+# output goes, and what is logged, monitored or profiled. (Logging settings can cost time, as
+# wall_clock_breakdown's synchronizations do; the runs are still the same work, and the ignored
+# differences are reported.)
+IGNORED_KEYS = {
+    "steplens": "steplens collector settings",
+    "autotuning": "DeepSpeed autotuner settings",
+    "csv_monitor": "monitor output", "tensorboard": "monitor output", "wandb": "monitor output", "comet": "monitor output",
+    "flops_profiler": "profiler", "comms_logger": "comms logger",
+    "wall_clock_breakdown": "logging", "memory_breakdown": "logging", "steps_per_print": "logging",
+    "log_level": "logging", "dump_state": "logging", "timers": "logging",
+}
+IGNORED_NAMES = {"run_dir", "output_path", "output_file", "job_name", "log_dir", "save_dir"}  # paths, at any depth
+WORK_SETTINGS_IN_IGNORED = {"steplens": ("seq_len",)}  # kept: they describe the samples
+
+
+def work_config(config: dict, world_size: int | None) -> tuple[dict, dict]:
+    """(the settings that decide the work, {dotted path: value} of what was set aside)."""
+    ignored: dict = {}
+
+    def strip(value, path: str):
+        if not isinstance(value, dict):
+            return value
+        kept = {}
+        for key, item in value.items():
+            dotted = f"{path}.{key}" if path else key
+            if key in IGNORED_NAMES or (not path and key in IGNORED_KEYS):
+                ignored[dotted] = item
+            else:
+                kept[key] = strip(item, dotted)
+        return kept
+
+    work = strip(config, "")
+    for block, keys in WORK_SETTINGS_IN_IGNORED.items():
+        for key in keys:
+            if isinstance(config.get(block), dict) and config[block].get(key) is not None:
+                work[f"{block}.{key}"] = config[block][key]
+    work["world_size"] = world_size
+    return work, ignored
+
+
+def experiments_from_runs(runs: dict[str, tuple[pl.DataFrame, dict]]) -> tuple[pl.DataFrame, dict[str, dict]]:
+    """Collector runs (one run folder each: its `train_steps` and run facts) as `autotune_experiments`
+    rows, so they rank and get the same verdict as DeepSpeed's experiments, and each run's ignored
+    settings. throughput = median samples per optimizer step / median optimizer-step time, steps
+    timed end to end on the lowest rank (the first step, warm-up, has no previous end and drops
+    out); latency_us = that median step time."""
+    rows, ignored = [], {}
+    for name, (train_steps, facts) in runs.items():
+        config = dict(facts.get("ds_config") or {})
+        work, ignored[name] = work_config(config, facts.get("world_size"))
+        row = {"experiment": name, "source": name, "config_json": json.dumps(work, sort_keys=True) if config else None,
+               "zero_stage": (config.get("zero_optimization") or {}).get("stage"),
+               "micro_batch": config.get("train_micro_batch_size_per_gpu"),
+               "grad_accum": config.get("gradient_accumulation_steps")}
+        rank = train_steps["rank"].min() if train_steps.height else None
+        boundaries = train_steps.filter((pl.col("rank") == rank) & pl.col("is_boundary")).sort("step")
+        step_ns = boundaries["end_ns"].diff().drop_nulls()
+        samples = boundaries["global_samples"].diff().drop_nulls()
+        if len(step_ns) and len(samples) and step_ns.median() > 0:
+            row.update(rank=rank, status="ok", latency_us=step_ns.median() / 1e3,
+                       throughput=samples.median() / (step_ns.median() / 1e9))
+        else:
+            row.update(status="interrupted", error=f"{boundaries.height} optimizer step(s) recorded: no step time to measure")
+        rows.append(row)
+    frame = autotune._rows(rows)
+    trial = pl.col("experiment").cum_count().over(pl.coalesce("config_json", "experiment")) - 1
+    return frame.with_columns(trial=trial.cast(pl.Int64)), ignored
+
+
+def _differing(ignored: dict[str, dict], names: list[str]) -> list[str]:
+    """Ignored settings whose values are not the same in every one of these runs."""
+    paths = sorted({path for name in names for path in ignored[name]})
+    return [p for p in paths
+            if len({json.dumps(ignored[name].get(p), sort_keys=True, default=str) for name in names}) > 1]
+
+
+def trials(runs: dict[str, tuple[pl.DataFrame, dict]]) -> dict:
+    """The verdict as data: configurations (runs, trials, median, spread, the ignored settings that
+    differed between its runs), the winner against the runner-up (test, statistic, p value,
+    established, trials needed) and the rule for what was ignored."""
+    experiments, ignored = experiments_from_runs(runs)
+    tables = autotune.autotune_tables(experiments, {})
+    verdict = tables["autotune_verdict"].filter(pl.col("tuning_space") == "global").row(0, named=True)
+    ranking = tables["autotune_ranking"].filter(pl.col("tuning_space") == "global").sort("rank", nulls_last=True)
+    configurations = []
+    for row in ranking.iter_rows(named=True):
+        names = row["experiments"].split(",")
+        configurations.append({
+            "configuration": row["experiment"], "rank": row["rank"], "runs": names, "trials": row["trials"],
+            "ok_trials": row["ok_trials"], "zero_stage": row["zero_stage"], "micro_batch": row["micro_batch"],
+            "grad_accum": row["grad_accum"], "metric": row["metric"], "median": row["median"], "min": row["min"],
+            "max": row["max"], "ignored_differences": _differing(ignored, names)})
+    keys = ("winner", "winner_median", "winner_trials", "runner_up", "runner_up_median", "runner_up_trials", "difference",
+            "relative_difference", "noise_sd", "test", "statistic", "p_value", "established", "trials_needed", "detail")
+    return {"metric": "throughput", "unit": "samples_per_s", "higher_is_better": True, "alpha": autotune.ALPHA,
+            "configurations": configurations, "verdict": {k: verdict[k] for k in keys},
+            "ignored_rule": IGNORED_RULE,
+            "ignored_differences": sorted({p for c in configurations for p in c["ignored_differences"]})}
+
+
+IGNORED_RULE = (f"ds_config settings that do not change the work were ignored when grouping runs: "
+                f"{', '.join(sorted(IGNORED_KEYS))}, and keys named {', '.join(sorted(IGNORED_NAMES))} at any depth "
+                "(steplens.seq_len and the world size still count)")
