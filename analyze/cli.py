@@ -500,11 +500,11 @@ def trials_command(runs_dir: Path, fmt: str) -> None:
     runs = {}
     for folder in folders:
         run = load(_analysed(folder))
-        runs[folder.name] = (run.table("train_steps"), {"world_size": run.manifest.get("world_size"),
-                                                        **run.manifest.get("facts", {})})
+        runs[folder.name] = (run.table("step_time"), {"world_size": run.manifest.get("world_size"),
+                                                      **run.manifest.get("facts", {})})
     measured = {name: value for name, value in runs.items() if not value[0].is_empty()}
     if not measured:
-        _fail(f"{runs_dir}: no run folder with collector steps (train_steps) under it")
+        _fail(f"{runs_dir}: no run folder with step times (collector train_steps, logs or profiler steps) under it")
     result = trials(measured)
     if fmt == "json":
         click.echo(json.dumps(result, indent=1, default=str))

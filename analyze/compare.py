@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from . import monitor, noise
+from . import monitor, noise, step_time
 
 # Fields that change the work of one optimizer step (monitor.COMPARABILITY_FIELDS names).
 WORK_FIELDS = ("world_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -26,70 +26,62 @@ WORK_FIELDS = ("world_size", "train_micro_batch_size_per_gpu", "gradient_accumul
 
 @dataclass
 class StepSamples:
-    values_ns: np.ndarray
-    source: str  # which table and column the samples are
+    values_ns: np.ndarray  # kept optimizer steps' times (step_time's exclusions applied)
+    samples: np.ndarray  # samples each of those steps consumed, where the source records it (else null)
+    source: str  # the step_time definition they come from
+
+
+# Which input table each step_time definition comes from: dropped to fall back to the next source.
+_INPUT_OF_DEFINITION = {"collector": "train_steps", "log_train_steps": "train_steps", "log_timers": "step_timers",
+                        "log_throughput": "scalars", "log_megatron": "scalars", "profiler_steps": "profiler_steps"}
 
 
 def step_samples(run) -> list[StepSamples]:
-    """Per-step wall time from every source the run has, best first: aligned profiler steps across
-    ranks, collector optimizer steps, DeepSpeed's wall-clock timers, Megatron's iteration times."""
+    """The run's optimizer-step times from every source it has, best first, each by the one step-time
+    definition (`step_time.step_time_table`): the best source, then the next once that one's input
+    is set aside, and so on."""
+    steps = run.table("steps")
+    inputs = {"train_steps": run.table("train_steps"), "step_timers": run.table("step_timers"),
+              "scalars": run.table("scalars"),
+              "profiler_steps": steps.select("rank", "step", "start_ns", "end_ns") if not steps.is_empty() else steps,
+              "flops_profile": run.table("flops_profile")}
+    by_text = {text: key for key, text in step_time.DEFINITIONS.items()}
     found = []
-    stats_table = run.table("step_stats")
-    if not stats_table.is_empty():
-        found.append(StepSamples(stats_table["aligned_dur_ns"].drop_nulls().to_numpy(),
-                                 "profiler steps: wall time across ranks on the aligned clock (step_stats.aligned_dur_ns)"))
-    train = run.table("train_steps")
-    if not train.is_empty():
-        per_step = train.group_by("rank", "step").agg(pl.col("dur_ns").sum()).group_by("step").agg(pl.col("dur_ns").max())
-        found.append(StepSamples(per_step["dur_ns"].drop_nulls().to_numpy(),
-                                 "collector optimizer steps: slowest rank's sum of micro steps (train_steps)"))
-    timers = run.table("step_timers")
-    if not timers.is_empty():
-        main = timers.filter((pl.col("scope") == "global") & pl.col("timer").is_in(["fwd", "bwd", "step"])
-                             & (pl.col("rank") == pl.col("rank").min()))
-        if not main.is_empty():
-            # The same timers may come from the collector and from the log: one source, the fullest.
-            fullest = main.group_by("source").len().sort("len", "source", descending=[True, False])["source"].first()
-            per_step = main.filter(pl.col("source") == fullest).group_by("line").agg(pl.col("ms").sum())
-            found.append(StepSamples((per_step["ms"] * 1e6).to_numpy(),
-                                     "DeepSpeed wall-clock timers: fwd + bwd + step (step_timers)"))
-        iterations = timers.filter(pl.col("timer") == "iteration")
-        if not iterations.is_empty():
-            found.append(StepSamples((iterations["ms"] * 1e6).to_numpy(),
-                                     "Megatron iteration time: mean per log interval (step_timers)"))
-    return found
+    while True:
+        table = step_time.step_time_table(**inputs, facts=facts(run))
+        if table.is_empty():
+            return found
+        kept = table.filter(~pl.col("excluded") & pl.col("step_time_ns").is_not_null())
+        definition = table["definition"][0]
+        found.append(StepSamples(kept["step_time_ns"].to_numpy(), kept["samples"].to_numpy(), definition))
+        inputs[_INPUT_OF_DEFINITION[by_text[definition]]] = pl.DataFrame()
 
 
 def common_samples(base, new) -> tuple[StepSamples, StepSamples] | None:
-    """The source both runs have with the most steps in the smaller run (ties: the better source)."""
-    base_by_source = {s.source: s for s in step_samples(base)}
-    pairs = [(base_by_source[s.source], s) for s in step_samples(new) if s.source in base_by_source]
-    if not pairs:
-        return None
-    return max(pairs, key=lambda pair: min(len(pair[0].values_ns), len(pair[1].values_ns)))
+    """The best source of the base run that the new run also has (the same definition in both)."""
+    new_by_source = {s.source: s for s in step_samples(new)}
+    return next(((s, new_by_source[s.source]) for s in step_samples(base) if s.source in new_by_source), None)
 
 
 def facts(run) -> dict:
     return {"world_size": run.manifest.get("world_size"), **run.manifest.get("facts", {})}
 
 
-def samples_per_step(run) -> int | None:
-    """Samples one optimizer step consumes across the job: the collector's global_samples per
-    boundary (median), else train_batch_size, else micro batch x accumulation x world size."""
-    train = run.table("train_steps")
-    if not train.is_empty() and train["global_samples"].drop_nulls().len():
-        boundaries = train.filter(pl.col("is_boundary") & (pl.col("rank") == pl.col("rank").min())).sort("step")
-        per_step = boundaries["global_samples"].diff().drop_nulls()
-        if per_step.len() and per_step.median() > 0:
-            return int(per_step.median())
+def samples_per_step(run, steps: StepSamples) -> np.ndarray | None:
+    """Samples each of `steps` consumed across the job: what the step-time source records (the
+    collector's global_samples), else train_batch_size, else micro batch x accumulation x
+    data-parallel size; None when the run states none of them."""
     run_facts = facts(run)
-    if batch := monitor.run_fact(run_facts, "train_batch_size"):
-        return int(batch)
-    parts = [monitor.run_fact(run_facts, f) for f in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
-    data_parallel = run_facts.get("dp_world_size") or run_facts.get("world_size")
-    if all(parts) and data_parallel:
-        return int(parts[0] * parts[1] * data_parallel)
-    return None
+    batch = monitor.run_fact(run_facts, "train_batch_size")
+    if not batch:
+        parts = [monitor.run_fact(run_facts, f) for f in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
+        data_parallel = run_facts.get("dp_world_size") or run_facts.get("world_size")
+        batch = parts[0] * parts[1] * data_parallel if all(parts) and data_parallel else None
+    recorded = np.array([np.nan if v is None else v for v in steps.samples], dtype=float)
+    recorded[recorded <= 0] = np.nan
+    if np.isnan(recorded).any() and not batch:
+        return None
+    return np.where(np.isnan(recorded), float(batch or 0), recorded)
 
 
 def _work_differs(table: pl.DataFrame) -> list[str]:
@@ -103,28 +95,26 @@ def _verdict(base, new, pair: tuple[StepSamples, StepSamples] | None, differs: l
                 "why": "the runs have no step-time source in common (profiler steps, collector steps, DeepSpeed "
                        "timers or Megatron iteration times)"}
     base_steps, new_steps = pair
-    if base_steps.source != new_steps.source:
-        return {"metric": "step time", "unit": "ns", "verdict": "not comparable",
-                "why": f"step times come from different sources: {base_steps.source} vs {new_steps.source}"}
     if not differs:
         return {"metric": "step time", "unit": "ns", "higher_is_better": False, "source": base_steps.source,
                 "why_metric": "a step is the same work in both runs (micro batch, gradient accumulation, world size)",
                 **noise.two_run_verdict(base_steps.values_ns, new_steps.values_ns, higher_is_better=False)}
-    samples = {"base": samples_per_step(base), "new": samples_per_step(new)}
+    samples = {"base": samples_per_step(base, base_steps), "new": samples_per_step(new, new_steps)}
     seq = {"base": monitor.run_fact(facts(base), "seq_len"), "new": monitor.run_fact(facts(new), "seq_len")}
     changed = ", ".join(differs)
-    if None in samples.values():
+    if any(value is None for value in samples.values()):
         missing = [side for side, value in samples.items() if value is None]
-        return {"metric": "throughput", "unit": None, "verdict": "not comparable", "samples_per_step": samples,
+        return {"metric": "throughput", "unit": None, "verdict": "not comparable",
                 "why": f"{changed} differ(s), so a step is not the same work, and the samples per step of the {missing} "
                        "run(s) are not recorded (no global_samples, train_batch_size or batch settings)"}
     tokens = all(seq.values())
-    per_step = {side: samples[side] * (seq[side] if tokens else 1) for side in samples}
     metric, unit = ("tokens/s", "tokens_per_s") if tokens else ("samples/s", "samples_per_s")
-    result = noise.two_run_verdict(per_step["base"] / (base_steps.values_ns / 1e9),
-                                   per_step["new"] / (new_steps.values_ns / 1e9), higher_is_better=True)
+    rates = {side: samples[side] * (seq[side] if tokens else 1) / (steps.values_ns / 1e9)
+             for side, steps in (("base", base_steps), ("new", new_steps))}
+    result = noise.two_run_verdict(rates["base"], rates["new"], higher_is_better=True)
     return {"metric": metric, "unit": unit, "higher_is_better": True, "source": base_steps.source,
-            "samples_per_step": samples, "seq_len": seq if tokens else None,
+            "samples_per_step": {side: float(np.median(values)) for side, values in samples.items()},
+            "seq_len": seq if tokens else None,
             "why_metric": f"{changed} differ(s) between the runs, so a step is not the same work: judged on {metric} "
                           f"per optimizer step ({'samples x sequence length' if tokens else 'samples'} per step / step time)",
             **result}

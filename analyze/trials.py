@@ -15,7 +15,7 @@ import json
 
 import polars as pl
 
-from . import autotune
+from . import autotune, step_time
 
 # Top-level ds_config keys that do not change the work of a step: the tuner's own block, where
 # output goes, and what is logged, monitored or profiled. (Logging settings can cost time, as
@@ -59,28 +59,29 @@ def work_config(config: dict, world_size: int | None) -> tuple[dict, dict]:
 
 
 def experiments_from_runs(runs: dict[str, tuple[pl.DataFrame, dict]]) -> tuple[pl.DataFrame, dict[str, dict]]:
-    """Collector runs (one run folder each: its `train_steps` and run facts) as `autotune_experiments`
+    """Runs (one run folder each: its `step_time` table and run facts) as `autotune_experiments`
     rows, so they rank and get the same verdict as DeepSpeed's experiments, and each run's ignored
-    settings. throughput = median samples per optimizer step / median optimizer-step time, steps
-    timed end to end on the lowest rank (the first step, warm-up, has no previous end and drops
-    out); latency_us = that median step time."""
+    settings. Over the steps `step_time` keeps (warm-up, instrumented and incomplete steps left
+    out): latency_us = the median optimizer-step time; throughput = median samples per step (as the
+    step-time source records them, else train_batch_size) / that median, in samples/s."""
     rows, ignored = [], {}
-    for name, (train_steps, facts) in runs.items():
+    for name, (steps, facts) in runs.items():
         config = dict(facts.get("ds_config") or {})
         work, ignored[name] = work_config(config, facts.get("world_size"))
         row = {"experiment": name, "source": name, "config_json": json.dumps(work, sort_keys=True) if config else None,
                "zero_stage": (config.get("zero_optimization") or {}).get("stage"),
                "micro_batch": config.get("train_micro_batch_size_per_gpu"),
                "grad_accum": config.get("gradient_accumulation_steps")}
-        rank = train_steps["rank"].min() if train_steps.height else None
-        boundaries = train_steps.filter((pl.col("rank") == rank) & pl.col("is_boundary")).sort("step")
-        step_ns = boundaries["end_ns"].diff().drop_nulls()
-        samples = boundaries["global_samples"].diff().drop_nulls()
-        if len(step_ns) and len(samples) and step_ns.median() > 0:
-            row.update(rank=rank, status="ok", latency_us=step_ns.median() / 1e3,
-                       throughput=samples.median() / (step_ns.median() / 1e9))
+        kept = steps.filter(~pl.col("excluded") & pl.col("step_time_ns").is_not_null()) if steps.height else steps
+        samples = kept["samples"].drop_nulls() if kept.height else pl.Series([], dtype=pl.Int64)
+        per_step = samples.median() if samples.len() else facts.get("train_batch_size") or config.get("train_batch_size")
+        if kept.height >= step_time.MIN_STEPS_FOR_NOISE and per_step:
+            median_ns = kept["step_time_ns"].median()
+            row.update(status="ok", latency_us=median_ns / 1e3, throughput=per_step / (median_ns / 1e9))
         else:
-            row.update(status="interrupted", error=f"{boundaries.height} optimizer step(s) recorded: no step time to measure")
+            row.update(status="interrupted", error=f"{kept.height} step(s) kept of {steps.height} timed"
+                                                   + ("" if per_step else ", samples per step unknown")
+                                                   + f": a trial needs {step_time.MIN_STEPS_FOR_NOISE} to be timed")
         rows.append(row)
     frame = autotune._rows(rows)
     trial = pl.col("experiment").cum_count().over(pl.coalesce("config_json", "experiment")) - 1

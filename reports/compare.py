@@ -42,7 +42,7 @@ def display_tables(result: dict) -> list[dict]:
                      _fmt_value(verdict, verdict["new_median"]), _fmt_delta(verdict["base_median"], verdict["new_median"]),
                      f"{verdict['base_n']} / {verdict['new_n']}"])
         samples = verdict["samples_per_step"]
-        rows.append(["samples per optimizer step", f"{samples['base']:,}", f"{samples['new']:,}",
+        rows.append(["samples per optimizer step (median)", f"{samples['base']:,.0f}", f"{samples['new']:,.0f}",
                      _fmt_delta(samples["base"], samples["new"]), ""])
     if step.get("base_median_ns") is not None:
         rows.append(["median step time", ms(step["base_median_ns"]), ms(step["new_median_ns"]),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from steplens.analyze import autotune, importers, schema
+from steplens.analyze import autotune, importers, schema, step_time
 from steplens.analyze import trials as trial_runs
 from steplens.analyze.imported import conform
 
@@ -239,7 +239,8 @@ def collector_run(step_ms: float, micro_batch: int, steps: int = 6, **config_ext
     rows, start = [], 1_000_000_000
     for step in range(steps):
         end = start + int((2000 if step == 0 else step_ms) * 1e6)
-        rows += [{"rank": rank, "step": step, "micro_step": step, "start_ns": start, "end_ns": end, "is_boundary": True,
+        rows += [{"rank": rank, "source": f"collector/train_steps/rank{rank}-00000.parquet", "step": step,
+                  "micro_step": step, "start_ns": start, "end_ns": end, "dur_ns": end - start, "is_boundary": True,
                   "global_samples": 2 * micro_batch * (step + 1)} for rank in (0, 1)]
         start = end
     return conform(rows, "train_steps"), {"ds_config": config, "world_size": 2}
@@ -249,6 +250,7 @@ def test_collector_trial_runs_are_ranked_the_same_way():
     runs = {f"fast{i}": collector_run(100 + i, micro_batch=8) for i in range(4)}
     runs |= {f"slow{i}": collector_run(120 + i, micro_batch=8, fp16={"enabled": True}) for i in range(4)}
     runs["cut"] = collector_run(100, micro_batch=4, steps=1)  # one step: nothing to time
+    runs = {name: (step_time.step_time_table(train_steps, facts=facts), facts) for name, (train_steps, facts) in runs.items()}
     experiments, _ = trial_runs.experiments_from_runs(runs)
     fast0 = experiments.filter(pl.col("experiment") == "fast0").row(0, named=True)
     assert fast0["throughput"] == pytest.approx(16 / 0.100) and fast0["latency_us"] == pytest.approx(100_000)

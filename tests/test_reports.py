@@ -152,7 +152,7 @@ def test_compare_gates_a_real_slowdown(ab_runs, tmp_path):
         steps, ranks = run.table("step_stats").height, len(run.manifest["trace_ranks"])
         assert metrics["GPU idle share"][side] == run.findings["gpu_idle"]["idle_share"]
         assert metrics["exposed communication per step and rank (ns)"][side] == pytest.approx(
-            run.findings["exposed_comm_ns"] / steps / ranks)
+            run.table("collectives")["exposed_ns"].sum() / steps / ranks)
     html = (tmp_path / "c" / "compare.html").read_text()
     assert "Step time: regression" in html and "Mann-Whitney" in html
     same = runner.invoke(steplens, ["compare", str(ab_runs / "base"), str(ab_runs / "base"), "--out", str(tmp_path / "d"),
