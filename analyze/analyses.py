@@ -124,9 +124,10 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
                   for name, columns in schema.ANALYSIS_TABLES.items() if name != "kernel_launches"}
     facts = manifest.get("facts", {})
     tables.update(_telemetry_analyses(out_dir, facts, options))
+    profiler_steps = _read(out_dir, "steps", ["step", "start_ns", "end_ns"])
     tables["step_time"] = step_time.step_time_table(
         _run_table(out_dir, "train_steps"), _run_table(out_dir, "step_timers"), _run_table(out_dir, "scalars"),
-        _read(out_dir, "steps", ["step", "start_ns", "end_ns"]), _run_table(out_dir, "flops_profile"), facts)
+        profiler_steps, _run_table(out_dir, "flops_profile"), facts)
     collector_rows, collector_problem = mfu.collector_mfu(_run_table(out_dir, "train_steps"),
                                                           _run_table(out_dir, "flops_profile"), facts, peak,
                                                           world_size or 1)
@@ -141,6 +142,11 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
         else {"device": None, "traces": "no profiler traces: step, GPU and collective analyses need them",
               "mfu": mfu_finding(tables["mfu"], collector_problem or peak_problem)}
     findings["step_time"] = step_time.step_time_summary(tables["step_time"])
+    # The slowest step over the whole run (not only the profiled ones), and only when it stands out.
+    if slow := step_time.slowest_step(tables["step_time"]):
+        findings["slowest_step"] = slow
+    if windows := step_time.profiled_windows(tables["step_time"], profiler_steps):
+        findings["profiled_steps"] = windows
     findings.update(telemetry_headline(tables))
     (out_dir / "findings.json").write_text(json.dumps(findings, indent=1, default=str))
     return findings
@@ -202,9 +208,6 @@ def headline(tables: dict[str, pl.DataFrame], cpu_comm_ops: int, peak_problem: s
     findings: dict = {"device": device_name}
     stats = tables["step_stats"]
     if not stats.is_empty():
-        slow = stats.sort("max_dur_ns", descending=True).row(0, named=True)
-        findings["slowest_step"] = {"step": slow["step"], "rank": slow["slowest_rank"], "dur_ns": slow["max_dur_ns"],
-                                    "median_step_ns": int(stats["median_dur_ns"].median())}
         stragglers = stats.filter(pl.col("straggler_rank").is_not_null())
         # Without collective waits (gloo/CPU runs, or no NCCL kernels) the straggler is the longest CPU step.
         basis = "collective_wait" if stats["others_waited_ns"].fill_null(0).sum() > 0 else "step_spread"

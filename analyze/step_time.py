@@ -312,3 +312,36 @@ def from_run_dir(out_dir: Path) -> tuple[pl.DataFrame, dict]:
                             steps.select("rank", "step", "start_ns", "end_ns") if not steps.is_empty() else steps,
                             _read(out_dir, "flops_profile"), manifest.get("facts", {}))
     return table, step_time_summary(table)
+
+
+def slowest_step(table: pl.DataFrame) -> dict | None:
+    """The slowest kept step, only when it stands out from the run's step-to-step noise (else None:
+    one step a little slower than the rest is not a finding)."""
+    bound = noise_bound_ns(table)
+    if bound is None:
+        return None
+    kept = table.filter(~pl.col("excluded"))
+    slow = kept.sort("step_time_ns", "step", descending=[True, False]).row(0, named=True)
+    if slow["step_time_ns"] <= bound:
+        return None
+    return {"step": slow["step"], "rank": slow["slowest_rank"], "dur_ns": slow["step_time_ns"],
+            "median_step_ns": round(kept["step_time_ns"].median()), "noise_bound_ns": round(bound),
+            "source": slow["source"], "steps": kept.height,
+            "basis": f"above median + max({OUTLIER_Z} MAD / {MAD_Z_SCALE}, {MIN_EXCESS_SHARE:.0%} of the median) "
+                     f"of the {kept.height} kept steps"}
+
+
+def profiled_windows(table: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict | None:
+    """Where the traced ProfilerStep windows sit in the run: each window's time (slowest rank), the
+    same step's time from the run's step-time source, and the run's median step."""
+    if profiler_steps.is_empty():
+        return None
+    windows = _from_profiler(profiler_steps).select("step", profiler_dur_ns="step_time_ns", rank="slowest_rank")
+    kept = table.filter(~pl.col("excluded"))
+    source = table["source"][0] if table.height else None
+    if source and source != "profiler_steps":
+        windows = windows.join(table.select("step", "step_time_ns"), on="step", how="left")
+    else:
+        windows = windows.with_columns(step_time_ns=pl.lit(None, pl.Int64))
+    return {"steps": windows.sort("step").to_dicts(), "source": source,
+            "run_median_ns": round(kept["step_time_ns"].median()) if kept.height else None}

@@ -28,6 +28,55 @@ def telemetry_lines(f: dict) -> list[str]:
     return lines
 
 
+EXCLUSION_WORDS = {"warm_up": "warm-up", "flops_profiler": "FLOPs profiler", "profiler_warmup": "profiler warm-up",
+                   "profiler_window": "profiler window", "profiler_export": "trace export",
+                   "checkpoint_save": "checkpoint save", "overflow_skipped": "skipped on fp16 overflow",
+                   "incomplete": "incomplete"}
+SOURCE_WORDS = {"train_steps": "the collector's train_steps", "log": "the logs", "profiler_steps": "the profiled steps"}
+
+
+def _step_ranges(steps: list[int], count: int) -> str:
+    """[8, 9, 10, 12] -> "8-10, 12" (and how many more when the list was cut)."""
+    parts, start = [], None
+    for i, step in enumerate(steps):
+        start = step if start is None else start
+        if i + 1 == len(steps) or steps[i + 1] != step + 1:
+            parts.append(str(step) if start == step else f"{start}-{step}")
+            start = None
+    more = f" and {count - len(steps)} more" if count > len(steps) else ""
+    return ", ".join(parts) + more
+
+
+def step_lines(f: dict) -> list[str]:
+    """Step time over the run, the slowest step when it stands out, and where the profiled steps sit."""
+    lines = []
+    summary = f.get("step_time") or {}
+    if summary.get("steps"):
+        line = (f"Step time: median {ms(summary['median_ns'])}, p90 {ms(summary['p90_ns'])}, max {ms(summary['max_ns'])} "
+                f"(step {summary['max_step']}) over {summary['steps']} of {summary['total_steps']} steps, from "
+                f"{SOURCE_WORDS.get(summary['source'], summary['source'])}")
+        if excluded := summary.get("excluded_steps"):
+            line += "; left out: " + "; ".join(
+                f"{EXCLUSION_WORDS.get(e['reason'], e['reason'])} {'step' if e['count'] == 1 else 'steps'} "
+                f"{_step_ranges(e['steps'], e['count'])}" for e in excluded)
+        lines.append(line + ".")
+    elif summary.get("source"):
+        lines.append(f"Step time: none of the {summary['total_steps']} steps is typical ({summary.get('note')}).")
+    if slow := f.get("slowest_step"):
+        lines.append(f"Slowest step: step {slow['step']}" + (f" on rank {slow['rank']}" if slow.get("rank") is not None else "")
+                     + f", {ms(slow['dur_ns'])} against a median of {ms(slow['median_step_ns'])}, beyond the run's "
+                     f"step-to-step noise (above {ms(slow['noise_bound_ns'])}).")
+    profiled = f.get("profiled_steps") or {}
+    for window in profiled.get("steps", [])[:3]:
+        timed = (f"; {SOURCE_WORDS.get(profiled['source'], profiled['source'])} timed it {ms(window['step_time_ns'])}"
+                 if window.get("step_time_ns") is not None else "")
+        median = (f", the run's median step is {ms(profiled['run_median_ns'])}"
+                  if profiled.get("run_median_ns") is not None else "")
+        lines.append(f"Profiled step {window['step']} took {ms(window['profiler_dur_ns'])} (ProfilerStep window, "
+                     f"rank {window['rank']}{timed}){median}.")
+    return lines
+
+
 def verdict(run: Run) -> list[str]:
     f, lines = run.findings, []
     status = run.table("run_status")
@@ -37,9 +86,7 @@ def verdict(run: Run) -> list[str]:
             error = f": {row['error']}" if row["error"] else ""
             what = {"failed": "failed", "killed": "was killed", "incomplete": "did not finish"}[row["status"]]
             lines.append(f"The job {what} ({row['source']}{error}).")
-    if slow := f.get("slowest_step"):
-        lines.append(f"Slowest step: ProfilerStep#{slow['step']} on rank {slow['rank']}, {ms(slow['dur_ns'])} "
-                     f"against a median step of {ms(slow['median_step_ns'])}.")
+    lines.extend(step_lines(f))
     for s in f.get("stragglers", [])[:2]:
         if s["basis"] == "collective_wait":
             lines.append(f"Straggler: rank {s['rank']} in step {s['step']}; the other ranks waited "

@@ -1,5 +1,7 @@
 import gzip
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,3 +23,44 @@ def write_trace(path: Path, events: list, gz: bool = False, **top) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(gzip.compress(data) if gz else data)
     return path
+
+
+# Real 2-rank DeepSpeed CPU jobs (tests/realrun/train_tiny_gpt.py, gloo, DS_ACCELERATOR=cpu,
+# OMP_NUM_THREADS=1) shared by the step-time, verdict, compare and trials tests: each is made once per
+# test session, about 30 s on 2 cores. STEPLENS_REALRUN_DIR=<folder> keeps them there and reuses them.
+REALRUN_STEADY_STEPS = 40
+# The instrumented job: the collector's FLOPs profile on step 5 and one profiler window (skip 7,
+# wait 1, warm-up 1 -> step 8, active 1 -> step 9; the traces are written before step 10).
+REALRUN_INSTRUMENTED = {"steps": 16, "flops_step": 5, "skip_first": 7, "window": (1, 1, 1, 1)}
+
+
+def _realrun(tmp_path_factory, name: str, *args: str) -> Path:
+    pytest.importorskip("torch")
+    pytest.importorskip("deepspeed")
+    sys.path.insert(0, str(Path(__file__).parent / "realrun"))
+    from launch import run_tiny_gpt
+
+    if keep := os.environ.get("STEPLENS_REALRUN_DIR"):
+        folder = Path(keep) / name
+        if (folder / "script" / "rank0.json").exists():
+            return folder
+    else:
+        folder = tmp_path_factory.mktemp("realrun") / name
+    return run_tiny_gpt(folder, *args)
+
+
+@pytest.fixture(scope="session")
+def ds_steady_run(tmp_path_factory) -> Path:
+    """40 optimizer steps, no profiler window and no FLOPs profile; wall_clock_breakdown timers and
+    info-level logs with a step and throughput line every step (rank_logs/, launcher.log)."""
+    return _realrun(tmp_path_factory, "steady", "--steps", str(REALRUN_STEADY_STEPS), "--profile_window", "off",
+                    "--flops_step", "-1", "--wall_clock_breakdown", "--log_level", "info", "--steps_per_print", "1")
+
+
+@pytest.fixture(scope="session")
+def ds_instrumented_run(tmp_path_factory) -> Path:
+    """REALRUN_INSTRUMENTED: a FLOPs-profiled step and a profiler window inside a 16-step job."""
+    job = REALRUN_INSTRUMENTED
+    return _realrun(tmp_path_factory, "instrumented", "--steps", str(job["steps"]), "--flops_step", str(job["flops_step"]),
+                    "--profile_skip_first", str(job["skip_first"]), "--profile_window", ",".join(map(str, job["window"])))
+

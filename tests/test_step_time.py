@@ -1,0 +1,219 @@
+"""Step time from the best source, on real 2-rank DeepSpeed CPU jobs (tests/conftest.py fixtures).
+
+Every number is recomputed here from the raw inputs (the collector's Parquet parts read with pyarrow,
+the Kineto traces with gzip + json + Decimal, the log lines with a regex), sharing no code with
+steplens, and the exclusion rule of analyze/step_time.py is restated here from its docstring.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from decimal import Decimal
+from pathlib import Path
+
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+from conftest import REALRUN_INSTRUMENTED, REALRUN_STEADY_STEPS
+from steplens.analyze import step_time
+from steplens.reports import data, verdict
+
+ANALYZE = [sys.executable, "-m", "steplens.analyze"]
+
+
+def analyse(run_dir: Path, out: Path) -> tuple[dict, list[str]]:
+    done = subprocess.run([*ANALYZE, str(run_dir), "--out", str(out), "-q"], capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stderr[-3000:]
+    run = data.load(out)
+    return run.findings, verdict.verdict(run)
+
+
+def shown(ns: float) -> str:
+    """How the verdict prints a duration: 3 significant digits, whole units from 100 up."""
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
+        if ns >= scale:
+            value = ns / scale
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:,.0f} {unit}"
+    return f"{ns:.0f} ns"
+
+
+def collector_step_times(run_dir: Path) -> dict[int, int]:
+    """Optimizer step -> slowest rank's sum of its micro steps, from the collector's raw parts."""
+    per_rank: dict[tuple[int, int], int] = {}
+    for part in sorted((run_dir / "collector" / "train_steps").glob("rank*.parquet")):
+        for row in pq.read_table(part).to_pylist():
+            key = (row["step"], row["rank"])
+            per_rank[key] = per_rank.get(key, 0) + row["end_ns"] - row["start_ns"]
+    steps: dict[int, int] = {}
+    for (step, _), dur in per_rank.items():
+        steps[step] = max(steps.get(step, 0), dur)
+    return steps
+
+
+def warm_up(times: dict[int, int], other_exclusions: set[int]) -> set[int]:
+    """The documented rule: leading steps above median + max(3.5 MAD / 0.6745, 5% median), at most half."""
+    candidates = [(s, times[s]) for s in sorted(times) if s not in other_exclusions]
+    values = [t for _, t in candidates]
+    median = statistics.median(values)
+    mad = statistics.median(abs(v - median) for v in values)
+    bound = median + max(3.5 * mad / 0.6745, 0.05 * median)
+    found = set()
+    for step, value in candidates[: len(candidates) // 2]:
+        if value <= bound:
+            break
+        found.add(step)
+    return found
+
+
+def expected_summary(times: dict[int, int], excluded: set[int]) -> dict:
+    kept = sorted(t for s, t in times.items() if s not in excluded)
+    return {"steps": len(kept), "total_steps": len(times), "median_ns": round(statistics.median(kept)),
+            "p90_ns": kept[math.ceil(0.9 * len(kept)) - 1], "max_ns": kept[-1]}
+
+
+def profiler_windows(run_dir: Path) -> dict[int, int]:
+    """ProfilerStep#N -> its longest window over ranks, ns, from the raw traces (Decimal us -> ns)."""
+    windows: dict[int, int] = {}
+    for trace in (run_dir / "traces").glob("*.pt.trace.json.gz"):
+        doc = json.loads(gzip.decompress(trace.read_bytes()), parse_float=Decimal)
+        for event in doc["traceEvents"]:
+            if event.get("ph") == "X" and str(event.get("name", "")).startswith("ProfilerStep#"):
+                step = int(event["name"].split("#")[1])
+                windows[step] = max(windows.get(step, 0), int(Decimal(event["dur"]) * 1000))
+    return windows
+
+
+@pytest.fixture(scope="module")
+def steady(ds_steady_run, tmp_path_factory):
+    return analyse(ds_steady_run, tmp_path_factory.mktemp("steady") / "out")
+
+
+@pytest.fixture(scope="module")
+def instrumented(ds_instrumented_run, tmp_path_factory):
+    return analyse(ds_instrumented_run, tmp_path_factory.mktemp("instrumented") / "out")
+
+
+def test_steady_run_step_time_from_train_steps(ds_steady_run, steady):
+    findings, lines = steady
+    times = collector_step_times(ds_steady_run)
+    assert sorted(times) == list(range(REALRUN_STEADY_STEPS))
+    warm = warm_up(times, set())
+    block = findings["step_time"]
+    assert block["source"] == "train_steps"
+    assert {k: block[k] for k in ("steps", "total_steps", "median_ns", "p90_ns", "max_ns")} == expected_summary(times, warm)
+    assert block["excluded_steps"] == ([{"reason": "warm_up", "count": len(warm), "steps": sorted(warm)}] if warm else [])
+    line = next(line for line in lines if line.startswith("Step time:"))
+    expected = expected_summary(times, warm)
+    assert (f"median {shown(expected['median_ns'])}, p90 {shown(expected['p90_ns'])}, max {shown(expected['max_ns'])}"
+            in line)
+    assert f"over {expected['steps']} of {REALRUN_STEADY_STEPS} steps, from the collector's train_steps" in line
+    assert not any(line.startswith("Profiled step") for line in lines)  # no profiler window in this job
+    assert "profiled_steps" not in findings
+
+
+def test_slowest_step_only_beyond_noise(ds_steady_run, steady):
+    findings, lines = steady
+    times = collector_step_times(ds_steady_run)
+    warm = warm_up(times, set())
+    kept = {s: t for s, t in times.items() if s not in warm}
+    median = statistics.median(kept.values())
+    mad = statistics.median(abs(v - median) for v in kept.values())
+    bound = median + max(3.5 * mad / 0.6745, 0.05 * median)
+    slowest = max(kept, key=lambda s: (kept[s], -s))
+    if kept[slowest] > bound:
+        slow = findings["slowest_step"]
+        assert (slow["step"], slow["dur_ns"], slow["median_step_ns"]) == (slowest, kept[slowest], round(median))
+        assert round(bound) == slow["noise_bound_ns"]
+        assert (f"Slowest step: step {slowest} on rank {slow['rank']}, {shown(kept[slowest])} against a median of "
+                f"{shown(median)}") in "\n".join(lines)
+    else:
+        assert "slowest_step" not in findings
+        assert not any(line.startswith("Slowest step") for line in lines)
+
+
+def test_instrumented_steps_excluded_and_named(ds_instrumented_run, instrumented):
+    findings, lines = instrumented
+    job = REALRUN_INSTRUMENTED
+    wait, warmup, active, _ = job["window"]
+    window_start = job["skip_first"] + wait
+    # Ground truth from the job's arguments: which steps ran which instrumentation.
+    expected = {"flops_profiler": [job["flops_step"]],
+                "profiler_warmup": list(range(window_start, window_start + warmup)),
+                "profiler_window": list(range(window_start + warmup, window_start + warmup + active)),
+                "profiler_export": [window_start + warmup + active]}
+    instrumented_steps = {s for steps in expected.values() for s in steps}
+    times = collector_step_times(ds_instrumented_run)
+    warm = warm_up(times, instrumented_steps)
+    if warm:
+        expected["warm_up"] = sorted(warm)
+    block = findings["step_time"]
+    assert {e["reason"]: e["steps"] for e in block["excluded_steps"]} == expected
+    assert {k: block[k] for k in ("steps", "total_steps", "median_ns", "p90_ns", "max_ns")} == \
+        expected_summary(times, instrumented_steps | warm)
+    line = next(line for line in lines if line.startswith("Step time:"))
+    for words, reason in (("FLOPs profiler step", "flops_profiler"), ("profiler window step", "profiler_window"),
+                          ("profiler warm-up step", "profiler_warmup"), ("trace export step", "profiler_export")):
+        assert f"{words} {expected[reason][0]}" in line
+
+
+def test_profiled_window_placed_in_the_run(ds_instrumented_run, instrumented):
+    findings, lines = instrumented
+    windows = profiler_windows(ds_instrumented_run)
+    job = REALRUN_INSTRUMENTED
+    active_step = job["skip_first"] + job["window"][0] + job["window"][1]
+    assert sorted(windows) == [active_step]
+    placed = findings["profiled_steps"]
+    times = collector_step_times(ds_instrumented_run)
+    assert placed["steps"][0]["step"] == active_step
+    assert placed["steps"][0]["profiler_dur_ns"] == windows[active_step]
+    assert placed["steps"][0]["step_time_ns"] == times[active_step]
+    assert placed["run_median_ns"] == findings["step_time"]["median_ns"]
+    assert (f"Profiled step {active_step} took {shown(windows[active_step])} (ProfilerStep window, rank "
+            f"{placed['steps'][0]['rank']}; the collector's train_steps timed it {shown(times[active_step])}), the run's "
+            f"median step is {shown(placed['run_median_ns'])}.") in lines
+
+
+TIMER_LINE = re.compile(r"\[Rank (\d+)\] time \(ms\) \| fwd: ([\d.]+) \| bwd: ([\d.]+) \|.*\| step: ([\d.]+)$")
+
+
+def test_logs_only_run_takes_step_time_from_the_timer_lines(ds_steady_run, tmp_path):
+    """The same job with only its per-rank logs: step time is fwd + bwd + step of each global timer line."""
+    shutil.copytree(ds_steady_run / "rank_logs", tmp_path / "run" / "rank_logs")
+    findings, lines = analyse(tmp_path / "run", tmp_path / "out")
+    per_rank: dict[int, list[int]] = {}
+    for log in sorted((tmp_path / "run" / "rank_logs").glob("*.log")):
+        for text in log.read_text().splitlines():
+            if m := TIMER_LINE.search(text):
+                ms = sum(Decimal(x) for x in m.group(2, 3, 4))
+                per_rank.setdefault(int(m[1]), []).append(int((ms * 1_000_000).to_integral_value()))
+    assert per_rank and all(len(v) == REALRUN_STEADY_STEPS for v in per_rank.values())
+    times = {step: max(v[step] for v in per_rank.values()) for step in range(REALRUN_STEADY_STEPS)}
+    warm = warm_up(times, set())
+    block = findings["step_time"]
+    assert block["source"] == "log" and "wall_clock_breakdown" in block["definition"]
+    assert {k: block[k] for k in ("steps", "total_steps", "median_ns", "p90_ns", "max_ns")} == expected_summary(times, warm)
+    assert any(line.startswith("Step time:") and "from the logs" in line for line in lines)
+
+
+def test_skipped_and_incomplete_steps_hand_computed():
+    """fp16 overflow and a step a rank never finished, on a hand-made train_steps table."""
+    rows = []
+    for rank in (0, 1):
+        for step, dur in enumerate([100, 110, 50, 105, 100]):
+            last = step == 4 and rank == 1  # rank 1 stopped inside step 4: no boundary micro step
+            rows.append({"rank": rank, "source": f"collector/train_steps/rank{rank}-00000.parquet", "step": step,
+                         "micro_step": step, "start_ns": 1000 * step, "end_ns": 1000 * step + dur + rank, "dur_ns": dur + rank,
+                         "is_boundary": not last, "skipped": step == 2, "global_samples": 8 * (step + 1),
+                         "global_tokens": None, "loss_scale": 2.0 ** (16 - (step >= 2)), "lr": 0.1})
+    table = step_time.step_time_table(pl.DataFrame(rows))
+    assert table.select("step", "step_time_ns", "reason").rows() == [
+        (0, 101, None), (1, 111, None), (2, 51, "overflow_skipped"), (3, 106, None), (4, 101, "incomplete")]
+    summary = step_time.step_time_summary(table)
+    assert (summary["steps"], summary["median_ns"], summary["max_ns"]) == (3, 106, 111)
