@@ -82,3 +82,44 @@ def size(num_bytes: float | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
         value /= 1024
     return f"{value} GiB"
+
+
+def text_value(value) -> str:
+    """A value as a reader expects it: yes/no, not recorded, thousands separators; never a Python repr."""
+    if value is None:
+        return "not recorded"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.4g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(text_value(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {text_value(v)}" for k, v in value.items())
+    return str(value)
+
+
+MAX_KERNEL_LABEL = 60
+
+
+def kernel_label(name: str) -> str:
+    """A kernel's base name for a table cell (the full demangled name goes in its tooltip)."""
+    base = _base_name(str(name))
+    return base if len(base) <= MAX_KERNEL_LABEL else base[: MAX_KERNEL_LABEL - 1] + "…"
+
+
+def _base_name(name: str) -> str:
+    # Until the analyzer's kernel_families.base_name lands: drop parameters, template arguments,
+    # return type and namespaces.
+    depth, cut = 0, []
+    for ch in name:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)" and depth:
+            depth -= 1
+        elif depth == 0:
+            cut.append(ch)
+    head = "".join(cut).strip()
+    return (head.split(" ")[-1].split("::")[-1] or name) if head else name

@@ -13,6 +13,7 @@ import io
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.patches  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import matplotlib.ticker  # noqa: E402
 import polars as pl  # noqa: E402
@@ -63,6 +64,80 @@ def step_heatmap(step_times: pl.DataFrame) -> str:
     return _svg(fig)
 
 
+# One colour per activity, the same in every figure: compute blue, communication red, idle greys/orange.
+ACTIVITY_COLORS = {"compute": "#4c72b0", "exposed communication": "#c44e52", "idle": "#d9d9d9",
+                   "host-bound idle": "#dd8452", "sync idle": "#8172b3", "other idle": "#b0b0b0"}
+
+
+def _rank_height(ranks: int) -> float:
+    return min(1.0 + 0.32 * ranks, 12)
+
+
+def step_breakdown_bars(breakdown: pl.DataFrame) -> str:
+    """One step's device time per rank, stacked: compute, exposed communication, idle by cause."""
+    rows = breakdown.sort("rank", "device", descending=True)
+    labels = [str(r) for r in rows["rank"].to_list()]
+    if len(set(labels)) < len(labels):  # several devices per rank
+        labels = [f"{r}/gpu{d}" for r, d in rows.select("rank", "device").iter_rows()]
+    fig, ax = plt.subplots(figsize=(7.5, _rank_height(rows.height)))
+    left = None
+    for column, label in (("compute_ns", "compute"), ("exposed_comm_ns", "exposed communication"),
+                          ("host_bound_ns", "host-bound idle"), ("sync_ns", "sync idle"), ("other_ns", "other idle")):
+        values = rows[column].fill_null(0).to_numpy() / 1e6
+        ax.barh(labels, values, left=left, label=label, color=ACTIVITY_COLORS[label], height=0.7)
+        left = values if left is None else left + values
+    ax.set_xlabel("device time in the step (ms)")
+    ax.set_ylabel("rank")
+    ax.legend(frameon=False, ncols=5, loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=8)
+    return _svg(fig)
+
+
+def step_gantt(timeline: pl.DataFrame) -> str:
+    """Compute, exposed communication and idle segments per rank on one clock (ms from the first start)."""
+    origin = timeline["start_ns"].min()
+    ranks = sorted(timeline["rank"].unique().to_list(), reverse=True)
+    fig, ax = plt.subplots(figsize=(9, _rank_height(len(ranks))))
+    for activity in ("idle", "compute", "exposed communication"):
+        shown = timeline.filter(pl.col("activity") == activity)
+        for y, rank in enumerate(ranks):
+            lane = shown.filter(pl.col("rank") == rank)
+            if lane.is_empty():
+                continue
+            start = (lane["start_ns"].to_numpy() - origin) / 1e6
+            width = (lane["end_ns"] - lane["start_ns"]).to_numpy() / 1e6
+            ax.broken_barh(list(zip(start, width)), (y - 0.35, 0.7), facecolors=ACTIVITY_COLORS[activity], linewidth=0)
+    ax.set_yticks(range(len(ranks)), [str(r) for r in ranks])
+    ax.set_ylim(-0.6, len(ranks) - 0.4)
+    ax.set_xlabel("time since the first rank's first device work (ms, reference clock)")
+    ax.set_ylabel("rank")
+    handles = [matplotlib.patches.Patch(color=ACTIVITY_COLORS[a], label=a) for a in ("compute", "exposed communication", "idle")]
+    ax.legend(handles=handles, frameon=False, ncols=3, loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=8)
+    return _svg(fig)
+
+
+def step_time_series(step_time: pl.DataFrame, profiled: list[int]) -> str:
+    """Optimizer-step time over the run; excluded steps marked by reason, profiled steps shaded."""
+    fig, ax = plt.subplots(figsize=(9, 3))
+    kept = step_time.filter(~pl.col("excluded").fill_null(False))
+    ax.plot(kept["step"].to_numpy(), kept["step_time_ns"].to_numpy() / 1e6, "o-", ms=3, lw=1, color="#4c72b0",
+            label="in the summary")
+    excluded = step_time.filter(pl.col("excluded").fill_null(False))
+    markers = iter("xsD^v<>P*")
+    for (reason,), group in excluded.group_by("reason", maintain_order=True):
+        ax.plot(group["step"].to_numpy(), group["step_time_ns"].to_numpy() / 1e6, next(markers, "x"), ms=6, ls="none",
+                label=f"excluded: {reason}")
+    for step in profiled:
+        ax.axvspan(step - 0.5, step + 0.5, color="#f2c14e", alpha=0.35, lw=0)
+    if profiled:
+        ax.plot([], [], "s", color="#f2c14e", alpha=0.6, label="profiled")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    ax.set_ylim(bottom=0)
+    ax.legend(frameon=False, fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.0), ncols=3)
+    return _svg(fig)
+
+
 MAX_TICKS = 24  # hundreds of tick labels make the figure unreadable and slow to lay out
 
 
@@ -93,19 +168,20 @@ def _log_bins(values, count: int = 40):
 
 
 def idle_by_cause(idle: pl.DataFrame) -> str:
-    """Whole-device idle per rank, stacked by cause."""
-    per_rank = idle.group_by("rank").agg(pl.col("host_bound_ns", "sync_ns", "other_ns").sum() / 1e6).sort("rank")
-    fig, ax = plt.subplots(figsize=(min(2 + 0.4 * per_rank.height, 10), 2.8))
+    """Whole-device idle per rank over the traced window, stacked by cause (gpu_idle's whole-window rows)."""
+    rows = idle.sort("rank", "device")
+    labels = [str(r) for r in rows["rank"].to_list()]
+    if len(set(labels)) < len(labels):
+        labels = [f"{r}/gpu{d}" for r, d in rows.select("rank", "device").iter_rows()]
+    fig, ax = plt.subplots(figsize=(min(2 + 0.4 * rows.height, 10), 2.8))
     bottom = None
-    ranks = [str(r) for r in per_rank["rank"].to_list()]
-    for column, label, color in (("host_bound_ns", "host-bound", "#dd8452"), ("sync_ns", "sync", "#c44e52"),
-                                 ("other_ns", "other", "#8c8c8c")):
-        values = per_rank[column].to_numpy()
-        ax.bar(ranks, values, bottom=bottom, label=label, color=color)
+    for column, label in (("host_bound_ns", "host-bound idle"), ("sync_ns", "sync idle"), ("other_ns", "other idle")):
+        values = rows[column].fill_null(0).to_numpy() / 1e6
+        ax.bar(labels, values, bottom=bottom, label=label, color=ACTIVITY_COLORS[label])
         bottom = values if bottom is None else bottom + values
     ax.set_xlabel("rank")
     ax.set_ylabel("GPU idle (ms)")
-    ax.legend(frameon=False, ncols=3, loc="upper left", bbox_to_anchor=(0, 1.18))
+    ax.legend(frameon=False, ncols=3, loc="lower left", bbox_to_anchor=(0, 1.0))
     return _svg(fig)
 
 

@@ -4,6 +4,9 @@ Every string that comes from a trace or a log (kernel names, op names, file name
 untrusted: the Jinja2 environment autoescapes everything, and only the SVG that matplotlib wrote
 is marked safe. A Content-Security-Policy meta tag forbids scripts and any fetch, so even a
 rendering mistake cannot make the page call out.
+
+The report only renders: every number is a row of an analysis table or a finding, picked, sorted
+and formatted here, never computed (so `steplens sql` over the same tables gives the same number).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import polars as pl
 from markupsafe import Markup
 
 from . import caveats, figures
-from .data import Run, load, ms, size, write_atomic
+from .data import Run, kernel_label, load, ms, size, text_value, write_atomic
 from .verdict import verdict
 
 TEMPLATES = jinja2.Environment(
@@ -27,19 +30,30 @@ TEMPLATES = jinja2.Environment(
     trim_blocks=True,
     lstrip_blocks=True,
 )
-TABLE_ROWS = 20  # rows shown per table; the Parquet tables hold the rest
+TABLE_ROWS = 10  # rows shown per table; the Parquet tables hold the rest
 REPORT_FILE = "report.html"
 SUMMARY_FILE = "summary.md"
 
 
-def _rows(frame: pl.DataFrame, columns: dict[str, tuple[str, callable]], limit: int = TABLE_ROWS) -> dict:
-    """A table for the template: header and formatted cells (escaped later by the template)."""
+class Cell(str):
+    """A table cell whose full text (a kernel's demangled name) is kept for its tooltip."""
+
+    def __new__(cls, text: str, full: str):
+        cell = super().__new__(cls, text)
+        cell.full = full
+        return cell
+
+
+def _rows(frame: pl.DataFrame, columns: dict[str, tuple[str, callable]], table: str, limit: int = TABLE_ROWS) -> dict:
+    """A table for the template: header and formatted cells (escaped later by the template), at most
+    `limit` rows; the rest are counted and named by their Parquet table."""
     shown = frame.head(limit)
     return {
         "header": [label for label, _ in columns.values()],
         "rows": [[fmt(row[name]) if row[name] is not None else "" for name, (_, fmt) in columns.items()]
                  for row in shown.iter_rows(named=True)],
         "more": max(frame.height - limit, 0),
+        "table": table,
     }
 
 
@@ -51,8 +65,8 @@ def _num(value) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:,.3g}"
 
 
-def _text(value) -> str:
-    return str(value)
+def _kernel(value) -> Cell:
+    return Cell(kernel_label(value), str(value))
 
 
 class Section(dict):
@@ -71,63 +85,94 @@ class Section(dict):
         self["blocks"].append(("table", table))
 
 
-def _manifestSection(run: Run) -> dict:
-    m, facts, env = run.manifest, run.manifest.get("facts", {}), run.manifest.get("environment", {})
-    pairs = [
-        ("run id", m.get("run_id")), ("world size", m.get("world_size")), ("ranks", _span(m.get("ranks", []))),
-        ("devices", ", ".join(env.get("device_names", [])) or None),
-        ("backend", ", ".join(env.get("backend", [])) or None), ("NCCL", ", ".join(env.get("nccl_version", [])) or None),
-        ("CUDA runtime", ", ".join(env.get("cuda_runtime_version", [])) or None),
-    ]
-    pairs += [(key.replace("_", " "), value) for key, value in sorted(facts.items())
-              if key not in ("conflicts", "ds_config") and not isinstance(value, (dict, list))]
-    sources = {}
-    for s in m.get("sources", []):
-        sources.setdefault((s.get("kind", "kineto"), s["status"]), []).append(s["path"])
-    table = {"header": ["input kind", "status", "files", "example"],
-             "rows": [[kind, status, str(len(paths)), paths[0]] for (kind, status), paths in sorted(sources.items())],
-             "more": 0}
-    section = Section("Run and environment", "run", facts=[(k, str(v)) for k, v in pairs if v not in (None, "")])
-    section.table(table)
-    if m.get("ignored_count"):
-        section.text(f"{m['ignored_count']} file(s) in no format steplens reads were left alone "
-                                     "(listed in run.json, ignored_files).")
-    if "ds_config" in facts:
-        section["code"] = json.dumps(facts["ds_config"], indent=1, default=str)
+def key_numbers(run: Run) -> list[tuple[str, str]]:
+    """The few numbers a reviewer reads first, each from a finding (label, value)."""
+    f, m = run.findings, run.manifest
+    numbers = []
+    devices = m.get("environment", {}).get("device_names") or []
+    numbers.append(("ranks", f"{len(m.get('ranks', []))} of world size {m['world_size']}" if m.get("world_size")
+                    else str(len(m.get("ranks", [])))))
+    if devices:
+        numbers.append(("device", ", ".join(devices)))
+    step = f.get("step_time") or {}
+    if step.get("median_ns") is not None:
+        numbers.append(("step time", f"median {ms(step['median_ns'])}, p90 {ms(step.get('p90_ns'))}"
+                        if step.get("steps", 0) > 1 else ms(step["median_ns"])))
+        excluded = len(step.get("excluded_steps") or [])
+        numbers.append(("steps", f"{step.get('steps')} from {STEP_SOURCES.get(step.get('source'), step.get('source'))}"
+                        + (f", {excluded} excluded" if excluded else "")))
+    elif slow := f.get("slowest_step"):
+        numbers.append(("profiled step time", f"median {ms(slow.get('median_step_ns'))}"))
+    idle = f.get("gpu_idle") or {}
+    if idle.get("idle_share") is not None:
+        numbers.append(("GPU idle", f"{idle['idle_share']:.1%}"))
+    if isinstance(f.get("mfu"), list):
+        for row in f["mfu"]:
+            numbers.append((row["metric"], f"{row['utilization']:.1%}"))
+    return numbers
+
+
+MIN_SERIES_STEPS = 3  # fewer steps are a table, not a curve
+STEP_SOURCES = {"train_steps": "the collector (every step)", "log": "the job's logs",
+                "profiler_steps": "the profiled ProfilerSteps"}
+
+
+def _timeSection(run: Run) -> dict:
+    breakdown, timeline = run.table("step_breakdown"), run.table("step_timeline")
+    title = "Where one step's time went"
+    if breakdown.is_empty():
+        return Section(title, "time", empty="No device work inside profiled steps (CPU-only traces, no kernels, "
+                                            "or no ProfilerStep annotations).")
+    section = Section(title, "time")
+    step = timeline["step"][0] if not timeline.is_empty() else breakdown["step"].max()
+    section.text(f"ProfilerStep#{step}, the slowest profiled step (longest wall time across ranks): each rank's device "
+                 "time split into compute, communication not hidden behind compute, and idle by cause.")
+    section.figure(figures.step_breakdown_bars(breakdown.filter(pl.col("step") == step)))
+    if not timeline.is_empty():
+        offsets = run.table("clock_offsets")
+        aligned = not offsets.is_empty() and offsets["offset_ns"].is_not_null().all() and offsets.height > 1
+        clock = ("ranks aligned on collective end times (clock_offsets)" if aligned
+                 else "one rank" if offsets.height <= 1 else "ranks NOT aligned (no collectives to match): each on its own clock")
+        section.text(f"The same step over time ({clock}); gaps under 1/1000 of the step are not drawn.")
+        section.figure(figures.step_gantt(timeline))
     return section
-
-
-def _span(values: list[int]) -> str:
-    if not values:
-        return ""
-    return f"{values[0]}–{values[-1]}" if values == list(range(values[0], values[-1] + 1)) and len(values) > 2 \
-        else ", ".join(map(str, values))
 
 
 def _stepsSection(run: Run) -> dict:
-    times, stats = run.table("step_times"), run.table("step_stats")
-    train = run.table("train_steps")
-    if times.is_empty() and train.is_empty():
-        return Section("Step time", "steps", empty="No step boundaries: no ProfilerStep annotations and no collector steps.")
-    section = Section("Step time", "steps")
-    if not times.is_empty():
-        section.figure(figures.step_heatmap(times))
-        if stats.height > TABLE_ROWS:
-            section.text(f"The {TABLE_ROWS} slowest of {stats.height} steps:")
-            stats = stats.sort("max_dur_ns", descending=True)
-        section.table(_rows(stats.sort("step") if stats.height <= TABLE_ROWS else stats, {
-            "step": ("step", _text), "ranks": ("ranks", _text), "median_dur_ns": ("median", ms),
-            "max_dur_ns": ("slowest", ms), "slowest_rank": ("slowest rank", _text), "spread_ns": ("spread", ms),
-            "straggler_rank": ("straggler", _text), "others_waited_ns": ("others waited", ms),
-            "aligned_dur_ns": ("aligned wall", ms)}))
-    if not train.is_empty():
-        per_step = (train.group_by("rank", "step").agg(pl.col("dur_ns").sum(), pl.col("global_samples").max())
-                    .group_by("step").agg(pl.col("dur_ns").median().alias("median"), pl.col("dur_ns").max().alias("max"),
-                                          pl.col("global_samples").max()).sort("step"))
-        section.text("Optimizer steps recorded by the collector (sum of micro steps, over ranks):")
-        section.table(_rows(per_step, {"step": ("step", _text), "global_samples": ("global samples", _num),
-                                                  "median": ("median", ms), "max": ("slowest rank", ms)}))
+    series, stats, times = run.table("step_time"), run.table("step_stats"), run.table("step_times")
+    if series.is_empty() and stats.is_empty():
+        return Section("Step time over the run", "steps",
+                       empty="No step times: no collector steps, no step lines in the logs and no ProfilerStep annotations.")
+    section = Section("Step time over the run", "steps")
+    profiled = sorted(stats["step"].to_list()) if not stats.is_empty() else []
+    if not series.is_empty():
+        source = series["source"][0]
+        definition = series["definition"][0] if "definition" in series.columns else None
+        section.text(f"From {STEP_SOURCES.get(source, source)}" + (f": {definition}" if definition else "") + ".")
+        if series.height >= MIN_SERIES_STEPS:
+            section.figure(figures.step_time_series(series, profiled if source != "profiler_steps" else []))
+        excluded = series.filter(pl.col("excluded").fill_null(False))
+        if not excluded.is_empty():
+            section.text("Steps left out of the summary, and why:")
+            section.table(_rows(excluded, {"step": ("step", str), "step_time_ns": ("step time", ms), "reason": ("reason", _reason)},
+                                "step_time"))
+    if not stats.is_empty():
+        if times["step"].n_unique() > 1 and times["rank"].n_unique() > 1:
+            section.figure(figures.step_heatmap(times))
+        section.text("Profiled steps (CPU ProfilerStep time, over ranks)" +
+                     (f"; the {TABLE_ROWS} slowest of {stats.height}:" if stats.height > TABLE_ROWS else ":"))
+        shown = stats.sort("max_dur_ns", descending=True) if stats.height > TABLE_ROWS else stats.sort("step")
+        section.table(_rows(shown, {
+            "step": ("step", str), "ranks": ("ranks", str), "median_dur_ns": ("median over ranks", ms),
+            "max_dur_ns": ("longest", ms), "slowest_rank": ("rank with the longest", str),
+            "spread_ns": ("longest - shortest", ms), "straggler_rank": ("straggler", str),
+            "others_waited_ns": ("others waited for it", ms), "aligned_dur_ns": ("wall time across ranks", ms)},
+            "step_stats"))
     return section
+
+
+def _reason(value) -> str:
+    return str(value).replace("_", " ").replace(",", ", ")
 
 
 def _cpu_gpuSection(run: Run) -> dict:
@@ -138,22 +183,20 @@ def _cpu_gpuSection(run: Run) -> dict:
     section = Section("CPU vs GPU", "cpu-gpu")
     if (launches["queue_ns"] > 0).any():
         section.figure(figures.launch_delay(launches))
-    device_idle = idle.filter(pl.col("stream") == -1)
-    if not device_idle.is_empty():
-        section.figure(figures.idle_by_cause(device_idle))
-    summary = (run.table("launch_summary").group_by("launch_api").agg(
-        pl.col("activities", "gpu_ns_total").sum(), pl.col("api_ns_median", "queue_ns_median", "queue_ns_p90").median(),
-        ranks=pl.len()).sort("gpu_ns_total", descending=True))
-    section.text("Launch APIs (medians over ranks of the per-rank medians):")
-    section.table(_rows(summary, {
-        "launch_api": ("launch API", _text), "ranks": ("ranks", _num), "activities": ("activities", _num),
-        "api_ns_median": ("API median", ms), "queue_ns_median": ("queue median", ms), "queue_ns_p90": ("queue p90", ms),
-        "gpu_ns_total": ("GPU time", ms)}))
+    whole_window = idle.filter((pl.col("stream") == -1) & pl.col("step").is_null())
+    if not whole_window.is_empty():
+        section.text("Device idle over the whole traced window, per rank, by cause:")
+        section.figure(figures.idle_by_cause(whole_window))
+    section.text("Launch APIs per rank, most GPU time first:")
+    section.table(_rows(run.table("launch_summary").sort("gpu_ns_total", descending=True), {
+        "rank": ("rank", str), "launch_api": ("launch API", str), "activities": ("activities", _num),
+        "api_ns_median": ("API call median", ms), "queue_ns_median": ("queueing median", ms),
+        "queue_ns_p90": ("queueing p90", ms), "gpu_ns_total": ("GPU time launched", ms)}, "launch_summary"))
     if not sync.is_empty():
-        section.text("Top synchronization points (the CPU waited on the GPU, which then idled):")
+        section.text("Synchronization points that left the GPU idle longest (the CPU waited on the GPU):")
         section.table(_rows(sync, {
-            "rank": ("rank", _text), "step": ("step", _text), "name": ("call", _text), "issuing_op": ("issued by", _text),
-            "dur_ns": ("duration", ms), "idle_caused_ns": ("GPU idle caused", ms)}))
+            "rank": ("rank", str), "step": ("step", str), "name": ("call", str), "issuing_op": ("issued by", str),
+            "dur_ns": ("call duration", ms), "idle_caused_ns": ("GPU idle caused", ms)}, "sync_points"))
     return section
 
 
@@ -165,12 +208,14 @@ def _kernelsSection(run: Run) -> dict:
     total = categories["time_ns"].sum()
     by_category = categories.group_by("category").agg(pl.col("time_ns", "kernels").sum()).sort("time_ns", descending=True)
     by_category = by_category.with_columns(share=pl.col("time_ns") / total)
-    section.table(_rows(by_category, {"category": ("category", _text), "kernels": ("activities", _num),
-                                                 "time_ns": ("GPU time (all ranks)", ms), "share": ("share", _pct)}))
-    section.table(_rows(top, {"name": ("kernel", _text), "category": ("category", _text), "calls": ("calls", _num),
-                                         "time_ns": ("total", ms), "mean_ns": ("mean", ms),
-                                         "min_rank_time_ns": ("least on a rank", ms),
-                                         "max_rank_time_ns": ("most on a rank", ms)}))
+    section.table(_rows(by_category, {"category": ("category", str), "kernels": ("activities", _num),
+                                      "time_ns": ("GPU time (all ranks)", ms), "share": ("share", _pct)},
+                        "kernel_categories"))
+    section.text("Top kernels by total GPU time (hover a name for the full signature):")
+    section.table(_rows(top, {"name": ("kernel", _kernel), "category": ("category", str), "calls": ("calls", _num),
+                              "time_ns": ("total", ms), "mean_ns": ("mean per call", ms),
+                              "min_rank_time_ns": ("least on a rank", ms), "max_rank_time_ns": ("most on a rank", ms)},
+                        "top_kernels"))
     return section
 
 
@@ -178,54 +223,59 @@ def _collectivesSection(run: Run) -> dict:
     calls, logged = run.table("collectives"), run.table("comms_log_stats")
     if calls.is_empty() and logged.is_empty():
         note = run.findings.get("comms_note", "No collectives recorded.")
-        return Section("Collectives", "collectives", empty=note)
+        return Section("Collectives", "collectives", empty=note[0].upper() + note[1:] + ("" if note.endswith(".") else "."))
     section = Section("Collectives", "collectives")
     if not calls.is_empty():
-        section.figure(figures.busbw_by_size(calls))
+        if calls["busbw_gbps"].is_not_null().any():
+            section.figure(figures.busbw_by_size(calls))
+        else:
+            section.text("No bandwidth plot: the traces do not give these collectives' message sizes "
+                         "(no record_param_comms sizes).")
         by_op = (calls.group_by("op", "bytes").agg(calls=pl.len(), time=pl.col("dur_ns").sum(),
                                                      exposed=pl.col("exposed_ns").sum(),
                                                      overlapped=pl.col("overlapped_ns").sum(),
                                                      busbw=pl.col("busbw_gbps").median())
                  .sort("exposed", descending=True))
-        section.table(_rows(by_op, {"op": ("collective", _text), "bytes": ("size S", size), "calls": ("calls", _num),
-                                               "time": ("kernel time", ms), "exposed": ("exposed", ms),
-                                               "overlapped": ("overlapped", ms), "busbw": ("median busbw GB/s", _num)}))
+        section.table(_rows(by_op, {"op": ("collective", str), "bytes": ("size S", size), "calls": ("calls", _num),
+                                    "time": ("kernel time", ms), "exposed": ("exposed", ms),
+                                    "overlapped": ("overlapped", ms), "busbw": ("median busbw GB/s", _num)},
+                            "collectives"))
         sites = (calls.group_by("issuing_op", "op").agg(calls=pl.len(), exposed=pl.col("exposed_ns").sum())
                  .sort("exposed", descending=True))
         section.text("Per call site (the CPU op that issued the collective):")
-        section.table(_rows(sites, {"issuing_op": ("call site", _text), "op": ("collective", _text),
-                                               "calls": ("calls", _num), "exposed": ("exposed", ms)}))
+        section.table(_rows(sites, {"issuing_op": ("call site", str), "op": ("collective", str),
+                                    "calls": ("calls", _num), "exposed": ("exposed", ms)}, "collectives"))
     if not logged.is_empty():
         section.text("Communication calls timed by DeepSpeed's comms logger or the collector (synchronizing timers, "
                      "one source per rank: see Method and caveats):")
         section.table(_rows(logged.sort("total_latency_ns", descending=True), {
-            "op": ("op", _text), "nccl_bytes": ("size S", size), "group_size": ("ranks in group", _text),
-            "calls": ("calls", _num), "median_latency_ns": ("median latency", ms), "p90_latency_ns": ("p90", ms),
-            "total_latency_ns": ("total", ms), "median_busbw_gbps": ("median busbw GB/s", _num),
-            "latency_origin": ("latency", _text)}))
+            "op": ("op", str), "nccl_bytes": ("size S", size), "group_size": ("ranks in group", str),
+            "calls": ("calls", _num), "median_latency_ns": ("median latency", ms), "p90_latency_ns": ("p90 latency", ms),
+            "total_latency_ns": ("total latency", ms), "median_busbw_gbps": ("median busbw GB/s", _num),
+            "latency_origin": ("latency from", str)}, "comms_log_stats"))
     return section
 
 
 def _mfuSection(run: Run) -> dict:
     mfu, profile = run.table("mfu"), run.table("flops_profile")
     section = Section("FLOPs and MFU", "mfu")
-    if mfu.is_empty():
-        section.text("MFU: " + (run.findings.get("mfu") or {}).get("note", "not computed") + ".")
+    utilization = run.findings.get("mfu")
+    if isinstance(utilization, list) and utilization:
+        section.text("Median over steps, with the numerator and peak each number divides:")
+        section.table(_rows(pl.DataFrame(utilization), {
+            "metric": ("metric", str), "utilization": ("median", _pct), "numerator": ("numerator", str),
+            "peak": ("peak", str), "definition": ("definition", str)}, "mfu"))
     else:
-        summary = mfu.group_by("metric", "numerator", "peak", "definition").agg(
-            pl.col("utilization").median().alias("median"), pl.col("utilization").min().alias("min"),
-            pl.col("utilization").max().alias("max"), pl.len().alias("steps")).sort("metric", descending=True)
-        section.table(_rows(summary, {"metric": ("metric", _text), "median": ("median", _pct),
-                                                 "min": ("min", _pct), "max": ("max", _pct), "steps": ("rows", _num),
-                                                 "numerator": ("numerator", _text), "peak": ("peak", _text),
-                                                 "definition": ("definition", _text)}))
+        note = (utilization or {}).get("note", "not computed") if isinstance(utilization, dict) else "not computed"
+        section.text(f"MFU not computed: {note}.")
     if not profile.is_empty():
-        modules = profile.filter(pl.col("depth") <= 2).sort("flops_total", descending=True, nulls_last=True)
+        modules = profile.filter(pl.col("depth") <= 2).sort("flops_total", descending=True, nulls_last=True).with_columns(
+            duration_ns=pl.when(~pl.col("duration_bogus").fill_null(False)).then(pl.col("duration_ns")))  # see caveats
         section.text("FLOPs profiler, modules to depth 2 (theoretical counts, not time):")
         section.table(_rows(modules, {
-            "source": ("from", _text), "path": ("module", _text), "module_class": ("class", _text), "params": ("params", _num),
+            "source": ("from", str), "path": ("module", str), "module_class": ("class", str), "params": ("params", _num),
             "flops_total": ("FLOPs incl. children", _num), "macs_total": ("MACs incl. children", _num),
-            "duration_ns": ("fwd duration", ms), "duration_bogus": ("duration is a profiler error", _text)}))
+            "duration_ns": ("forward time", ms)}, "flops_profile"))
     return section
 
 
@@ -239,8 +289,8 @@ def _monitorSection(run: Run) -> dict:
     if names:
         section.figure(figures.curves(aligned, "global_samples", _preferred(names)))
     counts = scalars.group_by("origin", "name").agg(points=pl.len(), ranks=pl.col("rank").n_unique()).sort("origin", "name")
-    section.table(_rows(counts, {"origin": ("from", _text), "name": ("scalar", _text),
-                                            "points": ("points", _num), "ranks": ("ranks", _num)}, limit=40))
+    section.table(_rows(counts, {"origin": ("from", str), "name": ("scalar", str),
+                                 "points": ("points", _num), "ranks": ("ranks", _num)}, "scalars"))
     return section
 
 
@@ -257,16 +307,22 @@ def _preferred(names: list[str]) -> list[str]:
     return sorted(names, key=lambda n: (rank(n), n))[:MAX_CURVES]
 
 
-# Analyses of logs, monitors and autotuning, with the columns a reader needs (the Parquet tables
-# have the rest).
+# Analyses of logs, monitors and autotuning: (column, header) pairs a reader needs (the Parquet
+# tables have the rest).
 EXTRA_TABLES = {
-    "monitor_alarms": ("Monitor alarms", ["alarm", "name", "global_samples", "step", "value", "baseline", "score", "detail"]),
-    "autotune_verdict": ("Autotuning verdict", ["tuning_space", "winner", "runner_up", "relative_difference", "established",
-                                                "trials_needed", "pick_mismatch", "pick_detail", "detail"]),
-    "autotune_ranking": ("Autotuning experiments", ["tuning_space", "rank", "experiment", "zero_stage", "micro_batch",
-                                                    "grad_accum", "trials", "statuses", "metric", "median", "spread",
-                                                    "environment_differs", "error"]),
-    "run_comparability": ("What another run must match to be compared", ["field", "required", "status", "values", "detail"]),
+    "monitor_alarms": ("Monitor alarms", [("alarm", "alarm"), ("name", "scalar"), ("global_samples", "global samples"),
+                                          ("step", "step"), ("value", "value"), ("baseline", "baseline"),
+                                          ("score", "score"), ("detail", "detail")]),
+    "autotune_verdict": ("Autotuning verdict", [("tuning_space", "tuning space"), ("winner", "winner"),
+                                                ("runner_up", "runner-up"), ("relative_difference", "difference"),
+                                                ("established", "established"), ("trials_needed", "trials needed"),
+                                                ("pick_mismatch", "DeepSpeed's pick disagrees"), ("detail", "detail")]),
+    "autotune_ranking": ("Autotuning experiments", [("tuning_space", "tuning space"), ("rank", "rank"),
+                                                    ("experiment", "experiment"), ("zero_stage", "ZeRO stage"),
+                                                    ("micro_batch", "micro batch"), ("grad_accum", "grad accum"),
+                                                    ("trials", "trials"), ("statuses", "statuses"), ("metric", "metric"),
+                                                    ("median", "median"), ("spread", "max - min"),
+                                                    ("environment_differs", "environment differs"), ("error", "error")]),
 }
 
 
@@ -277,15 +333,28 @@ def _extra_analyses(run: Run) -> list[dict]:
         if frame.is_empty():
             continue
         section = Section(title, name.replace("_", "-"))
-        section.table(_rows(frame, {c: (c.replace("_", " "), _cell) for c in columns}))
+        section.table(_rows(frame, {c: (header, text_value) for c, header in columns}, name))
         sections.append(section)
     return sections
 
 
-def _cell(value) -> str:
-    if isinstance(value, float):
-        return f"{value:,.4g}"
-    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+def _comparabilitySection(run: Run) -> dict | None:
+    fields = run.table("run_comparability")
+    if fields.is_empty():
+        return None
+    section = Section("What another run must match to be compared", "run-comparability")
+    section.table(_rows(fields, {"field": ("field", str), "required": ("required to compare", text_value),
+                                 "values": ("this run", _run_values), "status": ("status", str)},
+                        "run_comparability", limit=fields.height))
+    return section
+
+
+def _run_values(values: str) -> str:
+    """run_comparability's JSON {run: value} as text: the value alone for one run."""
+    decoded = json.loads(values)
+    if len(decoded) == 1:
+        return text_value(next(iter(decoded.values())))
+    return ", ".join(f"{run}: {text_value(value)}" for run, value in decoded.items())
 
 
 def _statusSection(run: Run) -> dict | None:
@@ -294,9 +363,54 @@ def _statusSection(run: Run) -> dict | None:
         return None
     section = Section("How the job ended", "status")
     section.table(_rows(status, {
-        "source": ("file", _text), "run_index": ("run", _text), "rank": ("rank", _text), "status": ("status", _text),
-        "exit_code": ("exit code", _text), "error": ("error", _text)}))
+        "source": ("file", str), "run_index": ("run in the file", str), "rank": ("rank", str), "status": ("status", str),
+        "exit_code": ("exit code", str), "error": ("error", str)}, "run_status"))
     return section
+
+
+# Facts the manifest holds under two names (the config's and the collector's): shown once.
+FACT_ALIASES = {"train_micro_batch_size_per_gpu": "micro_batch", "gradient_accumulation_steps": "grad_accum"}
+FACT_LABELS = {"micro_batch": "micro batch per GPU", "grad_accum": "gradient accumulation steps",
+               "dp_world_size": "data-parallel ranks", "zero_stage": "ZeRO stage", "seq_len": "sequence length",
+               "param_count": "parameters", "train_batch_size": "global batch (samples per step)"}
+
+
+def _manifestSection(run: Run) -> dict:
+    m, facts, env = run.manifest, run.manifest.get("facts", {}), run.manifest.get("environment", {})
+    pairs = [
+        ("run id", m.get("run_id")), ("world size", m.get("world_size")), ("ranks", _span(m.get("ranks", []))),
+        ("devices", ", ".join(env.get("device_names", [])) or None),
+        ("backend", ", ".join(env.get("backend", [])) or None), ("NCCL", ", ".join(env.get("nccl_version", [])) or None),
+        ("CUDA runtime", ", ".join(env.get("cuda_runtime_version", [])) or None),
+    ]
+    shown = {"world_size"}
+    for key, value in sorted(facts.items()):
+        key = FACT_ALIASES.get(key, key)
+        if key in shown or key in ("conflicts", "ds_config") or isinstance(value, (dict, list)):
+            continue
+        shown.add(key)
+        pairs.append((FACT_LABELS.get(key, key.replace("_", " ")), value))
+    sources = {}
+    for s in m.get("sources", []):
+        sources.setdefault((s.get("kind", "kineto"), s["status"]), []).append(s["path"])
+    table = {"header": ["input kind", "status", "files", "example"],
+             "rows": [[kind, status, str(len(paths)), paths[0]] for (kind, status), paths in sorted(sources.items())],
+             "more": 0, "table": "run.json sources"}
+    section = Section("Run and environment", "run", facts=[(k, text_value(v)) for k, v in pairs if v not in (None, "")])
+    section.table(table)
+    if m.get("ignored_count"):
+        section.text(f"{m['ignored_count']} file(s) in no format steplens reads were left alone "
+                     "(listed in run.json, ignored_files).")
+    if "ds_config" in facts:
+        section["code"] = json.dumps(facts["ds_config"], indent=1, default=str)
+    return section
+
+
+def _span(values: list[int]) -> str:
+    if not values:
+        return ""
+    return f"{values[0]}–{values[-1]}" if values == list(range(values[0], values[-1] + 1)) and len(values) > 2 \
+        else ", ".join(map(str, values))
 
 
 def _issuesSection(run: Run) -> dict:
@@ -306,19 +420,20 @@ def _issuesSection(run: Run) -> dict:
     order = pl.col("severity").replace_strict({"error": 0, "warning": 1, "info": 2}, default=3)
     section = Section("Ingest issues", "issues")
     section.table(_rows(issues.sort(order, "file"), {
-        "severity": ("severity", _text), "file": ("file", _text), "rank": ("rank", _text), "reason": ("reason", _text),
-        "count": ("count", _num), "detail": ("detail", _text)}, limit=50))
+        "severity": ("severity", str), "file": ("file", str), "rank": ("rank", str), "reason": ("reason", str),
+        "count": ("count", _num), "detail": ("detail", str)}, "ingest_issues"))
     return section
 
 
 def render(out_dir: Path) -> str:
     run = load(out_dir)
-    sections = [_manifestSection(run), _stepsSection(run), _cpu_gpuSection(run), _kernelsSection(run),
+    sections = [_timeSection(run), _stepsSection(run), _cpu_gpuSection(run), _kernelsSection(run),
                 _collectivesSection(run), _mfuSection(run), _monitorSection(run)]
-    sections += [s for s in [_statusSection(run)] if s] + _extra_analyses(run) + [_issuesSection(run)]
+    sections += [s for s in [_statusSection(run)] if s] + _extra_analyses(run)
+    sections += [s for s in [_comparabilitySection(run)] if s] + [_manifestSection(run), _issuesSection(run)]
     return TEMPLATES.get_template("report.html.j2").render(
-        run=run, title=f"steplens report: {run.name}", verdict=verdict(run), sections=sections,
-        caveats=caveats.caveats(run))
+        run=run, title=f"steplens report: {run.name}", verdict=verdict(run), numbers=key_numbers(run),
+        sections=sections, caveats=caveats.caveats(run))
 
 
 def render_compare(result: dict) -> str:
