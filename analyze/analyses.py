@@ -128,19 +128,19 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     tables["step_time"] = step_time.step_time_table(
         _run_table(out_dir, "train_steps"), _run_table(out_dir, "step_timers"), _run_table(out_dir, "scalars"),
         profiler_steps, _run_table(out_dir, "flops_profile"), facts)
-    collector_rows, collector_problem = mfu.collector_mfu(_run_table(out_dir, "train_steps"),
-                                                          _run_table(out_dir, "flops_profile"), facts, peak,
-                                                          world_size or 1)
-    if not collector_rows.is_empty():
-        tables["mfu"] = pl.concat([tables["mfu"], collector_rows], how="diagonal_relaxed")
+    run_rows, mfu_problem = mfu.step_time_mfu(tables["step_time"], _run_table(out_dir, "flops_profile"), facts,
+                                                          peak, world_size or facts.get("world_size") or 1, options.shape,
+                                                          options.recompute)
+    if not run_rows.is_empty():
+        tables["mfu"] = pl.concat([tables["mfu"], run_rows], how="diagonal_relaxed")
     for name, frame in tables.items():
         _write(out_dir, name, frame)
     if not ranks:
         _write(out_dir, "kernel_launches", pl.DataFrame())
-    findings = headline(tables, sum(r.cpu_comm_ops for r in per_rank), collector_problem or peak_problem, device_name) \
+    findings = headline(tables, sum(r.cpu_comm_ops for r in per_rank), mfu_problem or peak_problem, device_name) \
         if ranks \
         else {"device": None, "traces": "no profiler traces: step, GPU and collective analyses need them",
-              "mfu": mfu_finding(tables["mfu"], collector_problem or peak_problem)}
+              "mfu": mfu_finding(tables["mfu"], mfu_problem or peak_problem)}
     findings["step_time"] = step_time.step_time_summary(tables["step_time"])
     # The slowest step over the whole run (not only the profiled ones), and only when it stands out.
     if slow := step_time.slowest_step(tables["step_time"]):
@@ -175,7 +175,7 @@ def _cross_rank(out_dir: Path, per_rank: list[_RankResults], ranks: list[int], w
         "sync_points": gather("sync_points").sort("idle_caused_ns", descending=True).head(launch.SYNC_POINTS),
         "kernel_categories": gather("categories"),
         "top_kernels": kernels.top_kernels(gather("kernel_totals")),
-        "mfu": mfu.mfu_table(stats, times, gather("flops"), peak, world_size, options.shape, options.recompute),
+        "mfu": mfu.profiler_hfu(times, gather("flops"), peak),
     }
 
 

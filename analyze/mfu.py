@@ -1,7 +1,9 @@
 """How far the run is from the hardware: MFU and HFU with one stated peak and named numerators.
 
 MFU = model FLOPs per step / (step time x GPUs x peak); HFU counts the FLOPs actually executed,
-recomputation included. The peak is the DENSE datasheet rate of the device for the dtype (never a
+recomputation included. The step time is the run's one definition (analyze/step_time.py: the best
+source the run has, warm-up and instrumented steps left out); only the profiler's own with_flops
+count is divided by its own profiled window. The peak is the DENSE datasheet rate of the device for the dtype (never a
 sparse rate, never a measured "achievable" one); every figure carries the peak, its source and the
 numerator's definition. An unknown device gives no MFU and says how to supply a peak.
 """
@@ -131,65 +133,61 @@ def step_flops(cpu: pl.DataFrame) -> pl.DataFrame:
 
 COLLECTOR_DEFINITION = ("3 x the forward FLOPs DeepSpeed's FLOPs profiler counted for one micro batch on rank 0 "
                         "(forward + backward = 3 forward, no recompute), x micro batches per step x data-parallel ranks")
+STEP_TIME_NOTE = "; step time: the run's step_time table, steps the summary keeps (warm-up and instrumented steps left out)"
+COLUMNS = {"step": pl.Int64, "rank": pl.Int64, "metric": pl.String, "numerator": pl.String, "flops": pl.Float64,
+           "step_time_ns": pl.Int64, "gpus": pl.Int64, "peak_flops": pl.Float64, "utilization": pl.Float64,
+           "definition": pl.String, "peak": pl.String}
 
 
-def collector_mfu(train_steps: pl.DataFrame, flops_profile: pl.DataFrame, facts: dict, peak: Peak | None,
-                  world_size: int) -> tuple[pl.DataFrame, str]:
-    """MFU per optimizer step from the collector's exact FLOPs profile and its step times.
-
-    The numerator counts what the profiler counts (matmuls as 2 x MACs plus the other functional
-    ops) for one micro batch, x3 for the backward pass; the step time is the slowest rank's sum of
-    its micro steps. Returns the rows and, when there are none, why."""
-    exact = flops_profile.filter(pl.col("exact").fill_null(False) & (pl.col("depth") == 0))
-    if exact.is_empty() or train_steps.is_empty():
-        return pl.DataFrame(), ""
+def _collector_flops(flops_profile: pl.DataFrame, facts: dict, world_size: int) -> tuple[float | None, str]:
+    """FLOPs per optimizer step from the collector's exact profile, or None and why not."""
+    exact = flops_profile.filter(pl.col("exact").fill_null(False) & (pl.col("depth") == 0)) \
+        if not flops_profile.is_empty() else flops_profile
+    if exact.is_empty():
+        return None, ""
     if "flops_zero3_double_counting" in (facts.get("collector_flags") or {}):
-        return pl.DataFrame(), "the FLOPs profile was taken under ZeRO-3, which counts Linear FLOPs twice: no MFU from it"
-    if peak is None:
-        return pl.DataFrame(), ""
+        return None, "the FLOPs profile was taken under ZeRO-3, which counts Linear FLOPs twice: no MFU from it"
     micro = facts.get("gradient_accumulation_steps") or facts.get("grad_accum") or 1
     data_parallel = facts.get("dp_world_size") or world_size
-    flops = 3 * float(exact["flops_total"].max()) * micro * data_parallel
-    times = (train_steps.group_by("rank", "step").agg(pl.col("dur_ns").sum())
-             .group_by("step").agg(step_time_ns=pl.col("dur_ns").max()).sort("step"))
-    frame = times.filter(pl.col("step_time_ns") > 0).select(
-        "step", rank=pl.lit(None, pl.Int64), metric=pl.lit("MFU"), numerator=pl.lit("collector_flops_profile"),
-        flops=pl.lit(flops), step_time_ns="step_time_ns", gpus=pl.lit(world_size, pl.Int64),
-        peak_flops=pl.lit(peak.flops), utilization=flops / (pl.col("step_time_ns") * 1e-9 * world_size * peak.flops),
-        definition=pl.lit(COLLECTOR_DEFINITION), peak=pl.lit(peak.label))
-    return frame, ""
+    return 3 * float(exact["flops_total"].max()) * micro * data_parallel, ""
 
 
-def mfu_table(step_stats: pl.DataFrame, step_times: pl.DataFrame, counted_flops: pl.DataFrame, peak: Peak | None,
-              world_size: int, shape: ModelShape | None = None, recompute: bool = False) -> pl.DataFrame:
-    """MFU/HFU per step for every numerator the run supports, each row naming its definition.
+def step_time_mfu(step_time: pl.DataFrame, flops_profile: pl.DataFrame, facts: dict, peak: Peak | None, world_size: int,
+                  shape: ModelShape | None = None, recompute: bool = False) -> tuple[pl.DataFrame, str]:
+    """MFU (and HFU with recompute) per step over the run, on the one step-time definition (analyze/step_time.py).
 
-    `counted_flops` is step_flops' table (profiler-counted FLOPs per rank and step), possibly empty."""
-    columns = {"step": pl.Int64, "rank": pl.Int64, "metric": pl.String, "numerator": pl.String, "flops": pl.Float64,
-               "step_time_ns": pl.Int64, "gpus": pl.Int64, "peak_flops": pl.Float64, "utilization": pl.Float64,
-               "definition": pl.String, "peak": pl.String}
-    if peak is None:
-        return pl.DataFrame(schema=columns)
-    rows = []
+    Numerators: the PaLM formula when the model shape is given; the collector's exact FLOPs profile
+    (matmuls as 2 x MACs plus the other functional ops, one micro batch, x3 for the backward pass).
+    Only the steps the step-time summary keeps count. Returns the rows and, when a numerator was
+    refused, why."""
+    collector_flops, problem = _collector_flops(flops_profile, facts, world_size)
+    kept = step_time.filter(~pl.col("excluded") & (pl.col("step_time_ns") > 0)) if not step_time.is_empty() else step_time
+    if peak is None or kept.is_empty():
+        return pl.DataFrame(schema=COLUMNS), problem
+    variants = []
     if shape is not None:
-        variants = [("MFU", shape.flops_per_step(), PALM_DEFINITION)]
+        variants.append(("MFU", "palm", shape.flops_per_step(), PALM_DEFINITION))
         if recompute:
-            variants.append(("HFU", shape.flops_per_step(recompute=True), PALM_DEFINITION + " + one forward recompute"))
-        for metric, flops, definition in variants:
-            # Wall time of the step across ranks; without clock alignment, the slowest rank's.
-            times = step_stats.select("step", pl.coalesce("aligned_dur_ns", "max_dur_ns"))
-            for step, dur in times.iter_rows():
-                if dur:
-                    rows.append({"step": step, "rank": None, "metric": metric, "numerator": "palm", "flops": flops,
-                                 "step_time_ns": dur, "gpus": world_size, "peak_flops": peak.flops,
-                                 "utilization": flops / (dur * 1e-9 * world_size * peak.flops),
-                                 "definition": definition, "peak": peak.label})
-    if not counted_flops.is_empty():
-        per_rank = counted_flops.join(step_times.select("rank", "step", "cpu_dur_ns"), on=["rank", "step"])
-        for rank, step, flops, dur in per_rank.select("rank", "step", "flops", "cpu_dur_ns").iter_rows():
-            if dur:
-                rows.append({"step": step, "rank": rank, "metric": "HFU", "numerator": "profiler_flops", "flops": flops,
-                             "step_time_ns": dur, "gpus": 1, "peak_flops": peak.flops,
-                             "utilization": flops / (dur * 1e-9 * peak.flops),
-                             "definition": PROFILER_DEFINITION, "peak": peak.label})
-    return pl.DataFrame(rows, schema=columns).sort("numerator", "step", "rank", nulls_last=True)
+            variants.append(("HFU", "palm", shape.flops_per_step(recompute=True), PALM_DEFINITION + " + one forward recompute"))
+    if collector_flops is not None:
+        variants.append(("MFU", "collector_flops_profile", collector_flops, COLLECTOR_DEFINITION))
+    frames = [kept.select(
+        "step", rank=pl.lit(None, pl.Int64), metric=pl.lit(metric), numerator=pl.lit(numerator), flops=pl.lit(flops),
+        step_time_ns="step_time_ns", gpus=pl.lit(world_size, pl.Int64), peak_flops=pl.lit(peak.flops),
+        utilization=flops / (pl.col("step_time_ns") * 1e-9 * world_size * peak.flops),
+        definition=pl.lit(definition + STEP_TIME_NOTE), peak=pl.lit(peak.label))
+        for metric, numerator, flops, definition in variants]
+    return (pl.concat(frames).cast(COLUMNS) if frames else pl.DataFrame(schema=COLUMNS)), problem
+
+
+def profiler_hfu(step_times: pl.DataFrame, counted_flops: pl.DataFrame, peak: Peak | None) -> pl.DataFrame:
+    """HFU per rank and profiled step from the FLOPs torch.profiler(with_flops=True) counted in the step's
+    own window (`counted_flops` is step_flops' table, possibly empty)."""
+    if peak is None or counted_flops.is_empty():
+        return pl.DataFrame(schema=COLUMNS)
+    per_rank = counted_flops.join(step_times.select("rank", "step", "cpu_dur_ns"), on=["rank", "step"])
+    return per_rank.filter(pl.col("cpu_dur_ns") > 0).select(
+        "step", "rank", metric=pl.lit("HFU"), numerator=pl.lit("profiler_flops"), flops=pl.col("flops").cast(pl.Float64),
+        step_time_ns="cpu_dur_ns", gpus=pl.lit(1, pl.Int64), peak_flops=pl.lit(peak.flops),
+        utilization=pl.col("flops") / (pl.col("cpu_dur_ns") * 1e-9 * peak.flops),
+        definition=pl.lit(PROFILER_DEFINITION), peak=pl.lit(peak.label)).cast(COLUMNS).sort("step", "rank")

@@ -177,11 +177,11 @@ def test_mfu_arithmetic_exact():
     shape = mfu.ModelShape(params=1e9, layers=24, heads=16, head_dim=128, seq_len=2048, tokens_per_step=1_048_576)
     per_token = 6e9 + 12 * 24 * 16 * 128 * 2048
     assert shape.flops_per_step() == per_token * 1_048_576
-    stats = pl.DataFrame({"step": [1], "aligned_dur_ns": [2_000_000_000], "max_dur_ns": [2_000_000_000]})
+    # One kept step of 2 s; the excluded (warm-up) step of 9 s does not count.
+    step_time = pl.DataFrame({"step": [0, 1], "step_time_ns": [9_000_000_000, 2_000_000_000], "excluded": [True, False]})
     peak, _ = mfu.peak_for("NVIDIA H100 80GB HBM3", "bf16")
-    table = mfu.mfu_table(stats, pl.DataFrame(), pl.DataFrame({"flops": [], "step": [], "rank": []},
-                                                                 schema={"flops": pl.Float64, "step": pl.Int64, "rank": pl.Int64}),
-                          peak, world_size=8, shape=shape, recompute=True)
+    table, _ = mfu.step_time_mfu(step_time, pl.DataFrame(), {}, peak, world_size=8, shape=shape, recompute=True)
+    assert table["step"].to_list() == [1, 1]
     rows = {r["metric"]: r for r in table.to_dicts()}
     assert rows["MFU"]["utilization"] == pytest.approx(per_token * 1_048_576 / (2.0 * 8 * 989.5e12), rel=1e-12)
     assert rows["HFU"]["utilization"] == pytest.approx(rows["MFU"]["utilization"] * 4 / 3, rel=1e-12)
@@ -341,7 +341,13 @@ def test_mfu_from_the_collectors_flops_profile(tmp_path):
     steps = pl.read_parquet(run / "collector" / "train_steps")
     step_time = steps.group_by("rank", "step").agg(pl.col("dur_ns").sum()).group_by("step").agg(pl.col("dur_ns").max())
     flops = 3 * forward * manifest["grad_accum"] * manifest["dp_world_size"]
-    expected = {step: flops / (ns * 1e-9 * manifest["world_size"] * 2e12) for step, ns in step_time.iter_rows()}
+    # Steps that ran instrumentation are left out: the FLOPs-profiled step and the profiler's warm-up,
+    # active and trace-export steps, from the collector's settings.
+    settings = manifest["settings"]
+    window = settings["profile"]["skip_first"] + settings["profile"]["wait"]
+    instrumented = {settings["flops_step"], *range(window, window + settings["profile"]["warmup"] + settings["profile"]["active"] + 1)}
+    expected = {step: flops / (ns * 1e-9 * manifest["world_size"] * 2e12) for step, ns in step_time.iter_rows()
+                if step not in instrumented}
     table = _table(run / ".steplens", "mfu").filter(pl.col("numerator") == "collector_flops_profile")
     assert dict(zip(table["step"], table["utilization"])) == pytest.approx(expected)
     assert "MFU" in result.output and "FLOPs profiler counted" in result.output
