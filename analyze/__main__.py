@@ -1,3 +1,5 @@
-from .cli import analyze
+import sys
 
-analyze(prog_name="python -m steplens.analyze")
+from .cli import _guarded, analyze
+
+_guarded(analyze, sys.argv[1:], prog_name="python -m steplens.analyze")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
 import sys
+import textwrap
 import time
 from collections import Counter
 from pathlib import Path
@@ -25,14 +29,29 @@ from steplens.reports.verdict import telemetry_lines
 from .ingest import (
     IngestError,
     IngestResult,
+    OutputUnwritable,
     Source,
+    classify,
     discover,
     ingest,
     use_system_allocator,
 )
+from .runs import RunFolder, split_runs
+from .text import safe_text
 
-EXIT_PARTIAL = 1  # results written, but some input files could not be used
+# Exit status, one meaning each, for every command (documented in --help and the README).
+EXIT_PARTIAL = 1  # results written, but some inputs could not be used (see the issues)
 EXIT_NOTHING = 2  # nothing usable, or bad arguments
+EXIT_REGRESSION = 3  # compare --fail-on-regression: a significant slowdown beyond the threshold
+EXIT_UNWRITABLE = 4  # the output cannot be written (permissions, read-only or full disk)
+EXIT_INTERNAL = 5  # a steplens bug: the message says where to look
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM: the last published result is unchanged
+EXIT_STATUS_HELP = f"""\b
+Exit status: 0 all inputs used; {EXIT_PARTIAL} results written but some inputs could not be used
+(see the issues); {EXIT_NOTHING} nothing usable, or bad arguments; {EXIT_REGRESSION} compare found a
+regression beyond --fail-on-regression; {EXIT_UNWRITABLE} the output cannot be written; {EXIT_INTERNAL} internal
+error; {EXIT_INTERRUPTED} interrupted (the last result is kept).
+"""
 
 ANALYZE_HELP = f"""Turn what a training job left in RUN_DIR into queryable Parquet tables, analyses and a report.
 
@@ -59,11 +78,15 @@ into the output folder; --format md prints the summary instead of the terminal t
 
 Re-running is incremental: files whose size, mtime and first 64 KiB are unchanged are not parsed
 again. The swap to the new result is atomic, so an interrupted run leaves the last result intact.
+The output folder is only ever one steplens wrote: --out refuses a folder that holds the inputs or
+files steplens did not write.
 
-\b
-Exit status: 0 all inputs used; {EXIT_PARTIAL} results written but some input files could not be
-used (see the issues); {EXIT_NOTHING} nothing usable.
-"""
+RUN_DIR may hold several runs (one folder per job, side by side): they are told apart (two folders
+with the same kind of input, such as two collector outputs or two traces of one rank, are two runs)
+and each is analysed into its own RUN/.steplens/ (or --out DIR/RUN), one line per run. RUN_DIR may
+also be a single trace file, analysed as a one-rank run into .steplens-FILE/ beside it.
+
+""" + EXIT_STATUS_HELP
 
 
 @click.command("analyze", help=ANALYZE_HELP)
@@ -97,13 +120,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
     use_system_allocator()
     console = Console(stderr=False, highlight=False)
     if not run_dir.exists():
-        _fail(f"{run_dir}: no such folder")
-    out = out_dir or run_dir / schema.DEFAULT_OUT_DIR
-    try:
-        found = discover(run_dir, out)
-        total = sum(p.stat().st_size for p in found.traces + [path for path, _, _ in found.native])
-    except OSError:
-        total = 0
+        _fail(f"{safe_text(run_dir)}: no such file or folder")
     shape_values = (params, layers, heads, head_dim, seq_len, tokens_per_step)
     if any(v is not None for v in shape_values) and not all(v is not None for v in shape_values):
         _fail("the PaLM numerator needs all of --params --layers --heads --head-dim --seq-len --tokens-per-step")
@@ -112,31 +129,104 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         shape=mfu.ModelShape(*shape_values) if all(v is not None for v in shape_values) else None,
         kernel_categories=kernels.load_categories(kernel_categories) if kernel_categories else list(kernels.KERNEL_CATEGORIES),
     )
+    runs, out_of = _runs_to_analyse(run_dir, out_dir)
+    if len(runs) == 1:
+        run, out = runs[0], out_of(runs[0])
+        try:
+            result, findings = _analyse_run(run, out, jobs, options, ingest_only, show_progress=not quiet)
+        except OutputUnwritable as e:
+            _fail(safe_text(e), EXIT_UNWRITABLE)
+        except IngestError as e:
+            _fail(safe_text(e))
+        if fmt == "md" and findings:
+            click.echo((result.out_dir / "summary.md").read_text(), nl=False)
+        else:
+            if not quiet:
+                print_summary(console, result, findings.get("analysis_seconds"))
+            if findings:
+                print_findings(console, findings)
+                console.print(f"report: {safe_text(result.out_dir / 'report.html')} (rendered in "
+                              f"{findings['report_seconds']:.2f}s); PR summary: {safe_text(result.out_dir / 'summary.md')}",
+                              markup=False, highlight=False, soft_wrap=True)
+        _warn_missing_ranks(result)
+        sys.exit(_status(result))
+    statuses = []
+    click.echo(f"{safe_text(run_dir)} holds {len(runs)} runs; each is analysed on its own:")
+    for run in runs:
+        name = safe_text(os.path.relpath(run.path, run_dir) if run.path != run_dir else run_dir.name)
+        try:
+            result, findings = _analyse_run(run, out_of(run), jobs, options, ingest_only, show_progress=False)
+        except OutputUnwritable as e:
+            _fail(safe_text(e), EXIT_UNWRITABLE)
+        except IngestError as e:
+            statuses.append(EXIT_NOTHING)
+            click.echo(f"  {name}: not analysed: {safe_text(e)}")
+            continue
+        statuses.append(_status(result))
+        ranks = _ranges(result.manifest.get("ranks", []))
+        problems = sum(1 for s in result.sources for i in s.issues if i[0] == "error")
+        report = result.out_dir / ("report.html" if findings else schema.MANIFEST_FILE)
+        click.echo(f"  {name}: {len(result.sources)} input(s), ranks {ranks or 'none'}, {problems} error(s) -> "
+                   f"{safe_text(report)}")
+    sys.exit(max(statuses) if all(s == EXIT_NOTHING for s in statuses) else
+             (EXIT_PARTIAL if any(s != 0 for s in statuses) else 0))
+
+
+def _runs_to_analyse(run_dir: Path, out_dir: Path | None):
+    """The runs under run_dir (or the one trace file it names), and where each one's output goes."""
+    if run_dir.is_file():
+        out = out_dir or run_dir.parent / f"{schema.DEFAULT_OUT_DIR}-{run_dir.name}"
+        return [RunFolder(run_dir.parent, classify([run_dir]))], lambda run: out
+    if not run_dir.is_dir():
+        _fail(f"{safe_text(run_dir)}: not a file or folder steplens can read")
+    try:
+        found = discover(run_dir, out_dir or run_dir / schema.DEFAULT_OUT_DIR)
+    except OSError as e:
+        _fail(f"{safe_text(run_dir)}: cannot list the folder: {e.strerror or e}")
+    runs = split_runs(run_dir, found)
+    if len(runs) == 1:
+        return runs, lambda run: out_dir or run_dir / schema.DEFAULT_OUT_DIR
+
+    def out_of(run: RunFolder) -> Path:
+        if out_dir is None:
+            return run.path / schema.DEFAULT_OUT_DIR
+        relative = run.path.relative_to(run_dir)
+        return out_dir / (relative if relative.parts else "_top")
+
+    return runs, out_of
+
+
+def _analyse_run(run: RunFolder, out: Path, jobs, options: analyses.Options, ingest_only: bool,
+                 show_progress: bool) -> tuple[IngestResult, dict]:
     findings: dict = {}
-
-    def run_analyses(staging: Path) -> None:
-        findings.update(analyse_and_report(staging, options))
-
-    show_progress = not quiet and sys.stderr.isatty()
+    total = 0
+    for path in run.found.traces + [path for path, _, _ in run.found.native]:
+        try:
+            total += path.stat().st_size
+        except OSError:
+            pass
     progress = Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                        console=Console(stderr=True), transient=True, disable=not show_progress)
+                        console=Console(stderr=True), transient=True, disable=not (show_progress and sys.stderr.isatty()))
     with progress:
         task = progress.add_task("ingest", total=total or None)
-        try:
-            result = ingest(run_dir, out_dir, jobs=jobs, progress=lambda s: progress.advance(task, s.size),
-                            finish=None if ingest_only else lambda staging: run_analyses(staging))
-        except IngestError as e:
-            _fail(str(e))
-    if fmt == "md" and findings:
-        click.echo((result.out_dir / "summary.md").read_text(), nl=False)
-    else:
-        print_summary(console, result, findings.get("analysis_seconds"))
-        if findings:
-            print_findings(console, findings)
-            console.print(f"report: {result.out_dir / 'report.html'} (rendered in {findings['report_seconds']:.2f}s); "
-                          f"PR summary: {result.out_dir / 'summary.md'}", markup=False, highlight=False, soft_wrap=True)
-    if result.failed:
-        sys.exit(EXIT_PARTIAL)
+        result = ingest(run.path, out, jobs=jobs, found=run.found, progress=lambda s: progress.advance(task, s.size),
+                        finish=None if ingest_only else lambda staging: findings.update(analyse_and_report(staging, options)))
+    return result, findings
+
+
+def _status(result: IngestResult) -> int:
+    """0 when every input was used; partial when a file, or a rank in it, was lost."""
+    lost = result.failed or any(i[0] == "error" for s in result.sources for i in s.issues)
+    return EXIT_PARTIAL if lost else 0
+
+
+def _warn_missing_ranks(result: IngestResult) -> None:
+    world_size = result.manifest.get("world_size")
+    traced = result.manifest.get("trace_ranks") or []
+    if traced and isinstance(world_size, int) and 0 < world_size <= schema.MAX_RANK and len(traced) < world_size:
+        missing = sorted(set(range(world_size)) - set(traced))
+        click.echo(f"warning: traces of {len(traced)} of {world_size} ranks; no trace for rank(s) {_ranges(missing)} "
+                   "(profiled on some ranks only, or lost: see the issues)", err=True)
 
 
 def analyse_and_report(staging: Path, options: analyses.Options) -> dict:
@@ -153,12 +243,54 @@ def analyse_and_report(staging: Path, options: analyses.Options) -> dict:
     return findings
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, status: int = EXIT_NOTHING) -> None:
     click.echo(f"error: {message}", err=True)
-    sys.exit(EXIT_NOTHING)
+    sys.exit(status)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that cleanup (workers, staging folder) runs."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def _guarded(command: click.Command, args: list[str] | None = None, prog_name: str | None = None) -> None:
+    """Run a command with the documented exit statuses for what click does not handle: a full or
+    read-only disk, Ctrl-C and SIGTERM (one line each), and internal errors."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        command.main(args, prog_name=prog_name, standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("interrupted: the last published result is unchanged", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except (KeyboardInterrupt, Terminated):
+        click.echo("interrupted: the last published result is unchanged", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except click.exceptions.ClickException as e:
+        e.show()
+        sys.exit(EXIT_NOTHING)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except OutputUnwritable as e:
+        _fail(safe_text(e), EXIT_UNWRITABLE)
+    except IngestError as e:
+        _fail(safe_text(e))
+    except OSError as e:
+        _fail(f"{safe_text(e.filename or '')}: {e.strerror or e}", EXIT_UNWRITABLE if e.errno in _WRITE_ERRNOS else EXIT_NOTHING)
+    except Exception as e:  # noqa: BLE001 - one line and a distinct status instead of a traceback
+        if os.environ.get("STEPLENS_DEBUG"):
+            raise
+        _fail(f"internal error: {type(e).__name__}: {safe_text(e)} (a steplens bug: rerun with STEPLENS_DEBUG=1 for "
+              "the traceback and report it)", EXIT_INTERNAL)
+
+
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
 
 def print_summary(console: Console, result: IngestResult, analysis_seconds: float | None = None) -> None:
+    """What was read: one line per fact, wrapped to the console (80 columns when piped), no tables."""
     m = result.manifest
     used = [s for s in result.sources if s.rank is not None and s.kind == "kineto"]
     mb = sum(s.raw_bytes for s in result.sources if s.status == "ingested") / 1e6
@@ -168,65 +300,66 @@ def print_summary(console: Console, result: IngestResult, analysis_seconds: floa
     analysed = f"; analyses {analysis_seconds:.2f}s" if analysis_seconds is not None else ""
     artifacts = Counter(s.kind for s in result.sources if s.kind != "kineto" and s.status in ("ingested", "reused"))
     others = f" and {sum(artifacts.values())} other input(s)" if artifacts else ""
-    console.print(
-        f"[bold]{len(used)}[/] trace file(s){others} -> {result.out_dir}  "
-        f"({parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed})",
-        highlight=False, soft_wrap=True,
-    )
+    say(console, f"{len(used)} trace file(s){others} -> {result.out_dir}", indent=0)
+    say(console, f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed}")
     world = f" of world size {m['world_size']}" if m.get("world_size") else ""
-    console.print(f"ranks: {_ranges(m['ranks'])}{world}", highlight=False, markup=False)
+    say(console, f"ranks: {_ranges(m['ranks']) or 'none'}{world}", indent=0)
     if artifacts:
-        console.print("other inputs: " + ", ".join(f"{kind} {n}" for kind, n in sorted(artifacts.items())),
-                      highlight=False, markup=False)
+        say(console, "other inputs: " + ", ".join(f"{kind} {n}" for kind, n in sorted(artifacts.items())), indent=0)
     if m.get("ignored_count"):
-        console.print(f"not read: {m['ignored_count']} file(s) in no format steplens knows (listed in run.json "
-                      "ignored_files)", highlight=False, markup=False)
+        say(console, f"not read: {m['ignored_count']} file(s) in no format steplens knows (run.json ignored_files)",
+            indent=0)
     if used:
         _print_trace_tables(console, used)
     _print_issues(console, result)
 
 
+def say(console: Console, text: str, indent: int = 2) -> None:
+    """Print untrusted text as plain lines wrapped to the console width (80 columns when piped), the
+    continuation indented; a word longer than the line (a path) stays whole rather than broken."""
+    width = max(console.width, 40)
+    lines = textwrap.wrap(safe_text(text), width=width, initial_indent=" " * indent, subsequent_indent=" " * (indent + 2),
+                          break_long_words=False, break_on_hyphens=False) or [""]
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
 def _print_trace_tables(console: Console, used: list[Source]) -> None:
-    steps = Table(title="steps per rank", title_justify="left", box=None)
-    for col in ("rank", "windows", "steps", "ProfilerStep#"):
-        steps.add_column(col)
+    """Profiled steps per rank (ranks with the same steps on one line) and events per kind."""
     by_rank: dict[int, list[Source]] = {}
     for s in used:
         by_rank.setdefault(s.rank, []).append(s)
+    same_steps: dict[tuple, list[int]] = {}
     for rank in sorted(by_rank):
         numbers = sorted(n for s in by_rank[rank] for n in s.steps)
-        steps.add_row(str(rank), str(len(by_rank[rank])), str(len(numbers)), _ranges(numbers) or "none")
-    console.print(steps)
-
+        same_steps.setdefault((len(by_rank[rank]), tuple(numbers)), []).append(rank)
+    say(console, "profiled steps (ProfilerStep#):", indent=0)
+    for (windows, numbers), ranks in same_steps.items():
+        steps = f"{len(numbers)} step(s) {_ranges(list(numbers))}" if numbers else "no steps"
+        say(console, f"rank{'s' if len(ranks) > 1 else ''} {_ranges(ranks)}: {windows} window(s), {steps}")
     kinds = Counter()
     for s in used:
         kinds.update(s.kind_counts)
-    table = Table(title="events per kind (all ranks)", title_justify="left", box=None)
-    table.add_column("kind")
-    table.add_column("events", justify="right")
-    for kind in schema.KINDS:
-        if kinds.get(kind):
-            table.add_row(kind, f"{kinds[kind]:,}")
-    console.print(table)
+    say(console, "events (all ranks): " + ", ".join(f"{kind} {kinds[kind]:,}" for kind in schema.KINDS if kinds.get(kind)),
+        indent=0)
 
 
 def _print_issues(console: Console, result: IngestResult) -> None:
-    issues = Table(title="ingest issues", title_justify="left", box=None)
-    for col in ("severity", "reason", "files", "count", "example"):
-        issues.add_column(col, overflow="fold")
+    """One line per kind of issue (severity, reason, count, files) and its first example."""
     grouped: dict[tuple, list] = {}
     for s in result.sources:
         for severity, reason, count, detail in s.issues:
             grouped.setdefault((severity, reason), []).append((s.path, count, detail))
+    if not grouped:
+        say(console, "ingest issues: none", indent=0)
+        return
+    say(console, f"ingest issues ({len(grouped)} kind(s); all in the ingest_issues table):", indent=0)
     order = {"error": 0, "warning": 1, "info": 2}
     for (severity, reason), rows in sorted(grouped.items(), key=lambda kv: (order.get(kv[0][0], 3), kv[0][1])):
         path, _, detail = rows[0]
         detail = detail.removeprefix(f"{path}: ")
-        issues.add_row(severity, reason, str(len(rows)), f"{sum(r[1] for r in rows):,}", f"{path}: {detail}")
-    if grouped:
-        console.print(issues, markup=False)
-    else:
-        console.print("ingest issues: none")
+        files = f"{len(rows)} file{'s' if len(rows) > 1 else ''}"
+        say(console, f"{severity} {reason}: {sum(r[1] for r in rows):,} in {files}; e.g. {path}: {detail}")
 
 
 def print_findings(console: Console, f: dict) -> None:
@@ -247,14 +380,16 @@ def print_findings(console: Console, f: dict) -> None:
     if idle.get("idle_share") is not None:
         cause = {"host_bound": "host-bound (GPU waiting for the CPU to launch)", "sync": "synchronization (CPU waiting on the GPU)",
                  "other": "other (cross-stream waits)"}.get(idle.get("main_cause"), "none")
-        lines.append(f"GPU idle: {idle['idle_share']:.1%} of step GPU time; main cause {cause}")
+        lines.append(f"GPU idle: {idle['idle_share']:.1%} of the profiled GPU time (first to last device activity of "
+                     f"each window, no stream busy); main cause {cause}")
     elif idle.get("note"):
         lines.append(f"GPU idle: {idle['note']}")
     if top := f.get("most_exposed_collective"):
         bw = f", median busbw {top['busbw_gbps']:.1f} GB/s" if top.get("busbw_gbps") is not None else ""
         size = f"{top['bytes']:,} B" if top.get("bytes") is not None else "unknown size"
+        on_rank = f" on rank {top['rank']} (the most exposed rank)" if top.get("rank") is not None else ""
         lines.append(f"most exposed collective: {top['op']} of {size}: {_ms(top['exposed_ns'])} exposed over "
-                     f"{top['calls']} calls{bw}")
+                     f"{top['calls']} calls{bw}{on_rank}")
     elif f.get("comms_note"):
         lines.append(f"collectives: {f['comms_note']}")
     util = f.get("mfu")
@@ -268,7 +403,7 @@ def print_findings(console: Console, f: dict) -> None:
         lines.append(f["traces"])
     lines.extend(telemetry_lines(f))
     for line in lines:
-        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+        say(console, line)
 
 
 def _ms(ns) -> str:
@@ -303,7 +438,10 @@ def _sql_help() -> str:
     from .sql import EXAMPLES
 
     tables = ", ".join(list(schema.TABLES) + list(schema.ANALYSIS_TABLES))
-    examples = "\n".join(f"    # {title}\n    {text}\n" for title, text in EXAMPLES.items())
+    # One \\b block per example: click keeps its lines as written (the comment above its query).
+    examples = "\n\n".join("\b\n  # " + title + "\n" + "\n".join(textwrap.wrap(text, 76, initial_indent="  ",
+                                                                         subsequent_indent="    "))
+                           for title, text in EXAMPLES.items())
     return f"""Run one SELECT over every steplens run under RUNS_DIR (any folder holding a run.json, such
 as RUN/.steplens/), with DuckDB.
 
@@ -313,8 +451,8 @@ zero_stage, train_batch_size, code_revision, deepspeed_version).
 Columns are documented in analyze/schema.py and the README. Queries never modify a run: only a
 single SELECT is accepted.
 
-\b
 Examples:
+
 {examples}"""
 
 
@@ -389,9 +527,6 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
 
 
 steplens.add_command(export_trace_command)
-
-
-EXIT_REGRESSION = 3  # compare --fail-on-regression: a significant slowdown beyond the threshold
 
 
 def _analysed(run_dir: Path) -> Path:
@@ -470,9 +605,14 @@ def analyze_entry() -> None:
     """The `analyze` script: `analyze RUN_DIR`, and `analyze compare BASE NEW` (unless RUN_DIR is a
     folder named compare)."""
     if len(sys.argv) > 1 and sys.argv[1] == "compare" and not Path("compare").is_dir():
-        compare_command.main(sys.argv[2:], prog_name="analyze compare")
+        _guarded(compare_command, sys.argv[2:], prog_name="analyze compare")
     else:
-        analyze.main(prog_name="analyze")
+        _guarded(analyze, sys.argv[1:], prog_name="analyze")
+
+
+def steplens_entry() -> None:
+    """The `steplens` script: every subcommand with the documented exit statuses."""
+    _guarded(steplens, sys.argv[1:], prog_name="steplens")
 
 
 @click.command("trials")

@@ -10,12 +10,15 @@ number of ranks.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import multiprocessing
 import os
 import re
 import shutil
+import signal
+import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
@@ -261,6 +264,7 @@ def _assign_ranks(sources: list[Source]) -> None:
                              f"no distributedInfo.rank in the trace; rank {s.rank} taken from the file name"])
         else:
             unresolved.append(s)
+    _reject_duplicate_ranks(sources)
     if not unresolved:
         return
     resolved = [s for s in sources if s.rank is not None and s.kind == "kineto"]
@@ -276,6 +280,26 @@ def _assign_ranks(sources: list[Source]) -> None:
         s.issues.append(["error", "rank_unknown", 1,
                          "cannot tell which rank this trace is: no distributedInfo.rank and no 'rank<N>' in the "
                          "file name (rename it, e.g. rank-3.json.gz, to include it)"])
+
+
+def _reject_duplicate_ranks(sources: list[Source]) -> None:
+    """Two traces of one rank that cover the same time (byte-identical copies, the same ProfilerStep
+    numbers, or the same baseTimeNanoseconds) are never merged: the later one is an error and skipped.
+    Profiler windows of one process share a rank but never a step or a start time."""
+    kept: dict[int, list[Source]] = {}
+    for s in sources:
+        if s.rank is None or s.status not in ("ingested", "reused") or s.kind != "kineto":
+            continue
+        base = s.trace_meta.get("base_time_ns")
+        twin = next((k for k in kept.get(s.rank, []) if (k.size, k.hash_prefix) == (s.size, s.hash_prefix)
+                     or set(k.steps) & set(s.steps) or (base and k.trace_meta.get("base_time_ns") == base)), None)
+        if twin is None:
+            kept.setdefault(s.rank, []).append(s)
+            continue
+        s.status = "error"
+        s.issues.append(["error", "duplicate_rank", 1,
+                         f"claims rank {s.rank} for the same time as {twin.path} (identical file, the same profiler steps "
+                         "or the same start time); skipped, not merged into that rank"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,7 +484,7 @@ def _facts(sources: list[Source]) -> dict:
     return merged
 
 
-def _manifest(sources: list[Source], ignored: list[str]) -> dict:
+def _manifest(sources: list[Source], ignored: list[str], run_folder: str) -> dict:
     ingested = [s for s in sources if s.rank is not None]
     facts = _facts([s for s in sources if s.status in ("ingested", "reused")])
     world_sizes = sorted({s.world_size for s in ingested if s.world_size})
@@ -469,7 +493,8 @@ def _manifest(sources: list[Source], ignored: list[str]) -> dict:
             s.issues.append(["warning", "world_size_mismatch", 1,
                              f"traces disagree on world size {world_sizes}: are they from one run?"])
     used = [s for s in sources if s.status in ("ingested", "reused")]
-    run_id = hashlib.sha256(repr(sorted(s.fingerprint() for s in used)).encode()).hexdigest()[:12]
+    # The run folder is part of the id: two folders holding copies of the same files are two runs.
+    run_id = hashlib.sha256(repr((run_folder, sorted(s.fingerprint() for s in used))).encode()).hexdigest()[:12]
     trace_ranks = sorted({s.rank for s in ingested})
     world_size = world_sizes[-1] if world_sizes else facts.get("world_size")
     return {
@@ -620,7 +645,7 @@ def _ingest_into(run_dir: Path, out_dir: Path, staging: Path, found: Discovered,
     shutil.rmtree(scratch, ignore_errors=True)
     _write_empty_tables(staging)
 
-    manifest = _manifest(sources, [os.path.relpath(p, run_dir) for p in found.unknown])
+    manifest = _manifest(sources, [os.path.relpath(p, run_dir) for p in found.unknown], str(run_dir.resolve()))
     manifest["run_name"] = run_dir.resolve().name
     issues_dir = staging / schema.part_dir("ingest_issues", None)
     issues_dir.mkdir(parents=True, exist_ok=True)
@@ -645,8 +670,9 @@ _RUN_LEVEL_REASONS = {"rank_from_filename", "rank_assumed", "rank_unknown", "wor
 
 
 # Starting a worker (a fresh interpreter importing polars and pyarrow) costs about as much as
-# parsing 30 MB of JSON, so below this much JSON in total the work stays in this process.
-WORKER_WORTH_BYTES = 100_000_000
+# parsing 30 MB of JSON, so below this much JSON in total the work stays in this process
+# (STEPLENS_WORKER_WORTH_BYTES overrides it, e.g. to force workers on small test inputs).
+WORKER_WORTH_BYTES = int(os.environ.get("STEPLENS_WORKER_WORTH_BYTES", 100_000_000))
 GZIP_RATIO = 10  # typical raw/gzip size of a Kineto trace (the corpus ranges 7x-30x)
 
 
@@ -658,6 +684,45 @@ def use_system_allocator() -> None:
     """Arrow's default pool (mimalloc) keeps freed blocks; the system allocator returns them, which
     lowers an ingest process's peak memory by about a sixth at a few percent of speed."""
     pa.set_memory_pool(pa.system_memory_pool())
+
+
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+
+
+def _start_worker(parent_pid: int) -> None:
+    """A parse worker dies with `analyze` (kill -9 included) and leaves Ctrl-C to it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the watchdog thread below still ends it
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch_parent() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, daemon=True, name="steplens-parent-watch").start()
+    use_system_allocator()
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill the workers now (Ctrl-C, SIGTERM, an error): waiting would finish every file in flight."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.kill()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _stop_resource_tracker() -> None:
+    """The spawn context's resource tracker would outlive `analyze` by a moment; end it with the pool."""
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker._resource_tracker._stop()
+    except (AttributeError, OSError, ChildProcessError):
+        pass
 
 
 def _parse_all(to_parse, scratch: Path, jobs: int | None, progress) -> list[Source]:
@@ -681,7 +746,9 @@ def _parse_all(to_parse, scratch: Path, jobs: int | None, progress) -> list[Sour
     try:
         context = multiprocessing.get_context("spawn")
         workers = min(jobs - 1, len(pending) - 1)
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=use_system_allocator) as pool:
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_worker,
+                                   initargs=(os.getpid(),))
+        try:
             in_flight: set[Future] = set()
 
             def top_up() -> None:
@@ -699,6 +766,11 @@ def _parse_all(to_parse, scratch: Path, jobs: int | None, progress) -> list[Sour
                 top_up()
             for future in as_completed(in_flight):
                 done(future.result())
+        except BaseException:
+            _stop_workers(pool)
+            raise
+        pool.shutdown(wait=True)
+        _stop_resource_tracker()
     finally:
         if saved is None:
             os.environ.pop("POLARS_MAX_THREADS", None)

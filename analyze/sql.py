@@ -8,6 +8,8 @@ changes a run.
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 from pathlib import Path
 
@@ -23,7 +25,7 @@ EXAMPLES = {
                                          "FROM collectives GROUP BY ALL ORDER BY op, bytes, run_id",
     "MFU by run": "SELECT run_id, metric, numerator, median(utilization) AS utilization FROM mfu GROUP BY ALL",
     "GPU idle by cause": "SELECT run_id, sum(host_bound_ns) / 1e6 AS host_bound_ms, sum(sync_ns) / 1e6 AS sync_ms "
-                         "FROM gpu_idle WHERE stream = -1 GROUP BY run_id",
+                         "FROM gpu_idle WHERE stream = -1 AND step IS NULL GROUP BY run_id",
     "MFU by code revision and ZeRO stage": "SELECT r.code_revision, r.zero_stage, median(m.utilization) AS mfu "
                                            "FROM mfu m JOIN runs r USING (run_id) WHERE m.metric = 'MFU' GROUP BY ALL",
     "loss against global samples across runs": "SELECT run_id, global_samples, value AS loss FROM scalars "
@@ -57,14 +59,25 @@ def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def _part_files(run: Path, table: str, partitioned: bool) -> list[str]:
+    """The table's part files in one run, by exact path: a folder named `exp*` or `glob[1]` must
+    not match another run's files, so nothing here is a pattern for DuckDB to expand."""
+    folder = run / table
+    files = sorted(folder.glob("*/*.parquet" if partitioned else "*.parquet")) if folder.is_dir() else []
+    return [glob.escape(str(f)) for f in files]
+
+
 def connect(root: Path) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per table over every run under root."""
     runs = find_runs(root)
     con = duckdb.connect()
-    rows, parts = [], {}
+    rows, parts, seen_ids = [], {}, set()
     for run in runs:
         manifest = json.loads((run / schema.MANIFEST_FILE).read_text())
         run_id = str(manifest.get("run_id") or run)
+        if run_id in seen_ids:  # a copied output folder: still a run of its own
+            run_id = f"{run_id}-{hashlib.sha256(str(run.resolve()).encode()).hexdigest()[:6]}"
+        seen_ids.add(run_id)
         facts = manifest.get("facts", {})
         rows.append({"run_id": run_id, "run_name": manifest.get("run_name"), "path": str(run),
                      "world_size": manifest.get("world_size"), "ranks": len(manifest.get("ranks", [])),
@@ -73,10 +86,10 @@ def connect(root: Path) -> duckdb.DuckDBPyConnection:
                      **{field: _fact(monitor.run_fact(facts, field), dtype) for field, dtype in RUN_FACTS.items()}})
         for table in list(schema.TABLES) + list(schema.ANALYSIS_TABLES):
             partitioned = table in schema.TABLES and schema.TABLES[table][2]
-            pattern = run / table / ("*/*.parquet" if partitioned else "*.parquet")
-            if any((run / table).glob("*/*.parquet" if partitioned else "*.parquet")):
+            if files := _part_files(run, table, partitioned):
+                listed = ", ".join(_quote(f) for f in files)
                 parts.setdefault(table, []).append(
-                    f"SELECT {_quote(run_id)} AS run_id, * FROM read_parquet({_quote(str(pattern))}"
+                    f"SELECT {_quote(run_id)} AS run_id, * FROM read_parquet([{listed}]"
                     f"{', hive_partitioning = true' if partitioned else ''})")
     con.register("runs_frame", pl.DataFrame(rows, schema={
         "run_id": pl.String, "run_name": pl.String, "path": pl.String, "world_size": pl.Int64, "ranks": pl.Int64,

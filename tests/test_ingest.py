@@ -175,10 +175,14 @@ def test_analyzer_runs_without_torch(run_dir, tmp_path):
 
 
 def test_python_dash_m_entry_point(run_dir, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run_dir), "--out", str(tmp_path / "o"), "-q"],
+    done = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run_dir), "--out", str(tmp_path / "o")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "2 trace file(s)" in done.stdout
+    quiet = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run_dir), "--out", str(tmp_path / "o"), "-q"],
+                           capture_output=True, text=True)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "trace file(s)" not in quiet.stdout and "findings" in quiet.stdout  # -q: the findings only
 
 
 def test_readme_documents_every_column():
