@@ -11,7 +11,7 @@ from __future__ import annotations
 import polars as pl
 
 from . import intervals
-from .kernels import first_match
+from .kernels import families, first_match
 from .launch import enclosing_op
 
 # c10 ScalarType names (record_param_comms `dtype`) -> bytes per element.
@@ -28,9 +28,10 @@ LATENCY_BOUND_BYTES = 1 << 20
 # Ordered: the first match names the collective (args first, then the kernel name).
 _OPS = [
     ("reducescatter", r"(?i)reduce_?scatter"),
-    ("allreduce", r"(?i)all_?reduce"),
+    ("allreduce", r"(?i)all_?reduce|cross_device_reduce"),
     ("allgather", r"(?i)all_?gather"),
-    ("alltoall", r"(?i)all_?to_?all"),
+    # DeepEP's dispatch/combine kernels are the two halves of an MoE all-to-all
+    ("alltoall", r"(?i)all_?to_?all|(^|::)(notify_|cached_notify_?)?(dispatch|combine)(_ll)?\b"),
     ("broadcast", r"(?i)broadcast"),
     ("sendrecv", r"(?i)send|recv"),
     ("reduce", r"(?i)reduce"),
@@ -38,7 +39,6 @@ _OPS = [
     ("scatter", r"(?i)scatter"),
     ("barrier", r"(?i)barrier"),
 ]
-NCCL_KERNEL = r"(?i)nccl|rccl"
 
 
 def nccl_op(column: str) -> pl.Expr:
@@ -47,12 +47,19 @@ def nccl_op(column: str) -> pl.Expr:
 
 
 def collective_kernels(events: pl.DataFrame) -> pl.DataFrame:
-    """NCCL/RCCL kernels (by name or by record_param_comms args) with their collective."""
+    """Communication kernels (family `communication`: NCCL/RCCL, NVLS multimem, DeepEP, custom
+    all-reduce; or record_param_comms args) with their collective. `events` may carry the `category`
+    of kernels.device_work (user patterns included); otherwise the default families are used."""
     kernels = events.filter(pl.col("kind") == "kernel")
-    names = kernels.select(pl.col("name").unique())
-    nccl = names.filter(pl.col("name").str.contains(NCCL_KERNEL))["name"].implode()  # regex once per distinct name
-    kernels = kernels.filter(pl.col("collective").is_not_null() | pl.col("name").is_in(nccl))
-    return kernels.with_columns(op=pl.coalesce(nccl_op("collective"), nccl_op("name"), pl.lit("unknown")))
+    return kernels.filter(_is_communication(kernels)).with_columns(
+        op=pl.coalesce(nccl_op("collective"), nccl_op("name"), pl.lit("unknown")))
+
+
+def _is_communication(kernels: pl.DataFrame) -> pl.Expr:
+    if "category" in kernels.columns:
+        return pl.col("collective").is_not_null() | (pl.col("category") == "communication")
+    comm = families(kernels["name"]).filter(pl.col("category") == "communication")["name"].implode()
+    return pl.col("collective").is_not_null() | pl.col("name").is_in(comm)
 
 
 def collectives(device: pl.DataFrame, world_size: int | None = None) -> pl.DataFrame:
@@ -122,9 +129,8 @@ def busbw_factor() -> pl.Expr:
 
 def _add_exposure(comm: pl.DataFrame, device: pl.DataFrame) -> pl.DataFrame:
     """Overlapped = covered by compute kernels on another stream of the same device; the rest is exposed."""
-    compute = device.filter(
-        (pl.col("kind") == "kernel") & pl.col("collective").is_null() & ~pl.col("name").str.contains(NCCL_KERNEL)
-    ).select("rank", "device", "stream", "ts_ns", "dur_ns")
+    kernels = device.filter(pl.col("kind") == "kernel")
+    compute = kernels.filter(~_is_communication(kernels)).select("rank", "device", "stream", "ts_ns", "dur_ns")
     by_device = compute.partition_by("rank", "device", as_dict=True)
     empty = compute.clear()
     pieces = []

@@ -1,8 +1,10 @@
-"""Which kernels take the GPU time: categories per rank and step, and the top kernels.
+"""Which kernels take the GPU time: families per rank and step, and the top kernels.
 
-Categories come from name patterns in `KERNEL_CATEGORIES`, checked in order (first match wins);
-users extend it with `--kernel-categories FILE` (CSV with columns category,pattern, placed before the
-defaults). memcpy and memset come from the event kind, not the name.
+A kernel's family (the `category` column) comes from its base name (no return type, namespaces,
+template arguments or parameters) matched against the patterns of `kernel_families.FAMILIES`, in
+order (first match wins); users extend them with `--kernel-categories FILE` (CSV with columns
+category,pattern, matched against the base name, placed before the defaults). memcpy and memset come
+from the event kind, not the name.
 """
 
 from __future__ import annotations
@@ -12,15 +14,11 @@ from pathlib import Path
 
 import polars as pl
 
-# (category, case-insensitive regex). Communication first: NCCL kernel names contain "Reduce".
-KERNEL_CATEGORIES: list[tuple[str, str]] = [
-    ("communication", r"nccl|rccl|^c10d::|allreduce|all_reduce|allgather|reducescatter|sendrecv"),
-    ("attention", r"flash|fmha|attention|attn|sdpa|mha_|scaled_dot_product"),
-    ("gemm", r"gemm|cublas|cutlass|xmma|nvjet|matmul|wgmma|gemv|Cijk_|hipblaslt|splitk"),
-    ("elementwise/reduction", r"elementwise|vectorized|unrolled|reduce|reduction|softmax|norm|"
-                              r"\badd|\bmul|copy|fill|dropout|activation|gelu|silu|relu|triton_|index|cat|scatter|gather"),
-]
-CATEGORIES = ("gemm", "attention", "elementwise/reduction", "communication", "memcpy", "memset", "other")
+from .kernel_families import FAMILIES, FAMILY_NAMES, base_name
+
+# (category, case-insensitive regex over the base name), in the order they are tried.
+KERNEL_CATEGORIES: list[tuple[str, str]] = [(family, pattern) for family, pattern, _ in FAMILIES]
+CATEGORIES = FAMILY_NAMES
 
 
 def load_categories(path: Path) -> list[tuple[str, str]]:
@@ -38,15 +36,23 @@ def first_match(column: str, patterns: list[tuple[str, str]], default: str | Non
     return expr.otherwise(pl.lit(default, pl.String))
 
 
-def categorize(patterns: list[tuple[str, str]] = KERNEL_CATEGORIES) -> pl.Expr:
-    """An expression giving a kernel name its category (first matching pattern, case-insensitive)."""
-    return first_match("name", [(category, f"(?i){pattern}") for category, pattern in patterns], "other")
+def categorize(patterns: list[tuple[str, str]] = KERNEL_CATEGORIES, column: str = "name") -> pl.Expr:
+    """An expression giving a kernel (base) name its category (first matching pattern, case-insensitive)."""
+    return first_match(column, [(category, f"(?i){pattern}") for category, pattern in patterns], "other")
+
+
+def families(names: pl.Series, patterns: list[tuple[str, str]] = KERNEL_CATEGORIES) -> pl.DataFrame:
+    """name, base_name and category of each distinct kernel name."""
+    distinct = names.drop_nulls().unique()
+    bases = [base_name(n) for n in distinct.to_list()]  # rowwise-ok: once per distinct kernel name, not per event
+    table = pl.DataFrame({"name": distinct, "base_name": pl.Series(bases, dtype=pl.String)})
+    return table.with_columns(category=categorize(patterns, "base_name"))
 
 
 def device_work(device: pl.DataFrame, patterns=KERNEL_CATEGORIES) -> pl.DataFrame:
     """Kernels, memcpy and memset with their category. Patterns run once per distinct kernel name."""
     work = device.filter(pl.col("kind").is_in(["kernel", "gpu_memcpy", "gpu_memset"]))
-    names = work.select(pl.col("name").unique()).with_columns(category=categorize(patterns))
+    names = families(work["name"], patterns)
     by_name = pl.col("name").replace_strict(names["name"], names["category"], default="other")
     return work.with_columns(
         category=pl.when(pl.col("kind") == "gpu_memcpy").then(pl.lit("memcpy"))

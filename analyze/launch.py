@@ -1,22 +1,37 @@
-"""Whether the GPU waits on the CPU: launch cost and queueing per kernel, GPU busy/idle per stream and
-step, and idle time split by cause.
+"""Whether the GPU waits on the CPU: launch cost and queueing per kernel, GPU busy/idle per device,
+step and stream, and idle time split by cause.
 
 Definitions (one cause per gap; the same in tests/synthetic.py, which builds runs with known answers):
-- A stream's span in a step runs from the first start to the last end of the device work (kernels,
-  memcpy, memset) launched in that step on that stream; busy is the union of that work.
-- Each gap between consecutive activities A (ends at g0) and B on the stream is
+- The device-busy timeline of a rank's device in one profiler window (source) is the union of all its
+  device work: kernels, memcpy and memset on every stream, of every step, with or without a recorded
+  launch (work enqueued before the window opened included). The device is idle only where it is not.
+- `gpu_idle` rows, all with busy_ns + idle_ns == span_ns:
+  * whole window (step null, stream -1): first start to last end of all device work in the window,
+    idle against the device-busy timeline. Every trace with device activity has them, with or
+    without ProfilerStep; the headline idle share is theirs.
+  * per step (stream -1): first start to last end of the work launched in the step, idle against the
+    same device-wide timeline, so time in which another step's work (or work launched before the
+    window) kept the device busy is never idle.
+  * per step and stream: the step's own work on that stream, idle against its own union.
+- Each gap between consecutive activities A (ends at g0) and B on a lane is
   * sync       when B's launch call started at or after g0 and, at g0, the launching thread was
                inside a synchronizing call (stream/device/event synchronize, blocking memcpy);
   * host-bound when B's launch call started at or after g0 otherwise: nothing was queued, the GPU
                waited for the CPU to issue work;
   * other      when B was already queued before A ended (a cross-stream dependency), or B has no
                recorded launch.
+- queue_ns = start on the GPU - end of the launch call. It is negative where the call returns only
+  after the work started: blocking copies (cudaMemcpy returns once the copy is done) and graph
+  launches (cudaGraphLaunch is still enqueueing when its first kernels start). launch_summary's
+  queue statistics clip it at 0 ("no queueing: the work overlapped the call"); launch_delay_ns (from
+  the start of the call) is never negative for linked work.
 HTA's idle breakdown (host wait / kernel wait / other) differs: it looks at kernel-to-kernel gaps
 with a fixed threshold and does not see synchronization; see tests/fixtures/hta/README.md.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
 from . import intervals
@@ -36,27 +51,33 @@ def kernel_launches(device: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
         "launch_event_id")
     linked = work.join(call_info, left_on=["rank", "source", "launch_event_id"], right_on=["rank", "source", "event_id"],
                        how="left", maintain_order="left")
+    # Work whose launch is not in the file (enqueued before the window) belongs to no step: never guess one by time.
     return linked.with_columns(
+        step=pl.when(pl.col("launch_api").is_not_null()).then(pl.col("step")),
         queue_ns=pl.col("ts_ns") - (pl.col("launch_ts_ns") + pl.col("api_ns")),
         launch_delay_ns=pl.col("ts_ns") - pl.col("launch_ts_ns"),
     ).drop("launch_event_id")
 
 
 ALL_STREAMS = -1  # `stream` value of the rows that treat the device as one timeline
+CAUSES = ("host_bound", "sync", "other")
 
 
 def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
-    """Every gap inside a step span, per stream and for the whole device (stream = ALL_STREAMS: the
-    device is idle only when no stream is busy), with its cause and, for sync gaps, the sync call.
+    """Every gap with its cause and, for sync gaps, the sync call: per step and stream (inside the
+    step's work on that stream), and for the whole device (stream = ALL_STREAMS, step = the step of
+    the activity that ends the gap): the gaps of the device-busy timeline, all steps and streams and
+    work without a launch included.
 
     `launched` must be in time order within each (rank, source), as kernel_launches leaves it."""
-    work = launched.filter(pl.col("step").is_not_null() & pl.col("stream").is_not_null()).with_columns(
-        end_ns=pl.col("ts_ns") + pl.col("dur_ns").fill_null(0))
-    keys = ["rank", "source", "device", "stream", "step"]
+    work = launched.filter(pl.col("stream").is_not_null()).with_columns(end_ns=pl.col("ts_ns") + pl.col("dur_ns").fill_null(0))
     lanes = []
-    for lane_keys, stream in ((keys, pl.col("stream")), ([k for k in keys if k != "stream"], pl.lit(ALL_STREAMS, pl.Int64))):
+    for lane_keys, stream, rows in (
+        (["rank", "source", "device", "stream", "step"], pl.col("stream"), work.filter(pl.col("step").is_not_null())),
+        (["rank", "source", "device"], pl.lit(ALL_STREAMS, pl.Int64), work),
+    ):
         prev_end = pl.col("end_ns").cum_max().shift(1).over(lane_keys)
-        lanes.append(work.with_columns(prev_end_ns=prev_end).filter(pl.col("ts_ns") > pl.col("prev_end_ns")).select(
+        lanes.append(rows.with_columns(prev_end_ns=prev_end).filter(pl.col("ts_ns") > pl.col("prev_end_ns")).select(
             "rank", "source", "device", stream.alias("stream"), "step", "launch_pid", "launch_tid", "launch_ts_ns",
             gap_start_ns="prev_end_ns", gap_end_ns="ts_ns"))
     gaps = pl.concat(lanes)
@@ -74,28 +95,57 @@ def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     return gaps.with_columns(cause=cause, idle_ns=pl.col("gap_end_ns") - pl.col("gap_start_ns")).with_columns(
         sync_event_id=pl.when(pl.col("cause") == "sync").then(pl.col("sync_event_id")),
         sync_name=pl.when(pl.col("cause") == "sync").then(pl.col("sync_name")),
-    ).select(keys + ["gap_start_ns", "gap_end_ns", "idle_ns", "cause", "sync_event_id", "sync_name"])
+    ).select("rank", "source", "device", "stream", "step", "gap_start_ns", "gap_end_ns", "idle_ns", "cause",
+             "sync_event_id", "sync_name").sort("rank", "source", "device", "stream", "gap_start_ns")
+
+
+GPU_IDLE_COLUMNS = ["rank", "device", "stream", "step", "span_start_ns", "span_end_ns", "span_ns", "busy_ns", "idle_ns",
+                    "host_bound_ns", "sync_ns", "other_ns", "activities", "source"]
 
 
 def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame) -> pl.DataFrame:
-    """Per rank, step and stream (and ALL_STREAMS for the device): span, busy, and idle split by cause
-    (busy + idle causes == span)."""
-    keys = ["rank", "device", "stream", "step"]
-    work = launched.filter(pl.col("step").is_not_null() & pl.col("stream").is_not_null())
-    span = dict(span_start_ns=pl.col("ts_ns").min(), span_end_ns=(pl.col("ts_ns") + pl.col("dur_ns")).max(), activities=pl.len())
-    spans = pl.concat([
-        work.group_by(keys).agg(**span),
-        work.group_by("rank", "device", "step").agg(**span).with_columns(stream=pl.lit(ALL_STREAMS, pl.Int64)).select(keys + list(span)),
-    ]).with_columns(span_ns=pl.col("span_end_ns") - pl.col("span_start_ns"))
-    causes = gaps.group_by(keys).agg(
-        **{f"{c}_ns": pl.col("idle_ns").filter(pl.col("cause") == c).sum() for c in ("host_bound", "sync", "other")})
-    table = spans.join(causes, on=keys, how="left").with_columns(
-        [pl.col(c).fill_null(0) for c in ("host_bound_ns", "sync_ns", "other_ns")])
+    """Per rank, device and window (step null, stream ALL_STREAMS), per step (stream ALL_STREAMS) and
+    per step and stream: span, busy, and idle split by cause (busy + idle causes == span)."""
+    work = launched.filter(pl.col("stream").is_not_null())
+    span = dict(span_start_ns=pl.col("ts_ns").min(), span_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max(),
+                activities=pl.len())
+    stream_keys = ["rank", "source", "device", "stream", "step"]
+    per_stream = work.filter(pl.col("step").is_not_null()).group_by(stream_keys).agg(**span)
+    stream_gaps = gaps.filter(pl.col("stream") != ALL_STREAMS)
+    per_stream = per_stream.join(_cause_totals(stream_gaps, stream_keys), on=stream_keys, how="left")
+    device_gaps = gaps.filter(pl.col("stream") == ALL_STREAMS)
+    windows = work.group_by("rank", "source", "device").agg(**span).with_columns(step=pl.lit(None, pl.Int64))
+    windows = windows.join(_cause_totals(device_gaps, ["rank", "source", "device"]), on=["rank", "source", "device"], how="left")
+    per_step = _clipped_causes(work.filter(pl.col("step").is_not_null()).group_by("rank", "source", "device", "step").agg(**span),
+                               device_gaps)
+    device_rows = pl.concat([windows, per_step], how="diagonal_relaxed").with_columns(stream=pl.lit(ALL_STREAMS, pl.Int64))
+    table = pl.concat([device_rows, per_stream], how="diagonal_relaxed").with_columns(
+        [pl.col(f"{c}_ns").fill_null(0) for c in CAUSES])
     return table.with_columns(
-        idle_ns=pl.col("host_bound_ns") + pl.col("sync_ns") + pl.col("other_ns"),
-    ).with_columns(busy_ns=pl.col("span_ns") - pl.col("idle_ns")).select(
-        keys + ["span_start_ns", "span_end_ns", "span_ns", "busy_ns", "idle_ns", "host_bound_ns", "sync_ns", "other_ns", "activities"]
-    ).sort(keys)
+        span_ns=pl.col("span_end_ns") - pl.col("span_start_ns"),
+        idle_ns=pl.sum_horizontal([f"{c}_ns" for c in CAUSES]),
+    ).with_columns(busy_ns=pl.col("span_ns") - pl.col("idle_ns")).select(GPU_IDLE_COLUMNS).sort(
+        "rank", "device", "stream", "step", "source", nulls_last=False)
+
+
+def _cause_totals(gaps: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
+    return gaps.group_by(keys).agg(**{f"{c}_ns": pl.col("idle_ns").filter(pl.col("cause") == c).sum() for c in CAUSES})
+
+
+def _clipped_causes(spans: pl.DataFrame, device_gaps: pl.DataFrame) -> pl.DataFrame:
+    """Add each cause's share of the device-timeline gaps inside every [span_start_ns, span_end_ns)."""
+    gaps_by_device = device_gaps.partition_by("rank", "source", "device", as_dict=True)
+    pieces = []
+    for key, group in spans.partition_by("rank", "source", "device", as_dict=True).items():
+        gaps = gaps_by_device.get(key, device_gaps.clear())
+        lo, hi = group["span_start_ns"].to_numpy(), group["span_end_ns"].to_numpy()
+        totals = {}
+        for c in CAUSES:
+            mine = gaps.filter(pl.col("cause") == c)  # disjoint and in time order: gaps of one union
+            totals[f"{c}_ns"] = pl.Series(intervals.covered(mine["gap_start_ns"].to_numpy(), mine["gap_end_ns"].to_numpy(),
+                                                            lo, hi).astype(np.int64), dtype=pl.Int64)
+        pieces.append(group.with_columns(**totals))
+    return pl.concat(pieces) if pieces else spans
 
 
 SYNC_POINTS = 20  # the synchronizing calls kept, worst first
@@ -148,13 +198,14 @@ def enclosing_op(calls: pl.DataFrame, threads: dict[tuple, pl.DataFrame], skip: 
 
 
 def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
-    """Per rank and launch API: how many, CPU cost and queueing (median, p90)."""
-    linked = launched.filter(pl.col("launch_api").is_not_null())
+    """Per rank and launch API: how many, CPU cost and queueing (median, p90; queue_ns clipped at 0:
+    work that started before its call returned did not queue)."""
+    linked = launched.filter(pl.col("launch_api").is_not_null()).with_columns(queued=pl.col("queue_ns").clip(lower_bound=0))
     return linked.group_by("rank", "launch_api").agg(
         activities=pl.len(),
         api_ns_median=pl.col("api_ns").median(),
         api_ns_p90=pl.col("api_ns").quantile(0.9),
-        queue_ns_median=pl.col("queue_ns").median(),
-        queue_ns_p90=pl.col("queue_ns").quantile(0.9),
+        queue_ns_median=pl.col("queued").median(),
+        queue_ns_p90=pl.col("queued").quantile(0.9),
         gpu_ns_total=pl.col("dur_ns").sum(),
     ).sort("rank", "activities", descending=[False, True])

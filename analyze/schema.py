@@ -316,12 +316,15 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "aligned_dur_ns": "Step wall time across ranks on the aligned clock (first start to last end).",
     },
     "collectives": {
-        "rank": "Rank.", "step": "Step of the launch.", "event_id": "The NCCL/RCCL kernel's event_id.",
+        "rank": "Rank.", "step": "Step of the launch.",
+        "event_id": "The communication kernel's event_id (family communication: NCCL/RCCL, NVLS multimem, DeepEP, custom all-reduce).",
         "instance": "Cross-rank key: process group + Seq, else process group + op + order.",
-        "op": "Collective in nccl-tests terms (allreduce, allgather, reducescatter, alltoall, broadcast, reduce, sendrecv, ...).",
+        "op": "Collective in nccl-tests terms (allreduce, allgather, reducescatter, alltoall, broadcast, reduce, sendrecv, ...), "
+              "from record_param_comms or else inferred from the kernel name (unknown when neither says).",
         "collective": "'Collective name' as recorded.", "name": "Kernel name.", "group_name": "Process group.",
         "group_size": "n of the nccl-tests formulas: the process group's size.", "seq": "Sequence number in the group.",
-        "dtype": "Element type.", "bytes": "nccl-tests message size S (allgather: whole output; reducescatter: whole input).",
+        "dtype": "Element type.", "bytes": "nccl-tests message size S (allgather: whole output; reducescatter: whole input); "
+                                           "null when the trace records no record_param_comms for the kernel.",
         "ts_ns": "Kernel start.", "dur_ns": "Kernel duration.", "algbw_gbps": "S / duration, GB/s (1e9 B/s).",
         "busbw_gbps": "algbw x nccl-tests bus factor (allreduce 2(n-1)/n, allgather/reducescatter/alltoall (n-1)/n, else 1).",
         "overlapped_ns": "Part covered by compute kernels on another stream of the same device.",
@@ -339,34 +342,42 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "busbw_at_min_latency_gbps": "busbw at the minimum latency.",
     },
     "kernel_launches": {
-        "rank": "Rank.", "source": "Source file.", "event_id": "Device event.", "step": "Step.", "kind": "kernel, gpu_memcpy or gpu_memset.",
+        "rank": "Rank.", "source": "Source file.", "event_id": "Device event.",
+        "step": "Step of the launch call; null when the launch is not in the file (orphan_device_activity).",
+        "kind": "kernel, gpu_memcpy or gpu_memset.",
         "name": "Device event name.", "stream": "Stream.", "device": "GPU.", "correlation": "Correlation id.",
         "ts_ns": "Start on the GPU.", "dur_ns": "GPU duration.",
         "launch_api": "Runtime/driver call that enqueued it (null: no launch recorded).", "launch_ts_ns": "Start of that call.",
         "api_ns": "CPU cost of the call.", "launch_pid": "Launching process.", "launch_tid": "Launching thread.",
-        "queue_ns": "From the end of the call to the start on the GPU (negative for blocking copies).",
+        "queue_ns": "From the end of the call to the start on the GPU; negative when the work started before the call "
+                    "returned (blocking copies, graph launches).",
         "launch_delay_ns": "From the start of the call to the start on the GPU.",
     },
     "launch_summary": {
         "rank": "Rank.", "launch_api": "Launch API.", "activities": "Device activities it launched.",
         "api_ns_median": "Median CPU cost.", "api_ns_p90": "90th percentile CPU cost.",
-        "queue_ns_median": "Median queueing.", "queue_ns_p90": "90th percentile queueing.", "gpu_ns_total": "GPU time launched.",
+        "queue_ns_median": "Median queueing (queue_ns clipped at 0).", "queue_ns_p90": "90th percentile queueing (clipped at 0).", "gpu_ns_total": "GPU time launched.",
     },
     "gpu_idle": {
         "rank": "Rank.", "device": "GPU.", "stream": "Stream, or -1: the whole device (idle only when no stream is busy).",
-        "step": "Step.", "span_start_ns": "First start of the step's device work.", "span_end_ns": "Last end.",
-        "span_ns": "The span.", "busy_ns": "Union of activity.", "idle_ns": "span_ns - busy_ns.",
+        "step": "Step; null only on the whole-window rows (stream -1: all device work of the profiler window).",
+        "span_start_ns": "First start of the row's device work (the step's, the step's on the stream, or the window's).",
+        "span_end_ns": "Last end.",
+        "span_ns": "The span.", "busy_ns": "Part of the span the device (stream -1) or the stream was busy; stream -1 rows "
+        "count every step's work and work launched before the window.", "idle_ns": "span_ns - busy_ns.",
         "host_bound_ns": "Idle with nothing queued: the GPU waited for the CPU to launch.",
         "sync_ns": "Idle while the launching thread sat in a synchronizing call.",
         "other_ns": "Idle with work queued (cross-stream waits) or launches not recorded.",
-        "activities": "Device activities in the span.",
+        "activities": "Device activities of the row (the step's, the stream's, or the window's).",
+        "source": "Profiler window (trace file) the row belongs to.",
     },
     "sync_points": {
         "rank": "Rank.", "step": "Step.", "name": "Synchronizing call.", "issuing_op": "Innermost CPU op, annotation or frame around it.",
         "ts_ns": "Start of the call.", "dur_ns": "Its duration.", "idle_caused_ns": "Device idle it caused (sync gaps).",
     },
     "kernel_categories": {
-        "rank": "Rank.", "step": "Step.", "category": "gemm, attention, elementwise/reduction, communication, memcpy, memset, other.",
+        "rank": "Rank.", "step": "Step.", "category": "Kernel family from the base name (analyze/kernel_families.py): gemm, conv, attention, "
+                    "communication, normalization, elementwise, reduction, optimizer, embedding, triton, memcpy, memset, other.",
         "kernels": "Activities.", "time_ns": "Summed GPU time (streams may overlap).",
     },
     "top_kernels": {

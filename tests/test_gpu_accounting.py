@@ -1,0 +1,198 @@
+"""GPU-time accounting on hand-built minimal traces, each with its expected numbers worked out by hand:
+idle against the device-busy timeline (with and without ProfilerStep, with overlapping steps, with
+work launched before the window), communication kernels that are not nccl*, exposed communication
+per rank, launch queueing, and two files claiming one rank."""
+
+import json
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from steplens.analyze import analyses
+from steplens.analyze.cli import analyze
+from steplens.analyze.ingest import ingest
+
+from conftest import write_trace
+
+LAUNCH = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "dur": 2}
+
+
+def _launch(ts, correlation, name="cudaLaunchKernel", dur=2):
+    return {**LAUNCH, "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+
+def _kernel(ts, dur, correlation, stream, name="gemm_kernel", **args):
+    return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
+            "args": {"correlation": correlation, "stream": stream, "device": 0, **args}}
+
+
+def _step(n, ts, dur):
+    return {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{n}", "pid": 1, "tid": 1, "ts": ts, "dur": dur}
+
+
+def _analyse(folder):
+    findings = {}
+    result = ingest(folder, jobs=1, finish=lambda staging: findings.update(analyses.run(staging)))
+    return folder / ".steplens", findings, result
+
+
+def _table(out, name):
+    return pl.read_parquet(out / name / "*.parquet")
+
+
+def test_overlapping_steps_idle_only_when_no_stream_is_busy(tmp_path):
+    """The issue's minimal case: step 1's kernels run 1020-1030 us and 1300-1310 us, step 2's kernel
+    1150-1290 us on another stream. Step 1's span is 290 us; the device was busy 10 + 140 + 10 us of it,
+    so idle 130 us (the old per-step figure counted 270 us)."""
+    events = [
+        _step(1, 1000, 100), _launch(1010, 1), _launch(1050, 2),
+        _step(2, 1100, 100), _launch(1110, 3),
+        _kernel(1020, 10, 1, stream=7), _kernel(1300, 10, 2, stream=7), _kernel(1150, 140, 3, stream=8),
+    ]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    out, findings, _ = _analyse(tmp_path / "run")
+    device = _table(out, "gpu_idle").filter(pl.col("stream") == -1)
+    step1 = device.filter(pl.col("step") == 1).row(0, named=True)
+    assert (step1["span_ns"], step1["busy_ns"], step1["idle_ns"]) == (290_000, 160_000, 130_000)
+    step2 = device.filter(pl.col("step") == 2).row(0, named=True)
+    assert (step2["span_ns"], step2["idle_ns"]) == (140_000, 0)
+    window = device.filter(pl.col("step").is_null()).row(0, named=True)
+    # 1020-1310 us with 160 us busy; gaps 1030-1150 (step 2's kernel, launched at 1110 after 1030: host-bound)
+    # and 1290-1300 (step 1's second kernel, queued at 1050 before 1290: other).
+    assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (290_000, 160_000, 130_000)
+    assert (window["host_bound_ns"], window["other_ns"], window["sync_ns"]) == (120_000, 10_000, 0)
+    assert (step1["host_bound_ns"], step1["other_ns"]) == (120_000, 10_000)
+    assert findings["gpu_idle"]["idle_share"] == pytest.approx(130 / 290)
+    assert findings["gpu_idle"]["main_cause"] == "host_bound"
+    # The per-stream rows keep their meaning: step 1 on stream 7 idles 270 us between its own kernels.
+    own_stream = _table(out, "gpu_idle").filter((pl.col("stream") == 7) & (pl.col("step") == 1)).row(0, named=True)
+    assert own_stream["idle_ns"] == 270_000
+
+
+def test_trace_without_steps_gets_every_analysis_that_needs_no_steps(tmp_path):
+    """Old-API / unscheduled traces have no ProfilerStep: idle, launches, kernels and collectives all
+    come out. Kernels 0-100 us, 150-200 us and an all-reduce 120-140 us on a second stream: 170 us busy
+    of 200 us."""
+    events = [
+        _launch(-10, 1), _launch(-5, 2), _launch(130, 3),
+        _kernel(0, 100, 1, stream=7, name="void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >(int)"),
+        _kernel(120, 20, 2, stream=9, name="ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"),
+        _kernel(150, 50, 3, stream=7, name="ampere_sgemm_128x64_nn"),
+    ]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 2})
+    out, findings, _ = _analyse(tmp_path / "run")
+    idle = _table(out, "gpu_idle")
+    assert idle["step"].null_count() == idle.height == 1  # only the whole-window row
+    row = idle.row(0, named=True)
+    assert (row["stream"], row["span_ns"], row["busy_ns"], row["idle_ns"], row["activities"]) == (-1, 200_000, 170_000, 30_000, 3)
+    assert findings["gpu_idle"]["idle_share"] == pytest.approx(30 / 200)
+    assert dict(_table(out, "kernel_categories").select("category", "time_ns").iter_rows()) == {
+        "elementwise": 100_000, "communication": 20_000, "gemm": 50_000}
+    assert _table(out, "top_kernels").height == 3
+    assert _table(out, "launch_summary")["activities"].sum() == 3
+    calls = _table(out, "collectives")
+    assert calls.select("op", "dur_ns", "exposed_ns").rows() == [("allreduce", 20_000, 20_000)]
+
+
+def test_work_launched_before_the_window_is_an_orphan_with_no_step(tmp_path):
+    """A kernel whose launch is not in the file (correlation 99, enqueued before the window) runs
+    0-40 us inside step 1's CPU window: it gets no step and no launch API, is counted in
+    ingest_issues, and still keeps the device busy."""
+    events = [
+        _step(1, -5, 200), _launch(10, 1),
+        _kernel(0, 40, 99, stream=7, name="void at::native::reduce_kernel<512, 1>(int)"),
+        _kernel(60, 30, 1, stream=7),
+    ]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    out, _, result = _analyse(tmp_path / "run")
+    launches = _table(out, "kernel_launches").sort("ts_ns")
+    assert launches.select("step", "launch_api").rows() == [(None, None), (1, "cudaLaunchKernel")]
+    issues = _table(out, "ingest_issues").filter(pl.col("reason") == "orphan_device_activity")
+    assert issues["count"].to_list() == [1] and "40000 ns" in issues["detail"][0]
+    assert result.sources[0].status == "ingested"
+    window = _table(out, "gpu_idle").filter(pl.col("step").is_null()).row(0, named=True)
+    assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (90_000, 70_000, 20_000)
+    step1 = _table(out, "gpu_idle").filter((pl.col("step") == 1) & (pl.col("stream") == -1)).row(0, named=True)
+    assert (step1["span_ns"], step1["idle_ns"], step1["activities"]) == (30_000, 0, 1)  # only its own launch
+    assert _table(out, "kernel_categories").filter(pl.col("step").is_null())["time_ns"].sum() == 40_000
+
+
+def test_multimem_all_reduce_is_a_collective_with_exposure(tmp_path):
+    """PyTorch symmetric-memory all-reduce (NVLS multimem; kernel multimem_all_reduce_kernel in
+    torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemoryOps.cu,
+    https://github.com/pytorch/pytorch/blob/main/torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemoryOps.cu)
+    has no record_param_comms: op from the name, bytes unknown. 100 us, a GEMM on another stream covers
+    30 us of it."""
+    events = [
+        _step(1, 0, 500), _launch(1, 1), _launch(5, 2),
+        _kernel(10, 100, 1, stream=20, name="multimem_all_reduce_kernel"),
+        _kernel(80, 60, 2, stream=7, name="nvjet_tst_64x8_64x16_4x1_v_bz_TNT"),
+    ]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 8})
+    out, findings, _ = _analyse(tmp_path / "run")
+    call = _table(out, "collectives").row(0, named=True)
+    assert (call["op"], call["bytes"], call["dur_ns"], call["overlapped_ns"], call["exposed_ns"]) == (
+        "allreduce", None, 100_000, 30_000, 70_000)
+    categories = dict(_table(out, "kernel_categories").select("category", "time_ns").iter_rows())
+    assert categories == {"communication": 100_000, "gemm": 60_000}
+    assert findings["most_exposed_collective"]["op"] == "allreduce" and findings["exposed_comm_ns"] == 70_000
+
+
+def test_exposed_communication_is_per_rank_never_summed(tmp_path):
+    """Rank 0 exposes 100 us, rank 1 60 us of all-reduce: the headline is rank 0's 100 us, not 160 us."""
+    for rank, dur in ((0, 100), (1, 60)):
+        events = [_step(1, 0, 500), _launch(1, 1),
+                  _kernel(10, dur, 1, stream=20, name="ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)")]
+        write_trace(tmp_path / "run" / f"rank{rank}.json", events, distributedInfo={"rank": rank, "world_size": 2})
+    _, findings, _ = _analyse(tmp_path / "run")
+    assert findings["exposed_comm_ns"] == 100_000 and findings["exposed_comm_rank"] == 0
+    assert findings["exposed_comm_median_rank_ns"] == 80_000
+    assert findings["most_exposed_collective"]["rank"] == 0 and findings["most_exposed_collective"]["exposed_ns"] == 100_000
+
+
+def test_blocking_copy_queue_is_never_negative_in_the_summary(tmp_path):
+    """cudaMemcpy returns after its copy: the copy starts 5 us after the call began and the call
+    returns 20 us later, so queue_ns = 5 - 25 = -20 us (it overlaps the call); launch_summary clips it at 0."""
+    events = [
+        _step(1, 0, 500), _launch(10, 1, name="cudaMemcpy", dur=25),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "pid": 0, "tid": 7, "ts": 15, "dur": 18,
+         "args": {"correlation": 1, "stream": 7, "device": 0}},
+    ]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    out, _, _ = _analyse(tmp_path / "run")
+    launch = _table(out, "kernel_launches").row(0, named=True)
+    assert (launch["queue_ns"], launch["launch_delay_ns"]) == (-20_000, 5_000)
+    summary = _table(out, "launch_summary").row(0, named=True)
+    assert summary["launch_api"] == "cudaMemcpy" and summary["queue_ns_median"] == 0
+
+
+@pytest.mark.parametrize("twin", ["identical copy", "same steps"])
+def test_two_files_claiming_one_rank_is_an_error_not_a_merge(tmp_path, twin):
+    events = [_step(1, 0, 100), _launch(1, 1), _kernel(10, 50, 1, stream=7)]
+    first = write_trace(tmp_path / "run" / "a_rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    if twin == "identical copy":
+        (tmp_path / "run" / "b_rank0.json").write_bytes(first.read_bytes())
+    else:  # another recording of the same steps (shifted clock), still rank 0
+        later = [{**e, "ts": e["ts"] + 7} for e in events]
+        write_trace(tmp_path / "run" / "b_rank0.json", later, distributedInfo={"rank": 0, "world_size": 1})
+    result = CliRunner().invoke(analyze, [str(tmp_path / "run"), "-q"])
+    assert result.exit_code == 1, result.output  # results written, one input unusable
+    issues = _table(tmp_path / "run" / ".steplens", "ingest_issues").filter(pl.col("reason") == "duplicate_rank")
+    assert issues.select("file", "severity").rows() == [("b_rank0.json", "error")]
+    assert "a_rank0.json" in issues["detail"][0]
+    events_kept = _table(tmp_path / "run" / ".steplens", "kernel_launches")
+    assert events_kept.height == 1 and events_kept["source"].to_list() == ["a_rank0.json"]
+
+
+def test_windows_of_one_process_share_a_rank_without_error(tmp_path):
+    """Two profiler windows of one process (distinct steps): one rank, no duplicate_rank issue."""
+    for n, name in ((1, "w1_rank0.json"), (5, "w2_rank0.json")):
+        events = [_step(n, n * 1000, 100), _launch(n * 1000 + 1, n), _kernel(n * 1000 + 10, 50, n, stream=7)]
+        write_trace(tmp_path / "run" / name, events, distributedInfo={"rank": 0, "world_size": 1})
+    out, _, result = _analyse(tmp_path / "run")
+    assert [s.status for s in result.sources] == ["ingested", "ingested"]
+    assert _table(out, "ingest_issues").filter(pl.col("reason") == "duplicate_rank").is_empty()
+    windows = _table(out, "gpu_idle").filter(pl.col("step").is_null())
+    assert windows.height == 2 and sorted(windows["source"].to_list()) == ["w1_rank0.json", "w2_rank0.json"]
+    assert json.loads((out / "findings.json").read_text())["gpu_idle"]["idle_share"] == 0
