@@ -14,7 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
-from . import autotune, comms, commslog, kernels, launch, mfu, monitor, schema, step_breakdown, step_time, steps
+from . import autotune, comms, commslog, kernels, launch, log_mfu, mfu, monitor, schema, step_breakdown, step_time, steps
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
@@ -133,6 +133,10 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
                                                           options.recompute)
     if not run_rows.is_empty():
         tables["mfu"] = pl.concat([tables["mfu"], run_rows], how="diagonal_relaxed")
+    log_rows, log_problem = log_mfu.megatron_mfu(tables["step_time"], facts, peak, world_size or facts.get("world_size") or 1)
+    if not log_rows.is_empty():  # a logs-only Megatron run: the shape from its arguments
+        tables["mfu"] = pl.concat([tables["mfu"], log_rows], how="diagonal_relaxed")
+    mfu_problem = mfu_problem or log_problem
     for name, frame in tables.items():
         _write(out_dir, name, frame)
     if not ranks:

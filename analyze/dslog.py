@@ -113,6 +113,22 @@ KILLED = re.compile(r"(?:Main process )?received (SIG\w+)")
 TRACEBACK = "Traceback (most recent call last):"
 EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Fault))(?::.*)?$")
 FLOPS_HEADER = "-- DeepSpeed Flops Profiler --"
+# Megatron's resolved arguments (arguments.py _print_args): "  name ....... value" between these lines.
+MEGATRON_ARGS_START = re.compile(r"^-+ arguments -+$")
+MEGATRON_ARGS_END = re.compile(r"^-+ end of arguments -+$")
+MEGATRON_ARG = re.compile(r"^  (\w+) \.{2,} (.*?)\s*$")
+MEGATRON_PADDED_VOCAB = re.compile(r"> padded vocab \(size: (\d+)\) with (\d+) dummy tokens \(new size: (\d+)\)")
+# The model-shape and batch options MFU and throughput need (Megatron-LM and Megatron-DeepSpeed names).
+MEGATRON_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+                       "num_key_value_heads", "group_query_attention", "num_query_groups", "seq_length",
+                       "global_batch_size", "micro_batch_size", "padded_vocab_size", "vocab_size", "swiglu",
+                       "num_experts", "world_size", "data_parallel_size", "tensor_model_parallel_size",
+                       "pipeline_model_parallel_size", "checkpoint_activations", "recompute_granularity")
+MEGATRON_FLAG = re.compile(r"(?:^|\s)--([a-z][a-z0-9-]*)(?:[ =]([^\s-][^\s]*))?(?=\s|$)")
+# A command line (the DeepSpeed runner's, or a script's own "cmd = ..." echo) stating the batch.
+SCRIPT_CMD = re.compile(r"^cmd = (.*)$")
+CMD_MICRO_BATCH = re.compile(r"--(?:per_device_train_batch_size|train_micro_batch_size_per_gpu|micro[-_]batch[-_]size)[ =](\d+)")
+CMD_GAS = re.compile(r"--gradient[-_]accumulation[-_]steps[ =](\d+)")
 
 
 @dataclass
@@ -236,6 +252,8 @@ def _read_line(state: LogState, lines: list[str], i: int) -> int:
         return _flops_block(state, lines, i)
     elif m := CONFIG_JSON_START.search(line):
         return _config_json(state, lines, i, m[1])
+    elif MEGATRON_ARGS_START.match(line.strip()):
+        return _megatron_args(state, lines, i + 1)
     else:
         _launcher_or_status(state, line, i)
     return i + 1
@@ -386,10 +404,49 @@ def _config_json(state: LogState, lines: list[str], i: int, first: str) -> int:
     return j
 
 
+def _arg_value(text: str):
+    """A Megatron argument as printed (str() of the value): int, float, bool, None, list, or the text."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _megatron_args(state: LogState, lines: list[str], i: int) -> int:
+    """Megatron's resolved arguments (the model shape and batch among them) -> facts["megatron_args"]."""
+    args = state.facts.setdefault("megatron_args", {})
+    while i < len(lines) and not MEGATRON_ARGS_END.match(lines[i].strip()) and not TIMESTAMP.match(lines[i]):
+        if (m := MEGATRON_ARG.match(lines[i])) and m[1] in MEGATRON_SHAPE_ARGS:
+            args[m[1]] = _arg_value(m[2])  # a value cut by another rank's write is garbled text, not a number
+        i += 1
+    return i + 1
+
+
+def _command_line(state: LogState, command: str) -> None:
+    """Batch options of a command line, and the Megatron shape options it gives (the arguments block,
+    printed later with the resolved values, overrides them)."""
+    if m := CMD_MICRO_BATCH.search(command):
+        state.facts.setdefault("cmd_micro_batch", int(m[1]))
+    if m := CMD_GAS.search(command):
+        state.facts.setdefault("cmd_gradient_accumulation_steps", int(m[1]))
+    args = state.facts.setdefault("megatron_args", {})
+    for flag, value in MEGATRON_FLAG.findall(command):
+        name = flag.replace("-", "_")
+        if name in MEGATRON_SHAPE_ARGS and name not in args:
+            args[name] = True if value == "" else _arg_value(value)
+    if not args:
+        del state.facts["megatron_args"]
+
+
 def _launcher_or_status(state: LogState, line: str, i: int) -> None:
     facts = state.facts
     if RUNNER_CMD.search(line):
         _start_run_if_new(state, "cmd")
+        _command_line(state, line)
+    elif m := SCRIPT_CMD.match(line):
+        _command_line(state, m[1])
+    elif m := MEGATRON_PADDED_VOCAB.search(line):
+        state.facts.setdefault("megatron_args", {})["padded_vocab_size"] = int(m[3])
     elif m := WORLD_INFO.search(line):
         _start_run_if_new(state, "world_info")
         try:
@@ -483,10 +540,58 @@ def _comms_rows(state: LogState, issues: list) -> list[dict]:
     return rows
 
 
+def _batch_facts(state: LogState, issues: list) -> None:
+    """train_batch_size and seq_len where the log states them (a config dump, Megatron's arguments),
+    else train_batch_size from the throughput lines: CurrSamplesPerSec (train_batch_size / that
+    step's time) x the wall time between two throughput lines / the optimizer steps between them,
+    median over the run, rounded to a multiple of the per-device batch the command line states (a
+    batch is micro batch x accumulation x data-parallel ranks). Without a stated per-device batch
+    the estimate is too rough to count samples with, and the batch stays unknown."""
+    facts, args = state.facts, state.facts.get("megatron_args") or {}
+    for fact, arg in (("train_batch_size", "global_batch_size"), ("seq_len", "seq_length")):
+        if isinstance(args.get(arg), int) and not isinstance(args[arg], bool):
+            facts.setdefault(fact, args[arg])
+    if isinstance(facts.get("train_batch_size"), int):
+        return
+    rates = [r for r in state.scalars if r["name"] == "CurrSamplesPerSec" and r["step"] is not None
+             and r["wall_ns"] is not None and r["value"] > 0]
+    estimates = [now["value"] * (now["wall_ns"] - before["wall_ns"]) / 1e9 / (now["step"] - before["step"])
+                 for before, now in zip(rates, rates[1:]) if now["rank"] == before["rank"] and now["step"] > before["step"]]
+    unit = facts.get("train_micro_batch_size_per_gpu") or facts.get("cmd_micro_batch")
+    if not estimates:
+        return
+    estimate = sorted(estimates)[len(estimates) // 2]
+    if not unit:
+        issues.append(["info", "train_batch_size_unknown", len(rates),
+                       f"throughput lines imply about {estimate:.1f} samples per step, but no per-device batch is stated "
+                       "to round that to: global_samples left null"])
+        return
+    batch = max(round(estimate / unit), 1) * unit
+    facts["train_batch_size"] = batch
+    facts["train_batch_size_origin"] = (
+        f"CurrSamplesPerSec x time between throughput lines / steps between them: median {estimate:.1f} over "
+        f"{len(estimates)} intervals, rounded to a multiple of the per-device batch {unit} on the command line")
+    issues.append(["info", "train_batch_size_inferred", 1, f"train_batch_size {batch}: {facts['train_batch_size_origin']}"])
+
+
+def _fill_global_samples(state: LogState) -> None:
+    """global_samples = optimizer steps done x train_batch_size for log scalars that lack it (lines
+    read before the batch was known, or a batch inferred at the end). DeepSpeed counts fp16-skipped
+    steps in global_steps and global_samples alike."""
+    batch = state.facts.get("train_batch_size")
+    if not isinstance(batch, int):
+        return
+    for row in state.scalars:
+        if row["global_samples"] is None and row["step"] is not None:
+            row["global_samples"] = (row["step"] + 1) * batch
+
+
 def _build(state: LogState, issues: list) -> Imported:
     tables: dict[str, pl.DataFrame] = {}
     if state.timers:
         tables["step_timers"] = conform(state.timers, "step_timers")
+    _batch_facts(state, issues)
+    _fill_global_samples(state)
     if state.scalars:
         tables["scalars"] = conform(state.scalars, "scalars")
     if comms := _comms_rows(state, issues):
@@ -507,7 +612,7 @@ def _build(state: LogState, issues: list) -> Imported:
         tables["run_status"] = conform([{**s, "source": state.rel} for s in statuses], "run_status")
     if len(state.runs) > 1:
         issues.append(["info", "several_runs", len(state.runs), f"{len(state.runs)} runs appended to one file"])
-    facts = {k: v for k, v in state.facts.items() if k != "world_info"}
+    facts = {k: v for k, v in state.facts.items() if k not in ("world_info", "cmd_micro_batch", "cmd_gradient_accumulation_steps")}
     if len(state.runs) > 1:
         facts["runs_in_file"] = len(state.runs)
     for block in state.flops_blocks:
