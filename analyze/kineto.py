@@ -590,6 +590,9 @@ def _steps(events: pl.DataFrame) -> pl.DataFrame:
     return steps
 
 
+WORK_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")  # device work a launch call enqueues
+
+
 def _assign_steps(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     """CPU events get the step whose window holds their start; device events the step of their launch.
 
@@ -604,9 +607,11 @@ def _assign_steps(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
         .group_by("correlation")
         .agg(launch_step=pl.col("time_step").first())
     )
-    device = pl.col("kind").is_in(schema.DEVICE_KINDS)
+    # Device work takes its launch's step, and none when its launch is not in the file (enqueued before
+    # the window): a time guess would put it in whichever step was open when it ran.
+    work = pl.col("kind").is_in(WORK_KINDS)
     events = events.join(launch_steps, on="correlation", how="left", maintain_order="left").with_columns(
-        step=pl.when(device).then(pl.coalesce("launch_step", "time_step")).otherwise(pl.col("time_step"))
+        step=pl.when(work).then(pl.col("launch_step")).otherwise(pl.col("time_step"))
     )
     return events.drop("start_ns", "step_end_ns", "window_step", "time_step", "launch_step")
 
@@ -672,7 +677,15 @@ def _flows(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue]) -
     by_flow = _flow_links(events, endpoints, issues)
     # Correlation is authoritative for launches; flow events add only the links it cannot see.
     extra = by_flow.join(by_correlation, on="dst_event_id", how="anti")
-    return pl.concat([by_correlation.cast(_FLOW_LINK_SCHEMA), extra.cast(_FLOW_LINK_SCHEMA)]).sort("src_event_id", "dst_event_id")
+    flows = pl.concat([by_correlation.cast(_FLOW_LINK_SCHEMA), extra.cast(_FLOW_LINK_SCHEMA)]).sort("src_event_id", "dst_event_id")
+    launched = flows.filter(pl.col("flow_type") == "launch")["dst_event_id"].implode()
+    orphans = events.filter(pl.col("kind").is_in(WORK_KINDS) & ~pl.col("event_id").is_in(launched))
+    if orphans.height:
+        issues.append(Issue("warning", "orphan_device_activity", orphans.height,
+                            f"device activities ({orphans['dur_ns'].fill_null(0).sum()} ns of GPU time) whose launch is not "
+                            "in the trace (enqueued before the profiler window opened): no step, no launch API; they "
+                            "still count as device busy time"))
+    return flows
 
 
 # ---------------------------------------------------------------------------------------------
