@@ -85,7 +85,7 @@ def _analyse_rank(out_dir: Path, rank: int, world_size: int, options: Options) -
     _write(out_dir, "kernel_launches", launched, part=f"part-{rank}")
     gaps = launch.idle_gaps(launched, runtime)
     return _RankResults(
-        calls=comms.with_call_sites(comms.collectives(device, world_size), runtime, threads),
+        calls=comms.with_call_sites(comms.collectives(work, world_size), runtime, threads),
         idle=launch.gpu_idle(launched, gaps),
         launch_summary=launch.launch_summary(launched),
         sync_points=launch.sync_points(gaps, runtime, threads),
@@ -218,25 +218,10 @@ def headline(tables: dict[str, pl.DataFrame], cpu_comm_ops: int, peak_problem: s
         findings["stragglers"] = [
             {"step": s, "rank": r, "others_waited_ns": w, "spread_ns": d, "basis": basis} for s, r, w, d in
             stragglers.select("step", "straggler_rank", "others_waited_ns", "spread_ns").iter_rows()]
-    device_idle = tables["gpu_idle"].filter(pl.col("stream") == launch.ALL_STREAMS)
-    if not device_idle.is_empty():
-        totals = device_idle.select(pl.col("span_ns", "idle_ns", "host_bound_ns", "sync_ns", "other_ns").sum()).row(0, named=True)
-        causes = {c: totals[f"{c}_ns"] for c in ("host_bound", "sync", "other")}
-        findings["gpu_idle"] = {
-            "idle_share": totals["idle_ns"] / totals["span_ns"] if totals["span_ns"] else None,
-            "main_cause": max(causes, key=causes.get) if totals["idle_ns"] else None,
-            **{f"{c}_ns": v for c, v in causes.items()},
-            "definition": "device idle (no stream busy) inside each step's GPU span, summed over ranks and steps",
-        }
-    else:
-        findings["gpu_idle"] = {"idle_share": None, "note": "no device activity in the traces (CPU-only or no kernels)"}
+    findings["gpu_idle"] = idle_finding(tables["gpu_idle"])
     calls = tables["collectives"]
     if not calls.is_empty():
-        worst = calls.group_by("op", "bytes").agg(exposed_ns=pl.col("exposed_ns").sum(), calls=pl.len(),
-                                                  busbw_gbps=pl.col("busbw_gbps").median()).sort("exposed_ns", descending=True)
-        top = worst.row(0, named=True)
-        findings["most_exposed_collective"] = top
-        findings["exposed_comm_ns"] = int(calls["exposed_ns"].sum())
+        findings.update(exposed_comm_finding(calls))
     else:
         findings["most_exposed_collective"] = None
         findings["comms_note"] = (
@@ -244,6 +229,41 @@ def headline(tables: dict[str, pl.DataFrame], cpu_comm_ops: int, peak_problem: s
             if cpu_comm_ops else "no collectives in the traces")
     findings["mfu"] = mfu_finding(tables["mfu"], peak_problem)
     return findings
+
+
+def idle_finding(idle: pl.DataFrame) -> dict:
+    """Device idle share over the whole profiled windows (the whole-window rows of gpu_idle)."""
+    windows = idle.filter((pl.col("stream") == launch.ALL_STREAMS) & pl.col("step").is_null())
+    if windows.is_empty():
+        return {"idle_share": None, "note": "no device activity in the traces (CPU-only or no kernels)"}
+    totals = windows.select(pl.col("span_ns", "idle_ns", "host_bound_ns", "sync_ns", "other_ns").sum()).row(0, named=True)
+    causes = {c: totals[f"{c}_ns"] for c in launch.CAUSES}
+    return {
+        "idle_share": totals["idle_ns"] / totals["span_ns"] if totals["span_ns"] else None,
+        "main_cause": max(causes, key=causes.get) if totals["idle_ns"] else None,
+        **{f"{c}_ns": v for c, v in causes.items()},
+        "definition": "time no stream of the device was busy (every step's work and work launched before the window "
+                      "included), over the span from the first to the last device activity of each profiler window; "
+                      "summed over ranks, devices and windows",
+    }
+
+
+def exposed_comm_finding(calls: pl.DataFrame) -> dict:
+    """Exposed communication of the rank with the most (summing over ranks could exceed the run's wall time)."""
+    per_rank = calls.group_by("rank").agg(exposed_ns=pl.col("exposed_ns").sum()).sort("exposed_ns", "rank", descending=[True, False])
+    worst_rank = per_rank.row(0, named=True)
+    worst = (calls.filter(pl.col("rank") == worst_rank["rank"])
+             .group_by("op", "bytes").agg(exposed_ns=pl.col("exposed_ns").sum(), calls=pl.len(),
+                                          busbw_gbps=pl.col("busbw_gbps").median())
+             .sort("exposed_ns", "calls", descending=True))
+    return {
+        "most_exposed_collective": {**worst.row(0, named=True), "rank": worst_rank["rank"]},
+        "exposed_comm_ns": int(worst_rank["exposed_ns"]),
+        "exposed_comm_rank": worst_rank["rank"],
+        "exposed_comm_median_rank_ns": int(per_rank["exposed_ns"].median()),
+        "exposed_comm_definition": "communication kernel time not overlapped by compute kernels on another stream of the "
+                                   "same device, on the rank with the most (exposed_comm_rank); never summed over ranks",
+    }
 
 
 def mfu_finding(table: pl.DataFrame, problem: str) -> list[dict] | dict:
