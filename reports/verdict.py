@@ -98,7 +98,7 @@ def verdict(run: Run) -> list[str]:
     if idle.get("idle_share") is not None:
         cause = {"host_bound": "host-bound: the GPU waited for the CPU to launch work",
                  "sync": "synchronization: the CPU waited on the GPU", "other": "cross-stream waits or unrecorded launches"}
-        lines.append(f"The GPU was idle {idle['idle_share']:.1%} of step time; main cause "
+        lines.append(f"The GPU was idle {idle['idle_share']:.1%} of the profiled time (no stream busy); main cause "
                      f"{cause.get(idle.get('main_cause'), 'none')}.")
     if top := f.get("most_exposed_collective"):
         bandwidth = f" at a median busbw of {top['busbw_gbps']:.1f} GB/s" if top.get("busbw_gbps") is not None else ""
