@@ -86,6 +86,10 @@ def _parse_manifest(path: Path, rel: str) -> Imported:
     issues = []
     if status == "completed":
         run_status, detail = "completed", f"collector manifest: completed after {doc.get('steps_completed')} steps"
+    elif status == "terminated":  # the collector flushed every finished step before the signal ended the rank
+        run_status = "killed"
+        detail = (f"collector manifest of rank {rank}: stopped by SIGTERM after {doc.get('steps_completed')} steps; "
+                  f"rows up to step {last} were flushed")
     else:
         run_status = "failed" if status == "failed" else "incomplete"
         flushed = "nothing was flushed" if last is None else f"rows up to step {last} were flushed"
@@ -93,6 +97,12 @@ def _parse_manifest(path: Path, rel: str) -> Imported:
                   f"running); {doc.get('steps_completed')} steps had run at its last update, {flushed}; "
                   "everything after is missing")
         issues.append(["error", "collector_missing_tail", 1, detail])
+    if dropped := {table: n for table, n in (doc.get("dropped_rows") or {}).items() if n}:
+        issues.append(["warning", "collector_rows_dropped", sum(dropped.values()),
+                       f"rank {rank}: the collector could not write and dropped rows {dropped}"])
+    if rejected := doc.get("rejected_values") or {}:
+        issues.append(["warning", "collector_values_rejected", sum(rejected.values()),
+                       f"rank {rank}: log() values that were not numbers were dropped, per scalar: {rejected}"])
     for part, error in (doc.get("disabled") or {}).items():
         issues.append(["warning", "collector_part_disabled", 1,
                        f"rank {rank}: the collector's {part} recording was disabled after {error}; its rows stop there"])

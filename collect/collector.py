@@ -2,15 +2,25 @@
 timers, monitor scalars, comms calls, one FLOPs profile and bounded torch.profiler windows of one rank.
 
 Safety: every hook runs inside `guard(part, ...)`. An exception there is logged once, disables that part
-(recorded in the manifest) and never reaches the training loop; the wrapped engine call always runs.
+(recorded in the manifest) and never reaches the training loop; the wrapped engine call always runs. `attach`
+itself never raises: a collector that cannot start (a read-only run folder, bad settings) logs why once and
+returns an `InactiveCollector`, whose calls do nothing. A failed writer drops (and counts) rows instead of
+buffering them; a `log()` value that is not a number is dropped and counted, NaN and inf are kept. On SIGTERM
+(how schedulers stop jobs) the collector flushes, marks the manifest `terminated` and then does what the
+handler it replaced would have done.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
+import math
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +35,19 @@ MANIFEST_FORMAT = "steplens-collector-manifest"
 MANIFEST_VERSION = 1
 SOURCE = "collector"
 _ABSENT = object()
+
+
+def as_number(value) -> float | None:
+    """A scalar's value as a float (NaN and inf included: alarms watch for them), or None for what is not a
+    number at all: text, None, containers, a tensor of several elements."""
+    if isinstance(value, (str, bytes)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float range is still a number
+        return math.inf if value > 0 else -math.inf
+    except Exception:  # TypeError, ValueError, a tensor of several elements (RuntimeError), a broken __float__
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +109,9 @@ class Collector:
         self.closed = False
         self.last_flush_step: int | None = None
         self.host: dict = {}
+        self.rejected_values: dict[str, int] = {}  # log() values that are not numbers, per scalar name
+        self.sigterm_previous = None  # the SIGTERM handler ours replaced, while ours is installed
+        self.terminating = False
 
     # --- safety -------------------------------------------------------------------------------
 
@@ -99,10 +125,14 @@ class Collector:
         try:
             return fn(*args)
         except Exception as exc:
-            self.disabled[part] = f"{type(exc).__name__}: {exc}"
-            log.warning("steplens collector: %s disabled on rank %d after %s", part, self.rank, self.disabled[part],
-                        exc_info=True)
+            self.disable(part, f"{type(exc).__name__}: {exc}", exc_info=True)
             return None
+
+    def disable(self, part: str, reason: str, exc_info: bool = False) -> None:
+        self.disabled[part] = reason
+        log.warning("steplens collector: %s disabled on rank %d after %s", part, self.rank, reason, exc_info=exc_info)
+        if part == "writer":
+            self.writer.fail(reason, {})  # nothing is buffered from here on
 
     # --- rows -----------------------------------------------------------------------------------
 
@@ -112,10 +142,19 @@ class Collector:
     def writes_scalars(self) -> bool:
         return self.rank == 0 or self.settings.scalars_all_ranks
 
-    def add_scalar(self, name: str, value: float, step: int | None, samples: int | None) -> None:
+    def add_scalar(self, name: str, value, step: int | None, samples: int | None) -> None:
+        """One point; a value that is not a number at all costs this point only (counted by name)."""
+        number = as_number(value)
+        if number is None:
+            key = str(name)
+            if key not in self.rejected_values:
+                log.warning("steplens collector: %s = %.80r is not a number; such points are dropped and counted "
+                            "in the manifest (rejected_values)", key, value)
+            self.rejected_values[key] = self.rejected_values.get(key, 0) + 1
+            return
         self.writer.add("scalars", {
             "rank": self.rank, "source": SOURCE, "origin": "collector", "name": name, "step": step,
-            "global_samples": samples, "global_tokens": self.tokens(samples), "value": float(value),
+            "global_samples": samples, "global_tokens": self.tokens(samples), "value": number,
             "wall_ns": time.time_ns(),
         })
 
@@ -180,8 +219,11 @@ class Collector:
             self.guard("writer", self.flush)
 
     def flush(self, background: bool = True) -> None:
-        self.last_flush_step = self.completed_steps - 1
+        if self.writer.failure is None:
+            self.last_flush_step = self.completed_steps - 1
         self.writer.flush(self.manifest(), background)
+        if self.writer.failure is not None and "writer" not in self.disabled:  # a background write failed
+            self.disable("writer", self.writer.failure)
 
     # --- manifest -----------------------------------------------------------------------------------
 
@@ -199,6 +241,7 @@ class Collector:
             "started_ns": self.started_ns, "updated_ns": time.time_ns(),
             "steps_completed": self.completed_steps, "last_flushed_step": self.last_flush_step,
             "flushes": self.writer.seq, "rows_written": dict(self.writer.rows_written),
+            "dropped_rows": dict(self.writer.dropped_rows), "rejected_values": dict(self.rejected_values),
             "disabled": dict(self.disabled), "flags": self.flags, "host": self.host, "run": self.run_facts,
         }
 
@@ -210,10 +253,11 @@ class Collector:
     def start(self) -> None:
         self.run_facts = self.guard("manifest", self.base_facts) or {}
         self.host = self.guard("manifest", environment.describe_host) or {}
-        self.guard("manifest", self.write_manifest)
+        self.write_manifest()  # a run folder that cannot take even the manifest: attach gives up, the job goes on
         if self.settings.profile is not None:
             self.guard("profiler", self.start_profiler)
         atexit.register(self.close_at_exit)
+        self.guard("sigterm", self.install_sigterm)
         previous_hook = sys.excepthook
 
         def note_crash(kind, value, traceback):  # an uncaught exception ends the job: the manifest says failed
@@ -227,11 +271,45 @@ class Collector:
         self.restore.append((owner, name, vars(owner).get(name, _ABSENT)))
         setattr(owner, name, replacement)
 
-    def close(self, status: str = "completed") -> None:
-        """Flush what is buffered, stop profiling, unhook, and mark the manifest finished. Idempotent."""
-        if self.closed:
+    # --- SIGTERM ---------------------------------------------------------------------------------------
+
+    def install_sigterm(self) -> None:
+        """Ours in front of the current SIGTERM handler; only from the main thread (Python's rule) and not when
+        the job ignores SIGTERM or a handler outside Python is set (we could not pass the signal on)."""
+        if threading.current_thread() is not threading.main_thread():
             return
-        self.closed = True
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is signal.SIG_IGN or previous is None:
+            return
+        self.sigterm_previous = previous
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+
+    def restore_sigterm(self) -> None:
+        previous, self.sigterm_previous = self.sigterm_previous, None
+        # Only if ours is still the handler: one installed after ours (and chaining to it) stays.
+        if previous is not None and threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGTERM) == self.on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+
+    def on_sigterm(self, signum, frame) -> None:
+        """Flush and mark the manifest `terminated`, then what the previous handler does (the default: die
+        by SIGTERM, as the job would have without us)."""
+        previous = self.sigterm_previous or signal.SIG_DFL
+        if not self.terminating and not self.closed:  # a second SIGTERM during our flush is not run twice
+            self.terminating = True
+            self.status = "terminated"
+            self.guard("writer", self.flush, False)
+            self.guard("manifest", self.write_manifest)  # the status, even when the flush failed
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    # --- lifecycle (end) ----------------------------------------------------------------------------------
+
+    def unhook(self) -> None:
+        """Put back everything attach changed in the job; no writes."""
         self.guard("profiler", self.stop_profiler)
         if self.comms is not None:
             self.guard("comms", self.comms.uninstall)
@@ -241,6 +319,15 @@ class Collector:
             else:
                 setattr(owner, name, before)
         self.restore.clear()
+        self.guard("sigterm", self.restore_sigterm)
+        atexit.unregister(self.close_at_exit)
+
+    def close(self, status: str = "completed") -> None:
+        """Flush what is buffered, stop profiling, unhook, and mark the manifest finished. Idempotent; never raises."""
+        if self.closed:
+            return
+        self.closed = True
+        self.guard("unhook", self.unhook)
         if self.status == "running":
             self.status = status
         self.guard("writer", self.flush, False)
@@ -481,30 +568,56 @@ class TorchCollector(Collector):
             "lr": None if lr is None else float(lr),
         })
 
-    def close(self, status: str = "completed") -> None:
+    def unhook(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        super().close(status)
+        super().unhook()
 
 
-def attach(target, config: dict | None = None, optimizer=None, **settings) -> Collector:
+class InactiveCollector:
+    """What `attach` returns when the collector could not start: the same calls, doing nothing."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        self.status = "inactive"
+        self.disabled = {"collector": reason}
+
+    def log(self, name: str, value) -> None:
+        pass
+
+    def close(self, status: str = "completed") -> None:
+        pass
+
+
+def attach(target, config: dict | None = None, optimizer=None, **settings) -> Collector | InactiveCollector:
     """Start collecting on a DeepSpeed engine, or on a plain torch model with its optimizer.
 
     Settings come from `config` / keyword arguments, else from the engine's ds_config block "steplens"
     (see `Settings`). Returns the collector: `collector.log(name, value)` for user scalars and
-    `collector.close()` at the end (also run at exit).
+    `collector.close()` at the end (also run at exit). Never raises: when the collector cannot start (bad
+    settings, a run folder it cannot write) the reason is logged once and an `InactiveCollector` comes back.
     """
-    is_engine = hasattr(target, "is_gradient_accumulation_boundary") and hasattr(target, "global_steps")
-    if config is None and not settings and is_engine:
-        ds_config = getattr(target._config, "_param_dict", None) or {}
-        config = ds_config.get("steplens", {})
-    parsed = Settings.parse({**(config or {}), **settings})
-    if is_engine:
-        collector = EngineCollector(target, parsed)
-    else:
-        if optimizer is None:
-            raise ValueError("steplens collector: a plain torch model needs its optimizer (attach(model, optimizer=opt))")
-        collector = TorchCollector(target, optimizer, parsed)
-    collector.attach()
-    return collector
+    collector = None
+    try:
+        is_engine = hasattr(target, "is_gradient_accumulation_boundary") and hasattr(target, "global_steps")
+        if config is None and not settings and is_engine:
+            ds_config = getattr(target._config, "_param_dict", None) or {}
+            config = ds_config.get("steplens", {})
+        parsed = Settings.parse({**(config or {}), **settings})
+        if is_engine:
+            collector = EngineCollector(target, parsed)
+        else:
+            if optimizer is None:
+                raise ValueError("a plain torch model needs its optimizer (attach(model, optimizer=opt))")
+            collector = TorchCollector(target, optimizer, parsed)
+        collector.attach()
+        return collector
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        if collector is not None:  # hooks installed before the failure come off again
+            collector.closed = True
+            with contextlib.suppress(Exception):
+                collector.unhook()
+        log.error("steplens collector: not attached (%s); the job goes on without it", reason, exc_info=True)
+        return InactiveCollector(reason)

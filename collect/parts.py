@@ -8,14 +8,23 @@ Every file is written to a hidden temporary name and renamed into place: a renam
 a job killed at any moment leaves each part either complete or absent, and ranks never share a file.
 Periodic flushes run on one background thread (in order), so the training step does not wait for Parquet
 encoding; the last flush, at close, runs in the caller.
+
+A write that fails (disk full, read-only, a removed folder) fails the writer for the rest of the job: from then
+on rows are counted per table in `dropped_rows` instead of buffered, so memory stays bounded whatever the job
+runs on. The caller waits for a background write at most `WAIT_S` seconds (a hung file system must not hold
+up the job's exit).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import polars as pl
@@ -25,6 +34,9 @@ from steplens.analyze import schema
 
 COLLECTOR_DIR = "collector"
 MANIFEST_DIR = "manifest"
+WAIT_S = 10.0  # longest wait for a background write at close or SIGTERM (schedulers kill ~30 s after SIGTERM)
+
+log = logging.getLogger("steplens.collect")
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -57,54 +69,88 @@ class PartWriter:
         self.prepare = prepare  # table -> frame transform run at write time (e.g. derived columns)
         self.rows: dict[str, list[dict]] = {table: [] for table in tables}
         self.rows_written: dict[str, int] = dict.fromkeys(tables, 0)
+        self.dropped_rows: dict[str, int] = dict.fromkeys(tables, 0)  # rows lost to a failed writer, per table
+        self.failure: str | None = None  # why writing stopped; set once
+        self.lock = threading.Lock()  # the worker thread and the job both count dropped rows
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"steplens-writer-rank{rank}")
         self.last: Future | None = None
         (self.root / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
 
     def add(self, table: str, row: dict) -> None:
-        self.rows[table].append(row)
+        if self.failure is None:
+            self.rows[table].append(row)
+        else:
+            with self.lock:
+                self.dropped_rows[table] += 1
+
+    def fail(self, reason: str, lost: dict[str, list[dict]]) -> None:
+        """Stop writing for good; `lost` (a batch that did not make it) is counted as dropped. Safe on any thread:
+        the rows still buffered are counted by the caller's next flush."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = reason
+                log.warning("steplens collector: rank %d stops writing (%s); rows are counted as dropped from now on",
+                            self.rank, reason)
+            for table, rows in lost.items():
+                self.dropped_rows[table] += len(rows)
 
     def flush(self, manifest: dict, background: bool = True) -> None:
-        """Hand the buffered rows and then the manifest to the writer. A failure of the previous background
-        flush is raised here (its rows are lost; the caller disables writing)."""
-        self.raise_failed()
+        """Hand the buffered rows and then the manifest to the writer (once the writer failed: count them)."""
         batch = {table: rows for table, rows in self.rows.items() if rows}
         self.rows = {table: [] for table in self.rows}
+        if self.failure is not None:
+            self.fail(self.failure, batch)
+            return
         seq = self.seq
         self.seq += bool(batch)
         if background:
             self.last = self.worker.submit(self.write, batch, seq, manifest)
         else:
             self.wait()
-            self.write(batch, seq, manifest)
+            if self.failure is None:
+                self.write(batch, seq, manifest)
+            else:
+                self.fail(self.failure, batch)
 
-    def wait(self) -> None:
-        if self.last is not None:
-            self.last.result()
-            self.last = None
-
-    def raise_failed(self) -> None:
-        if self.last is not None and self.last.done():
-            self.wait()
+    def wait(self, timeout_s: float = WAIT_S) -> None:
+        """Until the background write is done; one that takes longer than `timeout_s` fails the writer."""
+        if self.last is None:
+            return
+        try:
+            self.last.result(timeout=timeout_s)
+        except FutureTimeout:
+            self.fail(f"a background write took over {timeout_s:g} s", {})
+        self.last = None
 
     def write(self, batch: dict[str, list[dict]], seq: int, manifest: dict) -> None:
-        for table, rows in batch.items():
-            frame = to_frame(rows, table)
-            if table in self.prepare:
-                frame = self.prepare[table](frame)
-            arrow = frame.to_arrow().cast(schema.TABLES[table][0])
-            folder = self.root / table
-            folder.mkdir(exist_ok=True)
-            path = folder / f"rank{self.rank}-{seq:05d}.parquet"
-            tmp = path.with_name(f".{path.name}.tmp")
-            pq.write_table(arrow, tmp)
-            os.replace(tmp, path)
-            self.rows_written[table] += len(rows)
-        self.write_manifest({**manifest, "flushes": self.seq, "rows_written": dict(self.rows_written)})
+        """Write one batch; never raises (it runs on the worker thread or at exit): a failure fails the writer."""
+        pending, tmp = dict(batch), None
+        try:
+            for table, rows in batch.items():
+                frame = to_frame(rows, table)
+                if table in self.prepare:
+                    frame = self.prepare[table](frame)
+                arrow = frame.to_arrow().cast(schema.TABLES[table][0])
+                folder = self.root / table
+                folder.mkdir(exist_ok=True)
+                path = folder / f"rank{self.rank}-{seq:05d}.parquet"
+                tmp = path.with_name(f".{path.name}.tmp")
+                pq.write_table(arrow, tmp)
+                os.replace(tmp, path)
+                self.rows_written[table] += len(rows)
+                del pending[table]
+            self.write_manifest({**manifest, "flushes": self.seq, "rows_written": dict(self.rows_written),
+                                 "dropped_rows": dict(self.dropped_rows)})
+        except Exception as exc:
+            self.fail(f"{type(exc).__name__}: {exc}", pending)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)  # a part cut by a full disk: give the space back
 
     def write_manifest(self, manifest: dict) -> None:
         data = json.dumps(manifest, indent=1, default=str).encode()
         write_atomically(self.root / MANIFEST_DIR / f"rank{self.rank}.json", data)
 
     def close(self) -> None:
-        self.worker.shutdown(wait=True)
+        self.wait()
+        self.worker.shutdown(wait=False)  # a hung write (already given up on) must not hold up the exit

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import math
 import os
 import signal
 import time
@@ -102,6 +103,7 @@ def parse_args() -> argparse.Namespace:
                            help="torch.profiler schedule of the collector ('off': none).")
     collector.add_argument("--profile_skip_first", type=int, default=2, help="Steps before the first profiler window.")
     collector.add_argument("--scalars_all_ranks", action="store_true", help="Collector scalars on every rank, not only rank 0.")
+    collector.add_argument("--collector_run_dir", default=None, help="Collector run_dir, when not --out_dir.")
 
     tests = p.add_argument_group("test hooks")
     tests.add_argument("--probe_comms", type=int, metavar="STEP", default=None,
@@ -112,6 +114,9 @@ def parse_args() -> argparse.Namespace:
     tests.add_argument("--kill_at_step", type=int, default=None, help="... after this optimizer step.")
     tests.add_argument("--inject_fault", default=None, metavar="HOOK",
                        help="Make this collector method raise (e.g. record_timers), to show training goes on.")
+    tests.add_argument("--log_odd_values", action="store_true",
+                       help="Also log, each step, values that are not numbers (test/text = 'n/a', test/none = None) "
+                            "and non-finite ones (test/nonfinite: nan, inf, -inf in turn).")
     tests.add_argument("--collector_ab", type=int, default=None, metavar="BLOCK",
                        help="Benchmark: attach the collector for BLOCK steps, close it for BLOCK steps, and so on "
                             "(script/rank<r>.json says which steps ran with it).")
@@ -151,7 +156,7 @@ def ds_config(args: argparse.Namespace, out_dir: Path) -> dict:
             wait, warmup, active, repeat = (int(x) for x in args.profile_window.split(","))
             profile = {"skip_first": args.profile_skip_first, "wait": wait, "warmup": warmup, "active": active,
                        "repeat": repeat}
-        config["steplens"] = {"run_dir": str(out_dir), "flush_every": args.flush_every, "seq_len": args.seq_len,
+        config["steplens"] = {"run_dir": args.collector_run_dir or str(out_dir), "flush_every": args.flush_every, "seq_len": args.seq_len,
                               "flops_step": None if args.flops_step < 0 else args.flops_step, "profile": profile,
                               "scalars_all_ranks": args.scalars_all_ranks}
     return config
@@ -192,6 +197,9 @@ def main() -> None:
 
     generator = torch.Generator().manual_seed(1 + rank)
     record = {"rank": rank, "steps": [], "probe": None}
+    (out_dir / "script").mkdir(parents=True, exist_ok=True)
+    # One line per finished step as it happens: what a job stopped from outside got through.
+    progress = open(out_dir / "script" / f"rank{rank}.steps.jsonl", "w", buffering=1)
     for step in range(args.steps):
         if args.collector_ab and step % args.collector_ab == 0 and step:
             if collector is None:
@@ -210,6 +218,11 @@ def main() -> None:
                                 "global_samples": engine.global_samples, "global_steps": engine.global_steps})
         if collector is not None:
             collector.log("train/loss", loss.item())
+            if args.log_odd_values:
+                collector.log("test/text", "n/a")
+                collector.log("test/none", None)
+                collector.log("test/nonfinite", (math.nan, math.inf, -math.inf)[step % 3])
+        progress.write(json.dumps({"step": step, "global_samples": engine.global_samples}) + "\n")
         if args.probe_comms == step:
             record["probe"] = probe_comms(rank)
         if args.unknown_comm_op and step == 0:
@@ -225,7 +238,6 @@ def main() -> None:
         (out_dir / "comms" / f"log_summary_rank{rank}.json").write_text(json.dumps(summary, indent=1, default=str))
     if collector is not None:
         collector.close()
-    (out_dir / "script").mkdir(exist_ok=True)
     (out_dir / "script" / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
 
 

@@ -1,0 +1,227 @@
+"""The collector never breaks or starves the job (issue 13): attach never raises, a failed writer stops
+buffering, a value that is not a number costs that point only, SIGTERM flushes and says so.
+
+In-process tests use a plain torch model (the same Collector code as the DeepSpeed form); the real 2-rank
+DeepSpeed jobs are in tests/test_collect_safety_realrun.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import polars as pl
+import pytest
+from steplens.analyze import ingest
+
+torch = pytest.importorskip("torch")
+from steplens.collect import attach  # noqa: E402  (after the torch check: the collector needs it)
+from steplens.collect.collector import InactiveCollector  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "realrun"))
+from read_only import read_only_dir  # noqa: E402  (the path is set just above)
+
+
+def tiny_model():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def train_step(model, optimizer) -> float:
+    loss = model(torch.randn(4, 8)).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def manifest(run: Path, rank: int = 0) -> dict:
+    return json.loads((run / "collector" / "manifest" / f"rank{rank}.json").read_text())
+
+
+def buffered_rows(collector) -> int:
+    return sum(len(rows) for rows in collector.writer.rows.values())
+
+
+# --- attach never raises ----------------------------------------------------------------------------
+
+
+def test_a_read_only_run_dir_leaves_the_job_untouched(tmp_path, caplog):
+    model, optimizer = tiny_model()
+    handler_before = signal.getsignal(signal.SIGTERM)
+    with read_only_dir(tmp_path / "ro") as run_dir:
+        collector = attach(model, optimizer=optimizer, run_dir=str(run_dir / "exp"), flush_every=1)
+        assert isinstance(collector, InactiveCollector) and "exp" in collector.reason
+        losses = [train_step(model, optimizer) for _ in range(3)]
+        collector.log("train/loss", losses[-1])
+        collector.close()
+        assert not list(run_dir.iterdir())
+    assert all(math.isfinite(x) for x in losses)
+    # Nothing of the collector stays in the job: no hooks, the SIGTERM handler as it was.
+    assert not model._forward_pre_hooks and not optimizer._optimizer_step_post_hooks
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+    assert [r.levelname for r in caplog.records if "not attached" in r.getMessage()] == ["ERROR"]
+
+
+@pytest.mark.parametrize("settings", [{"flush_evry": 5}, {"flush_every": 0}, {"profile": {"repeat": 0}}])
+def test_bad_settings_log_and_attach_nothing(tmp_path, settings):
+    model, optimizer = tiny_model()
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), **settings)
+    assert isinstance(collector, InactiveCollector)
+    train_step(model, optimizer)
+    assert not model._forward_pre_hooks and not (tmp_path / "collector").exists()
+
+
+def test_a_model_without_its_optimizer_is_not_an_exception(tmp_path):
+    model, _ = tiny_model()
+    assert isinstance(attach(model, run_dir=str(tmp_path)), InactiveCollector)
+
+
+# --- a failed writer ---------------------------------------------------------------------------------
+
+
+def test_a_failed_writer_stops_buffering_and_counts_what_it_dropped(tmp_path):
+    """After the first flush the train_steps folder is replaced by a file (a real OSError on every later
+    write, as a full or read-only disk gives). From the moment the job sees the failure, nothing is
+    buffered; every row after the first flush is counted as dropped, and analyze says so."""
+    model, optimizer = tiny_model()
+    flush_every, steps = 2, 40
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), flush_every=flush_every)
+    for _ in range(flush_every):
+        collector.log("train/loss", train_step(model, optimizer))
+    collector.writer.wait()
+    folder = tmp_path / "collector" / "train_steps"
+    for part in folder.iterdir():
+        part.rename(tmp_path / part.name)  # kept aside, and read back below
+    folder.rmdir()
+    folder.write_text("in the way")
+    buffered, buffered_after_failure = [], []
+    for _ in range(steps - flush_every):
+        collector.log("train/loss", train_step(model, optimizer))
+        buffered.append(buffered_rows(collector))
+        if collector.completed_steps == 2 * flush_every:
+            collector.writer.wait()  # the failing write is over (steps of microseconds would outrun it)
+        if "writer" in collector.disabled:
+            buffered_after_failure.append(buffered[-1])
+    collector.close()
+    # The job sees the failure at the first flush after the background write failed; until then at most
+    # flush_every steps of rows (one train_steps row and one scalar each) wait, and none from then on.
+    assert max(buffered) <= 2 * flush_every
+    assert buffered_after_failure and set(buffered_after_failure) == {0}
+    doc = manifest(tmp_path)
+    assert "writer" in doc["disabled"] and doc["status"] == "completed"
+    assert doc["rows_written"]["train_steps"] == flush_every
+    assert doc["dropped_rows"]["train_steps"] == steps - flush_every  # every step after the first flush
+    # A step's log() comes after its optimizer step, where the flush runs: the first part has one scalar fewer.
+    assert doc["dropped_rows"]["scalars"] == steps - (flush_every - 1)
+    assert doc["rows_written"]["scalars"] + doc["dropped_rows"]["scalars"] == steps
+    folder.unlink()
+    folder.mkdir()
+    for part in tmp_path.glob("rank0-*.parquet"):
+        part.rename(folder / part.name)
+    result = ingest.ingest(tmp_path, jobs=1)
+    issues = pl.read_parquet(result.out_dir / "ingest_issues").filter(pl.col("reason") == "collector_rows_dropped")
+    assert issues["count"].to_list() == [sum(doc["dropped_rows"].values())]
+
+
+def test_a_hung_background_write_is_given_up_on(tmp_path):
+    """A write that never returns (a hung file system) costs at most WAIT_S at close, then its rows are dropped."""
+    from steplens.collect.parts import PartWriter
+
+    release = threading.Event()
+    writer = PartWriter(tmp_path, 0, ("scalars",), prepare={})
+    writer.add("scalars", {"rank": 0, "name": "x", "value": 1.0})
+    writer.last = writer.worker.submit(release.wait)
+    writer.wait(timeout_s=0.2)
+    assert writer.failure is not None and "0.2 s" in writer.failure
+    writer.flush({"status": "completed"}, background=False)
+    assert writer.dropped_rows == {"scalars": 1} and buffered_rows_of(writer) == 0
+    release.set()
+    writer.close()
+
+
+def buffered_rows_of(writer) -> int:
+    return sum(len(rows) for rows in writer.rows.values())
+
+
+# --- values that are not numbers ------------------------------------------------------------------------
+
+
+def test_a_value_that_is_not_a_number_costs_that_point_only(tmp_path):
+    import numpy as np
+
+    model, optimizer = tiny_model()
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), flush_every=100)
+    train_step(model, optimizer)
+    logged = [("v", 1.5), ("v", "abc"), ("v", None), ("v", [1.0, 2.0]), ("v", math.nan), ("v", math.inf),
+              ("v", -math.inf), ("v", torch.tensor(2.0)), ("v", torch.tensor([1.0, 2.0])), ("v", np.float32(0.25)),
+              ("v", 10**400), ("v", -(10**400)), ("v", "2.0"), ("v", True), ("w", object()), ("w", 3)]
+    for name, value in logged:
+        collector.log(name, value)
+    collector.close()
+    # By hand: numbers (NaN and inf among them) are kept in order, everything else dropped and counted.
+    expected = [1.5, math.nan, math.inf, -math.inf, 2.0, 0.25, math.inf, -math.inf, 1.0]
+    doc = manifest(tmp_path)
+    assert doc["rejected_values"] == {"v": 5, "w": 1} and "scalars" not in doc["disabled"]
+    result = ingest.ingest(tmp_path, jobs=1)
+    scalars = pl.read_parquet(result.out_dir / "scalars").sort("wall_ns", maintain_order=True)
+    got = scalars.filter(pl.col("name") == "v")["value"].to_list()
+    assert len(got) == len(expected)
+    assert all((math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(got, expected))
+    assert scalars.filter(pl.col("name") == "w")["value"].to_list() == [3.0]
+    (issue,) = pl.read_parquet(result.out_dir / "ingest_issues").filter(
+        pl.col("reason") == "collector_values_rejected").rows(named=True)
+    assert issue["count"] == 6 and issue["severity"] == "warning"
+
+
+# --- SIGTERM -----------------------------------------------------------------------------------------
+
+
+def test_sigterm_flushes_marks_terminated_and_calls_the_previous_handler(tmp_path):
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        model, optimizer = tiny_model()
+        ours_before = signal.getsignal(signal.SIGTERM)
+        collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), flush_every=100)
+        assert signal.getsignal(signal.SIGTERM) == collector.on_sigterm
+        for _ in range(3):
+            train_step(model, optimizer)
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs in this thread before kill returns to us
+        assert received == [signal.SIGTERM]
+        doc = manifest(tmp_path)
+        assert doc["status"] == "terminated" and doc["steps_completed"] == 3 and doc["last_flushed_step"] == 2
+        steps = pl.read_parquet(tmp_path / "collector" / "train_steps")
+        assert steps["step"].to_list() == [0, 1, 2]
+        collector.close()
+        assert manifest(tmp_path)["status"] == "terminated"  # close keeps it
+        assert signal.getsignal(signal.SIGTERM) is ours_before  # restored on close
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_handler_is_installed_from_the_main_thread_only(tmp_path):
+    model, optimizer = tiny_model()
+    before = signal.getsignal(signal.SIGTERM)
+    made = []
+    thread = threading.Thread(target=lambda: made.append(attach(model, optimizer=optimizer, run_dir=str(tmp_path))))
+    thread.start()
+    thread.join()
+    assert signal.getsignal(signal.SIGTERM) is before and made[0].status == "running"
+    made[0].close()
+
+
+def test_a_job_that_ignores_sigterm_keeps_ignoring_it(tmp_path):
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        model, optimizer = tiny_model()
+        collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path))
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        collector.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
