@@ -123,6 +123,8 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
         tables = {name: pl.DataFrame(schema={c: pl.Null for c in columns})
                   for name, columns in schema.ANALYSIS_TABLES.items() if name != "kernel_launches"}
     facts = manifest.get("facts", {})
+    if facts.get("world_size") is None and manifest.get("world_size"):  # traces alone give it (distributedInfo)
+        facts = {**facts, "world_size": manifest["world_size"]}
     tables.update(_telemetry_analyses(out_dir, facts, options))
     profiler_steps = _read(out_dir, "steps", ["step", "start_ns", "end_ns"])
     tables["step_time"] = step_time.step_time_table(

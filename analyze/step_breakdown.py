@@ -1,16 +1,18 @@
 """Where one step's device time went, per rank: compute, exposed communication, idle by cause; and
 the timeline of the slowest profiled step across ranks on one clock.
 
-Definitions (per rank, device and step, over the device work launched in the step, as gpu_idle):
-- compute_ns: the union of the step's non-communication device work (kernels, copies, sets);
-- exposed_comm_ns: the union of its communication kernels (the `collectives` table) minus that
-  compute union, so overlapped communication is not counted twice;
-- idle: the span (first start to last end) minus the union of all the work, split by cause as in
-  gpu_idle (host-bound, sync, other). compute + exposed communication + idle = span.
+Definitions, per rank, profiler window (source), device and step, on the same device-busy timeline
+as gpu_idle (the union of all the device's work in the window, of every step, launched or not):
+- span_ns: first start to last end of the device work launched in the step (gpu_idle's step span);
+- compute_ns: the part of the span covered by non-communication work (kernels, copies, sets);
+- exposed_comm_ns: the part covered by communication kernels (the `collectives` table) and not by
+  compute, so overlapped communication is not counted twice;
+- idle_ns: the rest, split by cause as in gpu_idle (host-bound, sync, other).
+compute_ns + exposed_comm_ns + idle_ns = span_ns.
 
-The timeline keeps the same three activities as segments on the reference rank's clock
-(aligned = ts - clock offset). Gaps shorter than 1/TIMELINE_RESOLUTION of the step's wall time are
-closed, so the table (and any picture of it) stays small whatever the kernel count.
+The timeline holds the same three activities as segments of the slowest profiled step on the
+reference rank's clock (aligned = ts - clock offset). Gaps shorter than 1/TIMELINE_RESOLUTION of
+the step's span are closed, so the table (and a picture of it) stays small whatever the kernel count.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import polars as pl
 from . import intervals
 
 ALL_STREAMS = -1  # gpu_idle's whole-device rows
-TIMELINE_RESOLUTION = 1000  # segments resolved to 1/1000 of the step's wall time
-LAUNCH_COLUMNS = ["rank", "event_id", "step", "device", "stream", "ts_ns", "dur_ns"]
+TIMELINE_RESOLUTION = 1000  # segments resolved to 1/1000 of the step's span
+LAUNCH_COLUMNS = ["rank", "source", "event_id", "step", "device", "stream", "ts_ns", "dur_ns"]
+# event_id is unique within (rank, source) and collectives has no source: start and duration tell sources apart.
 COMM_KEYS = ["rank", "event_id", "ts_ns", "dur_ns"]
+LANE = ["rank", "source", "device"]
 
-BREAKDOWN_SCHEMA = {"rank": pl.Int64, "device": pl.Int64, "step": pl.Int64, "span_ns": pl.Int64, "compute_ns": pl.Int64,
-                    "exposed_comm_ns": pl.Int64, "idle_ns": pl.Int64, "host_bound_ns": pl.Int64, "sync_ns": pl.Int64,
-                    "other_ns": pl.Int64}
+BREAKDOWN_SCHEMA = {"rank": pl.Int64, "source": pl.String, "device": pl.Int64, "step": pl.Int64, "span_ns": pl.Int64,
+                    "compute_ns": pl.Int64, "exposed_comm_ns": pl.Int64, "idle_ns": pl.Int64, "host_bound_ns": pl.Int64,
+                    "sync_ns": pl.Int64, "other_ns": pl.Int64}
 TIMELINE_SCHEMA = {"rank": pl.Int64, "step": pl.Int64, "activity": pl.String, "start_ns": pl.Int64, "end_ns": pl.Int64}
 
 
@@ -38,29 +42,27 @@ def step_breakdown_tables(read_launches: Callable[[int], pl.DataFrame], ranks: l
                           ) -> dict[str, pl.DataFrame]:
     """step_breakdown (every rank and step) and step_timeline (the slowest profiled step).
 
-    `read_launches(rank)` returns that rank's kernel_launches rows (source, event_id, step, device,
-    stream, ts_ns, dur_ns); ranks are read one at a time, so memory is bounded by the largest rank."""
+    `read_launches(rank)` returns that rank's kernel_launches rows (LAUNCH_COLUMNS); ranks are read
+    one at a time, so memory is bounded by the largest rank."""
     slowest = slowest_profiled_step(step_stats)
-    # event_id is unique within (rank, source); the kernel's start and duration tell sources apart.
     comm_ids = collectives.select(*COMM_KEYS).unique().with_columns(is_comm=pl.lit(True))
     offset_of = dict(offsets.select("rank", pl.col("offset_ns").fill_null(0)).iter_rows()) if not offsets.is_empty() else {}
     breakdowns, timelines = [], []
     for rank in ranks:
-        work = _work(read_launches(rank), comm_ids)
-        if work.is_empty():
-            continue
-        breakdowns.append(_breakdown(work))
+        lanes = _lanes(_work(read_launches(rank), comm_ids))
+        breakdowns += [_breakdown(work, lane) for work, lane in lanes]
         if slowest is not None:
-            timelines.append(_timeline(work.filter(pl.col("step") == slowest), offset_of.get(rank, 0)))
+            timelines += [_timeline(work, lane, slowest, offset_of.get(rank, 0)) for work, lane in lanes]
+    breakdowns = [b for b in breakdowns if not b.is_empty()]
     if not breakdowns:
         return {"step_breakdown": pl.DataFrame(schema=BREAKDOWN_SCHEMA), "step_timeline": pl.DataFrame(schema=TIMELINE_SCHEMA)}
+    keys = LANE + ["step"]
     causes = gpu_idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_not_null()).select(
-        *[pl.col(c).cast(pl.Int64) for c in ("rank", "device", "step", "host_bound_ns", "sync_ns", "other_ns")])
-    breakdown = pl.concat(breakdowns).join(causes, on=["rank", "device", "step"], how="left").with_columns(
+        *keys, *[pl.col(c).cast(pl.Int64) for c in ("host_bound_ns", "sync_ns", "other_ns")])
+    breakdown = pl.concat(breakdowns).join(causes, on=keys, how="left").with_columns(
         idle_ns=pl.col("span_ns") - pl.col("compute_ns") - pl.col("exposed_comm_ns"))
-    timeline = pl.concat(timelines) if timelines else pl.DataFrame(schema=TIMELINE_SCHEMA)
     return {"step_breakdown": breakdown.select(list(BREAKDOWN_SCHEMA)).cast(BREAKDOWN_SCHEMA).sort("step", "rank", "device"),
-            "step_timeline": timeline.select(list(TIMELINE_SCHEMA)).cast(TIMELINE_SCHEMA)}
+            "step_timeline": pl.concat([pl.DataFrame(schema=TIMELINE_SCHEMA)] + timelines).sort("rank", "start_ns")}
 
 
 def slowest_profiled_step(step_stats: pl.DataFrame) -> int | None:
@@ -72,51 +74,64 @@ def slowest_profiled_step(step_stats: pl.DataFrame) -> int | None:
 
 
 def _work(launched: pl.DataFrame, comm_ids: pl.DataFrame) -> pl.DataFrame:
-    """The device work assigned to a step, with its end and whether it is communication."""
-    work = launched.filter(pl.col("step").is_not_null() & pl.col("stream").is_not_null() & pl.col("dur_ns").is_not_null())
+    """All device work (with or without a step), with its end and whether it is communication."""
+    work = launched.filter(pl.col("stream").is_not_null() & pl.col("dur_ns").is_not_null())
     return work.join(comm_ids, on=COMM_KEYS, how="left").select(
-        "rank", "device", "step", "ts_ns", end_ns=pl.col("ts_ns") + pl.col("dur_ns"), is_comm=pl.col("is_comm").fill_null(False))
+        *LANE, "step", "ts_ns", end_ns=pl.col("ts_ns") + pl.col("dur_ns"), is_comm=pl.col("is_comm").fill_null(False))
 
 
-def _blocks(work: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
-    """The union of the intervals in each group of `keys`, as disjoint blocks (start_ns, end_ns)."""
-    ordered = work.sort(keys + ["ts_ns"]).with_columns(prev_end=pl.col("end_ns").cum_max().shift(1).over(keys))
-    ordered = ordered.with_columns(
-        block=(pl.col("prev_end").is_null() | (pl.col("ts_ns") > pl.col("prev_end"))).cum_sum().over(keys))
-    return ordered.group_by(keys + ["block"]).agg(start_ns=pl.col("ts_ns").min(), end_ns=pl.col("end_ns").max())
+class _Lane:
+    """One device timeline (rank, window, device): the union of all its work and of its compute."""
+
+    def __init__(self, work: pl.DataFrame):
+        self.key = work.row(0, named=True)
+        compute = work.filter(~pl.col("is_comm"))
+        comm = work.filter(pl.col("is_comm"))
+        self.busy = intervals.union(work["ts_ns"].to_numpy(), work["end_ns"].to_numpy())
+        self.compute = intervals.union(compute["ts_ns"].to_numpy(), compute["end_ns"].to_numpy())
+        self.exposed = _difference(*intervals.union(comm["ts_ns"].to_numpy(), comm["end_ns"].to_numpy()), *self.compute)
 
 
-def _covered(work: pl.DataFrame, keys: list[str], name: str) -> pl.DataFrame:
-    return _blocks(work, keys).group_by(keys).agg((pl.col("end_ns") - pl.col("start_ns")).sum().alias(name))
+def _lanes(work: pl.DataFrame) -> list[tuple[pl.DataFrame, _Lane]]:
+    return [(group, _Lane(group)) for group in work.partition_by(LANE, maintain_order=True)] if not work.is_empty() else []
 
 
-def _breakdown(work: pl.DataFrame) -> pl.DataFrame:
-    """Span, compute union and exposed communication per (rank, device, step)."""
-    keys = ["rank", "device", "step"]
-    spans = work.group_by(keys).agg(span_ns=pl.col("end_ns").max() - pl.col("ts_ns").min())
-    busy = _covered(work, keys, "busy_ns")
-    compute = _covered(work.filter(~pl.col("is_comm")), keys, "compute_ns")
-    return (spans.join(busy, on=keys, how="left").join(compute, on=keys, how="left")
-            .with_columns(pl.col("compute_ns").fill_null(0))
-            .with_columns(exposed_comm_ns=pl.col("busy_ns") - pl.col("compute_ns")).drop("busy_ns"))
+def _spans(work: pl.DataFrame) -> pl.DataFrame:
+    return work.filter(pl.col("step").is_not_null()).group_by("step").agg(
+        span_start_ns=pl.col("ts_ns").min(), span_end_ns=pl.col("end_ns").max()).sort("step")
 
 
-def _timeline(work: pl.DataFrame, offset_ns: int) -> pl.DataFrame:
-    """Compute, exposed-communication and idle segments of one rank's step, on the reference clock."""
-    if work.is_empty():
+def _breakdown(work: pl.DataFrame, lane: _Lane) -> pl.DataFrame:
+    """Span, compute and exposed communication of every step of one device timeline."""
+    spans = _spans(work)
+    lo, hi = spans["span_start_ns"].to_numpy(), spans["span_end_ns"].to_numpy()
+    busy = intervals.covered(*lane.busy, lo, hi)
+    compute = intervals.covered(*lane.compute, lo, hi)
+    return spans.select(
+        *[pl.lit(lane.key[k]).alias(k) for k in LANE], "step", span_ns=pl.Series(hi - lo),
+        compute_ns=pl.Series(compute, dtype=pl.Int64), exposed_comm_ns=pl.Series(busy - compute, dtype=pl.Int64))
+
+
+def _timeline(work: pl.DataFrame, lane: _Lane, step: int, offset_ns: int) -> pl.DataFrame:
+    """Compute, exposed-communication and idle segments of one step on one device, on the reference clock."""
+    spans = _spans(work.filter(pl.col("step") == step))
+    if spans.is_empty():
         return pl.DataFrame(schema=TIMELINE_SCHEMA)
-    rank, step = work["rank"][0], work["step"][0]
-    begin, finish = work["ts_ns"].min(), work["end_ns"].max()
-    min_gap = max((finish - begin) // TIMELINE_RESOLUTION, 1)
-    compute = work.filter(~pl.col("is_comm"))
-    comm = work.filter(pl.col("is_comm"))
-    c_s, c_e = _closed(*intervals.union(compute["ts_ns"].to_numpy(), compute["end_ns"].to_numpy()), min_gap)
-    m_s, m_e = intervals.union(comm["ts_ns"].to_numpy(), comm["end_ns"].to_numpy())
-    x_s, x_e = _closed(*_difference(m_s, m_e, c_s, c_e), min_gap)
-    b_s, b_e = _closed(*intervals.union(np.concatenate([c_s, x_s]), np.concatenate([c_e, x_e])), min_gap)
+    lo, hi = int(spans["span_start_ns"][0]), int(spans["span_end_ns"][0])
+    min_gap = max((hi - lo) // TIMELINE_RESOLUTION, 1)
+    c_s, c_e = _closed(*_clip(*lane.compute, lo, hi), min_gap)
+    x_s, x_e = _closed(*_clip(*lane.exposed, lo, hi), min_gap)
+    b_s, b_e = _closed(*_clip(*lane.busy, lo, hi), min_gap)
     segments = [("compute", c_s, c_e), ("exposed communication", x_s, x_e), ("idle", b_e[:-1], b_s[1:])]
-    return pl.concat([pl.DataFrame({"rank": rank, "step": step, "activity": name, "start_ns": s - offset_ns,
+    return pl.concat([pl.DataFrame({"rank": lane.key["rank"], "step": step, "activity": name, "start_ns": s - offset_ns,
                                     "end_ns": e - offset_ns}, schema=TIMELINE_SCHEMA) for name, s, e in segments])
+
+
+def _clip(starts: np.ndarray, ends: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint sorted blocks cut to [lo, hi)."""
+    s, e = np.maximum(starts, lo), np.minimum(ends, hi)
+    keep = e > s
+    return s[keep], e[keep]
 
 
 def _closed(starts: np.ndarray, ends: np.ndarray, min_gap: int) -> tuple[np.ndarray, np.ndarray]:

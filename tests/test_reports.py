@@ -63,10 +63,10 @@ def test_analyze_writes_report_and_summary_with_the_truths_numbers(generated):
     slow = findings["slowest_step"]
     assert f"ProfilerStep#{slow['step']} on rank {slow['rank']}" in html
     assert f"ProfilerStep\\#{slow['step']} on rank {slow['rank']}" in summary  # markdown escapes '#'
-    for section in ("Verdict", "Run and environment", "Step time", "CPU vs GPU", "Kernels", "Collectives", "FLOPs and MFU",
-                    "Monitor curves", "Ingest issues", "Method and caveats"):
-        assert f">{section}</h2>" in html
-    assert html.count("<svg") >= 4  # heatmap, launch delay, idle by cause, busbw
+    for section in ("Verdict", "Where one step's time went", "Run and environment", "Step time over the run", "CPU vs GPU",
+                    "Kernels", "Collectives", "FLOPs and MFU", "Monitor curves", "Ingest issues", "Method and caveats"):
+        assert f">{section}</h2>" in html.replace("&#39;", "'")
+    assert html.count("<svg") >= 6  # breakdown, timeline, step series, heatmap, launch delay, busbw
     assert len(html) < 3_000_000 and len(summary.splitlines()) < 80
 
 

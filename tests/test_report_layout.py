@@ -1,0 +1,355 @@
+"""Where one step's time went (step_breakdown, step_timeline), the report that shows it, and terminal
+output that survives a CI log: numbers against hand-computed cases and an independent recomputation
+from the raw corpus JSON (stdlib json + Decimal, no steplens code), and the report seen in Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from decimal import Decimal
+from html.parser import HTMLParser
+from pathlib import Path
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from conftest import CORPUS, REALRUN_INSTRUMENTED, write_trace
+from steplens.analyze.cli import analyze
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+DLRM = CORPUS / "param" / "dlrm_kineto"
+NCCL = "ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)"
+GEMM = "void cutlass::Kernel<cutlass_80_tensorop_s1688gemm_128x128_32x3_nn_align4>(cutlass_80_tensorop_s1688gemm::Params)"
+
+
+def _analyse(run: Path, *args: str) -> Path:
+    result = CliRunner().invoke(analyze, [str(run), "-q", *args])
+    assert result.exit_code in (0, 1), result.output
+    return run / ".steplens"
+
+
+def _rank_events(shift_us: int) -> list[dict]:
+    """One profiled step on one rank: compute [100, 300) on stream 7, an all-reduce [250, 500) on stream
+    20 (50 µs of it under compute), then nothing until compute [600, 700) launched at 550 (µs after
+    shift_us, this rank's clock)."""
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": shift_us + ts,
+                "dur": 5, "args": {"correlation": corr}}
+
+    def kernel(name, ts, dur, stream, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": shift_us + ts, "dur": dur,
+                "args": {"correlation": corr, "stream": stream, "device": 0}}
+
+    return [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": shift_us, "dur": 1000},
+        launch(50, 1), kernel(GEMM, 100, 200, 7, 1),
+        launch(60, 2), kernel(NCCL, 250, 250, 20, 2),
+        launch(550, 3), kernel(GEMM, 600, 100, 7, 3),
+    ]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """Rank 1's clock runs 5 ms ahead of rank 0's; the all-reduce ends together on both."""
+    run = tmp_path_factory.mktemp("breakdown") / "run"
+    for rank, shift in ((0, 0), (1, 5000)):
+        write_trace(run / f"rank{rank}.json", _rank_events(shift), distributedInfo={"rank": rank, "world_size": 2})
+    return _analyse(run)
+
+
+def test_step_breakdown_splits_the_step_as_computed_by_hand(two_ranks):
+    table = pl.read_parquet(two_ranks / "step_breakdown").sort("rank")
+    # span 100..700 = 600 µs; compute = 200 + 100; the all-reduce outside compute = 300..500;
+    # idle = 500..600, host-bound (the next launch came at 550, after the GPU ran dry at 500).
+    for row in table.iter_rows(named=True):
+        assert (row["step"], row["span_ns"], row["compute_ns"], row["exposed_comm_ns"], row["idle_ns"]) == \
+               (1, 600_000, 300_000, 200_000, 100_000)
+        assert (row["host_bound_ns"], row["sync_ns"], row["other_ns"]) == (100_000, 0, 0)
+    assert table["rank"].to_list() == [0, 1]
+
+
+def test_step_timeline_puts_the_ranks_on_one_clock(two_ranks):
+    timeline = pl.read_parquet(two_ranks / "step_timeline")
+    for rank in (0, 1):  # rank 1's segments, moved back by its 5 ms offset, land on rank 0's
+        segments = sorted(timeline.filter(pl.col("rank") == rank).select("activity", "start_ns", "end_ns").rows())
+        assert segments == [("compute", 100_000, 300_000), ("compute", 600_000, 700_000),
+                            ("exposed communication", 300_000, 500_000), ("idle", 500_000, 600_000)]
+
+
+def _raw_step_breakdown(trace: Path, step: int) -> dict[str, int]:
+    """span, compute and exposed communication (ns) of one ProfilerStep, from the raw JSON. The span
+    runs from the first start to the last end of the device work whose launch call (by correlation
+    id) started inside the step annotation; compute is the part of it covered by any non-NCCL device
+    work of the trace, exposed communication the part covered by NCCL kernels only."""
+    doc = json.loads(trace.read_text(), parse_float=Decimal)
+    events = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    window = next(e for e in events if e.get("name") == f"ProfilerStep#{step}" and e.get("cat") == "user_annotation")
+    lo, hi = Decimal(window["ts"]), Decimal(window["ts"]) + Decimal(window["dur"])
+    launched = {e["args"]["correlation"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {}) and lo <= Decimal(e["ts"]) < hi}
+    device = [(Decimal(e["ts"]) * 1000, (Decimal(e["ts"]) + Decimal(e["dur"])) * 1000, "nccl" in e["name"].lower(),
+               e.get("args", {}).get("correlation") in launched)
+              for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    first = min(s for s, _, _, mine in device if mine)
+    last = max(e for _, e, _, mine in device if mine)
+
+    def covered(intervals):
+        total, reach = Decimal(0), first
+        for start, end in sorted(intervals):
+            start, end = max(start, reach), min(end, last)
+            if end > start:
+                total += end - start
+                reach = end
+        return total
+
+    busy = covered([(s, e) for s, e, _, _ in device])
+    compute = covered([(s, e) for s, e, comm, _ in device if not comm])
+    return {"span_ns": int(last - first), "compute_ns": int(compute), "exposed_comm_ns": int(busy - compute)}
+
+
+@pytest.fixture(scope="module")
+def dlrm(tmp_path_factory) -> Path:
+    if not DLRM.is_dir():
+        pytest.skip(f"shared corpus not found at {CORPUS}")
+    run = tmp_path_factory.mktemp("dlrm") / "dlrm_kineto"
+    shutil.copytree(DLRM, run)
+    return _analyse(run)
+
+
+def test_step_breakdown_matches_the_raw_8_rank_trace(dlrm):
+    table = pl.read_parquet(dlrm / "step_breakdown")
+    assert sorted(table["rank"].to_list()) == list(range(8))
+    for trace in sorted(DLRM.glob("worker*.json")):
+        rank = int(re.match(r"worker(\d+)", trace.name).group(1))
+        row = table.filter(pl.col("rank") == rank).row(0, named=True)
+        assert {k: row[k] for k in ("span_ns", "compute_ns", "exposed_comm_ns")} == _raw_step_breakdown(trace, row["step"])
+        assert row["idle_ns"] == row["host_bound_ns"] + row["sync_ns"] + row["other_ns"]  # the causes split all idle
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+
+class _Cells(HTMLParser):
+    """Every table cell's text and title, and the sections (h2 id -> text) of a report."""
+
+    def __init__(self):
+        super().__init__()
+        self.cells, self.headings, self._in, self._heading = [], {}, None, None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "td":
+            self._in = [dict(attrs).get("title"), ""]
+        elif tag == "h2":
+            self._heading = dict(attrs).get("id")
+
+    def handle_endtag(self, tag):
+        if tag == "td" and self._in is not None:
+            self.cells.append(tuple(self._in))
+            self._in = None
+        elif tag == "h2":
+            self._heading = None
+
+    def handle_data(self, data):
+        if self._in is not None:
+            self._in[1] += data
+        if self._heading:
+            self.headings[self._heading] = self.headings.get(self._heading, "") + data
+
+
+def _parse(html: str) -> _Cells:
+    parser = _Cells()
+    parser.feed(html)
+    return parser
+
+
+def _section(html: str, anchor: str) -> str:
+    start = html.index(f'<h2 id="{anchor}">')
+    end = html.find("<h2 ", start + 1)
+    return html[start:end if end > 0 else None]
+
+
+def test_report_renders_values_as_text_and_caps_tables(dlrm):
+    html = (dlrm / "report.html").read_text()
+    cells = _parse(html).cells
+    texts = [text for _, text in cells]
+    for bad in ("True", "False", "None", "nan"):
+        assert bad not in texts
+    assert not [t for t in texts if t.startswith(("{", "["))]  # no JSON or Python reprs
+    for table in re.findall(r"<tbody>(.*?)</tbody>", html, re.S):
+        assert table.count("<tr>") <= 10
+    # Kernel names: the base name in the cell, the full demangled name in its tooltip.
+    kernels = [(title, text) for title, text in cells if title]
+    assert kernels and all(len(text) <= 60 and text in title for title, text in kernels)
+    raw_names = {e["name"] for e in json.loads((DLRM / "worker0_step_12.1694128201545.pt.trace.json").read_text())[
+        "traceEvents"] if e.get("cat") == "kernel"}
+    assert {title for title, _ in kernels} <= raw_names | {
+        e["name"] for t in DLRM.glob("*.json") for e in json.loads(t.read_text())["traceEvents"] if e.get("cat") == "kernel"}
+
+
+def test_report_states_each_fact_once_and_finds_the_world_size(dlrm):
+    html = (dlrm / "report.html").read_text()
+    comparability = _section(html, "run-comparability")
+    world = re.search(r"<td>world_size</td><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td>", comparability)
+    assert world and world.group(2) == "8" and world.group(3) == "recorded"  # distributedInfo.world_size
+    run = _section(html, "run")
+    assert run.count("<dt>world size</dt>") == 1
+
+
+def test_empty_parts_say_so_in_one_line(dlrm):
+    html = (dlrm / "report.html").read_text()
+    collectives = _section(html, "collectives")
+    # dlrm's NCCL sendrecv kernels carry no message size: no busbw, so no (empty) bandwidth plot.
+    assert "<svg" not in collectives and "No bandwidth plot" in collectives
+    steps = _section(html, "steps")  # one profiled step: no one-column heatmap, no one-point curve
+    assert "<svg" not in steps
+
+
+def test_report_draws_where_the_slowest_step_went(dlrm):
+    html = (dlrm / "report.html").read_text()
+    stats = pl.read_parquet(dlrm / "step_stats")
+    slowest = stats.sort("aligned_dur_ns", descending=True)["step"][0]
+    time = _section(html, "time")
+    assert f"ProfilerStep#{slowest}, the slowest profiled step" in time
+    assert time.count("<svg") == 2  # the stacked bars and the timeline
+    assert "ranks aligned on collective end times" in time
+    for label in ("compute", "exposed communication", "host-bound idle", "sync idle", "idle"):
+        assert f">{label}<" in time  # legends name every activity
+
+
+def test_instrumented_run_marks_excluded_and_profiled_steps(ds_instrumented_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(ds_instrumented_run, run)
+    out = _analyse(run)
+    html = (out / "report.html").read_text()
+    steps = _section(html, "steps")
+    assert steps.count("<svg") == 1 and ">profiled<" in steps and "excluded: " in steps
+    job = REALRUN_INSTRUMENTED
+    rows = dict(re.findall(r"<tr><td>(\d+)</td><td>[^<]*</td><td>([^<]*)</td></tr>", steps))
+    # The FLOPs-profiled step and the profiler window's active step are named as left out.
+    active_step = job["skip_first"] + job["window"][0] + job["window"][1]
+    assert "flops profiler" in rows[str(job["flops_step"])]
+    assert "profiler window" in rows[str(active_step)]
+    numbers = re.search(r'<dl class="numbers">(.*?)</dl>', html, re.S).group(1)
+    assert "step time" in numbers and "from the collector (every step)" in numbers
+
+
+# ---------------------------------------------------------------------------------------------
+# Chromium: the bundled samples and a real 8-rank trace set, seen in a browser
+
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+SECTIONS = ("verdict", "time", "steps", "cpu-gpu", "kernels", "collectives", "mfu", "run", "issues")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip("Debian chromium and chromium-driver are not installed (.ci/run installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 "--window-size=1280,4000"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def _look(driver, report: Path, shot: Path) -> dict:
+    """Open the report, screenshot it, and return each section's visible state."""
+    driver.get(report.resolve().as_uri())
+    driver.save_screenshot(str(shot))
+    assert shot.stat().st_size > 20_000  # a picture, not a blank page
+    assert driver.execute_script("return document.scripts.length") == 0
+    seen = {}
+    for anchor in SECTIONS:
+        heading = driver.find_element("id", anchor)
+        assert heading.is_displayed()
+        seen[anchor] = driver.execute_script(
+            "const h = document.getElementById(arguments[0]); let n = h.nextElementSibling, svgs = 0, rendered = 0;"
+            "while (n && n.tagName !== 'H2') { for (const s of n.querySelectorAll('svg')) { svgs++;"
+            " const r = s.getBoundingClientRect(); if (r.width > 200 && r.height > 80) rendered++; }"
+            " if (n.tagName === 'svg') svgs++; n = n.nextElementSibling; } return [svgs, rendered];", anchor)
+    return seen
+
+
+def test_sample_and_corpus_reports_show_where_the_time_went_in_chromium(browser, dlrm, tmp_path):
+    run = tmp_path / "synthetic_8rank"
+    shutil.copytree(ROOT / "sample_runs" / "synthetic_8rank", run, ignore=shutil.ignore_patterns(".steplens"))
+    for out in (_analyse(run), dlrm):
+        seen = _look(browser, out / "report.html", tmp_path / f"{out.parent.name}.png")
+        assert seen["time"] == [2, 2]  # stacked bars and timeline, drawn at a readable size
+        numbers = browser.find_element("css selector", "dl.numbers").text
+        assert "ranks\n8 of world size 8" in numbers and "GPU idle" in numbers
+    seen = _look(browser, dlrm / "report.html", tmp_path / "dlrm.png")
+    assert seen["collectives"] == [0, 0] and seen["steps"] == [0, 0]  # nothing to plot: no bare axes
+
+
+def test_cpu_sample_report_in_chromium(browser, tmp_path):
+    run = tmp_path / "deepspeed_cpu_2rank"
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", run, ignore=shutil.ignore_patterns(".steplens"))
+    seen = _look(browser, _analyse(run) / "report.html", tmp_path / "cpu.png")
+    assert seen["time"] == [0, 0]
+    assert browser.find_element("css selector", "#time + p.empty").text.startswith("No device work")
+    assert seen["steps"][1] == 1  # the step-time curve over the whole run
+
+
+# ---------------------------------------------------------------------------------------------
+# the terminal
+
+
+def _piped(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+    return subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def _fits_80(text: str) -> list[str]:
+    """Lines longer than 80 columns that could have been wrapped (more than one word)."""
+    return [line for line in text.splitlines() if len(line) > 80 and len(line.split()) > 1]
+
+
+def test_terminal_output_fits_80_columns_when_piped(tmp_path):
+    run = tmp_path / "deepspeed_cpu_2rank"
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", run, ignore=shutil.ignore_patterns(".steplens"))
+    full = _piped("analyze", str(run))
+    assert full.returncode == 0, full.stderr
+    assert full.stderr == ""  # no library warnings
+    assert not [line for line in _fits_80(full.stdout) if not line.startswith("report: ")]
+    assert "ingest issues (4 kind(s)" in full.stdout and "profiled steps" in full.stdout
+    quiet = _piped("analyze", str(run), "-q")
+    assert quiet.stderr == ""
+    assert quiet.stdout.startswith("findings\n")  # -q: the findings only, no ingest summary
+    assert "ingest issues" not in quiet.stdout and "events (all ranks)" not in quiet.stdout
+
+
+def test_sql_help_gives_each_example_its_own_block():
+    from steplens.analyze.sql import EXAMPLES
+
+    result = _piped("steplens", "sql", "--help")
+    assert result.returncode == 0 and not _fits_80(result.stdout)
+    for title in EXAMPLES:
+        block = re.search(rf"\n    # {re.escape(title)}\n((?:    .*\n)+)", result.stdout)
+        assert block and block.group(1).lstrip().startswith("SELECT")
+        assert "# " not in block.group(1)  # the next example's comment is not run into this one
+
+
+def test_terminal_strips_control_characters_from_names(tmp_path):
+    hostile = "kernel\x1b]0;pwned\x07\x1b[2J\u202eevil"
+    events = _rank_events(0)
+    events[-1]["name"] = hostile
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    # A file name with an escape sequence, listed among the ingest issues.
+    (tmp_path / "run" / "bad\x1b[31m.json").write_text('{"traceEvents": [')
+    result = _piped("analyze", str(tmp_path / "run"))
+    assert "\x1b" not in result.stdout + result.stderr and "\x07" not in result.stdout and "\u202e" not in result.stdout
+    assert "bad?[31m.json" in result.stdout
