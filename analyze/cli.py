@@ -24,7 +24,7 @@ from rich.progress import (
 from rich.table import Table
 
 from . import analyses, kernels, mfu, schema
-from steplens.reports.verdict import telemetry_lines
+from steplens.reports.verdict import disagreement_lines, step_lines, telemetry_lines
 
 from .ingest import (
     IngestError,
@@ -90,9 +90,10 @@ also be a single trace file, analysed as a one-rank run into .steplens-FILE/ bes
 
 
 @click.command("analyze", help=ANALYZE_HELP)
-@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help=f"Write the run directory here instead of RUN_DIR/{schema.DEFAULT_OUT_DIR}/.")
+              help=f"Write the run directory here instead of RUN_DIR/{schema.DEFAULT_OUT_DIR}/ (a new or empty folder, "
+                   "or one steplens wrote).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Files parsed in parallel (default: number of CPUs). Memory grows with it, not with the number of ranks.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the summary.")
@@ -366,9 +367,7 @@ def print_findings(console: Console, f: dict) -> None:
     """The headline: slowest rank and step, GPU idle and its cause, most exposed collective, MFU."""
     console.print("[bold]findings[/]")
     lines = []
-    if slow := f.get("slowest_step"):
-        lines.append(f"slowest step: ProfilerStep#{slow['step']} on rank {slow['rank']}, {_ms(slow['dur_ns'])} "
-                     f"(median step {_ms(slow['median_step_ns'])})")
+    lines.extend(line[0].lower() + line[1:].removesuffix(".") for line in disagreement_lines(f) + step_lines(f))
     for s in f.get("stragglers", []):
         if s["basis"] == "collective_wait":
             lines.append(f"straggler: rank {s['rank']} in step {s['step']}; the other ranks waited {_ms(s['others_waited_ns'])} "

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
@@ -109,6 +110,9 @@ class Discovered:
     traces: list[Path]  # Kineto candidates (.json/.gz nobody else claimed)
     native: list[tuple[Path, Importer, list[Path]]]  # (file, importer, companions)
     unknown: list[Path]  # nobody reads these
+    # Never opened: FIFOs, devices, sockets (a FIFO would block the read forever) and entries that
+    # cannot be looked at; (path, [severity, reason, count, detail]).
+    special: list[tuple[Path, list]] = field(default_factory=list)
 
 
 def discover(run_dir: Path, out_dir: Path) -> Discovered:
@@ -122,7 +126,8 @@ def discover(run_dir: Path, out_dir: Path) -> Discovered:
 
 
 def classify(files: list[Path]) -> Discovered:
-    """Offer each file to the importers; unclaimed .json/.gz files are Kineto candidates."""
+    """Offer each regular file to the importers; unclaimed .json/.gz files are Kineto candidates."""
+    files, special = _regular_files(files)
     native, taken = [], set()
     for path in files:
         if path in taken or (importer := importers.claimant(path)) is None:
@@ -132,7 +137,32 @@ def classify(files: list[Path]) -> Discovered:
         native.append((path, importer, companions))
     rest = [p for p in files if p not in taken]
     return Discovered(traces=[p for p in rest if p.name.endswith(TRACE_SUFFIXES)], native=native,
-                      unknown=[p for p in rest if not p.name.endswith(TRACE_SUFFIXES)])
+                      unknown=[p for p in rest if not p.name.endswith(TRACE_SUFFIXES)], special=special)
+
+
+def _regular_files(files: list[Path]) -> tuple[list[Path], list[tuple[Path, list]]]:
+    """The regular files (symlinks followed), and an issue for each other entry, which is never opened."""
+    regular, special = [], []
+    for path in files:
+        try:
+            mode = path.stat().st_mode
+        except OSError as e:
+            special.append((path, ["error", "unreadable", 1, f"cannot read: {e.strerror or e}"]))
+            continue
+        if stat.S_ISREG(mode):
+            regular.append(path)
+        else:
+            what = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                    "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+            special.append((path, ["warning", "special_file", 1, f"{what}, not a regular file: skipped without opening it"]))
+    return regular, special
+
+
+def _unopened_source(path: Path, base: Path, issue: list) -> Source:
+    source = Source(path=os.path.relpath(path, base), size=0, mtime_ns=0, hash_prefix="",
+                    status="error" if issue[0] == "error" else "ignored")
+    source.issues.append(issue)
+    return source
 
 
 def _describe(path: Path, base: Path, companions: list[Path] = ()) -> Source:
@@ -166,15 +196,24 @@ def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
     try:
         parsed = kineto.parse_trace(Path(abs_path), source.path)
     except kineto.NotATrace as e:
-        source.status = "ignored"
-        source.issues.append(["info", "not_a_trace", 1, f"not a trace: {e}"])
+        if e.damaged:  # a .json file that is not JSON, or a trace cut before its events: a lost input
+            source.status = "error"
+            source.issues.append(["error", "damaged_trace", 1, f"a .json file with nothing usable: {e}"])
+        else:
+            source.status = "ignored"
+            source.issues.append(["info", "not_a_trace", 1, f"not a trace: {e}"])
         return source
     except (OSError, EOFError) as e:
         source.status = "error"
         source.issues.append(["error", "unreadable", 1, f"cannot read: {e}"])
         return source
+    except Exception as e:  # noqa: BLE001 - a file the parser fails on costs that file, not the run
+        source.status = "error"
+        source.issues.append(["error", "parse_failed", 1, f"the trace parser failed: {type(e).__name__}: {str(e)[:300]}"])
+        return source
     if parsed.events.is_empty():
         source.status = "error"
+        source.issues.extend([i.severity, i.reason, i.count, i.detail] for i in parsed.issues)
         source.issues.append(["error", "no_events", 1, "a trace with no complete events (empty or cut before the first event)"])
         return source
     out = Path(scratch) / source.part_id
@@ -219,23 +258,37 @@ def _parse_native(path: Path, source: Source, importer: Importer, scratch: Path)
 
 
 def _record_trace_facts(source: Source, parsed: kineto.ParsedTrace) -> None:
+    """The run facts a trace gives, each checked: a value of the wrong type or out of range is left
+    out of run.json and named in a `bad_metadata` issue."""
     meta = parsed.metadata
-    info = meta.get("distributedInfo") if isinstance(meta.get("distributedInfo"), dict) else {}
-    source.trace_rank = info.get("rank") if isinstance(info.get("rank"), int) else None
-    source.world_size = info.get("world_size") if isinstance(info.get("world_size"), int) else None
+    problems: list[str] = []
+    info = _checked(meta, "distributedInfo", problems, dict) or {}
+    source.trace_rank = _checked(info, "rank", problems, int, (0, schema.MAX_RANK - 1), "distributedInfo.")
+    source.world_size = _checked(info, "world_size", problems, int, (1, schema.MAX_RANK), "distributedInfo.")
+    if source.trace_rank is not None and source.world_size is not None and source.trace_rank >= source.world_size:
+        problems.append(f"distributedInfo.world_size {source.world_size} is not above its rank {source.trace_rank}")
+        source.world_size = None
     devices = meta.get("deviceProperties") or meta.get("computeProperties") or []
+    devices = [d for d in devices if isinstance(d, dict)] if isinstance(devices, list) else []
+    names = {_checked(d, "name", problems, str, prefix="deviceProperties.") for d in devices}
+    sms = {_checked(d, "numSms", problems, int, (1, 1 << 20), "deviceProperties.") for d in devices}
+    base = meta.get("baseTimeNanoseconds")  # parse_trace reported a bad one
     source.trace_meta = {
-        "schema_version": meta.get("schemaVersion"),
-        "backend": info.get("backend"),
-        "nccl_version": info.get("nccl_version"),
-        "pg_count": info.get("pg_count"),
-        "device_names": sorted({d.get("name", "") for d in devices if isinstance(d, dict)}),
-        "device_sms": sorted({d["numSms"] for d in devices if isinstance(d, dict) and isinstance(d.get("numSms"), int)}),
-        "cuda_runtime_version": meta.get("cuda_runtime_version"),
-        "cuda_driver_version": meta.get("cuda_driver_version"),
-        "base_time_ns": meta.get("baseTimeNanoseconds"),
-        "display_time_unit": meta.get("displayTimeUnit"),
+        "schema_version": _checked(meta, "schemaVersion", problems, (int, str)),
+        "backend": _checked(info, "backend", problems, str, prefix="distributedInfo."),
+        "nccl_version": _checked(info, "nccl_version", problems, (int, str), prefix="distributedInfo."),
+        "pg_count": _checked(info, "pg_count", problems, int, (0, 1 << 31), "distributedInfo."),
+        "device_names": sorted(names - {None, ""}),
+        "device_sms": sorted(sms - {None}),
+        "cuda_runtime_version": _checked(meta, "cuda_runtime_version", problems, (int, str)),
+        "cuda_driver_version": _checked(meta, "cuda_driver_version", problems, (int, str)),
+        "base_time_ns": base if type(base) is int and 0 <= base <= kineto.TIME_LIMIT_NS else None,
+        "display_time_unit": _checked(meta, "displayTimeUnit", problems, str),
     }
+    if problems:
+        shown = "; ".join(dict.fromkeys(problems))
+        source.issues.append(["warning", "bad_metadata", len(problems),
+                              f"trace metadata left out (wrong type or out of range): {shown[:400]}"])
     events = parsed.events
     source.events = events.height
     source.raw_bytes = parsed.raw_bytes
@@ -244,6 +297,28 @@ def _record_trace_facts(source: Source, parsed: kineto.ParsedTrace) -> None:
     host = events.filter(pl.col("kind").is_in(["cpu_op", "user_annotation"]))["pid"].drop_nulls().unique().sort()
     source.host_pids = host.head(8).to_list()
     source.issues.extend([i.severity, i.reason, i.count, i.detail] for i in parsed.issues)
+
+
+# Metadata strings kept in run.json are cut to this many characters (versions, names, backends).
+_META_TEXT_CHARS = 200
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _checked(mapping: dict, key: str, problems: list[str], kinds, bounds: tuple[int, int] = _INT64, prefix: str = ""):
+    """mapping[key] when it is one of `kinds` (an int within `bounds`, a string cut to
+    _META_TEXT_CHARS, a dict), else None with the reason added to `problems`. Absent is None."""
+    value = mapping.get(key)
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if value is None:
+        return None
+    if type(value) is int and int in kinds and bounds[0] <= value <= bounds[1]:
+        return value
+    if isinstance(value, str) and str in kinds:
+        return value[:_META_TEXT_CHARS]
+    if isinstance(value, dict) and dict in kinds:
+        return value
+    problems.append(f"{prefix}{key} = {kineto.preview(value)}")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,8 +635,7 @@ def ingest(
         (staging / "_scratch").mkdir(parents=True)
         return _ingest_into(run_dir, out_dir, staging, found, jobs, progress, finish, started)
     except OSError as e:
-        where = e.filename or out_dir
-        raise OutputUnwritable(f"cannot write to {where}: {e.strerror or e}: use --out DIR") from e
+        raise OutputUnwritable(f"cannot write to {out_dir}: {e.strerror or e}: use --out DIR") from e
     finally:
         if staging.exists() and _is_staging(staging):
             shutil.rmtree(staging, ignore_errors=True)
@@ -600,6 +674,7 @@ def _ingest_into(run_dir: Path, out_dir: Path, staging: Path, found: Discovered,
             previous[key] = old
 
     sources, to_parse, reused, native = [], [], [], []
+    sources += [_unopened_source(path, run_dir, issue) for path, issue in found.special]
     candidates = [(path, None, []) for path in found.traces] + found.native
     for path, importer, companions in candidates:
         try:
@@ -710,8 +785,12 @@ def _start_worker(parent_pid: int) -> None:
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
     """Kill the workers now (Ctrl-C, SIGTERM, an error): waiting would finish every file in flight."""
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
+    # Every child multiprocessing started, including a worker still starting up (not yet in the pool).
+    processes = list((getattr(pool, "_processes", None) or {}).values()) + multiprocessing.active_children()
+    for process in processes:
         process.kill()
+    for process in processes:
+        process.join(timeout=5)
     pool.shutdown(wait=True, cancel_futures=True)
 
 

@@ -1,0 +1,234 @@
+"""Nothing a user has is ever lost: --out checks, a damaged or crafted previous result, write
+failures, runs kept apart, exit statuses, no process left behind, safe names in the terminal."""
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from click.testing import CliRunner
+
+from steplens.analyze import ingest as ingest_module
+from steplens.analyze import schema
+from steplens.analyze.cli import EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_UNWRITABLE, analyze, steplens
+
+from synthetic import generate_run
+
+ANALYZE = [sys.executable, "-m", "steplens.analyze"]
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("runs") / "run"
+    generate_run(folder, ranks=2, steps=3, kernels_per_step=20, seed=3, write_truth=False)
+    return folder
+
+
+def _copy(run: Path, dest: Path) -> Path:
+    shutil.copytree(run, dest, ignore=shutil.ignore_patterns(".steplens*"))
+    return dest
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every file under root (hidden ones too) with a hash of its bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_out_naming_the_inputs_or_a_parent_is_refused_and_nothing_is_touched(synthetic_run, tmp_path):
+    run = _copy(synthetic_run, tmp_path / "runs" / "run")
+    (run / "notes.txt").write_text("mine")
+    before = _tree(tmp_path)
+    runner = CliRunner()
+    for out in (run, tmp_path / "runs", tmp_path):
+        result = runner.invoke(analyze, [str(run), "--out", str(out)])
+        assert result.exit_code == EXIT_NOTHING, result.output
+        assert "holds the inputs" in result.output
+    assert _tree(tmp_path) == before
+
+
+def test_out_with_foreign_files_is_refused_and_they_survive(synthetic_run, tmp_path):
+    run = _copy(synthetic_run, tmp_path / "run")
+    elsewhere = tmp_path / "checkpoints"
+    elsewhere.mkdir()
+    (elsewhere / "model.pt").write_bytes(b"weights")
+    result = CliRunner().invoke(analyze, [str(run), "--out", str(elsewhere)])
+    assert result.exit_code == EXIT_NOTHING and "holds no steplens run.json" in result.output
+    assert (elsewhere / "model.pt").read_bytes() == b"weights"
+
+    # A file a user drops into steplens's own output folder is not deleted by the next run either.
+    assert CliRunner().invoke(analyze, [str(run)]).exit_code == 0
+    out = run / schema.DEFAULT_OUT_DIR
+    (out / "my_notes.md").write_text("keep me")
+    again = CliRunner().invoke(analyze, [str(run)])
+    assert again.exit_code == EXIT_NOTHING and "my_notes.md" in again.output
+    assert (out / "my_notes.md").read_text() == "keep me" and (out / "run.json").exists()
+    # Every entry of a published folder is listed in its run.json, so the next run knows what it owns.
+    (out / "my_notes.md").unlink()
+    listed = json.loads((out / "run.json").read_text())["output_entries"]
+    assert sorted(os.listdir(out)) == listed
+
+
+def test_damaged_previous_result_is_parsed_again(synthetic_run, tmp_path):
+    run = _copy(synthetic_run, tmp_path / "run")
+    out = tmp_path / "out"
+    first = ingest_module.ingest(run, out, jobs=1)
+    events = {s.path: s.events for s in first.sources}
+    parts = sorted((out / "trace_events").glob("rank=*/*.parquet"))
+    parts[0].unlink()  # a deleted part
+    with open(parts[1], "r+b") as f:  # a truncated part
+        f.truncate(100)
+    again = ingest_module.ingest(run, out, jobs=1)
+    assert again.parsed == 2 and again.reused == 0
+    assert {s.path: s.events for s in again.sources} == events
+    third = ingest_module.ingest(run, out, jobs=1)
+    assert third.parsed == 0 and third.reused == 2
+
+
+def test_crafted_manifest_paths_never_leave_the_output_folder(synthetic_run, tmp_path):
+    run = _copy(synthetic_run, tmp_path / "run")
+    out = tmp_path / "out"
+    ingest_module.ingest(run, out, jobs=1)
+    manifest = json.loads((out / "run.json").read_text())
+    manifest["sources"][0]["part_id"] = "../../../escaped"
+    manifest["sources"][1]["rank"] = "../../x"
+    (out / "run.json").write_text(json.dumps(manifest))
+    outside = {p for p in tmp_path.rglob("*") if out not in p.parents and p != out}
+    result = ingest_module.ingest(run, out, jobs=1)
+    assert result.parsed == 2  # neither crafted entry was trusted
+    assert {p for p in tmp_path.rglob("*") if out not in p.parents and p != out} == outside
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_a_full_or_read_only_disk_exits_4_and_keeps_the_last_result(synthetic_run, tmp_path, monkeypatch, code):
+    run = _copy(synthetic_run, tmp_path / "run")
+    assert CliRunner().invoke(analyze, [str(run), "-j", "1"]).exit_code == 0
+    before = _tree(run / schema.DEFAULT_OUT_DIR)
+    (run / "rank-1.pt.trace.json.gz").touch()  # changed: must be parsed again, which now fails to write
+
+    def no_space(*args, **kwargs):
+        raise OSError(code, os.strerror(code), str(args[1]))
+
+    monkeypatch.setattr(ingest_module.pq, "write_table", no_space)
+    result = CliRunner().invoke(analyze, [str(run), "-j", "1"])
+    assert result.exit_code == EXIT_UNWRITABLE, result.output
+    assert f"cannot write to {run / schema.DEFAULT_OUT_DIR}" in result.output and "use --out DIR" in result.output
+    assert _tree(run / schema.DEFAULT_OUT_DIR) == before
+    assert not [p for p in run.iterdir() if ".tmp-" in p.name]  # no staging folder left behind
+
+
+def test_a_folder_of_runs_is_analysed_run_by_run(synthetic_run, tmp_path):
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        _copy(synthetic_run, runs / name)
+    done = subprocess.run([*ANALYZE, str(runs), "-q"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "holds 2 runs" in done.stdout
+    for name in ("a", "b"):
+        manifest = json.loads((runs / name / schema.DEFAULT_OUT_DIR / "run.json").read_text())
+        assert sorted(s["path"] for s in manifest["sources"]) == sorted(
+            p.name for p in (runs / name).glob("rank-*.json.gz"))
+        assert manifest["trace_ranks"] == [0, 1]
+        assert f"{name}: " in done.stdout and str(runs / name / schema.DEFAULT_OUT_DIR / "report.html") in done.stdout
+    assert not (runs / schema.DEFAULT_OUT_DIR).exists()
+
+
+def test_a_single_trace_file_is_a_one_rank_run(synthetic_run, tmp_path):
+    run = _copy(synthetic_run, tmp_path / "run")
+    trace = run / "rank-1.pt.trace.json.gz"
+    done = subprocess.run([*ANALYZE, str(trace), "-q"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((run / f"{schema.DEFAULT_OUT_DIR}-{trace.name}" / "run.json").read_text())
+    assert [s["path"] for s in manifest["sources"]] == [trace.name]
+
+
+def _descendants_alive(pgid: int) -> list[psutil.Process]:
+    alive = []
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return alive
+
+
+def _start_parallel_analyze(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    run = tmp_path / "big"
+    generate_run(run, ranks=4, steps=6, kernels_per_step=400, seed=5)
+    env = dict(os.environ, STEPLENS_WORKER_WORTH_BYTES="0")
+    process = subprocess.Popen([*ANALYZE, str(run), "-j", "3", "-q"], env=env, start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and len(psutil.Process(process.pid).children(recursive=True)) < 2:
+        time.sleep(0.05)
+    assert psutil.Process(process.pid).children(recursive=True), "no worker started"
+    return process, run
+
+
+def _wait_for_no_process(pgid: int, seconds: float = 10) -> list:
+    deadline = time.time() + seconds
+    while (alive := _descendants_alive(pgid)) and time.time() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def test_kill_9_during_a_parallel_ingest_leaves_no_process(tmp_path):
+    process, run = _start_parallel_analyze(tmp_path)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert _wait_for_no_process(process.pid) == []
+
+
+def test_sigterm_stops_the_workers_and_keeps_the_last_result(tmp_path):
+    process, run = _start_parallel_analyze(tmp_path)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == EXIT_INTERRUPTED
+    assert stderr.strip().splitlines()[-1] == "interrupted: the last published result is unchanged"
+    assert "Traceback" not in stderr
+    assert _wait_for_no_process(process.pid) == []
+    assert not [p for p in run.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_finished_parallel_analyze_leaves_no_process(tmp_path):
+    run = tmp_path / "run"
+    generate_run(run, ranks=3, steps=2, kernels_per_step=20, seed=6)
+    env = dict(os.environ, STEPLENS_WORKER_WORTH_BYTES="0")
+    process = subprocess.Popen([*ANALYZE, str(run), "-j", "2", "-q", "--ingest-only"], env=env, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    assert _descendants_alive(process.pid) == []  # at once, not after a grace period
+
+
+def test_names_with_markup_and_escape_sequences_reach_the_terminal_inert(synthetic_run, tmp_path):
+    run = _copy(synthetic_run, tmp_path / "mk[/x/y]\x1b]0;pwned\x07")
+    os.rename(run / "rank-1.pt.trace.json.gz", run / "rank-1\x1b[2J.pt.trace.json.gz")
+    (run / "rank-0.pt.trace.json.gz").write_bytes(b"\x1b[31mnot a trace")
+    done = subprocess.run([*ANALYZE, str(run)], capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stderr
+    assert "Traceback" not in done.stderr
+    assert "\x1b" not in done.stdout + done.stderr and "\x07" not in done.stdout + done.stderr
+    assert "mk[/x/y]" in done.stdout
+
+
+def test_sql_takes_run_folders_literally(synthetic_run, tmp_path):
+    runs = tmp_path / "runs"
+    for name in ("exp*", "expA", "glob[1]", "bs\\x"):
+        run = _copy(synthetic_run, runs / name)
+        assert ingest_module.ingest(run, jobs=1).parsed == 2
+    done = CliRunner().invoke(steplens, ["sql", str(runs), "SELECT run_id, count(*) AS n FROM steps GROUP BY run_id",
+                                         "--format", "json"])
+    assert done.exit_code == 0, done.output
+    rows = [json.loads(line) for line in done.output.splitlines()]
+    steps_per_run = len(json.loads((runs / "expA" / schema.DEFAULT_OUT_DIR / "run.json").read_text())["sources"]) * 3
+    assert len(rows) == 4 and {r["n"] for r in rows} == {steps_per_run}  # copies of one run, none double counted
