@@ -14,7 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
-from . import autotune, comms, commslog, kernels, launch, log_mfu, mfu, monitor, schema, step_breakdown, step_time, steps
+from . import autotune, comms, commslog, kernels, launch, log_mfu, mfu, monitor, sanity, schema, step_breakdown, step_time, steps
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
@@ -154,6 +154,9 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     if windows := step_time.profiled_windows(tables["step_time"], profiler_steps):
         findings["profiled_steps"] = windows
     findings.update(telemetry_headline(tables))
+    device_key = mfu.match_device(device_name, num_sms) if device_name else None
+    if disagree := sanity.inputs_disagree(findings, tables["step_time"], device_key):
+        findings["inputs_disagree"] = disagree
     (out_dir / "findings.json").write_text(json.dumps(findings, indent=1, default=str))
     return findings
 

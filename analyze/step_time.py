@@ -32,6 +32,10 @@ Excluded steps, each named in ``reason`` (several joined by ","):
   slowest writer.
 * ``checkpoint_save``: steps a checkpoint was saved after (``facts["checkpoint_steps"]``, when an
   importer records them).
+* ``negative_duration``: the step (or one of its micro steps) ends before it starts: clock trouble.
+* ``longer_than_run``: the step is longer than the run's span (first step start to last step end, or
+  first to last log line): a unit error or clock trouble. Both also become an `inputs_disagree`
+  finding (analyze/sanity.py).
 * ``warm_up``: the run's first steps while each is slower than the steady state beyond its noise:
   above median + max(3.5 MAD / 0.6745, 5% of the median) of the steps not excluded for another
   reason (the modified z-score of Iglewicz & Hoaglin, as `monitor`); the scan stops at the first
@@ -89,7 +93,7 @@ def _is_collector(source: pl.Expr) -> pl.Expr:
 def _from_micro_steps(micro: pl.DataFrame) -> pl.DataFrame:
     """Per optimizer step: slowest rank's sum of micro steps; incomplete when a rank or the boundary is missing."""
     per_rank = micro.group_by("rank", "step").agg(
-        dur_ns=pl.col("dur_ns").sum(), micro_steps=pl.len(), start_ns=pl.col("start_ns").min(),
+        dur_ns=pl.col("dur_ns").sum(), micro_steps=pl.len(), negative=(pl.col("dur_ns") < 0).any(), start_ns=pl.col("start_ns").min(),
         end_ns=pl.col("end_ns").max(), boundary=pl.col("is_boundary").fill_null(False).any(),
         skipped=pl.col("skipped").fill_null(False).any(),
         samples_after=pl.col("global_samples").filter(pl.col("is_boundary").fill_null(False)).max(),
@@ -99,7 +103,7 @@ def _from_micro_steps(micro: pl.DataFrame) -> pl.DataFrame:
         step_time_ns=pl.col("dur_ns").max(), slowest_rank=pl.col("rank").sort_by("dur_ns", "rank").last(),
         ranks=pl.col("rank").n_unique().cast(pl.Int64), micro_steps=pl.col("micro_steps").sort_by("dur_ns", "rank").last(),
         start_ns=pl.col("start_ns").min(), end_ns=pl.col("end_ns").max(), complete=pl.col("boundary").all(),
-        skipped=pl.col("skipped").any(), samples_after=pl.col("samples_after").max(),
+        skipped=pl.col("skipped").any(), samples_after=pl.col("samples_after").max(), negative=pl.col("negative").any(),
         loss_scale=pl.col("loss_scale").drop_nulls().first())
     return steps.sort("step").with_columns(
         samples=(pl.col("samples_after") - pl.col("samples_after").shift(1)).fill_null(pl.col("samples_after")),
@@ -208,6 +212,17 @@ def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps:
     return found
 
 
+def _run_span_ns(frame: pl.DataFrame, scalars: pl.DataFrame) -> int | None:
+    """The run's own span: first start to last end of the steps, else first to last log line (3 lines at
+    least, so that even a one-iteration logging interval fits twice)."""
+    if frame["start_ns"].null_count() < frame.height:
+        return frame["end_ns"].max() - frame["start_ns"].min()
+    if scalars.is_empty():
+        return None
+    stamps = scalars.filter(pl.col("origin") == "log")["wall_ns"].drop_nulls()
+    return stamps.max() - stamps.min() if stamps.n_unique() >= 3 else None
+
+
 def _noise_bound(values: pl.Series) -> float | None:
     """Step time above which a step stands out from the run's step-to-step noise; None below 3 steps."""
     if values.len() < MIN_STEPS_FOR_NOISE:
@@ -242,13 +257,20 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
     source, key, frame = _pick_source(train_steps, step_timers, scalars, profiler_steps, facts)
     if frame.is_empty():
         return _empty()
-    frame = frame.with_columns([pl.lit(None, dtype).alias(c) for c, dtype in COLUMNS.items()
-                                if c not in frame.columns and c != "incomplete"])
+    flags = {"incomplete": pl.Boolean, "negative": pl.Boolean}  # set by the sources that can tell
+    frame = frame.with_columns([pl.lit(None, dtype).alias(c) for c, dtype in {**COLUMNS, **flags}.items()
+                                if c not in frame.columns])
+    span = _run_span_ns(frame, scalars)
+    frame = frame.with_columns(
+        negative=(pl.col("step_time_ns") < 0) | pl.col("negative").fill_null(False),
+        too_long=(pl.col("step_time_ns") > span) if span is not None else pl.lit(False))
     instrumented = {} if source == "profiler_steps" else instrumented_steps(facts, flops_profile, profiler_steps)
     reasons = pl.DataFrame({"step": list(instrumented), "instrumented": [",".join(sorted(r)) for r in instrumented.values()]},
                            schema={"step": pl.Int64, "instrumented": pl.String})
     frame = frame.join(reasons, on="step", how="left").with_columns(
         reason=pl.concat_str(
+            pl.when(pl.col("negative").fill_null(False)).then(pl.lit("negative_duration")),
+            pl.when(pl.col("too_long").fill_null(False)).then(pl.lit("longer_than_run")),
             pl.when(pl.col("incomplete").fill_null(False)).then(pl.lit("incomplete")),
             pl.when(pl.col("skipped").fill_null(False)).then(pl.lit("overflow_skipped")),
             pl.col("instrumented"), separator=",", ignore_nulls=True).replace("", None))
@@ -277,6 +299,7 @@ def step_time_summary(table: pl.DataFrame) -> dict:
     for reason in sorted({r for rs in table["reason"].drop_nulls().to_list() for r in rs.split(",")}):
         steps = table.filter(pl.col("reason").str.split(",").list.contains(reason))["step"].to_list()
         excluded.append({"reason": reason, "count": len(steps), "steps": steps[:LISTED_STEPS]})
+    excluded.sort(key=lambda entry: entry["steps"][0])  # in run order
     summary = {
         "source": table["source"][0], "definition": table["definition"][0], "steps": len(values),
         "total_steps": table.height, "median_ns": round(kept["step_time_ns"].median()) if values else None,

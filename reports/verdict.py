@@ -47,6 +47,11 @@ def _step_ranges(steps: list[int], count: int) -> str:
     return ", ".join(parts) + more
 
 
+def disagreement_lines(f: dict) -> list[str]:
+    """Figures that cannot be true (analyze/sanity.py), with what to check instead of the figure."""
+    return [f"Inputs disagree: {d['detail']}; check {d['what_to_check']}." for d in f.get("inputs_disagree", [])]
+
+
 def step_lines(f: dict) -> list[str]:
     """Step time over the run, the slowest step when it stands out, and where the profiled steps sit."""
     lines = []
@@ -86,6 +91,7 @@ def verdict(run: Run) -> list[str]:
             error = f": {row['error']}" if row["error"] else ""
             what = {"failed": "failed", "killed": "was killed", "incomplete": "did not finish"}[row["status"]]
             lines.append(f"The job {what} ({row['source']}{error}).")
+    lines.extend(disagreement_lines(f))
     lines.extend(step_lines(f))
     for s in f.get("stragglers", [])[:2]:
         if s["basis"] == "collective_wait":

@@ -61,8 +61,8 @@ def test_analyze_writes_report_and_summary_with_the_truths_numbers(generated):
     for text in (html, summary):
         assert "Straggler: rank 1 in step 13" in text
     slow = findings["slowest_step"]
-    assert f"ProfilerStep#{slow['step']} on rank {slow['rank']}" in html
-    assert f"ProfilerStep\\#{slow['step']} on rank {slow['rank']}" in summary  # markdown escapes '#'
+    for text in (html, summary):  # the whole run's slowest step, beyond its step-to-step noise
+        assert f"Slowest step: step {slow['step']} on rank {slow['rank']}" in text
     for section in ("Verdict", "Where one step's time went", "Run and environment", "Step time over the run", "CPU vs GPU",
                     "Kernels", "Collectives", "FLOPs and MFU", "Monitor curves", "Ingest issues", "Method and caveats"):
         assert f">{section}</h2>" in html.replace("&#39;", "'")

@@ -1,0 +1,105 @@
+"""Numbers that cannot be true are never printed as results: each becomes a finding that the inputs
+disagree, saying what to check.
+
+Checks (``findings["inputs_disagree"]``, one entry per check that fails):
+
+* ``mfu_above_100``: a median MFU or HFU above 100% (the wrong model shape, the wrong peak or dtype,
+  or a step time that is too short); the figure is taken out of ``findings["mfu"]``.
+* ``negative_duration``: a step or micro step that ends before it starts (the host's wall clock was
+  stepped back, e.g. by NTP, or the input is damaged).
+* ``step_longer_than_run``: a step longer than the run's own span (a unit error in a log, or clocks).
+* ``bandwidth_above_link``: an nccl-tests busbw above the device's whole interconnect bandwidth (both
+  directions of every NVLink / Infinity Fabric link; busbw is per direction, so even in-switch
+  reduction stays below it); the figure is taken out of the finding that carried it. Unknown
+  devices are held to the fastest link in the table.
+
+The step-time checks read the `step_time` table, which already leaves such steps out of its summary
+(reasons ``negative_duration``, ``longer_than_run``).
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+# Whole interconnect bandwidth per GPU, GB/s, both directions (vendor datasheets).
+LINK_GBPS: dict[str, tuple[float, str]] = {
+    "h100-sxm": (900.0, "NVIDIA H100 datasheet: NVLink 900 GB/s"),
+    "h200-sxm": (900.0, "NVIDIA H200 datasheet: NVLink 900 GB/s"),
+    "h100-pcie": (600.0, "NVIDIA H100 PCIe datasheet: NVLink bridge 600 GB/s (PCIe Gen5 128 GB/s)"),
+    "h100-nvl": (600.0, "NVIDIA H100 NVL datasheet: NVLink bridge 600 GB/s"),
+    "h200-nvl": (900.0, "NVIDIA H200 NVL datasheet: NVLink bridge 900 GB/s"),
+    "b200": (1800.0, "NVIDIA B200 datasheet: NVLink 5 1.8 TB/s"),
+    "a100": (600.0, "NVIDIA A100 datasheet: NVLink 600 GB/s"),
+    "mi300x": (896.0, "AMD Instinct MI300X datasheet: 7 Infinity Fabric links x 128 GB/s"),
+    "v100-sxm": (300.0, "NVIDIA V100 datasheet: NVLink 300 GB/s"),
+    "v100-pcie": (32.0, "NVIDIA V100 datasheet: PCIe Gen3 32 GB/s"),
+    "v100s-pcie": (32.0, "NVIDIA V100S datasheet: PCIe Gen3 32 GB/s"),
+    "l4": (64.0, "NVIDIA L4 datasheet: PCIe Gen4 x16 64 GB/s"),
+    "a10g": (64.0, "NVIDIA A10 datasheet: PCIe Gen4 64 GB/s"),
+}
+FASTEST_LINK = max(LINK_GBPS.values())
+
+CHECK_PEAK = "the peak (--peak-tflops is dense, per GPU; --dtype) and the step time's source"
+CHECK_MFU = {  # by numerator
+    "palm": "the model shape (--params counts non-embedding parameters; --tokens-per-step is global tokens per "
+            "optimizer step), " + CHECK_PEAK,
+    "collector_flops_profile": "gradient_accumulation_steps and dp_world_size in the run facts (the profile is one "
+                               "micro batch on one rank), " + CHECK_PEAK,
+}
+CHECK_CLOCK = ("the hosts' clocks (an NTP step during the run moves wall-clock times) and whether the input files "
+               "are complete and unmodified")
+CHECK_UNITS = "the unit of the logged step time (ms or s) and the hosts' clocks"
+CHECK_BANDWIDTH = ("the message size and group size of the collective (nccl_bytes, group_size), whether its latency is "
+                   "only the time to issue it (latency_origin issue_only), and the device")
+
+
+def _mfu(findings: dict) -> list[dict]:
+    rows = findings.get("mfu")
+    if not isinstance(rows, list):
+        return []
+    impossible = [r for r in rows if r.get("utilization") is not None and r["utilization"] > 1]
+    if not impossible:
+        return []
+    findings["mfu"] = [r for r in rows if r not in impossible] or {
+        "note": "not shown: the only figures were above 100% (see inputs_disagree)"}
+    return [{"check": "mfu_above_100", "value": r["utilization"], "bound": 1.0,
+             "detail": f"{r['metric']} {r['utilization']:.1%} (numerator {r['numerator']}) is above 100%: impossible",
+             "what_to_check": CHECK_MFU.get(r["numerator"], CHECK_PEAK)} for r in impossible]
+
+
+def _steps(step_time: pl.DataFrame) -> list[dict]:
+    if step_time.is_empty():
+        return []
+    entries = []
+    for reason, check, what, wrong in (
+            ("negative_duration", "negative_duration", CHECK_CLOCK, "ends before it starts (or one of its micro steps does)"),
+            ("longer_than_run", "step_longer_than_run", CHECK_UNITS, "is longer than the whole run")):
+        bad = step_time.filter(pl.col("reason").fill_null("").str.split(",").list.contains(reason))
+        if bad.height:
+            first = bad.row(0, named=True)
+            entries.append({"check": check, "value": first["step_time_ns"], "steps": bad["step"].head(20).to_list(),
+                            "detail": f"{bad.height} step(s) with an impossible time: step {first['step']} {wrong}; "
+                                      "left out of the step-time summary",
+                            "what_to_check": what})
+    return entries
+
+
+def _bandwidth(findings: dict, device_key: str | None) -> list[dict]:
+    bound, source = LINK_GBPS.get(device_key) if device_key in LINK_GBPS else (
+        FASTEST_LINK[0], f"no link known for the device; the fastest in the table ({FASTEST_LINK[1]})")
+    entries = []
+    for key, field in (("most_exposed_collective", "busbw_gbps"), ("logged_comms", "median_busbw_gbps")):
+        finding = findings.get(key)
+        value = finding.get(field) if isinstance(finding, dict) else None
+        if value is not None and value > bound:
+            finding[field] = None  # never printed as a result
+            entries.append({"check": "bandwidth_above_link", "value": value, "bound": bound,
+                            "detail": f"{finding.get('op')} busbw {value:.1f} GB/s ({key}) is above the device's whole "
+                                      f"interconnect, {bound:g} GB/s ({source})",
+                            "what_to_check": CHECK_BANDWIDTH})
+    return entries
+
+
+def inputs_disagree(findings: dict, step_time: pl.DataFrame, device_key: str | None) -> list[dict]:
+    """The failed checks; impossible figures are removed from `findings` (changed in place)."""
+    return _mfu(findings) + _steps(step_time) + _bandwidth(findings, device_key)

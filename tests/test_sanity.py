@@ -1,0 +1,97 @@
+"""Impossible numbers are never printed as results: they become `inputs_disagree` findings.
+
+Real inputs: the bundled 2-rank DeepSpeed run analysed with a peak far below the CPU's, and a copy of
+the 40-step real run whose collector part is edited as an NTP step of the wall clock would leave it.
+Expected values are recomputed from the raw Parquet parts and manifests with pyarrow and statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+from steplens.analyze import sanity
+from steplens.reports import data, verdict
+
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank"
+
+
+def analyse(run_dir: Path, *options: str) -> tuple[dict, list[str], str]:
+    out = run_dir.parent / "out"
+    done = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run_dir), "--out", str(out), *options],
+                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode in (0, 1), done.stderr[-3000:]
+    run = data.load(out)
+    return run.findings, verdict.verdict(run), done.stdout
+
+
+def test_mfu_above_100_percent_becomes_a_disagreement(tmp_path):
+    shutil.copytree(SAMPLE, tmp_path / "run", ignore=shutil.ignore_patterns(".steplens"))
+    peak_tflops = 1e-6  # far below what the job did: every MFU figure is above 100%
+    findings, lines, stdout = analyse(tmp_path / "run", "--peak-tflops", str(peak_tflops))
+    manifest = json.loads((SAMPLE / "collector" / "manifest" / "rank0.json").read_text())["run"]
+    forward = next(r["flops_total"] for r in pq.read_table(SAMPLE / "collector" / "flops_profile").to_pylist()
+                   if r["path"] == "")
+    flops = 3 * forward * manifest["grad_accum"] * manifest["dp_world_size"]
+    per_rank: dict[tuple, int] = {}
+    for row in pq.read_table(SAMPLE / "collector" / "train_steps").to_pylist():
+        per_rank[(row["step"], row["rank"])] = per_rank.get((row["step"], row["rank"]), 0) + row["dur_ns"]
+    times = {step: max(v for (s, _), v in per_rank.items() if s == step) for step, _ in per_rank}
+    profile, flops_step = manifest["settings"]["profile"], manifest["settings"]["flops_step"]
+    window = profile["skip_first"] + profile["wait"]
+    instrumented = {flops_step, *range(window, window + profile["warmup"] + profile["active"] + 1)}
+    median = statistics.median(flops / (t * 1e-9 * manifest["world_size"] * peak_tflops * 1e12)
+                               for s, t in times.items() if s not in instrumented)
+    assert median > 1
+    [entry] = findings["inputs_disagree"]
+    assert entry["check"] == "mfu_above_100" and math.isclose(entry["value"], median, rel_tol=1e-9)
+    assert not isinstance(findings["mfu"], list)  # no MFU figure left to print as a result
+    assert f"Inputs disagree: MFU {median:.1%} (numerator collector_flops_profile) is above 100%" in "\n".join(lines)
+    assert not any(line.startswith("MFU ") for line in lines)
+    assert "inputs disagree: MFU" in stdout and "MFU: " not in stdout.replace("MFU: not", "")
+
+
+def test_clock_stepped_back_is_left_out_and_named(ds_steady_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(ds_steady_run / "collector", run / "collector")
+    bad_step, bad_rank = 20, 1
+    for part in sorted((run / "collector" / "train_steps").glob(f"rank{bad_rank}-*.parquet")):
+        table = pq.read_table(part)
+        rows = table.to_pylist()
+        for row in rows:
+            if row["step"] == bad_step:  # the wall clock stepped back 5 ms during the micro step
+                row["end_ns"] = row["start_ns"] - 5_000_000
+                row["dur_ns"] = row["end_ns"] - row["start_ns"]
+        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
+    findings, lines, _ = analyse(run)
+    per_rank: dict[tuple, int] = {}
+    for part in (run / "collector" / "train_steps").glob("*.parquet"):
+        for row in pq.read_table(part).to_pylist():
+            per_rank[(row["step"], row["rank"])] = per_rank.get((row["step"], row["rank"]), 0) + row["dur_ns"]
+    [entry] = findings["inputs_disagree"]
+    assert entry["check"] == "negative_duration" and entry["steps"] == [bad_step]
+    assert entry["value"] == max(v for (s, _), v in per_rank.items() if s == bad_step)
+    excluded = {e["reason"]: e["steps"] for e in findings["step_time"]["excluded_steps"]}
+    assert excluded["negative_duration"] == [bad_step]
+    assert findings["step_time"]["steps"] == len({s for s, _ in per_rank}) - sum(len(v) for v in excluded.values())
+    assert any(line.startswith(f"Inputs disagree: 1 step(s) with an impossible time: step {bad_step} ends before it "
+                               "starts") for line in lines)
+
+
+def test_bandwidth_above_the_link_is_taken_out():
+    """Hand-made findings: 1,200 GB/s on an H100 SXM (900 GB/s of NVLink in both directions together)."""
+    findings = {"most_exposed_collective": {"op": "allreduce", "busbw_gbps": 1200.0, "bytes": 1 << 30},
+                "logged_comms": {"op": "all_reduce", "median_busbw_gbps": 300.0}}
+    [entry] = sanity.inputs_disagree(findings, pl.DataFrame(), "h100-sxm")
+    assert (entry["check"], entry["value"], entry["bound"]) == ("bandwidth_above_link", 1200.0, 900.0)
+    assert findings["most_exposed_collective"]["busbw_gbps"] is None
+    assert findings["logged_comms"]["median_busbw_gbps"] == 300.0  # possible: kept
