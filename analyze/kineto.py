@@ -16,8 +16,10 @@ writes after traceEvents); ids above int64; string pids/tids (`"stream 7"`); ROC
 from __future__ import annotations
 
 import ctypes
+import decimal
 import gc
 import io
+import os
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -28,12 +30,17 @@ from typing import Any, Iterator, Optional
 import msgspec
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 from isal import isal_zlib
 
 from . import schema
 
 CHUNK_BYTES = 2 << 20
+# Memory bound for one event and for the text around the events array: no real event comes near it
+# (the largest in the corpus is a few kB); beyond it the bytes are skipped to the next event.
+MAX_EVENT_BYTES = 32 << 20
+GZIP_MAGIC = b"\x1f\x8b"
 # A ts above this many ns (~1973 as epoch time) is already absolute, not relative to a base time.
 ABSOLUTE_NS_THRESHOLD = 10**17
 SNIFF_BYTES = 1 << 20
@@ -114,7 +121,14 @@ _EVENT = msgspec.json.Decoder(_Event)
 
 
 class NotATrace(Exception):
-    """The file is readable but is not a Kineto/Chrome trace; the message says what it looks like."""
+    """The file is readable but is not a Kineto/Chrome trace; the message says what it looks like.
+
+    `damaged`: it is not JSON at all (or a trace cut short before its events), as opposed to JSON
+    of another kind (a ds_config.json, a memory-timeline export)."""
+
+    def __init__(self, message: str, damaged: bool = False):
+        super().__init__(message)
+        self.damaged = damaged
 
 
 @dataclass
@@ -140,65 +154,86 @@ class ParsedTrace:
 
 
 class _Stream:
-    """Decompressed bytes of a .json or .json.gz file, block by block, surviving truncation."""
+    """Decompressed bytes of a .json or .json.gz file, block by block, surviving truncation.
+
+    Blocks are at most CHUNK_BYTES however well the data compresses (a 6 MB gzip can hold 1.5 GB),
+    further gzip members are read, and bytes after the last member that are not one are counted
+    (`trailing_bytes`, `trailing_zeros`), not taken for a damaged member."""
 
     def __init__(self, path: Path):
         self.path = path
         self.truncated: str | None = None
         self.raw_bytes = 0
+        self.trailing_bytes = 0
+        self.trailing_zeros = False
 
     def blocks(self) -> Iterator[bytes]:
         with open(self.path, "rb") as f:
             head = f.read(2)
             f.seek(0)
-            if head != b"\x1f\x8b":
+            if head != GZIP_MAGIC:
                 while block := f.read(CHUNK_BYTES):
                     self.raw_bytes += len(block)
                     yield block
                 return
-            inflater = isal_zlib.decompressobj(31)
-            while compressed := f.read(1 << 20):
-                while compressed:
-                    try:
-                        block = inflater.decompress(compressed)
-                    except (isal_zlib.error, zlib.error) as e:
-                        self.truncated = f"corrupt gzip data ({e})"
-                        return
-                    self.raw_bytes += len(block)
-                    if block:
-                        yield block
-                    if not inflater.eof or not inflater.unused_data:
-                        break
-                    # A multi-member gzip: start the next member on the leftover bytes.
-                    compressed = inflater.unused_data
-                    inflater = isal_zlib.decompressobj(31)
-            if not inflater.eof:
-                tail = inflater.flush()
-                self.raw_bytes += len(tail)
-                if tail:
-                    yield tail
-                self.truncated = "gzip stream ends before its end marker (file cut short)"
+            yield from self._inflate(f)
+
+    def _inflate(self, f) -> Iterator[bytes]:
+        inflater = isal_zlib.decompressobj(31)
+        pending = b""
+        while True:
+            if len(pending) < 2:  # also enough to tell a next member's magic from padding
+                pending += f.read(1 << 20)
+                if not pending:
+                    break
+            if inflater.eof:
+                if pending[:2] != GZIP_MAGIC:
+                    self._count_trailing(pending, f)
+                    return
+                inflater = isal_zlib.decompressobj(31)  # a multi-member gzip: the next member
+            try:
+                block = inflater.decompress(pending, CHUNK_BYTES)
+            except (isal_zlib.error, zlib.error) as e:
+                self.truncated = f"corrupt gzip data ({e})"
+                return
+            pending = inflater.unused_data if inflater.eof else inflater.unconsumed_tail
+            self.raw_bytes += len(block)
+            if block:
+                yield block
+        if not inflater.eof:
+            tail = inflater.flush()
+            self.raw_bytes += len(tail)
+            if tail:
+                yield tail
+            self.truncated = "gzip stream ends before its end marker (file cut short)"
+
+    def _count_trailing(self, pending: bytes, f) -> None:
+        """Bytes after the last gzip member: zero padding (from a preallocated file) or garbage."""
+        first = pending + f.read(max(0, (1 << 20) - len(pending)))
+        self.trailing_bytes = os.fstat(f.fileno()).st_size - f.tell() + len(first)
+        self.trailing_zeros = not first.strip(b"\0")
 
 
 # ---------------------------------------------------------------------------------------------
 # Chunked JSON decoding
 
 
-def _describe_non_trace(head: bytes) -> str:
+def _describe_non_trace(head: bytes) -> tuple[str, bool]:
+    """What the file looks like, and whether that is damage (not JSON at all) rather than another format."""
     text = head.lstrip()
     if not text:
-        return "empty file"
+        return "empty file", True
     if text[:1] == b"[":
         inner = text[1:].lstrip()[:1]
         if inner == b"[":
-            return "a JSON array of arrays (looks like a torch memory_timeline export)"
-        return "a JSON array whose elements are not trace events"
+            return "a JSON array of arrays (looks like a torch memory_timeline export)", False
+        return "a JSON array whose elements are not trace events", False
     if text[:1] == b"{":
         key = re.match(rb'\{\s*"([^"]{0,80})"', text)
         first = key.group(1).decode("utf-8", "replace") if key else "?"
         hint = " (rocprofiler-sdk output)" if "rocprofiler" in first else ""
-        return f"a JSON object with no traceEvents array (first key {first!r}){hint}"
-    return "not JSON"
+        return f"a JSON object with no traceEvents array (first key {first!r}){hint}", False
+    return f"not JSON (starts with {text[:16]!r})", True
 
 
 def sniff(head: bytes) -> bool:
@@ -213,7 +248,16 @@ def sniff(head: bytes) -> bool:
 
 
 _BETWEEN_EVENTS = re.compile(rb"\}\s*,\s*\{")
+# Where decoding picks up after a damaged event: the end of an object followed by the next event
+# or by the end of the events array.
+_EVENT_END = re.compile(rb"\}\s*(?:,\s*\{|\])")
+# A `]` that closes the events array: the enclosing object goes on or ends, or the file ends (the
+# 2020 format is a bare array).
+_ARRAY_END = re.compile(rb"\]\s*(?:\}|,\s*\"|$)")
 _SEPARATOR = re.compile(rb"\s*,?\s*")
+_ERROR_OFFSET = re.compile(r"\(byte (\d+)\)")
+# A syntax error this close to the end of the bytes read so far may just be an event that goes on.
+_NEAR_END = 1024
 
 
 def _last_event_end(buf: bytes, limit: int) -> int:
@@ -230,8 +274,19 @@ def _last_event_end(buf: bytes, limit: int) -> int:
     return buf.rfind(b"}", 0, limit)
 
 
+def _error_offset(error: msgspec.DecodeError) -> int | None:
+    """Where msgspec stopped (the byte after the offending one); None when the input just ended."""
+    m = _ERROR_OFFSET.search(str(error))
+    return int(m.group(1)) if m else None
+
+
 class _ChunkReader:
-    """Yields lists of decoded events from the traceEvents array of a stream."""
+    """Yields lists of decoded events from the traceEvents array of a stream.
+
+    A damaged event costs that event only: decoding resumes at the next event boundary, and the
+    skipped events are counted by reason in `skipped`. No more than MAX_EVENT_BYTES is held for one
+    event, or for the text around the events array, whatever the file holds.
+    """
 
     def __init__(self, stream: _Stream):
         self.stream = stream
@@ -239,10 +294,11 @@ class _ChunkReader:
         self.buf = b""
         self.eof = False
         self.header = b""  # everything before the events array
-        self.trailer = b""  # everything after it
-        self.malformed_events = 0
-        self.malformed_example = ""
-        self.truncated = False
+        self.trailer = b""  # everything after it, up to MAX_EVENT_BYTES
+        self.trailer_dropped = 0  # bytes after that, not kept
+        self.trailer_dropped_junk = False  # whether any of them is more than zero padding or blanks
+        self.skipped: dict[str, list] = {}  # reason -> [events, first example]
+        self.truncated: str | None = None  # why the events array never closed
 
     def _fill(self, want: int) -> None:
         parts = [self.buf]
@@ -256,24 +312,40 @@ class _ChunkReader:
             size += len(block)
         self.buf = b"".join(parts)
 
+    def _skip(self, reason: str, example: str) -> None:
+        entry = self.skipped.setdefault(reason, [0, example])
+        entry[0] += 1
+
     def _find_array_start(self) -> None:
         self._fill(SNIFF_BYTES)
         if not sniff(self.buf[:SNIFF_BYTES]):
-            raise NotATrace(_describe_non_trace(self.buf[:4096]))
+            if not self.buf and self.stream.truncated:
+                raise NotATrace(self.stream.truncated, damaged=True)
+            raise NotATrace(*_describe_non_trace(self.buf[:4096]))
         text = self.buf.lstrip()
         if text[:1] == b"[":
             start = len(self.buf) - len(text) + 1
         else:
             while True:
                 m = re.search(rb'"traceEvents"\s*:\s*\[', self.buf)
-                if m or self.eof:
+                if m or self.eof or len(self.buf) > MAX_EVENT_BYTES:
                     break
                 self._fill(len(self.buf) + CHUNK_BYTES)
             if not m:
-                raise NotATrace(_describe_non_trace(self.buf[:4096]))
+                raise self._no_events_array()
             start = m.end()
-        self.header = self.buf[:start - 1]
+        self.header = self.buf[: start - 1]
         self.buf = self.buf[start:]
+
+    def _no_events_array(self) -> NotATrace:
+        """A whole JSON object without traceEvents is another format; one cut short is a damaged trace."""
+        if len(self.buf) > MAX_EVENT_BYTES:
+            return NotATrace(f"no traceEvents array in the first {MAX_EVENT_BYTES >> 20} MiB", damaged=True)
+        try:
+            msgspec.json.decode(self.buf)
+        except (msgspec.DecodeError, RecursionError):
+            return NotATrace("a trace cut short (or damaged) before its traceEvents array", damaged=True)
+        return NotATrace(_describe_non_trace(self.buf[:4096])[0], damaged=False)
 
     def events(self) -> Iterator[list[_Event]]:
         self._find_array_start()
@@ -281,137 +353,365 @@ class _ChunkReader:
         while True:
             self._fill(want)
             skip = _SEPARATOR.match(self.buf).end()
-            if self.buf[skip : skip + 1] == b"]":  # empty array, or the end after the last chunk
-                self.trailer = self.buf[skip + 1 :]
-                self._drain()
-                return
             if skip:
                 self.buf = self.buf[skip:]
+            if _ARRAY_END.match(self.buf):  # empty array, or the end after the last chunk
+                self._finish(1)
+                return
             limit = len(self.buf) if self.eof else min(len(self.buf), want)
-            decoded = self._decode_prefix(limit)
-            if decoded is None:
-                if self.eof:
-                    self._mark_truncated()
-                    return
-                want *= 2  # one event larger than the window: widen it
-                continue
-            events, consumed, ended = decoded
+            events, consumed, ended = self._decode_prefix(limit)
             self.buf = self.buf[consumed:]
             if events:
                 yield events
             if ended:
-                self.trailer = self.buf
-                self._drain()
+                self._finish(0)
                 return
-            want = CHUNK_BYTES
+            if consumed:
+                want = CHUNK_BYTES
+            elif self.eof:
+                self.truncated = "JSON ends in the middle of traceEvents (file cut short)"
+                if self.buf.strip(b"\0 \t\r\n,") == b"":
+                    self.truncated += f", followed by {len(self.buf)} zero or blank bytes"
+                return
+            elif want >= MAX_EVENT_BYTES:
+                self._skip_oversized()
+                want = CHUNK_BYTES
+            else:
+                want *= 2  # one event larger than the window: widen it
 
-    def _decode_prefix(self, limit: int):
-        """Decode the longest run of whole events in buf[:limit]; None when there is none."""
-        pos = _last_event_end(self.buf, limit)
-        for _ in range(64):
-            if pos < 0:
-                return None
-            candidate = b"[" + self.buf[: pos + 1] + b"]"
-            try:
-                return self._decode(candidate), pos + 1, False
-            except msgspec.DecodeError as e:
-                m = re.search(r"trailing characters \(byte (\d+)\)", str(e))
-                if m:  # the events array closed inside this prefix
-                    end = candidate.rfind(b"]", 0, int(m.group(1)))
-                    events = self._decode(candidate[: end + 1])
-                    return events, end, True
-            pos = self.buf.rfind(b"}", 0, pos)
-        return None
+    def _decode_prefix(self, limit: int) -> tuple[list[_Event], int, bool]:
+        """Decode the whole events in buf[:limit]: (events, bytes consumed, whether the array ended).
 
-    def _decode(self, candidate: bytes) -> list[_Event]:
+        The fast path decodes them as one array; when that fails, the sound events before the
+        failure are still decoded at once and the rest one by one (`_decode_one_by_one`)."""
+        buf = self.buf
+        pos = _last_event_end(buf, limit)
+        if pos < 0:
+            return self._decode_one_by_one([], 0, limit)
+        candidate = b"[" + buf[: pos + 1] + b"]"
         try:
-            return _EVENTS.decode(candidate)
+            return _EVENTS.decode(candidate), pos + 1, False
         except msgspec.ValidationError:
+            try:  # some element has an unexpected shape: the sound ones are kept
+                return self._decode_each(candidate), pos + 1, False
+            except RecursionError:
+                return self._decode_one_by_one([], 0, limit)
+        except RecursionError:
+            return self._decode_one_by_one([], 0, limit)
+        except msgspec.DecodeError as e:
+            offset, message = _error_offset(e), str(e)
+        if offset is None:
+            return self._decode_one_by_one([], 0, limit)
+        if "trailing characters" in message:  # the events array closed inside this prefix
+            end = candidate.rfind(b"]", 0, offset)
+            try:
+                return _EVENTS.decode(candidate[: end + 1]), end, True
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                return self._decode_one_by_one([], 0, limit)
+        # The events before the one holding the error are sound: decode them in one go.
+        error_at = offset - 2  # msgspec counts past the offending byte, and candidate starts with "["
+        before = None
+        for before in _BETWEEN_EVENTS.finditer(buf, max(0, error_at - (1 << 20)), max(0, error_at)):
             pass
-        # Some element has an unexpected shape: decode one by one and keep the sound ones.
+        if before is not None:
+            try:
+                sound = _EVENTS.decode(b"[" + buf[: before.start() + 1] + b"]")
+                return self._decode_one_by_one(sound, before.start() + 1, limit)
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                pass
+        return self._decode_one_by_one([], 0, limit)
+
+    def _decode_each(self, candidate: bytes) -> list[_Event]:
         events = []
         for raw in _RAW_LIST.decode(candidate):
             try:
                 events.append(_EVENT.decode(raw))
             except msgspec.ValidationError as e:
-                self.malformed_events += 1
-                if not self.malformed_example:
-                    self.malformed_example = f"{e}: {bytes(raw)[:120]!r}"
+                self._skip("malformed_event", f"{e}: {bytes(raw)[:120]!r}")
         return events
 
-    def _mark_truncated(self) -> None:
-        self.truncated = True
-        self.trailer = b""
+    def _decode_one_by_one(self, events: list, pos: int, limit: int) -> tuple[list[_Event], int, bool]:
+        """Decode events starting before `limit` one at a time, skipping damaged ones."""
+        buf, view = self.buf, memoryview(self.buf)
+        while True:
+            pos = _SEPARATOR.match(buf, pos).end()
+            if pos >= limit:
+                return events, pos, False
+            if _ARRAY_END.match(buf, pos):
+                return events, pos + 1, True
+            found = self._next_event(view, pos)
+            if found is None:  # it goes on past the bytes read so far
+                return events, pos, False
+            end, event = found
+            if event is not None:
+                events.append(event)
+            pos = end
 
-    def _drain(self) -> None:
-        parts = [self.trailer]
+    def _next_event(self, view: memoryview, pos: int) -> tuple[int, _Event | None] | None:
+        """The event at `pos` and where it ends (event None when it was skipped as damaged), or None
+        when it may go on past the bytes read so far."""
+        try:
+            _RAW.decode(view[pos:])
+            end = len(view)
+        except msgspec.DecodeError as e:
+            offset = _error_offset(e)
+            if offset is None:  # the input ended inside the event
+                return None
+            if "trailing characters" in str(e):
+                end = pos + offset - 1
+            elif not self.eof and pos + offset + _NEAR_END >= len(view):
+                return None
+            else:
+                return self._resync(pos, pos + offset - 1, "malformed_event", f"{e}: {bytes(view[pos:pos + 120])!r}")
+        except RecursionError:
+            return self._resync(pos, pos + 1, "nesting_too_deep", f"{bytes(view[pos:pos + 120])!r}")
+        try:
+            return end, _EVENT.decode(view[pos:end])
+        except msgspec.ValidationError as e:
+            self._skip("malformed_event", f"{e}: {bytes(view[pos:pos + 120])!r}")
+        except RecursionError:
+            self._skip("nesting_too_deep", f"{bytes(view[pos:pos + 120])!r}")
+        return end, None
+
+    def _resync(self, pos: int, error_at: int, reason: str, example: str) -> tuple[int, None] | None:
+        """Skip the damaged event at `pos` to the next event boundary after `error_at`."""
+        m = _EVENT_END.search(self.buf, max(pos, error_at))
+        if m is None:  # no boundary in the bytes read so far
+            return None
+        self._skip(reason, example)
+        return m.start() + 1, None
+
+    def _skip_oversized(self) -> None:
+        """No whole event in MAX_EVENT_BYTES (an unterminated string, a runaway value): drop bytes up to
+        the next event boundary, holding at most MAX_EVENT_BYTES + CHUNK_BYTES."""
+        example = f"{self.buf[:120]!r}"
+        searched = 1
+        while True:
+            m = _EVENT_END.search(self.buf, searched)
+            if m is not None:
+                self.buf = self.buf[m.start() + 1 :]
+                self._skip("oversized_event", example)
+                return
+            if self.eof:
+                self.buf = b""
+                self.truncated = f"JSON ends inside an event larger than {MAX_EVENT_BYTES >> 20} MiB (file cut short?)"
+                return
+            self.buf = self.buf[-64:]  # a boundary may straddle two blocks
+            searched = 0
+            self._fill(CHUNK_BYTES)
+
+    def _finish(self, after_array: int) -> None:
+        """Keep the text after the events array (the rest of the metadata), up to MAX_EVENT_BYTES."""
+        parts, size = [self.buf[after_array:]], len(self.buf) - after_array
         for block in self.blocks:
-            parts.append(block)
+            if size < MAX_EVENT_BYTES:
+                parts.append(block)
+            else:
+                self.trailer_dropped += len(block)
+                self.trailer_dropped_junk = self.trailer_dropped_junk or bool(block.strip(b"\0 \t\r\n"))
+            size += len(block)
         self.trailer = b"".join(parts)
+        self.buf = b""
         self.eof = True
 
-    def metadata(self) -> dict:
-        """Top-level keys other than traceEvents (deviceProperties, distributedInfo, base time...)."""
+    def metadata(self, issues: list[Issue]) -> dict:
+        """Top-level keys other than traceEvents (deviceProperties, distributedInfo, base time...).
+
+        Text after the document is reported (zero padding or garbage), and metadata nested too deep
+        to decode keeps the keys steplens reads that are not themselves too deep."""
         if not self.header.strip():  # 2020 array format: no metadata at all
+            self._report_after_document(self.trailer, issues)
             return {}
-        for doc in (self.header + b"[]" + self.trailer, self.header + b"[]}"):
-            try:
-                value = msgspec.json.decode(doc)
-                return value if isinstance(value, dict) else {}
-            except msgspec.DecodeError:
-                continue
-        return {}
+        doc = self.header + b"[]" + self.trailer
+        try:
+            value = _JSON.decode(doc)
+        except RecursionError:
+            issues.append(Issue("warning", "nesting_too_deep", 1, "trace metadata nested deeper than the decoder "
+                                "allows; kept only the top-level keys steplens reads that decode"))
+            value = _metadata_by_key(doc)
+        except msgspec.DecodeError as e:
+            offset = _error_offset(e)
+            if offset is not None and "trailing characters" in str(e):
+                self._report_after_document(doc[offset - 1 :], issues)
+                value = _decode_or_none(doc[: offset - 1])
+            else:  # the metadata after the events array is cut short; keep what came before it
+                value = _decode_or_none(self.header + b"[]}")
+                if not (self.truncated or self.stream.truncated):
+                    issues.append(Issue("error", "truncated", 1, "file cut short after the last event: the metadata "
+                                        "written after traceEvents (baseTimeNanoseconds, ...) is lost"))
+        else:
+            self._report_after_document(b"", issues)
+        return value if isinstance(value, dict) else {}
+
+    def _report_after_document(self, text: bytes, issues: list[Issue]) -> None:
+        _report_trailing(text, self.trailer_dropped, self.trailer_dropped_junk, "the JSON document", issues)
+
+
+def _report_trailing(text: bytes, more_bytes: int, more_junk: bool, after: str, issues: list[Issue]) -> None:
+    """Bytes after the end of the data (`text`, then `more_bytes` not kept): zero padding or garbage."""
+    junk = text.strip(b" \t\r\n\0")
+    size = len(text) + more_bytes
+    if junk or more_junk:
+        issues.append(Issue("warning", "trailing_garbage", size, f"bytes after the end of {after} ignored, e.g. {junk[:60]!r}"))
+    elif b"\0" in text or more_bytes:
+        issues.append(Issue("info", "zero_padding", size, f"zero bytes after the end of {after} (a preallocated file?); ignored"))
+
+
+_JSON = msgspec.json.Decoder()
+_RAW = msgspec.json.Decoder(msgspec.Raw)
+# The top-level keys steplens reads (ingest's trace facts and the base time).
+METADATA_KEYS = ("schemaVersion", "distributedInfo", "deviceProperties", "computeProperties", "baseTimeNanoseconds",
+                 "cuda_runtime_version", "cuda_driver_version", "displayTimeUnit")
+
+
+def _decode_or_none(doc: bytes):
+    try:
+        return _JSON.decode(doc)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+
+
+def _metadata_by_key(doc: bytes) -> dict:
+    """Each key of METADATA_KEYS at its first `"key":` in the text, decoded on its own."""
+    found = {}
+    for key in METADATA_KEYS:
+        m = re.search(rb'"' + key.encode() + rb'"\s*:\s*', doc)
+        if m is None:
+            continue
+        try:
+            found[key] = _JSON.decode(doc[m.end():])
+        except msgspec.DecodeError as e:
+            offset = _error_offset(e)
+            if offset is not None and "trailing characters" in str(e):
+                value = _decode_or_none(doc[m.end() : m.end() + offset - 1])
+                if value is not None:
+                    found[key] = value
+        except RecursionError:
+            continue
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
 # Columns
 
 
-def _int_column(values: list, dtype=pa.int64()) -> tuple[pa.Array, int]:
-    """Values as an integer array; numeric strings are parsed, anything else becomes null.
+# Values beyond these bounds are damage, not measurements; they are stored as null and counted.
+# Times are int64 ns: bounding |ts| and |dur| by 2**62 ns (146 years; epoch ns today are 1.8e18)
+# keeps ts + dur and ts + baseTimeNanoseconds inside int64, so no end time can wrap.
+TIME_LIMIT_NS = 2**62
+# A collective's element count: 2**48 elements (4.5 PB at 16 bytes) is beyond any device's memory,
+# and keeps byte counts (x the element size) and their sums over many calls inside int64.
+MAX_MESSAGE_NELEMS = 2**48
+MAX_MEMORY_BYTES = 2**48  # a [memory] event's allocation size (negative for a free)
+MAX_STEP = 2**31 - 1  # ProfilerStep numbers; a step counter past 2 billion is damage
+# Longest integer text parsed (int64 has 19 digits); longer strings are not parsed at all.
+_MAX_INT_DIGITS = 20
 
-    Returns the array and how many non-null values could not be represented.
+
+def _int_column(values: list, dtype=pa.int64(), bounds: tuple[int, int] | None = None) -> tuple[pa.Array, int, str]:
+    """Values as an integer array; numeric strings are parsed, anything else becomes null, and so
+    does a value outside `bounds` (inclusive).
+
+    Returns the array, how many non-null values could not be represented, and an example of one.
     """
     try:
-        return pa.array(values, type=dtype), 0
+        array, bad, example = pa.array(values, type=dtype), 0, ""
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
-        pass
+        array, bad, example = _int_column_slowly(values, dtype)
+    if bounds is not None:
+        outside = pc.fill_null(pc.invert(pc.and_(pc.greater_equal(array, bounds[0]), pc.less_equal(array, bounds[1]))), False)
+        n_outside = pc.sum(outside).as_py() or 0
+        if n_outside:
+            example = example or preview(pc.filter(array, outside)[0].as_py())
+            array = pc.if_else(outside, pa.scalar(None, dtype), array)
+            bad += n_outside
+    return array, bad, example
+
+
+def _int_column_slowly(values: list, dtype) -> tuple[pa.Array, int, str]:
     lo, hi = (0, 2**64 - 1) if dtype == pa.uint64() else (-(2**63), 2**63 - 1)
-    out = [v if type(v) is int else None for v in values]
-    bad = 0
-    for i in [i for i, v in enumerate(values) if type(v) is not int and v is not None]:
+    out = [v if type(v) is int and lo <= v <= hi else None for v in values]
+    bad, example = 0, ""
+    for i in [i for i, v in enumerate(values) if out[i] is None and v is not None]:
         out[i] = _coerce_int(values[i], lo, hi)
         # Non-numeric labels ("Spans", "PyTorch Profiler") are names, not damaged numbers.
-        bad += out[i] is None and not isinstance(values[i], str)
-    try:
-        return pa.array(out, type=dtype), bad
-    except OverflowError:
-        in_range = [v if v is None or lo <= v <= hi else None for v in out]
-        return pa.array(in_range, type=dtype), bad + in_range.count(None) - out.count(None)
+        if out[i] is None and not (isinstance(values[i], str) and not values[i].lstrip("-").isdigit()):
+            bad += 1
+            example = example or preview(values[i])
+    return pa.array(out, type=dtype), bad, example
 
 
 def _coerce_int(value, lo: int, hi: int) -> int | None:
     """Numeric strings (and Kineto's legacy "stream 7" tids) become ints; the rest None."""
     if isinstance(value, str):
         digits = value.removeprefix("stream ").strip()
-        value = int(digits) if digits.lstrip("-").isdigit() else None
+        numeric = digits.lstrip("-").isdigit() and digits.isascii() and len(digits) <= _MAX_INT_DIGITS
+        value = int(digits) if numeric else None
     elif isinstance(value, float) and value.is_integer():
         value = int(value)
     return value if type(value) is int and lo <= value <= hi else None
 
 
-def _str_column(values: list) -> pa.Array:
+def preview(value) -> str:
+    """A short, printable rendering of a value from a trace (repr escapes control characters)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, (list, dict)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return repr(value)[:80]
+
+
+def _str_column(values: list, count_bad=None, lists_as_json: bool = False) -> pa.Array:
+    """Strings; numbers become their text, anything else (a list where a name belongs) null, or
+    with `lists_as_json` its compact JSON text."""
     try:
         return pa.array(values, type=pa.string())
     except (pa.ArrowInvalid, pa.ArrowTypeError):
-        return pa.array([None if v is None else str(v) for v in values], type=pa.string())
+        pass
+    out = [v if v is None or isinstance(v, str) else str(v) if _is_number(v) else
+           _json_text(v) if lists_as_json and isinstance(v, list) else None for v in values]
+    _count_nulled(values, out, count_bad)
+    return pa.array(out, type=pa.string())
 
 
-def _float_column(values: list) -> pa.Array:
+def _json_text(value: list) -> str | None:
     try:
-        return pa.array(values, type=pa.float64())
-    except (pa.ArrowInvalid, pa.ArrowTypeError):
-        return pa.array([v if isinstance(v, (int, float)) else None for v in values], type=pa.float64())
+        return msgspec.json.encode(value).decode()
+    except (TypeError, OverflowError, RecursionError):
+        return None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, float) or isinstance(value, int) and value.bit_length() <= 64
+
+
+def _float_column(values: list, count_bad=None) -> pa.Array:
+    """Finite, non-negative numbers (counts such as FLOPs); anything else null."""
+    try:
+        array = pa.array(values, type=pa.float64())
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        array = pa.array([_finite(v) for v in values], type=pa.float64())
+    valid = pc.fill_null(pc.and_(pc.is_finite(array), pc.greater_equal(array, 0)), False)
+    array = pc.if_else(valid, array, pa.scalar(None, pa.float64()))
+    if len(values) - values.count(None) != len(array) - array.null_count:
+        _count_nulled(values, array.to_pylist(), count_bad)
+    return array
+
+
+def _finite(value) -> float | None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+def _count_nulled(values: list, out: list, count_bad) -> None:
+    """Count the values that became null (and show one), when the caller wants to know."""
+    nulled = [v for v, o in zip(values, out) if o is None and v is not None]
+    if nulled and count_bad is not None:
+        count_bad(len(nulled), preview(nulled[0]))
 
 
 def _raw_column(raws: list[msgspec.Raw]) -> pa.Array:
@@ -431,12 +731,18 @@ def _raw_column(raws: list[msgspec.Raw]) -> pa.Array:
 
 
 _DECIMAL = r"^-?\d+(\.\d+)?$"
+_MAX_WHOLE_US = TIME_LIMIT_NS // 1000 - 1
+# A JSON number in exponent form, or quoted: short enough to convert exactly and cheaply (a
+# Decimal of 1e999999 takes seconds and then overflows).
+_NUMBER_TEXT = re.compile(r'^"?(-?\d{1,30}(?:\.\d{1,30})?(?:[eE][+-]?\d{1,3})?)"?$')
+_EXACT = decimal.Context(prec=100)
 
 
 def microseconds_text_to_ns(text: pl.Series) -> tuple[pl.Series, int]:
     """Exact µs decimal text -> integer ns (digits past the third decimal are sub-ns and dropped).
 
-    Returns the ns series and the number of non-empty values that are not JSON numbers.
+    Values that are not JSON numbers, or beyond ±TIME_LIMIT_NS, become null. Returns the ns series
+    and how many non-empty values became null.
     """
     frame = pl.DataFrame({"t": text})
     parts = pl.col("t").str.split_exact(".", 1)
@@ -445,40 +751,41 @@ def microseconds_text_to_ns(text: pl.Series) -> tuple[pl.Series, int]:
     signed_frac = pl.when(pl.col("t").str.starts_with("-")).then(-frac).otherwise(frac)
     plain = pl.col("t").str.contains(_DECIMAL)
     frame = frame.with_columns(
-        ns=pl.when(plain).then(whole * 1000 + signed_frac),
+        ns=pl.when(plain & whole.is_between(-_MAX_WHOLE_US, _MAX_WHOLE_US)).then(whole * 1000 + signed_frac),
         odd=pl.col("t").is_not_null() & ~plain,
     )
     ns = frame["ns"]
-    odd = frame["odd"]
-    n_odd = int(odd.sum())
-    if n_odd:  # exponents or quoted numbers: rare, exact via Decimal
-        fixed = [
-            _decimal_us_to_ns(t) if o else v
-            for t, o, v in zip(frame["t"].to_list(), odd.to_list(), ns.to_list())
-        ]
-        ns = pl.Series(fixed, dtype=pl.Int64)
-        n_odd = sum(1 for t, o, v in zip(frame["t"].to_list(), odd.to_list(), fixed) if o and v is None)
-    return ns, n_odd
+    if frame["odd"].any():  # exponents or quoted numbers: rare, exact via Decimal
+        ns = pl.Series([_decimal_us_to_ns(t) if o else v for t, o, v in
+                        zip(frame["t"].to_list(), frame["odd"].to_list(), ns.to_list())], dtype=pl.Int64)
+    return ns, int((text.is_not_null() & ns.is_null()).sum())
 
 
 def _decimal_us_to_ns(text: str) -> int | None:
-    try:
-        return int(Decimal(text.strip('"')) * 1000)
-    except (InvalidOperation, ValueError):
+    m = _NUMBER_TEXT.match(text)
+    if m is None:
         return None
+    ns = int(_EXACT.multiply(Decimal(m.group(1)), 1000))
+    return ns if -TIME_LIMIT_NS <= ns <= TIME_LIMIT_NS else None
 
 
-def _columns(events: list[_Event], counters: dict[str, int]) -> pl.DataFrame:
+def _columns(events: list[_Event], counters: dict[str, list]) -> pl.DataFrame:
     args = [e.args or _NO_ARGS for e in events]
 
-    def count_bad(column: str, bad: int) -> None:
-        if bad:
-            counters[column] = counters.get(column, 0) + bad
+    def count_bad(column: str):
+        def add(n: int, example: str) -> None:
+            entry = counters.setdefault(column, [0, example])
+            entry[0] += n
+        return add
 
-    def ints(values, column, dtype=pa.int64()):
-        array, bad = _int_column(values, dtype)
-        count_bad(column, bad)
+    def ints(values, column, dtype=pa.int64(), bounds=None):
+        array, bad, example = _int_column(values, dtype, bounds)
+        if bad:
+            count_bad(column)(bad, example)
         return array
+
+    def strs(values, column, lists_as_json=False):
+        return _str_column(values, count_bad(column), lists_as_json)
 
     n = len(events)
     # Collective args sit on a handful of events: read them only there.
@@ -490,11 +797,12 @@ def _columns(events: list[_Event], counters: dict[str, int]) -> pl.DataFrame:
             values[i] = getattr(args[i], name)
         return values
 
+    nelems = (0, MAX_MESSAGE_NELEMS)
     dims = [a.input_dims or a.input_dims_legacy for a in args]
     columns = {
-        "ph": _str_column([e.ph for e in events]),
-        "cat": _str_column([e.cat for e in events]),
-        "name": _str_column([e.name for e in events]),
+        "ph": strs([e.ph for e in events], "ph"),
+        "cat": strs([e.cat for e in events], "cat"),
+        "name": strs([e.name for e in events], "name"),
         "pid": ints([e.pid for e in events], "pid"),
         "tid": ints([e.tid for e in events], "tid"),
         "ts_text": _raw_column([e.ts for e in events]),
@@ -504,21 +812,22 @@ def _columns(events: list[_Event], counters: dict[str, int]) -> pl.DataFrame:
         "arg_device": ints([a.device for a in args], "device"),
         "correlation": ints([a.correlation for a in args], "correlation"),
         "external_id": ints([a.external_id for a in args], "External id"),
-        "collective": _str_column(comm("collective")),
-        "in_nelems": ints(comm("in_nelems"), "In msg nelems"),
-        "out_nelems": ints(comm("out_nelems"), "Out msg nelems"),
-        "dtype": _str_column(comm("dtype")),
-        "group_size": ints(comm("group_size"), "Group size"),
-        "group_name": _str_column(comm("group_name")),
-        "group_desc": _str_column(comm("group_desc")),
-        "group_ranks": _str_column(comm("group_ranks")),
+        "collective": strs(comm("collective"), "Collective name"),
+        "in_nelems": ints(comm("in_nelems"), "In msg nelems", bounds=nelems),
+        "out_nelems": ints(comm("out_nelems"), "Out msg nelems", bounds=nelems),
+        "dtype": strs(comm("dtype"), "dtype"),
+        "group_size": ints(comm("group_size"), "Group size", bounds=(1, schema.MAX_RANK)),
+        "group_name": strs(comm("group_name"), "Process Group Name"),
+        "group_desc": strs(comm("group_desc"), "Process Group Description"),
+        "group_ranks": strs(comm("group_ranks"), "Process Group Ranks", lists_as_json=True),
         "seq": ints(comm("seq"), "Seq"),
         "comms_id": ints(comm("comms_id"), "Comms Id", pa.uint64()),
         "src_rank": ints(comm("src_rank"), "Src Rank"),
         "dst_rank": ints(comm("dst_rank"), "Dst Rank"),
         "input_dims": _raw_column(dims),
-        "bytes": ints([a.nbytes if a.nbytes is not None else a.memory_bytes for a in args], "bytes"),
-        "flops": _float_column([a.flops for a in args]),
+        "bytes": ints([a.nbytes if a.nbytes is not None else a.memory_bytes for a in args], "bytes",
+                      bounds=(-MAX_MEMORY_BYTES, MAX_MEMORY_BYTES)),
+        "flops": _float_column([a.flops for a in args], count_bad("flops")),
     }
     return pl.from_arrow(pa.table(columns))
 
@@ -529,15 +838,15 @@ def _columns(events: list[_Event], counters: dict[str, int]) -> pl.DataFrame:
 
 def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Split raw rows into trace events (X/i) and flow endpoints (s/f/t), with exact ns times."""
-    ts, bad_ts = microseconds_text_to_ns(raw["ts_text"])
-    dur, bad_dur = microseconds_text_to_ns(raw["dur_text"])
-    if base_ns and (ts.max() or 0) >= ABSOLUTE_NS_THRESHOLD:
+    ts, _ = microseconds_text_to_ns(raw["ts_text"])
+    dur, _ = microseconds_text_to_ns(raw["dur_text"])
+    if base_ns and (ts.median() or 0) >= ABSOLUTE_NS_THRESHOLD:
         issues.append(Issue("info", "absolute_ts_with_base", 1, "ts already absolute; baseTimeNanoseconds not added"))
         base_ns = 0
-    if bad_ts or bad_dur:
-        issues.append(Issue("warning", "bad_timestamp", bad_ts + bad_dur,
-                            "ts/dur values that are not numbers; those events were dropped"))
-    raw = raw.with_columns(ts_ns=ts + base_ns, dur_ns=dur).drop("ts_text", "dur_text")
+    raw = raw.with_columns(ts_ns=ts, dur_ns=dur)
+    bad_durations = _report_bad_times(raw, base_ns, issues)
+    in_range = pl.col("ts_ns").is_between(-TIME_LIMIT_NS - base_ns, TIME_LIMIT_NS - base_ns)
+    raw = raw.with_columns(ts_ns=pl.when(in_range).then(pl.col("ts_ns") + base_ns)).drop("ts_text", "dur_text")
 
     phase = pl.col("ph")
     is_event = phase.is_in(["X", "i", "I"]) & pl.col("ts_ns").is_not_null()
@@ -546,7 +855,7 @@ def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl
     ignored = counts.filter(~pl.col("ph").is_in(["X", "i", "I", "s", "f", "t", "M"]) | pl.col("ph").is_null())
     for ph, n in ignored.iter_rows():
         issues.append(Issue("info", "unsupported_phase", n, f"events with ph={ph!r} are not complete/instant/flow events; skipped"))
-    no_dur = raw.filter((phase == "X") & pl.col("dur_ns").is_null()).height
+    no_dur = raw.filter((phase == "X") & pl.col("dur_ns").is_null()).height - bad_durations
     if no_dur:
         issues.append(Issue("warning", "missing_duration", no_dur, "complete (X) events without dur; kept with null duration"))
     negative = raw.filter((phase == "X") & (pl.col("dur_ns") < 0)).height
@@ -569,15 +878,47 @@ def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl
     return events, flows
 
 
-def _steps(events: pl.DataFrame) -> pl.DataFrame:
+_TIMED_PHASES = ["X", "i", "I", "s", "f", "t"]
+_YEARS_LIMIT = TIME_LIMIT_NS // (365 * 86400 * 10**9)
+
+
+def _report_bad_times(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> int:
+    """Count, with an example, the events whose ts is missing or damaged (they are dropped) and the
+    complete events whose dur is damaged (kept without a duration). Returns the latter count."""
+    timed = pl.col("ph").is_in(_TIMED_PHASES)
+    ts_ok = pl.col("ts_ns").is_between(-TIME_LIMIT_NS - base_ns, TIME_LIMIT_NS - base_ns).fill_null(False)
+    beyond = f"not numbers or beyond {_YEARS_LIMIT} years from the epoch"
+    checks = {
+        "missing_timestamp": (timed & pl.col("ts_text").is_null(), "ts_text",
+                              "complete, instant or flow events without ts were dropped"),
+        "bad_timestamp": (timed & pl.col("ts_text").is_not_null() & ~ts_ok, "ts_text",
+                          f"ts values that are {beyond} (with baseTimeNanoseconds); those events were dropped"),
+        "bad_duration": ((pl.col("ph") == "X") & pl.col("dur_text").is_not_null() & pl.col("dur_ns").is_null(), "dur_text",
+                         f"dur values that are {beyond}; those events are kept without a duration"),
+    }
+    counts = raw.select(**{reason: mask.sum() for reason, (mask, _, _) in checks.items()}).row(0, named=True)
+    for reason, (mask, column, what) in checks.items():
+        if counts[reason]:
+            name, value = raw.filter(mask).select("name", column).row(0)
+            issues.append(Issue("warning", reason, counts[reason], f"{what}, e.g. {name!r:.80} {column[:-5]}={value!r:.60}"))
+    return counts["bad_duration"]
+
+
+def _steps(events: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
+    marked = events.filter(
+        pl.col("name").str.starts_with("ProfilerStep#")
+        & pl.col("dur_ns").is_not_null()
+        & ~pl.col("kind").is_in(schema.DEVICE_KINDS)
+    ).with_columns(digits=pl.col("name").str.extract(STEP_NAME.pattern))
+    number = pl.col("digits").cast(pl.Int64, strict=False)
+    damaged = marked.filter(pl.col("digits").is_not_null() & ~number.is_between(0, MAX_STEP).fill_null(False))
+    if damaged.height:
+        issues.append(Issue("warning", "bad_step_number", damaged.height, f"ProfilerStep numbers above {MAX_STEP} "
+                            f"are damage, not steps; those events are kept as plain events, e.g. {damaged['name'][0]!r:.80}"))
     steps = (
-        events.filter(
-            pl.col("name").str.starts_with("ProfilerStep#")
-            & pl.col("dur_ns").is_not_null()
-            & ~pl.col("kind").is_in(schema.DEVICE_KINDS)
-        )
+        marked.filter(number.is_between(0, MAX_STEP))
         .select(
-            step=pl.col("name").str.extract(STEP_NAME.pattern).cast(pl.Int64),
+            step=number,
             start_ns="ts_ns",
             end_ns=pl.col("ts_ns") + pl.col("dur_ns"),
             dur_ns="dur_ns",
@@ -696,38 +1037,39 @@ def parse_trace(path: Path, source: str) -> ParsedTrace:
     """Parse one trace file. Raises NotATrace for JSON that is not a trace, OSError if unreadable."""
     stream = _Stream(path)
     reader = _ChunkReader(stream)
-    counters: dict[str, int] = {}
+    counters: dict[str, list] = {}
     # Decoded events hold no reference cycles; collecting garbage over them only costs time.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
         chunks = [_columns(events, counters) for events in reader.events()]
+    except NotATrace as e:
+        # Text that is not JSON only damages a file whose name says it is JSON (not a .tar.gz).
+        e.damaged = e.damaged and path.name.endswith((".json", ".json.gz"))
+        raise
     finally:
         if gc_was_enabled:
             gc.enable()
-    metadata = reader.metadata()
     issues: list[Issue] = []
+    metadata = reader.metadata(issues)
     if stream.truncated or reader.truncated:
-        why = stream.truncated or "JSON ends in the middle of traceEvents (file cut short)"
+        why = stream.truncated or reader.truncated
         issues.append(Issue("error", "truncated", 1, f"{why}; kept every complete event before the cut"))
-    if reader.malformed_events:
-        issues.append(Issue("warning", "malformed_event", reader.malformed_events,
-                            f"events of an unexpected shape were skipped, e.g. {reader.malformed_example}"))
-    for column, n in sorted(counters.items()):
-        issues.append(Issue("warning", "unrepresentable_value", n, f"'{column}' values that are not integers in range; stored as null"))
+    if stream.trailing_bytes:
+        _report_trailing(b"", stream.trailing_bytes, not stream.trailing_zeros, "the gzip data", issues)
+    for reason, (n, example) in sorted(reader.skipped.items()):
+        issues.append(Issue("warning", reason, n, f"{_SKIPPED[reason]}; decoding resumed at the next event, e.g. {example}"))
+    for column, (n, example) in sorted(counters.items()):
+        issues.append(Issue("warning", "unrepresentable_value", n,
+                            f"'{column}' values that are not in range for their meaning; stored as null, e.g. {example}"))
 
-    if not chunks:
-        if reader.malformed_events:
-            raise NotATrace("a JSON array whose elements are not trace events")
-        raw = _columns([], counters)
-    else:
-        raw = pl.concat(chunks, how="vertical_relaxed", rechunk=False)
+    raw = pl.concat(chunks, how="vertical_relaxed", rechunk=False) if chunks else _columns([], counters)
     del chunks  # each stage drops its input as soon as it is done: peak memory is about two copies
     _return_freed_memory()
-    base_ns = _base_time_ns(metadata)
+    base_ns = _base_time_ns(metadata, issues)
     events, endpoints = _normalize(raw, base_ns, issues)
     del raw
-    steps = _steps(events)
+    steps = _steps(events, issues)
     events = _assign_steps(events, steps)
     flows = _flows(events, endpoints, issues)
     launched_by = flows.filter(pl.col("flow_type") == "launch").unique("dst_event_id", keep="first").select(
@@ -739,6 +1081,13 @@ def parse_trace(path: Path, source: str) -> ParsedTrace:
     steps = steps.select(pl.lit(source).alias("source"), pl.all())
     flows = flows.select(pl.lit(source).alias("source"), pl.all())
     return ParsedTrace(events, flows, steps, metadata, issues, stream.raw_bytes)
+
+
+_SKIPPED = {
+    "malformed_event": "events that are not valid JSON or have an unexpected shape were skipped",
+    "nesting_too_deep": "events nested deeper than the decoder allows were skipped",
+    "oversized_event": f"events larger than {MAX_EVENT_BYTES >> 20} MiB (an unterminated string?) were skipped",
+}
 
 
 def _return_freed_memory() -> None:
@@ -755,6 +1104,13 @@ except OSError:  # not a platform with a C library to load by that name
     _LIBC = None
 
 
-def _base_time_ns(metadata: dict) -> int:
+def _base_time_ns(metadata: dict, issues: list[Issue]) -> int:
     base = metadata.get("baseTimeNanoseconds")
-    return int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) else 0
+    if isinstance(base, float) and base.is_integer():
+        base = int(base)
+    if base is None or type(base) is int and 0 <= base <= TIME_LIMIT_NS:
+        return base or 0
+    issues.append(Issue("warning", "bad_base_time", 1, f"baseTimeNanoseconds {preview(base)} is not a time within "
+                        f"{_YEARS_LIMIT} years of the epoch; ignored, so ts are taken as written (this rank cannot "
+                        "be aligned with the others)"))
+    return 0

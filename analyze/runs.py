@@ -78,7 +78,8 @@ def _clash(a: dict[str, list[Path]], b: dict[str, list[Path]]) -> bool:
 def _subset(found: Discovered, keep) -> Discovered:
     return Discovered(traces=[p for p in found.traces if keep(p)],
                       native=[entry for entry in found.native if keep(entry[0])],
-                      unknown=[p for p in found.unknown if keep(p)])
+                      unknown=[p for p in found.unknown if keep(p)],
+                      special=[entry for entry in found.special if keep(entry[0])])
 
 
 def split_runs(root: Path, found: Discovered, depth: int = 0) -> list[RunFolder]:
