@@ -250,7 +250,8 @@ def _fail(message: str, status: int = EXIT_NOTHING) -> None:
 
 
 class Terminated(BaseException):
-    """SIGTERM, raised in the main thread so that cleanup (workers, staging folder) runs."""
+    """SIGTERM or Ctrl-C, raised in the main thread so that cleanup (workers, staging folder) runs;
+    not a KeyboardInterrupt, which click would answer with a line of its own."""
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -261,6 +262,7 @@ def _guarded(command: click.Command, args: list[str] | None = None, prog_name: s
     """Run a command with the documented exit statuses for what click does not handle: a full or
     read-only disk, Ctrl-C and SIGTERM (one line each), and internal errors."""
     signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGINT, _raise_terminated)
     try:
         command.main(args, prog_name=prog_name, standalone_mode=False)
     except click.exceptions.Abort:
