@@ -37,7 +37,7 @@ FAMILIES: list[tuple[str, str, tuple[str, ...]]] = [
       "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel<float, float>(...)")),
     ("conv",
      r"conv[^e]|conv$|scudnn|fprop|dgrad|wgrad|winograd|implicit_gemm|^igemm_(fwd|bwd|wrw)|miopen|nchwtonhwc|nhwctonchw|"
-     r"im2col|col2im|^batched_transpose|^fft",
+     r"im2col|col2im|^batched_transpose|^fft|^compute\w*offsetskernel",  # cuDNN's cask conv helpers
      ("sm80_xmma_fprop_implicit_gemm_indexed_tf32f32_tf32f32_f32_nhwckrsc_nchw_tilesize128x128x16_stage4_warpsize2x2x1_g1_tensor16x8x8_alignc4_execute_kernel_cudnn",
       "cudnn_ampere_scudnn_128x64_relu_xregs_large_nn_v1", "void implicit_convolve_sgemm<float, float, 1024, 6, 7, 3, 3, 5, 1, false, true, true>(...)",
       "void cudnn::cnn::wgrad_alg0_engine<float, 128, 6, 7, 3, 3, 5, false, 512>(...)",
@@ -60,18 +60,20 @@ FAMILIES: list[tuple[str, str, tuple[str, ...]]] = [
      ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>(...)",)),
     ("reduction",
      r"reduce|reduction|softmax|argmax|argmin|topk|sort|scan|cumsum|cumprod|^sum_|_sum|mean|^max_pool|^avg_pool|pool|"
-     r"cross_entropy|nll_loss|^triton_(red|per)_|^finalizekernel",  # finalizeKernel*: TensorRT-LLM MoE weighted expert sum
+     r"cross_entropy|nll_?loss|classnllcriterion|^triton_(red|per)_|^finalizekernel",  # finalizeKernel*: TensorRT-LLM MoE weighted expert sum
      ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<...> >(...)", "void cub::DeviceRadixSortSingleTileKernel<...>(...)",
       "void at::native::(anonymous namespace)::max_pool_forward_nchw<float, float>(...)", "triton_red_fused_add_mean_mul_pow_rsqrt_0")),
     ("elementwise",
      r"elementwise|vectorized|unrolled|copy|fill|^cat|cat_|concat|index|scatter|gather|transpose|permute|pad|where|clamp|"
      r"dropout|gelu|silu|relu|sigmoid|tanh|swiglu|rotary|rope|quant|convert|cast|^triton_poi_|masked|arange|repeat|"
-     r"upsample|distribution|random|uniform|philox|scale|bias|act_and_mul|activation|tensorop|kv_?cache|^cvt_",
+     r"upsample|distribution|random|uniform|philox|scale|bias|act_and_mul|activation|tensorop|kv_?cache|^cvt_|^scal_kernel",
      ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>, std::array<char*, 1ul> >(...)",
       "void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>(...)", "triton_poi_fused_add_cos_sin_0",
       "void at::native::(anonymous namespace)::distribution_elementwise_grid_stride_kernel<...>(...)",
       "SubTensorOpWithScalar1d", "void (anonymous namespace)::store_kvcache<2048l, 4, false, long>(...)")),
-    ("triton", r"^triton", ("triton_poi_fused_add_cos_sin_0 (when no family above matches)",)),
+    # Inductor names say the kind (poi = pointwise, red/per = reduction, tem = template): those go to
+    # the families above; a Triton kernel whose kind the name does not tell lands here.
+    ("triton", r"^triton", ("triton_tem_fused_0",)),
 ]
 # fmt: on
 
