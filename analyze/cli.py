@@ -24,7 +24,7 @@ from rich.progress import (
 from rich.table import Table
 
 from . import analyses, kernels, mfu, schema
-from steplens.reports.verdict import disagreement_lines, step_lines, telemetry_lines
+from steplens.reports.verdict import disagreement_lines, step_lines, straggler_lines, telemetry_lines
 
 from .ingest import (
     IngestError,
@@ -369,14 +369,8 @@ def print_findings(console: Console, f: dict) -> None:
     """The headline: slowest rank and step, GPU idle and its cause, most exposed collective, MFU."""
     console.print("[bold]findings[/]")
     lines = []
-    lines.extend(line[0].lower() + line[1:].removesuffix(".") for line in disagreement_lines(f) + step_lines(f))
-    for s in f.get("stragglers", []):
-        if s["basis"] == "collective_wait":
-            lines.append(f"straggler: rank {s['rank']} in step {s['step']}; the other ranks waited {_ms(s['others_waited_ns'])} "
-                         "in total for it in collectives")
-        else:
-            lines.append(f"straggler: rank {s['rank']} in step {s['step']}, {_ms(s['spread_ns'])} longer than the fastest "
-                         "rank (no collective timing in the traces to show who waited)")
+    lines.extend(line[0].lower() + line[1:].removesuffix(".") for line in
+                 disagreement_lines(f) + step_lines(f) + straggler_lines(f, limit=len(f.get("stragglers", []))))
     idle = f.get("gpu_idle", {})
     if idle.get("idle_share") is not None:
         cause = {"host_bound": "host-bound (GPU waiting for the CPU to launch)", "sync": "synchronization (CPU waiting on the GPU)",
@@ -520,6 +514,8 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
     if not (out_dir / schema.MANIFEST_FILE).exists():
         _fail(f"{run_dir}: not an analysed run (no run.json); run `analyze {run_dir}` first")
     out_path = out_path or out_dir / "merged_trace.json"
+    if out_path.exists() and not _is_export(out_path):
+        _fail(f"{safe_text(out_path)} exists and is not a trace steplens exported: give a new file with --out")
     counts = export_trace(out_dir, out_path, _step_range(steps))
     if not counts["events"]:
         _fail(f"{run_dir}: no events to export" + (f" in steps {steps}" if steps else ""))
@@ -528,6 +524,17 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
 
 
 steplens.add_command(export_trace_command)
+
+
+def _is_export(path: Path) -> bool:
+    """A file export-trace wrote (its otherData, written last, names steplens): the only kind it replaces."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 4096))
+            tail = f.read()
+    except OSError:
+        return False
+    return b'"steplens":' in tail and b'"origin_ns":' in tail
 
 
 def _analysed(run_dir: Path) -> Path:
@@ -664,11 +671,13 @@ def trials_command(runs_dir: Path, fmt: str) -> None:
     console = Console(highlight=False)
     console.print(result["verdict"]["detail"], markup=False, soft_wrap=True)
     console.print(ignored, markup=False, soft_wrap=True)
-    view = Table(title="configurations (median over trials)", title_justify="left", box=None)
-    for column in columns:
-        view.add_column(column, overflow="fold")
-    for row in rows:
-        view.add_row(*row)
+    # Narrow enough for an 80-column CI log: the configuration's first run names it (--format json lists every run).
+    view = Table(title="configurations (throughput in samples/s, median over trials)", title_justify="left", box=None)
+    narrow = ["rank", "configuration", "micro_batch", "trials", "ok_trials", "median", "min", "max"]
+    for column in narrow:
+        view.add_column(column.replace("_", " "), overflow="fold")
+    for c in result["configurations"]:
+        view.add_row(*(_cell(c[column]) for column in narrow))
     console.print(view, markup=False)
     console.print(result["ignored_rule"], markup=False, soft_wrap=True)
 

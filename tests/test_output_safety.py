@@ -16,6 +16,7 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
+from steplens.analyze import analyses
 from steplens.analyze import ingest as ingest_module
 from steplens.analyze import schema
 from steplens.analyze.cli import EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_UNWRITABLE, analyze, steplens
@@ -232,3 +233,16 @@ def test_sql_takes_run_folders_literally(synthetic_run, tmp_path):
     rows = [json.loads(line) for line in done.output.splitlines()]
     steps_per_run = len(json.loads((runs / "expA" / schema.DEFAULT_OUT_DIR / "run.json").read_text())["sources"]) * 3
     assert len(rows) == 4 and {r["n"] for r in rows} == {steps_per_run}  # copies of one run, none double counted
+
+
+def test_export_trace_never_overwrites_an_input(synthetic_run, tmp_path):
+    run = _copy(synthetic_run, tmp_path / "run")
+    ingest_module.ingest(run, jobs=1, finish=lambda staging: analyses.run(staging))  # tables and analyses, no report
+    trace = run / "rank-0.pt.trace.json.gz"
+    before = trace.read_bytes()
+    refused = CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(trace)])
+    assert refused.exit_code == EXIT_NOTHING and "not a trace steplens exported" in refused.output
+    assert trace.read_bytes() == before
+    merged = tmp_path / "merged.json"
+    assert CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(merged)]).exit_code == 0
+    assert CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(merged)]).exit_code == 0  # its own: replaced
