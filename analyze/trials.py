@@ -88,11 +88,21 @@ def experiments_from_runs(runs: dict[str, tuple[pl.DataFrame, dict]]) -> tuple[p
     return frame.with_columns(trial=trial.cast(pl.Int64)), ignored
 
 
+def _leaves(settings: dict, prefix: str = "") -> dict:
+    """{dotted path: value} down to the values that are not objects."""
+    out = {}
+    for key, value in settings.items():
+        path = f"{prefix}.{key}" if prefix else key
+        out.update(_leaves(value, path) if isinstance(value, dict) and value else {path: value})
+    return out
+
+
 def _differing(ignored: dict[str, dict], names: list[str]) -> list[str]:
-    """Ignored settings whose values are not the same in every one of these runs."""
-    paths = sorted({path for name in names for path in ignored[name]})
+    """Ignored settings (down to single values) whose values are not the same in every one of these runs."""
+    leaves = {name: _leaves(ignored[name]) for name in names}
+    paths = sorted({path for name in names for path in leaves[name]})
     return [p for p in paths
-            if len({json.dumps(ignored[name].get(p), sort_keys=True, default=str) for name in names}) > 1]
+            if len({json.dumps(leaves[name].get(p), sort_keys=True, default=str) for name in names}) > 1]
 
 
 def trials(runs: dict[str, tuple[pl.DataFrame, dict]]) -> dict:

@@ -64,3 +64,29 @@ def ds_instrumented_run(tmp_path_factory) -> Path:
     return _realrun(tmp_path_factory, "instrumented", "--steps", str(job["steps"]), "--flops_step", str(job["flops_step"]),
                     "--profile_skip_first", str(job["skip_first"]), "--profile_window", ",".join(map(str, job["window"])))
 
+
+# Repeated jobs for `trials` and `compare`: TRIAL_REPEATS runs of each micro batch size, the collector
+# configured the README's way (ds_config "steplens" block with its own run_dir per run), no profiler
+# window and no FLOPs profile, so every step after the warm-up is a plain step.
+TRIAL_MICRO_BATCHES = (2, 8)
+TRIAL_REPEATS = 4
+TRIAL_STEPS = 10
+
+
+@pytest.fixture(scope="session")
+def ds_trial_runs(tmp_path_factory) -> Path:
+    """A folder holding mbs2_run0..3 and mbs8_run0..3 (one real 2-rank job each)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("deepspeed")
+    sys.path.insert(0, str(Path(__file__).parent / "realrun"))
+    from launch import run_tiny_gpt
+
+    keep = os.environ.get("STEPLENS_REALRUN_DIR")
+    root = Path(keep) / "trials" if keep else tmp_path_factory.mktemp("trials")
+    for micro_batch in TRIAL_MICRO_BATCHES:
+        for repeat in range(TRIAL_REPEATS):
+            folder = root / f"mbs{micro_batch}_run{repeat}"
+            if not (folder / "script" / "rank0.json").exists():
+                run_tiny_gpt(folder, "--micro_batch", str(micro_batch), "--steps", str(TRIAL_STEPS),
+                             "--profile_window", "off", "--flops_step", "-1")
+    return root

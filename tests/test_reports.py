@@ -228,21 +228,42 @@ def test_hostile_names_render_as_text_in_chromium(browser, tmp_path):
 
 def test_compare_uses_the_step_source_both_runs_have(tmp_path, corpus):
     """The collector sample (profiler, collector and log timers) against a run that left only logs:
-    the shared source is DeepSpeed's timer lines, read here independently of the importer."""
+    the shared source is DeepSpeed's timer lines, read here independently of the importer, with the
+    step-time definition's exclusions (instrumented steps from the run's own settings, then the
+    leading warm-up steps beyond the noise)."""
+    import statistics
+
     runs = {}
     for name, folder in (("sample", ROOT / "sample_runs" / "deepspeed_cpu_2rank"),
                          ("run5", CORPUS.parent / "deepspeed-cpu-runs" / "run5")):
         shutil.copytree(folder, tmp_path / name, ignore=shutil.ignore_patterns(".steplens"))
         runs[name] = load(_analyse(tmp_path / name))
     result = compare.compare(runs["sample"], runs["run5"])["step_time"]
-    assert "wall-clock timers" in result["source"]
+    assert "wall_clock_breakdown" in result["source"]
 
-    def logged_steps(folder: Path) -> list[float]:
-        log = next((folder / "rank_logs").glob("*rank0.log")).read_text()
-        return [sum(float(v) for v in re.findall(r"\b(?:fwd|bwd|step): ([\d.]+)", line))
-                for line in log.splitlines() if "time (ms) | fwd: " in line]
+    def kept_steps(folder: Path, instrumented: set[int]) -> list[float]:
+        per_step: dict[int, float] = {}
+        for log in (folder / "rank_logs").glob("*.log"):
+            lines = [line for line in log.read_text().splitlines() if "time (ms) | fwd: " in line]
+            for step, line in enumerate(lines):
+                total = sum(float(v) for v in re.findall(r"\b(?:fwd|bwd|step): ([\d.]+)", line))
+                per_step[step] = max(per_step.get(step, 0.0), total)
+        times = [per_step[s] for s in sorted(per_step) if s not in instrumented]
+        if len(times) >= 3:
+            median = statistics.median(times)
+            bound = median + max(3.5 * statistics.median(abs(t - median) for t in times) / 0.6745, 0.05 * median)
+            warm = 0
+            while warm < len(times) and times[warm] > bound:
+                warm += 1
+            times = times[min(warm, len(times) // 2):]
+        return times
 
-    sample, run5 = logged_steps(tmp_path / "sample"), logged_steps(tmp_path / "run5")
+    manifest = json.loads((tmp_path / "sample" / "collector" / "manifest" / "rank0.json").read_text())["run"]["settings"]
+    window = manifest["profile"]  # one window: warm-up, active, then the export step after it
+    first = window["skip_first"] + window["wait"]
+    sample = kept_steps(tmp_path / "sample", {manifest["flops_step"], *range(first, first + window["warmup"] + window["active"] + 1)})
+    ds_config = json.loads((tmp_path / "run5" / "ds_config.json").read_text())
+    run5 = kept_steps(tmp_path / "run5", {ds_config["flops_profiler"]["profile_step"]})
     assert (result["base_steps"], result["new_steps"]) == (len(sample), len(run5))
     assert result["base_median_ns"] == pytest.approx(np.median(sample) * 1e6)
     assert result["new_median_ns"] == pytest.approx(np.median(run5) * 1e6)

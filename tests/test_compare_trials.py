@@ -1,0 +1,242 @@
+"""`steplens trials` and `steplens compare` on real repeated DeepSpeed jobs, and what logs-only runs
+give (Megatron MFU, DeepSpeed-Chat global_samples). Every number is recomputed here from the raw
+collector Parquet parts (pyarrow) or the log text (re), with the standard library: no steplens code."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import shutil
+import statistics
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from conftest import CORPUS, TRIAL_MICRO_BATCHES, TRIAL_REPEATS
+from steplens.analyze import dslog, trials
+from steplens.analyze.cli import EXIT_REGRESSION, analyze, steplens
+
+
+# ---------------------------------------------------------------------------------------------
+# The step-time definition, recomputed from the raw collector parts
+
+
+def _raw_steps(run: Path) -> list[tuple[int, int, int]]:
+    """(step, step time ns, samples) per optimizer step: the slowest rank's sum of its micro steps,
+    samples from global_samples after the boundary; the leading warm-up steps left out (above
+    median + max(3.5 MAD / 0.6745, 5% of the median), at most half the steps)."""
+    durations: dict[int, dict[int, int]] = {}
+    samples_after: dict[int, int] = {}
+    for part in sorted((run / "collector" / "train_steps").glob("*.parquet")):
+        for row in pq.read_table(part).to_pylist():
+            durations.setdefault(row["step"], {}).setdefault(row["rank"], 0)
+            durations[row["step"]][row["rank"]] += row["dur_ns"]
+            if row["is_boundary"]:
+                samples_after[row["step"]] = max(samples_after.get(row["step"], 0), row["global_samples"])
+    steps = sorted(durations)
+    times = [max(durations[s].values()) for s in steps]
+    median = statistics.median(times)
+    mad = statistics.median(abs(t - median) for t in times)
+    bound = median + max(3.5 * mad / 0.6745, 0.05 * median)
+    warm = 0
+    while warm < len(times) and times[warm] > bound:
+        warm += 1
+    warm = min(warm, len(times) // 2)
+    return [(s, times[i], samples_after[s] - samples_after.get(s - 1, 0)) for i, s in enumerate(steps) if i >= warm]
+
+
+def _exact_one_sided_p(winner: list[float], runner: list[float]) -> tuple[float, float]:
+    """U (pairs where the winner's trial is higher) and the exact one-sided p: the share of all
+    C(n+m, n) splits of the pooled values whose U is at least as large (no ties in real timings)."""
+    def u(a, b):
+        return sum((x > y) + 0.5 * (x == y) for x in a for y in b)
+
+    observed, pooled = u(winner, runner), winner + runner
+    splits = list(itertools.combinations(range(len(pooled)), len(winner)))
+    as_large = sum(u([pooled[i] for i in chosen], [pooled[i] for i in range(len(pooled)) if i not in chosen]) >= observed
+                   for chosen in splits)
+    return observed, as_large / len(splits)
+
+
+# ---------------------------------------------------------------------------------------------
+# trials
+
+
+def test_trials_group_real_repeats_by_work_and_rank_them(ds_trial_runs):
+    result = CliRunner().invoke(steplens, ["trials", str(ds_trial_runs), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    # 4 + 4 runs with a run_dir of their own in the "steplens" block: two configurations of 4 trials.
+    by_batch = {c["micro_batch"]: c for c in data["configurations"]}
+    assert sorted(by_batch) == list(TRIAL_MICRO_BATCHES)
+    throughput = {}
+    for micro_batch, config in by_batch.items():
+        assert sorted(config["runs"]) == [f"mbs{micro_batch}_run{i}" for i in range(TRIAL_REPEATS)]
+        assert config["trials"] == config["ok_trials"] == TRIAL_REPEATS
+        assert config["ignored_differences"] == ["steplens.run_dir"]
+        values = []
+        for name in config["runs"]:
+            steps = _raw_steps(ds_trial_runs / name)
+            values.append(statistics.median(s[2] for s in steps) / (statistics.median(s[1] for s in steps) / 1e9))
+        throughput[micro_batch] = values
+        assert config["median"] == pytest.approx(statistics.median(values), rel=1e-9)
+        assert (config["min"], config["max"]) == pytest.approx((min(values), max(values)), rel=1e-9)
+    assert data["ignored_differences"] == ["steplens.run_dir"] and "steplens" in data["ignored_rule"]
+    winner, runner = sorted(TRIAL_MICRO_BATCHES, key=lambda mb: statistics.median(throughput[mb]), reverse=True)
+    verdict = data["verdict"]
+    assert verdict["winner"] == by_batch[winner]["configuration"] and verdict["runner_up"] == by_batch[runner]["configuration"]
+    statistic, p_value = _exact_one_sided_p(throughput[winner], throughput[runner])
+    assert verdict["test"] == "mann_whitney_u_exact_one_sided"
+    assert verdict["statistic"] == statistic and verdict["p_value"] == pytest.approx(p_value)
+    assert verdict["established"] is (p_value < 0.05) and data["alpha"] == 0.05
+    text = CliRunner().invoke(steplens, ["trials", str(ds_trial_runs)])
+    assert text.exit_code == 0 and "ignored settings that differed between trials: steplens.run_dir" in text.stdout
+
+
+def test_work_config_sets_aside_only_what_does_not_change_the_work():
+    base = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
+            "steplens": {"run_dir": "runs/a", "seq_len": 64, "flush_every": 4},
+            "csv_monitor": {"enabled": True, "output_path": "out/a"}, "wall_clock_breakdown": False}
+    other_outputs = {**base, "steplens": {"run_dir": "runs/b", "seq_len": 64, "flush_every": 50},
+                     "csv_monitor": {"enabled": True, "output_path": "out/b"}, "wall_clock_breakdown": True,
+                     "tensorboard": {"enabled": True, "output_path": "tb"}, "flops_profiler": {"enabled": True}}
+    work, ignored = trials.work_config(base, 2)
+    assert trials.work_config(other_outputs, 2)[0] == work
+    assert ignored == {"steplens": base["steplens"], "csv_monitor": base["csv_monitor"], "wall_clock_breakdown": False}
+    # The work itself: micro batch, sequence length, world size, a nested output path kept apart from the rest.
+    assert trials.work_config({**base, "train_micro_batch_size_per_gpu": 8}, 2)[0] != work
+    assert trials.work_config({**base, "steplens": {"run_dir": "runs/a", "seq_len": 128}}, 2)[0] != work
+    assert trials.work_config(base, 4)[0] != work
+    nested = {**base, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "output_path": "x"}}}
+    assert trials.work_config(nested, 2)[1]["zero_optimization.offload_optimizer.output_path"] == "x"
+
+
+# ---------------------------------------------------------------------------------------------
+# compare
+
+
+def _u_two_sided(base: list[float], new: list[float]) -> float:
+    return sum((n > b) + 0.5 * (n == b) for n in new for b in base)
+
+
+def test_compare_judges_throughput_when_the_micro_batch_differs(ds_trial_runs, tmp_path):
+    small, large = (ds_trial_runs / f"mbs{mb}_run0" for mb in TRIAL_MICRO_BATCHES)
+    runner = CliRunner()
+    result = runner.invoke(steplens, ["compare", str(small), str(large), "--out", str(tmp_path / "c"), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    verdict = data["verdict"]
+    # Both collector manifests record seq_len 64 (the steplens block): tokens/s, said so.
+    assert verdict["metric"] == "tokens/s" and "train_micro_batch_size_per_gpu" in verdict["why_metric"]
+    rates = {}
+    for side, run in (("base", small), ("new", large)):
+        steps = _raw_steps(run)
+        rates[side] = [samples * 64 / (ns / 1e9) for _, ns, samples in steps]
+        assert verdict[f"{side}_median"] == pytest.approx(statistics.median(rates[side]), rel=1e-9)
+        assert verdict[f"{side}_n"] == len(steps)
+        assert data["step_time"][f"{side}_median_ns"] == pytest.approx(statistics.median(ns for _, ns, _ in steps))
+    assert verdict["delta"] == pytest.approx(statistics.median(rates["new"]) / statistics.median(rates["base"]) - 1)
+    assert verdict["statistic"] == _u_two_sided(rates["base"], rates["new"])
+    assert verdict["verdict"] in ("regression", "improvement", "within noise")
+    assert (verdict["verdict"] != "within noise") is (verdict["p_value"] < 0.05 and (verdict["ci_low"] > 0 or verdict["ci_high"] < 0))
+    if verdict["verdict"] != "within noise":  # the direction is the throughput's: more tokens/s is better
+        assert (verdict["verdict"] == "improvement") is (verdict["delta"] > 0)
+    # --fail-on-regression judges the same metric: exit 3 exactly when tokens/s fell significantly.
+    for base, new in ((small, large), (large, small)):
+        gated = runner.invoke(steplens, ["compare", str(base), str(new), "--out", str(tmp_path / "g"), "--format", "json",
+                                         "--fail-on-regression", "1"])
+        judged = json.loads(gated.stdout)["verdict"]
+        regressed = judged["verdict"] == "regression" and abs(judged["delta"]) > 0.01
+        assert gated.exit_code == (EXIT_REGRESSION if regressed else 0), gated.output
+        assert judged["metric"] == "tokens/s"
+    text = runner.invoke(steplens, ["compare", str(small), str(large), "--out", str(tmp_path / "t")])
+    assert f"tokens/s: {verdict['verdict']}" in text.stdout and "judged on tokens/s" in text.stdout
+    assert f"Tokens/s: {verdict['verdict']}" in (tmp_path / "t" / "compare.md").read_text()
+
+
+def test_compare_judges_step_time_when_the_work_is_the_same(ds_trial_runs, tmp_path):
+    first, second = (ds_trial_runs / f"mbs{TRIAL_MICRO_BATCHES[0]}_run{i}" for i in (0, 1))
+    result = CliRunner().invoke(steplens, ["compare", str(first), str(second), "--out", str(tmp_path), "--format", "json"])
+    verdict = json.loads(result.stdout)["verdict"]
+    assert verdict["metric"] == "step time" and verdict["unit"] == "ns"
+    base, new = ([ns for _, ns, _ in _raw_steps(run)] for run in (first, second))
+    assert verdict["base_median"] == pytest.approx(statistics.median(base))
+    assert verdict["new_median"] == pytest.approx(statistics.median(new))
+    assert verdict["statistic"] == _u_two_sided(base, new)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logs-only runs
+
+
+MEGATRON_LOG = "Megatron-DeepSpeed/random_ltd_gpt3_baseline/gpt3-0.125B-tokendropping-graduallyIncrease-lr-3.0e-4-baseline.log"
+
+
+def _megatron_args(text: str) -> dict[str, int]:
+    block = text[text.index("-- arguments --"):text.index("-- end of arguments --")]
+    values = {}
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "kv_channels", "ffn_hidden_size", "seq_length",
+                 "global_batch_size", "world_size"):
+        values[name] = int(re.search(rf"^  {name} \.+ (\d+)$", block, re.MULTILINE)[1])
+    values["padded_vocab_size"] = int(re.search(r"new size: (\d+)\)", text)[1])
+    return values
+
+
+def test_megatron_log_gives_mfu_from_its_model_shape(corpus, tmp_path):
+    """The corpus log (12 layers, hidden 768, 12 heads, seq 2048, global batch 256, padded vocab 50304,
+    8 GPUs), analysed with an A100's 312 TFLOP/s: MFU per logged interval against the hand count."""
+    run = tmp_path / "megatron"
+    run.mkdir()
+    log = run / "train.log"
+    shutil.copyfile(corpus / MEGATRON_LOG, log)
+    text = log.read_text()
+    args = _megatron_args(text)
+    assert args == {"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "kv_channels": 64,
+                    "ffn_hidden_size": 3072, "seq_length": 2048, "global_batch_size": 256, "world_size": 8,
+                    "padded_vocab_size": 50304}
+    # Per token, by hand: 6 x [12 x (768 x 2304 + 768 x 768 + 2 x 768 x 3072) + 768 x 50304] = 741,408,768
+    # for the matmuls, plus 6 x 12 x 768 x 2048 = 113,246,208 for causal attention.
+    per_token = 741_408_768 + 113_246_208
+    flops = per_token * 256 * 2048
+    result = CliRunner().invoke(analyze, [str(run), "-q", "--peak-tflops", "312"])
+    assert result.exit_code in (0, 1), result.output
+    import polars as pl
+
+    rows = pl.read_parquet(run / ".steplens" / "mfu").filter(pl.col("numerator") == "megatron_args")
+    logged = {int(n) - 1: float(ms) for n, ms in
+              re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)", text)}
+    kept = pl.read_parquet(run / ".steplens" / "step_time").filter(~pl.col("excluded"))
+    assert sorted(rows["step"].to_list()) == sorted(kept["step"].to_list()) and len(logged) - 5 < rows.height <= len(logged)
+    for step, utilization, row_flops in rows.select("step", "utilization", "flops").iter_rows():
+        assert row_flops == flops
+        assert utilization == pytest.approx(flops / (logged[step] / 1e3 * 8 * 312e12), rel=1e-9)
+    finding = json.loads((run / ".steplens" / "findings.json").read_text())["mfu"]
+    megatron = next(f for f in finding if f["numerator"] == "megatron_args")
+    expected = statistics.median(flops / (logged[s] / 1e3 * 8 * 312e12) for s in kept["step"].to_list())
+    assert megatron["utilization"] == pytest.approx(expected, rel=1e-9)
+    assert "Megatron-LM model FLOPs" in megatron["definition"] and "312" in megatron["peak"]
+
+
+@pytest.mark.parametrize("name, batch", [
+    ("deepspeed_chat_step1_sft/opt-1.3b-globalBatchSize128.log", 128),
+    ("deepspeed_chat_step2_reward/opt-350m_globalBatchSize-64.log", 64),
+])
+def test_deepspeed_chat_logs_get_global_samples(corpus, name, batch):
+    """The global batch is in the file name, not in the log: steplens infers it from samples/s x time,
+    rounded to the per-device batch the command line gives."""
+    path = corpus / "DeepSpeedExamples" / name
+    parsed = dslog.parse(path, name)
+    assert parsed.facts["train_batch_size"] == batch
+    scalars = parsed.tables["scalars"]
+    assert scalars["global_samples"].null_count() == 0 and scalars.height > 1000
+    # Each line's optimizer steps done, read here: "step=N" and "global_step=N" (N steps done).
+    text = path.read_text()
+    step_lines, rate_lines = re.findall(r"\] step=(\d+),", text), re.findall(r"global_step=(\d+),", text)
+    # skipped_steps and lr per step line; 2 rates and 2 memory figures per throughput line
+    assert scalars.height == 2 * len(step_lines) + 4 * len(rate_lines)
+    assert sorted(scalars["global_samples"].to_list()) == sorted(
+        [int(n) * batch for n in step_lines] * 2 + [int(n) * batch for n in rate_lines] * 4)
