@@ -147,7 +147,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
             if findings:
                 print_findings(console, findings)
                 console.print(f"report: {safe_text(result.out_dir / 'report.html')} (rendered in "
-                              f"{findings['report_seconds']:.2f}s); PR summary: {safe_text(result.out_dir / 'summary.md')}",
+                              f"{findings['report_seconds']:.2f}s)\nPR summary: {safe_text(result.out_dir / 'summary.md')}",
                               markup=False, highlight=False, soft_wrap=True)
         _warn_missing_ranks(result)
         sys.exit(_status(result))
