@@ -167,8 +167,8 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         ranks = _ranges(result.manifest.get("ranks", []))
         problems = sum(1 for s in result.sources for i in s.issues if i[0] == "error")
         report = result.out_dir / ("report.html" if findings else schema.MANIFEST_FILE)
-        click.echo(f"  {name}: {len(result.sources)} input(s), ranks {ranks or 'none'}, {problems} error(s) -> "
-                   f"{safe_text(report)}")
+        click.echo(f"  {name}: {len(result.sources)} input(s), ranks {ranks or 'none'}, {problems} error(s)\n"
+                   f"    {safe_text(report)}")
     sys.exit(max(statuses) if all(s == EXIT_NOTHING for s in statuses) else
              (EXIT_PARTIAL if any(s != 0 for s in statuses) else 0))
 
