@@ -91,7 +91,7 @@ def _work_differs(table: pl.DataFrame) -> list[str]:
 def _verdict(base, new, pair: tuple[StepSamples, StepSamples] | None, differs: list[str]) -> dict:
     """The judged metric: step time when a step is the same work in both runs, throughput otherwise."""
     if pair is None:
-        return {"metric": "step time", "unit": "ns", "verdict": "not comparable",
+        return {"metric": "step time", "unit": "ns", "verdict": "not comparable", "established": None,
                 "why": "the runs have no step-time source in common (profiler steps, collector steps, DeepSpeed "
                        "timers or Megatron iteration times)"}
     base_steps, new_steps = pair
@@ -104,7 +104,7 @@ def _verdict(base, new, pair: tuple[StepSamples, StepSamples] | None, differs: l
     changed = ", ".join(differs)
     if any(value is None for value in samples.values()):
         missing = [side for side, value in samples.items() if value is None]
-        return {"metric": "throughput", "unit": None, "verdict": "not comparable",
+        return {"metric": "throughput", "unit": None, "verdict": "not comparable", "established": None,
                 "why": f"{changed} differ(s), so a step is not the same work, and the samples per step of the {missing} "
                        "run(s) are not recorded (no global_samples, train_batch_size or batch settings)"}
     tokens = all(seq.values())

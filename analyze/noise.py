@@ -35,12 +35,13 @@ def two_run_verdict(base: np.ndarray, new: np.ndarray, higher_is_better: bool = 
 
     Returns base_n, new_n, base_median, new_median, delta (new / base - 1), and, with enough
     samples, test, statistic (U of new against base), p_value, ci_low, ci_high; then verdict
-    (regression | improvement | within noise | not established) and why, in words."""
+    (regression | improvement | within noise | not established), established (whether the change
+    is beyond the noise) and why, in words."""
     b, n = np.asarray(base, dtype=float), np.asarray(new, dtype=float)
     result = {"base_n": len(b), "new_n": len(n),
               "base_median": float(np.median(b)) if len(b) else None,
               "new_median": float(np.median(n)) if len(n) else None, "delta": None,
-              "test": None, "statistic": None, "p_value": None, "ci_low": None, "ci_high": None}
+              "test": None, "statistic": None, "p_value": None, "ci_low": None, "ci_high": None, "established": False}
     if len(b) and len(n) and result["base_median"]:
         result["delta"] = result["new_median"] / result["base_median"] - 1
     if min(len(b), len(n)) < MIN_SAMPLES:
@@ -60,7 +61,7 @@ def two_run_verdict(base: np.ndarray, new: np.ndarray, higher_is_better: bool = 
                           f"Mann-Whitney p = {test.pvalue:.3g} >= {ALPHA}")
         return result
     worse = result["delta"] < 0 if higher_is_better else result["delta"] > 0
-    result.update(verdict="regression" if worse else "improvement",
+    result.update(established=True, verdict="regression" if worse else "improvement",
                   why=f"median {result['delta']:+.1%}, {CONFIDENCE:.0%} interval {low:+.1%} to {high:+.1%}, "
                       f"Mann-Whitney U = {test.statistic:.0f}, p = {test.pvalue:.3g}")
     return result

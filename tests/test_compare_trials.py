@@ -39,14 +39,21 @@ def _raw_steps(run: Path) -> list[tuple[int, int, int]]:
                 samples_after[row["step"]] = max(samples_after.get(row["step"], 0), row["global_samples"])
     steps = sorted(durations)
     times = [max(durations[s].values()) for s in steps]
+    warm = _warm_up(times)
+    return [(s, times[i], samples_after[s] - samples_after.get(s - 1, 0)) for i, s in enumerate(steps) if i >= warm]
+
+
+def _warm_up(times: list[float]) -> int:
+    """How many leading steps are warm-up: above median + max(3.5 MAD / 0.6745, 5% of the median),
+    at most half of them; none below 3 steps."""
+    if len(times) < 3:
+        return 0
     median = statistics.median(times)
-    mad = statistics.median(abs(t - median) for t in times)
-    bound = median + max(3.5 * mad / 0.6745, 0.05 * median)
+    bound = median + max(3.5 * statistics.median(abs(t - median) for t in times) / 0.6745, 0.05 * median)
     warm = 0
     while warm < len(times) and times[warm] > bound:
         warm += 1
-    warm = min(warm, len(times) // 2)
-    return [(s, times[i], samples_after[s] - samples_after.get(s - 1, 0)) for i, s in enumerate(steps) if i >= warm]
+    return min(warm, len(times) // 2)
 
 
 def _exact_one_sided_p(winner: list[float], runner: list[float]) -> tuple[float, float]:
@@ -142,7 +149,9 @@ def test_compare_judges_throughput_when_the_micro_batch_differs(ds_trial_runs, t
     assert verdict["delta"] == pytest.approx(statistics.median(rates["new"]) / statistics.median(rates["base"]) - 1)
     assert verdict["statistic"] == _u_two_sided(rates["base"], rates["new"])
     assert verdict["verdict"] in ("regression", "improvement", "within noise")
-    assert (verdict["verdict"] != "within noise") is (verdict["p_value"] < 0.05 and (verdict["ci_low"] > 0 or verdict["ci_high"] < 0))
+    beyond_noise = verdict["p_value"] < 0.05 and (verdict["ci_low"] > 0 or verdict["ci_high"] < 0)
+    assert (verdict["verdict"] != "within noise") is beyond_noise is verdict["established"]
+    assert verdict["test"] == "mann_whitney_u_two_sided"
     if verdict["verdict"] != "within noise":  # the direction is the throughput's: more tokens/s is better
         assert (verdict["verdict"] == "improvement") is (verdict["delta"] > 0)
     # --fail-on-regression judges the same metric: exit 3 exactly when tokens/s fell significantly.
@@ -219,6 +228,21 @@ def test_megatron_log_gives_mfu_from_its_model_shape(corpus, tmp_path):
     expected = statistics.median(flops / (logged[s] / 1e3 * 8 * 312e12) for s in kept["step"].to_list())
     assert megatron["utilization"] == pytest.approx(expected, rel=1e-9)
     assert "Megatron-LM model FLOPs" in megatron["definition"] and "312" in megatron["peak"]
+
+
+def test_deepspeed_chat_log_gets_step_time_from_its_throughput_lines(corpus, tmp_path):
+    """With the inferred batch, a logs-only DS-Chat run has a step time: batch / CurrSamplesPerSec."""
+    run = tmp_path / "chat"
+    run.mkdir()
+    shutil.copyfile(corpus / "DeepSpeedExamples" / "deepspeed_chat_step1_sft/opt-1.3b-globalBatchSize128.log", run / "sft.log")
+    result = CliRunner().invoke(analyze, [str(run), "-q"])
+    assert result.exit_code in (0, 1), result.output
+    rates = [float(v) for v in re.findall(r"CurrSamplesPerSec=([\d.]+)", (run / "sft.log").read_text())]
+    times = [128 / rate * 1e9 for rate in rates]
+    kept = times[_warm_up(times):]
+    summary = json.loads((run / ".steplens" / "findings.json").read_text())["step_time"]
+    assert summary["source"] == "log" and summary["steps"] == len(kept) == 736
+    assert summary["median_ns"] == pytest.approx(statistics.median(kept), abs=1)
 
 
 @pytest.mark.parametrize("name, batch", [
