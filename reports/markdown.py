@@ -12,9 +12,11 @@ from pathlib import Path
 
 import polars as pl
 
+from steplens.analyze.text import safe_text
+
 from . import caveats
-from .data import load, ms, size, write_atomic
-from .html import SUMMARY_FILE
+from .data import kernel_labels, load, ms, size, write_atomic
+from .html import SUMMARY_FILE, key_numbers
 from .verdict import verdict
 
 MD_SPECIAL = re.compile(r"([\\`*_\[\]|<>#])")
@@ -23,7 +25,8 @@ MAX_CELL = 80  # long C++ kernel names would make the table unreadable in a PR c
 
 
 def escape(text) -> str:
-    return MD_SPECIAL.sub(r"\\\1", str(text).replace("\n", " "))
+    """Markdown-escaped, on one line, with no control characters (names come from traces and logs)."""
+    return MD_SPECIAL.sub(r"\\\1", safe_text(str(text).replace("\n", " ")))
 
 
 def _cell(text) -> str:
@@ -39,31 +42,33 @@ def table_lines(header: list[str], rows: list[list]) -> list[str]:
 
 def render(out_dir: Path) -> str:
     run = load(out_dir)
-    m = run.manifest
-    devices = ", ".join(m.get("environment", {}).get("device_names", [])) or "devices not recorded"
     lines = [f"### steplens: {escape(run.name)}", "",
-             f"world size {m.get('world_size') or 'unknown'}, ranks {len(m.get('ranks', []))}, {escape(devices)}", ""]
+             " · ".join(f"{escape(key)} **{escape(value)}**" for key, value in key_numbers(run)), ""]
     lines += [f"- {escape(line)}" for line in verdict(run)] + [""]
-    stats = run.table("step_stats")
-    if not stats.is_empty():
-        lines += ["**Step time** (CPU, over ranks)", ""]
-        lines += table_lines(["step", "median", "slowest", "slowest rank", "straggler"],
-                        [[r["step"], ms(r["median_dur_ns"]), ms(r["max_dur_ns"]), r["slowest_rank"],
-                          r["straggler_rank"] if r["straggler_rank"] is not None else ""]
-                         for r in stats.sort("step").iter_rows(named=True)][:10])
+    breakdown, timeline = run.table("step_breakdown"), run.table("step_timeline")
+    if not breakdown.is_empty() and not timeline.is_empty():
+        step = timeline["step"][0]
+        shown = breakdown.filter(pl.col("step") == step).sort("span_ns", descending=True)
+        lines += [f"**Where ProfilerStep\\#{step} went** (the slowest profiled step; device time per rank, longest first)", ""]
+        lines += table_lines(["rank", "span", "compute", "exposed comm", "idle: host-bound", "sync", "other"],
+                             [[r["rank"], ms(r["span_ns"]), ms(r["compute_ns"]), ms(r["exposed_comm_ns"]),
+                               ms(r["host_bound_ns"]), ms(r["sync_ns"]), ms(r["other_ns"])]
+                              for r in shown.head(TOP_ROWS).iter_rows(named=True)])
     top = run.table("top_kernels")
     if not top.is_empty():
         lines += ["**Top kernels**", ""]
+        labels = kernel_labels(top.head(TOP_ROWS)["name"].to_list())
         lines += table_lines(["kernel", "category", "calls", "total"],
-                        [[r["name"], r["category"], r["calls"], ms(r["time_ns"])] for r in top.head(TOP_ROWS).iter_rows(named=True)])
-    calls = run.table("collectives")
-    if not calls.is_empty():
-        by_op = calls.group_by("op", "bytes").agg(calls=pl.len(), exposed=pl.col("exposed_ns").sum(),
-                                                    busbw=pl.col("busbw_gbps").median()).sort("exposed", descending=True)
-        lines += ["**Collectives** (most exposed first)", ""]
-        lines += table_lines(["collective", "size", "calls", "exposed", "median busbw GB/s"],
-                        [[r["op"], size(r["bytes"]), r["calls"], ms(r["exposed"]),
-                          f"{r['busbw']:.1f}" if r["busbw"] is not None else ""] for r in by_op.head(TOP_ROWS).iter_rows(named=True)])
+                             [[labels[r["name"]], r["category"], r["calls"], ms(r["time_ns"])]
+                              for r in top.head(TOP_ROWS).iter_rows(named=True)])
+    collectives = run.table("collective_summary")
+    if not collectives.is_empty():
+        lines += ["**Collectives** (most exposed first; exposed on the worst rank)", ""]
+        lines += table_lines(["collective", "size", "calls", "exposed", "worst rank", "median busbw GB/s"],
+                             [[r["op"], size(r["bytes"]) if r["bytes"] is not None else "unknown", r["calls"],
+                               ms(r["max_rank_exposed_ns"]), r["max_exposed_rank"],
+                               f"{r['busbw_median_gbps']:.1f}" if r["busbw_median_gbps"] is not None else ""]
+                              for r in collectives.head(TOP_ROWS).iter_rows(named=True)])
     notes = caveats.caveats(run)
     if notes:
         lines += ["<details><summary>Method and caveats</summary>", ""]
