@@ -588,19 +588,19 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
     else:
         console = Console(highlight=False)
         verdict = result["verdict"]
-        console.print(f"{verdict['metric']}: {verdict['verdict']} {verdict.get('why', '')}", markup=False, soft_wrap=True)
+        why = f": {verdict['why']}" if verdict.get("why") else ""
+        console.print(f"{verdict['metric']}: {verdict['verdict']}{why}", markup=False)
         if verdict.get("why_metric"):
-            console.print(f"judged on {verdict['metric']}: {verdict['why_metric']}", markup=False, soft_wrap=True)
+            console.print(f"judged on {verdict['metric']}: {verdict['why_metric']}", markup=False)
         for warning in result["warnings"]:
-            console.print(f"warning: {warning}", markup=False, soft_wrap=True)
+            console.print(f"warning: {safe_text(warning)}", markup=False)
+        # One line per row, "label: header value, ...": CI logs (piped, 80 columns) wrap it as text, not as table fragments.
         for table in compare.display_tables(result):
             if table["rows"]:
-                view = Table(title=table["title"], title_justify="left", box=None)
-                for header in table["header"]:
-                    view.add_column(header, overflow="ellipsis", no_wrap=True, max_width=60)
-                for row in table["rows"]:
-                    view.add_row(*row)
-                console.print(view, markup=False)
+                console.print(table["title"], markup=False)
+                for label, *cells in table["rows"]:
+                    pairs = ", ".join(f"{header} {cell}" for header, cell in zip(table["header"][1:], cells) if cell)
+                    console.print(f"  {safe_text(label)}: {safe_text(pairs)}", markup=False)
         console.print(f"written: {out_dir / 'compare.html'}, {out_dir / 'compare.md'}", markup=False)
     if fail_pct is not None and comparison.regressed(result, fail_pct):
         sys.exit(EXIT_REGRESSION)

@@ -167,6 +167,58 @@ def test_compare_judges_throughput_when_the_micro_batch_differs(ds_trial_runs, t
     assert f"Tokens/s: {verdict['verdict']}" in (tmp_path / "t" / "compare.md").read_text()
 
 
+def _collector_run(folder: Path, micro_batch: int, step_ms: list[float]) -> Path:
+    """A 2-rank collector run folder: the bundled sample's manifests with another micro batch, and
+    optimizer steps of the given durations on both ranks."""
+    import pyarrow as pa
+
+    from steplens.analyze import schema
+
+    sample = Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank" / "collector" / "manifest"
+    (folder / "collector" / "manifest").mkdir(parents=True)
+    (folder / "collector" / "train_steps").mkdir(parents=True)
+    for rank in (0, 1):
+        manifest = json.loads((sample / f"rank{rank}.json").read_text())
+        manifest["run"].update(micro_batch=micro_batch, train_batch_size=2 * micro_batch)
+        manifest["run"]["ds_config"]["train_micro_batch_size_per_gpu"] = micro_batch
+        manifest["run"]["settings"].update(profile=None, flops_step=None)  # no instrumented steps
+        (folder / "collector" / "manifest" / f"rank{rank}.json").write_text(json.dumps(manifest))
+        start, rows = 1_000_000_000, []
+        for step, ms in enumerate(step_ms):
+            end = start + round(ms * 1e6)
+            rows.append({"rank": rank, "source": "collector", "step": step, "micro_step": step, "start_ns": start,
+                         "end_ns": end, "dur_ns": end - start, "is_boundary": True,
+                         "global_samples": 2 * micro_batch * (step + 1)})
+            start = end + 1_000_000
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema.TRAIN_STEPS),
+                       folder / "collector" / "train_steps" / f"rank{rank}-00000.parquet")
+    return folder
+
+
+def test_a_bigger_batch_with_longer_steps_is_not_a_regression(tmp_path):
+    """The issue's case: micro batch 8 -> 32, steps 26% longer, samples/s up 3.2x. Hand-computed:
+    tokens per step 2 ranks x 8 x 64 = 1,024 vs 4,096; steps of 100..107 ms and 126..133 ms; every
+    larger-batch step beats every smaller-batch one: U = 64, exact two-sided p = 2 / C(16, 8)."""
+    small = _collector_run(tmp_path / "mbs8", 8, [100 + i for i in range(8)])
+    large = _collector_run(tmp_path / "mbs32", 32, [126 + i for i in range(8)])
+    runner = CliRunner()
+    better = runner.invoke(steplens, ["compare", str(small), str(large), "--out", str(tmp_path / "a"), "--format", "json",
+                                      "--fail-on-regression", "5"])
+    assert better.exit_code == 0, better.output
+    verdict = json.loads(better.stdout)["verdict"]
+    assert verdict["metric"] == "tokens/s" and verdict["verdict"] == "improvement" and verdict["established"] is True
+    # Median of the per-step rates: the mean of the 4th and 5th fastest steps' rates.
+    assert verdict["base_median"] == pytest.approx((1024 / 0.103 + 1024 / 0.104) / 2)
+    assert verdict["new_median"] == pytest.approx((4096 / 0.129 + 4096 / 0.130) / 2)
+    assert verdict["statistic"] == 64 and verdict["p_value"] == pytest.approx(2 / math.comb(16, 8))
+    assert json.loads(better.stdout)["step_time"]["new_median_ns"] == pytest.approx(129.5e6)
+    worse = runner.invoke(steplens, ["compare", str(large), str(small), "--out", str(tmp_path / "b"),
+                                     "--fail-on-regression", "5"])
+    assert worse.exit_code == EXIT_REGRESSION and "tokens/s: regression" in worse.stdout
+    assert runner.invoke(steplens, ["compare", str(large), str(small), "--out", str(tmp_path / "c"),
+                                    "--fail-on-regression", "80"]).exit_code == 0  # -75% is within an 80% allowance
+
+
 def test_compare_judges_step_time_when_the_work_is_the_same(ds_trial_runs, tmp_path):
     first, second = (ds_trial_runs / f"mbs{TRIAL_MICRO_BATCHES[0]}_run{i}" for i in (0, 1))
     result = CliRunner().invoke(steplens, ["compare", str(first), str(second), "--out", str(tmp_path), "--format", "json"])
