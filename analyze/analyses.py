@@ -221,8 +221,9 @@ def headline(tables: dict[str, pl.DataFrame], cpu_comm_ops: int, peak_problem: s
         # Without collective waits (gloo/CPU runs, or no NCCL kernels) the straggler is the longest CPU step.
         basis = "collective_wait" if stats["others_waited_ns"].fill_null(0).sum() > 0 else "step_spread"
         findings["stragglers"] = [
-            {"step": s, "rank": r, "others_waited_ns": w, "spread_ns": d, "basis": basis} for s, r, w, d in
-            stragglers.select("step", "straggler_rank", "others_waited_ns", "spread_ns").iter_rows()]
+            {"step": s, "rank": r, "others_waited_ns": w, "spread_ns": d, "basis": basis, "decided_by": how}
+            for s, r, w, d, how in
+            stragglers.select("step", "straggler_rank", "others_waited_ns", "spread_ns", "straggler_basis").iter_rows()]
     findings["gpu_idle"] = idle_finding(tables["gpu_idle"])
     calls = tables["collectives"]
     if not calls.is_empty():

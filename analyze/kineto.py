@@ -97,6 +97,8 @@ class _Args(msgspec.Struct, gc=False):
     dst_rank: Any = msgspec.field(default=None, name="Dst Rank")
     input_dims: msgspec.Raw = msgspec.field(default=msgspec.Raw(), name="Input Dims")
     input_dims_legacy: msgspec.Raw = msgspec.field(default=msgspec.Raw(), name="Input dims")
+    input_types: msgspec.Raw = msgspec.field(default=msgspec.Raw(), name="Input type")
+    concrete_inputs: msgspec.Raw = msgspec.field(default=msgspec.Raw(), name="Concrete Inputs")
     nbytes: Any = msgspec.field(default=None, name="bytes")
     memory_bytes: Any = msgspec.field(default=None, name="Bytes")
     flops: Any = None
@@ -614,9 +616,16 @@ def _int_column(values: list, dtype=pa.int64(), bounds: tuple[int, int] | None =
 
     Returns the array, how many non-null values could not be represented, and an example of one.
     """
+    # Inferred first: converting straight to an integer type would truncate a 3.5 to 3 unnoticed.
     try:
-        array, bad, example = pa.array(values, type=dtype), 0, ""
+        inferred = pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
+        inferred = None
+    if inferred is not None and inferred.type == pa.null():
+        array, bad, example = pa.nulls(len(values), dtype), 0, ""
+    elif inferred is not None and pa.types.is_integer(inferred.type) and (exact := _cast_exactly(inferred, dtype)):
+        array, bad, example = exact, 0, ""
+    else:  # strings, floats, booleans or numbers beyond int64 among them: value by value
         array, bad, example = _int_column_slowly(values, dtype)
     if bounds is not None:
         outside = pc.fill_null(pc.invert(pc.and_(pc.greater_equal(array, bounds[0]), pc.less_equal(array, bounds[1]))), False)
@@ -626,6 +635,13 @@ def _int_column(values: list, dtype=pa.int64(), bounds: tuple[int, int] | None =
             array = pc.if_else(outside, pa.scalar(None, dtype), array)
             bad += n_outside
     return array, bad, example
+
+
+def _cast_exactly(array: pa.Array, dtype) -> pa.Array | None:
+    try:
+        return array.cast(dtype)  # a safe cast: None rather than a wrapped value
+    except (pa.ArrowInvalid, OverflowError):
+        return None
 
 
 def _int_column_slowly(values: list, dtype) -> tuple[pa.Array, int, str]:
@@ -825,6 +841,8 @@ def _columns(events: list[_Event], counters: dict[str, list]) -> pl.DataFrame:
         "src_rank": ints(comm("src_rank"), "Src Rank"),
         "dst_rank": ints(comm("dst_rank"), "Dst Rank"),
         "input_dims": _raw_column(dims),
+        "input_types": _raw_column([a.input_types for a in args]),
+        "concrete_inputs": _raw_column([a.concrete_inputs for a in args]),
         "bytes": ints([a.nbytes if a.nbytes is not None else a.memory_bytes for a in args], "bytes",
                       bounds=(-MAX_MEMORY_BYTES, MAX_MEMORY_BYTES)),
         "flops": _float_column([a.flops for a in args], count_bad("flops")),

@@ -87,6 +87,8 @@ TRACE_EVENTS, TRACE_EVENTS_DOC = _table(
     ("src_rank", pa.int64(), "'Src Rank' of a point-to-point op."),
     ("dst_rank", pa.int64(), "'Dst Rank' of a point-to-point op."),
     ("input_dims", pa.string(), "'Input Dims' as JSON text."),
+    ("input_types", pa.string(), "'Input type' as JSON text: each input's element type (c10::BFloat16, float, Scalar, ...)."),
+    ("concrete_inputs", pa.string(), "'Concrete Inputs' as JSON text: scalar arguments as strings (conv stride, SDPA is_causal)."),
     ("bytes", pa.int64(), "'bytes' of a memcpy/memset, or 'Bytes' of a [memory] event."),
     ("flops", pa.float64(), "'flops' estimated by the profiler (with_flops=True)."),
 )
@@ -310,10 +312,13 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "step": "ProfilerStep number.", "ranks": "Ranks that recorded it.",
         "min_dur_ns": "Shortest CPU step over ranks.", "median_dur_ns": "Median.", "max_dur_ns": "Longest.",
         "spread_ns": "max_dur_ns - min_dur_ns.", "slowest_rank": "Rank with the longest CPU step.",
-        "straggler_rank": "Rank the others waited for (last to arrive at collectives), when they waited >= 5% of the step.",
+        "straggler_rank": "Rank the others waited for (last to arrive at collectives; without collective timing the longest "
+                          "step), when it stands out from the run's noise (straggler_basis) and the wait is >= 5% of the step.",
         "others_waited_ns": "Total collective wait of the other ranks in the step.",
         "median_other_wait_ns": "Median of it over the other ranks.",
         "aligned_dur_ns": "Step wall time across ranks on the aligned clock (first start to last end).",
+        "straggler_basis": "How the straggler was shown to stand out from the run's noise (same_rank_last, "
+                           "beyond_rank_spread), with its numbers; null: no straggler.",
     },
     "collectives": {
         "rank": "Rank.", "step": "Step of the launch.",

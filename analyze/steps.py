@@ -7,7 +7,20 @@ is the median of the per-instance differences; its uncertainty is half their ran
 
 A straggler is the rank the others wait for: the last to arrive at the step's collectives. Each
 rank's wait in one collective instance is its kernel time minus the shortest kernel time of that
-instance over ranks (the transfer itself).
+instance over ranks (the transfer itself). Without collective timing (gloo/CPU runs) the candidate is
+the rank with the longest step.
+
+The candidate is called a straggler only when it stands out from the run's own noise, and
+`straggler_basis` says which test decided it (each also needs the lateness to be at least
+STRAGGLER_MIN_SHARE of the step, so a µs-level lead is never a finding):
+
+* ``same_rank_last``: one rank is the candidate in so many of the steps that chance (each of R ranks
+  last with probability 1/R) explains it with a one-sided binomial p below ALPHA;
+* ``beyond_rank_spread`` (3 ranks or more): its lead over the next-latest rank exceeds 3.5 x the
+  spread of the other ranks (MAD / 0.6745, the modified z-score of Iglewicz & Hoaglin).
+
+Ranks taking turns at being last (noise) pass neither; with 2 ranks a single late step is no
+straggler (it shows as the slowest step when it stands out from the step times).
 """
 
 from __future__ import annotations
@@ -17,6 +30,8 @@ import polars as pl
 # A step has a straggler when the other ranks waited for it, on median, at least this share of the
 # step's median duration; below it, "last to arrive" is jitter.
 STRAGGLER_MIN_SHARE = 0.05
+ALPHA = 0.05  # noise.ALPHA: one significance level for every test steplens runs
+MAD_Z_SCALE, OUTLIER_Z = 0.6745, 3.5
 
 
 def clock_offsets(calls: pl.DataFrame, ranks: list[int]) -> pl.DataFrame:
@@ -112,8 +127,41 @@ def step_stats(times: pl.DataFrame) -> pl.DataFrame:
     )
     stats = stats.join(others, on="step", how="left").with_columns(spread_ns=pl.col("max_dur_ns") - pl.col("min_dur_ns"))
     lateness = pl.col("median_other_wait_ns") if has_comm else pl.col("spread_ns")
-    significant = (pl.col("ranks") > 1) & (lateness >= STRAGGLER_MIN_SHARE * pl.col("median_dur_ns"))
-    return stats.with_columns(straggler_rank=pl.when(significant).then(pl.col("candidate"))).select(
+    stats = stats.join(_rank_spread(times, has_comm), on="step", how="left").with_columns(lateness_ns=lateness)
+    basis = _straggler_basis(stats.filter(pl.col("ranks") > 1).sort("step"))
+    stats = stats.join(basis, on="step", how="left")
+    return stats.with_columns(straggler_rank=pl.when(pl.col("straggler_basis").is_not_null()).then(pl.col("candidate"))).select(
         "step", "ranks", "min_dur_ns", "median_dur_ns", "max_dur_ns", "spread_ns", "slowest_rank",
-        "straggler_rank", "others_waited_ns", "median_other_wait_ns", "aligned_dur_ns",
+        "straggler_rank", "others_waited_ns", "median_other_wait_ns", "aligned_dur_ns", "straggler_basis",
     ).sort("step")
+
+
+def _rank_spread(times: pl.DataFrame, has_comm: bool) -> pl.DataFrame:
+    """Per step: the candidate's lead over the next-latest rank, and the spread (MAD / 0.6745) of the others."""
+    lateness = -pl.col("comm_wait_ns") if has_comm else pl.col("cpu_dur_ns")  # higher = arrived later
+    ranked = times.with_columns(late=lateness.cast(pl.Float64)).sort("step", "late", descending=[False, True])
+    return ranked.group_by("step", maintain_order=True).agg(
+        lead_ns=pl.col("late").first() - pl.col("late").get(1, null_on_oob=True),
+        others_spread_ns=(pl.col("late").slice(1) - pl.col("late").slice(1).median()).abs().median() / MAD_Z_SCALE)
+
+
+def _straggler_basis(stats: pl.DataFrame) -> pl.DataFrame:
+    """step -> how the step's candidate was shown to stand out from the run's noise (absent: it was not)."""
+    from scipy.stats import binom
+
+    steps = stats.height
+    material = pl.col("lateness_ns") >= STRAGGLER_MIN_SHARE * pl.col("median_dur_ns")
+    reasons = []
+    if steps:
+        counts = stats.group_by("candidate").len().sort("len", "candidate", descending=[True, False]).row(0)
+        ranks = int(stats["ranks"].max())
+        p_value = float(binom.sf(counts[1] - 1, steps, 1 / ranks))
+        if p_value < ALPHA:
+            reasons.append(pl.when(pl.col("candidate") == counts[0]).then(pl.lit(
+                f"same_rank_last: rank {counts[0]} was last in {counts[1]} of {steps} steps; with {ranks} ranks taking "
+                f"turns by chance, one-sided binomial p = {p_value:.2g} < {ALPHA}")))
+    reasons.append(pl.when((pl.col("ranks") >= 3) & (pl.col("lead_ns") > OUTLIER_Z * pl.col("others_spread_ns"))).then(
+        pl.format("beyond_rank_spread: {} ns ahead of the next-latest rank, over {} x the other ranks' spread ({} ns)",
+                  pl.col("lead_ns").round().cast(pl.Int64), pl.lit(OUTLIER_Z), pl.col("others_spread_ns").round().cast(pl.Int64))))
+    decided = pl.when(material).then(pl.coalesce(reasons))
+    return stats.select("step", straggler_basis=decided.cast(pl.String))

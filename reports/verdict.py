@@ -52,6 +52,20 @@ def disagreement_lines(f: dict) -> list[str]:
     return [f"Inputs disagree: {d['detail']}; check {d['what_to_check']}." for d in f.get("inputs_disagree", [])]
 
 
+def straggler_lines(f: dict, limit: int = 2) -> list[str]:
+    """Stragglers that stand out from the run's noise, each with the test that decided it."""
+    lines = []
+    for s in f.get("stragglers", [])[:limit]:
+        how = f" Decided by {s['decided_by']}." if s.get("decided_by") else ""
+        if s["basis"] == "collective_wait":
+            lines.append(f"Straggler: rank {s['rank']} in step {s['step']}; the other ranks waited "
+                         f"{ms(s['others_waited_ns'])} in total for it in collectives.{how}")
+        else:
+            lines.append(f"Straggler: rank {s['rank']} in step {s['step']}, {ms(s['spread_ns'])} longer than the fastest "
+                         f"rank (no collective timing in the traces shows who waited).{how}")
+    return lines
+
+
 def step_lines(f: dict) -> list[str]:
     """Step time over the run, the slowest step when it stands out, and where the profiled steps sit."""
     lines = []
@@ -93,13 +107,7 @@ def verdict(run: Run) -> list[str]:
             lines.append(f"The job {what} ({row['source']}{error}).")
     lines.extend(disagreement_lines(f))
     lines.extend(step_lines(f))
-    for s in f.get("stragglers", [])[:2]:
-        if s["basis"] == "collective_wait":
-            lines.append(f"Straggler: rank {s['rank']} in step {s['step']}; the other ranks waited "
-                         f"{ms(s['others_waited_ns'])} in total for it in collectives.")
-        else:
-            lines.append(f"Straggler: rank {s['rank']} in step {s['step']}, {ms(s['spread_ns'])} longer than the fastest "
-                         "rank (no collective timing in the traces shows who waited).")
+    lines.extend(straggler_lines(f))
     idle = f.get("gpu_idle") or {}
     if idle.get("idle_share") is not None:
         cause = {"host_bound": "host-bound: the GPU waited for the CPU to launch work",

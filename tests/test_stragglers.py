@@ -1,0 +1,47 @@
+"""Stragglers only when they stand out from the run's own noise, with the test that decided it.
+
+Generated runs (tests/synthetic.py) whose ground truth says which rank is late in which step; the
+generator's jitter is the noise. The binomial p-value is recomputed here from its definition.
+"""
+
+from __future__ import annotations
+
+from math import comb
+
+import pytest
+from steplens.analyze import analyses, ingest
+from synthetic import generate_run
+
+
+def analyse(run, out) -> dict:
+    findings: dict = {}
+    ingest.ingest(run, out, jobs=1, finish=lambda staging: findings.update(analyses.run(staging)))
+    return findings
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+def test_no_straggler_in_noise(tmp_path, ranks):
+    truth = generate_run(tmp_path / "run", ranks=ranks, steps=8, seed=3)
+    assert truth["stragglers"] == []
+    findings = analyse(tmp_path / "run", tmp_path / "out")
+    assert findings["stragglers"] == []
+
+
+def test_one_late_rank_in_one_step_beyond_the_rank_spread(tmp_path):
+    truth = generate_run(tmp_path / "run", ranks=8, steps=6, seed=4, stragglers=[(3, 12)])
+    findings = analyse(tmp_path / "run", tmp_path / "out")
+    assert [(s["rank"], s["step"]) for s in findings["stragglers"]] == [(s["rank"], s["step"]) for s in truth["stragglers"]]
+    assert findings["stragglers"][0]["decided_by"].startswith("beyond_rank_spread: ")
+
+
+def test_the_same_rank_last_in_every_step(tmp_path):
+    """Two ranks: no spread to compare with inside a step, so the evidence is the same rank being last
+    step after step. Chance gives 8 of 8 with probability (1/2)^8."""
+    first, steps = 10, 8
+    generate_run(tmp_path / "run", ranks=2, steps=steps, seed=5, first_step=first, straggler_factor=1.5,
+                 stragglers=[(1, s) for s in range(first, first + steps)])
+    findings = analyse(tmp_path / "run", tmp_path / "out")
+    assert {(s["rank"], s["step"]) for s in findings["stragglers"]} == {(1, s) for s in range(first, first + steps)}
+    p_value = sum(comb(steps, k) for k in range(steps, steps + 1)) / 2 ** steps
+    assert all(s["decided_by"].startswith(f"same_rank_last: rank 1 was last in {steps} of {steps} steps")
+               and f"p = {p_value:.2g}" in s["decided_by"] for s in findings["stragglers"])
