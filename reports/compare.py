@@ -47,7 +47,8 @@ def display_tables(result: dict) -> list[dict]:
     if step.get("base_median_ns") is not None:
         rows.append(["median step time", ms(step["base_median_ns"]), ms(step["new_median_ns"]),
                      _fmt_delta(step["base_median_ns"], step["new_median_ns"]), f"{step['base_steps']} / {step['new_steps']}"])
-    note = " ".join(x for x in (verdict.get("why_metric"), f"Step times: {step['source']}." if step else "") if x)
+    why = verdict.get("why_metric")
+    note = " ".join(x for x in (f"{why[:1].upper()}{why[1:]}." if why else "", f"Step times: {step['source']}." if step else "") if x)
     tables = [{"title": "Step time and throughput", "note": note, "header": ["metric", "base", "new", "change", "steps"],
                "rows": rows}]
     tables.append({"title": "Efficiency", "note": "", "header": ["metric", "base", "new", "change"],
