@@ -52,22 +52,58 @@ def _reference(path: Path) -> dict | None:
             kernel_ns[e["name"]] += dur
         if (e.get("args") or {}).get("correlation") not in launched:
             orphans, orphan_ns = orphans + 1, orphan_ns + dur
-    windows = []
+    windows, step_rows = [], []
+    step_of_call = _launch_steps(events)
     for spans in by_device.values():
-        spans.sort()
-        busy, (cur_start, cur_end) = 0, spans[0]
-        for start, end in spans[1:]:
-            if start > cur_end:
-                busy, cur_start, cur_end = busy + cur_end - cur_start, start, end
-            else:
-                cur_end = max(cur_end, end)
-        busy += cur_end - cur_start
-        span = max(end for _, end in spans) - spans[0][0]
-        windows.append((span, span - busy))
+        union = _union(spans)
+        span = union[-1][1] - union[0][0]
+        windows.append((span, span - sum(end - start for start, end in union)))
+    # Per step: the span of the work launched in the step, idle against the whole device's union.
+    by_step = defaultdict(list)
+    for e in work:
+        args = e.get("args") or {}
+        step = step_of_call.get(args.get("correlation"))
+        if step is not None:
+            start = int(Decimal(e["ts"]) * 1000)
+            by_step[(args.get("device", e.get("pid")), step)].append((start, start + max(int(Decimal(e["dur"]) * 1000), 0)))
+    for (device, step), spans in by_step.items():
+        lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+        busy = sum(max(0, min(end, hi) - max(start, lo)) for start, end in _union(by_device[device]))
+        step_rows.append((step, hi - lo, hi - lo - busy))
     memcpy = sum(int(Decimal(e["dur"]) * 1000) for e in work if str(e.get("cat")).lower() in ("gpu_memcpy", "memcpy"))
     memset = sum(int(Decimal(e["dur"]) * 1000) for e in work if str(e.get("cat")).lower() in ("gpu_memset", "memset"))
-    return {"windows": sorted(windows), "orphans": orphans, "orphan_ns": orphan_ns, "kernel_ns": dict(kernel_ns),
+    return {"windows": sorted(windows), "steps": sorted(step_rows), "orphans": orphans, "orphan_ns": orphan_ns, "kernel_ns": dict(kernel_ns),
             "memcpy_ns": memcpy, "memset_ns": memset}
+
+
+def _union(spans: list) -> list:
+    merged = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _launch_steps(events: list) -> dict:
+    """correlation -> ProfilerStep of the launch call: the last step starting at or before the call,
+    if the call starts before that step ends."""
+    steps = sorted((int(Decimal(e["ts"]) * 1000), int(Decimal(e["ts"]) * 1000) + int(Decimal(e["dur"]) * 1000),
+                    int(e["name"].split("#")[1])) for e in events
+                   if str(e.get("name", "")).startswith("ProfilerStep#") and e.get("ph") == "X" and "dur" in e
+                   and str(e.get("cat")).lower() not in WORK_CATS | {"gpu_user_annotation"}  # the device's copy of the step
+                   and e["name"].split("#")[1].isdigit())
+    found = {}
+    for e in events:
+        correlation = (e.get("args") or {}).get("correlation")
+        if str(e.get("cat")).lower() not in CALL_CATS or correlation is None or correlation in found:
+            continue
+        ts = int(Decimal(e["ts"]) * 1000)
+        before = [s for s in steps if s[0] <= ts]
+        if before and ts < before[-1][1]:
+            found[correlation] = before[-1][2]
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +147,17 @@ def test_whole_window_idle_matches_exact_recomputation(analysed_corpus, path):
         assert findings["gpu_idle"]["idle_share"] == pytest.approx(expected, abs=0.001)
     elif not reference["windows"]:
         assert findings["gpu_idle"]["idle_share"] is None
+
+
+@pytest.mark.skipif(not TRACE_FILES, reason="shared corpus not found")
+@pytest.mark.parametrize("path", CHECKED, ids=_rel)
+def test_step_idle_counts_only_time_no_stream_was_busy(analysed_corpus, path):
+    """Per-step device rows: the span of the step's own work, idle against every step's work."""
+    out, reference = analysed_corpus[_rel(path)]
+    if reference is None:
+        pytest.skip("too large for the stdlib reading")
+    steps = _table(out, "gpu_idle").filter((pl.col("stream") == -1) & pl.col("step").is_not_null())
+    assert sorted(steps.select("step", "span_ns", "idle_ns").rows()) == reference["steps"]
 
 
 @pytest.mark.skipif(not TRACE_FILES, reason="shared corpus not found")
