@@ -14,7 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
-from . import autotune, comms, commslog, kernels, launch, log_mfu, mfu, monitor, sanity, schema, step_breakdown, step_time, steps
+from . import autotune, comms, commslog, kernels, launch, log_mfu, mfu, monitor, sanity, schema, step_breakdown, step_time, steps, summaries
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
@@ -126,6 +126,7 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     if facts.get("world_size") is None and manifest.get("world_size"):  # traces alone give it (distributedInfo)
         facts = {**facts, "world_size": manifest["world_size"]}
     tables.update(_telemetry_analyses(out_dir, facts, options))
+    tables.update(summaries.summary_tables(tables["collectives"], tables["kernel_categories"], _run_table(out_dir, "scalars")))
     profiler_steps = _read(out_dir, "steps", ["step", "start_ns", "end_ns"])
     tables["step_time"] = step_time.step_time_table(
         _run_table(out_dir, "train_steps"), _run_table(out_dir, "step_timers"), _run_table(out_dir, "scalars"),

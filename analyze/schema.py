@@ -485,4 +485,26 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "activity": "compute | exposed communication | idle (as in step_breakdown).",
         "start_ns": "Segment start on the reference rank's clock (ts - clock offset).", "end_ns": "Segment end.",
     },
+    "collective_summary": {
+        "op": "Collective.", "bytes": "nccl-tests message size S (null: not in the trace).", "calls": "Calls over all ranks.",
+        "ranks": "Ranks that ran it.", "kernel_ns": "Summed kernel time over all ranks.",
+        "max_rank_exposed_ns": "Exposed time (not overlapped by compute) of the rank where it was most exposed.",
+        "max_exposed_rank": "That rank.", "median_rank_exposed_ns": "Median over ranks of each rank's exposed time.",
+        "overlapped_ns": "Kernel time hidden behind compute, all ranks.", "busbw_median_gbps": "Median busbw over calls, GB/s.",
+        "busbw_p10_gbps": "10th percentile.", "busbw_p90_gbps": "90th percentile.",
+    },
+    "collective_call_sites": {
+        "issuing_op": "CPU op, annotation or Python frame that issued the collective.", "op": "Collective.",
+        "calls": "Calls over all ranks.", "max_rank_exposed_ns": "Exposed time of the most exposed rank.",
+        "max_exposed_rank": "That rank.",
+    },
+    "category_summary": {
+        "category": "Kernel family (kernel_categories).", "kernels": "Activities, all ranks and steps.",
+        "time_ns": "Summed GPU time, all ranks (streams may overlap).", "share": "time_ns / all categories' time_ns.",
+    },
+    "scalar_series": {
+        "origin": "Where the series came from (collector, csv_monitor, tensorboard, wandb, log).", "name": "Scalar tag.",
+        "points": "Points.", "ranks": "Ranks that logged it.",
+        "aligned_points": "Points with a global-samples x and a finite value (the ones a curve can show).",
+    },
 }

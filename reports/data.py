@@ -13,6 +13,7 @@ from pathlib import Path
 import polars as pl
 
 from steplens.analyze import schema
+from steplens.analyze.kernel_families import base_name
 
 
 @dataclass
@@ -104,22 +105,16 @@ def text_value(value) -> str:
 MAX_KERNEL_LABEL = 60
 
 
-def kernel_label(name: str) -> str:
-    """A kernel's base name for a table cell (the full demangled name goes in its tooltip)."""
-    base = _base_name(str(name))
-    return base if len(base) <= MAX_KERNEL_LABEL else base[: MAX_KERNEL_LABEL - 1] + "…"
-
-
-def _base_name(name: str) -> str:
-    # Until the analyzer's kernel_families.base_name lands: drop parameters, template arguments,
-    # return type and namespaces.
-    depth, cut = 0, []
-    for ch in name:
-        if ch in "<(":
-            depth += 1
-        elif ch in ">)" and depth:
-            depth -= 1
-        elif depth == 0:
-            cut.append(ch)
-    head = "".join(cut).strip()
-    return (head.split(" ")[-1].split("::")[-1] or name) if head else name
+def kernel_labels(names: list[str]) -> dict[str, str]:
+    """Each kernel's base name for a table cell (the full demangled name goes in its tooltip); base
+    names shared by several kernels of the table (template instances) are numbered."""
+    bases = [base_name(str(name)) for name in names]
+    bases = [b if len(b) <= MAX_KERNEL_LABEL else b[: MAX_KERNEL_LABEL - 1] + "…" for b in bases]
+    numbered: dict[str, int] = {}
+    labels = {}
+    for name, base in zip(names, bases):
+        if bases.count(base) > 1:
+            numbered[base] = numbered.get(base, 0) + 1
+            base = f"{base} ({numbered[base]})"
+        labels[name] = base
+    return labels

@@ -64,6 +64,16 @@ def step_heatmap(step_times: pl.DataFrame) -> str:
     return _svg(fig)
 
 
+MAX_TICKS = 24  # hundreds of tick labels make the figure unreadable and slow to lay out
+
+
+def _index_ticks(axis, labels: list) -> None:
+    """Ticks at cell indices labelled with the step or rank they stand for, at most MAX_TICKS of them."""
+    axis.set_major_locator(matplotlib.ticker.MaxNLocator(MAX_TICKS, integer=True))
+    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda value, _: str(labels[int(value)]) if 0 <= int(value) < len(labels) and value == int(value) else ""))
+
+
 # One colour per activity, the same in every figure: compute blue, communication red, idle greys/orange.
 ACTIVITY_COLORS = {"compute": "#4c72b0", "exposed communication": "#c44e52", "idle": "#d9d9d9",
                    "host-bound idle": "#dd8452", "sync idle": "#8172b3", "other idle": "#b0b0b0"}
@@ -115,17 +125,27 @@ def step_gantt(timeline: pl.DataFrame) -> str:
     return _svg(fig)
 
 
-def step_time_series(step_time: pl.DataFrame, profiled: list[int]) -> str:
-    """Optimizer-step time over the run; excluded steps marked by reason, profiled steps shaded."""
+def step_time_series(step_time: pl.DataFrame, profiled: list[int], p90_ns: float | None) -> str:
+    """Optimizer-step time over the run; excluded steps marked by reason, profiled steps shaded. Steps
+    over OFF_SCALE x the run's p90 (a first step of seconds) sit on the top edge with their time
+    written, so they do not flatten the curve."""
     fig, ax = plt.subplots(figsize=(9, 3))
-    kept = step_time.filter(~pl.col("excluded").fill_null(False))
-    ax.plot(kept["step"].to_numpy(), kept["step_time_ns"].to_numpy() / 1e6, "o-", ms=3, lw=1, color="#4c72b0",
-            label="in the summary")
-    excluded = step_time.filter(pl.col("excluded").fill_null(False))
+    excluded_rows = pl.col("excluded").fill_null(False)
+    kept, excluded = step_time.filter(~excluded_rows), step_time.filter(excluded_rows)
+    slowest = float(step_time["step_time_ns"].max()) / 1e6
+    top = min(slowest, OFF_SCALE * p90_ns / 1e6) if p90_ns else slowest
+
+    def draw(frame: pl.DataFrame, fmt: str, **style) -> None:
+        times = frame["step_time_ns"].to_numpy() / 1e6
+        ax.plot(frame["step"].to_numpy(), times.clip(max=top), fmt, **style)
+        for step, value in zip(frame["step"].to_list(), times.tolist()):
+            if value > top:
+                ax.annotate(f"{value:,.0f} ms", (step, top), textcoords="offset points", xytext=(4, -10), fontsize=7)
+
+    draw(kept, "o-", ms=3, lw=1, color=ACTIVITY_COLORS["compute"], label="in the summary")
     markers = iter("xsD^v<>P*")
     for (reason,), group in excluded.group_by("reason", maintain_order=True):
-        ax.plot(group["step"].to_numpy(), group["step_time_ns"].to_numpy() / 1e6, next(markers, "x"), ms=6, ls="none",
-                label=f"excluded: {reason}")
+        draw(group, next(markers, "x"), ms=6, ls="none", label="excluded: " + str(reason).replace("_", " ").replace(",", ", "))
     for step in profiled:
         ax.axvspan(step - 0.5, step + 0.5, color="#f2c14e", alpha=0.35, lw=0)
     if profiled:
@@ -133,19 +153,12 @@ def step_time_series(step_time: pl.DataFrame, profiled: list[int]) -> str:
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms)")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, top * 1.05)
     ax.legend(frameon=False, fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.0), ncols=3)
     return _svg(fig)
 
 
-MAX_TICKS = 24  # hundreds of tick labels make the figure unreadable and slow to lay out
-
-
-def _index_ticks(axis, labels: list) -> None:
-    """Ticks at cell indices labelled with the step or rank they stand for, at most MAX_TICKS of them."""
-    axis.set_major_locator(matplotlib.ticker.MaxNLocator(MAX_TICKS, integer=True))
-    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(
-        lambda value, _: str(labels[int(value)]) if 0 <= int(value) < len(labels) and value == int(value) else ""))
+OFF_SCALE = 3  # the y axis stops at 3x the run's p90 step time
 
 
 def launch_delay(launches: pl.DataFrame) -> str:
@@ -185,19 +198,14 @@ def idle_by_cause(idle: pl.DataFrame) -> str:
     return _svg(fig)
 
 
-def busbw_by_size(collectives: pl.DataFrame) -> str:
-    """busbw against message size, one series per collective (nccl-tests' view): the median per size
-    with a bar from the 10th to the 90th percentile, so the plot stays small however many calls."""
-    summary = (collectives.filter(pl.col("busbw_gbps").is_not_null())
-               .group_by("op", "bytes").agg(median=pl.col("busbw_gbps").median(),
-                                            low=pl.col("busbw_gbps").quantile(0.1, "linear"),
-                                            high=pl.col("busbw_gbps").quantile(0.9, "linear"))
-               .sort("op", "bytes"))
+def busbw_by_size(summary: pl.DataFrame) -> str:
+    """busbw against message size, one series per collective (nccl-tests' view): collective_summary's
+    median per size with a bar from its 10th to its 90th percentile."""
     fig, ax = plt.subplots(figsize=(6, 3))
-    for op, group in summary.group_by("op", maintain_order=True):
-        median = group["median"].to_numpy()
-        spread = [median - group["low"].to_numpy(), group["high"].to_numpy() - median]
-        ax.errorbar(group["bytes"].to_numpy(), median, yerr=spread, fmt="o-", ms=4, lw=1, capsize=2, label=str(op[0]))
+    for (op,), group in summary.sort("op", "bytes").group_by("op", maintain_order=True):
+        median = group["busbw_median_gbps"].to_numpy()
+        spread = [median - group["busbw_p10_gbps"].to_numpy(), group["busbw_p90_gbps"].to_numpy() - median]
+        ax.errorbar(group["bytes"].to_numpy(), median, yerr=spread, fmt="o-", ms=4, lw=1, capsize=2, label=str(op))
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: _binary(value)))
     ax.set_xlabel("message size S (log2)")

@@ -20,7 +20,7 @@ import polars as pl
 from markupsafe import Markup
 
 from . import caveats, figures
-from .data import Run, kernel_label, load, ms, size, text_value, write_atomic
+from .data import Run, kernel_labels, load, ms, size, text_value, write_atomic
 from .verdict import verdict
 
 TEMPLATES = jinja2.Environment(
@@ -63,10 +63,6 @@ def _pct(value) -> str:
 
 def _num(value) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:,.3g}"
-
-
-def _kernel(value) -> Cell:
-    return Cell(kernel_label(value), str(value))
 
 
 class Section(dict):
@@ -148,16 +144,18 @@ def _stepsSection(run: Run) -> dict:
     if not series.is_empty():
         source = series["source"][0]
         definition = series["definition"][0] if "definition" in series.columns else None
-        section.text(f"From {STEP_SOURCES.get(source, source)}" + (f": {definition}" if definition else "") + ".")
+        section.text(f"Step time from {STEP_SOURCES.get(source, source)}" + (f". {definition[0].upper()}{definition[1:]}"
+                                                                              if definition else "") + ".")
         if series.height >= MIN_SERIES_STEPS:
-            section.figure(figures.step_time_series(series, profiled if source != "profiler_steps" else []))
+            section.figure(figures.step_time_series(series, profiled if source != "profiler_steps" else [],
+                                                    (run.findings.get("step_time") or {}).get("p90_ns")))
         excluded = series.filter(pl.col("excluded").fill_null(False))
         if not excluded.is_empty():
             section.text("Steps left out of the summary, and why:")
             section.table(_rows(excluded, {"step": ("step", str), "step_time_ns": ("step time", ms), "reason": ("reason", _reason)},
                                 "step_time"))
     if not stats.is_empty():
-        if times["step"].n_unique() > 1 and times["rank"].n_unique() > 1:
+        if stats.height > 1 and stats["ranks"].max() > 1:  # one step or one rank: a table, not a heatmap
             section.figure(figures.step_heatmap(times))
         section.text("Profiled steps (CPU ProfilerStep time, over ranks)" +
                      (f"; the {TABLE_ROWS} slowest of {stats.height}:" if stats.height > TABLE_ROWS else ":"))
@@ -201,18 +199,17 @@ def _cpu_gpuSection(run: Run) -> dict:
 
 
 def _kernelsSection(run: Run) -> dict:
-    categories, top = run.table("kernel_categories"), run.table("top_kernels")
+    categories, top = run.table("category_summary"), run.table("top_kernels")
     if top.is_empty():
         return Section("Kernels", "kernels", empty="No kernels in the traces.")
     section = Section("Kernels", "kernels")
-    total = categories["time_ns"].sum()
-    by_category = categories.group_by("category").agg(pl.col("time_ns", "kernels").sum()).sort("time_ns", descending=True)
-    by_category = by_category.with_columns(share=pl.col("time_ns") / total)
-    section.table(_rows(by_category, {"category": ("category", str), "kernels": ("activities", _num),
-                                      "time_ns": ("GPU time (all ranks)", ms), "share": ("share", _pct)},
-                        "kernel_categories"))
+    section.table(_rows(categories, {"category": ("category", str), "kernels": ("activities", _num),
+                                     "time_ns": ("GPU time (all ranks)", ms), "share": ("share", _pct)},
+                        "category_summary"))
     section.text("Top kernels by total GPU time (hover a name for the full signature):")
-    section.table(_rows(top, {"name": ("kernel", _kernel), "category": ("category", str), "calls": ("calls", _num),
+    labels = kernel_labels(top.head(TABLE_ROWS)["name"].to_list())
+    section.table(_rows(top, {"name": ("kernel", lambda name: Cell(labels[name], name)), "category": ("category", str),
+                              "calls": ("calls", _num),
                               "time_ns": ("total", ms), "mean_ns": ("mean per call", ms),
                               "min_rank_time_ns": ("least on a rank", ms), "max_rank_time_ns": ("most on a rank", ms)},
                         "top_kernels"))
@@ -220,40 +217,45 @@ def _kernelsSection(run: Run) -> dict:
 
 
 def _collectivesSection(run: Run) -> dict:
-    calls, logged = run.table("collectives"), run.table("comms_log_stats")
-    if calls.is_empty() and logged.is_empty():
+    summary, sites, logged = run.table("collective_summary"), run.table("collective_call_sites"), run.table("comms_log_stats")
+    if summary.is_empty() and logged.is_empty():
         note = run.findings.get("comms_note", "No collectives recorded.")
         return Section("Collectives", "collectives", empty=note[0].upper() + note[1:] + ("" if note.endswith(".") else "."))
     section = Section("Collectives", "collectives")
-    if not calls.is_empty():
-        if calls["busbw_gbps"].is_not_null().any():
-            section.figure(figures.busbw_by_size(calls))
+    if not summary.is_empty():
+        if summary["busbw_median_gbps"].is_not_null().any():
+            section.figure(figures.busbw_by_size(summary.filter(pl.col("busbw_median_gbps").is_not_null())))
         else:
             section.text("No bandwidth plot: the traces do not give these collectives' message sizes "
                          "(no record_param_comms sizes).")
-        by_op = (calls.group_by("op", "bytes").agg(calls=pl.len(), time=pl.col("dur_ns").sum(),
-                                                     exposed=pl.col("exposed_ns").sum(),
-                                                     overlapped=pl.col("overlapped_ns").sum(),
-                                                     busbw=pl.col("busbw_gbps").median())
-                 .sort("exposed", descending=True))
-        section.table(_rows(by_op, {"op": ("collective", str), "bytes": ("size S", size), "calls": ("calls", _num),
-                                    "time": ("kernel time", ms), "exposed": ("exposed", ms),
-                                    "overlapped": ("overlapped", ms), "busbw": ("median busbw GB/s", _num)},
-                            "collectives"))
-        sites = (calls.group_by("issuing_op", "op").agg(calls=pl.len(), exposed=pl.col("exposed_ns").sum())
-                 .sort("exposed", descending=True))
+        section.text("Per collective and message size, most exposed first (exposed: not hidden behind compute, "
+                     "on the rank where it was most exposed):")
+        section.table(_rows(summary, {
+            "op": ("collective", str), "bytes": ("size S", _size), "calls": ("calls (all ranks)", _num),
+            "kernel_ns": ("kernel time (all ranks)", ms), "max_rank_exposed_ns": ("exposed, worst rank", ms),
+            "max_exposed_rank": ("worst rank", str), "median_rank_exposed_ns": ("exposed, median rank", ms),
+            "busbw_median_gbps": ("median busbw GB/s", _num)}, "collective_summary"))
         section.text("Per call site (the CPU op that issued the collective):")
-        section.table(_rows(sites, {"issuing_op": ("call site", str), "op": ("collective", str),
-                                    "calls": ("calls", _num), "exposed": ("exposed", ms)}, "collectives"))
+        section.table(_rows(sites, {"issuing_op": ("call site", _text), "op": ("collective", str),
+                                    "calls": ("calls (all ranks)", _num), "max_rank_exposed_ns": ("exposed, worst rank", ms),
+                                    "max_exposed_rank": ("worst rank", str)}, "collective_call_sites"))
     if not logged.is_empty():
         section.text("Communication calls timed by DeepSpeed's comms logger or the collector (synchronizing timers, "
                      "one source per rank: see Method and caveats):")
         section.table(_rows(logged.sort("total_latency_ns", descending=True), {
-            "op": ("op", str), "nccl_bytes": ("size S", size), "group_size": ("ranks in group", str),
+            "op": ("op", str), "nccl_bytes": ("size S", _size), "group_size": ("ranks in group", str),
             "calls": ("calls", _num), "median_latency_ns": ("median latency", ms), "p90_latency_ns": ("p90 latency", ms),
             "total_latency_ns": ("total latency", ms), "median_busbw_gbps": ("median busbw GB/s", _num),
             "latency_origin": ("latency from", str)}, "comms_log_stats"))
     return section
+
+
+def _size(num_bytes) -> str:
+    return size(num_bytes)
+
+
+def _text(value) -> str:
+    return str(value)
 
 
 def _mfuSection(run: Run) -> dict:
@@ -280,17 +282,19 @@ def _mfuSection(run: Run) -> dict:
 
 
 def _monitorSection(run: Run) -> dict:
-    scalars = run.table("scalars")
-    if scalars.is_empty():
+    series = run.table("scalar_series")
+    if series.is_empty():
         return Section("Monitor curves", "monitor", empty="No monitor scalars (csv_monitor, TensorBoard, W&B or collector).")
     section = Section("Monitor curves", "monitor")
-    aligned = scalars.filter(pl.col("global_samples").is_not_null() & pl.col("value").is_finite())
-    names = (aligned.group_by("name").len().filter(pl.col("len") > 1).sort("name")["name"].to_list())
+    names = sorted(set(series.filter(pl.col("aligned_points") > 1)["name"].to_list()))
     if names:
-        section.figure(figures.curves(aligned, "global_samples", _preferred(names)))
-    counts = scalars.group_by("origin", "name").agg(points=pl.len(), ranks=pl.col("rank").n_unique()).sort("origin", "name")
-    section.table(_rows(counts, {"origin": ("from", str), "name": ("scalar", str),
-                                 "points": ("points", _num), "ranks": ("ranks", _num)}, "scalars"))
+        shown = _preferred(names)
+        scalars = run.table("scalars").filter(pl.col("name").is_in(shown) & pl.col("global_samples").is_not_null()
+                                              & pl.col("value").is_finite())
+        section.figure(figures.curves(scalars, "global_samples", shown))
+    section.table(_rows(series, {"origin": ("from", str), "name": ("scalar", str), "points": ("points", _num),
+                                 "aligned_points": ("on global samples", _num), "ranks": ("ranks", _num)},
+                        "scalar_series"))
     return section
 
 

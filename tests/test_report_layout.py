@@ -186,7 +186,7 @@ def test_report_renders_values_as_text_and_caps_tables(dlrm):
         assert table.count("<tr>") <= 10
     # Kernel names: the base name in the cell, the full demangled name in its tooltip.
     kernels = [(title, text) for title, text in cells if title]
-    assert kernels and all(len(text) <= 60 and text in title for title, text in kernels)
+    assert kernels and all(len(text) <= 60 and re.sub(r" \(\d+\)$", "", text) in title for title, text in kernels)
     raw_names = {e["name"] for e in json.loads((DLRM / "worker0_step_12.1694128201545.pt.trace.json").read_text())[
         "traceEvents"] if e.get("cat") == "kernel"}
     assert {title for title, _ in kernels} <= raw_names | {
@@ -324,7 +324,7 @@ def test_terminal_output_fits_80_columns_when_piped(tmp_path):
     full = _piped("analyze", str(run))
     assert full.returncode == 0, full.stderr
     assert full.stderr == ""  # no library warnings
-    assert not [line for line in _fits_80(full.stdout) if not line.startswith("report: ")]
+    assert not [line for line in _fits_80(full.stdout) if not line.startswith(("report: ", "PR summary: "))]
     assert "ingest issues (4 kind(s)" in full.stdout and "profiled steps" in full.stdout
     quiet = _piped("analyze", str(run), "-q")
     assert quiet.stderr == ""
@@ -353,3 +353,14 @@ def test_terminal_strips_control_characters_from_names(tmp_path):
     result = _piped("analyze", str(tmp_path / "run"))
     assert "\x1b" not in result.stdout + result.stderr and "\x07" not in result.stdout and "\u202e" not in result.stdout
     assert "bad?[31m.json" in result.stdout
+
+
+def test_summary_escapes_kernel_base_names(tmp_path):
+    """A base name holding markdown and HTML specials stays text in the PR comment's table."""
+    events = _rank_events(0)
+    events[2]["name"] = events[-1]["name"] = "void ns::evil|*_`name`#<int>(float*)"
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    summary = (_analyse(tmp_path / "run") / "summary.md").read_text()
+    rows = [line for line in summary.splitlines() if "evil" in line]
+    assert rows and all(len(re.findall(r"(?<!\\)\|", row)) == 5 for row in rows)  # 4 columns: the | is escaped
+    assert "| evil\\|\\*\\_\\`name\\`\\# |" in rows[0]
