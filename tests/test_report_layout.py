@@ -132,6 +132,48 @@ def test_step_breakdown_matches_the_raw_8_rank_trace(dlrm):
         assert row["idle_ns"] == row["host_bound_ns"] + row["sync_ns"] + row["other_ns"]  # the causes split all idle
 
 
+def _raw_exposed_by_op(trace: Path) -> dict[str, Decimal]:
+    """Per collective (from the NCCL kernel's name), this rank's exposed time in ns: each NCCL
+    kernel's duration minus the part covered by non-NCCL kernels on another stream of its device."""
+    events = [e for e in json.loads(trace.read_text(), parse_float=Decimal)["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    nccl = [e for e in events if "nccl" in e["name"].lower()]
+    compute = [e for e in events if "nccl" not in e["name"].lower()]
+    exposed: dict[str, Decimal] = {}
+    for kernel in nccl:
+        start, end = Decimal(kernel["ts"]) * 1000, (Decimal(kernel["ts"]) + Decimal(kernel["dur"])) * 1000
+        others = sorted((max(Decimal(e["ts"]) * 1000, start), min((Decimal(e["ts"]) + Decimal(e["dur"])) * 1000, end))
+                        for e in compute if e["args"].get("device") == kernel["args"].get("device")
+                        and e["args"].get("stream") != kernel["args"].get("stream"))
+        covered, reach = Decimal(0), start
+        for lo, hi in others:
+            lo = max(lo, reach)
+            if hi > lo:
+                covered, reach = covered + hi - lo, hi
+        op = re.match(r"ncclKernel_([A-Za-z]+)_", kernel["name"]).group(1).lower()
+        exposed[op] = exposed.get(op, Decimal(0)) + (end - start - covered)
+    return exposed
+
+
+def test_collective_summary_takes_the_worst_and_median_rank(dlrm):
+    per_rank = {int(re.match(r"worker(\d+)", t.name).group(1)): _raw_exposed_by_op(t) for t in DLRM.glob("worker*.json")}
+    summary = pl.read_parquet(dlrm / "collective_summary")
+    assert sorted(summary["op"].to_list()) == sorted({op for ops in per_rank.values() for op in ops})
+    for row in summary.iter_rows(named=True):
+        exposed = {rank: ops[row["op"]] for rank, ops in per_rank.items() if row["op"] in ops}
+        worst = max(exposed.values())
+        assert row["max_rank_exposed_ns"] == worst and exposed[row["max_exposed_rank"]] == worst
+        ordered = sorted(exposed.values())
+        middle = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+        assert row["median_rank_exposed_ns"] == int(middle.to_integral_value())
+        assert row["ranks"] == len(exposed)
+    categories = pl.read_parquet(dlrm / "category_summary")
+    raw_total = sum((Decimal(e["dur"]) * 1000 for t in DLRM.glob("worker*.json")
+                     for e in json.loads(t.read_text(), parse_float=Decimal)["traceEvents"]
+                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), Decimal(0))
+    assert categories["time_ns"].sum() == raw_total and categories["share"].sum() == pytest.approx(1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # the report
 
