@@ -116,8 +116,10 @@ def verdict(run: Run) -> list[str]:
                      f"{cause.get(idle.get('main_cause'), 'none')}.")
     if top := f.get("most_exposed_collective"):
         bandwidth = f" at a median busbw of {top['busbw_gbps']:.1f} GB/s" if top.get("busbw_gbps") is not None else ""
-        lines.append(f"Most exposed communication: {top['op']} of {size(top.get('bytes'))}, {ms(top['exposed_ns'])} not "
-                     f"hidden behind compute over {top['calls']} calls{bandwidth}.")
+        message = f" of {size(top['bytes'])}" if top.get("bytes") is not None else " (message size not in the traces)"
+        on_rank = f" on rank {top['rank']}" if top.get("rank") is not None else ""
+        lines.append(f"Most exposed communication: {top['op']}{message}, {ms(top['exposed_ns'])} not hidden behind compute"
+                     f"{on_rank} over {top['calls']} calls{bandwidth}.")
     utilization = f.get("mfu")
     if isinstance(utilization, list):
         for row in utilization:

@@ -406,3 +406,14 @@ def test_summary_escapes_kernel_base_names(tmp_path):
     rows = [line for line in summary.splitlines() if "evil" in line]
     assert rows and all(len(re.findall(r"(?<!\\)\|", row)) == 5 for row in rows)  # 4 columns: the | is escaped
     assert "| evil\\|\\*\\_\\`name\\`\\# |" in rows[0]
+
+
+def test_verdict_names_the_most_exposed_collective_without_a_made_up_size(dlrm):
+    per_rank = {int(re.match(r"worker(\d+)", t.name).group(1)): _raw_exposed_by_op(t) for t in DLRM.glob("worker*.json")}
+    rank = max(per_rank, key=lambda r: (sum(per_rank[r].values()), -r))
+    op, exposed_ns = max(per_rank[rank].items(), key=lambda kv: kv[1])
+    html = (dlrm / "report.html").read_text()
+    line = re.search(r"<li>Most exposed communication: (.*?)</li>", html).group(1)
+    assert line.startswith(f"{op} (message size not in the traces), {float(exposed_ns) / 1e6:.3g} ms not hidden behind "
+                           f"compute on rank {rank} over ")
+    assert "n/a" not in html.split('id="verdict"')[1].split("</ul>")[0]
