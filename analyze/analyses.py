@@ -14,7 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
-from . import autotune, comms, commslog, kernels, launch, log_mfu, mfu, monitor, sanity, schema, step_breakdown, step_time, steps, summaries
+from . import autotune, comms, commslog, job_end, kernels, launch, log_mfu, mfu, monitor, sanity, schema, step_breakdown, step_time, steps, summaries
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
@@ -154,6 +154,12 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
         findings["slowest_step"] = slow
     if windows := step_time.profiled_windows(tables["step_time"], profiler_steps):
         findings["profiled_steps"] = windows
+    if overflow := step_time.overflow_finding(tables["step_time"], _run_table(out_dir, "scalars")):
+        findings["fp16_overflow"] = overflow
+    if ended := job_end.job_end(_run_table(out_dir, "run_status"), _run_table(out_dir, "train_steps"),
+                                _run_table(out_dir, "step_timers"), _run_table(out_dir, "scalars"), facts,
+                                findings["step_time"].get("median_ns")):
+        findings["job_end"] = ended
     findings.update(telemetry_headline(tables))
     device_key = mfu.match_device(device_name, num_sms) if device_name else None
     if disagree := sanity.inputs_disagree(findings, tables["step_time"], device_key):

@@ -24,7 +24,7 @@ from rich.progress import (
 from rich.table import Table
 
 from . import analyses, kernels, mfu, schema
-from steplens.reports.verdict import disagreement_lines, step_lines, straggler_lines, telemetry_lines
+from steplens.reports.verdict import disagreement_lines, job_end_lines, step_lines, straggler_lines, telemetry_lines
 
 from .ingest import (
     IngestError,
@@ -370,7 +370,8 @@ def print_findings(console: Console, f: dict) -> None:
     console.print("[bold]findings[/]")
     lines = []
     lines.extend(line[0].lower() + line[1:].removesuffix(".") for line in
-                 disagreement_lines(f) + step_lines(f) + straggler_lines(f, limit=len(f.get("stragglers", []))))
+                 job_end_lines(f, with_status=True) + disagreement_lines(f) + step_lines(f)
+                 + straggler_lines(f, limit=len(f.get("stragglers", []))))
     idle = f.get("gpu_idle", {})
     if idle.get("idle_share") is not None:
         cause = {"host_bound": "host-bound (GPU waiting for the CPU to launch)", "sync": "synchronization (CPU waiting on the GPU)",

@@ -368,3 +368,28 @@ def profiled_windows(table: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict 
         windows = windows.with_columns(step_time_ns=pl.lit(None, pl.Int64))
     return {"steps": windows.sort("step").to_dicts(), "source": source,
             "run_median_ns": round(kept["step_time_ns"].median()) if kept.height else None}
+
+
+OVERFLOW_FREQUENT_SHARE = 0.05  # fp16 overflow skips are a finding from 5% of the steps (and 2 steps) on
+
+
+def overflow_finding(table: pl.DataFrame, scalars: pl.DataFrame | None = None) -> dict | None:
+    """fp16 steps the optimizer skipped on overflow, and the loss scale; None when nothing was skipped.
+
+    Exact per step from `train_steps`; from a log, the last `skipped_steps` count DeepSpeed printed."""
+    if table.is_empty():
+        return None
+    skipped_steps = table.filter(pl.col("skipped").fill_null(False))["step"].to_list()
+    skipped = len(skipped_steps)
+    scalars = scalars if scalars is not None else pl.DataFrame()
+    if not skipped and not scalars.is_empty():
+        counts = scalars.filter((pl.col("origin") == "log") & (pl.col("name") == "skipped_steps"))["value"].drop_nulls()
+        skipped = int(counts.max()) if counts.len() else 0
+    if not skipped:
+        return None
+    scales = table.sort("step")["loss_scale"].drop_nulls()
+    share = skipped / table.height
+    return {"skipped_steps": skipped, "steps": table.height, "share": share, "steps_skipped": skipped_steps[:LISTED_STEPS],
+            "frequent": skipped >= 2 and share >= OVERFLOW_FREQUENT_SHARE,
+            "loss_scale_first": scales[0] if scales.len() else None, "loss_scale_min": scales.min() if scales.len() else None,
+            "loss_scale_last": scales[-1] if scales.len() else None}

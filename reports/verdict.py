@@ -66,6 +66,26 @@ def straggler_lines(f: dict, limit: int = 2) -> list[str]:
     return lines
 
 
+CAUSE_WORDS = {"nccl_watchdog_timeout": "an NCCL watchdog timeout: a collective waited past its timeout for a rank that "
+                                         "never joined it",
+               "peer_lost": "a lost peer: the other ranks' collectives failed when a rank died or stopped answering"}
+
+
+def job_end_lines(f: dict, with_status: bool = False) -> list[str]:
+    """How the job ended (with_status: also its status, for the terminal, which has no run_status table)
+    and the rank that stopped making progress first."""
+    end = f.get("job_end") or {}
+    lines = []
+    if with_status and end.get("status"):
+        what = {"failed": "failed", "killed": "was killed", "incomplete": "did not finish"}[end["status"]]
+        lines.append(f"The job {what}" + (f": {end['errors'][0]}" if end.get("errors") else "") + ".")
+    if end.get("cause"):
+        lines.append(f"It ended on {CAUSE_WORDS[end['cause']]}.")
+    if end.get("first_stalled_rank") is not None:
+        lines.append(f"Rank {end['first_stalled_rank']} stopped making progress first: {end['basis']}.")
+    return lines
+
+
 def step_lines(f: dict) -> list[str]:
     """Step time over the run, the slowest step when it stands out, and where the profiled steps sit."""
     lines = []
@@ -85,6 +105,13 @@ def step_lines(f: dict) -> list[str]:
         lines.append(f"Slowest step: step {slow['step']}" + (f" on rank {slow['rank']}" if slow.get("rank") is not None else "")
                      + f", {ms(slow['dur_ns'])} against a median of {ms(slow['median_step_ns'])}, beyond the run's "
                      f"step-to-step noise (above {ms(slow['noise_bound_ns'])}).")
+    overflow = f.get("fp16_overflow") or {}
+    if overflow.get("frequent"):
+        scale = (f"; loss scale {overflow['loss_scale_first']:,.0f} at the start, {overflow['loss_scale_min']:,.0f} at its "
+                 f"lowest, {overflow['loss_scale_last']:,.0f} at the end" if overflow.get("loss_scale_min") is not None else "")
+        lines.append(f"fp16 overflow: the optimizer skipped {overflow['skipped_steps']} of {overflow['steps']} steps "
+                     f"({overflow['share']:.0%}){scale}. Skipped steps do no training: check the loss for inf/NaN and the "
+                     "initial loss scale (fp16.initial_scale_power), or use bf16.")
     profiled = f.get("profiled_steps") or {}
     for window in profiled.get("steps", [])[:3]:
         timed = (f"; {SOURCE_WORDS.get(profiled['source'], profiled['source'])} timed it {ms(window['step_time_ns'])}"
@@ -105,6 +132,7 @@ def verdict(run: Run) -> list[str]:
             error = f": {row['error']}" if row["error"] else ""
             what = {"failed": "failed", "killed": "was killed", "incomplete": "did not finish"}[row["status"]]
             lines.append(f"The job {what} ({row['source']}{error}).")
+    lines.extend(job_end_lines(f))
     lines.extend(disagreement_lines(f))
     lines.extend(step_lines(f))
     lines.extend(straggler_lines(f))

@@ -90,3 +90,28 @@ def ds_trial_runs(tmp_path_factory) -> Path:
                 run_tiny_gpt(folder, "--micro_batch", str(micro_batch), "--steps", str(TRIAL_STEPS),
                              "--profile_window", "off", "--flops_step", "-1")
     return root
+
+
+# A job that loses a rank: REALRUN_KILLED["rank"] SIGKILLs itself after step REALRUN_KILLED["after_step"]
+# (the collector flushes every 2 steps, so that rank's last steps are lost with it); the launcher
+# then kills the job. With wall_clock_breakdown and info-level logs.
+REALRUN_KILLED = {"rank": 1, "after_step": 4, "steps": 8}
+
+
+@pytest.fixture(scope="session")
+def ds_killed_run(tmp_path_factory) -> Path:
+    pytest.importorskip("deepspeed")
+    sys.path.insert(0, str(Path(__file__).parent / "realrun"))
+    from launch import run_tiny_gpt
+
+    job = REALRUN_KILLED
+    args = ("--steps", str(job["steps"]), "--flush_every", "2", "--kill_rank", str(job["rank"]), "--kill_at_step",
+            str(job["after_step"]), "--profile_window", "off", "--flops_step", "-1", "--wall_clock_breakdown",
+            "--log_level", "info", "--steps_per_print", "1")
+    if keep := os.environ.get("STEPLENS_REALRUN_DIR"):
+        folder = Path(keep) / "killed"
+        if (folder / "collector" / "manifest" / "rank0.json").exists():
+            return folder
+    else:
+        folder = tmp_path_factory.mktemp("realrun") / "killed"
+    return run_tiny_gpt(folder, *args, check=False)

@@ -1,0 +1,94 @@
+"""How the job ended, and which rank stopped making progress first.
+
+Progress per rank is the last optimizer step it is seen to finish (the collector's `train_steps`,
+the log's timer lines and step/throughput/iteration lines) and the time of its last record, with the
+state of its collector manifest. The rank that stopped first is, in this order of evidence:
+
+1. a rank whose collector manifest never closed (still ``running``) while another rank's did
+   (``completed`` or ``failed``): its process died without running its exit hooks (SIGKILL, the
+   OOM killer) or hangs; among several, the one updated last the earliest;
+2. the one rank with the fewest finished steps;
+3. among ranks tied on steps, the one whose last record is earliest by more than one median step.
+
+Otherwise no rank is named: every rank got as far as the others. The cause is read from the status
+errors: an NCCL watchdog timeout, or a lost peer (a connection reset, a remote worker hanging).
+"""
+
+from __future__ import annotations
+
+import re
+
+import polars as pl
+
+WATCHDOG = re.compile(r"watchdog caught collective operation timeout|collective operation timeout|"
+                      r"ProcessGroupNCCL.{0,80}time(d)? ?out|NCCL.{0,40}timeout", re.IGNORECASE)
+PEER_LOST = re.compile(r"connection (reset|closed) by peer|remote worker hanging|communicator was aborted|"
+                       r"broken pipe", re.IGNORECASE)
+ENDED_BADLY = ("failed", "killed", "incomplete")
+
+
+def progress(train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: pl.DataFrame, facts: dict) -> pl.DataFrame:
+    """Per rank: last finished step, time of the last record (ns, rank clock) and collector manifest status."""
+    parts = []
+    if not train_steps.is_empty():
+        parts.append(train_steps.filter(pl.col("is_boundary").fill_null(False))
+                     .select("rank", "step", record_ns="end_ns"))
+    if not step_timers.is_empty():
+        parts.append(step_timers.select("rank", "step", record_ns=pl.lit(None, pl.Int64)))
+    if not scalars.is_empty():
+        parts.append(scalars.filter(pl.col("origin") == "log").select("rank", "step", record_ns="wall_ns"))
+    manifests = [{"rank": int(key.removeprefix("collector_rank")), "manifest_status": value.get("status"),
+                  "manifest_updated_ns": value.get("updated_ns")}
+                 for key, value in facts.items() if key.startswith("collector_rank") and isinstance(value, dict)]
+    schema = {"rank": pl.Int64, "manifest_status": pl.String, "manifest_updated_ns": pl.Int64}
+    seen = (pl.concat([p.cast({"rank": pl.Int64, "step": pl.Int64, "record_ns": pl.Int64}) for p in parts])
+            .filter(pl.col("rank").is_not_null())
+            .group_by("rank").agg(last_step=pl.col("step").max(), last_record_ns=pl.col("record_ns").max())
+            if parts else pl.DataFrame(schema={"rank": pl.Int64, "last_step": pl.Int64, "last_record_ns": pl.Int64}))
+    return seen.join(pl.DataFrame(manifests, schema=schema), on="rank", how="full", coalesce=True).sort("rank")
+
+
+def _first_stalled(ranks: pl.DataFrame, median_step_ns: float | None) -> tuple[int | None, str]:
+    status = ranks["manifest_status"]
+    if status.is_in(["running"]).any() and status.is_in(["completed", "failed"]).any():
+        open_ranks = ranks.filter(pl.col("manifest_status") == "running").sort("manifest_updated_ns", nulls_last=True)
+        rank = open_ranks["rank"][0]
+        return rank, (f"its collector manifest never closed (the process died without its exit hooks: SIGKILL, the OOM "
+                      f"killer, or it hangs) while rank(s) {_ranks(ranks.filter(pl.col('manifest_status') != 'running'))} "
+                      "closed theirs")
+    stepped = ranks.filter(pl.col("last_step").is_not_null())
+    if stepped["last_step"].n_unique() > 1:
+        fewest = stepped.filter(pl.col("last_step") == pl.col("last_step").min())
+        if fewest.height == 1:
+            return fewest["rank"][0], (f"its last finished step is {fewest['last_step'][0]}, the others reached "
+                                       f"step {stepped['last_step'].max()}")
+    else:
+        fewest = stepped
+    timed = fewest.filter(pl.col("last_record_ns").is_not_null()).sort("last_record_ns")
+    if timed.height >= 2 and median_step_ns and timed["last_record_ns"][1] - timed["last_record_ns"][0] > median_step_ns:
+        gap = (timed["last_record_ns"][1] - timed["last_record_ns"][0]) / 1e6
+        return timed["rank"][0], (f"all reached step {timed['last_step'][0]}, but its last record is {gap:,.0f} ms "
+                                  f"before the next rank's (more than one median step)")
+    return None, "every rank got as far as the others: nothing tells which stopped first"
+
+
+def _ranks(frame: pl.DataFrame) -> str:
+    return ", ".join(str(r) for r in frame["rank"].to_list())
+
+
+def job_end(run_status: pl.DataFrame, train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: pl.DataFrame,
+            facts: dict, median_step_ns: float | None) -> dict | None:
+    """The `job_end` finding, or None for a job that completed with every rank in step."""
+    ranks = progress(train_steps, step_timers, scalars, facts)
+    bad = run_status.filter(pl.col("status").is_in(ENDED_BADLY)) if not run_status.is_empty() else run_status
+    uneven = ranks.height > 1 and (ranks["last_step"].n_unique() > 1 or ranks["manifest_status"].n_unique() > 1)
+    if bad.is_empty() and not uneven:
+        return None
+    errors = [e for e in (bad["error"].drop_nulls().to_list() if not bad.is_empty() else []) if e]
+    cause = ("nccl_watchdog_timeout" if any(WATCHDOG.search(e) for e in errors)
+             else "peer_lost" if any(PEER_LOST.search(e) for e in errors) else None)
+    rank, basis = _first_stalled(ranks, median_step_ns) if ranks.height > 1 else (None, "one rank")
+    order = {"killed": 0, "failed": 1, "incomplete": 2}
+    worst = min(bad["status"].to_list(), key=order.get) if not bad.is_empty() else None
+    return {"status": worst, "errors": errors[:3], "cause": cause, "first_stalled_rank": rank, "basis": basis,
+            "progress": ranks.to_dicts()}

@@ -1,0 +1,61 @@
+"""How a job ended and which rank stopped first, on a real 2-rank DeepSpeed job that loses a rank.
+
+The ground truth is the job's own arguments (which rank SIGKILLs itself, after which step); the
+progress per rank is recomputed from the collector's raw Parquet parts and manifests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from conftest import REALRUN_KILLED
+from steplens.reports import data, verdict
+
+
+def analyse(run_dir: Path, out: Path) -> tuple[dict, list[str], str]:
+    done = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run_dir), "--out", str(out)],
+                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"})
+    assert done.returncode in (0, 1), done.stderr[-3000:]
+    run = data.load(out)
+    return run.findings, verdict.verdict(run), done.stdout
+
+
+def test_the_killed_rank_is_named(ds_killed_run, tmp_path):
+    findings, lines, stdout = analyse(ds_killed_run, tmp_path / "out")
+    killed = REALRUN_KILLED["rank"]
+    end = findings["job_end"]
+    assert end["status"] == "killed" and end["first_stalled_rank"] == killed
+    manifests = {r: json.loads((ds_killed_run / "collector" / "manifest" / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert manifests[killed]["status"] == "running" and manifests[1 - killed]["status"] == "failed"
+    last_steps: dict[int, int] = {}
+    for part in (ds_killed_run / "collector" / "train_steps").glob("*.parquet"):
+        for row in pq.read_table(part).to_pylist():
+            if row["is_boundary"]:
+                last_steps[row["rank"]] = max(last_steps.get(row["rank"], -1), row["step"])
+    progress = {p["rank"]: p for p in end["progress"]}
+    for rank, step in last_steps.items():
+        assert progress[rank]["last_step"] >= step  # logs may show a later step than the flushed parts
+        assert progress[rank]["manifest_status"] == manifests[rank]["status"]
+    assert last_steps[killed] <= REALRUN_KILLED["after_step"]
+    sentence = f"Rank {killed} stopped making progress first: its collector manifest never closed"
+    assert any(line.startswith(sentence) for line in lines)
+    assert f"rank {killed} stopped making progress first" in stdout and "the job was killed" in stdout
+
+
+def test_logs_only_killed_job(ds_killed_run, tmp_path):
+    """Only the launcher's log and the per-rank logs: the job's end is known, the first rank to stop is
+    not (rank 1 prints no step lines), and nothing is guessed."""
+    run = tmp_path / "run"
+    shutil.copytree(ds_killed_run / "rank_logs", run / "rank_logs")
+    shutil.copyfile(ds_killed_run / "launcher.log", run / "launcher.log")
+    findings, lines, stdout = analyse(run, tmp_path / "out")
+    end = findings["job_end"]
+    assert end["status"] == "killed" and end["first_stalled_rank"] is None
+    assert "the job was killed" in stdout
+    assert not any("stopped making progress first" in line for line in lines)
