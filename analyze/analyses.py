@@ -14,7 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
-from . import autotune, comms, commslog, job_end, kernels, launch, log_mfu, mfu, monitor, sanity, schema, step_breakdown, step_time, steps, summaries
+from . import alarm_agreement, autotune, comms, commslog, job_end, kernels, launch, log_mfu, mfu, monitor, sanity, schema, step_breakdown, step_time, steps, summaries
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
@@ -203,8 +203,11 @@ def _telemetry_analyses(out_dir: Path, facts: dict, options: Options) -> dict[st
     """Analyses of the collector's and the native artifacts' tables (run-level, always present after ingest)."""
 
     calls = _run_table(out_dir, "comms_calls")
+    scalars = _run_table(out_dir, "scalars")
     return {
-        **monitor.monitor_tables(_run_table(out_dir, "scalars"), facts, options.grad_norm_threshold),
+        **monitor.monitor_tables(scalars, facts, options.grad_norm_threshold),
+        "alarm_agreement": alarm_agreement.alarm_agreement(_run_table(out_dir, "alarms"), scalars,
+                                                           _run_table(out_dir, "train_steps"), calls, facts),
         **autotune.autotune_tables(_run_table(out_dir, "autotune_experiments"), facts),
         "comms_log_stats": commslog.comms_log_stats(calls) if not calls.is_empty() else pl.DataFrame(),
     }
@@ -296,6 +299,8 @@ def telemetry_headline(tables: dict[str, pl.DataFrame]) -> dict:
     alarms = tables["monitor_alarms"]
     if not alarms.is_empty():
         findings["monitor_alarms"] = dict(alarms.group_by("alarm").len().sort("alarm").iter_rows())
+    if "alarm_agreement" in tables and not tables["alarm_agreement"].is_empty():  # in-job alarms and their replay
+        findings["alarms"] = alarm_agreement.agreement_summary(tables["alarm_agreement"])
     verdicts = tables["autotune_verdict"]
     if not verdicts.is_empty():
         findings["autotune"] = verdicts.select("tuning_space", "winner", "established", "trials_needed", "pick_mismatch",

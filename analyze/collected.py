@@ -65,7 +65,8 @@ def _parse_part(path: Path, rel: str) -> Imported:
                                   f"unknown {sorted(extra)}): written by another steplens version? Skipped")]])
     frame = pl.from_arrow(arrow.cast(expected)).with_columns(source=pl.lit(rel))
     issues = []
-    if (ranks := frame["rank"].unique().to_list()) != [rank] and frame.height:
+    # An alarm's rank is the rank it is about (a straggler), not the writer's.
+    if table != "alarms" and (ranks := frame["rank"].unique().to_list()) != [rank] and frame.height:
         issues.append(["warning", "collector_rank_mismatch", 1, f"{rel}: file name says rank {rank}, rows say {ranks}"])
     return Imported(tables={table: conform(frame, table)}, issues=issues)
 

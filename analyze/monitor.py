@@ -10,24 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import numpy as np
 import polars as pl
 
-# Which tags are what (DeepSpeed's Train/Samples/* tags and the usual names of other loggers).
-LOSS = re.compile(r"loss(?!_?scale)", re.IGNORECASE)
-GRAD_NORM = re.compile(r"grad[_\- /]?norm", re.IGNORECASE)
-RATE = re.compile(r"throughput|samples_per_s|tokens_per_s|samples/s|tokens/s|tflops|flops_per|it/s", re.IGNORECASE)
-DURATION = re.compile(r"elapsed_time|step_time|iter(ation)?_time|latency|_ms(_|$)", re.IGNORECASE)
-MEMORY = re.compile(r"mem(ory)?|allocated|reserved|rss", re.IGNORECASE)
+# Which tags are what, and the robust z-score (Iglewicz & Hoaglin's modified z, |z| > 3.5): one definition,
+# shared with the in-job alarm rules. The analysis here is post hoc, so the median and MAD are over the
+# neighbours on both sides of the point: a trend (a falling loss) then shifts the median little, and one
+# spike cannot hide in its own baseline. The in-job rules, replayed over the same rows, are alarm_agreement.
+from .alarm_rules import DURATION, GRAD_NORM, LOSS, MAD_Z_SCALE, MEMORY, RATE, SPIKE_Z
 
-# Robust z-score: the modified z-score 0.6745 (x - median) / MAD of Iglewicz & Hoaglin, "How to
-# Detect and Handle Outliers" (ASQC, 1993), who recommend flagging |z| > 3.5. The analysis is post
-# hoc, so the median and MAD are over the neighbours on both sides of the point: a trend (a falling
-# loss) then shifts the median little, and one spike cannot hide in its own baseline.
-MAD_Z_SCALE = 0.6745
-SPIKE_Z = 3.5
 NEIGHBOURS = 25  # points on each side a point is judged against
 MIN_HISTORY = 8  # fewer points before it: not judged (the first steps are warm-up)
 THROUGHPUT_MIN_CHANGE = 0.10  # and a throughput drop must also be >= 10% off the median around it

@@ -243,6 +243,21 @@ AUTOTUNE_EXPERIMENTS, AUTOTUNE_EXPERIMENTS_DOC = _table(
     ("environment", pa.string(), "Host, devices and versions the experiment ran with, when recorded."),
 )
 
+ALARMS, ALARMS_DOC = _table(
+    ("rank", pa.int64(), "Rank the alarm is about (straggler: the slow rank; the rules run on rank 0)."),
+    ("source", pa.string(), "Writer or input file."),
+    ("rule", pa.string(), "nonfinite | loss_spike | grad_norm_high | memory_growth | slow_step | throughput_drop | "
+                          "straggler | no_progress (analyze/alarm_rules.py)."),
+    ("name", pa.string(), "Series watched: a scalar tag, step_time, samples_per_s, rank <r> or step_end."),
+    ("step", pa.int64(), "Optimizer step of the point that raised it (no_progress: the step that did not end)."),
+    ("global_samples", pa.int64(), "Samples seen by the whole job at that point, when known."),
+    ("value", pa.float64(), "Value that raised it: the scalar, step time in ms, samples/s, busy ms, or seconds silent."),
+    ("threshold", pa.float64(), "The rule's threshold (z, factor, fraction or seconds; null for nonfinite)."),
+    ("severity", pa.string(), "info | warning | critical, as configured."),
+    ("wall_ns", pa.int64(), "Wall-clock time of the point (no_progress: of the check), ns since epoch."),
+    ("detail", pa.string(), "The alarm in words."),
+)
+
 # name -> (schema, column docs, partitioned by rank)
 TABLES: dict[str, tuple[pa.Schema, dict[str, str], bool]] = {
     "trace_events": (TRACE_EVENTS, TRACE_EVENTS_DOC, True),
@@ -257,11 +272,12 @@ TABLES: dict[str, tuple[pa.Schema, dict[str, str], bool]] = {
     "flops_profile": (FLOPS_PROFILE, FLOPS_PROFILE_DOC, False),
     "run_status": (RUN_STATUS, RUN_STATUS_DOC, False),
     "autotune_experiments": (AUTOTUNE_EXPERIMENTS, AUTOTUNE_EXPERIMENTS_DOC, False),
+    "alarms": (ALARMS, ALARMS_DOC, False),
 }
 
 # Tables filled by the collector and the native importers (not by the Kineto parser).
 TELEMETRY_TABLES = ("train_steps", "step_timers", "scalars", "comms_calls", "comms_summary",
-                    "flops_profile", "run_status", "autotune_experiments")
+                    "flops_profile", "run_status", "autotune_experiments", "alarms")
 
 # run.json keys, for the README and for readers:
 #   schema_version   int, SCHEMA_VERSION of the writer
@@ -463,6 +479,14 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "score": "Modified z-score 0.6745 (value - median) / MAD (memory_growth: Theil-Sen slope per sample).",
         "threshold": "|z| limit 3.5 (Iglewicz & Hoaglin), the grad-norm threshold given, or the 5% growth floor.",
         "detail": "The alarm in words.",
+    },
+    "alarm_agreement": {
+        "rule": "Alarm rule (analyze/alarm_rules.py).", "name": "Series watched (scalar tag, step_time, samples_per_s, rank <r>, step_end).",
+        "step": "Optimizer step it fired at.", "rank": "Rank it is about.", "severity": "As configured.",
+        "in_job": "Raised by the collector while the job ran (the alarms table).",
+        "post_hoc": "Raised by the same rules replayed over the recorded collector rows.",
+        "value_in_job": "Value the job saw.", "value_post_hoc": "Value in the replay.",
+        "detail": "The alarm in words (the job's, else the replay's).",
     },
     "run_comparability": {
         "field": "world_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size, "

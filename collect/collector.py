@@ -24,13 +24,15 @@ import threading
 import time
 from pathlib import Path
 
+from steplens.analyze import alarm_rules
+
 from . import environment
 from .comms import CommsRecorder, with_bandwidth
 from .parts import PartWriter
 
 log = logging.getLogger("steplens.collect")
 
-TABLES = ("train_steps", "step_timers", "scalars", "comms_calls", "flops_profile")
+TABLES = ("train_steps", "step_timers", "scalars", "comms_calls", "flops_profile", "alarms")
 MANIFEST_FORMAT = "steplens-collector-manifest"
 MANIFEST_VERSION = 1
 SOURCE = "collector"
@@ -64,6 +66,9 @@ class Settings:
     comms_synchronize: bool = True  # wait for async / device-queued ops so the latency covers the transfer
     scalars_all_ranks: bool = False  # scalars from every rank, not only rank 0
     samples_per_step: int | None = None  # plain torch only: global samples per optimizer step
+    alarms: list | None = None  # alarm rules (analyze/alarm_rules.py); None: the default rules, []: none
+    pushgateway: str | None = None  # "host:port" of a Prometheus pushgateway alarms are pushed to
+    alarm_timeout_s: float = 5.0  # an alarm sink slower than this is disabled; also the wait for them at close
 
     @classmethod
     def parse(cls, config: dict | None) -> Settings:
@@ -81,6 +86,9 @@ class Settings:
             if schedule["repeat"] < 1 or schedule["active"] < 1:
                 raise ValueError("steplens collector: profile windows must be bounded (repeat >= 1, active >= 1)")
             settings = dataclasses.replace(settings, profile=schedule)
+        alarm_rules.parse_rules(settings.alarms)  # raises on a bad rule
+        if settings.alarm_timeout_s <= 0:
+            raise ValueError("steplens collector: alarm_timeout_s must be > 0")
         return settings
 
 
@@ -112,6 +120,11 @@ class Collector:
         self.rejected_values: dict[str, int] = {}  # log() values that are not numbers, per scalar name
         self.sigterm_previous = None  # the SIGTERM handler ours replaced, while ours is installed
         self.terminating = False
+        self.on_alarm = None  # attach's callback
+        self.alarms = None  # rank 0's Alarms, when rules are on
+        self.stop_requested = False  # an alarm asked the job to stop (stop_training); the job decides
+        self.last_step_end: float | None = None  # time.monotonic() at the end of the last optimizer step
+        self.samples_at_last_step: int | None = None
 
     # --- safety -------------------------------------------------------------------------------
 
@@ -214,6 +227,8 @@ class Collector:
     def step_finished(self) -> None:
         """After each optimizer step: profiler schedule, periodic flush."""
         self.completed_steps += 1
+        self.last_step_end = time.monotonic()
+        self.samples_at_last_step = self.samples_now()
         self.guard("profiler", self.profiler_step)
         if self.completed_steps % self.settings.flush_every == 0:
             self.guard("writer", self.flush)
@@ -221,7 +236,11 @@ class Collector:
     def flush(self, background: bool = True) -> None:
         if self.writer.failure is None:
             self.last_flush_step = self.completed_steps - 1
+        # The lists handed to the writer are replaced, not changed, after this: the alarms read them as they are.
+        rows = [self.writer.rows[table] for table in ("scalars", "train_steps", "comms_calls")]
         self.writer.flush(self.manifest(), background)
+        if self.alarms is not None:
+            self.writer.run(self.guard, "alarms", self.alarms.evaluate, *rows, background=background)
         if self.writer.failure is not None and "writer" not in self.disabled:  # a background write failed
             self.disable("writer", self.writer.failure)
 
@@ -243,6 +262,7 @@ class Collector:
             "flushes": self.writer.seq, "rows_written": dict(self.writer.rows_written),
             "dropped_rows": dict(self.writer.dropped_rows), "rejected_values": dict(self.rejected_values),
             "disabled": dict(self.disabled), "flags": self.flags, "host": self.host, "run": self.run_facts,
+            "alarms": None if self.alarms is None else self.alarms.summary(),
         }
 
     def write_manifest(self) -> None:
@@ -258,6 +278,11 @@ class Collector:
             self.guard("profiler", self.start_profiler)
         atexit.register(self.close_at_exit)
         self.guard("sigterm", self.install_sigterm)
+        rules = alarm_rules.parse_rules(self.settings.alarms)
+        if self.rank == 0 and rules:
+            from .alarms import Alarms
+
+            self.alarms = self.guard("alarms", Alarms, self, rules, self.on_alarm)
         previous_hook = sys.excepthook
 
         def note_crash(kind, value, traceback):  # an uncaught exception ends the job: the manifest says failed
@@ -321,6 +346,8 @@ class Collector:
         self.restore.clear()
         self.guard("sigterm", self.restore_sigterm)
         atexit.unregister(self.close_at_exit)
+        if self.alarms is not None:
+            self.alarms.stop.set()  # the watchdog: a job that has stopped stepping is not a hang
 
     def close(self, status: str = "completed") -> None:
         """Flush what is buffered, stop profiling, unhook, and mark the manifest finished. Idempotent; never raises."""
@@ -330,7 +357,9 @@ class Collector:
         self.guard("unhook", self.unhook)
         if self.status == "running":
             self.status = status
-        self.guard("writer", self.flush, False)
+        self.guard("writer", self.flush, False)  # with the last alarm evaluation
+        if self.alarms is not None:
+            self.guard("alarms", self.alarms.close)  # pending alarms delivered (bounded) before close returns
         self.guard("writer", self.writer.close)
         self.guard("manifest", self.write_manifest)  # the final status, even when the last flush failed
 
@@ -582,6 +611,7 @@ class InactiveCollector:
         self.reason = reason
         self.status = "inactive"
         self.disabled = {"collector": reason}
+        self.stop_requested = False
 
     def log(self, name: str, value) -> None:
         pass
@@ -590,18 +620,19 @@ class InactiveCollector:
         pass
 
 
-def attach(target, config: dict | None = None, optimizer=None, **settings) -> Collector | InactiveCollector:
+def attach(target, config: dict | None = None, optimizer=None, on_alarm=None, **settings) -> Collector | InactiveCollector:
     """Start collecting on a DeepSpeed engine, or on a plain torch model with its optimizer.
 
-    Settings come from `config` / keyword arguments, else from the engine's ds_config block "steplens"
-    (see `Settings`). Returns the collector: `collector.log(name, value)` for user scalars and
+    Settings come from `config`, else from the engine's ds_config block "steplens" (see `Settings`); keyword
+    arguments override single settings of either. `on_alarm(alarm: dict)` is called (on its own thread) for
+    every alarm on rank 0. Returns the collector: `collector.log(name, value)` for user scalars and
     `collector.close()` at the end (also run at exit). Never raises: when the collector cannot start (bad
     settings, a run folder it cannot write) the reason is logged once and an `InactiveCollector` comes back.
     """
     collector = None
     try:
         is_engine = hasattr(target, "is_gradient_accumulation_boundary") and hasattr(target, "global_steps")
-        if config is None and not settings and is_engine:
+        if config is None and is_engine:
             ds_config = getattr(target._config, "_param_dict", None) or {}
             config = ds_config.get("steplens", {})
         parsed = Settings.parse({**(config or {}), **settings})
@@ -611,6 +642,7 @@ def attach(target, config: dict | None = None, optimizer=None, **settings) -> Co
             if optimizer is None:
                 raise ValueError("a plain torch model needs its optimizer (attach(model, optimizer=opt))")
             collector = TorchCollector(target, optimizer, parsed)
+        collector.on_alarm = on_alarm
         collector.attach()
         return collector
     except Exception as exc:

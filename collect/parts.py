@@ -124,28 +124,42 @@ class PartWriter:
 
     def write(self, batch: dict[str, list[dict]], seq: int, manifest: dict) -> None:
         """Write one batch; never raises (it runs on the worker thread or at exit): a failure fails the writer."""
-        pending, tmp = dict(batch), None
+        pending = dict(batch)
         try:
             for table, rows in batch.items():
-                frame = to_frame(rows, table)
-                if table in self.prepare:
-                    frame = self.prepare[table](frame)
-                arrow = frame.to_arrow().cast(schema.TABLES[table][0])
-                folder = self.root / table
-                folder.mkdir(exist_ok=True)
-                path = folder / f"rank{self.rank}-{seq:05d}.parquet"
-                tmp = path.with_name(f".{path.name}.tmp")
-                pq.write_table(arrow, tmp)
-                os.replace(tmp, path)
-                self.rows_written[table] += len(rows)
+                self.write_part(table, rows, seq)
                 del pending[table]
             self.write_manifest({**manifest, "flushes": self.seq, "rows_written": dict(self.rows_written),
                                  "dropped_rows": dict(self.dropped_rows)})
         except Exception as exc:
             self.fail(f"{type(exc).__name__}: {exc}", pending)
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)  # a part cut by a full disk: give the space back
+
+    def write_part(self, table: str, rows: list[dict], seq: int) -> None:
+        """One part of one table; a part cut by a full disk is removed (its space given back) and the error raised."""
+        frame = to_frame(rows, table)
+        if table in self.prepare:
+            frame = self.prepare[table](frame)
+        arrow = frame.to_arrow().cast(schema.TABLES[table][0])
+        folder = self.root / table
+        folder.mkdir(exist_ok=True)
+        path = folder / f"rank{self.rank}-{seq:05d}.parquet"
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            pq.write_table(arrow, tmp)
+            os.replace(tmp, path)
+        except Exception:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+        self.rows_written[table] += len(rows)
+
+    def run(self, fn, *args, background: bool = True) -> None:
+        """fn(*args) after the writes handed over so far: on the writer's thread, or here."""
+        if background and self.failure is None:
+            self.last = self.worker.submit(fn, *args)
+        else:
+            self.wait()
+            fn(*args)
 
     def write_manifest(self, manifest: dict) -> None:
         data = json.dumps(manifest, indent=1, default=str).encode()

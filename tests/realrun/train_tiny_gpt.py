@@ -104,6 +104,9 @@ def parse_args() -> argparse.Namespace:
     collector.add_argument("--profile_skip_first", type=int, default=2, help="Steps before the first profiler window.")
     collector.add_argument("--scalars_all_ranks", action="store_true", help="Collector scalars on every rank, not only rank 0.")
     collector.add_argument("--collector_run_dir", default=None, help="Collector run_dir, when not --out_dir.")
+    collector.add_argument("--alarms", default=None, metavar="JSON",
+                           help='The steplens block\'s "alarms" list (default: no key, the default rules).')
+    collector.add_argument("--pushgateway", default=None, metavar="HOST:PORT", help="Push alarms to this pushgateway.")
 
     tests = p.add_argument_group("test hooks")
     tests.add_argument("--probe_comms", type=int, metavar="STEP", default=None,
@@ -117,6 +120,12 @@ def parse_args() -> argparse.Namespace:
     tests.add_argument("--log_odd_values", action="store_true",
                        help="Also log, each step, values that are not numbers (test/text = 'n/a', test/none = None) "
                             "and non-finite ones (test/nonfinite: nan, inf, -inf in turn).")
+    tests.add_argument("--grad_spike_at", type=int, default=None, metavar="STEP",
+                       help="Backward of 1000 x the loss at this step (a real grad-norm spike); logs train/grad_norm each step.")
+    tests.add_argument("--nan_loss_at", type=int, default=None, metavar="STEP",
+                       help="The loss becomes NaN from this step on (NaN x loss, so the weights follow).")
+    tests.add_argument("--slow_rank", type=int, default=None, help="This rank sleeps --slow_ms in every step ...")
+    tests.add_argument("--slow_ms", type=float, default=0.0, help="... before its forward (a straggler).")
     tests.add_argument("--collector_ab", type=int, default=None, metavar="BLOCK",
                        help="Benchmark: attach the collector for BLOCK steps, close it for BLOCK steps, and so on "
                             "(script/rank<r>.json says which steps ran with it).")
@@ -159,6 +168,10 @@ def ds_config(args: argparse.Namespace, out_dir: Path) -> dict:
         config["steplens"] = {"run_dir": args.collector_run_dir or str(out_dir), "flush_every": args.flush_every, "seq_len": args.seq_len,
                               "flops_step": None if args.flops_step < 0 else args.flops_step, "profile": profile,
                               "scalars_all_ranks": args.scalars_all_ranks}
+        if args.alarms is not None:
+            config["steplens"]["alarms"] = json.loads(args.alarms)
+        if args.pushgateway:
+            config["steplens"]["pushgateway"] = args.pushgateway
     return config
 
 
@@ -189,7 +202,10 @@ def main() -> None:
     if args.collector and "steplens" in config:
         from steplens.collect import attach
 
-        collector = attach(engine)  # settings from the ds_config's "steplens" block
+        # Settings from the ds_config's "steplens" block; every alarm also goes to script/alarms_rank<r>.jsonl.
+        (out_dir / "script").mkdir(parents=True, exist_ok=True)
+        alarm_log = open(out_dir / "script" / f"alarms_rank{rank}.jsonl", "w", buffering=1)
+        collector = attach(engine, on_alarm=lambda alarm: alarm_log.write(json.dumps(alarm) + "\n"))
         if args.inject_fault:
             def fault(*_args, **_kwargs):
                 raise RuntimeError(f"injected fault in {args.inject_fault}")
@@ -210,14 +226,23 @@ def main() -> None:
         start = time.time_ns()
         for _ in range(args.gas):
             tokens = torch.randint(0, VOCAB, (args.micro_batch, args.seq_len + 1), generator=generator)
+            if args.slow_rank == rank:
+                time.sleep(args.slow_ms / 1e3)
             loss = engine(tokens)
-            engine.backward(loss)
+            if args.nan_loss_at is not None and step >= args.nan_loss_at:
+                loss = loss * math.nan
+            engine.backward(loss * 1000 if step == args.grad_spike_at else loss)
             engine.step()
         end = time.time_ns()
+        grad_norm = engine.get_global_grad_norm() if args.grad_spike_at is not None else None
+        grad_norm = None if grad_norm is None else float(grad_norm)
         record["steps"].append({"step": step, "start_ns": start, "end_ns": end, "collector_on": collector is not None,
-                                "global_samples": engine.global_samples, "global_steps": engine.global_steps})
+                                "global_samples": engine.global_samples, "global_steps": engine.global_steps,
+                                "loss": loss.item(), "grad_norm": grad_norm})
         if collector is not None:
             collector.log("train/loss", loss.item())
+            if grad_norm is not None:
+                collector.log("train/grad_norm", grad_norm)
             if args.log_odd_values:
                 collector.log("test/text", "n/a")
                 collector.log("test/none", None)
