@@ -225,3 +225,33 @@ def test_skipped_and_incomplete_steps_hand_computed():
     assert lines == ["fp16 overflow: the optimizer skipped 2 of 5 steps (40%); loss scale 65,536 at the start, 32,768 at "
                      "its lowest, 32,768 at the end. Skipped steps do no training: check the loss for inf/NaN and the "
                      "initial loss scale (fp16.initial_scale_power), or use bf16."]
+
+
+THROUGHPUT_LINE = re.compile(r"global_step=(\d+), RunningAvgSamplesPerSec=[\d.e+-]+, CurrSamplesPerSec=([\d.e+-]+)")
+
+
+def test_logs_without_timers_take_step_time_from_the_throughput_lines(ds_steady_run, tmp_path):
+    """The job's logs with the wall_clock_breakdown lines taken out (a job without it): step time is
+    train_batch_size / CurrSamplesPerSec, DeepSpeed's fwd-to-step time of that step on rank 0."""
+    logs = tmp_path / "run" / "rank_logs"
+    logs.mkdir(parents=True)
+    times: dict[int, Decimal] = {}
+    config = json.loads((ds_steady_run / "ds_config.json").read_text())
+    batch = config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * 2  # 2 ranks
+    for log in (ds_steady_run / "rank_logs").glob("*.log"):
+        kept = [line for line in log.read_text().splitlines(keepends=True) if "time (ms) |" not in line]
+        (logs / log.name).write_text("".join(kept))
+        for line in kept:
+            if m := THROUGHPUT_LINE.search(line):  # global_step=N: N steps done, the 0-based step N - 1
+                times[int(m[1]) - 1] = Decimal(batch) / Decimal(m[2]) * 1_000_000_000
+    findings, lines = analyse(tmp_path / "run", tmp_path / "out")
+    table = pl.read_parquet(tmp_path / "out" / "step_time")
+    assert sorted(table["step"].to_list()) == sorted(times)
+    for step, ns in table.select("step", "step_time_ns").iter_rows():
+        assert abs(ns - times[step]) <= 1  # float64 division against exact decimal
+    block = findings["step_time"]
+    assert block["source"] == "log" and "CurrSamplesPerSec" in block["definition"]
+    warm = warm_up({step: float(ns) for step, ns in times.items()}, set())
+    kept = sorted(ns for step, ns in times.items() if step not in warm)
+    assert block["steps"] == len(kept) and abs(block["max_ns"] - kept[-1]) <= 1
+    assert abs(block["median_ns"] - statistics.median(kept)) <= 1
