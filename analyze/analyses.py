@@ -14,6 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
+from . import module_perf, op_perf, roofline
 from . import alarm_agreement, autotune, comms, commslog, job_end, kernels, launch, log_mfu, mfu, monitor, sanity, schema, step_breakdown, step_time, steps, summaries
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
@@ -22,6 +23,7 @@ DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stre
 CALL_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid"]
 CPU_COLUMNS = ["source", "ts_ns", "dur_ns", "kind", "name", "pid", "tid", "step", "collective", "flops"]
 CPU_KINDS = ["cpu_op", "user_annotation", "python_function"]
+PER_RANK_TABLES = ("kernel_launches", "op_perf")  # written rank by rank as part-<rank>
 
 
 @dataclass
@@ -71,9 +73,12 @@ class _RankResults:
     gpu_spans: pl.DataFrame
     flops: pl.DataFrame
     cpu_comm_ops: int
+    op_totals: pl.DataFrame = field(default_factory=pl.DataFrame)  # op_perf per name and shapes (the rows are written per rank)
+    modules: pl.DataFrame = field(default_factory=pl.DataFrame)
 
 
-def _analyse_rank(out_dir: Path, rank: int, world_size: int, options: Options) -> _RankResults:
+def _analyse_rank(out_dir: Path, rank: int, world_size: int, options: Options, roof: op_perf.Roof | None = None
+                  ) -> _RankResults:
     """The per-rank analyses, reading only this rank's partition (memory does not grow with ranks)."""
     this_rank, kind = pl.col("rank") == rank, pl.col("kind")
     device = _read(out_dir, "trace_events", DEVICE_COLUMNS, this_rank & kind.is_in(launch.WORK_KINDS))
@@ -83,6 +88,11 @@ def _analyse_rank(out_dir: Path, rank: int, world_size: int, options: Options) -
     threads = launch.cpu_threads(cpu)
     launched = launch.kernel_launches(device, runtime)
     _write(out_dir, "kernel_launches", launched, part=f"part-{rank}")
+    ops = _read(out_dir, "trace_events", op_perf.OP_COLUMNS, this_rank & kind.is_in(CPU_KINDS) & pl.col("input_dims").is_not_null())
+    perf = op_perf.op_perf(ops, launched, roof or op_perf.Roof())
+    _write(out_dir, "op_perf", perf, part=f"part-{rank}")
+    modules = _read(out_dir, "trace_events", module_perf.MODULE_COLUMNS,
+                    this_rank & kind.is_in(CPU_KINDS) & pl.col("name").str.starts_with(module_perf.MODULE_PREFIX))
     gaps = launch.idle_gaps(launched, runtime)
     return _RankResults(
         calls=comms.with_call_sites(comms.collectives(work, world_size), runtime, threads),
@@ -96,6 +106,8 @@ def _analyse_rank(out_dir: Path, rank: int, world_size: int, options: Options) -
         # record_param_comms (NCCL builds) or the c10d ops themselves (gloo/CPU runs record no comms args)
         cpu_comm_ops=cpu.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()
                                 | pl.col("name").str.starts_with("c10d::")).height,
+        op_totals=op_perf.op_totals(perf),
+        modules=module_perf.module_perf(modules, ops, perf, launched),
     )
 
 
@@ -110,8 +122,9 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     world_size = manifest.get("world_size") or len(ranks)
     for table in schema.ANALYSIS_TABLES:
         shutil.rmtree(out_dir / table, ignore_errors=True)
-    per_rank = [_analyse_rank(out_dir, rank, world_size, options) for rank in ranks]
     device_name, num_sms = _device(manifest)
+    roof = op_perf.device_roof(device_name, num_sms)
+    per_rank = [_analyse_rank(out_dir, rank, world_size, options, roof) for rank in ranks]
     peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops)
     if ranks:
         tables = _cross_rank(out_dir, per_rank, ranks, world_size, peak, options)
@@ -121,7 +134,7 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
             tables["collectives"], tables["gpu_idle"], tables["step_stats"], tables["clock_offsets"]))
     else:  # logs, monitors or autotuning only: the trace analyses are empty tables
         tables = {name: pl.DataFrame(schema={c: pl.Null for c in columns})
-                  for name, columns in schema.ANALYSIS_TABLES.items() if name != "kernel_launches"}
+                  for name, columns in schema.ANALYSIS_TABLES.items() if name not in PER_RANK_TABLES}
     facts = manifest.get("facts", {})
     if facts.get("world_size") is None and manifest.get("world_size"):  # traces alone give it (distributedInfo)
         facts = {**facts, "world_size": manifest["world_size"]}
@@ -140,10 +153,15 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     if not log_rows.is_empty():  # a logs-only Megatron run: the shape from its arguments
         tables["mfu"] = pl.concat([tables["mfu"], log_rows], how="diagonal_relaxed")
     mfu_problem = mfu_problem or log_problem
+    tables["module_perf"] = pl.concat([r.modules for r in per_rank], how="diagonal_relaxed") if ranks \
+        else pl.DataFrame(schema=module_perf.COLUMNS)
+    tables["module_mfu"] = module_perf.module_mfu(tables["module_perf"], _run_table(out_dir, "flops_profile"), facts, roof,
+                                                  options.dtype)
     for name, frame in tables.items():
         _write(out_dir, name, frame)
     if not ranks:
-        _write(out_dir, "kernel_launches", pl.DataFrame())
+        for table in PER_RANK_TABLES:
+            _write(out_dir, table, pl.DataFrame())
     findings = headline(tables, sum(r.cpu_comm_ops for r in per_rank), mfu_problem or peak_problem, device_name) \
         if ranks \
         else {"device": None, "traces": "no profiler traces: step, GPU and collective analyses need them",
@@ -161,6 +179,8 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
                                 findings["step_time"].get("median_ns")):
         findings["job_end"] = ended
     findings.update(telemetry_headline(tables))
+    op_totals = pl.concat([r.op_totals for r in per_rank], how="diagonal_relaxed") if ranks else pl.DataFrame()
+    findings["roofline"] = roofline.roofline_finding(op_totals, tables["module_perf"], tables["module_mfu"], roof, options.dtype)
     device_key = mfu.match_device(device_name, num_sms) if device_name else None
     if disagree := sanity.inputs_disagree(findings, tables["step_time"], device_key):
         findings["inputs_disagree"] = disagree

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-PEAK_TABLE_VERSION = 1
+PEAK_TABLE_VERSION = 2  # 2: memory bandwidth (PEAK_HBM_TBPS) added for the roofline
 
 # Dense peak TFLOP/s per device and dtype. Sources: vendor datasheets (dense = the sparsity figure
 # halved where the sheet quotes sparsity), as collected and cross-checked in
@@ -51,6 +51,27 @@ PEAK_SOURCES = {
     "l4": "NVIDIA L4 datasheet (dense = sparse / 2)",
     "a10g": "NVIDIA A10 datasheet rates, as Lightning uses for A10G (AWS publishes none of its own)",
 }
+
+# Peak memory (HBM) bandwidth per GPU, TB/s (1e12 B/s): the roofline's memory roof. Same datasheets
+# as PEAK_SOURCES. A100 differs by memory variant (40GB: 1.555, 80GB SXM: 2.039, 80GB PCIe: 1.935), so
+# it is matched on the name's memory size (A100_HBM_RULES); a bare "A100" gets no bandwidth.
+PEAK_HBM_TBPS: dict[str, float] = {
+    "h100-sxm": 3.35, "h100-pcie": 2.0, "h100-nvl": 3.9, "h200-sxm": 4.8, "h200-nvl": 4.8, "b200": 8.0,
+    "mi300x": 5.3, "v100-sxm": 0.9, "v100-pcie": 0.9, "v100s-pcie": 1.134, "l4": 0.3, "a10g": 0.6,
+}
+HBM_SOURCES = {
+    "h100-sxm": "NVIDIA H100 datasheet, SXM5: 3.35 TB/s HBM3", "h100-pcie": "NVIDIA H100 datasheet, PCIe: 2 TB/s HBM2e",
+    "h100-nvl": "NVIDIA H100 NVL datasheet: 3.9 TB/s", "h200-sxm": "NVIDIA H200 datasheet, SXM: 4.8 TB/s HBM3e",
+    "h200-nvl": "NVIDIA H200 datasheet, NVL: 4.8 TB/s HBM3e", "b200": "NVIDIA HGX B200 datasheet: 8 TB/s per GPU",
+    "mi300x": "AMD Instinct MI300X datasheet: 5.3 TB/s HBM3", "v100-sxm": "NVIDIA V100 datasheet, SXM2: 900 GB/s",
+    "v100-pcie": "NVIDIA V100 datasheet, PCIe: 900 GB/s", "v100s-pcie": "NVIDIA V100S datasheet: 1134 GB/s",
+    "l4": "NVIDIA L4 datasheet: 300 GB/s GDDR6", "a10g": "NVIDIA A10 datasheet: 600 GB/s GDDR6 (as for FLOPs)",
+}
+A100_HBM_RULES: list[tuple[str, float, str]] = [
+    (r"80GB.*PCIe|PCIe.*80GB", 1.935, "NVIDIA A100 datasheet, 80GB PCIe: 1,935 GB/s"),
+    (r"80GB", 2.039, "NVIDIA A100 datasheet, 80GB SXM: 2,039 GB/s"),
+    (r"40GB", 1.555, "NVIDIA A100 datasheet, 40GB (SXM and PCIe): 1,555 GB/s"),
+]
 
 # (key, name pattern, SM count or None). Checked in order; the SM count separates H100 SXM (132)
 # from PCIe (114) when the name is bare "NVIDIA H100".
@@ -101,6 +122,21 @@ def peak_for(device_name: str | None, dtype: str, num_sms: int | None = None,
     if tflops is None:
         return None, f"no {dtype} peak for {key}; pass --peak-tflops or another --dtype"
     return Peak(tflops * 1e12, f"{tflops:g} TFLOP/s dense {dtype}, {key} ({PEAK_SOURCES[key]})"), ""
+
+
+def peak_bandwidth(device_name: str | None, num_sms: int | None = None) -> tuple[float | None, str]:
+    """Peak memory bandwidth in B/s and its label, or None and why there is no memory roof."""
+    if not device_name:
+        return None, "no device name in the traces: no memory roof"
+    key = match_device(device_name, num_sms)
+    if key == "a100":
+        for pattern, tbps, source in A100_HBM_RULES:
+            if re.search(pattern, device_name, re.IGNORECASE):
+                return tbps * 1e12, f"{tbps:g} TB/s ({source})"
+        return None, f"{device_name!r}: A100 bandwidth depends on the memory variant (40GB / 80GB), which the name does not say"
+    if key is None or key not in PEAK_HBM_TBPS:
+        return None, f"unknown device {device_name!r}: no memory bandwidth in the peak table"
+    return PEAK_HBM_TBPS[key] * 1e12, f"{PEAK_HBM_TBPS[key]:g} TB/s ({HBM_SOURCES[key]})"
 
 
 @dataclass

@@ -406,6 +406,37 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "ranks": "Ranks that ran it.", "min_rank_time_ns": "Least time on one rank.", "max_rank_time_ns": "Most time on one rank.",
         "mean_ns": "Mean per call.",
     },
+    "op_perf": {
+        "rank": "Rank.", "source": "Trace file.", "event_id": "The CPU op's event_id in trace_events.",
+        "external_id": "Its External id (the runtime calls it made carry it).", "step": "ProfilerStep of the op.",
+        "name": "Op name, e.g. aten::addmm.",
+        "family": "gemm | conv | attention | elementwise | normalization | reduction | other (kernel family names).",
+        "shapes": "Input Dims as recorded (JSON text).", "dtype": "Element type of the first tensor input (bf16, fp16, fp32, ...).",
+        "flops": "FLOPs from the shapes (analyze/op_model.py, formula and source per family); null: no formula or unknown shapes.",
+        "bytes": "Bytes moved: operands read once, outputs written once; null when unknown.",
+        "device_ns": "Summed duration of all device work launched under the op, nested ops included (External id -> "
+                     "runtime call -> correlation); 0 when it launched none.",
+        "achieved_tflops": "flops / device_ns, TFLOP/s.", "achieved_tbps": "bytes / device_ns, TB/s.",
+        "intensity": "flops / bytes (FLOPs per byte).",
+        "bound": "compute | memory: intensity against the device's ridge point (peak FLOP/s / bandwidth); null without a roofline.",
+        "fraction_of_peak": "Achieved FLOP/s over the dense peak (compute-bound) or achieved bytes/s over the memory bandwidth (memory-bound).",
+        "nested": "Inside another op with a FLOPs/bytes model on its thread (its time is in the outer op's too).",
+    },
+    "module_perf": {
+        "rank": "Rank.", "step": "ProfilerStep.", "module": "Path of nn.Module events (with_stack), e.g. GPT_0/Block_1/Linear_4.",
+        "module_class": "Module class.", "depth": "Nesting depth (0: outermost module).", "calls": "Forward calls in the step.",
+        "device_ns": "Device work launched inside the module's forward (submodules included).",
+        "flops": "FLOPs of the modeled ops inside it (op_perf, outer ops only); null when none has a model.",
+        "achieved_tflops": "flops / device_ns, TFLOP/s (forward only).",
+    },
+    "module_mfu": {
+        "rank": "Rank.", "step": "ProfilerStep.", "module": "Module path in the trace (module_perf).",
+        "module_class": "Module class.", "profile_path": "The matching flops_profile path (class and instance order).",
+        "calls": "Forward calls in the step.", "forward_flops": "flops_profile forward FLOPs (children included) x calls.",
+        "device_ns": "Forward device time (module_perf).", "achieved_tflops": "forward_flops / device_ns, TFLOP/s.",
+        "peak_tflops": "Dense peak of the run's dtype (--dtype).", "mfu": "achieved_tflops / peak_tflops; null when flagged or no peak.",
+        "definition": "What is divided by what.", "flag": "Why the number is not trusted (ZeRO-3 double counting), else null.",
+    },
     "mfu": {
         "step": "Step.", "rank": "Rank (null: the whole job).", "metric": "MFU (model FLOPs) or HFU (executed FLOPs).",
         "numerator": "palm (6N + 12LHQT per token), profiler_flops (torch.profiler with_flops) or collector_flops_profile "
