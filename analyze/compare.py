@@ -54,7 +54,10 @@ def step_samples(run) -> list[StepSamples]:
         kept = table.filter(~pl.col("excluded") & pl.col("step_time_ns").is_not_null())
         definition = table["definition"][0]
         found.append(StepSamples(kept["step_time_ns"].to_numpy(), kept["samples"].to_numpy(), definition))
-        inputs[_INPUT_OF_DEFINITION[by_text[definition]]] = pl.DataFrame()
+        source_input = _INPUT_OF_DEFINITION.get(by_text.get(definition))
+        if source_input is None:  # a definition this module does not know how to set aside: no fallback
+            return found
+        inputs[source_input] = pl.DataFrame()
 
 
 def common_samples(base, new) -> tuple[StepSamples, StepSamples] | None:
