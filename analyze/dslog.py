@@ -121,7 +121,8 @@ MEGATRON_PADDED_VOCAB = re.compile(r"> padded vocab \(size: (\d+)\) with (\d+) d
 # The model-shape and batch options MFU and throughput need (Megatron-LM and Megatron-DeepSpeed names).
 MEGATRON_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
                        "num_key_value_heads", "group_query_attention", "num_query_groups", "seq_length",
-                       "global_batch_size", "micro_batch_size", "padded_vocab_size", "vocab_size", "swiglu",
+                       "global_batch_size", "micro_batch_size", "padded_vocab_size", "vocab_size",
+                       "make_vocab_size_divisible_by", "swiglu",
                        "num_experts", "world_size", "data_parallel_size", "tensor_model_parallel_size",
                        "pipeline_model_parallel_size", "checkpoint_activations", "recompute_granularity")
 MEGATRON_FLAG = re.compile(r"(?:^|\s)--([a-z][a-z0-9-]*)(?:[ =]([^\s-][^\s]*))?(?=\s|$)")

@@ -27,7 +27,8 @@ from .mfu import Peak
 MEGATRON_DEFINITION = ("Megatron-LM model FLOPs per iteration: 6 x tokens x [L(h(d_q + 2 d_kv) + d_q h + E h F_ffn) + h V] "
                        "+ 6 x tokens x L d_q s (causal attention halved; no recompute), from the model shape in the "
                        "log's Megatron arguments")
-REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size", "padded_vocab_size")
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size")
+DEFAULT_VOCAB_DIVISOR = 128  # Megatron's --make-vocab-size-divisible-by default
 
 
 def _int(args: dict, name: str) -> int | None:
@@ -35,9 +36,21 @@ def _int(args: dict, name: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def padded_vocab(args: dict) -> int | None:
+    """The padded vocabulary Megatron printed, else --vocab-size padded as Megatron pads it: up to a
+    multiple of make_vocab_size_divisible_by x tensor-parallel size (tokenizer.py _vocab_size_with_padding)."""
+    if padded := _int(args, "padded_vocab_size"):
+        return padded
+    if (vocab := _int(args, "vocab_size")) is None:
+        return None
+    multiple = (_int(args, "make_vocab_size_divisible_by") or DEFAULT_VOCAB_DIVISOR) * (_int(args, "tensor_model_parallel_size") or 1)
+    return -(-vocab // multiple) * multiple
+
+
 def megatron_flops_per_iteration(args: dict) -> tuple[float | None, str]:
     """(model FLOPs of one iteration, "") or (None, what is missing or unsupported)."""
-    missing = [name for name in REQUIRED if _int(args, name) is None]
+    missing = [name for name in REQUIRED if _int(args, name) is None] + (
+        [] if padded_vocab(args) else ["padded_vocab_size (or vocab_size)"])
     if missing:
         return None, f"the log's Megatron arguments lack {', '.join(missing)}"
     experts = args.get("num_experts")
@@ -45,7 +58,7 @@ def megatron_flops_per_iteration(args: dict) -> tuple[float | None, str]:
             isinstance(experts, int) and experts > 1):
         return None, "mixture-of-experts model: the dense Megatron FLOPs formula does not apply"
     layers, hidden, heads = _int(args, "num_layers"), _int(args, "hidden_size"), _int(args, "num_attention_heads")
-    seq, vocab = _int(args, "seq_length"), _int(args, "padded_vocab_size")
+    seq, vocab = _int(args, "seq_length"), padded_vocab(args)
     swiglu = args.get("swiglu") is True
     ffn = _int(args, "ffn_hidden_size")
     if ffn is None:

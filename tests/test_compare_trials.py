@@ -282,6 +282,34 @@ def test_megatron_log_gives_mfu_from_its_model_shape(corpus, tmp_path):
     assert "Megatron-LM model FLOPs" in megatron["definition"] and "312" in megatron["peak"]
 
 
+def test_megatron_shape_from_the_command_line_alone(tmp_path):
+    """No arguments block: the runner's command line gives the shape, with grouped-query attention,
+    SwiGLU and an unpadded vocabulary. By hand: L 2, h 64, 4 heads of 16 -> d_q 64, 2 query groups ->
+    d_kv 32, F_ffn 256 (x3 with SwiGLU), vocab 1000 padded to 1024, s 128, global batch 8 -> 1,024
+    tokens. Per token 6 x [2 x (64 x 128 + 64 x 64 + 3 x 64 x 256) + 64 x 1024] = 1,130,496 plus
+    6 x 2 x 64 x 128 = 98,304 for attention: 1,228,800; per iteration x 1,024 = 1,258,291,200."""
+    run = tmp_path / "megatron_cmd"
+    run.mkdir()
+    stamp = "[2026-01-01 10:00:00,000] [INFO]"
+    lines = [f"{stamp} [runner.py:504:main] cmd = python -u -m deepspeed.launcher.launch --world_info=e30= pretrain_gpt.py "
+             "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --kv-channels 16 --group-query-attention "
+             "--num-query-groups 2 --ffn-hidden-size 256 --swiglu --vocab-size 1000 --seq-length 128 "
+             "--micro-batch-size 4 --global-batch-size 8 --fp16",
+             f"{stamp} [launch.py:156:main] dist_world_size=2"]
+    step_ms = [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
+    lines += [f" iteration {10 * (i + 1):8d}/     100 | consumed samples: {80 * (i + 1):8d} | elapsed time per iteration "
+              f"(ms): {ms:.1f} | learning rate: 1.000E-04 | lm loss: 5.0E+00 |" for i, ms in enumerate(step_ms)]
+    (run / "train.log").write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(analyze, [str(run), "-q", "--peak-tflops", "100"])
+    assert result.exit_code in (0, 1), result.output
+    import polars as pl
+
+    rows = pl.read_parquet(run / ".steplens" / "mfu").sort("step")
+    assert rows["flops"].to_list() == [1_258_291_200.0] * len(step_ms) and rows["gpus"].to_list() == [2] * len(step_ms)
+    assert rows["step"].to_list() == [10 * (i + 1) - 1 for i in range(len(step_ms))]
+    assert rows["utilization"].to_list() == pytest.approx([1_258_291_200 / (ms / 1e3 * 2 * 100e12) for ms in step_ms])
+
+
 def test_deepspeed_chat_log_gets_step_time_from_its_throughput_lines(corpus, tmp_path):
     """With the inferred batch, a logs-only DS-Chat run has a step time: batch / CurrSamplesPerSec."""
     run = tmp_path / "chat"
