@@ -6,7 +6,9 @@ launched, and its place on the device's roofline.
 - `device_ns` is the summed duration of all device work (kernels, memcpy, memset) launched under the op,
   nested ops included: device work -> its launch call (correlation) -> the call's place on the op's
   thread. The call sits inside its op (the op whose External id it carries) and so inside every op
-  enclosing that one; prefix sums over each thread's launches give every op's total in one pass.
+  enclosing that one; prefix sums over each thread's launches give every op's total in one pass. The
+  place, not the External id, is what links: in older traces (2022) a runtime call's External id is its
+  own correlation id and names no op.
 - The roofline (Williams, Waterman & Patterson, CACM 2009): intensity = FLOPs / byte; an op is
   compute-bound when its intensity reaches the ridge point peak FLOP/s / peak B/s of the device for its
   dtype, else memory-bound (ops without a FLOPs model but with bytes, normalization and softmax, are

@@ -1,0 +1,278 @@
+"""Per-op performance model, roofline and per-module time.
+
+- FLOPs and bytes of each family against hand-computed values (the arithmetic is written out).
+- On every corpus trace with shapes: the FLOPs of each aten::mm/addmm/bmm against the formula from its
+  own Input Dims, and its device_ns against an independent recomputation from the raw JSON with the
+  standard library (op -> the ops nested in it on its thread -> their External ids -> runtime calls ->
+  correlation -> device work).
+- A hand-built trace with nn.Module events, kernels of known durations and a collector FLOPs profile:
+  module_perf and module_mfu against the numbers the trace was built from.
+"""
+
+import gzip
+import json
+from collections import defaultdict
+from decimal import Decimal
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from steplens.analyze import analyses, mfu, op_model, op_perf
+from steplens.analyze.ingest import ingest
+
+from conftest import CORPUS, write_trace
+
+BF16, F32 = "c10::BFloat16", "float"
+
+
+def _model(name, dims, types, concrete=None):
+    return op_model.model(name, json.dumps(dims), json.dumps(types), json.dumps(concrete or [""] * len(dims)))
+
+
+@pytest.mark.parametrize("name, dims, types, concrete, flops, nbytes", [
+    # mm 64x128 @ 128x32: 2*64*32*128 = 524288; bytes (64*128 + 128*32 + 64*32) * 2 = 28672
+    ("aten::mm", [[64, 128], [128, 32]], [BF16, BF16], None, 524288, 28672),
+    # addmm adds beta*C: + 64*32 = 526336; fp32 bytes (8192 + 4096 + 2048) * 4 + C 32 * 4 = 57472
+    ("aten::addmm", [[32], [64, 128], [128, 32], [], []], [F32, F32, F32, "Scalar", "Scalar"], None, 526336, 57472),
+    # bmm batch 4: 4 * 524288; bytes 4 * 14336 * 2
+    ("aten::bmm", [[4, 64, 128], [4, 128, 32]], [BF16, BF16], None, 2097152, 114688),
+    # baddbmm: 4 * (524288 + 2048) = 2105344; bytes 114688 + C 4*64*32*2 = 16384
+    ("aten::baddbmm", [[4, 64, 32], [4, 64, 128], [4, 128, 32], [], []], [BF16] * 3 + ["Scalar"] * 2, None, 2105344, 131072),
+    # linear x[2,10,128] W[32,128] b[32]: M = 20: 2*20*32*128 + 20*32 = 164480; bytes (2560 + 4096 + 640 + 32) * 2 = 14656
+    ("aten::linear", [[2, 10, 128], [32, 128], [32]], [BF16] * 3, None, 164480, 14656),
+    # matmul broadcasting [8,1,64,128] @ [4,128,32]: batch 8*4 = 32: 2*32*64*32*128 = 16777216;
+    # bytes (65536 + 16384 + 32*64*32) * 2 = 294912
+    ("aten::matmul", [[8, 1, 64, 128], [4, 128, 32]], [BF16, BF16], None, 16777216, 294912),
+    # conv 2x3x32x32, 16x3x3x3, bias, stride 2, pad 1: out 16 = (32 + 2 - 2 - 1)//2 + 1, out elems 2*16*16*16 = 8192;
+    # 2 * 8192 * 27 + 8192 = 450560; bytes (6144 + 432 + 16 + 8192) * 4 = 59136
+    ("aten::convolution", [[2, 3, 32, 32], [16, 3, 3, 3], [16], [], [], [], [], [], []], [F32] * 3 + ["ScalarList"] * 5 + ["Int"],
+     ["", "", "", "[2, 2]", "[1, 1]", "[1, 1]", "False", "[0, 0]", "1"], 450560, 59136),
+    # grouped conv: 1x8x10x10, weight 8x2x3x3, groups 4, no bias: out 1x8x8x8 = 512: 2 * 512 * 18 = 18432
+    ("aten::convolution", [[1, 8, 10, 10], [8, 2, 3, 3], [], [], [], [], [], [], []], [F32, F32] + [""] * 7,
+     ["", "", "", "[1, 1]", "[0, 0]", "[1, 1]", "False", "[0, 0]", "4"], 18432, (800 + 144 + 512) * 4),
+    # flash SDPA q/k/v [2,4,128,64] causal: 2*2*4*128*128*(64+64) / 2 = 16777216; bytes 4 tensors of 65536 elems * 2
+    ("aten::_scaled_dot_product_flash_attention", [[2, 4, 128, 64]] * 3 + [[], [], [], []], [BF16] * 3 + ["Scalar"] * 4,
+     ["", "", "", "0.", "True", "False", ""], 16777216, 524288),
+    # memory-efficient SDPA, not causal (is_causal at index 6): 33554432
+    ("aten::_scaled_dot_product_efficient_attention", [[2, 4, 128, 64]] * 3 + [[], [], [], [], []], [BF16] * 3 + [""] * 5,
+     ["", "", "", "", "False", "0.", "False", ""], 33554432, 524288),
+    # flash backward (grad_out first, is_causal at 11): 2*2*4*128*128*(3*64 + 2*64) / 2 = 41943040;
+    # bytes: q, k, v, dO read + dq, dk, dv written = 7 * 65536 * 2
+    ("aten::_scaled_dot_product_flash_attention_backward", [[2, 4, 128, 64]] * 5 + [[2, 4, 128]] + [[]] * 9,
+     [BF16] * 5 + [F32] + [""] * 9, [""] * 11 + ["True"] + [""] * 3, 41943040, 917504),
+    # layer norm x[4,512] bf16 with weight and bias: bytes 2*2048*2 + (512 + 512)*2 = 10240; FLOPs: no formula
+    ("aten::layer_norm", [[4, 512], [], [512], [512], [], []], [BF16, "ScalarList", BF16, BF16, "Scalar", "Scalar"], None,
+     None, 10240),
+    # add [4,512] + [512] broadcast: 2048 FLOPs; bytes (2048 + 512) * 2 read + 2048 * 2 written = 9216
+    ("aten::add", [[4, 512], [512], []], [BF16, BF16, "Scalar"], None, 2048, 9216),
+    # copy_: no FLOPs; 2048 fp32 read, 2048 bf16 written
+    ("aten::copy_", [[4, 512], [4, 512], []], [BF16, F32, "Scalar"], None, 0, 2048 * 4 + 2048 * 2),
+])
+def test_flops_and_bytes_by_hand(name, dims, types, concrete, flops, nbytes):
+    _, got_flops, got_bytes = _model(name, dims, types, concrete)
+    assert got_flops == flops and got_bytes == nbytes
+
+
+@pytest.mark.parametrize("name, dims, types, concrete", [
+    ("aten::mm", [[64, 128], [64, 32]], [BF16, BF16], None),  # K does not match
+    ("aten::mm", [[64, 128], "x"], [BF16, BF16], None),  # malformed
+    ("aten::mm", [[64, 128], [128, 32]], ["c10::SomethingNew", BF16], None),  # element size unknown
+    ("aten::_scaled_dot_product_flash_attention", [[2, 4, 128, 64], [2, 4, 256, 64], [2, 4, 256, 64]] + [[]] * 4,
+     [BF16] * 3 + [""] * 4, ["", "", "", "0.", "True", "False", ""]),  # causal with N_q != N_kv: not one half
+    ("aten::_scaled_dot_product_flash_attention", [[2, 4, 128, 64]] * 3 + [[]] * 4, [BF16] * 3 + [""] * 4,
+     ["", "", "", "", "", "", ""]),  # is_causal not recorded
+    ("aten::conv2d", [[1, 3, 8, 8], [4, 3, 3, 3], [], [], [], [], []], [F32] * 2 + [""] * 5, ["", "", "", "[1]", "same", "[1]", "1"]),
+    ("aten::my_custom_op", [[4, 4]], [F32], None),
+])
+def test_no_formula_or_bad_shapes_give_null_flops(name, dims, types, concrete):
+    assert _model(name, dims, types, concrete)[1] is None
+
+
+def test_unknown_device_has_no_roofline_and_says_why():
+    roof = op_perf.device_roof("Some Future GPU", None)
+    assert roof.bandwidth is None and "Some Future GPU" in roof.problem
+    a100 = op_perf.device_roof("NVIDIA A100-PG509-200", 108)
+    assert a100.bandwidth is None and "memory variant" in a100.problem
+    h100 = op_perf.device_roof("NVIDIA H100 80GB HBM3", 132)
+    assert h100.bandwidth == 3.35e12 and h100.flops["bf16"] == 989.5e12 and f"v{mfu.PEAK_TABLE_VERSION}" in h100.label
+
+
+# ---------------------------------------------------------------------------------------------
+# Corpus: every trace with shapes and GEMMs, against the raw JSON
+
+GEMMS = {"aten::mm", "aten::addmm", "aten::bmm"}
+WORK_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset"}
+CALL_CATS = {"cuda_runtime", "runtime", "cuda_driver"}
+SIZE_LIMIT = 20_000_000  # uncompressed bytes (2 cores: the two 30 MB HTA trace_diff files are left out)
+
+
+def _corpus_files() -> list[Path]:
+    if not CORPUS.is_dir():
+        return []
+    found = []
+    for path in sorted(p for p in CORPUS.rglob("*") if p.name.endswith((".json", ".gz"))):
+        data = _raw(path)
+        if len(data) <= SIZE_LIMIT and b'"Input Dims"' in data and any(f'"{g}"'.encode() in data for g in GEMMS):
+            found.append(path)
+    return found
+
+
+def _raw(path: Path) -> bytes:
+    data = path.read_bytes()
+    return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+
+
+def _gemm_flops(name: str, dims: list):
+    """2*M*N*K (+ M*N for addmm's added term), batch for bmm; None when the shapes do not multiply."""
+    try:
+        if name == "aten::mm" and dims[0][1] == dims[1][0]:
+            return 2 * dims[0][0] * dims[1][1] * dims[0][1]
+        if name == "aten::addmm" and dims[1][1] == dims[2][0]:
+            return 2 * dims[1][0] * dims[2][1] * dims[1][1] + dims[1][0] * dims[2][1]
+        if name == "aten::bmm" and dims[0][2] == dims[1][1] and dims[0][0] == dims[1][0]:
+            return 2 * dims[0][0] * dims[0][1] * dims[1][2] * dims[0][2]
+    except (IndexError, TypeError):
+        pass
+    return None
+
+
+def _reference(path: Path) -> dict:
+    """{External id of each GEMM op: (flops, device ns)} from the raw file, no steplens code."""
+    doc = json.loads(_raw(path), parse_float=Decimal)
+    events = [e for e in (doc if isinstance(doc, list) else doc["traceEvents"]) if isinstance(e, dict) and e.get("ph") == "X"]
+    ns = lambda v: int(Decimal(v) * 1000)  # noqa: E731
+    work_by_corr = defaultdict(int)
+    for e in events:
+        if str(e.get("cat")).lower() in WORK_CATS and "correlation" in (e.get("args") or {}) and "dur" in e:
+            work_by_corr[e["args"]["correlation"]] += max(ns(e["dur"]), 0)
+    ops_by_thread = defaultdict(list)
+    for e in events:
+        if str(e.get("cat")).lower() in ("cpu_op", "operator") and "External id" in (e.get("args") or {}) and "dur" in e:
+            ops_by_thread[(e.get("pid"), e.get("tid"))].append((ns(e["ts"]), ns(e["ts"]) + ns(e["dur"]), e))
+    op_ids = {o["args"]["External id"] for ops in ops_by_thread.values() for _, _, o in ops}
+    corrs_by_ext, calls_by_thread = defaultdict(list), defaultdict(list)
+    for e in events:
+        args = e.get("args") or {}
+        if str(e.get("cat")).lower() in CALL_CATS and "correlation" in args:
+            if args.get("External id") in op_ids:
+                corrs_by_ext[args["External id"]].append(args["correlation"])
+            else:  # older traces: the call's External id is its own correlation, naming no op; its thread and time do
+                calls_by_thread[(e.get("pid"), e.get("tid"))].append((ns(e["ts"]), args["correlation"]))
+    expected = {}
+    for thread, thread_ops in ops_by_thread.items():
+        for start, end, op in thread_ops:
+            if op["name"] not in GEMMS or "Input Dims" not in op["args"]:
+                continue
+            inside = {o["args"]["External id"] for s, t, o in thread_ops if start <= s and t <= end}
+            corrs = [c for x in inside for c in corrs_by_ext[x]] + [c for at, c in calls_by_thread[thread] if start <= at <= end]
+            expected[op["args"]["External id"]] = (_gemm_flops(op["name"], op["args"]["Input Dims"]),
+                                                   sum(work_by_corr[c] for c in corrs))
+    return expected
+
+
+@pytest.fixture(scope="module")
+def corpus_op_perf(tmp_path_factory):
+    results = {}
+    for path in _corpus_files():
+        out = tmp_path_factory.mktemp("opperf") / "out"
+        ingest(path.parent, out, files=[path], jobs=1, finish=analyses.run)
+        results[path.relative_to(CORPUS).as_posix()] = (path, pl.read_parquet(out / "op_perf"))
+    return results
+
+
+def test_corpus_gemm_flops_and_device_time_match_the_raw_json(corpus_op_perf):
+    if not corpus_op_perf:
+        pytest.skip("no corpus")
+    checked = 0
+    for name, (path, perf) in corpus_op_perf.items():
+        expected = _reference(path)
+        gemms = perf.filter(pl.col("name").is_in(list(GEMMS)))
+        got = {x: (f, d) for x, f, d in gemms.select("external_id", "flops", "device_ns").iter_rows()}
+        assert set(got) == set(expected), name
+        for ext, (flops, device_ns) in expected.items():
+            assert got[ext][0] == flops, (name, ext)
+            assert got[ext][1] == device_ns, (name, ext, got[ext][1], device_ns)
+        checked += len(expected)
+    assert checked > 1000  # every GEMM of 30+ real traces
+
+
+def test_corpus_roofline_columns_are_consistent(corpus_op_perf):
+    if not corpus_op_perf:
+        pytest.skip("no corpus")
+    for name, (_, perf) in corpus_op_perf.items():
+        timed = perf.filter((pl.col("device_ns") > 0) & pl.col("flops").is_not_null())
+        # achieved TFLOP/s is flops over device time, whatever the device
+        assert ((timed["achieved_tflops"] - timed["flops"] / timed["device_ns"] / 1e3).abs() < 1e-9).all(), name
+        assert perf.filter(pl.col("bound").is_not_null() & (pl.col("device_ns") == 0))["fraction_of_peak"].is_null().all()
+    bert = corpus_op_perf.get("TraceLens/h100/gaunernst_bert-small-uncased__1016001.json.gz")
+    if bert:  # H100 SXM: ridge 989.5e12 / 3.35e12 = 295 FLOPs/byte for bf16
+        rows = bert[1].filter(pl.col("bound").is_not_null() & pl.col("intensity").is_not_null() & (pl.col("dtype") == "bf16"))
+        assert rows.height > 0
+        assert (rows.filter(pl.col("bound") == "compute")["intensity"] >= 989.5 / 3.35).all()
+        assert (rows.filter(pl.col("bound") == "memory")["intensity"] < 989.5 / 3.35).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules: a hand-built trace with known per-module time
+
+
+def _x(name, cat, ts, dur, pid=1, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def _module_trace(path: Path) -> Path:
+    """Model_0 { Linear_0 (mm 64x128x32 -> kernel 10 us), Block_0 { Linear_1 (mm -> 30 us) }, Linear_0 again (mm -> 6 us) };
+    a kernel launched outside every module (4 us) belongs to none."""
+    mm = {"Input Dims": [[64, 128], [128, 32]], "Input type": [BF16, BF16], "Concrete Inputs": ["", ""]}
+    events = [_x("ProfilerStep#3", "user_annotation", 0, 1000),
+              _x("nn.Module: Model_0", "python_function", 10, 500),
+              _x("nn.Module: Linear_0", "python_function", 20, 50),
+              _x("nn.Module: Block_0", "python_function", 100, 200),
+              _x("nn.Module: Linear_1", "python_function", 110, 100),
+              _x("nn.Module: Linear_0", "python_function", 400, 50)]
+    launches = [(1, 25, 10), (2, 120, 30), (3, 405, 6), (4, 700, 4)]
+    for corr, at, kernel_us in launches:
+        events.append(_x("aten::mm", "cpu_op", at, 8, **{"External id": corr, **mm}))
+        events.append(_x("cudaLaunchKernel", "cuda_runtime", at + 1, 2, **{"External id": corr, "correlation": corr}))
+        events.append(_x("gemm_kernel", "kernel", 800 + corr * 50, kernel_us, pid=0, tid=7, device=0, stream=7, correlation=corr))
+    return write_trace(path, events, deviceProperties=[{"name": "NVIDIA H100 80GB HBM3", "numSms": 132}])
+
+
+def test_module_time_and_flops_from_a_hand_built_trace(tmp_path):
+    trace = _module_trace(tmp_path / "run" / "rank0.pt.trace.json")
+    out = tmp_path / "out"
+    ingest(trace.parent, out, jobs=1, finish=analyses.run)
+    modules = {m: row for m, *row in pl.read_parquet(out / "module_perf").select(
+        "module", "calls", "device_ns", "flops", "achieved_tflops").iter_rows()}
+    mm_flops = 2 * 64 * 32 * 128
+    assert modules["Model_0"] == [1, 46_000, 3 * mm_flops, pytest.approx(3 * mm_flops / 46_000 / 1e3)]
+    assert modules["Model_0/Linear_0"][:3] == [2, 16_000, 2 * mm_flops]  # two calls in the step
+    assert modules["Model_0/Block_0"][:3] == [1, 30_000, mm_flops]
+    assert modules["Model_0/Block_0/Linear_1"][:3] == [1, 30_000, mm_flops]
+    perf = pl.read_parquet(out / "op_perf").sort("external_id")
+    assert perf["device_ns"].to_list() == [10_000, 30_000, 6_000, 4_000]
+    findings = json.loads((out / "findings.json").read_text())["roofline"]
+    assert findings["top_ops"][0]["calls"] == 4 and findings["top_ops"][0]["device_ns"] == 50_000
+    assert findings["modules_below_peak"][0]["fraction_of_peak"] == pytest.approx(mm_flops / 30_000 / 1e3 * 1e12 / 989.5e12)
+
+
+def test_module_mfu_joins_the_collectors_flops_profile(tmp_path):
+    from steplens.analyze import module_perf
+    modules = pl.DataFrame({"rank": [0, 0, 0], "step": [3, 3, 3], "module": ["Model_0", "Model_0/Linear_0", "Model_0/Block_0/Linear_1"],
+                            "module_class": ["Model", "Linear", "Linear"], "depth": [0, 1, 2], "calls": [1, 2, 1],
+                            "device_ns": [46_000, 16_000, 30_000], "flops": [None, None, None], "achieved_tflops": [None] * 3})
+    profile = pl.DataFrame({"rank": [0] * 5, "source": ["c"] * 5, "path": ["", "first", "blocks", "blocks.0", "blocks.0.proj"],
+                            "module_class": ["Model", "Linear", "ModuleList", "Block", "Linear"],
+                            "flops_total": [3_000_000, 1_000_000, 0, 2_000_000, 2_000_000], "exact": [True] * 5})
+    roof = op_perf.device_roof("NVIDIA H100 80GB HBM3", 132)
+    table = module_perf.module_mfu(modules, profile, {}, roof, "bf16").sort("module")
+    # sorted by module: Model_0, Model_0/Block_0/Linear_1 (the second Linear), Model_0/Linear_0 (the first)
+    assert table["profile_path"].to_list() == ["", "blocks.0.proj", "first"]
+    # Linear_0 called twice: 2 x 1e6 FLOPs over 16 us
+    assert table.filter(pl.col("module") == "Model_0/Linear_0")["mfu"][0] == pytest.approx(2e6 / 16e-6 / 989.5e12)
+    zero3 = module_perf.module_mfu(modules, profile, {"collector_flags": {"flops_zero3_double_counting": "x"}}, roof, "bf16")
+    assert zero3["mfu"].is_null().all() and zero3["flag"].str.contains("ZeRO-3").all()
+    # Two Linear instances in the trace but one in the profile: the class is not matched
+    short = profile.filter(pl.col("path") != "first")
+    assert "Linear" not in module_perf.module_mfu(modules, short, {}, roof, "bf16")["module_class"].to_list()
