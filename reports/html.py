@@ -19,7 +19,7 @@ import jinja2
 import polars as pl
 from markupsafe import Markup
 
-from . import caveats, figures
+from . import caveats, figures, roofline
 from .data import Run, kernel_labels, load, ms, size, text_value, write_atomic
 from .verdict import verdict
 
@@ -169,6 +169,14 @@ def _stepsSection(run: Run) -> dict:
     return section
 
 
+def _no_traces(run: Run) -> str | None:
+    """The one line for the trace sections of a run analysed from logs, monitors or the collector only."""
+    if run.manifest.get("trace_ranks"):
+        return None
+    return ("No profiler traces in this run (logs, monitors or collector output only): the per-rank step picture, "
+            "CPU vs GPU, kernels and collective kernels need torch.profiler traces.")
+
+
 def _reason(value) -> str:
     return str(value).replace("_", " ").replace(",", ", ")
 
@@ -219,7 +227,7 @@ def _kernelsSection(run: Run) -> dict:
 def _collectivesSection(run: Run) -> dict:
     summary, sites, logged = run.table("collective_summary"), run.table("collective_call_sites"), run.table("comms_log_stats")
     if summary.is_empty() and logged.is_empty():
-        note = run.findings.get("comms_note", "No collectives recorded.")
+        note = run.findings.get("comms_note") or "No collectives recorded."
         return Section("Collectives", "collectives", empty=note[0].upper() + note[1:] + ("" if note.endswith(".") else "."))
     section = Section("Collectives", "collectives")
     if not summary.is_empty():
@@ -278,6 +286,8 @@ def _mfuSection(run: Run) -> dict:
             "source": ("from", str), "path": ("module", str), "module_class": ("class", str), "params": ("params", _num),
             "flops_total": ("FLOPs incl. children", _num), "macs_total": ("MACs incl. children", _num),
             "duration_ns": ("forward time", ms)}, "flops_profile"))
+    for kind, content in roofline.report_blocks(run.findings.get("roofline")):  # computed in analyze/roofline.py
+        getattr(section, kind)(content)
     return section
 
 
@@ -431,8 +441,13 @@ def _issuesSection(run: Run) -> dict:
 
 def render(out_dir: Path) -> str:
     run = load(out_dir)
-    sections = [_timeSection(run), _stepsSection(run), _cpu_gpuSection(run), _kernelsSection(run),
-                _collectivesSection(run), _mfuSection(run), _monitorSection(run)]
+    if run.manifest.get("trace_ranks"):
+        sections = [_timeSection(run), _stepsSection(run), _cpu_gpuSection(run), _kernelsSection(run),
+                    _collectivesSection(run)]
+    else:  # one line for every picture that needs traces; the logged comms still have their section
+        sections = [Section("Where one step's time went", "time", empty=_no_traces(run)), _stepsSection(run)]
+        sections += [s for s in [_collectivesSection(run)] if s.get("empty") is None]
+    sections += [_mfuSection(run), _monitorSection(run)]
     sections += [s for s in [_statusSection(run)] if s] + _extra_analyses(run)
     sections += [s for s in [_comparabilitySection(run)] if s] + [_manifestSection(run), _issuesSection(run)]
     return TEMPLATES.get_template("report.html.j2").render(

@@ -14,7 +14,7 @@ import polars as pl
 
 from steplens.analyze.text import safe_text
 
-from . import caveats
+from . import caveats, roofline
 from .data import kernel_labels, load, ms, size, write_atomic
 from .html import SUMMARY_FILE, key_numbers
 from .verdict import verdict
@@ -69,6 +69,7 @@ def render(out_dir: Path) -> str:
                                ms(r["max_rank_exposed_ns"]), r["max_exposed_rank"],
                                f"{r['busbw_median_gbps']:.1f}" if r["busbw_median_gbps"] is not None else ""]
                               for r in collectives.head(TOP_ROWS).iter_rows(named=True)])
+    lines += roofline.summary_lines(run.findings.get("roofline"), escape)
     notes = caveats.caveats(run)
     if notes:
         lines += ["<details><summary>Method and caveats</summary>", ""]

@@ -1,0 +1,92 @@
+"""The roofline part of the report's "FLOPs and MFU" section and of summary.md: drawn from
+findings.json's `roofline` (computed by analyze/roofline.py); nothing is computed here."""
+
+from __future__ import annotations
+
+from .figures import PLAIN_NUMBER, _svg, plt
+
+
+def scatter(top_ops: list[dict], roof: dict) -> str:
+    """Achieved TFLOP/s against FLOPs per byte for the top ops, under the device's roofs (memory slope
+    and the dense peak of each dtype shown)."""
+    points = [op for op in top_ops if op.get("intensity") and op.get("achieved_tflops")]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    lo = min([op["intensity"] for op in points] + [0.1]) / 2
+    hi = max([op["intensity"] for op in points] + [1e4]) * 2
+    bandwidth = roof["bandwidth_tbps"]
+    for dtype in sorted({op["dtype"] for op in points if op["dtype"] in roof["peak_tflops"]}):
+        peak = roof["peak_tflops"][dtype]
+        ridge = peak / bandwidth
+        ax.plot([lo, ridge, hi], [lo * bandwidth, peak, peak], lw=1, label=f"roof {dtype}: {peak:g} TFLOP/s, {bandwidth:g} TB/s")
+    for op in points:
+        ax.scatter(op["intensity"], op["achieved_tflops"], s=18)
+        ax.annotate(op["name"].replace("aten::", ""), (op["intensity"], op["achieved_tflops"]), fontsize=7,
+                    xytext=(3, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(PLAIN_NUMBER)
+    ax.yaxis.set_major_formatter(PLAIN_NUMBER)
+    ax.set_xlabel("intensity (FLOPs per byte moved)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.legend(frameon=False, fontsize=7)
+    return _svg(fig)
+
+
+OP_COLUMNS = {"name": "op", "shapes": "shapes", "dtype": "dtype", "calls": "calls", "device_ns": "device time",
+              "achieved_tflops": "TFLOP/s", "achieved_tbps": "TB/s", "intensity": "FLOPs/byte", "bound": "bound",
+              "fraction_of_peak": "of peak"}
+MODULE_COLUMNS = {"module": "module", "module_class": "class", "profile_path": "profile path", "device_ns": "forward device time",
+                  "achieved_tflops": "TFLOP/s", "fraction_of_peak": "of peak", "flag": "flag"}
+
+
+def _cell(name: str, value) -> str:
+    if value is None:
+        return ""
+    if name == "device_ns":
+        return f"{value / 1e6:.3f} ms"
+    if name == "fraction_of_peak":
+        return f"{value:.1%}"
+    if isinstance(value, float):
+        return f"{value:,.3g}"
+    return str(value)
+
+
+def table(rows: list[dict], columns: dict[str, str], source_table: str) -> dict:
+    """A table block as the report template takes it (cells escaped by the template)."""
+    return {"header": list(columns.values()), "rows": [[_cell(c, row.get(c)) for c in columns] for row in rows],
+            "more": 0, "table": source_table}
+
+
+def report_blocks(finding: dict | None) -> list[tuple[str, object]]:
+    """(kind, content) blocks for the FLOPs and MFU section: the scatter, top ops, modules below peak."""
+    if not finding:
+        return []
+    blocks: list[tuple[str, object]] = []
+    if finding.get("note"):
+        blocks.append(("text", finding["note"] + "."))
+    if finding.get("top_ops"):
+        blocks.append(("text", "Top ops by device time and their place on the roofline (" + finding["top_ops_definition"] + "):"))
+        if finding.get("roof"):
+            blocks.append(("figure", scatter(finding["top_ops"], finding["roof"])))
+            blocks.append(("text", "Roofs: " + finding["roof"]["label"] + "."))
+        blocks.append(("table", table(finding["top_ops"], OP_COLUMNS, "op_perf")))
+    if finding.get("modules_below_peak"):
+        blocks.append(("text", "Modules furthest below peak, among those with the most forward device time ("
+                       + finding["modules_definition"] + "):"))
+        blocks.append(("table", table(finding["modules_below_peak"], MODULE_COLUMNS, "module_perf")))
+    return blocks
+
+
+def summary_lines(finding: dict | None, escape) -> list[str]:
+    """Lines for summary.md: the three busiest ops and the three modules furthest below peak."""
+    if not finding or not (finding.get("top_ops") or finding.get("modules_below_peak")):
+        return []
+    lines = ["**Roofline** (top ops by device time" + ("" if finding.get("roof") else "; " + escape(finding.get("note") or "")) + ")", ""]
+    for op in finding.get("top_ops", [])[:3]:
+        where = f"{op['bound']}-bound, {op['fraction_of_peak']:.1%} of peak" if op.get("fraction_of_peak") is not None else "no roofline"
+        lines.append(f"- {escape(op['name'])} {escape(op['shapes'])} x{op['calls']}: {op['device_ns'] / 1e6:.3f} ms, {where}")
+    below = [m for m in finding.get("modules_below_peak", []) if m.get("fraction_of_peak") is not None][:3]
+    lines += [f"- module {escape(m['module'])}: {m['fraction_of_peak']:.1%} of peak over {m['device_ns'] / 1e6:.3f} ms forward"
+              for m in below]
+    return lines + [""]
+
