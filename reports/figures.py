@@ -142,7 +142,8 @@ def step_time_series(step_time: pl.DataFrame, profiled: list[int], p90_ns: float
             if value > top:
                 ax.annotate(f"{value:,.0f} ms", (step, top), textcoords="offset points", xytext=(4, -10), fontsize=7)
 
-    draw(kept, "o-", ms=3, lw=1, color=ACTIVITY_COLORS["compute"], label="in the summary")
+    draw(kept, "o-" if step_time.height <= MANY_STEPS else "-", ms=3, lw=1, color=ACTIVITY_COLORS["compute"],
+         label="in the summary")
     markers = iter("xsD^v<>P*")
     for (reason,), group in excluded.group_by("reason", maintain_order=True):
         draw(group, next(markers, "x"), ms=6, ls="none", label="excluded: " + str(reason).replace("_", " ").replace(",", ", "))
@@ -159,6 +160,7 @@ def step_time_series(step_time: pl.DataFrame, profiled: list[int], p90_ns: float
 
 
 OFF_SCALE = 3  # the y axis stops at 3x the run's p90 step time
+MANY_STEPS = 200  # beyond it, a marker per step hides the line
 
 
 def launch_delay(launches: pl.DataFrame) -> str:

@@ -417,3 +417,19 @@ def test_verdict_names_the_most_exposed_collective_without_a_made_up_size(dlrm):
     assert line.startswith(f"{op} (message size not in the traces), {float(exposed_ns) / 1e6:.3g} ms not hidden behind "
                            f"compute on rank {rank} over ")
     assert "n/a" not in html.split('id="verdict"')[1].split("</ul>")[0]
+
+
+def test_logs_only_report_says_once_that_traces_are_missing(tmp_path, corpus):
+    """A Megatron-DeepSpeed log and nothing else: one line for every trace picture, the step-time
+    curve from the log's iterations, no empty axes."""
+    run = tmp_path / "megatron"
+    shutil.copytree(corpus / "Megatron-DeepSpeed" / "random_ltd_gpt3_baseline", run)
+    html = (_analyse(run) / "report.html").read_text()
+    anchors = re.findall(r'<h2 id="([^"]+)">', html)
+    assert "cpu-gpu" not in anchors and "kernels" not in anchors and "collectives" not in anchors
+    assert html.count("No profiler traces in this run") == 1
+    assert _section(html, "time").count("<svg") == 0
+    assert _section(html, "steps").count("<svg") == 1  # the log's iteration times over the run
+    iterations = sum(line.count("elapsed time per iteration") for t in run.glob("*.log") for line in t.open())
+    step_time = pl.read_parquet(run / ".steplens" / "step_time")
+    assert step_time.height == iterations  # every logged iteration is a point of the curve
