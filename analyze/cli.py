@@ -96,7 +96,7 @@ also be a single trace file, analysed as a one-rank run into .steplens-FILE/ bes
                    "or one steplens wrote).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Files parsed in parallel (default: number of CPUs). Memory grows with it, not with the number of ranks.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the summary.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no ingest summary: print only the findings.")
 @click.option("--ingest-only", is_flag=True, help="Write the trace tables only; skip the analyses.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp8", "tf32", "fp32"]), default="bf16", show_default=True,
               help="Compute dtype whose dense peak MFU divides by.")
