@@ -1,5 +1,6 @@
-"""`steplens trials`: repeated collector runs grouped into configurations by the work they do, ranked
-by throughput, with the autotuning noise verdict (`autotune.verdict`, at `noise.ALPHA`).
+"""`steplens trials`: repeated runs (collector runs, or any run with step times and a ds_config) grouped
+into configurations by the work they do, ranked by throughput, with the autotuning noise verdict
+(`autotune.verdict`, at `noise.ALPHA`).
 
 Two runs are trials of one configuration when their ds_configs differ only in settings that do not
 change the work: where output goes and what is logged or profiled (IGNORED_KEYS, and any key named
@@ -21,14 +22,11 @@ from . import autotune, step_time
 # output goes, and what is logged, monitored or profiled. (Logging settings can cost time, as
 # wall_clock_breakdown's synchronizations do; the runs are still the same work, and the ignored
 # differences are reported.)
-IGNORED_KEYS = {
-    "steplens": "steplens collector settings",
-    "autotuning": "DeepSpeed autotuner settings",
-    "csv_monitor": "monitor output", "tensorboard": "monitor output", "wandb": "monitor output", "comet": "monitor output",
-    "flops_profiler": "profiler", "comms_logger": "comms logger",
-    "wall_clock_breakdown": "logging", "memory_breakdown": "logging", "steps_per_print": "logging",
-    "log_level": "logging", "dump_state": "logging", "timers": "logging",
-}
+IGNORED_KEYS = frozenset({
+    "steplens", "autotuning",  # the collector's and the autotuner's own settings
+    "csv_monitor", "tensorboard", "wandb", "comet", "flops_profiler", "comms_logger",  # monitors and profilers
+    "wall_clock_breakdown", "memory_breakdown", "steps_per_print", "log_level", "dump_state", "timers",  # logging
+})
 IGNORED_NAMES = {"run_dir", "output_path", "output_file", "job_name", "log_dir", "save_dir"}  # paths, at any depth
 WORK_SETTINGS_IN_IGNORED = {"steplens": ("seq_len",)}  # kept: they describe the samples
 
