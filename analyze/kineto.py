@@ -536,9 +536,12 @@ class _ChunkReader:
             if offset is not None and "trailing characters" in str(e):
                 self._report_after_document(doc[offset - 1 :], issues)
                 value = _decode_or_none(doc[: offset - 1])
-            else:  # the metadata after the events array is cut short; keep what came before it
+            else:  # the metadata after the events array is cut short (or too big); keep what came before it
                 value = _decode_or_none(self.header + b"[]}")
-                if not (self.truncated or self.stream.truncated):
+                if self.trailer_dropped:
+                    issues.append(Issue("warning", "oversized_metadata", 1, f"the text after traceEvents is over "
+                                        f"{MAX_EVENT_BYTES >> 20} MiB and is not valid JSON within that; not read"))
+                elif not (self.truncated or self.stream.truncated):
                     issues.append(Issue("error", "truncated", 1, "file cut short after the last event: the metadata "
                                         "written after traceEvents (baseTimeNanoseconds, ...) is lost"))
         else:
@@ -621,9 +624,12 @@ def _int_column(values: list, dtype=pa.int64(), bounds: tuple[int, int] | None =
         inferred = pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
         inferred = None
+    exact = None
     if inferred is not None and inferred.type == pa.null():
-        array, bad, example = pa.nulls(len(values), dtype), 0, ""
-    elif inferred is not None and pa.types.is_integer(inferred.type) and (exact := _cast_exactly(inferred, dtype)):
+        exact = pa.nulls(len(values), dtype)
+    elif inferred is not None and pa.types.is_integer(inferred.type):
+        exact = _cast_exactly(inferred, dtype)
+    if exact is not None:
         array, bad, example = exact, 0, ""
     else:  # strings, floats, booleans or numbers beyond int64 among them: value by value
         array, bad, example = _int_column_slowly(values, dtype)
