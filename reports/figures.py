@@ -41,9 +41,12 @@ def _binary(num_bytes: float) -> str:
     return f"{num_bytes:g} GiB"
 
 
+RASTER_DPI = 150  # for the parts of a figure drawn as an embedded image
+
+
 def _svg(fig) -> str:
     buffer = io.StringIO()
-    fig.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None})
+    fig.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None}, dpi=RASTER_DPI)
     plt.close(fig)
     text = buffer.getvalue()
     return text[text.index("<svg"):]  # drop the XML prolog and doctype: inline SVG does not take them
@@ -83,9 +86,16 @@ def _rank_height(ranks: int) -> float:
     return min(1.0 + 0.32 * ranks, 12)
 
 
+def _rank_axis(ax, labels: list[str]) -> None:
+    """Rows top to bottom in the order given, at most MAX_TICKS labelled (hundreds of ranks stay legible)."""
+    ax.set_ylim(len(labels) - 0.4, -0.6)
+    _index_ticks(ax.yaxis, labels)
+    ax.set_ylabel("rank")
+
+
 def step_breakdown_bars(breakdown: pl.DataFrame) -> str:
     """One step's device time per rank, stacked: compute, exposed communication, idle by cause."""
-    rows = breakdown.sort("rank", "device", descending=True)
+    rows = breakdown.sort("rank", "device")
     labels = [str(r) for r in rows["rank"].to_list()]
     if len(set(labels)) < len(labels):  # several devices per rank
         labels = [f"{r}/gpu{d}" for r, d in rows.select("rank", "device").iter_rows()]
@@ -94,32 +104,34 @@ def step_breakdown_bars(breakdown: pl.DataFrame) -> str:
     for column, label in (("compute_ns", "compute"), ("exposed_comm_ns", "exposed communication"),
                           ("host_bound_ns", "host-bound idle"), ("sync_ns", "sync idle"), ("other_ns", "other idle")):
         values = rows[column].fill_null(0).to_numpy() / 1e6
-        ax.barh(labels, values, left=left, label=label, color=ACTIVITY_COLORS[label], height=0.7)
+        ax.barh(range(rows.height), values, left=left, label=label, color=ACTIVITY_COLORS[label], height=0.7)
         left = values if left is None else left + values
+    _rank_axis(ax, labels)
     ax.set_xlabel("device time in the step (ms)")
-    ax.set_ylabel("rank")
     ax.legend(frameon=False, ncols=5, loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=8)
     return _svg(fig)
+
+
+# Above this many segments the timeline's bars are drawn as one embedded image, not one SVG
+# rectangle each (a 512-rank step would otherwise weigh tens of MB).
+MAX_VECTOR_SEGMENTS = 3000
 
 
 def step_gantt(timeline: pl.DataFrame) -> str:
     """Compute, exposed communication and idle segments per rank on one clock (ms from the first start)."""
     origin = timeline["start_ns"].min()
-    ranks = sorted(timeline["rank"].unique().to_list(), reverse=True)
+    ranks = sorted(timeline["rank"].unique().to_list())
+    row_of = {rank: y for y, rank in enumerate(ranks)}
+    raster = timeline.height > MAX_VECTOR_SEGMENTS
     fig, ax = plt.subplots(figsize=(9, _rank_height(len(ranks))))
     for activity in ("idle", "compute", "exposed communication"):
-        shown = timeline.filter(pl.col("activity") == activity)
-        for y, rank in enumerate(ranks):
-            lane = shown.filter(pl.col("rank") == rank)
-            if lane.is_empty():
-                continue
+        for (rank,), lane in timeline.filter(pl.col("activity") == activity).group_by("rank"):
             start = (lane["start_ns"].to_numpy() - origin) / 1e6
             width = (lane["end_ns"] - lane["start_ns"]).to_numpy() / 1e6
-            ax.broken_barh(list(zip(start, width)), (y - 0.35, 0.7), facecolors=ACTIVITY_COLORS[activity], linewidth=0)
-    ax.set_yticks(range(len(ranks)), [str(r) for r in ranks])
-    ax.set_ylim(-0.6, len(ranks) - 0.4)
+            ax.broken_barh(list(zip(start, width)), (row_of[rank] - 0.35, 0.7), facecolors=ACTIVITY_COLORS[activity],
+                           linewidth=0, rasterized=raster)
+    _rank_axis(ax, [str(r) for r in ranks])
     ax.set_xlabel("time since the first rank's first device work (ms, reference clock)")
-    ax.set_ylabel("rank")
     handles = [matplotlib.patches.Patch(color=ACTIVITY_COLORS[a], label=a) for a in ("compute", "exposed communication", "idle")]
     ax.legend(handles=handles, frameon=False, ncols=3, loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=8)
     return _svg(fig)
