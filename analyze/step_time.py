@@ -357,12 +357,12 @@ def slowest_step(table: pl.DataFrame) -> dict | None:
 def profiled_windows(table: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict | None:
     """Where the traced ProfilerStep windows sit in the run: each window's time (slowest rank), the
     same step's time from the run's step-time source, and the run's median step."""
-    if profiler_steps.is_empty():
+    source = table["source"][0] if table.height else None
+    if profiler_steps.is_empty() or source == "profiler_steps":  # then the step time is these windows already
         return None
     windows = _from_profiler(profiler_steps).select("step", profiler_dur_ns="step_time_ns", rank="slowest_rank")
     kept = table.filter(~pl.col("excluded"))
-    source = table["source"][0] if table.height else None
-    if source and source != "profiler_steps":
+    if source:
         windows = windows.join(table.select("step", "step_time_ns"), on="step", how="left")
     else:
         windows = windows.with_columns(step_time_ns=pl.lit(None, pl.Int64))

@@ -161,7 +161,7 @@ def _straggler_basis(stats: pl.DataFrame) -> pl.DataFrame:
                 f"same_rank_last: rank {counts[0]} was last in {counts[1]} of {steps} steps; with {ranks} ranks taking "
                 f"turns by chance, one-sided binomial p = {p_value:.2g} < {ALPHA}")))
     reasons.append(pl.when((pl.col("ranks") >= 3) & (pl.col("lead_ns") > OUTLIER_Z * pl.col("others_spread_ns"))).then(
-        pl.format("beyond_rank_spread: {} ns ahead of the next-latest rank, over {} x the other ranks' spread ({} ns)",
-                  pl.col("lead_ns").round().cast(pl.Int64), pl.lit(OUTLIER_Z), pl.col("others_spread_ns").round().cast(pl.Int64))))
+        pl.format("beyond_rank_spread: {} ms ahead of the next-latest rank, over {} x the other ranks' spread ({} ms)",
+                  (pl.col("lead_ns") / 1e6).round(3), pl.lit(OUTLIER_Z), (pl.col("others_spread_ns") / 1e6).round(3))))
     decided = pl.when(material).then(pl.coalesce(reasons))
     return stats.select("step", straggler_basis=decided.cast(pl.String))
