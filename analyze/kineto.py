@@ -213,7 +213,7 @@ class _Stream:
         """Bytes after the last gzip member: zero padding (from a preallocated file) or garbage."""
         first = pending + f.read(max(0, (1 << 20) - len(pending)))
         self.trailing_bytes = os.fstat(f.fileno()).st_size - f.tell() + len(first)
-        self.trailing_zeros = not first.strip(b"\0")
+        self.trailing_zeros = first.count(0) == len(first)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -510,7 +510,7 @@ class _ChunkReader:
                 parts.append(block)
             else:
                 self.trailer_dropped += len(block)
-                self.trailer_dropped_junk = self.trailer_dropped_junk or bool(block.strip(b"\0 \t\r\n"))
+                self.trailer_dropped_junk = self.trailer_dropped_junk or not _is_padding(block)
             size += len(block)
         self.trailer = b"".join(parts)
         self.buf = b""
@@ -552,9 +552,14 @@ class _ChunkReader:
         _report_trailing(text, self.trailer_dropped, self.trailer_dropped_junk, "the JSON document", issues)
 
 
+def _is_padding(data: bytes) -> bool:
+    """Only zeros and blanks (counting zeros first: much faster than strip on a long run of them)."""
+    return data.count(0) == len(data) or not data.strip(b"\0 \t\r\n")
+
+
 def _report_trailing(text: bytes, more_bytes: int, more_junk: bool, after: str, issues: list[Issue]) -> None:
     """Bytes after the end of the data (`text`, then `more_bytes` not kept): zero padding or garbage."""
-    junk = text.strip(b" \t\r\n\0")
+    junk = b"" if _is_padding(text) else text.strip(b" \t\r\n\0")
     size = len(text) + more_bytes
     if junk or more_junk:
         issues.append(Issue("warning", "trailing_garbage", size, f"bytes after the end of {after} ignored, e.g. {junk[:60]!r}"))
