@@ -78,7 +78,7 @@ def job_end_lines(f: dict, with_status: bool = False) -> list[str]:
     lines = []
     if with_status and end.get("status"):
         what = {"failed": "failed", "killed": "was killed", "incomplete": "did not finish"}[end["status"]]
-        lines.append(f"The job {what}" + (f": {end['errors'][0]}" if end.get("errors") else "") + ".")
+        lines.append(f"The job {what}" + (f": {end['errors'][0].rstrip('.')}" if end.get("errors") else "") + ".")
     if end.get("cause"):
         lines.append(f"It ended on {CAUSE_WORDS[end['cause']]}.")
     if end.get("first_stalled_rank") is not None:

@@ -59,3 +59,20 @@ def test_logs_only_killed_job(ds_killed_run, tmp_path):
     assert end["status"] == "killed" and end["first_stalled_rank"] is None
     assert "the job was killed" in stdout
     assert not any("stopped making progress first" in line for line in lines)
+
+
+def test_nccl_watchdog_timeout_is_named_as_the_cause():
+    """run_status as the log importer leaves it for a job the launcher ended after a timeout; the error
+    line is PyTorch's own (ProcessGroupNCCL.cpp)."""
+    import polars as pl
+    from steplens.analyze import job_end
+
+    error = ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=BROADCAST, "
+             "NumelIn=131072000, NumelOut=131072000, Timeout(ms)=600000) ran for 600081 milliseconds before timing out.")
+    status = pl.DataFrame({"rank": [None], "source": ["launcher.log"], "run_index": [0], "status": ["failed"],
+                           "exit_code": [1], "error": [error], "detail": ["a rank exited with return code 1"]})
+    end = job_end.job_end(status, pl.DataFrame(), pl.DataFrame(), pl.DataFrame(), {}, None)
+    assert (end["status"], end["cause"], end["first_stalled_rank"]) == ("failed", "nccl_watchdog_timeout", None)
+    assert verdict.job_end_lines({"job_end": end}, with_status=True) == [
+        f"The job failed: {error}",  # one full stop, the error's own
+        "It ended on an NCCL watchdog timeout: a collective waited past its timeout for a rank that never joined it."]
