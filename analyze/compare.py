@@ -1,7 +1,7 @@
 """A/B comparison of two analysed runs: the verdict on the work done, and the metrics side by side.
 
-A step is only the same amount of work in both runs when micro batch, gradient accumulation and
-world size agree. When they do, the verdict is on step time (more is a regression). When any of
+A step is only the same amount of work in both runs when micro batch, gradient accumulation, world
+size and sequence length agree. When they do, the verdict is on step time (more is a regression). When any of
 them differs, the verdict is on throughput per optimizer step, samples per step / step time
 (samples/s), or tokens/s when both runs know their sequence length (less is a regression), and the
 result says so. The step times themselves come from the best source both runs have; the test is
@@ -21,7 +21,8 @@ import polars as pl
 from . import monitor, noise, step_time
 
 # Fields that change the work of one optimizer step (monitor.COMPARABILITY_FIELDS names).
-WORK_FIELDS = ("world_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+WORK_FIELDS = ("world_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+               "seq_len")
 
 
 @dataclass

@@ -167,7 +167,7 @@ def test_compare_judges_throughput_when_the_micro_batch_differs(ds_trial_runs, t
     assert f"Tokens/s: {verdict['verdict']}" in (tmp_path / "t" / "compare.md").read_text()
 
 
-def _collector_run(folder: Path, micro_batch: int, step_ms: list[float]) -> Path:
+def _collector_run(folder: Path, micro_batch: int, step_ms: list[float], seq_len: int = 64) -> Path:
     """A 2-rank collector run folder: the bundled sample's manifests with another micro batch, and
     optimizer steps of the given durations on both ranks."""
     import pyarrow as pa
@@ -179,7 +179,8 @@ def _collector_run(folder: Path, micro_batch: int, step_ms: list[float]) -> Path
     (folder / "collector" / "train_steps").mkdir(parents=True)
     for rank in (0, 1):
         manifest = json.loads((sample / f"rank{rank}.json").read_text())
-        manifest["run"].update(micro_batch=micro_batch, train_batch_size=2 * micro_batch)
+        manifest["run"].update(micro_batch=micro_batch, train_batch_size=2 * micro_batch, seq_len=seq_len)
+        manifest["run"]["settings"]["seq_len"] = seq_len
         manifest["run"]["ds_config"]["train_micro_batch_size_per_gpu"] = micro_batch
         manifest["run"]["settings"].update(profile=None, flops_step=None)  # no instrumented steps
         (folder / "collector" / "manifest" / f"rank{rank}.json").write_text(json.dumps(manifest))
@@ -217,6 +218,19 @@ def test_a_bigger_batch_with_longer_steps_is_not_a_regression(tmp_path):
     assert worse.exit_code == EXIT_REGRESSION and "tokens/s: regression" in worse.stdout
     assert runner.invoke(steplens, ["compare", str(large), str(small), "--out", str(tmp_path / "c"),
                                     "--fail-on-regression", "80"]).exit_code == 0  # -75% is within an 80% allowance
+
+
+def test_a_longer_sequence_is_judged_on_tokens(tmp_path):
+    """Same batch, sequence 64 -> 128, steps 100..107 ms -> 150..157 ms: 1.5x the step time for 2x
+    the tokens is an improvement in tokens/s, not a step-time regression."""
+    short = _collector_run(tmp_path / "s64", 8, [100 + i for i in range(8)])
+    long = _collector_run(tmp_path / "s128", 8, [150 + i for i in range(8)], seq_len=128)
+    result = CliRunner().invoke(steplens, ["compare", str(short), str(long), "--out", str(tmp_path / "c"), "--format", "json",
+                                           "--fail-on-regression", "5"])
+    assert result.exit_code == 0, result.output
+    verdict = json.loads(result.stdout)["verdict"]
+    assert verdict["metric"] == "tokens/s" and verdict["verdict"] == "improvement" and "seq_len" in verdict["why_metric"]
+    assert verdict["new_median"] == pytest.approx((16 * 128 / 0.153 + 16 * 128 / 0.154) / 2)
 
 
 def test_compare_judges_step_time_when_the_work_is_the_same(ds_trial_runs, tmp_path):
