@@ -433,3 +433,28 @@ def test_logs_only_report_says_once_that_traces_are_missing(tmp_path, corpus):
     iterations = sum(line.count("elapsed time per iteration") for t in run.glob("*.log") for line in t.open())
     step_time = pl.read_parquet(run / ".steplens" / "step_time")
     assert step_time.height == iterations  # every logged iteration is a point of the curve
+
+
+def test_timeline_of_many_ranks_stays_small():
+    """512 ranks x 30 segments: one embedded image instead of 15,360 SVG rectangles."""
+    from steplens.reports import figures
+
+    def timeline(ranks: int) -> pl.DataFrame:
+        rows = [(rank, 1, ("compute", "idle", "exposed communication")[i % 3], i * 1000, i * 1000 + 900)
+                for rank in range(ranks) for i in range(30)]
+        return pl.DataFrame(rows, schema=["rank", "step", "activity", "start_ns", "end_ns"], orient="row")
+
+    small, large = figures.step_gantt(timeline(8)), figures.step_gantt(timeline(512))
+    assert "<image" not in small and small.count("<path") >= 8 * 30
+    assert "<image" in large and len(large) < 1_000_000
+    assert large.count("<text") < 60  # at most 24 rank labels, not 512
+
+
+def test_no_library_warnings_on_a_real_8_rank_trace(tmp_path):
+    if not DLRM.is_dir():
+        pytest.skip(f"shared corpus not found at {CORPUS}")
+    run = tmp_path / "dlrm"
+    shutil.copytree(DLRM, run)
+    result = _piped("analyze", str(run))
+    assert result.returncode == 0 and result.stderr == ""  # no matplotlib "No artists with labels", no polars warnings
+    assert not [line for line in _fits_80(result.stdout) if not line.startswith(("report: ", "PR summary: "))]
