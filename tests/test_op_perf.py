@@ -276,3 +276,59 @@ def test_module_mfu_joins_the_collectors_flops_profile(tmp_path):
     # Two Linear instances in the trace but one in the profile: the class is not matched
     short = profile.filter(pl.col("path") != "first")
     assert "Linear" not in module_perf.module_mfu(modules, short, {}, roof, "bf16")["module_class"].to_list()
+
+
+# ---------------------------------------------------------------------------------------------
+# A real 2-rank DeepSpeed job (CPU, gloo) with the collector's FLOPs profile and a profiler window with
+# Python stacks (nn.Module events need with_stack: with_modules alone records none in eager mode).
+
+
+@pytest.fixture(scope="module")
+def stack_profiled_run(tmp_path_factory):
+    from conftest import _realrun  # noqa: F401  (skips without torch/deepspeed)
+
+    pytest.importorskip("deepspeed")
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent / "realrun"))
+    from launch import run_tiny_gpt
+
+    out_dir = tmp_path_factory.mktemp("realrun") / "stack"
+    out_dir.mkdir(parents=True)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 100,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 2},
+              "steplens": {"run_dir": str(out_dir), "flush_every": 4, "seq_len": 64, "flops_step": 2,
+                           "profile": {"skip_first": 3, "wait": 1, "warmup": 1, "active": 1, "repeat": 1},
+                           "profile_with_stack": True}}
+    (out_dir / "config.json").write_text(json.dumps(config))
+    run_tiny_gpt(out_dir, "--steps", "8", "--deepspeed_config", str(out_dir / "config.json"))
+    ingest(out_dir, out_dir / ".steplens", jobs=1, finish=analyses.run)
+    return out_dir
+
+
+def test_real_collector_run_joins_its_flops_profile_to_the_traced_modules(stack_profiled_run):
+    out = stack_profiled_run / ".steplens"
+    joined = pl.read_parquet(out / "module_mfu")
+    profile = pl.read_parquet(stack_profiled_run / "collector" / "flops_profile").filter(pl.col("rank") == 0)
+    params = dict(profile.select("path", "params").iter_rows())
+    # Every Linear the trace shows is matched, and to a profile module of its own shape: the weight and
+    # bias of the aten::linear inside it (read from the raw trace) hold exactly the profile's parameters.
+    linears = joined.filter(pl.col("module_class") == "Linear")
+    assert linears.height == 2 * profile.filter(pl.col("module_class") == "Linear").height  # one window step, 2 ranks
+    weights = {}
+    for trace in sorted((stack_profiled_run / "traces").glob("rank0.*.json.gz")):
+        events = [e for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"] if e.get("ph") == "X"]
+        modules = [e for e in events if str(e.get("name", "")).startswith("nn.Module: Linear_")]
+        for op in (e for e in events if e.get("name") == "aten::linear"):
+            owner = min((m for m in modules if m["tid"] == op["tid"] and m["ts"] <= op["ts"] <= m["ts"] + m["dur"]),
+                        key=lambda m: m["dur"], default=None)
+            if owner:
+                dims = op["args"]["Input Dims"]
+                weights[owner["name"].removeprefix("nn.Module: ")] = dims[1][0] * dims[1][1] + (dims[2][0] if dims[2] else 0)
+    rank0 = linears.filter(pl.col("rank") == 0)
+    assert rank0.height > 0
+    for module, path in rank0.select("module", "profile_path").unique().iter_rows():
+        assert weights[module.rsplit("/", 1)[-1]] == params[path], (module, path)
+    # forward FLOPs = the profile's forward FLOPs of the module x its calls in the step
+    totals = dict(profile.select("path", "flops_total").iter_rows())
+    assert all(f == totals[p] * c for p, c, f in joined.select("profile_path", "calls", "forward_flops").iter_rows())
