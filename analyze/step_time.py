@@ -92,6 +92,7 @@ def _is_collector(source: pl.Expr) -> pl.Expr:
 
 def _from_micro_steps(micro: pl.DataFrame) -> pl.DataFrame:
     """Per optimizer step: slowest rank's sum of micro steps; incomplete when a rank or the boundary is missing."""
+    micro = micro.filter(pl.col("step").is_not_null() & pl.col("rank").is_not_null())
     per_rank = micro.group_by("rank", "step").agg(
         dur_ns=pl.col("dur_ns").sum(), micro_steps=pl.len(), negative=(pl.col("dur_ns") < 0).any(), start_ns=pl.col("start_ns").min(),
         end_ns=pl.col("end_ns").max(), boundary=pl.col("is_boundary").fill_null(False).any(),
@@ -121,7 +122,9 @@ def _from_timers(timers: pl.DataFrame) -> pl.DataFrame:
     fullest = (main.group_by("rank", "source").agg(lines=pl.col("line").n_unique())
                .sort("lines", "source", descending=[True, False]).group_by("rank").first())
     main = main.join(fullest.select("rank", "source"), on=["rank", "source"])
-    per_rank = main.group_by("rank", "step").agg(dur_ns=(pl.col("ms").sum() * 1e6).round().cast(pl.Int64))
+    # One global line per step and rank; a step printed twice (runs appended to one log) keeps its last line.
+    per_line = main.group_by("rank", "step", "line").agg(dur_ns=(pl.col("ms").sum() * 1e6).round().cast(pl.Int64))
+    per_rank = per_line.sort("line").group_by("rank", "step").agg(pl.col("dur_ns").last())
     return per_rank.group_by("step").agg(
         step_time_ns=pl.col("dur_ns").max(), slowest_rank=pl.col("rank").sort_by("dur_ns", "rank").last(),
         ranks=pl.col("rank").n_unique().cast(pl.Int64)).with_columns(incomplete=pl.col("ranks") < pl.col("ranks").max())
