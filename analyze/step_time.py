@@ -309,6 +309,8 @@ def step_time_summary(table: pl.DataFrame) -> dict:
         "p90_ns": nearest_rank(values, 0.9) if values else None, "max_ns": max(values) if values else None,
         "max_step": kept.sort("step_time_ns", "step", descending=[True, False])["step"][0] if values else None,
         "excluded_steps": excluded,
+        # Megatron logs one mean per logging interval: each value stands for several steps.
+        "interval_means": table["definition"][0] == DEFINITIONS["log_megatron"],
     }
     if not values:
         summary["note"] = "every step was excluded (see excluded_steps)"

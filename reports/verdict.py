@@ -92,8 +92,9 @@ def step_lines(f: dict) -> list[str]:
     summary = f.get("step_time") or {}
     if summary.get("steps"):
         line = (f"Step time: median {ms(summary['median_ns'])}, p90 {ms(summary['p90_ns'])}, max {ms(summary['max_ns'])} "
-                f"(step {summary['max_step']}) over {summary['steps']} of {summary['total_steps']} steps, from "
-                f"{SOURCE_WORDS.get(summary['source'], summary['source'])}")
+                f"(step {summary['max_step']}) over {summary['steps']} of {summary['total_steps']} "
+                + ("logged iterations, each the mean of its logging interval" if summary.get("interval_means") else "steps")
+                + f", from {SOURCE_WORDS.get(summary['source'], summary['source'])}")
         if excluded := summary.get("excluded_steps"):
             line += "; left out: " + "; ".join(
                 f"{EXCLUSION_WORDS.get(e['reason'], e['reason'])} {'step' if e['count'] == 1 else 'steps'} "

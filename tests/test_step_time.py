@@ -255,3 +255,24 @@ def test_logs_without_timers_take_step_time_from_the_throughput_lines(ds_steady_
     kept = sorted(ns for step, ns in times.items() if step not in warm)
     assert block["steps"] == len(kept) and abs(block["max_ns"] - kept[-1]) <= 1
     assert abs(block["median_ns"] - statistics.median(kept)) <= 1
+
+
+MEGATRON_LOG = "Megatron-DeepSpeed/random_ltd_gpt3_baseline/gpt3-0.125B-tokendropping-graduallyIncrease-lr-3.0e-4-baseline.log"
+MEGATRON_LINE = re.compile(r"^\s*iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
+
+
+def test_megatron_log_step_time_from_its_iteration_lines(corpus, tmp_path):
+    """A real Megatron-DeepSpeed log (8 GPUs, killed by SIGTERM): one mean iteration time per logging interval."""
+    (tmp_path / "run").mkdir()
+    shutil.copyfile(corpus / MEGATRON_LOG, tmp_path / "run" / "train.log")
+    times = {}
+    for line in (tmp_path / "run" / "train.log").read_text(errors="replace").splitlines():
+        if m := MEGATRON_LINE.match(line):  # iteration N: N iterations done, the 0-based step N - 1
+            times[int(m[1]) - 1] = int((Decimal(m[2]) * 1_000_000).to_integral_value())
+    findings, lines = analyse(tmp_path / "run", tmp_path / "out")
+    block = findings["step_time"]
+    warm = warm_up(times, set())
+    assert block["source"] == "log" and block["interval_means"] is True
+    assert {k: block[k] for k in ("steps", "total_steps", "median_ns", "p90_ns", "max_ns")} == expected_summary(times, warm)
+    assert any(line.startswith("Step time:") and "logged iterations, each the mean of its logging interval" in line
+               for line in lines)
