@@ -254,8 +254,8 @@ _BETWEEN_EVENTS = re.compile(rb"\}\s*,\s*\{")
 # or by the end of the events array.
 _EVENT_END = re.compile(rb"\}\s*(?:,\s*\{|\])")
 # A `]` that closes the events array: the enclosing object goes on or ends, or the file ends (the
-# 2020 format is a bare array).
-_ARRAY_END = re.compile(rb"\]\s*(?:\}|,\s*\"|$)")
+# 2020 format is a bare array); not one inside a damaged event, which more events follow.
+_ARRAY_END = re.compile(rb"\](?![\s}]*,\s*\{)\s*(?:\}|,\s*\"|$)")
 _SEPARATOR = re.compile(rb"\s*,?\s*")
 _ERROR_OFFSET = re.compile(r"\(byte (\d+)\)")
 # A syntax error this close to the end of the bytes read so far may just be an event that goes on.
@@ -274,6 +274,12 @@ def _last_event_end(buf: bytes, limit: int) -> int:
         if last is not None:
             return last.start()
     return buf.rfind(b"}", 0, limit)
+
+
+def _at_array_end(buf: bytes, pos: int) -> bool:
+    """Whether the `]` at pos closes traceEvents. After a damaged event decoding may resume inside it,
+    where a `]` can look like the end too; but no trace event (no "ph") follows the real end."""
+    return _ARRAY_END.match(buf, pos) is not None and buf.find(b'"ph"', pos, pos + CHUNK_BYTES) < 0
 
 
 def _error_offset(error: msgspec.DecodeError) -> int | None:
@@ -357,7 +363,7 @@ class _ChunkReader:
             skip = _SEPARATOR.match(self.buf).end()
             if skip:
                 self.buf = self.buf[skip:]
-            if _ARRAY_END.match(self.buf):  # empty array, or the end after the last chunk
+            if _at_array_end(self.buf, 0):  # empty array, or the end after the last chunk
                 self._finish(1)
                 return
             limit = len(self.buf) if self.eof else min(len(self.buf), want)
@@ -439,7 +445,7 @@ class _ChunkReader:
             pos = _SEPARATOR.match(buf, pos).end()
             if pos >= limit:
                 return events, pos, False
-            if _ARRAY_END.match(buf, pos):
+            if _at_array_end(buf, pos):
                 return events, pos + 1, True
             found = self._next_event(view, pos)
             if found is None:  # it goes on past the bytes read so far
@@ -452,6 +458,12 @@ class _ChunkReader:
     def _next_event(self, view: memoryview, pos: int) -> tuple[int, _Event | None] | None:
         """The event at `pos` and where it ends (event None when it was skipped as damaged), or None
         when it may go on past the bytes read so far."""
+        if view[pos] != 0x7B:  # not an event: junk between events (a stray comma, zeros) up to the next one
+            start = self.buf.find(b"{", pos)
+            if start < 0:
+                return None
+            self._skip("malformed_event", f"bytes between events: {bytes(view[pos:min(start, pos + 60)])!r}")
+            return start, None
         try:
             _RAW.decode(view[pos:])
             end = len(view)

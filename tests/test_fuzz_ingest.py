@@ -482,3 +482,37 @@ def test_memory_follows_the_chunk_size_not_the_content(tmp_path, traces):
         assert reason in reasons
         want = expected_events(t, set(range(kept, len(t.spans))) if kept is not None else set())
         assert int(events) == sum(want.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Resynchronisation: what a damaged stretch costs
+
+
+def _parse_text(tmp_path: Path, text: str) -> kineto.ParsedTrace:
+    path = tmp_path / "rank1.json"
+    path.write_text(text)
+    return kineto.parse_trace(path, path.name)
+
+
+def _kept(parsed: kineto.ParsedTrace) -> Counter:
+    return Counter(zip(parsed.events["name"].to_list(), parsed.events["ts_ns"].to_list()))
+
+
+@pytest.mark.parametrize("junk", [", ,", ",\x00\x00\x00,", ",]},"])
+def test_junk_between_events_costs_no_event(tmp_path, traces, junk):
+    t = traces["rank1"]
+    i = len(t.spans) // 2
+    parsed = _parse_text(tmp_path, t.text[:t.spans[i][1]] + junk + t.text[t.spans[i][1]:])
+    assert _kept(parsed) == expected_events(t)
+    assert [i.reason for i in parsed.issues] == ["malformed_event"]
+
+
+def test_damage_inside_nested_objects_does_not_end_the_array(tmp_path, traces):
+    """A NaN in an event whose args hold a list of objects: resynchronising inside that list must not
+    take its `]}}` for the end of traceEvents and drop every later event."""
+    t = traces["rank1"]
+    i = first(t, is_cpu_op, after=len(t.events) // 2)
+    text = add_arg(t, i, "objects", '[{"a": NaN}, {"b": 2}, {"c": [3]}]')
+    parsed = _parse_text(tmp_path, text)
+    assert not expected_events(t, {i}) - _kept(parsed)
+    assert "malformed_event" in {i.reason for i in parsed.issues} and "trailing_garbage" not in {i.reason for i in parsed.issues}
