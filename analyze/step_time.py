@@ -385,16 +385,19 @@ def overflow_finding(table: pl.DataFrame, scalars: pl.DataFrame | None = None) -
     if table.is_empty():
         return None
     skipped_steps = table.filter(pl.col("skipped").fill_null(False))["step"].to_list()
-    skipped = len(skipped_steps)
+    skipped, steps = len(skipped_steps), table.height
     scalars = scalars if scalars is not None else pl.DataFrame()
     if not skipped and not scalars.is_empty():
-        counts = scalars.filter((pl.col("origin") == "log") & (pl.col("name") == "skipped_steps"))["value"].drop_nulls()
-        skipped = int(counts.max()) if counts.len() else 0
+        # DeepSpeed's step=N, skipped=S line: S steps skipped of the N done so far (printed every steps_per_print).
+        counts = scalars.filter((pl.col("origin") == "log") & (pl.col("name") == "skipped_steps")
+                                & pl.col("step").is_not_null() & pl.col("value").is_not_null()).sort("step")
+        if counts.height:
+            skipped, steps = int(counts["value"].max()), int(counts["step"].max()) + 1
     if not skipped:
         return None
     scales = table.sort("step")["loss_scale"].drop_nulls()
-    share = skipped / table.height
-    return {"skipped_steps": skipped, "steps": table.height, "share": share, "steps_skipped": skipped_steps[:LISTED_STEPS],
+    share = skipped / steps
+    return {"skipped_steps": skipped, "steps": steps, "share": share, "steps_skipped": skipped_steps[:LISTED_STEPS],
             "frequent": skipped >= 2 and share >= OVERFLOW_FREQUENT_SHARE,
             "loss_scale_first": scales[0] if scales.len() else None, "loss_scale_min": scales.min() if scales.len() else None,
             "loss_scale_last": scales[-1] if scales.len() else None}

@@ -276,3 +276,17 @@ def test_megatron_log_step_time_from_its_iteration_lines(corpus, tmp_path):
     assert {k: block[k] for k in ("steps", "total_steps", "median_ns", "p90_ns", "max_ns")} == expected_summary(times, warm)
     assert any(line.startswith("Step time:") and "logged iterations, each the mean of its logging interval" in line
                for line in lines)
+
+
+def test_fp16_overflow_skips_from_a_deepspeed_chat_log(corpus, tmp_path):
+    """DeepSpeed's `step=N, skipped=S` lines: S of N steps skipped, against the last such line."""
+    name = "DeepSpeedExamples/deepspeed_chat_step1_sft/opt-1.3b-globalBatchSize128.log"
+    (tmp_path / "run").mkdir()
+    shutil.copyfile(corpus / name, tmp_path / "run" / "train.log")
+    last = re.findall(r"\] step=(\d+), skipped=(\d+),", (tmp_path / "run" / "train.log").read_text(errors="replace"))[-1]
+    done, skipped = int(last[0]), int(last[1])
+    findings, lines = analyse(tmp_path / "run", tmp_path / "out")
+    overflow = findings["fp16_overflow"]
+    assert (overflow["skipped_steps"], overflow["steps"]) == (skipped, done)
+    assert overflow["frequent"] is (skipped / done >= 0.05)
+    assert any(line.startswith("fp16 overflow") for line in lines) is overflow["frequent"]
