@@ -107,7 +107,7 @@ def _analyse_rank(out_dir: Path, rank: int, world_size: int, options: Options, r
         cpu_comm_ops=cpu.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()
                                 | pl.col("name").str.starts_with("c10d::")).height,
         op_totals=op_perf.op_totals(perf),
-        modules=module_perf.module_perf(modules, ops, perf, launched),
+        modules=module_perf.module_perf(modules, ops, perf, launched, module_perf.backward_points(links, linked, launched)),
     )
 
 

@@ -428,6 +428,7 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "device_ns": "Device work launched inside the module's forward (submodules included).",
         "flops": "FLOPs of the modeled ops inside it (op_perf, outer ops only); null when none has a model.",
         "achieved_tflops": "flops / device_ns, TFLOP/s (forward only).",
+        "backward_device_ns": "Device work under the backward nodes (fwdbwd flows) of the forward ops inside the module.",
     },
     "module_mfu": {
         "rank": "Rank.", "step": "ProfilerStep.", "module": "Module path in the trace (module_perf).",
@@ -436,6 +437,8 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "device_ns": "Forward device time (module_perf).", "achieved_tflops": "forward_flops / device_ns, TFLOP/s.",
         "peak_tflops": "Dense peak of the run's dtype (--dtype).", "mfu": "achieved_tflops / peak_tflops; null when flagged or no peak.",
         "definition": "What is divided by what.", "flag": "Why the number is not trusted (ZeRO-3 double counting), else null.",
+        "backward_device_ns": "Backward device time (module_perf).", "training_flops": "3 x forward_flops (backward = 2 x forward).",
+        "training_mfu": "training_flops / (device_ns + backward_device_ns) / peak; null without backward time, when flagged or no peak.",
     },
     "mfu": {
         "step": "Step.", "rank": "Rank (null: the whole job).", "metric": "MFU (model FLOPs) or HFU (executed FLOPs).",

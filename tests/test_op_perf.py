@@ -223,7 +223,8 @@ def _x(name, cat, ts, dur, pid=1, tid=1, **args):
 
 def _module_trace(path: Path) -> Path:
     """Model_0 { Linear_0 (mm 64x128x32 -> kernel 10 us), Block_0 { Linear_1 (mm -> 30 us) }, Linear_0 again (mm -> 6 us) };
-    a kernel launched outside every module (4 us) belongs to none."""
+    a kernel launched outside every module (4 us) belongs to none. On the autograd thread, MmBackward0
+    (linked by a fwdbwd flow to Linear_1's mm) launches a 20 us kernel."""
     mm = {"Input Dims": [[64, 128], [128, 32]], "Input type": [BF16, BF16], "Concrete Inputs": ["", ""]}
     events = [_x("ProfilerStep#3", "user_annotation", 0, 1000),
               _x("nn.Module: Model_0", "python_function", 10, 500),
@@ -236,6 +237,11 @@ def _module_trace(path: Path) -> Path:
         events.append(_x("aten::mm", "cpu_op", at, 8, **{"External id": corr, **mm}))
         events.append(_x("cudaLaunchKernel", "cuda_runtime", at + 1, 2, **{"External id": corr, "correlation": corr}))
         events.append(_x("gemm_kernel", "kernel", 800 + corr * 50, kernel_us, pid=0, tid=7, device=0, stream=7, correlation=corr))
+    events += [_x("MmBackward0", "cpu_op", 900, 50, tid=2, **{"External id": 9}),
+               _x("cudaLaunchKernel", "cuda_runtime", 905, 2, tid=2, **{"External id": 9, "correlation": 5}),
+               _x("gemm_kernel", "kernel", 1100, 20, pid=0, tid=7, device=0, stream=7, correlation=5),
+               {"ph": "s", "id": 77, "pid": 1, "tid": 1, "ts": 120, "cat": "fwdbwd", "name": "fwdbwd"},
+               {"ph": "f", "id": 77, "pid": 1, "tid": 2, "ts": 900, "cat": "fwdbwd", "name": "fwdbwd", "bp": "e"}]
     return write_trace(path, events, deviceProperties=[{"name": "NVIDIA H100 80GB HBM3", "numSms": 132}])
 
 
@@ -243,8 +249,10 @@ def test_module_time_and_flops_from_a_hand_built_trace(tmp_path):
     trace = _module_trace(tmp_path / "run" / "rank0.pt.trace.json")
     out = tmp_path / "out"
     ingest(trace.parent, out, jobs=1, finish=analyses.run)
-    modules = {m: row for m, *row in pl.read_parquet(out / "module_perf").select(
-        "module", "calls", "device_ns", "flops", "achieved_tflops").iter_rows()}
+    table = pl.read_parquet(out / "module_perf")
+    modules = {m: row for m, *row in table.select("module", "calls", "device_ns", "flops", "achieved_tflops").iter_rows()}
+    backward = dict(table.select("module", "backward_device_ns").iter_rows())
+    assert backward == {"Model_0": 20_000, "Model_0/Block_0": 20_000, "Model_0/Block_0/Linear_1": 20_000, "Model_0/Linear_0": 0}
     mm_flops = 2 * 64 * 32 * 128
     assert modules["Model_0"] == [1, 46_000, 3 * mm_flops, pytest.approx(3 * mm_flops / 46_000 / 1e3)]
     assert modules["Model_0/Linear_0"][:3] == [2, 16_000, 2 * mm_flops]  # two calls in the step
@@ -261,7 +269,8 @@ def test_module_mfu_joins_the_collectors_flops_profile(tmp_path):
     from steplens.analyze import module_perf
     modules = pl.DataFrame({"rank": [0, 0, 0], "step": [3, 3, 3], "module": ["Model_0", "Model_0/Linear_0", "Model_0/Block_0/Linear_1"],
                             "module_class": ["Model", "Linear", "Linear"], "depth": [0, 1, 2], "calls": [1, 2, 1],
-                            "device_ns": [46_000, 16_000, 30_000], "flops": [None, None, None], "achieved_tflops": [None] * 3})
+                            "device_ns": [46_000, 16_000, 30_000], "flops": [None, None, None], "achieved_tflops": [None] * 3,
+                            "backward_device_ns": [90_000, 32_000, 0]})
     profile = pl.DataFrame({"rank": [0] * 5, "source": ["c"] * 5, "path": ["", "first", "blocks", "blocks.0", "blocks.0.proj"],
                             "module_class": ["Model", "Linear", "ModuleList", "Block", "Linear"],
                             "flops_total": [3_000_000, 1_000_000, 0, 2_000_000, 2_000_000], "exact": [True] * 5})
@@ -270,7 +279,11 @@ def test_module_mfu_joins_the_collectors_flops_profile(tmp_path):
     # sorted by module: Model_0, Model_0/Block_0/Linear_1 (the second Linear), Model_0/Linear_0 (the first)
     assert table["profile_path"].to_list() == ["", "blocks.0.proj", "first"]
     # Linear_0 called twice: 2 x 1e6 FLOPs over 16 us
-    assert table.filter(pl.col("module") == "Model_0/Linear_0")["mfu"][0] == pytest.approx(2e6 / 16e-6 / 989.5e12)
+    linear0 = table.filter(pl.col("module") == "Model_0/Linear_0").row(0, named=True)
+    assert linear0["mfu"] == pytest.approx(2e6 / 16e-6 / 989.5e12)
+    # training: 3 x forward FLOPs (backward = 2 x forward) over forward + backward time (16 + 32 us)
+    assert linear0["training_flops"] == 6e6 and linear0["training_mfu"] == pytest.approx(6e6 / 48e-6 / 989.5e12)
+    assert table.filter(pl.col("module") == "Model_0/Block_0/Linear_1")["training_mfu"][0] is None  # no backward time
     zero3 = module_perf.module_mfu(modules, profile, {"collector_flags": {"flops_zero3_double_counting": "x"}}, roof, "bf16")
     assert zero3["mfu"].is_null().all() and zero3["flag"].str.contains("ZeRO-3").all()
     # Two Linear instances in the trace but one in the profile: the class is not matched
