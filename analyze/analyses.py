@@ -93,6 +93,9 @@ def _analyse_rank(out_dir: Path, rank: int, world_size: int, options: Options, r
     _write(out_dir, "op_perf", perf, part=f"part-{rank}")
     modules = _read(out_dir, "trace_events", module_perf.MODULE_COLUMNS,
                     this_rank & kind.is_in(CPU_KINDS) & pl.col("name").str.starts_with(module_perf.MODULE_PREFIX))
+    links = _read(out_dir, "flows", ["source", "src_event_id", "dst_event_id"], this_rank & (pl.col("flow_type") == "fwdbwd"))
+    linked = _read(out_dir, "trace_events", module_perf.LINKED_COLUMNS, this_rank & pl.col("event_id").is_in(
+        pl.concat([links["src_event_id"], links["dst_event_id"]]).unique().implode())) if not modules.is_empty() else pl.DataFrame()
     gaps = launch.idle_gaps(launched, runtime)
     return _RankResults(
         calls=comms.with_call_sites(comms.collectives(work, world_size), runtime, threads),
