@@ -62,6 +62,7 @@ class Settings:
     flops_step: int | None = None  # optimizer step whose first forward is FLOPs-profiled (rank 0)
     profile: dict | None = None  # torch.profiler schedule: skip_first, wait, warmup, active, repeat (>= 1)
     profile_with_stack: bool = False
+    profile_with_modules: bool = False  # module hierarchy in the profiler window (with_modules)
     comms: bool = True  # one record per deepspeed.comm call
     comms_synchronize: bool = True  # wait for async / device-queued ops so the latency covers the transfer
     scalars_all_ranks: bool = False  # scalars from every rank, not only rank 0
@@ -202,6 +203,7 @@ class Collector:
         traces.mkdir(parents=True, exist_ok=True)
         self.profiler = tp.profile(
             activities=activities, record_shapes=True, with_stack=self.settings.profile_with_stack,
+            with_modules=self.settings.profile_with_modules,
             schedule=tp.schedule(**schedule),
             # Standard gzipped Kineto JSON: rank<r>.<ns>.pt.trace.json.gz, read by analyze and Perfetto.
             on_trace_ready=tp.tensorboard_trace_handler(str(traces), worker_name=f"rank{self.rank}", use_gzip=True),

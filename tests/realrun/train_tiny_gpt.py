@@ -28,44 +28,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-VOCAB = 512
+VOCAB = 512  # defaults of the CPU tests; the GPU check (tests/gpu) makes it bigger
 D_MODEL = 128
 HEADS = 4
 LAYERS = 2
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, d_model: int, heads: int):
         super().__init__()
-        self.ln1 = nn.LayerNorm(D_MODEL)
-        self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL)
-        self.proj = nn.Linear(D_MODEL, D_MODEL)
-        self.ln2 = nn.LayerNorm(D_MODEL)
-        self.mlp = nn.Sequential(nn.Linear(D_MODEL, 4 * D_MODEL), nn.GELU(), nn.Linear(4 * D_MODEL, D_MODEL))
+        self.d_model, self.heads = d_model, heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
     def forward(self, x):
         batch, seq, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(batch, seq, 3, HEADS, D_MODEL // HEADS).unbind(2)
+        q, k, v = self.qkv(self.ln1(x)).view(batch, seq, 3, self.heads, self.d_model // self.heads).unbind(2)
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, D_MODEL))
+        x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, self.d_model))
         return x + self.mlp(self.ln2(x))
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, seq_len: int):
+    def __init__(self, seq_len: int, vocab: int = VOCAB, d_model: int = D_MODEL, heads: int = HEADS, layers: int = LAYERS):
         super().__init__()
-        self.tok = nn.Embedding(VOCAB, D_MODEL)
-        self.pos = nn.Embedding(seq_len, D_MODEL)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(D_MODEL)
-        self.head = nn.Linear(D_MODEL, VOCAB)
+        self.vocab = vocab
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
 
     def forward(self, tokens):
         x = self.tok(tokens[:, :-1]) + self.pos.weight[: tokens.shape[1] - 1]
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, self.vocab).float(), tokens[:, 1:].reshape(-1))
 
 
 def parse_args() -> argparse.Namespace:
@@ -78,6 +80,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro_batch", type=int, default=4, help="train_micro_batch_size_per_gpu.")
     p.add_argument("--seq_len", type=int, default=64, help="Tokens per sample.")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision.")
+    p.add_argument("--model", default=f"{VOCAB},{D_MODEL},{HEADS},{LAYERS}", metavar="VOCAB,D_MODEL,HEADS,LAYERS",
+                   help="Model size.")
+    p.add_argument("--dist_backend", default="gloo", help="gloo (CPU) or nccl (GPU).")
     p.add_argument("--deepspeed_config", help="Use this ds_config (a .json file, or base64 JSON as the autotuner passes it) instead of building one; "
                         "the switches below are then ignored.")
 
@@ -102,6 +107,8 @@ def parse_args() -> argparse.Namespace:
     collector.add_argument("--profile_window", default="1,1,1,1", metavar="WAIT,WARMUP,ACTIVE,REPEAT",
                            help="torch.profiler schedule of the collector ('off': none).")
     collector.add_argument("--profile_skip_first", type=int, default=2, help="Steps before the first profiler window.")
+    collector.add_argument("--profile_modules", action="store_true",
+                           help="Profiler window with module hierarchy (with_modules) as well as shapes.")
     collector.add_argument("--scalars_all_ranks", action="store_true", help="Collector scalars on every rank, not only rank 0.")
     collector.add_argument("--collector_run_dir", default=None, help="Collector run_dir, when not --out_dir.")
     collector.add_argument("--alarms", default=None, metavar="JSON",
@@ -167,7 +174,7 @@ def ds_config(args: argparse.Namespace, out_dir: Path) -> dict:
                        "repeat": repeat}
         config["steplens"] = {"run_dir": args.collector_run_dir or str(out_dir), "flush_every": args.flush_every, "seq_len": args.seq_len,
                               "flops_step": None if args.flops_step < 0 else args.flops_step, "profile": profile,
-                              "scalars_all_ranks": args.scalars_all_ranks}
+                              "scalars_all_ranks": args.scalars_all_ranks, "profile_with_modules": args.profile_modules}
         if args.alarms is not None:
             config["steplens"]["alarms"] = json.loads(args.alarms)
         if args.pushgateway:
@@ -185,10 +192,11 @@ def load_config(value: str) -> dict:
 def main() -> None:
     args = parse_args()
     out_dir = Path(args.out_dir).resolve()
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=args.dist_backend)
     rank = deepspeed.comm.get_rank()
     torch.manual_seed(0)
-    model = TinyGPT(args.seq_len + 1)
+    vocab, d_model, heads, layers = (int(x) for x in args.model.split(","))
+    model = TinyGPT(args.seq_len + 1, vocab, d_model, heads, layers)
     if args.deepspeed_config:
         config = load_config(args.deepspeed_config)
     else:
@@ -225,7 +233,7 @@ def main() -> None:
                 collector = None
         start = time.time_ns()
         for _ in range(args.gas):
-            tokens = torch.randint(0, VOCAB, (args.micro_batch, args.seq_len + 1), generator=generator)
+            tokens = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=generator).to(engine.device)
             if args.slow_rank == rank:
                 time.sleep(args.slow_ms / 1e3)
             loss = engine(tokens)

@@ -1,0 +1,212 @@
+"""The prepared check on a real GPU (issue 18): the CUDA paths of the collector and `analyze` on one job.
+
+A single-GPU DeepSpeed job (tests/realrun/train_tiny_gpt.py: a small GPT, bf16, ZeRO-2, 30 steps, one bounded
+profiler window with shapes and modules, the collector's FLOPs step, DeepSpeed's comms logger, the collector
+with its default alarms), then the same job with the collector attached and closed in blocks (its overhead).
+The device machine runs only the jobs; `analyze` and the checks run here:
+
+    python tests/gpu/gpu_check.py prepare          # here, once: wheels the device image lacks -> .whl/
+    run(command="bash tests/gpu/device.sh", carry=[".whl"], timeout_s=540)    # the device tool
+    python tests/gpu/gpu_check.py check DIR        # here: DIR = the run's files_at; prints a JSON verdict
+    python tests/gpu/gpu_check.py --dry-run        # no GPU: the same jobs on CPU (small, fp32) and every
+                                                   # check that does not need CUDA
+
+Checks: CUDA kernels linked to their launches, GEMM and attention kernel families, MFU against the matched
+device peak (0 < MFU < 100%), per-op roofline rows (when this analyze has the op_perf table), the devices in
+the collector's manifest, the collector completed with its alarms on, and the collector's overhead (median
+over neighbouring blocks of on / off step time; target <= 1.02).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "tests" / "realrun" / "train_tiny_gpt.py"
+WHEELS = REPO / ".whl"
+DEEPSPEED = "0.19.8"
+# The device image (KINDS.md) has torch, pyarrow, numpy, psutil, ninja, py-cpuinfo, einops, msgpack, tqdm,
+# nvidia-ml-py and prometheus-client, but not these (deepspeed itself is a source package: built here).
+DEVICE_WHEELS = ("hjson", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "polars",
+                 "polars-runtime-32")
+BLOCK = 10  # overhead run: collector on for BLOCK steps, off for BLOCK steps, ...
+
+GPU_JOB = ("--zero_stage", "2", "--bf16", "--steps", "30", "--model", "32768,1024,16,8", "--seq_len", "1024",
+           "--micro_batch", "8", "--dist_backend", "nccl", "--flush_every", "10", "--flops_step", "5",
+           "--profile_skip_first", "12", "--profile_window", "1,1,1,1", "--profile_modules",
+           "--comms_logger", "summary", "--log_level", "info")
+GPU_OVERHEAD = ("--zero_stage", "2", "--bf16", "--steps", str(8 * BLOCK), "--model", "32768,1024,16,8",
+                "--seq_len", "1024", "--micro_batch", "8", "--dist_backend", "nccl", "--flush_every", "10",
+                "--flops_step", "-1", "--profile_window", "off", "--collector_ab", str(BLOCK))
+# The dry run: the same switches on CPU, small and short.
+CPU_JOB = ("--zero_stage", "2", "--steps", "6", "--flush_every", "3", "--flops_step", "2", "--profile_skip_first",
+           "2", "--profile_window", "1,1,1,1", "--profile_modules", "--comms_logger", "summary", "--log_level", "info")
+CPU_OVERHEAD = ("--zero_stage", "2", "--steps", "8", "--flush_every", "2", "--flops_step", "-1", "--profile_window",
+                "off", "--collector_ab", "2")
+
+
+def prepare() -> None:
+    """Wheels for the device's Python 3.12: the ones its image lacks, and a pure-Python DeepSpeed."""
+    WHEELS.mkdir(exist_ok=True)
+    exclude = REPO / ".git" / "info" / "exclude"  # the wheels travel with `carry`, never in a commit
+    if "/.whl/" not in exclude.read_text():
+        with open(exclude, "a") as f:
+            f.write("/.whl/\n")
+    platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28)] + ["--platform=manylinux2014_x86_64"]
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run([*pip, "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+                    "--implementation", "cp", *platforms, "-d", str(WHEELS), *DEVICE_WHEELS], check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([*pip, "download", "--no-deps", "--no-binary=:all:", "-d", tmp, f"deepspeed=={DEEPSPEED}"],
+                       check=True)
+        (sdist,) = Path(tmp).glob("deepspeed-*")
+        # No compiled ops: the job uses torch's own Adam ("torch_adam") and needs none.
+        subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(WHEELS), str(sdist)], check=True,
+                       env={**os.environ, "DS_BUILD_OPS": "0"})
+    print("\n".join(sorted(p.name for p in WHEELS.glob("*.whl"))))
+
+
+def run_job(out: Path, args: tuple[str, ...], gpu: bool) -> Path:
+    """One process (rank 0 of 1), started the way the launcher would; output in out/launcher.log."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(29500 + os.getpid() % 1000), "PYTHONPATH": os.pathsep.join(
+               p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)}
+    if not gpu:
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    with open(out / "launcher.log", "wb") as log:
+        done = subprocess.run([sys.executable, str(TRAIN), "--out_dir", str(out), *args], stdout=log,
+                              stderr=subprocess.STDOUT, env=env, cwd=out)
+    if done.returncode != 0:
+        raise SystemExit(f"job failed ({done.returncode}):\n{(out / 'launcher.log').read_text()[-3000:]}")
+    return out
+
+
+def overhead(run: Path, block: int) -> dict:
+    """Median over neighbouring block pairs of (collector on) / (off) median step time; the first pair left out
+    (warm-up). As tests/benchmarks/bench_collector.py computes it."""
+    steps = json.loads((run / "script" / "rank0.json").read_text())["steps"]
+    blocks: dict[int, dict] = {}
+    for step in steps:
+        entry = blocks.setdefault(step["step"] // block, {"on": step["collector_on"], "ms": []})
+        entry["ms"].append((step["end_ns"] - step["start_ns"]) / 1e6)
+    medians = [(b["on"], statistics.median(b["ms"])) for _, b in sorted(blocks.items())][1:]
+    ratios = [(a if on_first else b) / (b if on_first else a)
+              for (on_first, a), (_, b) in zip(medians[::2], medians[1::2])]
+    return {"ratio": statistics.median(ratios) if ratios else None, "pairs": len(ratios),
+            "median_on_ms": statistics.median(m for on, m in medians if on),
+            "median_off_ms": statistics.median(m for on, m in medians if not on)}
+
+
+def pack(run: Path, out: Path, part_bytes: int = 15 * 2**20) -> None:
+    """As device.sh does: job/ and overhead/script/ in one gzipped tar, split into parts of at most 15 MiB."""
+    out.mkdir(parents=True)
+    archive = out.parent / "gpu_run.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(run / "job", "gpu_run/job")
+        tar.add(run / "overhead" / "script", "gpu_run/overhead/script")
+    data = archive.read_bytes()
+    for index, start in enumerate(range(0, len(data), part_bytes)):
+        (out / f"gpu_run.tgz.part-a{chr(ord('a') + index)}").write_bytes(data[start:start + part_bytes])
+
+
+def unpack(folder: Path) -> Path:
+    """The parts under `folder` (read-only, as fetched) joined and extracted into a new folder: its gpu_run/."""
+    parts = sorted(folder.rglob("gpu_run.tgz.part-*"))
+    if not parts:
+        raise SystemExit(f"no gpu_run.tgz.part-* under {folder}")
+    root = Path(tempfile.mkdtemp(prefix="steplens_gpu_run_"))
+    with open(root / "gpu_run.tgz", "wb") as archive:
+        for part in parts:
+            archive.write(part.read_bytes())
+    with tarfile.open(root / "gpu_run.tgz") as tar:
+        tar.extractall(root, filter="data")
+    return root / "gpu_run"
+
+
+def check(root: Path, gpu: bool) -> dict:
+    """analyze the job folder and the checks; each is ok, failed (with why) or skipped (with why)."""
+    import polars as pl
+    from steplens.analyze import analyses, ingest, schema
+
+    job, results = root / "job", {}
+    result = ingest.ingest(job, jobs=1)
+    findings = analyses.run(result.out_dir, analyses.Options(dtype="bf16" if gpu else "fp32"))
+    table = lambda name: pl.read_parquet(result.out_dir / name)  # noqa: E731
+
+    def verdict(name: str, ok: bool, detail, needs_gpu: bool = False) -> None:
+        results[name] = {"status": "skipped" if needs_gpu and not gpu else ("ok" if ok else "failed"), "detail": detail}
+
+    events = table("trace_events")
+    kernels = events.filter(pl.col("kind") == "kernel")
+    linked = kernels["launch_event_id"].is_not_null().mean() if kernels.height else 0.0
+    verdict("kernels_linked", kernels.height > 0 and linked >= 0.99,
+            f"{kernels.height} kernels, {linked:.1%} linked to a launch", needs_gpu=True)
+    families = set(table("kernel_categories")["category"].drop_nulls())
+    verdict("gemm_and_attention", {"gemm", "attention"} <= families, sorted(families), needs_gpu=True)
+    mfu = table("mfu").filter(pl.col("utilization").is_not_null())
+    peaks = sorted(set(mfu["peak"].drop_nulls())) if mfu.height else []
+    verdict("mfu_below_peak", mfu.height > 0 and bool(((mfu["utilization"] > 0) & (mfu["utilization"] < 1)).all())
+            and any("H200" in p or "h200" in p for p in peaks), {"rows": mfu.height, "peaks": peaks,
+            "utilization": mfu["utilization"].to_list()[:6]}, needs_gpu=True)
+    roofline = [name for name, columns in schema.ANALYSIS_TABLES.items() if {"bound", "fraction_of_peak"} <= set(columns)]
+    if roofline:
+        rows = table(roofline[0]).filter(pl.col("bound").is_not_null())
+        verdict("roofline_rows", rows.height > 0, f"{rows.height} rows in {roofline[0]}", needs_gpu=True)
+    else:
+        results["roofline_rows"] = {"status": "skipped", "detail": "this analyze has no per-op roofline table"}
+    manifest = json.loads((job / "collector" / "manifest" / "rank0.json").read_text())
+    devices = json.dumps(manifest.get("host", {}))
+    verdict("devices_in_manifest", "H200" in devices, manifest.get("host", {}).get("devices"), needs_gpu=True)
+    verdict("collector_completed", manifest["status"] == "completed" and not manifest["disabled"]
+            and manifest.get("alarms") is not None, {"status": manifest["status"], "disabled": manifest["disabled"],
+                                                     "alarms": manifest.get("alarms")})
+    verdict("profiler_window", (job / "traces").is_dir() and any((job / "traces").glob("rank0.*.pt.trace.json.gz"))
+            and events.height > 0, f"{events.height} events")
+    flops = table("flops_profile").filter(pl.col("source").str.starts_with("collector/"))
+    verdict("flops_profile", flops.height > 0 and bool(flops["exact"].all()), f"{flops.height} modules")
+    cost = overhead(root / "overhead", BLOCK if gpu else 2)
+    verdict("collector_overhead", cost["ratio"] is not None and (cost["ratio"] <= 1.02 or not gpu), cost)
+    results["findings_mfu"] = findings.get("mfu")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", choices=["prepare", "job", "check"], help="prepare | job | check")
+    parser.add_argument("folder", nargs="?", help="job: where to write the runs; check: the folder holding them")
+    parser.add_argument("--dry-run", action="store_true", help="No GPU: small CPU jobs, then the checks that apply.")
+    args = parser.parse_args()
+    if args.command == "prepare":
+        return prepare()
+    if args.command == "job":  # on the device machine
+        root = Path(args.folder)
+        run_job(root / "job", GPU_JOB, gpu=True)
+        run_job(root / "overhead", GPU_OVERHEAD, gpu=True)
+        return None
+    if args.command == "check":
+        results = check(unpack(Path(args.folder)), gpu=True)
+    elif args.dry_run:
+        root = Path(tempfile.mkdtemp(prefix="steplens_gpu_dry_run_"))
+        run_job(root / "gpu_run" / "job", CPU_JOB, gpu=False)
+        run_job(root / "gpu_run" / "overhead", CPU_OVERHEAD, gpu=False)
+        pack(root / "gpu_run", root / "out")  # and back, as a device run comes back
+        results = check(unpack(root / "out"), gpu=False)
+    else:
+        parser.error("a command, or --dry-run")
+    print(json.dumps(results, indent=1, default=str))
+    failed = [name for name, r in results.items() if isinstance(r, dict) and r.get("status") == "failed"]
+    if failed:
+        raise SystemExit(f"failed: {failed}")
+
+
+if __name__ == "__main__":
+    main()

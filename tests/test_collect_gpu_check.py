@@ -1,0 +1,26 @@
+"""The prepared GPU check (tests/gpu) runs its CPU part: the same job switches on CPU, packed and unpacked
+as a device run comes back, analysed, and every check that needs no CUDA passes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "gpu" / "gpu_check.py"
+
+
+def test_gpu_check_dry_run_passes_its_cpu_checks():
+    pytest.importorskip("deepspeed")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    results = json.loads(done.stdout[done.stdout.index("{"):])
+    ran = {name: r["status"] for name, r in results.items() if isinstance(r, dict) and "status" in r}
+    assert {name for name, status in ran.items() if status == "ok"} == {
+        "collector_completed", "profiler_window", "flops_profile", "collector_overhead"}
+    assert {name for name, status in ran.items() if status == "skipped"} >= {
+        "kernels_linked", "gemm_and_attention", "mfu_below_peak", "devices_in_manifest"}
+    assert results["collector_overhead"]["detail"]["pairs"] >= 1
