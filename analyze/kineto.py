@@ -377,9 +377,10 @@ class _ChunkReader:
             if consumed:
                 want = CHUNK_BYTES
             elif self.eof:
-                self.truncated = "JSON ends in the middle of traceEvents (file cut short)"
-                if self.buf.strip(b"\0 \t\r\n,") == b"":
-                    self.truncated += f", followed by {len(self.buf)} zero or blank bytes"
+                if not self.truncated:  # (_skip_oversized may have said why already)
+                    self.truncated = "JSON ends in the middle of traceEvents (file cut short)"
+                    if self.buf and _is_padding(self.buf.replace(b",", b"")):
+                        self.truncated += f", followed by {len(self.buf)} zero or blank bytes"
                 return
             elif want >= MAX_EVENT_BYTES:
                 self._skip_oversized()
@@ -402,7 +403,7 @@ class _ChunkReader:
         except msgspec.ValidationError:
             try:  # some element has an unexpected shape: the sound ones are kept
                 return self._decode_each(candidate), pos + 1, False
-            except RecursionError:
+            except (msgspec.DecodeError, RecursionError):  # and a later one is not JSON, or too deep
                 return self._decode_one_by_one([], 0, limit)
         except RecursionError:
             return self._decode_one_by_one([], 0, limit)
@@ -496,9 +497,11 @@ class _ChunkReader:
         return m.start() + 1, None
 
     def _skip_oversized(self) -> None:
-        """No whole event in MAX_EVENT_BYTES (an unterminated string, a runaway value): drop bytes up to
-        the next event boundary, holding at most MAX_EVENT_BYTES + CHUNK_BYTES."""
+        """No whole event in MAX_EVENT_BYTES (an unterminated string, a runaway value, zeros where the
+        file was cut): drop bytes up to the next event boundary, holding at most MAX_EVENT_BYTES +
+        CHUNK_BYTES."""
         example = f"{self.buf[:120]!r}"
+        dropped, padding = 0, True
         searched = 1
         while True:
             m = _EVENT_END.search(self.buf, searched)
@@ -506,10 +509,15 @@ class _ChunkReader:
                 self.buf = self.buf[m.start() + 1 :]
                 self._skip("oversized_event", example)
                 return
+            padding = padding and _is_padding(self.buf)
             if self.eof:
+                dropped += len(self.buf)
                 self.buf = b""
-                self.truncated = f"JSON ends inside an event larger than {MAX_EVENT_BYTES >> 20} MiB (file cut short?)"
+                self.truncated = (f"JSON ends in the middle of traceEvents (file cut short), followed by {dropped} zero "
+                                  "or blank bytes" if padding else f"JSON ends inside an event larger than "
+                                  f"{MAX_EVENT_BYTES >> 20} MiB (file cut short?)")
                 return
+            dropped += len(self.buf) - 64
             self.buf = self.buf[-64:]  # a boundary may straddle two blocks
             searched = 0
             self._fill(CHUNK_BYTES)

@@ -516,3 +516,29 @@ def test_damage_inside_nested_objects_does_not_end_the_array(tmp_path, traces):
     parsed = _parse_text(tmp_path, text)
     assert not expected_events(t, {i}) - _kept(parsed)
     assert "malformed_event" in {i.reason for i in parsed.issues} and "trailing_garbage" not in {i.reason for i in parsed.issues}
+
+
+def test_wrong_shape_then_bad_token_in_one_chunk(tmp_path, traces):
+    """A wrong shape (args a list) stops the fast decoder before it sees a later NaN: both cost their
+    own event only."""
+    t = traces["rank1"]
+    a = first(t, is_cpu_op, after=len(t.events) // 2)
+    b = first(t, is_cpu_op, after=a + 5)
+    text = set_value(_read(set_value(t, b, "dur", "NaN")), a, "args", "[1, 2]")
+    parsed = _parse_text(tmp_path, text)
+    assert _kept(parsed) == expected_events(t, {a, b})
+    assert {i.reason: i.count for i in parsed.issues}["malformed_event"] == 2
+
+
+def test_zeros_where_the_file_was_cut(tmp_path, traces):
+    """A preallocated file the job never filled: the events before the zeros, and a truncation that says so."""
+    t = traces["rank1"]
+    i = len(t.spans) // 2
+    path = tmp_path / "rank1.json"
+    path.write_text(t.text[: t.spans[i][0]])
+    with open(path, "r+b") as f:
+        f.truncate(len(t.text[: t.spans[i][0]].encode()) + (64 << 20))  # more than MAX_EVENT_BYTES of zeros
+    parsed = kineto.parse_trace(path, path.name)
+    assert _kept(parsed) == expected_events(t, set(range(i, len(t.spans))))
+    truncated = [i for i in parsed.issues if i.reason == "truncated"]
+    assert truncated and f"followed by {64 << 20} zero" in truncated[0].detail
