@@ -37,7 +37,7 @@ def alarm_agreement(alarms: pl.DataFrame, scalars: pl.DataFrame, train_steps: pl
                     comms_calls: pl.DataFrame, facts: dict) -> pl.DataFrame:
     """One row per alarm raised in the job, by the replay, or both; empty without a collector's settings."""
     settings = facts.get("settings") if isinstance(facts.get("settings"), dict) else None
-    if settings is None:
+    if settings is None or "alarms" not in settings:  # no collector, or one from before alarms: nothing to replay
         return pl.DataFrame(schema=COLUMNS)
     try:
         rules = alarm_rules.parse_rules(settings.get("alarms"))
