@@ -209,7 +209,7 @@ def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
         return source
     except Exception as e:  # noqa: BLE001 - a file the parser fails on costs that file, not the run
         source.status = "error"
-        source.issues.append(["error", "parse_failed", 1, f"the trace parser failed: {type(e).__name__}: {str(e)[:300]}"])
+        source.issues.append(["error", "parse_failed", 1, f"the trace parser failed: {type(e).__name__}: {str(e)[:300]!r}"])
         return source
     if parsed.events.is_empty():
         source.status = "error"
