@@ -91,12 +91,10 @@ def key_numbers(run: Run) -> list[tuple[str, str]]:
     if devices:
         numbers.append(("device", ", ".join(devices)))
     step = f.get("step_time") or {}
-    if step.get("median_ns") is not None:
-        numbers.append(("step time", f"median {ms(step['median_ns'])}, p90 {ms(step.get('p90_ns'))}"
-                        if step.get("steps", 0) > 1 else ms(step["median_ns"])))
-        excluded = len(step.get("excluded_steps") or [])
-        numbers.append(("steps", f"{step.get('steps')} from {STEP_SOURCES.get(step.get('source'), step.get('source'))}"
-                        + (f", {excluded} excluded" if excluded else "")))
+    if step.get("median_ns") is not None:  # the verdict's first sentence says over which steps
+        numbers.append((f"step time ({STEP_TILES.get(step.get('source'), step.get('source'))})",
+                        f"median {ms(step['median_ns'])}, p90 {ms(step.get('p90_ns'))}" if step.get("steps", 0) > 1
+                        else ms(step["median_ns"])))
     elif slow := f.get("slowest_step"):
         numbers.append(("profiled step time", f"median {ms(slow.get('median_step_ns'))}"))
     idle = f.get("gpu_idle") or {}
@@ -108,6 +106,7 @@ def key_numbers(run: Run) -> list[tuple[str, str]]:
     return numbers
 
 
+STEP_TILES = {"train_steps": "collector", "log": "logs", "profiler_steps": "profiled steps"}
 MIN_SERIES_STEPS = 3  # fewer steps are a table, not a curve
 STEP_SOURCES = {"train_steps": "the collector (every step)", "log": "the job's logs",
                 "profiler_steps": "the profiled ProfilerSteps"}
@@ -167,6 +166,10 @@ def _stepsSection(run: Run) -> dict:
             "others_waited_ns": ("others waited for it", ms), "aligned_dur_ns": ("wall time across ranks", ms)},
             "step_stats"))
     return section
+
+
+NO_DEVICE_WORK = ("No device work in the traces (a CPU-only run): the per-rank step picture, CPU vs GPU and kernels need "
+                  "GPU (or other accelerator) activity.")
 
 
 def _no_traces(run: Run) -> str | None:
@@ -441,12 +444,15 @@ def _issuesSection(run: Run) -> dict:
 
 def render(out_dir: Path) -> str:
     run = load(out_dir)
-    if run.manifest.get("trace_ranks"):
+    if not run.manifest.get("trace_ranks"):  # one line for every picture that needs traces
+        sections = [Section("Where one step's time went", "time", empty=_no_traces(run)), _stepsSection(run)]
+        sections += [s for s in [_collectivesSection(run)] if s.get("empty") is None]  # logged comms
+    elif run.table("kernel_launches", ["queue_ns"]).is_empty():  # CPU-only traces: no device pictures
+        sections = [Section("Where one step's time went", "time", empty=NO_DEVICE_WORK), _stepsSection(run),
+                    _collectivesSection(run)]
+    else:
         sections = [_timeSection(run), _stepsSection(run), _cpu_gpuSection(run), _kernelsSection(run),
                     _collectivesSection(run)]
-    else:  # one line for every picture that needs traces; the logged comms still have their section
-        sections = [Section("Where one step's time went", "time", empty=_no_traces(run)), _stepsSection(run)]
-        sections += [s for s in [_collectivesSection(run)] if s.get("empty") is None]
     sections += [_mfuSection(run), _monitorSection(run)]
     sections += [s for s in [_statusSection(run)] if s] + _extra_analyses(run)
     sections += [s for s in [_comparabilitySection(run)] if s] + [_manifestSection(run), _issuesSection(run)]

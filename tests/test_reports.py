@@ -88,7 +88,7 @@ def test_sections_without_data_say_so_in_one_line(tmp_path, corpus):
     shutil.copytree(CORPUS / "HolisticTraceAnalysis" / "cpu_only", run)
     out = _analyse(run)
     html = (out / "report.html").read_text()
-    assert "No device activity in the traces" in html
+    assert "No device work in the traces" in html
     assert "No monitor scalars" in html
 
 
@@ -280,7 +280,7 @@ def test_verdict_says_how_a_killed_job_ended(tmp_path, corpus):
     summary = (out / "summary.md").read_text()
     assert "The job was killed" in summary and "received SIGTERM" in summary
     html = (out / "report.html").read_text()
-    assert ">How the job ended</h2>" in html and "No device activity in the traces" in html
+    assert ">How the job ended</h2>" in html and "No profiler traces in this run" in html
 
 
 def _trial_run(folder: Path, step_ms: float, zero_stage: int) -> None:
