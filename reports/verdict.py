@@ -90,11 +90,16 @@ def step_lines(f: dict) -> list[str]:
     """Step time over the run, the slowest step when it stands out, and where the profiled steps sit."""
     lines = []
     summary = f.get("step_time") or {}
-    if summary.get("steps"):
+    source = SOURCE_WORDS.get(summary.get("source"), summary.get("source"))
+    if summary.get("steps") == 1:
+        line = (f"Step time: {ms(summary['max_ns'])} (step {summary['max_step']}, the only one of "
+                f"{summary['total_steps']} kept), from {source}")
+    elif summary.get("steps"):
         line = (f"Step time: median {ms(summary['median_ns'])}, p90 {ms(summary['p90_ns'])}, max {ms(summary['max_ns'])} "
                 f"(step {summary['max_step']}) over {summary['steps']} of {summary['total_steps']} "
                 + ("logged iterations, each the mean of its logging interval" if summary.get("interval_means") else "steps")
-                + f", from {SOURCE_WORDS.get(summary['source'], summary['source'])}")
+                + f", from {source}")
+    if summary.get("steps"):
         if excluded := summary.get("excluded_steps"):
             line += "; left out: " + "; ".join(
                 f"{EXCLUSION_WORDS.get(e['reason'], e['reason'])} {'step' if e['count'] == 1 else 'steps'} "

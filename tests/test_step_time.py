@@ -290,3 +290,21 @@ def test_fp16_overflow_skips_from_a_deepspeed_chat_log(corpus, tmp_path):
     assert (overflow["skipped_steps"], overflow["steps"]) == (skipped, done)
     assert overflow["frequent"] is (skipped / done >= 0.05)
     assert any(line.startswith("fp16 overflow") for line in lines) is overflow["frequent"]
+
+
+def test_traces_only_run_takes_step_time_from_the_profiler_windows(corpus, tmp_path):
+    """The 8-rank DLRM traces (one profiled step, same step on every rank): the slowest rank's window."""
+    run = corpus / "param" / "dlrm_kineto"
+    windows: dict[int, int] = {}
+    for trace in run.glob("*.pt.trace.json"):
+        for event in json.loads(trace.read_text(), parse_float=Decimal)["traceEvents"]:
+            if event.get("ph") == "X" and str(event.get("name", "")).startswith("ProfilerStep#"):
+                step = int(event["name"].split("#")[1])
+                windows[step] = max(windows.get(step, 0), int(Decimal(event["dur"]) * 1000))
+    findings, lines = analyse(run, tmp_path / "out")
+    [(step, ns)] = windows.items()
+    block = findings["step_time"]
+    assert (block["source"], block["steps"], block["median_ns"], block["max_ns"], block["max_step"]) == \
+        ("profiler_steps", 1, ns, ns, step)
+    assert f"Step time: {shown(ns)} (step {step}, the only one of 1 kept), from the profiled steps." in lines
+    assert "profiled_steps" not in findings and "slowest_step" not in findings  # one step: nothing to compare with
