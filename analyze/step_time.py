@@ -62,7 +62,6 @@ MIN_EXCESS_SHARE = 0.05  # and at least 5% above the median: a MAD of ~0 does no
 MIN_STEPS_FOR_NOISE = 3
 LISTED_STEPS = 50  # excluded steps listed per reason in findings.json (the table has them all)
 
-SOURCES = ("train_steps", "log", "profiler_steps")
 GLOBAL_TIMERS = ({"fwd", "forward"}, {"bwd", "backward"}, {"step"})  # names before DeepSpeed 0.9 in the first set
 MEGATRON_ITERATION = "elapsed time per iteration (ms)"
 DEFINITIONS = {
@@ -94,8 +93,8 @@ def _from_micro_steps(micro: pl.DataFrame) -> pl.DataFrame:
     """Per optimizer step: slowest rank's sum of micro steps; incomplete when a rank or the boundary is missing."""
     micro = micro.filter(pl.col("step").is_not_null() & pl.col("rank").is_not_null())
     per_rank = micro.group_by("rank", "step").agg(
-        dur_ns=pl.col("dur_ns").sum(), micro_steps=pl.len(), negative=(pl.col("dur_ns") < 0).any(), start_ns=pl.col("start_ns").min(),
-        end_ns=pl.col("end_ns").max(), boundary=pl.col("is_boundary").fill_null(False).any(),
+        dur_ns=pl.col("dur_ns").sum(), micro_steps=pl.len(), negative=(pl.col("dur_ns") < 0).any(),
+        start_ns=pl.col("start_ns").min(), end_ns=pl.col("end_ns").max(), boundary=pl.col("is_boundary").fill_null(False).any(),
         skipped=pl.col("skipped").fill_null(False).any(),
         samples_after=pl.col("global_samples").filter(pl.col("is_boundary").fill_null(False)).max(),
         loss_scale=pl.col("loss_scale").sort_by("micro_step").last())
@@ -196,7 +195,8 @@ def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps:
     schedule = (facts.get("settings") or {}).get("profile")
     if isinstance(schedule, dict):
         first, wait, warmup = schedule.get("skip_first", 0), schedule.get("wait", 0), schedule.get("warmup", 0)
-        active, cycle = schedule.get("active", 1), schedule.get("wait", 0) + schedule.get("warmup", 0) + schedule.get("active", 1)
+        active = schedule.get("active", 1)
+        cycle = wait + warmup + active
         for repeat in range(schedule.get("repeat", 1) or 0):
             start = first + repeat * cycle + wait
             for step in range(start, start + warmup):
