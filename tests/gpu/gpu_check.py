@@ -56,8 +56,10 @@ CPU_OVERHEAD = ("--zero_stage", "2", "--steps", "8", "--flush_every", "2", "--fl
 def prepare() -> None:
     """Wheels for the device's Python 3.12: the ones its image lacks, and a pure-Python DeepSpeed."""
     WHEELS.mkdir(exist_ok=True)
-    exclude = REPO / ".git" / "info" / "exclude"  # the wheels travel with `carry`, never in a commit
-    if "/.whl/" not in exclude.read_text():
+    exclude = REPO / subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], cwd=REPO, check=True,
+                                    capture_output=True, text=True).stdout.strip()
+    if not exclude.exists() or "/.whl/" not in exclude.read_text():  # the wheels travel with `carry`, never in a commit
+        exclude.parent.mkdir(parents=True, exist_ok=True)
         with open(exclude, "a") as f:
             f.write("/.whl/\n")
     platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28)] + ["--platform=manylinux2014_x86_64"]
