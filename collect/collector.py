@@ -230,7 +230,7 @@ class Collector:
         """After each optimizer step: profiler schedule, periodic flush."""
         self.completed_steps += 1
         self.last_step_end = time.monotonic()
-        self.samples_at_last_step = self.samples_now()
+        self.samples_at_last_step = self.guard("alarms", self.samples_now)
         self.guard("profiler", self.profiler_step)
         if self.completed_steps % self.settings.flush_every == 0:
             self.guard("writer", self.flush)
