@@ -139,14 +139,15 @@ def _stepsSection(run: Run) -> dict:
         return Section("Step time over the run", "steps",
                        empty="No step times: no collector steps, no step lines in the logs and no ProfilerStep annotations.")
     section = Section("Step time over the run", "steps")
-    profiled = sorted(stats["step"].to_list()) if not stats.is_empty() else []
+    # Where the analyzer placed the profiled windows in the run's own step numbering.
+    profiled = [w["step"] for w in (run.findings.get("profiled_steps") or {}).get("steps", [])]
     if not series.is_empty():
         source = series["source"][0]
         definition = series["definition"][0] if "definition" in series.columns else None
         section.text(f"Step time from {STEP_SOURCES.get(source, source)}" + (f". {definition[0].upper()}{definition[1:]}"
                                                                               if definition else "") + ".")
         if series.height >= MIN_SERIES_STEPS:
-            section.figure(figures.step_time_series(series, profiled if source != "profiler_steps" else [],
+            section.figure(figures.step_time_series(series, profiled,
                                                     (run.findings.get("step_time") or {}).get("p90_ns")))
         excluded = series.filter(pl.col("excluded").fill_null(False))
         if not excluded.is_empty():
