@@ -59,7 +59,7 @@ def step_breakdown_tables(read_launches: Callable[[int], pl.DataFrame], ranks: l
     keys = LANE + ["step"]
     causes = gpu_idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_not_null()).select(
         *keys, *[pl.col(c).cast(pl.Int64) for c in ("host_bound_ns", "sync_ns", "other_ns")])
-    breakdown = pl.concat(breakdowns).join(causes, on=keys, how="left").with_columns(
+    breakdown = pl.concat(breakdowns).join(causes, on=keys, how="left", nulls_equal=True).with_columns(
         idle_ns=pl.col("span_ns") - pl.col("compute_ns") - pl.col("exposed_comm_ns"))
     return {"step_breakdown": breakdown.select(list(BREAKDOWN_SCHEMA)).cast(BREAKDOWN_SCHEMA).sort("step", "rank", "device"),
             "step_timeline": pl.concat([pl.DataFrame(schema=TIMELINE_SCHEMA)] + timelines).sort("rank", "start_ns")}
@@ -75,7 +75,7 @@ def slowest_profiled_step(step_stats: pl.DataFrame) -> int | None:
 
 def _work(launched: pl.DataFrame, comm_ids: pl.DataFrame) -> pl.DataFrame:
     """All device work (with or without a step), with its end and whether it is communication."""
-    work = launched.filter(pl.col("stream").is_not_null() & pl.col("dur_ns").is_not_null())
+    work = launched.filter(pl.col("stream").is_not_null() & (pl.col("dur_ns") >= 0))
     return work.join(comm_ids, on=COMM_KEYS, how="left").select(
         *LANE, "step", "ts_ns", end_ns=pl.col("ts_ns") + pl.col("dur_ns"), is_comm=pl.col("is_comm").fill_null(False))
 
