@@ -169,10 +169,19 @@ class Alarms:
         self.other_rows["comms_calls"].setdefault(own, []).extend(comms)
         self.read_other_ranks()
         alarms = []
-        judged = alarm_rules.busy_steps(self.other_rows["train_steps"], self.other_rows["comms_calls"], self.judged_step)
+        # A rank not seen yet holds the judging (as in the replay, which has every rank's rows), but one that
+        # stopped writing (killed, writer disabled), more than two flushes behind this rank, is left out.
+        rows_by_rank = {rank: self.other_rows["train_steps"].get(rank, []) for rank in range(self.collector.world_size)}
+        latest = {rank: max((r["step"] for r in rows if r["step"] is not None), default=-1)
+                  for rank, rows in rows_by_rank.items()}
+        behind = latest[own] - 2 * self.collector.settings.flush_every
+        steps_by_rank = {rank: rows for rank, rows in rows_by_rank.items() if latest[rank] >= behind}
+        judged = alarm_rules.busy_steps(steps_by_rank, self.other_rows["comms_calls"], self.judged_step)
         for step, busy, wall_ns in judged:
             alarms += self.engine.ranks(step, busy, wall_ns)
             self.judged_step = step
+        if len(steps_by_rank) < 2:  # no one left to compare with: nothing to keep
+            self.judged_step = max(self.judged_step, latest[own])
         for table in self.other_rows.values():  # keep what is still to judge, and the last judged step (its end)
             for rank, rows in table.items():
                 table[rank] = [row for row in rows if row["step"] is not None and row["step"] >= self.judged_step]
@@ -232,8 +241,10 @@ class Alarms:
         with self.lock:
             rows, self.unwritten = self.unwritten, []
         writer = self.collector.writer
-        if not rows or writer.failure is not None:
-            writer.fail(writer.failure, {"alarms": rows}) if rows else None
+        if not rows:
+            return
+        if writer.failure is not None:  # counted with the other rows it could not write
+            writer.fail(writer.failure, {"alarms": rows})
             return
         try:
             writer.write_part("alarms", [{**{k: row[k] for k in alarm_rules.ALARM_FIELDS}, "source": "collector"}

@@ -182,3 +182,36 @@ def test_the_watchdog_raises_no_progress_once_per_stall(tmp_path):
     agreement = pl.read_parquet(analyses.run(result.out_dir, analyses.Options()) and result.out_dir / "alarm_agreement")
     (row,) = agreement.rows(named=True)
     assert row["in_job"] and row["post_hoc"] and row["step"] == 2 and row["value_post_hoc"] > 1.5
+
+
+def test_stragglers_from_the_other_ranks_parts_and_a_rank_that_stops_writing(tmp_path):
+    """Rank 0 reads rank 1's flushed parts (written here as rank 1's own writer writes them, 1 s per step, no
+    comms): rank 1 is busy ~1 s per step against rank 0's microseconds, so it is a straggler once `recent` = 2
+    steps are judged, at step 1. Rank 1 then stops writing; rank 0 goes on without holding its rows."""
+    from steplens.collect.parts import PartWriter
+
+    got = []
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), flush_every=2, samples_per_step=4,
+                       alarms=[{"kind": "straggler", "threshold": 1.5, "recent": 2}], on_alarm=got.append)
+    collector.world_size = 2  # as in a 2-rank job
+    other, start = PartWriter(tmp_path, 1, ("train_steps",), prepare={}), time.time_ns()
+    for step in range(6):
+        other.add("train_steps", {"rank": 1, "source": "collector", "step": step, "micro_step": step,
+                                  "start_ns": start + step * 10**9, "end_ns": start + (step + 1) * 10**9,
+                                  "dur_ns": 10**9, "is_boundary": True, "global_samples": 4 * (step + 1)})
+    other.flush({"status": "running"}, background=False)
+    other.close()
+    for step in range(46):
+        model(torch.randn(4, 4)).sum().backward()
+        optimizer.step()
+        collector.writer.wait()  # each flush's evaluation done before the next step (steps here take microseconds)
+    kept = len(collector.alarms.other_rows["train_steps"][0])
+    collector.close()
+    assert [(a["rule"], a["name"], a["step"], a["rank"]) for a in got] == [("straggler", "rank 1", 1, 1)]
+    assert kept <= 2 * 2 + 1  # rank 0's rows since the last judged step, not the 46 steps
+    result = ingest.ingest(tmp_path, jobs=1)
+    analyses.run(result.out_dir, analyses.Options())
+    agreement = pl.read_parquet(result.out_dir / "alarm_agreement")
+    assert agreement.select("rule", "name", "step", "in_job", "post_hoc").rows() == [("straggler", "rank 1", 1, True, True)]
