@@ -265,6 +265,19 @@ def test_module_time_and_flops_from_a_hand_built_trace(tmp_path):
     assert findings["modules_below_peak"][0]["fraction_of_peak"] == pytest.approx(mm_flops / 30_000 / 1e3 * 1e12 / 989.5e12)
 
 
+def test_report_and_summary_show_the_roofline_with_names_escaped(tmp_path):
+    trace = _module_trace(tmp_path / "run" / "rank0.pt.trace.json")
+    trace.write_text(trace.read_text().replace("nn.Module: Block_0", "nn.Module: <script>alert(1)</script>_0"))
+    out = tmp_path / "out"
+    ingest(trace.parent, out, jobs=1, finish=analyses.run)
+    from steplens.reports import html, markdown
+    page = html.render(out)
+    assert "Top ops by device time" in page and "roof bf16: 989.5 TFLOP/s, 3.35 TB/s" in page  # the scatter's roof
+    assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;_0" in page
+    summary = markdown.render(out)
+    assert "**Roofline**" in summary and "aten::mm" in summary and "<script>" not in summary
+
+
 def test_module_mfu_joins_the_collectors_flops_profile(tmp_path):
     from steplens.analyze import module_perf
     modules = pl.DataFrame({"rank": [0, 0, 0], "step": [3, 3, 3], "module": ["Model_0", "Model_0/Linear_0", "Model_0/Block_0/Linear_1"],
