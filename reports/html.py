@@ -243,31 +243,23 @@ def _collectivesSection(run: Run) -> dict:
         section.text("Per collective and message size, most exposed first (exposed: not hidden behind compute, "
                      "on the rank where it was most exposed):")
         section.table(_rows(summary, {
-            "op": ("collective", str), "bytes": ("size S", _size), "calls": ("calls (all ranks)", _num),
+            "op": ("collective", str), "bytes": ("size S", size), "calls": ("calls (all ranks)", _num),
             "kernel_ns": ("kernel time (all ranks)", ms), "max_rank_exposed_ns": ("exposed, worst rank", ms),
             "max_exposed_rank": ("worst rank", str), "median_rank_exposed_ns": ("exposed, median rank", ms),
             "busbw_median_gbps": ("median busbw GB/s", _num)}, "collective_summary"))
         section.text("Per call site (the CPU op that issued the collective):")
-        section.table(_rows(sites, {"issuing_op": ("call site", _text), "op": ("collective", str),
+        section.table(_rows(sites, {"issuing_op": ("call site", str), "op": ("collective", str),
                                     "calls": ("calls (all ranks)", _num), "max_rank_exposed_ns": ("exposed, worst rank", ms),
                                     "max_exposed_rank": ("worst rank", str)}, "collective_call_sites"))
     if not logged.is_empty():
         section.text("Communication calls timed by DeepSpeed's comms logger or the collector (synchronizing timers, "
                      "one source per rank: see Method and caveats):")
         section.table(_rows(logged.sort("total_latency_ns", descending=True), {
-            "op": ("op", str), "nccl_bytes": ("size S", _size), "group_size": ("ranks in group", str),
+            "op": ("op", str), "nccl_bytes": ("size S", size), "group_size": ("ranks in group", str),
             "calls": ("calls", _num), "median_latency_ns": ("median latency", ms), "p90_latency_ns": ("p90 latency", ms),
             "total_latency_ns": ("total latency", ms), "median_busbw_gbps": ("median busbw GB/s", _num),
             "latency_origin": ("latency from", str)}, "comms_log_stats"))
     return section
-
-
-def _size(num_bytes) -> str:
-    return size(num_bytes)
-
-
-def _text(value) -> str:
-    return str(value)
 
 
 def _mfuSection(run: Run) -> dict:
