@@ -46,7 +46,9 @@ DTYPE_NAMES = {"c10::BFloat16": "bf16", "c10::Half": "fp16", "float": "fp32", "d
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul"}
 CONV_OPS = {"aten::convolution", "aten::_convolution", "aten::conv1d", "aten::conv2d", "aten::conv3d",
             "aten::convolution_backward"}
-# Attention op -> (tensor layout of q/k/v, index of is_causal in Concrete Inputs, backward).
+# Attention op -> (tensor layout of q/k/v, index of is_causal in Concrete Inputs, backward), from the ops'
+# schemas in PyTorch's aten/src/ATen/native/native_functions.yaml. (_efficient_attention_forward is left
+# out: its mask is an integer custom_mask_type, not is_causal.)
 # Layouts: BHND = [batch, heads, seq, head_dim] (SDPA), BNHD = [batch, seq, heads, head_dim] (flash-attn).
 ATTENTION_OPS = {
     "aten::scaled_dot_product_attention": ("BHND", 5, False),
@@ -54,11 +56,10 @@ ATTENTION_OPS = {
     "aten::_scaled_dot_product_efficient_attention": ("BHND", 6, False),
     "aten::_scaled_dot_product_cudnn_attention": ("BHND", 6, False),
     "aten::_flash_attention_forward": ("BNHD", 8, False),
-    "aten::_efficient_attention_forward": ("BNHD", 8, False),
     "aten::_scaled_dot_product_flash_attention_backward": ("BHND", 11, True),
     "aten::_scaled_dot_product_efficient_attention_backward": ("BHND", 11, True),
-    "aten::_scaled_dot_product_cudnn_attention_backward": ("BHND", 11, True),
-    "aten::_flash_attention_backward": ("BNHD", 10, True),
+    "aten::_scaled_dot_product_cudnn_attention_backward": ("BHND", 14, True),
+    "aten::_flash_attention_backward": ("BNHD", 11, True),
 }
 UNARY_OPS = {"aten::relu", "aten::relu_", "aten::gelu", "aten::gelu_", "aten::silu", "aten::silu_", "aten::sigmoid",
              "aten::sigmoid_", "aten::tanh", "aten::tanh_", "aten::exp", "aten::exp_", "aten::log", "aten::neg",

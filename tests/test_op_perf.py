@@ -61,6 +61,9 @@ def _model(name, dims, types, concrete=None):
     # bytes: q, k, v, dO read + dq, dk, dv written = 7 * 65536 * 2
     ("aten::_scaled_dot_product_flash_attention_backward", [[2, 4, 128, 64]] * 5 + [[2, 4, 128]] + [[]] * 9,
      [BF16] * 5 + [F32] + [""] * 9, [""] * 11 + ["True"] + [""] * 3, 41943040, 917504),
+    # cuDNN attention backward, not causal (is_causal at 14): 2*2*4*128*128*(3*64 + 2*64) = 83886080
+    ("aten::_scaled_dot_product_cudnn_attention_backward", [[2, 4, 128, 64]] * 5 + [[2, 4, 128, 1]] + [[]] * 10,
+     [BF16] * 5 + [F32] + [""] * 10, [""] * 14 + ["False", ""], 83886080, 917504),
     # layer norm x[4,512] bf16 with weight and bias: bytes 2*2048*2 + (512 + 512)*2 = 10240; FLOPs: no formula
     ("aten::layer_norm", [[4, 512], [], [512], [512], [], []], [BF16, "ScalarList", BF16, BF16, "Scalar", "Scalar"], None,
      None, 10240),
