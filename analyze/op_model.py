@@ -100,7 +100,7 @@ def model(name: str, dims_json: str | None, types_json: str | None, concrete_jso
         dims = json.loads(dims_json) if dims_json else None
         types = json.loads(types_json) if types_json else []
         concrete = json.loads(concrete_json) if concrete_json else []
-    except ValueError:
+    except (ValueError, RecursionError):
         return None, None, None
     if not isinstance(dims, list) or not isinstance(types, list) or not isinstance(concrete, list):
         return None, None, None
@@ -108,7 +108,7 @@ def model(name: str, dims_json: str | None, types_json: str | None, concrete_jso
     dtype = DTYPE_NAMES.get(first_type, first_type)
     try:
         flops, nbytes = _model(name, dims, types, concrete)
-    except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError):
+    except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError, OverflowError):  # hostile or odd shapes
         return dtype, None, None
     return dtype, flops, nbytes
 
@@ -276,7 +276,7 @@ def _tensor_bytes(dims: list, types: list) -> list[tuple[int, int]]:
     out = []
     for i, shape in enumerate(dims):
         if i < len(types) and types[i] in ELEMENT_BYTES and isinstance(shape, list) and shape != [] \
-                and all(isinstance(d, int) for d in shape):
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             out.append((math.prod(shape), ELEMENT_BYTES[types[i]]))
     return out
 
@@ -285,7 +285,7 @@ def _elementwise(name: str, dims: list, types: list) -> tuple[float, float]:
     tensors = _tensor_bytes(dims, types)
     if not tensors:
         raise ValueError("no tensor input")
-    shapes = [s for i, s in enumerate(dims) if i < len(types) and types[i] in ELEMENT_BYTES and isinstance(s, list) and s]
+    shapes = [_shape(dims, i) for i, s in enumerate(dims) if i < len(types) and types[i] in ELEMENT_BYTES and s != []]
     width = max(len(s) for s in shapes)
     padded = [[1] * (width - len(s)) + s for s in shapes]
     out_shape = [max(col) for col in zip(*padded)]

@@ -87,6 +87,8 @@ def test_flops_and_bytes_by_hand(name, dims, types, concrete, flops, nbytes):
      ["", "", "", "", "", "", ""]),  # is_causal not recorded
     ("aten::conv2d", [[1, 3, 8, 8], [4, 3, 3, 3], [], [], [], [], []], [F32] * 2 + [""] * 5, ["", "", "", "[1]", "same", "[1]", "1"]),
     ("aten::my_custom_op", [[4, 4]], [F32], None),
+    ("aten::mm", [[10 ** 200, 10 ** 200], [10 ** 200, 10 ** 200]], [BF16, BF16], None),  # beyond a float
+    ("aten::add", [[-4, 512], [512]], [BF16, BF16], None),  # a negative dimension
 ])
 def test_no_formula_or_bad_shapes_give_null_flops(name, dims, types, concrete):
     assert _model(name, dims, types, concrete)[1] is None
