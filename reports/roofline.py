@@ -36,15 +36,16 @@ OP_COLUMNS = {"name": "op", "shapes": "shapes", "dtype": "dtype", "calls": "call
               "achieved_tflops": "TFLOP/s", "achieved_tbps": "TB/s", "intensity": "FLOPs/byte", "bound": "bound",
               "fraction_of_peak": "of peak"}
 MODULE_COLUMNS = {"module": "module", "module_class": "class", "profile_path": "profile path", "device_ns": "forward device time",
-                  "achieved_tflops": "TFLOP/s", "fraction_of_peak": "of peak", "flag": "flag"}
+                  "achieved_tflops": "TFLOP/s", "fraction_of_peak": "of peak", "backward_device_ns": "backward device time",
+                  "training_fraction_of_peak": "of peak, fwd+bwd", "flag": "flag"}
 
 
 def _cell(name: str, value) -> str:
     if value is None:
         return ""
-    if name == "device_ns":
+    if name in ("device_ns", "backward_device_ns"):
         return f"{value / 1e6:.3f} ms"
-    if name == "fraction_of_peak":
+    if name in ("fraction_of_peak", "training_fraction_of_peak"):
         return f"{value:.1%}"
     if isinstance(value, float):
         return f"{value:,.3g}"

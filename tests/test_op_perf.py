@@ -268,6 +268,10 @@ def test_module_time_and_flops_from_a_hand_built_trace(tmp_path):
     findings = json.loads((out / "findings.json").read_text())["roofline"]
     assert findings["top_ops"][0]["calls"] == 4 and findings["top_ops"][0]["device_ns"] == 50_000
     assert findings["modules_below_peak"][0]["fraction_of_peak"] == pytest.approx(mm_flops / 30_000 / 1e3 * 1e12 / 989.5e12)
+    below = {m["module"]: m for m in findings["modules_below_peak"]}
+    # forward + backward: 3 x the forward FLOPs over 30 us forward + 20 us backward; Linear_0 has no backward
+    assert below["Model_0/Block_0"]["training_fraction_of_peak"] == pytest.approx(3 * mm_flops / 50e-6 / 989.5e12)
+    assert below["Model_0/Linear_0"]["training_fraction_of_peak"] is None
 
 
 def test_report_and_summary_show_the_roofline_with_names_escaped(tmp_path):
