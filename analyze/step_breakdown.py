@@ -46,7 +46,8 @@ def step_breakdown_tables(read_launches: Callable[[int], pl.DataFrame], ranks: l
     one at a time, so memory is bounded by the largest rank."""
     slowest = slowest_profiled_step(step_stats)
     comm_ids = collectives.select(*COMM_KEYS).unique().with_columns(is_comm=pl.lit(True))
-    offset_of = dict(offsets.select("rank", pl.col("offset_ns").fill_null(0)).iter_rows()) if not offsets.is_empty() else {}
+    offset_of = {} if offsets.is_empty() else dict(  # rank -> offset_ns (null: not aligned, drawn on its own clock)
+        offsets.select("rank", pl.col("offset_ns").fill_null(0)).iter_rows())  # rowwise-ok: one row per rank
     breakdowns, timelines = [], []
     for rank in ranks:
         lanes = _lanes(_work(read_launches(rank), comm_ids))
