@@ -23,7 +23,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import analyses, kernels, mfu, schema
+from . import analyses, kernels, mfu, roofline, schema
 from steplens.reports.verdict import disagreement_lines, job_end_lines, step_lines, straggler_lines, telemetry_lines
 
 from .ingest import (
@@ -395,6 +395,7 @@ def print_findings(console: Console, f: dict) -> None:
                          f"Peak: {row['peak']}")
     elif isinstance(util, dict):
         lines.append(f"MFU: not computed: {util['note']}")
+    lines.extend(roofline.terminal_lines(f))
     if f.get("traces"):
         lines.append(f["traces"])
     lines.extend(telemetry_lines(f))

@@ -287,6 +287,19 @@ def test_report_and_summary_show_the_roofline_with_names_escaped(tmp_path):
     assert "**Roofline**" in summary and "aten::mm" in summary and "<script>" not in summary
 
 
+def test_terminal_names_the_busiest_op_and_the_module_furthest_below_peak(tmp_path):
+    from click.testing import CliRunner
+    from steplens.analyze.cli import analyze
+
+    trace = _module_trace(tmp_path / "run" / "rank0.pt.trace.json")
+    result = CliRunner().invoke(analyze, [str(trace.parent), "--out", str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())  # lines are wrapped at the terminal width
+    # 4 mm calls, 10 + 30 + 6 + 4 us; peak bf16 989.5 TFLOP/s over 3.35 TB/s
+    assert "busiest op: aten::mm [[64,128],[128,32]] x4: 0.050 ms, memory-bound" in text
+    assert "module furthest below peak: Model_0/Block_0" in text or "module furthest below peak: Model_0/Block_0/Linear_1" in text
+
+
 def test_module_mfu_joins_the_collectors_flops_profile(tmp_path):
     from steplens.analyze import module_perf
     modules = pl.DataFrame({"rank": [0, 0, 0], "step": [3, 3, 3], "module": ["Model_0", "Model_0/Linear_0", "Model_0/Block_0/Linear_1"],
