@@ -112,7 +112,10 @@ def _mark_nested(rows: pl.DataFrame) -> pl.DataFrame:
     modeled = pl.col("flops").is_not_null() | pl.col("bytes").is_not_null()
     ordered = rows.sort(THREAD + ["ts_ns", "dur_ns"], descending=[False] * 4 + [True])
     end = pl.when(modeled).then(pl.col("hi_ns"))  # only modeled ops enclose
-    return ordered.with_columns(nested=modeled & (end.cum_max().forward_fill().shift(1).over(THREAD).fill_null(-1) >= pl.col("hi_ns")))
+    # Properly nested slices: the earlier one reaching furthest contains this one if any does (a zero-length
+    # op at an earlier op's end is beside it, not inside).
+    reach = end.cum_max().forward_fill().shift(1).over(THREAD).fill_null(-1)
+    return ordered.with_columns(nested=modeled & (reach >= pl.col("hi_ns")) & (reach > pl.col("ts_ns")))
 
 
 def with_roofline(rows: pl.DataFrame, roof: Roof) -> pl.DataFrame:

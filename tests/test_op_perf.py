@@ -94,6 +94,25 @@ def test_no_formula_or_bad_shapes_give_null_flops(name, dims, types, concrete):
     assert _model(name, dims, types, concrete)[1] is None
 
 
+def test_nested_marks_ops_inside_another_modeled_op_only():
+    """linear [0, 100] holds addmm [10, 60]; an mm of zero length at 100 sits beside the linear, not in it;
+    an unmodeled op around everything encloses nothing."""
+    mm, lin = json.dumps([[64, 128], [128, 32]]), json.dumps([[64, 128], [32, 128], [32]])
+    addmm = json.dumps([[32], [64, 128], [128, 32], [], []])
+    rows = [("my::wrapper", -5, 200, "[[1]]", '["float"]'), ("aten::linear", 0, 100, lin, json.dumps([BF16] * 3)),
+            ("aten::addmm", 10, 50, addmm, json.dumps([BF16] * 3 + ["Scalar"] * 2)), ("aten::mm", 100, 0, mm, json.dumps([BF16] * 2))]
+    ops = pl.DataFrame({"rank": [0] * 4, "source": ["s"] * 4, "event_id": [1, 2, 3, 4], "ts_ns": [r[1] for r in rows],
+                        "dur_ns": [r[2] for r in rows], "name": [r[0] for r in rows], "pid": [1] * 4, "tid": [1] * 4,
+                        "step": [None] * 4, "external_id": [1, 2, 3, 4], "input_dims": [r[3] for r in rows],
+                        "input_types": [r[4] for r in rows], "concrete_inputs": [None] * 4})
+    launched = pl.DataFrame(schema={"source": pl.String, "launch_pid": pl.Int64, "launch_tid": pl.Int64,
+                                    "launch_ts_ns": pl.Int64, "dur_ns": pl.Int64})
+    perf = op_perf.op_perf(ops, launched, op_perf.Roof())
+    assert dict(perf.select("name", "nested").iter_rows()) == {"my::wrapper": False, "aten::linear": False,
+                                                                "aten::addmm": True, "aten::mm": False}
+    assert perf["device_ns"].to_list() == [0, 0, 0, 0] and perf["bound"].is_null().all()  # no device work, no roofline
+
+
 def test_unknown_device_has_no_roofline_and_says_why():
     roof = op_perf.device_roof("Some Future GPU", None)
     assert roof.bandwidth is None and "Some Future GPU" in roof.problem
