@@ -89,7 +89,10 @@ def _rank_height(ranks: int) -> float:
 def _rank_axis(ax, labels: list[str]) -> None:
     """Rows top to bottom in the order given, at most MAX_TICKS labelled (hundreds of ranks stay legible)."""
     ax.set_ylim(len(labels) - 0.4, -0.6)
-    _index_ticks(ax.yaxis, labels)
+    if len(labels) <= MAX_TICKS:
+        ax.set_yticks(range(len(labels)), labels)
+    else:
+        _index_ticks(ax.yaxis, labels)
     ax.set_ylabel("rank")
 
 
