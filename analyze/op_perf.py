@@ -121,7 +121,11 @@ def _mark_nested(rows: pl.DataFrame) -> pl.DataFrame:
 def with_roofline(rows: pl.DataFrame, roof: Roof) -> pl.DataFrame:
     """achieved_tflops, achieved_tbps, intensity, bound, fraction_of_peak from flops, bytes, device_ns, dtype."""
     timed = pl.col("device_ns") > 0
-    peak = pl.col("dtype").replace_strict(roof.flops, default=None, return_dtype=pl.Float64) if roof.flops \
+    # fp32 convolutions run on TF32 tensor cores by default (torch.backends.cudnn.allow_tf32 = True); fp32
+    # matmuls do not (torch.backends.cuda.matmul.allow_tf32 = False since PyTorch 1.12): PyTorch docs, "TensorFloat-32".
+    rated = pl.when((pl.col("dtype") == "fp32") & (pl.col("family") == "conv") & pl.lit("tf32" in roof.flops)) \
+        .then(pl.lit("tf32")).otherwise(pl.col("dtype"))
+    peak = rated.replace_strict(roof.flops, default=None, return_dtype=pl.Float64) if roof.flops \
         else pl.lit(None, pl.Float64)
     bandwidth = pl.lit(roof.bandwidth, pl.Float64)
     rows = rows.with_columns(

@@ -113,6 +113,23 @@ def test_nested_marks_ops_inside_another_modeled_op_only():
     assert perf["device_ns"].to_list() == [0, 0, 0, 0] and perf["bound"].is_null().all()  # no device work, no roofline
 
 
+def test_roofline_position_by_hand():
+    """H100 SXM: bf16 989.5 TFLOP/s, tf32 494.5, fp32 67, 3.35 TB/s. 1e9 FLOPs and 1e6 bytes in 10 us:
+    100 TFLOP/s, 0.1 TB/s, 1000 FLOPs/byte."""
+    roof = op_perf.device_roof("NVIDIA H100 80GB HBM3", 132)
+    rows = pl.DataFrame({"dtype": ["bf16", "fp32", "fp32", "bf16", "bf16"], "family": ["gemm", "gemm", "conv", "normalization", "gemm"],
+                         "flops": [1e9, 1e9, 1e9, None, 1e9], "bytes": [1e6, 1e6, 1e6, 1e6, 1e8], "device_ns": [10_000] * 5})
+    got = op_perf.with_roofline(rows, roof)
+    assert got["achieved_tflops"].to_list()[:3] == [100.0] * 3 and got["achieved_tbps"][0] == pytest.approx(0.1)
+    # bf16 ridge 989.5 / 3.35 = 295 <= 1000: compute-bound, 100 / 989.5 of the peak
+    assert got["bound"].to_list() == ["compute", "compute", "compute", "memory", "memory"]
+    assert got["fraction_of_peak"][0] == pytest.approx(100 / 989.5)
+    assert got["fraction_of_peak"][1] == pytest.approx(100 / 67)  # fp32 matmul: against the fp32 peak
+    assert got["fraction_of_peak"][2] == pytest.approx(100 / 494.5)  # fp32 convolution: TF32 by default
+    assert got["fraction_of_peak"][3] == pytest.approx(0.1 / 3.35)  # no FLOPs model: bytes-bound
+    assert got["fraction_of_peak"][4] == pytest.approx(10 / 3.35)  # 10 FLOPs/byte < 295: against the bandwidth
+
+
 def test_unknown_device_has_no_roofline_and_says_why():
     roof = op_perf.device_roof("Some Future GPU", None)
     assert roof.bandwidth is None and "Some Future GPU" in roof.problem
