@@ -1,0 +1,548 @@
+"""The events of a Chrome/Kineto trace file, decoded in bounded chunks whatever the file holds.
+
+The (gzip) stream is read in blocks of at most CHUNK_BYTES, and the traceEvents array is decoded a
+window of whole events at a time into msgspec structs, so memory stays a small multiple of the chunk
+size. Damage costs what it damages: a truncated file yields every complete event before the cut; an
+event that is not JSON, has the wrong shape, nests deeper than the decoder allows or is larger than
+MAX_EVENT_BYTES is skipped and counted, and decoding resumes at the next event; bytes after the data
+(zero padding, garbage) and further gzip members are told apart from a truncation.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import msgspec
+from isal import isal_zlib
+
+CHUNK_BYTES = 2 << 20
+SNIFF_BYTES = 1 << 20
+# Memory bound for one event and for the text around the events array: no real event comes near it
+# (the largest in the corpus is a few kB); beyond it the bytes are skipped to the next event.
+MAX_EVENT_BYTES = 32 << 20
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+class NotATrace(Exception):
+    """The file is readable but is not a Kineto/Chrome trace; the message says what it looks like.
+
+    `damaged`: it is not JSON at all (or a trace cut short before its events), as opposed to JSON
+    of another kind (a ds_config.json, a memory-timeline export)."""
+
+    def __init__(self, message: str, damaged: bool = False):
+        super().__init__(message)
+        self.damaged = damaged
+
+
+@dataclass
+class Issue:
+    severity: str
+    reason: str
+    count: int
+    detail: str
+
+
+
+
+@functools.cache
+def _decoders(event_type: type) -> tuple[msgspec.json.Decoder, msgspec.json.Decoder]:
+    """Decoders for a list of events and for one event."""
+    return msgspec.json.Decoder(list[event_type]), msgspec.json.Decoder(event_type)
+
+
+_RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte stream
+
+
+class ByteStream:
+    """Decompressed bytes of a .json or .json.gz file, block by block, surviving truncation.
+
+    Blocks are at most CHUNK_BYTES however well the data compresses (a 6 MB gzip can hold 1.5 GB),
+    further gzip members are read, and bytes after the last member that are not one are counted
+    (`trailing_bytes`, `trailing_zeros`), not taken for a damaged member."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.truncated: str | None = None
+        self.raw_bytes = 0
+        self.trailing_bytes = 0
+        self.trailing_zeros = False
+
+    def blocks(self) -> Iterator[bytes]:
+        with open(self.path, "rb") as f:
+            head = f.read(2)
+            f.seek(0)
+            if head != GZIP_MAGIC:
+                while block := f.read(CHUNK_BYTES):
+                    self.raw_bytes += len(block)
+                    yield block
+                return
+            yield from self._inflate(f)
+
+    def _inflate(self, f) -> Iterator[bytes]:
+        inflater = isal_zlib.decompressobj(31)
+        pending = b""
+        while True:
+            if len(pending) < 2:  # also enough to tell a next member's magic from padding
+                pending += f.read(1 << 20)
+                if not pending:
+                    break
+            if inflater.eof:
+                if pending[:2] != GZIP_MAGIC:
+                    self._count_trailing(pending, f)
+                    return
+                inflater = isal_zlib.decompressobj(31)  # a multi-member gzip: the next member
+            try:
+                block = inflater.decompress(pending, CHUNK_BYTES)
+            except (isal_zlib.error, zlib.error) as e:
+                self.truncated = f"corrupt gzip data ({e})"
+                return
+            pending = inflater.unused_data if inflater.eof else inflater.unconsumed_tail
+            self.raw_bytes += len(block)
+            if block:
+                yield block
+        if not inflater.eof:
+            tail = inflater.flush()
+            self.raw_bytes += len(tail)
+            if tail:
+                yield tail
+            self.truncated = "gzip stream ends before its end marker (file cut short)"
+
+    def _count_trailing(self, pending: bytes, f) -> None:
+        """Bytes after the last gzip member: zero padding (from a preallocated file) or garbage."""
+        first = pending + f.read(max(0, (1 << 20) - len(pending)))
+        self.trailing_bytes = os.fstat(f.fileno()).st_size - f.tell() + len(first)
+        self.trailing_zeros = first.count(0) == len(first)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked JSON decoding
+
+
+def _describe_non_trace(head: bytes) -> tuple[str, bool]:
+    """What the file looks like, and whether that is damage (not JSON at all) rather than another format."""
+    text = head.lstrip()
+    if not text:
+        return "empty file", True
+    if text[:1] == b"[":
+        inner = text[1:].lstrip()[:1]
+        if inner == b"[":
+            return "a JSON array of arrays (looks like a torch memory_timeline export)", False
+        return "a JSON array whose elements are not trace events", False
+    if text[:1] == b"{":
+        key = re.match(rb'\{\s*"([^"]{0,80})"', text)
+        first = key.group(1).decode("utf-8", "replace") if key else "?"
+        hint = " (rocprofiler-sdk output)" if "rocprofiler" in first else ""
+        return f"a JSON object with no traceEvents array (first key {first!r}){hint}", False
+    return f"not JSON (starts with {text[:16]!r})", True
+
+
+def sniff(head: bytes) -> bool:
+    """True when the first bytes of a (decompressed) file look like a Chrome/Kineto trace."""
+    text = head.lstrip()
+    if text[:1] == b"{":
+        return b'"traceEvents"' in text or b'"schemaVersion"' in text[:200]
+    if text[:1] == b"[":
+        first = text[1:].lstrip()
+        return first[:1] == b"{" and b'"ph"' in first[:2000]
+    return False
+
+
+_BETWEEN_EVENTS = re.compile(rb"\}\s*,\s*\{")
+# Where decoding picks up after a damaged event: the end of an object followed by the next event
+# or by the end of the events array.
+_EVENT_END = re.compile(rb"\}\s*(?:,\s*\{|\])")
+# A `]` that closes the events array: the enclosing object goes on or ends, or the file ends (the
+# 2020 format is a bare array); not one inside a damaged event, which more events follow.
+_ARRAY_END = re.compile(rb"\](?![\s}]*,\s*\{)\s*(?:\}|,\s*\"|$)")
+_SEPARATOR = re.compile(rb"\s*,?\s*")
+_ERROR_OFFSET = re.compile(r"\(byte (\d+)\)")
+# A syntax error this close to the end of the bytes read so far may just be an event that goes on.
+_NEAR_END = 1024
+
+
+def _last_event_end(buf: bytes, limit: int) -> int:
+    """Index of the `}` that most likely closes the last whole event before `limit`.
+
+    Prefers a `},{` boundary (cheap to confirm); falls back to the last `}`.
+    """
+    for lookback in (1 << 16, 1 << 20):
+        last = None
+        for last in _BETWEEN_EVENTS.finditer(buf, max(0, limit - lookback), limit):
+            pass
+        if last is not None:
+            return last.start()
+    return buf.rfind(b"}", 0, limit)
+
+
+def _at_array_end(buf: bytes, pos: int) -> bool:
+    """Whether the `]` at pos closes traceEvents. After a damaged event decoding may resume inside it,
+    where a `]` can look like the end too; but no trace event (no "ph") follows the real end."""
+    return _ARRAY_END.match(buf, pos) is not None and buf.find(b'"ph"', pos, pos + CHUNK_BYTES) < 0
+
+
+def _error_offset(error: msgspec.DecodeError) -> int | None:
+    """Where msgspec stopped (the byte after the offending one); None when the input just ended."""
+    m = _ERROR_OFFSET.search(str(error))
+    return int(m.group(1)) if m else None
+
+
+class EventReader:
+    """Yields lists of decoded events from the traceEvents array of a stream.
+
+    A damaged event costs that event only: decoding resumes at the next event boundary, and the
+    skipped events are counted by reason in `skipped`. No more than MAX_EVENT_BYTES is held for one
+    event, or for the text around the events array, whatever the file holds.
+    """
+
+    def __init__(self, stream: ByteStream, event_type: type):
+        self.stream = stream
+        self._many, self._one = _decoders(event_type)
+        self.blocks = stream.blocks()
+        self.buf = b""
+        self.eof = False
+        self.header = b""  # everything before the events array
+        self.trailer = b""  # everything after it, up to MAX_EVENT_BYTES
+        self.trailer_dropped = 0  # bytes after that, not kept
+        self.trailer_dropped_junk = False  # whether any of them is more than zero padding or blanks
+        self.skipped: dict[str, list] = {}  # reason -> [events, first example]
+        self.truncated: str | None = None  # why the events array never closed
+
+    def _fill(self, want: int) -> None:
+        parts = [self.buf]
+        size = len(self.buf)
+        while size < want and not self.eof:
+            block = next(self.blocks, None)
+            if block is None:
+                self.eof = True
+                break
+            parts.append(block)
+            size += len(block)
+        self.buf = b"".join(parts)
+
+    def _skip(self, reason: str, example: str) -> None:
+        entry = self.skipped.setdefault(reason, [0, example])
+        entry[0] += 1
+
+    def _find_array_start(self) -> None:
+        self._fill(SNIFF_BYTES)
+        if not sniff(self.buf[:SNIFF_BYTES]):
+            if not self.buf and self.stream.truncated:
+                raise NotATrace(self.stream.truncated, damaged=True)
+            raise NotATrace(*_describe_non_trace(self.buf[:4096]))
+        text = self.buf.lstrip()
+        if text[:1] == b"[":
+            start = len(self.buf) - len(text) + 1
+        else:
+            while True:
+                m = re.search(rb'"traceEvents"\s*:\s*\[', self.buf)
+                if m or self.eof or len(self.buf) > MAX_EVENT_BYTES:
+                    break
+                self._fill(len(self.buf) + CHUNK_BYTES)
+            if not m:
+                raise self._no_events_array()
+            start = m.end()
+        self.header = self.buf[: start - 1]
+        self.buf = self.buf[start:]
+
+    def _no_events_array(self) -> NotATrace:
+        """A whole JSON object without traceEvents is another format; one cut short is a damaged trace."""
+        if len(self.buf) > MAX_EVENT_BYTES:
+            return NotATrace(f"no traceEvents array in the first {MAX_EVENT_BYTES >> 20} MiB", damaged=True)
+        try:
+            msgspec.json.decode(self.buf)
+        except (msgspec.DecodeError, RecursionError):
+            return NotATrace("a trace cut short (or damaged) before its traceEvents array", damaged=True)
+        return NotATrace(_describe_non_trace(self.buf[:4096])[0], damaged=False)
+
+    def events(self) -> Iterator[list]:
+        self._find_array_start()
+        want = CHUNK_BYTES
+        while True:
+            self._fill(want)
+            skip = _SEPARATOR.match(self.buf).end()
+            if skip:
+                self.buf = self.buf[skip:]
+            if _at_array_end(self.buf, 0):  # empty array, or the end after the last chunk
+                self._finish(1)
+                return
+            limit = len(self.buf) if self.eof else min(len(self.buf), want)
+            events, consumed, ended = self._decode_prefix(limit)
+            self.buf = self.buf[consumed:]
+            if events:
+                yield events
+            if ended:
+                self._finish(0)
+                return
+            if consumed:
+                want = CHUNK_BYTES
+            elif self.eof:
+                if not self.truncated:  # (_skip_oversized may have said why already)
+                    self.truncated = "JSON ends in the middle of traceEvents (file cut short)"
+                    if self.buf and _is_padding(self.buf.replace(b",", b"")):
+                        self.truncated += f", followed by {len(self.buf)} zero or blank bytes"
+                return
+            elif want >= MAX_EVENT_BYTES:
+                self._skip_oversized()
+                want = CHUNK_BYTES
+            else:
+                want *= 2  # one event larger than the window: widen it
+
+    def _decode_prefix(self, limit: int) -> tuple[list, int, bool]:
+        """Decode the whole events in buf[:limit]: (events, bytes consumed, whether the array ended).
+
+        The fast path decodes them as one array; when that fails, the sound events before the
+        failure are still decoded at once and the rest one by one (`_decode_one_by_one`)."""
+        buf = self.buf
+        pos = _last_event_end(buf, limit)
+        if pos < 0:
+            return self._decode_one_by_one([], 0, limit)
+        candidate = b"[" + buf[: pos + 1] + b"]"
+        try:
+            return self._many.decode(candidate), pos + 1, False
+        except msgspec.ValidationError:
+            try:  # some element has an unexpected shape: the sound ones are kept
+                return self._decode_each(candidate), pos + 1, False
+            except (msgspec.DecodeError, RecursionError):  # and a later one is not JSON, or too deep
+                return self._decode_one_by_one([], 0, limit)
+        except RecursionError:
+            return self._decode_one_by_one([], 0, limit)
+        except msgspec.DecodeError as e:
+            offset, message = _error_offset(e), str(e)
+        if offset is None:
+            return self._decode_one_by_one([], 0, limit)
+        if "trailing characters" in message:  # the events array closed inside this prefix
+            end = candidate.rfind(b"]", 0, offset)
+            try:
+                return self._many.decode(candidate[: end + 1]), end, True
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                return self._decode_one_by_one([], 0, limit)
+        # The events before the one holding the error are sound: decode them in one go.
+        error_at = offset - 2  # msgspec counts past the offending byte, and candidate starts with "["
+        before = None
+        for before in _BETWEEN_EVENTS.finditer(buf, max(0, error_at - (1 << 20)), max(0, error_at)):
+            pass
+        if before is not None:
+            try:
+                sound = self._many.decode(b"[" + buf[: before.start() + 1] + b"]")
+                return self._decode_one_by_one(sound, before.start() + 1, limit)
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                pass
+        return self._decode_one_by_one([], 0, limit)
+
+    def _decode_each(self, candidate: bytes) -> list:
+        events = []
+        for raw in _RAW_LIST.decode(candidate):
+            try:
+                events.append(self._one.decode(raw))
+            except msgspec.ValidationError as e:
+                self._skip("malformed_event", f"{e}: {bytes(raw)[:120]!r}")
+        return events
+
+    def _decode_one_by_one(self, events: list, pos: int, limit: int) -> tuple[list, int, bool]:
+        """Decode events starting before `limit` one at a time, skipping damaged ones."""
+        buf, view = self.buf, memoryview(self.buf)
+        while True:
+            pos = _SEPARATOR.match(buf, pos).end()
+            if pos >= limit:
+                return events, pos, False
+            if _at_array_end(buf, pos):
+                return events, pos + 1, True
+            found = self._next_event(view, pos)
+            if found is None:  # it goes on past the bytes read so far
+                return events, pos, False
+            end, event = found
+            if event is not None:
+                events.append(event)
+            pos = end
+
+    def _next_event(self, view: memoryview, pos: int) -> tuple[int, Any] | None:
+        """The event at `pos` and where it ends (event None when it was skipped as damaged), or None
+        when it may go on past the bytes read so far."""
+        if view[pos] != 0x7B:  # not an event: junk between events (a stray comma, zeros) up to the next one
+            start = self.buf.find(b"{", pos)
+            if start < 0:
+                return None
+            self._skip("malformed_event", f"bytes between events: {bytes(view[pos:min(start, pos + 60)])!r}")
+            return start, None
+        try:
+            _RAW.decode(view[pos:])
+            end = len(view)
+        except msgspec.DecodeError as e:
+            offset = _error_offset(e)
+            if offset is None:  # the input ended inside the event
+                return None
+            if "trailing characters" in str(e):
+                end = pos + offset - 1
+            elif not self.eof and pos + offset + _NEAR_END >= len(view):
+                return None
+            else:
+                return self._resync(pos, pos + offset - 1, "malformed_event", f"{e}: {bytes(view[pos:pos + 120])!r}")
+        except RecursionError:
+            return self._resync(pos, pos + 1, "nesting_too_deep", f"{bytes(view[pos:pos + 120])!r}")
+        try:
+            return end, self._one.decode(view[pos:end])
+        except msgspec.ValidationError as e:
+            self._skip("malformed_event", f"{e}: {bytes(view[pos:pos + 120])!r}")
+        except RecursionError:
+            self._skip("nesting_too_deep", f"{bytes(view[pos:pos + 120])!r}")
+        return end, None
+
+    def _resync(self, pos: int, error_at: int, reason: str, example: str) -> tuple[int, None] | None:
+        """Skip the damaged event at `pos` to the next event boundary after `error_at`."""
+        m = _EVENT_END.search(self.buf, max(pos, error_at))
+        if m is None:  # no boundary in the bytes read so far
+            return None
+        self._skip(reason, example)
+        return m.start() + 1, None
+
+    def _skip_oversized(self) -> None:
+        """No whole event in MAX_EVENT_BYTES (an unterminated string, a runaway value, zeros where the
+        file was cut): drop bytes up to the next event boundary, holding at most MAX_EVENT_BYTES +
+        CHUNK_BYTES."""
+        example = f"{self.buf[:120]!r}"
+        dropped, padding = 0, True
+        searched = 1
+        while True:
+            m = _EVENT_END.search(self.buf, searched)
+            if m is not None:
+                self.buf = self.buf[m.start() + 1 :]
+                self._skip("oversized_event", example)
+                return
+            padding = padding and _is_padding(self.buf)
+            if self.eof:
+                dropped += len(self.buf)
+                self.buf = b""
+                self.truncated = (f"JSON ends in the middle of traceEvents (file cut short), followed by {dropped} zero "
+                                  "or blank bytes" if padding else f"JSON ends inside an event larger than "
+                                  f"{MAX_EVENT_BYTES >> 20} MiB (file cut short?)")
+                return
+            dropped += len(self.buf) - 64
+            self.buf = self.buf[-64:]  # a boundary may straddle two blocks
+            searched = 0
+            self._fill(CHUNK_BYTES)
+
+    def _finish(self, after_array: int) -> None:
+        """Keep the text after the events array (the rest of the metadata), up to MAX_EVENT_BYTES."""
+        parts, size = [self.buf[after_array:]], len(self.buf) - after_array
+        for block in self.blocks:
+            if size < MAX_EVENT_BYTES:
+                parts.append(block)
+            else:
+                self.trailer_dropped += len(block)
+                self.trailer_dropped_junk = self.trailer_dropped_junk or not _is_padding(block)
+            size += len(block)
+        self.trailer = b"".join(parts)
+        self.buf = b""
+        self.eof = True
+
+    def metadata(self, issues: list[Issue]) -> dict:
+        """Top-level keys other than traceEvents (deviceProperties, distributedInfo, base time...).
+
+        Text after the document is reported (zero padding or garbage), and metadata nested too deep
+        to decode keeps the keys steplens reads that are not themselves too deep."""
+        if not self.header.strip():  # 2020 array format: no metadata at all
+            self._report_after_document(self.trailer, issues)
+            return {}
+        doc = self.header + b"[]" + self.trailer
+        try:
+            value = _JSON.decode(doc)
+        except RecursionError:
+            issues.append(Issue("warning", "nesting_too_deep", 1, "trace metadata nested deeper than the decoder "
+                                "allows; kept only the top-level keys steplens reads that decode"))
+            value = _metadata_by_key(doc)
+        except msgspec.DecodeError as e:
+            offset = _error_offset(e)
+            if offset is not None and "trailing characters" in str(e):
+                self._report_after_document(doc[offset - 1 :], issues)
+                value = _decode_or_none(doc[: offset - 1])
+            else:  # the metadata after the events array is cut short (or too big); keep what came before it
+                value = _decode_or_none(self.header + b"[]}")
+                if self.trailer_dropped:
+                    issues.append(Issue("warning", "oversized_metadata", 1, f"the text after traceEvents is over "
+                                        f"{MAX_EVENT_BYTES >> 20} MiB and is not valid JSON within that; not read"))
+                elif not (self.truncated or self.stream.truncated):
+                    issues.append(Issue("error", "truncated", 1, "file cut short after the last event: the metadata "
+                                        "written after traceEvents (baseTimeNanoseconds, ...) is lost"))
+        else:
+            self._report_after_document(b"", issues)
+        return value if isinstance(value, dict) else {}
+
+    def report(self, issues: list[Issue]) -> None:
+        """What reading cost, once the events and the metadata are read: a truncation, bytes after the
+        gzip data, skipped events."""
+        if self.stream.truncated or self.truncated:
+            why = self.stream.truncated or self.truncated
+            issues.append(Issue("error", "truncated", 1, f"{why}; kept every complete event before the cut"))
+        if self.stream.trailing_bytes:
+            _report_trailing(b"", self.stream.trailing_bytes, not self.stream.trailing_zeros, "the gzip data", issues)
+        for reason, (n, example) in sorted(self.skipped.items()):
+            issues.append(Issue("warning", reason, n, f"{_SKIPPED[reason]}; decoding resumed at the next event, e.g. {example}"))
+
+    def _report_after_document(self, text: bytes, issues: list[Issue]) -> None:
+        _report_trailing(text, self.trailer_dropped, self.trailer_dropped_junk, "the JSON document", issues)
+
+
+def _is_padding(data: bytes) -> bool:
+    """Only zeros and blanks (counting zeros first: much faster than strip on a long run of them)."""
+    return data.count(0) == len(data) or not data.strip(b"\0 \t\r\n")
+
+
+def _report_trailing(text: bytes, more_bytes: int, more_junk: bool, after: str, issues: list[Issue]) -> None:
+    """Bytes after the end of the data (`text`, then `more_bytes` not kept): zero padding or garbage."""
+    junk = b"" if _is_padding(text) else text.strip(b" \t\r\n\0")
+    size = len(text) + more_bytes
+    if junk or more_junk:
+        issues.append(Issue("warning", "trailing_garbage", size, f"bytes after the end of {after} ignored, e.g. {junk[:60]!r}"))
+    elif b"\0" in text or more_bytes:
+        issues.append(Issue("info", "zero_padding", size, f"zero bytes after the end of {after} (a preallocated file?); ignored"))
+
+
+_JSON = msgspec.json.Decoder()
+_RAW = msgspec.json.Decoder(msgspec.Raw)
+# The top-level keys steplens reads (ingest's trace facts and the base time).
+METADATA_KEYS = ("schemaVersion", "distributedInfo", "deviceProperties", "computeProperties", "baseTimeNanoseconds",
+                 "cuda_runtime_version", "cuda_driver_version", "displayTimeUnit")
+
+
+def _decode_or_none(doc: bytes):
+    try:
+        return _JSON.decode(doc)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+
+
+def _metadata_by_key(doc: bytes) -> dict:
+    """Each key of METADATA_KEYS at its first `"key":` in the text, decoded on its own."""
+    found = {}
+    for key in METADATA_KEYS:
+        m = re.search(rb'"' + key.encode() + rb'"\s*:\s*', doc)
+        if m is None:
+            continue
+        try:
+            found[key] = _JSON.decode(doc[m.end():])
+        except msgspec.DecodeError as e:
+            offset = _error_offset(e)
+            if offset is not None and "trailing characters" in str(e):
+                value = _decode_or_none(doc[m.end() : m.end() + offset - 1])
+                if value is not None:
+                    found[key] = value
+        except RecursionError:
+            continue
+    return found
+
+
+_SKIPPED = {
+    "malformed_event": "events that are not valid JSON or have an unexpected shape were skipped",
+    "nesting_too_deep": "events nested deeper than the decoder allows were skipped",
+    "oversized_event": f"events larger than {MAX_EVENT_BYTES >> 20} MiB (an unterminated string?) were skipped",
+}
