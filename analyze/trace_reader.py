@@ -48,8 +48,6 @@ class Issue:
     detail: str
 
 
-
-
 @functools.cache
 def _decoders(event_type: type) -> tuple[msgspec.json.Decoder, msgspec.json.Decoder]:
     """Decoders for a list of events and for one event."""
@@ -191,7 +189,8 @@ def _at_array_end(buf: bytes, pos: int) -> bool:
 
 
 def _error_offset(error: msgspec.DecodeError) -> int | None:
-    """Where msgspec stopped (the byte after the offending one); None when the input just ended."""
+    """msgspec's byte offset: the offending byte, or the one after it for "trailing characters";
+    None when the input just ended."""
     m = _ERROR_OFFSET.search(str(error))
     return int(m.group(1)) if m else None
 
