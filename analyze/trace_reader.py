@@ -27,6 +27,7 @@ SNIFF_BYTES = 1 << 20
 # (the largest in the corpus is a few kB); beyond it the bytes are skipped to the next event.
 MAX_EVENT_BYTES = 32 << 20
 GZIP_MAGIC = b"\x1f\x8b"
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class NotATrace(Exception):
@@ -146,7 +147,7 @@ def _describe_non_trace(head: bytes) -> tuple[str, bool]:
 
 def sniff(head: bytes) -> bool:
     """True when the first bytes of a (decompressed) file look like a Chrome/Kineto trace."""
-    text = head.lstrip()
+    text = head.removeprefix(UTF8_BOM).lstrip()
     if text[:1] == b"{":
         return b'"traceEvents"' in text or b'"schemaVersion"' in text[:200]
     if text[:1] == b"[":
@@ -234,6 +235,7 @@ class EventReader:
 
     def _find_array_start(self) -> None:
         self._fill(SNIFF_BYTES)
+        self.buf = self.buf.removeprefix(UTF8_BOM)  # JSON has none, but Windows editors write one
         if not sniff(self.buf[:SNIFF_BYTES]):
             if not self.buf and self.stream.truncated:
                 raise NotATrace(self.stream.truncated, damaged=True)

@@ -542,3 +542,8 @@ def test_zeros_where_the_file_was_cut(tmp_path, traces):
     assert _kept(parsed) == expected_events(t, set(range(i, len(t.spans))))
     truncated = [i for i in parsed.issues if i.reason == "truncated"]
     assert truncated and f"followed by {64 << 20} zero" in truncated[0].detail
+
+
+def test_a_byte_order_mark_is_not_damage(tmp_path, traces):
+    parsed = _parse_text(tmp_path, "\ufeff" + traces["rank1"].text)
+    assert _kept(parsed) == expected_events(traces["rank1"]) and parsed.issues == []
