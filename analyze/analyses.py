@@ -75,6 +75,7 @@ class _RankResults:
     cpu_comm_ops: int
     op_totals: pl.DataFrame = field(default_factory=pl.DataFrame)  # op_perf per name and shapes (the rows are written per rank)
     modules: pl.DataFrame = field(default_factory=pl.DataFrame)
+    family_time: pl.DataFrame = field(default_factory=pl.DataFrame)  # device time by the innermost op's family
 
 
 def _analyse_rank(out_dir: Path, rank: int, world_size: int, options: Options, roof: op_perf.Roof | None = None
@@ -110,6 +111,7 @@ def _analyse_rank(out_dir: Path, rank: int, world_size: int, options: Options, r
         cpu_comm_ops=cpu.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()
                                 | pl.col("name").str.starts_with("c10d::")).height,
         op_totals=op_perf.op_totals(perf),
+        family_time=op_perf.family_time(cpu, launched),
         modules=module_perf.module_perf(modules, ops, perf, launched, module_perf.backward_points(links, linked, launched)),
     )
 
@@ -183,7 +185,9 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
         findings["job_end"] = ended
     findings.update(telemetry_headline(tables))
     op_totals = pl.concat([r.op_totals for r in per_rank], how="diagonal_relaxed") if ranks else pl.DataFrame()
-    findings["roofline"] = roofline.roofline_finding(op_totals, tables["module_perf"], tables["module_mfu"], roof, options.dtype)
+    findings["roofline"] = roofline.roofline_finding(op_totals, tables["module_perf"], tables["module_mfu"], roof, options.dtype,
+                                                     pl.concat([r.family_time for r in per_rank], how="diagonal_relaxed")
+                                                     if ranks else pl.DataFrame())
     device_key = mfu.match_device(device_name, num_sms) if device_name else None
     if disagree := sanity.inputs_disagree(findings, tables["step_time"], device_key):
         findings["inputs_disagree"] = disagree

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import polars as pl
 
-from . import mfu, op_model
+from . import intervals, mfu, op_model
+from .op_model import family
 
 OP_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid", "step", "external_id", "input_dims",
               "input_types", "concrete_inputs"]
@@ -168,3 +170,27 @@ def top_ops(totals: pl.DataFrame, roof: Roof, limit: int = TOP_OPS) -> pl.DataFr
         ranks=pl.col("ranks").sum())
     merged = merged.filter(pl.col("device_ns") > 0).sort("device_ns", "name", descending=[True, False]).head(limit)
     return with_roofline(merged, roof).drop("peak_flops")
+
+
+def family_time(cpu: pl.DataFrame, launched: pl.DataFrame) -> pl.DataFrame:
+    """Device time by the family of the innermost CPU op each launch call sits in (TraceLens's
+    kernel-launcher view: every activity counted once, under its innermost op; `none`: launched outside
+    every op). `cpu` holds the rank's CPU events (rank, source, kind, name, ts_ns, dur_ns, pid, tid)."""
+    points = launch_points(launched).drop_nulls(THREAD + ["at_ns"])
+    if points.is_empty():
+        return pl.DataFrame(schema={"rank": pl.Int64, "family": pl.String, "launches": pl.Int64, "device_ns": pl.Int64})
+    ops = (cpu.filter((pl.col("kind") == "cpu_op") & pl.col("dur_ns").is_not_null()).drop_nulls(THREAD + ["ts_ns"])
+           .sort(*THREAD, "ts_ns", "dur_ns", descending=[False] * 4 + [True]))
+    owners = []
+    for (source, pid, tid), at in points.group_by(THREAD):  # rowwise-ok: once per thread
+        mine = ops.filter((pl.col("source") == source) & (pl.col("pid") == pid) & (pl.col("tid") == tid))
+        starts, ends = mine["ts_ns"].to_numpy(), (mine["ts_ns"] + mine["dur_ns"]).to_numpy()
+        where = intervals.innermost_container(starts, ends, at["at_ns"].to_numpy(), at["at_ns"].to_numpy())
+        names = mine["name"].to_numpy()
+        owner = np.where(where >= 0, names[np.maximum(where, 0)] if len(names) else None, None)
+        owners.append(at.with_columns(op=pl.Series(owner.tolist(), dtype=pl.String)))
+    owned = pl.concat(owners)
+    families = {n: family(n) for n in owned["op"].drop_nulls().unique().to_list()}  # rowwise-ok: per distinct op name
+    return owned.with_columns(family=pl.col("op").replace_strict(families, default="none", return_dtype=pl.String)).group_by(
+        "family").agg(launches=pl.len(), device_ns=pl.col("work_ns").sum().cast(pl.Int64)).with_columns(
+        rank=pl.lit(cpu["rank"][0] if cpu.height else None, pl.Int64)).select("rank", "family", "launches", "device_ns")

@@ -14,7 +14,7 @@ MODULE_FRACTION_DEFINITION = ("achieved TFLOP/s of the module's forward (FLOPs o
 
 
 def roofline_finding(op_totals: pl.DataFrame, modules: pl.DataFrame, module_mfu: pl.DataFrame, roof: op_perf.Roof,
-                     dtype: str) -> dict:
+                     dtype: str, family_time: pl.DataFrame | None = None) -> dict:
     """Top ops by device time with their roofline position; the modules (of the most device time) furthest below peak."""
     top = op_perf.top_ops(op_totals, roof)
     finding: dict = {
@@ -28,6 +28,10 @@ def roofline_finding(op_totals: pl.DataFrame, modules: pl.DataFrame, module_mfu:
                               "summed over ranks; device time = device work launched under the op (nested ops included)",
         "modules_below_peak": _modules_below_peak(modules, module_mfu, roof.flops.get(dtype)),
         "modules_definition": MODULE_FRACTION_DEFINITION + f" ({dtype})",
+        "time_by_op_family": _family_shares(family_time),
+        "time_by_op_family_definition": "device time of every kernel, memcpy and memset under the family of the "
+                                        "innermost CPU op its launch call sits in (none: launched outside every op), "
+                                        "summed over ranks",
     }
     return finding
 
@@ -71,3 +75,11 @@ def terminal_lines(findings: dict) -> list[str]:
         lines.append(f"module furthest below peak: {rated[0]['module']}, {rated[0]['fraction_of_peak']:.1%} of peak "
                      f"over {rated[0]['device_ns'] / 1e6:.3f} ms of forward device time")
     return lines
+
+
+def _family_shares(family_time: pl.DataFrame | None) -> list[dict]:
+    if family_time is None or family_time.is_empty():
+        return []
+    total = family_time.group_by("family").agg(pl.col("launches", "device_ns").sum())
+    return total.with_columns(share=pl.col("device_ns") / pl.col("device_ns").sum()).sort(
+        "device_ns", "family", descending=[True, False]).to_dicts()

@@ -71,6 +71,9 @@ def report_blocks(finding: dict | None) -> list[tuple[str, object]]:
             blocks.append(("figure", scatter(finding["top_ops"], finding["roof"])))
             blocks.append(("text", "Roofs: " + finding["roof"]["label"] + "."))
         blocks.append(("table", table(finding["top_ops"], OP_COLUMNS, "op_perf")))
+    if families := finding.get("time_by_op_family"):
+        blocks.append(("text", "Device time by the family of the innermost op that launched it: " + ", ".join(
+            f"{f['family']} {f['share']:.0%} ({f['device_ns'] / 1e6:.3f} ms)" for f in families) + "."))
     if finding.get("modules_below_peak"):
         blocks.append(("text", "Modules furthest below peak, among those with the most forward device time ("
                        + finding["modules_definition"] + "):"))

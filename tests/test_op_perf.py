@@ -218,7 +218,9 @@ def corpus_op_perf(tmp_path_factory):
     for path in _corpus_files():
         out = tmp_path_factory.mktemp("opperf") / "out"
         ingest(path.parent, out, files=[path], jobs=1, finish=analyses.run)
-        results[path.relative_to(CORPUS).as_posix()] = (path, pl.read_parquet(out / "op_perf"))
+        launched = pl.read_parquet(out / "kernel_launches").filter(pl.col("launch_api").is_not_null())["dur_ns"].sum()
+        families = json.loads((out / "findings.json").read_text())["roofline"]["time_by_op_family"]
+        results[path.relative_to(CORPUS).as_posix()] = (path, pl.read_parquet(out / "op_perf"), launched, families)
     return results
 
 
@@ -226,7 +228,7 @@ def test_corpus_gemm_flops_and_device_time_match_the_raw_json(corpus_op_perf):
     if not corpus_op_perf:
         pytest.skip("no corpus")
     checked = 0
-    for name, (path, perf) in corpus_op_perf.items():
+    for name, (path, perf, _, _) in corpus_op_perf.items():
         expected = _reference(path)
         gemms = perf.filter(pl.col("name").is_in(list(GEMMS)))
         got = {x: (f, d) for x, f, d in gemms.select("external_id", "flops", "device_ns").iter_rows()}
@@ -241,7 +243,9 @@ def test_corpus_gemm_flops_and_device_time_match_the_raw_json(corpus_op_perf):
 def test_corpus_roofline_columns_are_consistent(corpus_op_perf):
     if not corpus_op_perf:
         pytest.skip("no corpus")
-    for name, (_, perf) in corpus_op_perf.items():
+    for name, (_, perf, launched_ns, families) in corpus_op_perf.items():
+        # every launched activity is counted once, under the family of its innermost op
+        assert sum(f["device_ns"] for f in families) == launched_ns, name
         timed = perf.filter((pl.col("device_ns") > 0) & pl.col("flops").is_not_null())
         # achieved TFLOP/s is flops over device time, whatever the device
         assert ((timed["achieved_tflops"] - timed["flops"] / timed["device_ns"] / 1e3).abs() < 1e-9).all(), name
@@ -304,6 +308,9 @@ def test_module_time_and_flops_from_a_hand_built_trace(tmp_path):
     findings = json.loads((out / "findings.json").read_text())["roofline"]
     assert findings["top_ops"][0]["calls"] == 4 and findings["top_ops"][0]["device_ns"] == 50_000
     assert findings["modules_below_peak"][0]["fraction_of_peak"] == pytest.approx(mm_flops / 30_000 / 1e3 * 1e12 / 989.5e12)
+    # every launch under its innermost op: the four mm (gemm) and MmBackward0 (no family of its own)
+    assert [(f["family"], f["launches"], f["device_ns"]) for f in findings["time_by_op_family"]] == [
+        ("gemm", 4, 50_000), ("other", 1, 20_000)]
     below = {m["module"]: m for m in findings["modules_below_peak"]}
     # forward + backward: 3 x the forward FLOPs over 30 us forward + 20 us backward; Linear_0 has no backward
     assert below["Model_0/Block_0"]["training_fraction_of_peak"] == pytest.approx(3 * mm_flops / 50e-6 / 989.5e12)
