@@ -38,9 +38,10 @@ MFU_COLUMNS = {"rank": pl.Int64, "step": pl.Int64, "module": pl.String, "module_
                "achieved_tflops": pl.Float64, "peak_tflops": pl.Float64, "mfu": pl.Float64, "definition": pl.String,
                "flag": pl.String, "backward_device_ns": pl.Int64, "training_flops": pl.Float64,
                "training_mfu": pl.Float64}
-MFU_DEFINITION = ("forward only: the FLOPs profile's forward FLOPs of the module (one micro batch, children included) x "
-                  "its calls in the step, over the device time of the kernels launched inside its forward; the backward "
-                  "(2 x forward FLOPs) runs outside the module's span and is not in either figure")
+MFU_DEFINITION = ("mfu: the FLOPs profile's forward FLOPs of the module (one micro batch, children included) x its calls "
+                  "in the step, over the device time launched inside its forward; training_mfu: 3 x those FLOPs (backward "
+                  "= 2 x forward) over forward + backward device time (backward: the work of the backward nodes that "
+                  "fwdbwd flows link to the module's forward ops)")
 ZERO3_FLAG = "ZeRO-3 FLOPs profile: Linear FLOPs counted twice, no MFU"
 
 
