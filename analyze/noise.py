@@ -14,7 +14,6 @@ throughput.
 from __future__ import annotations
 
 import numpy as np
-from scipy import stats
 
 ALPHA = 0.05
 CONFIDENCE = 0.95
@@ -37,6 +36,9 @@ def two_run_verdict(base: np.ndarray, new: np.ndarray, higher_is_better: bool = 
     samples, test, statistic (U of new against base), p_value, ci_low, ci_high; then verdict
     (regression | improvement | within noise | not established), established (whether the change
     is beyond the noise) and why, in words."""
+    # Imported here: scipy.stats is slow to import, and importers reach this module for ALPHA alone.
+    from scipy import stats
+
     b, n = np.asarray(base, dtype=float), np.asarray(new, dtype=float)
     result = {"base_n": len(b), "new_n": len(n),
               "base_median": float(np.median(b)) if len(b) else None,
