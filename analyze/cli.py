@@ -138,7 +138,11 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         except OutputUnwritable as e:
             _fail(safe_text(e), EXIT_UNWRITABLE)
         except IngestError as e:
-            _fail(safe_text(e))
+            if not (apart := _unranked_traces_apart(run, e, out_dir)):
+                _fail(safe_text(e))
+            click.echo(f"{safe_text(run_dir)}: {len(apart)} traces with no rank, from different processes: "
+                       "separate runs, each analysed on its own:")
+            sys.exit(_analyse_each(run_dir, apart, jobs, options, ingest_only))
         if fmt == "md" and findings:
             click.echo((result.out_dir / "summary.md").read_text(), nl=False)
         else:
@@ -147,19 +151,33 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
             if findings:
                 print_findings(console, findings)
                 console.print(f"report: {safe_text(result.out_dir / 'report.html')} (rendered in "
-                              f"{findings['report_seconds']:.2f}s)\nPR summary: {safe_text(result.out_dir / 'summary.md')}",
-                              markup=False, highlight=False, soft_wrap=True)
+                              f"{findings['report_seconds']:.2f}s)\nPR summary: "
+                              f"{safe_text(result.out_dir / 'summary.md')}", markup=False, highlight=False,
+                              soft_wrap=True)
         _warn_missing_ranks(result)
         sys.exit(_status(result))
-    statuses = []
     click.echo(f"{safe_text(run_dir)} holds {len(runs)} runs; each is analysed on its own:")
-    for run in runs:
-        name = safe_text(os.path.relpath(run.path, run_dir) if run.path != run_dir else run_dir.name)
+    sys.exit(_analyse_each(run_dir, [(run, out_of(run)) for run in runs], jobs, options, ingest_only,
+                           out_given=out_dir is not None))
+
+
+def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, options: analyses.Options,
+                  ingest_only: bool, out_given: bool = False) -> int:
+    """Several runs, one line each with where its report is; the exit status of them all."""
+    statuses = []
+    pending = list(runs)
+    while pending:
+        run, out = pending.pop(0)
+        name = safe_text(run.name or (os.path.relpath(run.path, run_dir) if run.path != run_dir else run_dir.name))
         try:
-            result, findings = _analyse_run(run, out_of(run), jobs, options, ingest_only, show_progress=False)
+            result, findings = _analyse_run(run, out, jobs, options, ingest_only, show_progress=False)
         except OutputUnwritable as e:
             _fail(safe_text(e), EXIT_UNWRITABLE)
         except IngestError as e:
+            if apart := _unranked_traces_apart(run, e, out if out_given else None):
+                click.echo(f"  {name}: {len(apart)} traces with no rank, from different processes: separate runs")
+                pending[:0] = apart
+                continue
             statuses.append(EXIT_NOTHING)
             click.echo(f"  {name}: not analysed: {safe_text(e)}")
             continue
@@ -169,8 +187,25 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         report = result.out_dir / ("report.html" if findings else schema.MANIFEST_FILE)
         click.echo(f"  {name}: {len(result.sources)} input(s), ranks {ranks or 'none'}, {problems} error(s)\n"
                    f"    {safe_text(report)}")
-    sys.exit(max(statuses) if all(s == EXIT_NOTHING for s in statuses) else
-             (EXIT_PARTIAL if any(s != 0 for s in statuses) else 0))
+    if all(s == EXIT_NOTHING for s in statuses):
+        return EXIT_NOTHING
+    return EXIT_PARTIAL if any(s != 0 for s in statuses) else 0
+
+
+def _unranked_traces_apart(run: RunFolder, error: IngestError, out_dir: Path | None) -> list[tuple[RunFolder, Path]]:
+    """Traces that name no rank and come from different processes (before/after traces, two
+    models side by side) are separate one-rank runs, not one run that cannot be told apart: each
+    is written to OUT/FILE, or to .steplens-FILE beside it."""
+    traces = [s for s in error.sources if s.kind == "kineto"]
+    unranked = [s for s in traces if any(i[1] == "rank_unknown" for i in s.issues)]
+    if len(unranked) < 2 or len(unranked) != len(traces) or run.found.native:
+        return []
+    apart = []
+    for source in unranked:
+        trace = run.path / source.path
+        out = out_dir / trace.name if out_dir else trace.parent / f"{schema.DEFAULT_OUT_DIR}-{trace.name}"
+        apart.append((RunFolder(run.path, classify([trace]), name=source.path), out))
+    return apart
 
 
 def _runs_to_analyse(run_dir: Path, out_dir: Path | None):

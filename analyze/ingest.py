@@ -42,7 +42,11 @@ PARSED_TABLES = ("trace_events", "flows", "steps")
 
 
 class IngestError(Exception):
-    """Nothing usable to ingest; the message is one line for the user."""
+    """Nothing usable to ingest; the message is one line for the user, `sources` what became of each file."""
+
+    def __init__(self, message: str, sources: list | None = None):
+        super().__init__(message)
+        self.sources = sources or []
 
 
 class UnsafeOutput(IngestError):
@@ -731,7 +735,7 @@ def _ingest_into(run_dir: Path, out_dir: Path, staging: Path, found: Discovered,
         problems = [(s.path, i[3]) for s in sources for i in s.issues if i[0] == "error"]
         problems = problems or [(s.path, i[3]) for s in sources for i in s.issues]
         why = f" ({problems[0][0]}: {problems[0][1]})" if problems else ""
-        raise IngestError(f"{run_dir}: nothing usable among {len(sources)} file(s){why}")
+        raise IngestError(f"{run_dir}: nothing usable among {len(sources)} file(s){why}", sources)
     if finish:
         finish(staging)
     manifest["output_entries"] = sorted(os.listdir(staging))
@@ -831,9 +835,15 @@ def _parse_all(to_parse, scratch: Path, jobs: int | None, progress) -> list[Sour
             in_flight: set[Future] = set()
 
             def top_up() -> None:
-                while pending and len(in_flight) < workers:
-                    path, source = pending.pop()
-                    in_flight.add(pool.submit(_parse_source, str(path), source, str(scratch)))
+                # submit() may start a worker; a Ctrl-C or SIGTERM in the middle of that would leave a
+                # half-started child the cleanup cannot see, so they wait until it is registered.
+                blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+                try:
+                    while pending and len(in_flight) < workers:
+                        path, source = pending.pop()
+                        in_flight.add(pool.submit(_parse_source, str(path), source, str(scratch)))
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
             top_up()
             while pending:

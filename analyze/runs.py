@@ -26,6 +26,7 @@ MAX_DEPTH = 6  # runs/sweep/config/trial/... deeper than this are analysed where
 class RunFolder:
     path: Path
     found: Discovered  # the files that belong to this run (its own, not its sibling runs')
+    name: str | None = None  # how to call it when it is not its folder (a single trace file)
 
 
 SNIFF_BYTES = 64 << 10

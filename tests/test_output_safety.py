@@ -21,6 +21,7 @@ from steplens.analyze import ingest as ingest_module
 from steplens.analyze import schema
 from steplens.analyze.cli import EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_UNWRITABLE, analyze, steplens
 
+from conftest import write_trace
 from synthetic import generate_run
 
 ANALYZE = [sys.executable, "-m", "steplens.analyze"]
@@ -246,3 +247,26 @@ def test_export_trace_never_overwrites_an_input(synthetic_run, tmp_path):
     merged = tmp_path / "merged.json"
     assert CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(merged)]).exit_code == 0
     assert CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(merged)]).exit_code == 0  # its own: replaced
+
+
+def _unranked_trace(path: Path, pid: int, kernels: int) -> Path:
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": pid, "tid": 1, "ts": 0, "dur": 50}]
+    for i in range(kernels):
+        events += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": pid, "tid": 1, "ts": 1 + i,
+                    "dur": 1, "args": {"correlation": i + 1}},
+                   {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 10 + i, "dur": 1,
+                    "args": {"correlation": i + 1, "stream": 7}}]
+    return write_trace(path, events)
+
+
+def test_unranked_traces_of_different_processes_are_separate_runs(tmp_path):
+    before = _unranked_trace(tmp_path / "traces" / "before_fix.json", pid=100, kernels=2)
+    after = _unranked_trace(tmp_path / "traces" / "after_fix.json", pid=200, kernels=3)
+    done = subprocess.run([*ANALYZE, str(tmp_path / "traces"), "-q"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 traces with no rank, from different processes" in done.stdout
+    for trace, kernels in ((before, 2), (after, 3)):
+        out = trace.parent / f"{schema.DEFAULT_OUT_DIR}-{trace.name}"
+        manifest = json.loads((out / "run.json").read_text())
+        assert [s["path"] for s in manifest["sources"]] == [trace.name]
+        assert manifest["sources"][0]["kind_counts"]["kernel"] == kernels
