@@ -343,7 +343,7 @@ def print_summary(console: Console, result: IngestResult, analysis_seconds: floa
     world = f" of world size {m['world_size']}" if m.get("world_size") else ""
     say(console, f"ranks: {_ranges(m['ranks']) or 'none'}{world}", indent=0)
     if artifacts:
-        say(console, "other inputs: " + ", ".join(f"{kind} {n}" for kind, n in sorted(artifacts.items())), indent=0)
+        say(console, "other inputs: " + ", ".join(f"{kind}={n}" for kind, n in sorted(artifacts.items())), indent=0)
     if m.get("ignored_count"):
         say(console, f"not read: {m['ignored_count']} file(s) in no format steplens knows (run.json ignored_files)",
             indent=0)
@@ -378,7 +378,8 @@ def _print_trace_tables(console: Console, used: list[Source]) -> None:
     kinds = Counter()
     for s in used:
         kinds.update(s.kind_counts)
-    say(console, "events (all ranks): " + ", ".join(f"{kind} {kinds[kind]:,}" for kind in schema.KINDS if kinds.get(kind)),
+    # kind=count: a line wrapped at the console width never parts a kind from its count
+    say(console, "events (all ranks): " + ", ".join(f"{kind}={kinds[kind]:,}" for kind in schema.KINDS if kinds.get(kind)),
         indent=0)
 
 
