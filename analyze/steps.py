@@ -17,10 +17,13 @@ STRAGGLER_MIN_SHARE of the step, so a µs-level lead is never a finding):
 * ``same_rank_last``: one rank is the candidate in so many of the steps that chance (each of R ranks
   last with probability 1/R) explains it with a one-sided binomial p below ALPHA;
 * ``beyond_rank_spread`` (3 ranks or more): its lead over the next-latest rank exceeds 3.5 x the
-  spread of the other ranks (MAD / 0.6745, the modified z-score of Iglewicz & Hoaglin).
+  spread of the other ranks (MAD / 0.6745, the modified z-score of Iglewicz & Hoaglin);
+* ``beyond_step_noise`` (any number of ranks, at least MIN_NOISE_STEPS steps): the others waited
+  for it in this step over 3.5 x longer than in any other step of the run, i.e. a wait well beyond
+  the spread between ranks when nobody straggles (waits between ranks are heavy-tailed, so the
+  largest other wait, not a median, is the noise it must clear).
 
-Ranks taking turns at being last (noise) pass neither; with 2 ranks a single late step is no
-straggler (it shows as the slowest step when it stands out from the step times).
+Ranks taking turns at being last (noise) pass none of them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import polars as pl
 STRAGGLER_MIN_SHARE = 0.05
 ALPHA = 0.05  # noise.ALPHA: one significance level for every test steplens runs
 MAD_Z_SCALE, OUTLIER_Z = 0.6745, 3.5
+MIN_NOISE_STEPS = 4  # below this a step's wait has too few others to be judged against
 
 
 def clock_offsets(calls: pl.DataFrame, ranks: list[int]) -> pl.DataFrame:
@@ -163,5 +167,13 @@ def _straggler_basis(stats: pl.DataFrame) -> pl.DataFrame:
     reasons.append(pl.when((pl.col("ranks") >= 3) & (pl.col("lead_ns") > OUTLIER_Z * pl.col("others_spread_ns"))).then(
         pl.format("beyond_rank_spread: {} ms ahead of the next-latest rank, over {} x the other ranks' spread ({} ms)",
                   (pl.col("lead_ns") / 1e6).round(3), pl.lit(OUTLIER_Z), (pl.col("others_spread_ns") / 1e6).round(3))))
+    if steps >= MIN_NOISE_STEPS:
+        # The largest wait among the other steps: the second largest overall for the step holding the largest.
+        waits = stats["lateness_ns"].fill_null(0).sort(descending=True)
+        other_max = pl.when(pl.col("lateness_ns") >= waits[0]).then(pl.lit(waits[1])).otherwise(pl.lit(waits[0]))
+        reasons.append(pl.when(pl.col("lateness_ns") > OUTLIER_Z * other_max).then(
+            pl.format("beyond_step_noise: the others waited {} ms, over {} x the most they waited in any other of "
+                      "{} steps ({} ms)", (pl.col("lateness_ns") / 1e6).round(3), pl.lit(OUTLIER_Z), pl.lit(steps - 1),
+                      (other_max / 1e6).round(3))))
     decided = pl.when(material).then(pl.coalesce(reasons))
     return stats.select("step", straggler_basis=decided.cast(pl.String))

@@ -45,3 +45,12 @@ def test_the_same_rank_last_in_every_step(tmp_path):
     p_value = sum(comb(steps, k) for k in range(steps, steps + 1)) / 2 ** steps
     assert all(s["decided_by"].startswith(f"same_rank_last: rank 1 was last in {steps} of {steps} steps")
                and f"p = {p_value:.2g}" in s["decided_by"] for s in findings["stragglers"])
+
+
+def test_two_ranks_one_late_step_beyond_the_run_noise(tmp_path):
+    """Two ranks: nothing to compare with inside the step, but the others' wait in the late step
+    dwarfs their wait in every other step of the run."""
+    truth = generate_run(tmp_path / "run", ranks=2, steps=6, seed=7, stragglers=[(1, 12)])
+    findings = analyse(tmp_path / "run", tmp_path / "out")
+    assert [(s["rank"], s["step"]) for s in findings["stragglers"]] == [(s["rank"], s["step"]) for s in truth["stragglers"]]
+    assert findings["stragglers"][0]["decided_by"].startswith("beyond_step_noise: the others waited ")
