@@ -115,3 +115,12 @@ def ds_killed_run(tmp_path_factory) -> Path:
     else:
         folder = tmp_path_factory.mktemp("realrun") / "killed"
     return run_tiny_gpt(folder, *args, check=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _release_deepspeed_shm():
+    """Jobs started without run_tiny_gpt (Popen on launch.command) leave DeepSpeed's shm buffers too."""
+    yield
+    for name in ("launch", "tests.realrun.launch"):
+        if (module := sys.modules.get(name)) is not None:
+            module.release_shm()

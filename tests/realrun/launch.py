@@ -8,6 +8,8 @@ Each call picks a free master port, so jobs of people sharing the machine do not
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import socket
 import subprocess
@@ -16,6 +18,18 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).with_name("train_tiny_gpt.py")
 REPO = Path(__file__).resolve().parents[2]
+# DeepSpeed's CPU shm comm op maps a 69 MB buffer per rank into /dev/shm and never removes it: a test
+# session that runs dozens of jobs would fill memory with them (/dev/shm is RAM). Named by master port.
+SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"
+PORTS_USED: list[int] = []
+
+
+def release_shm(ports: list[int] | None = None) -> None:
+    """Remove the shm buffers of finished jobs (of these master ports, default every port used here)."""
+    for port in list(PORTS_USED if ports is None else ports):
+        for buffer in glob.glob(SHM_BUFFERS.format(port=port)):
+            with contextlib.suppress(OSError):
+                os.unlink(buffer)
 
 
 def free_port() -> int:
@@ -36,6 +50,7 @@ def cpu_env() -> dict:
 def command(out_dir: Path, args: tuple[str, ...], launcher: str = "deepspeed", ranks: int = 2) -> list[str]:
     bin_dir = Path(sys.executable).parent
     port = str(free_port())
+    PORTS_USED.append(int(port))
     if launcher == "deepspeed":
         head = [str(bin_dir / "deepspeed"), "--num_gpus", str(ranks), "--master_port", port,
                 "--enable_each_rank_log", str(out_dir / "rank_logs")]
@@ -54,8 +69,12 @@ def run_tiny_gpt(out_dir: Path, *args: str, launcher: str = "deepspeed", ranks: 
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = command(out_dir, args, launcher, ranks)
     (out_dir / "COMMAND.txt").write_text(" ".join(cmd) + "\n")
-    with open(out_dir / "launcher.log", "wb") as log:
-        proc = subprocess.run(cmd, check=False, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(), timeout=timeout, cwd=out_dir)
+    try:
+        with open(out_dir / "launcher.log", "wb") as log:
+            proc = subprocess.run(cmd, check=False, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(), timeout=timeout,
+                                  cwd=out_dir)
+    finally:
+        release_shm([PORTS_USED[-1]])
     if check and proc.returncode != 0:
         tail = (out_dir / "launcher.log").read_text(errors="replace")[-4000:]
         raise RuntimeError(f"training job exited with {proc.returncode}:\n{tail}")
