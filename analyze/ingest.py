@@ -296,6 +296,9 @@ def _record_trace_facts(source: Source, parsed: kineto.ParsedTrace) -> None:
     events = parsed.events
     source.events = events.height
     source.raw_bytes = parsed.raw_bytes
+    # The host-clock time the trace covers: two traces of one rank that overlap in it are one rank twice.
+    span = events.select(pl.col("ts_ns").min(), (pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max().alias("end"))
+    source.trace_meta["span_ns"] = list(span.row(0)) if span.height and span.row(0)[0] is not None else None
     source.kind_counts = dict(sorted(events.group_by("kind").len().iter_rows()))
     source.steps = parsed.steps["step"].to_list()
     host = events.filter(pl.col("kind").is_in(["cpu_op", "user_annotation"]))["pid"].drop_nulls().unique().sort()
@@ -361,24 +364,30 @@ def _assign_ranks(sources: list[Source]) -> None:
                          "file name (rename it, e.g. rank-3.json.gz, to include it)"])
 
 
+def _overlap(a: Source, b: Source) -> bool:
+    span_a, span_b = a.trace_meta.get("span_ns"), b.trace_meta.get("span_ns")
+    return bool(span_a and span_b) and max(span_a[0], span_b[0]) < min(span_a[1], span_b[1])
+
+
 def _reject_duplicate_ranks(sources: list[Source]) -> None:
-    """Two traces of one rank that cover the same time (byte-identical copies, the same ProfilerStep
-    numbers, or the same baseTimeNanoseconds) are never merged: the later one is an error and skipped.
-    Profiler windows of one process share a rank but never a step or a start time."""
+    """Two traces of one rank that cover the same time (overlapping time spans, byte-identical copies,
+    the same ProfilerStep numbers, or the same baseTimeNanoseconds) are never merged: the later one is
+    an error and skipped. Profiler windows of one process share a rank but neither time nor steps."""
     kept: dict[int, list[Source]] = {}
     for s in sources:
         if s.rank is None or s.status not in ("ingested", "reused") or s.kind != "kineto":
             continue
         base = s.trace_meta.get("base_time_ns")
         twin = next((k for k in kept.get(s.rank, []) if (k.size, k.hash_prefix) == (s.size, s.hash_prefix)
-                     or set(k.steps) & set(s.steps) or (base and k.trace_meta.get("base_time_ns") == base)), None)
+                     or _overlap(k, s) or set(k.steps) & set(s.steps)
+                     or (base and k.trace_meta.get("base_time_ns") == base)), None)
         if twin is None:
             kept.setdefault(s.rank, []).append(s)
             continue
         s.status = "error"
         s.issues.append(["error", "duplicate_rank", 1,
-                         f"claims rank {s.rank} for the same time as {twin.path} (identical file, the same profiler steps "
-                         "or the same start time); skipped, not merged into that rank"])
+                         f"claims rank {s.rank} for the same time as {twin.path} (overlapping time, identical file, the same "
+                         "profiler steps or the same start time); skipped, not merged into that rank"])
 
 
 # ---------------------------------------------------------------------------------------------

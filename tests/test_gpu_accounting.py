@@ -167,15 +167,18 @@ def test_blocking_copy_queue_is_never_negative_in_the_summary(tmp_path):
     assert summary["launch_api"] == "cudaMemcpy" and summary["queue_ns_median"] == 0
 
 
-@pytest.mark.parametrize("twin", ["identical copy", "same steps"])
+@pytest.mark.parametrize("twin", ["identical copy", "same steps", "overlapping time"])
 def test_two_files_claiming_one_rank_is_an_error_not_a_merge(tmp_path, twin):
     events = [_step(1, 0, 100), _launch(1, 1), _kernel(10, 50, 1, stream=7)]
     first = write_trace(tmp_path / "run" / "a_rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
     if twin == "identical copy":
         (tmp_path / "run" / "b_rank0.json").write_bytes(first.read_bytes())
-    else:  # another recording of the same steps (shifted clock), still rank 0
+    elif twin == "same steps":  # another recording of the same steps (shifted clock), still rank 0
         later = [{**e, "ts": e["ts"] + 7} for e in events]
         write_trace(tmp_path / "run" / "b_rank0.json", later, distributedInfo={"rank": 0, "world_size": 1})
+    else:  # other step numbers, but 30-130 µs overlaps the first file's 0-100 µs on the same host clock
+        other = [_step(2, 30, 100), _launch(31, 1), _kernel(40, 50, 1, stream=7)]
+        write_trace(tmp_path / "run" / "b_rank0.json", other, distributedInfo={"rank": 0, "world_size": 1})
     result = CliRunner().invoke(analyze, [str(tmp_path / "run"), "-q"])
     assert result.exit_code == 1, result.output  # results written, one input unusable
     issues = _table(tmp_path / "run" / ".steplens", "ingest_issues").filter(pl.col("reason") == "duplicate_rank")
