@@ -1,6 +1,7 @@
 import gzip
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -124,3 +125,26 @@ def _release_deepspeed_shm():
     for name in ("launch", "tests.realrun.launch"):
         if (module := sys.modules.get(name)) is not None:
             module.release_shm()
+
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Headless Debian Chromium through selenium, with the page's console and network requests logged."""
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip("Debian chromium and chromium-driver are not installed (.ci/run installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1280,4000"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()

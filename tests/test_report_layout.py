@@ -286,25 +286,7 @@ def test_instrumented_run_marks_excluded_and_profiled_steps(ds_instrumented_run,
 # Chromium: the bundled samples and a real 8-rank trace set, seen in a browser
 
 
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 SECTIONS = ("verdict", "time", "steps", "cpu-gpu", "kernels", "collectives", "mfu", "run", "issues")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("Debian chromium and chromium-driver are not installed (.ci/run installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--window-size=1280,4000"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    yield driver
-    driver.quit()
 
 
 def _look(driver, report: Path, shot: Path, sections: tuple[str, ...] = SECTIONS) -> dict:

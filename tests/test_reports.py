@@ -169,29 +169,8 @@ def test_analyze_compare_is_the_same_command(ab_runs, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# A real browser
+# A real browser (the `browser` fixture is in conftest.py)
 
-
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("Debian chromium and chromium-driver are not installed (.ci/run installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1200,2000"):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    yield driver
-    driver.quit()
 
 
 def _open(driver, path: Path, screenshot: Path) -> tuple[list, list]:
