@@ -47,10 +47,14 @@ EXIT_UNWRITABLE = 4  # the output cannot be written (permissions, read-only or f
 EXIT_INTERNAL = 5  # a steplens bug: the message says where to look
 EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM: the last published result is unchanged
 EXIT_STATUS_HELP = f"""\b
-Exit status: 0 all inputs used; {EXIT_PARTIAL} results written but some inputs could not be used
-(see the issues); {EXIT_NOTHING} nothing usable, or bad arguments; {EXIT_REGRESSION} compare found a
-regression beyond --fail-on-regression; {EXIT_UNWRITABLE} the output cannot be written; {EXIT_INTERNAL} internal
-error; {EXIT_INTERRUPTED} interrupted (the last result is kept).
+Exit status:
+  0    all inputs used
+  {EXIT_PARTIAL}    results written, but some inputs could not be used (see the issues)
+  {EXIT_NOTHING}    nothing usable, or bad arguments
+  {EXIT_REGRESSION}    compare: a regression beyond --fail-on-regression
+  {EXIT_UNWRITABLE}    the output cannot be written (read-only or full disk)
+  {EXIT_INTERNAL}    internal error (STEPLENS_DEBUG=1 shows the traceback)
+  {EXIT_INTERRUPTED}  interrupted by Ctrl-C or SIGTERM (the last result is kept)
 """
 
 ANALYZE_HELP = f"""Turn what a training job left in RUN_DIR into queryable Parquet tables, analyses and a report.
@@ -459,7 +463,8 @@ def _ranges(numbers: list[int]) -> str:
     return ", ".join(parts)
 
 
-@click.group(help="steplens: post-hoc trace and log analysis for DeepSpeed / PyTorch training runs.")
+@click.group(help="steplens: post-hoc trace and log analysis for DeepSpeed / PyTorch training runs.\n\n"
+                  + EXIT_STATUS_HELP.replace("Exit status:", "Exit status (every command):"))
 def steplens() -> None:
     pass
 
