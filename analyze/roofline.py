@@ -6,6 +6,7 @@ from __future__ import annotations
 import polars as pl
 
 from . import op_perf
+from .text import shapes_text
 
 TOP_MODULES = 10
 MODULE_FRACTION_DEFINITION = ("achieved TFLOP/s of the module's forward (FLOPs of its modeled ops, or the collector's "
@@ -69,7 +70,7 @@ def terminal_lines(findings: dict) -> list[str]:
     if top := (finding.get("top_ops") or [None])[0]:
         where = (f"{top['bound']}-bound, {top['fraction_of_peak']:.1%} of peak" if top.get("fraction_of_peak") is not None
                  else finding.get("note") or "no roofline")
-        lines.append(f"busiest op: {top['name']} {top['shapes']} x{top['calls']}: {top['device_ns'] / 1e6:.3f} ms, {where}")
+        lines.append(f"busiest op: {top['name']} ({shapes_text(top['shapes'])}) x{top['calls']}: {top['device_ns'] / 1e6:.3f} ms, {where}")
     rated = [m for m in finding.get("modules_below_peak") or [] if m.get("fraction_of_peak") is not None]
     if rated:
         lines.append(f"module furthest below peak: {rated[0]['module']}, {rated[0]['fraction_of_peak']:.1%} of peak "

@@ -7,6 +7,7 @@ markup (`[bold]`, `[/x]`). Printed text goes through `safe_text`; rich output is
 
 from __future__ import annotations
 
+import json
 import re
 
 # C0 and C1 control characters (ESC, BEL, CSI, ...) except tab and newline; DEL too.
@@ -18,3 +19,21 @@ _INVISIBLE = re.compile(r"[\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
 def safe_text(value: object) -> str:
     """`value` as text with control and bidi-override characters replaced by `?` (one line per line)."""
     return _INVISIBLE.sub("?", _CONTROL.sub("?", str(value)))
+
+
+def shapes_text(shapes: object) -> str:
+    """An op's `Input Dims` (JSON text such as `[[16, 48], [], [48]]`) as `16x48, -, 48`: one entry per
+    argument, `-` for one that is not a tensor (or a 0-d one); anything else as it is."""
+    try:
+        dims = json.loads(shapes) if isinstance(shapes, str) else shapes
+    except ValueError:
+        return safe_text(shapes)
+    if not isinstance(dims, list):
+        return safe_text(shapes)
+
+    def one(arg) -> str:
+        if isinstance(arg, list) and all(isinstance(d, int) for d in arg):
+            return "x".join(str(d) for d in arg) or "-"
+        return safe_text(json.dumps(arg))
+
+    return ", ".join(one(arg) for arg in dims)

@@ -3,6 +3,8 @@ findings.json's `roofline` (computed by analyze/roofline.py); nothing is compute
 
 from __future__ import annotations
 
+from steplens.analyze.text import shapes_text
+
 from .figures import PLAIN_NUMBER, _svg, plt
 
 
@@ -47,6 +49,8 @@ def _cell(name: str, value) -> str:
         return f"{value / 1e6:.3f} ms"
     if name in ("fraction_of_peak", "training_fraction_of_peak"):
         return f"{value:.1%}"
+    if name == "shapes":
+        return shapes_text(value)
     if isinstance(value, float):
         return f"{value:,.3g}"
     return str(value)
@@ -88,7 +92,7 @@ def summary_lines(finding: dict | None, escape) -> list[str]:
     lines = ["**Roofline** (top ops by device time" + ("" if finding.get("roof") else "; " + escape(finding.get("note") or "")) + ")", ""]
     for op in finding.get("top_ops", [])[:3]:
         where = f"{op['bound']}-bound, {op['fraction_of_peak']:.1%} of peak" if op.get("fraction_of_peak") is not None else "no roofline"
-        lines.append(f"- {escape(op['name'])} {escape(op['shapes'])} x{op['calls']}: {op['device_ns'] / 1e6:.3f} ms, {where}")
+        lines.append(f"- {escape(op['name'])} ({escape(shapes_text(op['shapes']))}) x{op['calls']}: {op['device_ns'] / 1e6:.3f} ms, {where}")
     below = [m for m in finding.get("modules_below_peak", []) if m.get("fraction_of_peak") is not None][:3]
     lines += [f"- module {escape(m['module'])}: {m['fraction_of_peak']:.1%} of peak over {m['device_ns'] / 1e6:.3f} ms forward"
               for m in below]
