@@ -276,6 +276,7 @@ class Collector:
         self.run_facts = self.guard("manifest", self.base_facts) or {}
         self.host = self.guard("manifest", environment.describe_host) or {}
         self.write_manifest()  # a run folder that cannot take even the manifest: attach gives up, the job goes on
+        self.guard("writer", self.writer.warm_up)
         if self.settings.profile is not None:
             self.guard("profiler", self.start_profiler)
         atexit.register(self.close_at_exit)

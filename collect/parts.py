@@ -18,6 +18,7 @@ up the job's exit).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -75,6 +76,17 @@ class PartWriter:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"steplens-writer-rank{rank}")
         self.last: Future | None = None
         (self.root / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
+
+    def warm_up(self) -> None:
+        """Run the write path once on empty frames, in memory, before training starts: the first use of
+        polars' and pyarrow's frame building, casts and Parquet writer costs tens of ms of CPU (more on a
+        busy host), which would otherwise land on the background thread during the first flush and slow
+        the step it overlaps."""
+        for table in self.rows:
+            frame = to_frame([], table)
+            if table in self.prepare:
+                frame = self.prepare[table](frame)
+            pq.write_table(frame.to_arrow().cast(schema.TABLES[table][0]), io.BytesIO())
 
     def add(self, table: str, row: dict) -> None:
         if self.failure is None:
