@@ -139,7 +139,8 @@ def test_a_folder_of_runs_is_analysed_run_by_run(synthetic_run, tmp_path):
         assert sorted(s["path"] for s in manifest["sources"]) == sorted(
             p.name for p in (runs / name).glob("rank-*.json.gz"))
         assert manifest["trace_ranks"] == [0, 1]
-        assert f"{name}: " in done.stdout and str(runs / name / schema.DEFAULT_OUT_DIR / "report.html") in done.stdout
+        inputs = len(list((runs / name).glob("rank-*.json.gz")))
+        assert f"  {name}: {inputs} input(s), ranks 0-1, 0 error(s)\n    {runs / name / schema.DEFAULT_OUT_DIR / 'report.html'}" in done.stdout
     assert not (runs / schema.DEFAULT_OUT_DIR).exists()
 
 
@@ -270,3 +271,13 @@ def test_unranked_traces_of_different_processes_are_separate_runs(tmp_path):
         manifest = json.loads((out / "run.json").read_text())
         assert [s["path"] for s in manifest["sources"]] == [trace.name]
         assert manifest["sources"][0]["kind_counts"]["kernel"] == kernels
+
+
+def test_ranks_without_a_trace_are_named_on_stderr(tmp_path):
+    run = tmp_path / "run"
+    generate_run(run, ranks=4, steps=2, kernels_per_step=20, seed=8, write_truth=False)
+    for rank in (1, 3):
+        (run / f"rank-{rank}.pt.trace.json.gz").unlink()
+    done = subprocess.run([*ANALYZE, str(run), "-q"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr  # profiling some ranks only is legitimate: a warning, not a failure
+    assert "warning: traces of 2 of 4 ranks; no trace for rank(s) 1, 3" in done.stderr
