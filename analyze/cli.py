@@ -12,7 +12,6 @@ from collections import Counter
 from pathlib import Path
 
 import click
-import polars as pl
 from rich.console import Console
 from rich.progress import (
     BarColumn,

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from . import schema
-from .trace_reader import ByteStream, EventReader, Issue, NotATrace, sniff  # noqa: F401 - used through this module
+from .trace_reader import ByteStream, EventReader, Issue, NotATrace  # noqa: F401 - NotATrace is raised through this module
 
 # A ts above this many ns (~1973 as epoch time) is already absolute, not relative to a base time.
 ABSOLUTE_NS_THRESHOLD = 10**17

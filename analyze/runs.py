@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .imported import peek
 from .ingest import RANK_IN_NAME, Discovered
-from .kineto import sniff
+from .trace_reader import sniff
 
 MAX_DEPTH = 6  # runs/sweep/config/trial/... deeper than this are analysed where they stand
 

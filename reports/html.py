@@ -263,7 +263,7 @@ def _collectivesSection(run: Run) -> dict:
 
 
 def _mfuSection(run: Run) -> dict:
-    mfu, profile = run.table("mfu"), run.table("flops_profile")
+    profile = run.table("flops_profile")
     section = Section("FLOPs and MFU", "mfu")
     utilization = run.findings.get("mfu")
     if isinstance(utilization, list) and utilization:

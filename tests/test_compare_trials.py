@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from conftest import CORPUS, TRIAL_MICRO_BATCHES, TRIAL_REPEATS
+from conftest import TRIAL_MICRO_BATCHES, TRIAL_REPEATS
 from steplens.analyze import dslog, trials
 from steplens.analyze.cli import EXIT_REGRESSION, analyze, steplens
 
