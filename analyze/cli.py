@@ -22,10 +22,11 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import analyses, kernels, mfu, roofline, schema
+from steplens.analyze.analyses import kernels, mfu, roofline, runner
+from steplens.analyze.contract import schema
 from steplens.reports.verdict import disagreement_lines, job_end_lines, step_lines, straggler_lines, telemetry_lines
 
-from .ingest import (
+from steplens.analyze.pipeline.ingest import (
     IngestError,
     IngestResult,
     OutputUnwritable,
@@ -35,8 +36,8 @@ from .ingest import (
     ingest,
     use_system_allocator,
 )
-from .runs import RunFolder, split_runs
-from .text import safe_text
+from steplens.analyze.pipeline.runs import RunFolder, split_runs
+from steplens.reports.text import safe_text
 
 # Exit status, one meaning each, for every command (documented in --help and the README).
 EXIT_PARTIAL = 1  # results written, but some inputs could not be used (see the issues)
@@ -100,7 +101,7 @@ also be a single trace file, analysed as a one-rank run into .steplens-FILE/ bes
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Files parsed in parallel (default: number of CPUs). Memory grows with it, not with the number of ranks.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no ingest summary: print only the findings.")
-@click.option("--ingest-only", is_flag=True, help="Write the trace tables only; skip the analyses.")
+@click.option("--ingest-only", is_flag=True, help="Write the trace tables only; skip the runner.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp8", "tf32", "fp32"]), default="bf16", show_default=True,
               help="Compute dtype whose dense peak MFU divides by.")
 @click.option("--peak-tflops", type=float, default=None,
@@ -128,7 +129,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
     shape_values = (params, layers, heads, head_dim, seq_len, tokens_per_step)
     if any(v is not None for v in shape_values) and not all(v is not None for v in shape_values):
         _fail("the PaLM numerator needs all of --params --layers --heads --head-dim --seq-len --tokens-per-step")
-    options = analyses.Options(
+    options = runner.Options(
         dtype=dtype, peak_tflops=peak_tflops, recompute=recompute, grad_norm_threshold=grad_norm_threshold,
         shape=mfu.ModelShape(*shape_values) if all(v is not None for v in shape_values) else None,
         kernel_categories=kernels.load_categories(kernel_categories) if kernel_categories else list(kernels.KERNEL_CATEGORIES),
@@ -164,7 +165,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
                            out_given=out_dir is not None))
 
 
-def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, options: analyses.Options,
+def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, options: runner.Options,
                   ingest_only: bool, out_given: bool = False) -> int:
     """Several runs, one line each with where its report is; the exit status of them all."""
     statuses = []
@@ -235,7 +236,7 @@ def _runs_to_analyse(run_dir: Path, out_dir: Path | None):
     return runs, out_of
 
 
-def _analyse_run(run: RunFolder, out: Path, jobs, options: analyses.Options, ingest_only: bool,
+def _analyse_run(run: RunFolder, out: Path, jobs, options: runner.Options, ingest_only: bool,
                  show_progress: bool) -> tuple[IngestResult, dict]:
     findings: dict = {}
     total = 0
@@ -268,12 +269,12 @@ def _warn_missing_ranks(result: IngestResult) -> None:
                    "(profiled on some ranks only, or lost: see the issues)", err=True)
 
 
-def analyse_and_report(staging: Path, options: analyses.Options) -> dict:
+def analyse_and_report(staging: Path, options: runner.Options) -> dict:
     """The analyses, then report.html and summary.md, inside the staged output (published together)."""
     from steplens.reports import html, markdown
 
     started = time.perf_counter()
-    findings = analyses.run(staging, options)
+    findings = runner.run(staging, options)
     findings["analysis_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
     html.write(staging)
@@ -472,7 +473,7 @@ steplens.add_command(analyze)
 
 
 def _sql_help() -> str:
-    from .sql import EXAMPLES
+    from steplens.analyze.query.sql import EXAMPLES
 
     tables = ", ".join(list(schema.TABLES) + list(schema.ANALYSIS_TABLES))
     # One \\b block per example: click keeps its lines as written (the comment above its query).
@@ -485,7 +486,7 @@ as RUN/.steplens/), with DuckDB.
 Each table is a view across all runs, with a run_id column (per-rank tables also have rank):
 {tables}. The view `runs` lists the runs (run_id, run_name, path, world_size, ranks, devices, created_by,
 zero_stage, train_batch_size, code_revision, deepspeed_version).
-Columns are documented in analyze/schema.py and the README. Queries never modify a run: only a
+Columns are documented in analyze/contract/schema.py and the README. Queries never modify a run: only a
 single SELECT is accepted.
 
 Examples:
@@ -499,8 +500,8 @@ Examples:
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="table for reading, csv or json (one object per row) for other tools.")
 def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
-    from .sql import QueryError, find_runs
-    from .sql import query as run_query
+    from steplens.analyze.query.sql import QueryError, find_runs
+    from steplens.analyze.query.sql import query as run_query
 
     if not find_runs(runs_dir):
         _fail(f"{runs_dir}: no steplens runs (no run.json) under this folder; run `analyze` first")
@@ -550,7 +551,7 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
     (ui.perfetto.dev) or chrome://tracing; slices that overlap without nesting, which Perfetto drops,
     are counted in the summary.
     """
-    from .export import export_trace
+    from steplens.analyze.query.export_trace import export_trace
 
     out_dir = run_dir if (run_dir / schema.MANIFEST_FILE).exists() else run_dir / schema.DEFAULT_OUT_DIR
     if not (out_dir / schema.MANIFEST_FILE).exists():
@@ -586,7 +587,7 @@ def _analysed(run_dir: Path) -> Path:
             return candidate
     click.echo(f"analysing {run_dir} first (default options) ...", err=True)
     try:
-        return ingest(run_dir, finish=lambda staging: analyse_and_report(staging, analyses.Options())).out_dir
+        return ingest(run_dir, finish=lambda staging: analyse_and_report(staging, runner.Options())).out_dir
     except IngestError as e:
         _fail(str(e))
 
@@ -615,7 +616,7 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
     """
     import json
 
-    from steplens.analyze import compare as comparison
+    from steplens.analyze.analyses import compare as comparison
     from steplens.reports import compare, html, markdown
     from steplens.reports.data import load, write_atomic
 
@@ -683,7 +684,7 @@ def trials_command(runs_dir: Path, fmt: str) -> None:
     """
     import json
 
-    from steplens.analyze.trials import trials
+    from steplens.analyze.analyses.trials import trials
     from steplens.reports.data import load
 
     folders = sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.name.startswith("."))

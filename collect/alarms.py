@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from steplens.analyze import alarm_rules
+from steplens.analyze.contract import alarm_rules
 
 log = logging.getLogger("steplens.collect")
 QUEUE_SIZE = 64  # alarms waiting for one sink; more are counted as dropped

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from steplens.analyze import alarm_rules
+from steplens.analyze.contract import alarm_rules
 
 from . import environment
 from .comms import CommsRecorder, with_bandwidth
@@ -67,7 +67,7 @@ class Settings:
     comms_synchronize: bool = True  # wait for async / device-queued ops so the latency covers the transfer
     scalars_all_ranks: bool = False  # scalars from every rank, not only rank 0
     samples_per_step: int | None = None  # plain torch only: global samples per optimizer step
-    alarms: list | None = None  # alarm rules (analyze/alarm_rules.py); None: the default rules, []: none
+    alarms: list | None = None  # alarm rules (analyze/contract/alarm_rules.py); None: the default rules, []: none
     pushgateway: str | None = None  # "host:port" of a Prometheus pushgateway alarms are pushed to
     alarm_timeout_s: float = 5.0  # an alarm sink slower than this is disabled; also the wait for them at close
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import polars as pl
-from steplens.analyze import comms as analyze_comms
+from steplens.analyze.analyses import comms as analyze_comms
 
 # The functions of deepspeed/comm/comm.py that carry @timed_op (DeepSpeed 0.19.8): the primitive ops.
 # Helpers such as allgather_fn and reduce_scatter_fn call these, so each call is recorded once.

@@ -31,7 +31,7 @@ from pathlib import Path
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
-from steplens.analyze import schema
+from steplens.analyze.contract import schema
 
 COLLECTOR_DIR = "collector"
 MANIFEST_DIR = "manifest"

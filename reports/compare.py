@@ -3,7 +3,7 @@ for HTML, markdown and the terminal alike. The comparison itself is `steplens.an
 
 from __future__ import annotations
 
-from steplens.analyze import noise
+from steplens.analyze.analyses import noise
 
 from .data import ms
 

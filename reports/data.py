@@ -12,8 +12,8 @@ from pathlib import Path
 
 import polars as pl
 
-from steplens.analyze import schema
-from steplens.analyze.kernel_families import base_name
+from steplens.analyze.contract import schema
+from steplens.analyze.analyses.kernel_families import base_name
 
 
 @dataclass

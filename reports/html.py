@@ -282,7 +282,7 @@ def _mfuSection(run: Run) -> dict:
             "source": ("from", str), "path": ("module", str), "module_class": ("class", str), "params": ("params", _num),
             "flops_total": ("FLOPs incl. children", _num), "macs_total": ("MACs incl. children", _num),
             "duration_ns": ("forward time", ms)}, "flops_profile"))
-    for kind, content in roofline.report_blocks(run.findings.get("roofline")):  # computed in analyze/roofline.py
+    for kind, content in roofline.report_blocks(run.findings.get("roofline")):  # computed in analyze/analyses/roofline.py
         getattr(section, kind)(content)
     return section
 

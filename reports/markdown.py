@@ -12,7 +12,7 @@ from pathlib import Path
 
 import polars as pl
 
-from steplens.analyze.text import safe_text
+from steplens.reports.text import safe_text
 
 from . import caveats, roofline
 from .data import kernel_labels, load, ms, size, write_atomic

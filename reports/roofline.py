@@ -1,9 +1,9 @@
 """The roofline part of the report's "FLOPs and MFU" section and of summary.md: drawn from
-findings.json's `roofline` (computed by analyze/roofline.py); nothing is computed here."""
+findings.json's `roofline` (computed by analyze/analyses/roofline.py); nothing is computed here."""
 
 from __future__ import annotations
 
-from steplens.analyze.text import shapes_text
+from steplens.reports.text import shapes_text
 
 from .figures import PLAIN_NUMBER, _svg, plt
 

@@ -48,7 +48,7 @@ def _step_ranges(steps: list[int], count: int) -> str:
 
 
 def disagreement_lines(f: dict) -> list[str]:
-    """Figures that cannot be true (analyze/sanity.py), with what to check instead of the figure."""
+    """Figures that cannot be true (analyze/analyses/sanity.py), with what to check instead of the figure."""
     return [f"Inputs disagree: {d['detail']}; check {d['what_to_check']}." for d in f.get("inputs_disagree", [])]
 
 

@@ -6,9 +6,9 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from steplens.analyze import analyses, comms, mfu
+from steplens.analyze.analyses import comms, mfu, runner
 from steplens.analyze.cli import analyze
-from steplens.analyze.ingest import ingest
+from steplens.analyze.pipeline.ingest import ingest
 from synthetic import generate_run
 
 from conftest import CORPUS, write_trace
@@ -21,7 +21,7 @@ def analysed(tmp_path_factory):
     truth = json.loads((run / "truth.json").read_text())
     out = run / ".steplens"
     findings = {}
-    ingest(run, out, jobs=1, finish=lambda staging: findings.update(analyses.run(staging)))
+    ingest(run, out, jobs=1, finish=lambda staging: findings.update(runner.run(staging)))
     return out, truth, findings
 
 
@@ -196,7 +196,7 @@ def test_profiler_flops_numerator(tmp_path):
     ]
     write_trace(tmp_path / "run" / "t.json", events, deviceProperties=[{"id": 0, "name": "NVIDIA A100-SXM4-80GB", "numSms": 108}])
     findings = {}
-    ingest(tmp_path / "run", jobs=1, finish=lambda s: findings.update(analyses.run(s)))
+    ingest(tmp_path / "run", jobs=1, finish=lambda s: findings.update(runner.run(s)))
     table = pl.read_parquet(tmp_path / "run" / ".steplens" / "mfu" / "part-0.parquet")
     row = table.row(0, named=True)
     # 9.895e11 FLOPs in a 1 ms step on a 312 TFLOP/s A100 = 3.171...%
@@ -232,7 +232,7 @@ def test_cli_reports_mfu_with_definition(tmp_path):
 
 
 def test_analysis_tables_match_the_contract(analysed):
-    from steplens.analyze import schema
+    from steplens.analyze.contract import schema
     out, _, _ = analysed
     for table, columns in schema.ANALYSIS_TABLES.items():
         written = pl.read_parquet_schema(out / table / "part-0.parquet")
@@ -240,7 +240,7 @@ def test_analysis_tables_match_the_contract(analysed):
 
 
 def test_kernel_categories_and_user_patterns(tmp_path):
-    from steplens.analyze import kernels
+    from steplens.analyze.analyses import kernels
     device = pl.DataFrame({
         "rank": [0] * 7, "step": [1] * 7,
         "kind": ["kernel"] * 5 + ["gpu_memcpy", "gpu_memset"],
@@ -280,7 +280,7 @@ def test_step_missing_on_one_rank(tmp_path):
             ]
         write_trace(tmp_path / "run" / f"rank{rank}.json", events, distributedInfo={"rank": rank, "world_size": 2})
     findings = {}
-    ingest(tmp_path / "run", jobs=1, finish=lambda s: findings.update(analyses.run(s)))
+    ingest(tmp_path / "run", jobs=1, finish=lambda s: findings.update(runner.run(s)))
     stats = pl.read_parquet(tmp_path / "run" / ".steplens" / "step_stats" / "part-0.parquet").sort("step")
     assert stats.select("step", "ranks").rows() == [(1, 2), (2, 1), (3, 2)]
     offsets = pl.read_parquet(tmp_path / "run" / ".steplens" / "clock_offsets" / "part-0.parquet").sort("rank")

@@ -7,9 +7,13 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from steplens.analyze import autotune, importers, schema, step_time
-from steplens.analyze import trials as trial_runs
-from steplens.analyze.imported import conform
+from steplens.analyze.analyses import autotune
+from steplens.analyze.importers import autotune_results
+from steplens.analyze import importers
+from steplens.analyze.contract import schema
+from steplens.analyze.analyses import step_time
+from steplens.analyze.analyses import trials as trial_runs
+from steplens.analyze.importers.base import conform
 
 RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
@@ -129,7 +133,7 @@ def test_failed_experiment_classified_from_stderr(tmp_path, stderr, status, erro
     if stderr is not None:
         (folder / "stderr.log").write_text(stderr)
     assert importers.claimant(folder / "exp.json").name == "autotune_experiment"
-    row = autotune.parse_experiment(folder / "exp.json", "exp.json").tables["autotune_experiments"].row(0, named=True)
+    row = autotune_results.parse_experiment(folder / "exp.json", "exp.json").tables["autotune_experiments"].row(0, named=True)
     assert row["status"] == status and row["zero_stage"] == 3 and row["micro_batch"] == 9
     if error:
         assert row["error"] == error
@@ -146,7 +150,7 @@ def test_spec_without_result_folder_is_not_run(tmp_path):
     (tmp_path / "autotuning_results" / "z2_gas1_tmbspg2" / "exp.json").write_text(json.dumps(spec))
     assert importers.claimant(exps / "z2_gas1_tmbspg4.json").name == "autotune_experiment"
     assert importers.claimant(exps / "z2_gas1_tmbspg2.json") is None  # its result folder is read instead
-    row = autotune.parse_experiment(exps / "z2_gas1_tmbspg4.json", "spec").tables["autotune_experiments"].row(0, named=True)
+    row = autotune_results.parse_experiment(exps / "z2_gas1_tmbspg4.json", "spec").tables["autotune_experiments"].row(0, named=True)
     assert row["status"] == "not_run" and row["experiment"] == "z2_gas1_tmbspg4"
 
 
@@ -156,16 +160,16 @@ def test_bad_files_give_issues_not_exceptions(tmp_path):
     (folder / "exp.json").write_text('{"ds_config": {"train_micro_batch_size_per_gpu": 2}, "name": "z1_gas1_tmbspg2"}')
     (folder / "metrics.json").write_bytes(b'{"throughput": 7\x00\xff')
     (folder / "stderr.log").write_text("RuntimeError: boom\n")
-    result = autotune.parse_experiment(folder / "exp.json", "z1_gas1_tmbspg2/exp.json")
+    result = autotune_results.parse_experiment(folder / "exp.json", "z1_gas1_tmbspg2/exp.json")
     assert result.tables["autotune_experiments"]["status"].to_list() == ["error"]
     assert result.issues[0][:2] == ["error", "bad_autotune_file"] and "metrics.json" in result.issues[0][3]
     junk = tmp_path / "exp.json"
     junk.write_bytes(b'\x00\x01"ds_config" garbage')
-    bad = autotune.parse_experiment(junk, "exp.json")
+    bad = autotune_results.parse_experiment(junk, "exp.json")
     assert bad.tables == {} and bad.issues[0][:2] == ["error", "bad_autotune_experiment"]
     empty_summary = tmp_path / "summary.txt"
     empty_summary.write_text("| tuning_space | x |\n")
-    assert autotune.parse_summary(empty_summary, "summary.txt").issues[0][1] == "bad_autotune_summary"
+    assert autotune_results.parse_summary(empty_summary, "summary.txt").issues[0][1] == "bad_autotune_summary"
     assert autotune.autotune_tables(pl.DataFrame(), {})["autotune_verdict"].is_empty()
 
 
@@ -173,7 +177,7 @@ def test_summary_table_from_deepspeed_docs():
     path = CORPUS / "DeepSpeed" / "docs_examples" / "autotuning_md_summary_gpt2-large_16xV100.txt"
     if not path.exists():
         pytest.skip("corpus not found")
-    summary = autotune.parse_summary_text(path.read_text())
+    summary = autotune_results.parse_summary_text(path.read_text())
     spaces = {s["tuning_space"]: s for s in summary["spaces"]}
     assert list(spaces) == ["z0", "z1", "z2", "z3", "global"]
     assert spaces["global"]["best_exp_name"] == spaces["z1"]["best_exp_name"]

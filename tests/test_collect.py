@@ -21,7 +21,9 @@ from pathlib import Path
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
-from steplens.analyze import collected, ingest, schema
+from steplens.analyze.importers import collector_parts
+from steplens.analyze.pipeline import ingest
+from steplens.analyze.contract import schema
 from steplens.collect import Settings
 
 sys.path.insert(0, str(Path(__file__).parent / "realrun"))
@@ -372,11 +374,11 @@ def test_settings_are_checked():
 
 
 def test_importer_claims_only_collector_layout(tmp_path):
-    assert collected.claims(Path("run/collector/train_steps/rank0-00001.parquet"))
-    assert collected.claims(Path("run/collector/manifest/rank3.json"))
-    assert not collected.claims(Path("run/collector/train_steps/.rank0-00001.parquet.tmp"))
-    assert not collected.claims(Path("run/other/train_steps/rank0-00001.parquet"))
-    assert not collected.claims(Path("run/collector/not_a_table/rank0-00001.parquet"))
+    assert collector_parts.claims(Path("run/collector/train_steps/rank0-00001.parquet"))
+    assert collector_parts.claims(Path("run/collector/manifest/rank3.json"))
+    assert not collector_parts.claims(Path("run/collector/train_steps/.rank0-00001.parquet.tmp"))
+    assert not collector_parts.claims(Path("run/other/train_steps/rank0-00001.parquet"))
+    assert not collector_parts.claims(Path("run/collector/not_a_table/rank0-00001.parquet"))
 
 
 def test_a_second_writer_adds_parts_after_the_existing_ones(tmp_path):
@@ -395,9 +397,9 @@ def test_a_second_writer_adds_parts_after_the_existing_ones(tmp_path):
 
 def test_no_mfu_from_a_zero3_flops_profile(ingested):
     """ZeRO-3 profiles count Linear FLOPs twice: the collector flags it and analyze refuses the numerator."""
-    from steplens.analyze import analyses
+    from steplens.analyze.analyses import runner
 
-    findings = analyses.run(ingested["z3"].out_dir, analyses.Options(peak_tflops=1.0))
+    findings = runner.run(ingested["z3"].out_dir, runner.Options(peak_tflops=1.0))
     rows = pl.read_parquet(ingested["z3"].out_dir / "mfu")
     assert rows.filter(pl.col("numerator") == "collector_flops_profile").is_empty()
     assert "ZeRO-3" in findings["mfu"]["note"]

@@ -11,7 +11,9 @@ import time
 
 import polars as pl
 import pytest
-from steplens.analyze import alarm_rules, analyses, ingest
+from steplens.analyze.contract import alarm_rules
+from steplens.analyze.analyses import runner
+from steplens.analyze.pipeline import ingest
 
 torch = pytest.importorskip("torch")
 from steplens.collect import attach  # noqa: E402  (after the torch check)
@@ -122,7 +124,7 @@ def test_alarms_reach_the_callback_the_table_and_agree_with_the_replay(tmp_path,
     result = ingest.ingest(tmp_path, jobs=1)
     table = pl.read_parquet(result.out_dir / "alarms")
     assert set(zip(table["rule"], table["name"], table["step"])) == EXPECTED
-    findings = analyses.run(result.out_dir, analyses.Options())
+    findings = runner.run(result.out_dir, runner.Options())
     assert findings["alarms"] == {"in_job": 4, "post_hoc": 4, "agree": 4, "only_in_job": 0, "only_post_hoc": 0}
 
 
@@ -179,7 +181,7 @@ def test_the_watchdog_raises_no_progress_once_per_stall(tmp_path):
     assert [(a["rule"], a["step"]) for a in got] == [("no_progress", 2)]
     assert got[0]["value"] > 0.4 and got[0]["global_samples"] == 8
     result = ingest.ingest(tmp_path, jobs=1)
-    agreement = pl.read_parquet(analyses.run(result.out_dir, analyses.Options()) and result.out_dir / "alarm_agreement")
+    agreement = pl.read_parquet(runner.run(result.out_dir, runner.Options()) and result.out_dir / "alarm_agreement")
     (row,) = agreement.rows(named=True)
     assert row["in_job"] and row["post_hoc"] and row["step"] == 2 and row["value_post_hoc"] > 1.5
 
@@ -212,6 +214,6 @@ def test_stragglers_from_the_other_ranks_parts_and_a_rank_that_stops_writing(tmp
     assert [(a["rule"], a["name"], a["step"], a["rank"]) for a in got] == [("straggler", "rank 1", 1, 1)]
     assert kept <= 2 * 2 + 1  # rank 0's rows since the last judged step, not the 46 steps
     result = ingest.ingest(tmp_path, jobs=1)
-    analyses.run(result.out_dir, analyses.Options())
+    runner.run(result.out_dir, runner.Options())
     agreement = pl.read_parquet(result.out_dir / "alarm_agreement")
     assert agreement.select("rule", "name", "step", "in_job", "post_hoc").rows() == [("straggler", "rank 1", 1, True, True)]

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from steplens.analyze import analyses, ingest
+from steplens.analyze.analyses import runner
+from steplens.analyze.pipeline import ingest
 
 sys.path.insert(0, str(Path(__file__).parent / "realrun"))
 
@@ -105,7 +106,7 @@ def test_alarms_table_and_the_replay_in_analyze_agree(alarm_run):
     table = pl.read_parquet(result.out_dir / "alarms")
     got = callback_alarms(alarm_run, 0)
     assert sorted(zip(table["rule"], table["name"], table["step"])) == sorted((a["rule"], a["name"], a["step"]) for a in got)
-    findings = analyses.run(result.out_dir, analyses.Options())
+    findings = runner.run(result.out_dir, runner.Options())
     agreement = pl.read_parquet(result.out_dir / "alarm_agreement")
     scalar_rows = agreement.filter(pl.col("rule") != "straggler")
     assert scalar_rows["in_job"].all() and scalar_rows["post_hoc"].all()

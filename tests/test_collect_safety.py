@@ -17,7 +17,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from steplens.analyze import ingest
+from steplens.analyze.pipeline import ingest
 
 torch = pytest.importorskip("torch")
 from steplens.collect import attach  # noqa: E402  (after the torch check: the collector needs it)

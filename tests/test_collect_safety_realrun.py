@@ -18,7 +18,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from steplens.analyze import ingest
+from steplens.analyze.pipeline import ingest
 
 sys.path.insert(0, str(Path(__file__).parent / "realrun"))
 from read_only import read_only_dir  # noqa: E402  (the path is set just above)

@@ -12,8 +12,12 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from steplens.analyze import comms_dump, commslog, dslog, importers, schema
-from steplens.analyze.imported import conform
+from steplens.analyze.importers import comms_dump
+from steplens.analyze.analyses import comms_log
+from steplens.analyze.importers import deepspeed_log
+from steplens.analyze import importers
+from steplens.analyze.contract import schema
+from steplens.analyze.importers.base import conform
 
 RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
 VERBOSE = re.compile(r"comm op: (.+?) \| time \(ms\): ([\d.]+) \| msg size")
@@ -127,7 +131,7 @@ def test_claims_and_companions(runs, tmp_path):
 def test_verbose_lines_and_raw_dict_agree_per_rank_and_run(runs):
     """The same calls seen twice: rank 0's verbose log lines and its comms_dict_raw."""
     log_path = next((runs / "run3" / "rank_logs").glob("*_rank0.log"))
-    from_log = dslog.parse(log_path, log_path.name).tables["comms_calls"]
+    from_log = deepspeed_log.parse(log_path, log_path.name).tables["comms_calls"]
     _, from_dict = _raw(runs, "run3")
     dict_calls = from_dict.tables["comms_calls"]
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
@@ -163,7 +167,7 @@ def test_comms_log_stats_counts_each_call_once(runs):
     """Rank 0's calls come twice (log lines and dump); the stats use the dump. Expected values are
     recomputed here from the two JSON dumps: sort a record name's totals, take differences."""
     log_path = next((runs / "run1" / "rank_logs").glob("*_rank0.log"))
-    frames = [dslog.parse(log_path, log_path.name).tables["comms_calls"]]
+    frames = [deepspeed_log.parse(log_path, log_path.name).tables["comms_calls"]]
     expected = []
     for rank in (0, 1):
         raw, imported = _raw(runs, "run1", rank)
@@ -174,7 +178,7 @@ def test_comms_log_stats_counts_each_call_once(runs):
             if size == 3730432:
                 expected.append((total - previous) * 1e6)
             previous = total
-    stats = commslog.comms_log_stats(pl.concat(frames))
+    stats = comms_log.comms_log_stats(pl.concat(frames))
     row = stats.filter((pl.col("op") == "all_reduce") & (pl.col("nccl_bytes") == 3730432)).row(0, named=True)
     assert (row["calls"], row["ranks"], row["group_size"]) == (len(expected), 2, 2) == (24, 2, 2)
     assert row["median_latency_ns"] == pytest.approx(statistics.median(expected), abs=1)
@@ -197,6 +201,6 @@ def test_collector_measurements_replace_the_logger_for_their_rank():
         call(1, "comms/comms_dict_raw_rank1.json", 20, "repaired_cumulative"),
         call(1, "rank_logs/x_rank1.log", 21, "repaired_cumulative"),
     ], "comms_calls")
-    row = commslog.comms_log_stats(calls).row(0, named=True)
+    row = comms_log.comms_log_stats(calls).row(0, named=True)
     assert (row["calls"], row["ranks"], row["total_latency_ns"]) == (3, 2, 60)
     assert row["latency_origin"] == "measured,repaired_cumulative"

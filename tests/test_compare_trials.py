@@ -17,7 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import TRIAL_MICRO_BATCHES, TRIAL_REPEATS
-from steplens.analyze import dslog, trials
+from steplens.analyze.importers import deepspeed_log
+from steplens.analyze.analyses import trials
 from steplens.analyze.cli import EXIT_REGRESSION, analyze, steplens
 
 
@@ -172,7 +173,7 @@ def _collector_run(folder: Path, micro_batch: int, step_ms: list[float], seq_len
     optimizer steps of the given durations on both ranks."""
     import pyarrow as pa
 
-    from steplens.analyze import schema
+    from steplens.analyze.contract import schema
 
     sample = Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank" / "collector" / "manifest"
     (folder / "collector" / "manifest").mkdir(parents=True)
@@ -347,7 +348,7 @@ def test_deepspeed_chat_logs_get_global_samples(corpus, name, batch):
     """The global batch is in the file name, not in the log: steplens infers it from samples/s x time,
     rounded to the per-device batch the command line gives."""
     path = corpus / "DeepSpeedExamples" / name
-    parsed = dslog.parse(path, name)
+    parsed = deepspeed_log.parse(path, name)
     assert parsed.facts["train_batch_size"] == batch
     scalars = parsed.tables["scalars"]
     assert scalars["global_samples"].null_count() == 0 and scalars.height > 1000

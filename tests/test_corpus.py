@@ -10,8 +10,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from steplens.analyze.ingest import IngestError, ingest
-from steplens.analyze.kineto import parse_trace
+from steplens.analyze.pipeline.ingest import IngestError, ingest
+from steplens.analyze.importers.kineto import parse_trace
 
 from conftest import CORPUS
 

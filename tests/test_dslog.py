@@ -11,8 +11,9 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from steplens.analyze import dslog, flops_text, importers
-from steplens.analyze.imported import conform
+from steplens.analyze.importers import deepspeed_log, flops_text
+from steplens.analyze import importers
+from steplens.analyze.importers.base import conform
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 RUNS = SHARED / "deepspeed-cpu-runs"
@@ -41,7 +42,7 @@ def _rank0_log(run: str) -> Path:
 
 
 def _parse(path: Path):
-    return dslog.parse(path, path.name)
+    return deepspeed_log.parse(path, path.name)
 
 
 def _all_logs() -> list[Path]:
@@ -197,7 +198,7 @@ def test_bad_inputs_give_issues_not_exceptions(tmp_path):
     junk.write_bytes(bytes(range(256)) * 64)
     imported = _parse(junk)
     assert imported.tables == {} and not [i for i in imported.issues if i[0] == "error"]
-    assert not dslog.claims(junk)
+    assert not deepspeed_log.claims(junk)
 
     whole = _rank0_log("run1").read_bytes()
     cut = tmp_path / "cut_rank0.log"

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from steplens.analyze import flops_text, importers
+from steplens.analyze.importers import flops_text
+from steplens.analyze import importers
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 RUNS = SHARED / "deepspeed-cpu-runs"

@@ -30,7 +30,7 @@ import pytest
 from click.testing import CliRunner
 from isal import isal_zlib
 
-from steplens.analyze import kineto
+from steplens.analyze.importers import kineto
 from steplens.analyze.cli import analyze
 
 from conftest import CORPUS
@@ -447,7 +447,7 @@ STRING_MB, ZEROS_MB = 300, 1024
 MEMORY_PROBE = """
 import sys
 from pathlib import Path
-from steplens.analyze import kineto
+from steplens.analyze.importers import kineto
 
 def peak_mb():  # VmHWM starts afresh at exec (getrusage's maxrss would carry pytest's over)
     line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM"))

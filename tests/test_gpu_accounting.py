@@ -9,9 +9,9 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from steplens.analyze import analyses
+from steplens.analyze.analyses import runner
 from steplens.analyze.cli import analyze
-from steplens.analyze.ingest import ingest
+from steplens.analyze.pipeline.ingest import ingest
 
 from conftest import write_trace
 
@@ -33,7 +33,7 @@ def _step(n, ts, dur):
 
 def _analyse(folder):
     findings = {}
-    result = ingest(folder, jobs=1, finish=lambda staging: findings.update(analyses.run(staging)))
+    result = ingest(folder, jobs=1, finish=lambda staging: findings.update(runner.run(staging)))
     return folder / ".steplens", findings, result
 
 

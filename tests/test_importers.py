@@ -7,8 +7,10 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from steplens.analyze import importers, ingest, schema
-from steplens.analyze.imported import Imported, Importer, conform
+from steplens.analyze import importers
+from steplens.analyze.pipeline import ingest
+from steplens.analyze.contract import schema
+from steplens.analyze.importers.base import Imported, Importer, conform
 
 
 def _parse_counts(path: Path, rel: str) -> Imported:

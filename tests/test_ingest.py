@@ -10,10 +10,10 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from steplens.analyze import ingest as ingest_module
-from steplens.analyze import schema
+from steplens.analyze.pipeline import ingest as ingest_module
+from steplens.analyze.contract import schema
 from steplens.analyze.cli import EXIT_NOTHING, EXIT_PARTIAL, analyze, steplens
-from steplens.analyze.ingest import ingest
+from steplens.analyze.pipeline.ingest import ingest
 
 from conftest import write_trace
 

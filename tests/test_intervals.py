@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from steplens.analyze import intervals
+from steplens.analyze.trace import intervals
 
 
 def _nested(rng, n):

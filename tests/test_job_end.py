@@ -65,7 +65,7 @@ def test_nccl_watchdog_timeout_is_named_as_the_cause():
     """run_status as the log importer leaves it for a job the launcher ended after a timeout; the error
     line is PyTorch's own (ProcessGroupNCCL.cpp)."""
     import polars as pl
-    from steplens.analyze import job_end
+    from steplens.analyze.analyses import job_end
 
     error = ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=BROADCAST, "
              "NumelIn=131072000, NumelOut=131072000, Timeout(ms)=600000) ran for 600081 milliseconds before timing out.")

@@ -4,8 +4,8 @@ each), and, for families the corpus lacks, from public sources cited by URL."""
 import polars as pl
 import pytest
 
-from steplens.analyze import comms, kernels
-from steplens.analyze.kernel_families import FAMILIES, FAMILY_NAMES, base_name
+from steplens.analyze.analyses import comms, kernels
+from steplens.analyze.analyses.kernel_families import FAMILIES, FAMILY_NAMES, base_name
 
 
 @pytest.mark.parametrize("name,base", [

@@ -6,8 +6,8 @@ import json
 import polars as pl
 import pytest
 
-from steplens.analyze import trace_reader
-from steplens.analyze.kineto import NotATrace, microseconds_text_to_ns, parse_trace
+from steplens.analyze.importers import json_events
+from steplens.analyze.importers.kineto import NotATrace, microseconds_text_to_ns, parse_trace
 
 from conftest import write_trace
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-from steplens.analyze import importers, monitor, schema
-from steplens.analyze.imported import conform
+from steplens.analyze import importers
+from steplens.analyze.analyses import monitor
+from steplens.analyze.contract import schema
+from steplens.analyze.importers.base import conform
 
 RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
 BATCH = 16

@@ -18,8 +18,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from steplens.analyze import analyses, mfu, op_model, op_perf
-from steplens.analyze.ingest import ingest
+from steplens.analyze.analyses import mfu, op_model, op_perf, runner
+from steplens.analyze.pipeline.ingest import ingest
 
 from conftest import CORPUS, write_trace
 
@@ -217,7 +217,7 @@ def corpus_op_perf(tmp_path_factory):
     results = {}
     for path in _corpus_files():
         out = tmp_path_factory.mktemp("opperf") / "out"
-        ingest(path.parent, out, files=[path], jobs=1, finish=analyses.run)
+        ingest(path.parent, out, files=[path], jobs=1, finish=runner.run)
         launched = pl.read_parquet(out / "kernel_launches").filter(pl.col("launch_api").is_not_null())["dur_ns"].sum()
         families = json.loads((out / "findings.json").read_text())["roofline"]["time_by_op_family"]
         results[path.relative_to(CORPUS).as_posix()] = (path, pl.read_parquet(out / "op_perf"), launched, families)
@@ -293,7 +293,7 @@ def _module_trace(path: Path) -> Path:
 def test_module_time_and_flops_from_a_hand_built_trace(tmp_path):
     trace = _module_trace(tmp_path / "run" / "rank0.pt.trace.json")
     out = tmp_path / "out"
-    ingest(trace.parent, out, jobs=1, finish=analyses.run)
+    ingest(trace.parent, out, jobs=1, finish=runner.run)
     table = pl.read_parquet(out / "module_perf")
     modules = {m: row for m, *row in table.select("module", "calls", "device_ns", "flops", "achieved_tflops").iter_rows()}
     backward = dict(table.select("module", "backward_device_ns").iter_rows())
@@ -321,7 +321,7 @@ def test_report_and_summary_show_the_roofline_with_names_escaped(tmp_path):
     trace = _module_trace(tmp_path / "run" / "rank0.pt.trace.json")
     trace.write_text(trace.read_text().replace("nn.Module: Block_0", "nn.Module: <script>alert(1)</script>_0"))
     out = tmp_path / "out"
-    ingest(trace.parent, out, jobs=1, finish=analyses.run)
+    ingest(trace.parent, out, jobs=1, finish=runner.run)
     from steplens.reports import html, markdown
     page = html.render(out)
     assert "Top ops by device time" in page and "roof bf16: 989.5 TFLOP/s, 3.35 TB/s" in page  # the scatter's roof
@@ -344,7 +344,7 @@ def test_terminal_names_the_busiest_op_and_the_module_furthest_below_peak(tmp_pa
 
 
 def test_module_mfu_joins_the_collectors_flops_profile(tmp_path):
-    from steplens.analyze import module_perf
+    from steplens.analyze.analyses import module_perf
     modules = pl.DataFrame({"rank": [0, 0, 0], "step": [3, 3, 3], "module": ["Model_0", "Model_0/Linear_0", "Model_0/Block_0/Linear_1"],
                             "module_class": ["Model", "Linear", "Linear"], "depth": [0, 1, 2], "calls": [1, 2, 1],
                             "device_ns": [46_000, 16_000, 30_000], "flops": [None, None, None], "achieved_tflops": [None] * 3,
@@ -393,7 +393,7 @@ def stack_profiled_run(tmp_path_factory):
                            "profile_with_stack": True}}
     (out_dir / "config.json").write_text(json.dumps(config))
     run_tiny_gpt(out_dir, "--steps", "8", "--deepspeed_config", str(out_dir / "config.json"))
-    ingest(out_dir, out_dir / ".steplens", jobs=1, finish=analyses.run)
+    ingest(out_dir, out_dir / ".steplens", jobs=1, finish=runner.run)
     return out_dir
 
 

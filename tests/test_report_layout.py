@@ -360,7 +360,7 @@ def test_terminal_output_fits_80_columns_when_piped(tmp_path):
 
 
 def test_sql_help_gives_each_example_its_own_block():
-    from steplens.analyze.sql import EXAMPLES
+    from steplens.analyze.query.sql import EXAMPLES
 
     result = _piped("steplens", "sql", "--help")
     assert result.returncode == 0 and not _fits_80(result.stdout)

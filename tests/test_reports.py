@@ -16,7 +16,7 @@ from synthetic import generate_run
 
 from conftest import CORPUS, write_trace
 from steplens.analyze.cli import EXIT_REGRESSION, analyze, steplens
-from steplens.analyze import compare, noise
+from steplens.analyze.analyses import compare, noise
 from steplens.reports.data import load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,7 +268,7 @@ def _trial_run(folder: Path, step_ms: float, zero_stage: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from steplens.analyze import schema
+    from steplens.analyze.contract import schema
 
     manifest = json.loads((ROOT / "sample_runs/deepspeed_cpu_2rank/collector/manifest/rank0.json").read_text())
     manifest["run"]["ds_config"]["zero_optimization"] = {"stage": zero_stage}

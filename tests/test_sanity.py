@@ -19,7 +19,7 @@ from pathlib import Path
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
-from steplens.analyze import sanity
+from steplens.analyze.analyses import sanity
 from steplens.reports import data, verdict
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank"

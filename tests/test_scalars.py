@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-from steplens.analyze import importers, scalars
+from steplens.analyze import importers
+from steplens.analyze.importers import monitor_scalars
 
 IMPORTER = {importer.name: importer for importer in importers.IMPORTERS}
 
@@ -62,17 +63,17 @@ def test_csv_step_is_global_samples(name):
 
 
 def test_csv_tag_names():
-    assert scalars.csv_tag("Train_Samples_lr", "lr") == "Train/Samples/lr"
-    assert scalars.csv_tag("Train_Samples_elapsed_time_ms_step", "elapsed_time_ms_step") == \
+    assert monitor_scalars.csv_tag("Train_Samples_lr", "lr") == "Train/Samples/lr"
+    assert monitor_scalars.csv_tag("Train_Samples_elapsed_time_ms_step", "elapsed_time_ms_step") == \
         "Train/Samples/elapsed_time_ms_step"
-    assert scalars.csv_tag("weird", "other") == "weird"
+    assert monitor_scalars.csv_tag("weird", "other") == "weird"
 
 
 def test_csv_repeated_header_keeps_both_segments(tmp_path):
     path = tmp_path / "Train_Samples_train_loss.csv"
     path.write_text("step,train_loss\n8,2.5\n16,2.25\n24,nan\n"
                     "step,train_loss\n16,2.3\n24,inf\n32,2.0\n")
-    result = scalars.parse_csv_monitor(path, path.name)
+    result = monitor_scalars.parse_csv_monitor(path, path.name)
     frame = result.tables["scalars"]
     assert frame["name"].unique().to_list() == ["Train/Samples/train_loss"]
     assert frame["segment"].to_list() == [0, 0, 0, 1, 1, 1]
@@ -86,7 +87,7 @@ def test_csv_repeated_header_keeps_both_segments(tmp_path):
 def test_csv_garbled_lines_are_reported_and_skipped(tmp_path):
     path = tmp_path / "Train_Samples_lr.csv"
     path.write_bytes(b"step,lr\n8,0.1\n16,0.2,24,0.3\n\xff\xfe\x00junk\n32,0.4\n")
-    result = scalars.parse_csv_monitor(path, path.name)
+    result = monitor_scalars.parse_csv_monitor(path, path.name)
     assert result.tables["scalars"]["global_samples"].to_list() == [8, 32]
     [issue] = result.issues
     assert issue[0] == "error" and issue[2] == 2 and "lines [3, 4]" in issue[3] and path.name in issue[3]
@@ -100,7 +101,7 @@ def test_csv_claims_only_step_headers(tmp_path):
 
 
 def test_every_tensorboard_point_is_read(tmp_path):
-    """More points than TensorBoard's default 10,000-point reservoir sample for scalars."""
+    """More points than TensorBoard's default 10,000-point reservoir sample for monitor_scalars."""
     from tensorboard.compat.proto import event_pb2, summary_pb2
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
@@ -111,7 +112,7 @@ def test_every_tensorboard_point_is_read(tmp_path):
         writer.add_event(event_pb2.Event(wall_time=1.7e9 + k, step=8 * k, summary=summary_pb2.Summary(value=[value])))
     writer.close()
     [path] = tmp_path.glob("events.out.tfevents.*")
-    result = scalars.parse_tensorboard(path, path.name)
+    result = monitor_scalars.parse_tensorboard(path, path.name)
     frame = result.tables["scalars"]
     assert result.issues == [] and frame.height == points
     assert frame["global_samples"].to_list() == [8 * k for k in range(1, points + 1)]
@@ -121,11 +122,11 @@ def test_every_tensorboard_point_is_read(tmp_path):
 def test_truncated_event_file_keeps_complete_records(tmp_path):
     base = run_dir("run1")
     [original] = sorted((base / "tensorboard").rglob("events.out.tfevents.*"))
-    full = scalars.parse_tensorboard(original, original.name)
+    full = monitor_scalars.parse_tensorboard(original, original.name)
     assert full.issues == []
     cut = tmp_path / original.name
     cut.write_bytes(original.read_bytes()[:-10])  # into the last record
-    result = scalars.parse_tensorboard(cut, "tensorboard/" + cut.name)
+    result = monitor_scalars.parse_tensorboard(cut, "tensorboard/" + cut.name)
     kept, expected = result.tables["scalars"], full.tables["scalars"]
     last_step = expected["global_samples"].max()
     # The last record (one point of the last step) is lost, everything before it is kept.
@@ -140,7 +141,7 @@ def test_truncated_event_file_keeps_complete_records(tmp_path):
 def test_event_file_of_junk_is_an_error_not_a_crash(tmp_path):
     junk = tmp_path / "events.out.tfevents.123.host.1.0"
     junk.write_bytes(os.urandom(3000))
-    result = scalars.parse_tensorboard(junk, junk.name)
+    result = monitor_scalars.parse_tensorboard(junk, junk.name)
     assert "scalars" not in result.tables
     assert result.issues[0][:2] == ["error", "truncated_event_file"] and junk.name in result.issues[0][3]
 
@@ -183,9 +184,9 @@ def wandb_run(tmp_path_factory) -> Path:
 
 
 def test_wandb_history_matches_what_was_logged(wandb_run):
-    assert wandb_run.stat().st_size > 4 * scalars.LOG_BLOCK
+    assert wandb_run.stat().st_size > 4 * monitor_scalars.LOG_BLOCK
     assert IMPORTER["wandb"].claims(wandb_run)
-    result = scalars.parse_wandb(wandb_run, wandb_run.name)
+    result = monitor_scalars.parse_wandb(wandb_run, wandb_run.name)
     frame = result.tables["scalars"]
     loss = frame.filter(pl.col("name") == "Train/Samples/train_loss").sort("global_samples")
     assert loss["global_samples"].to_list() == [16 * k for k in range(1, 1501)]
@@ -204,10 +205,10 @@ def test_wandb_history_matches_what_was_logged(wandb_run):
 
 
 def test_wandb_truncated_log_keeps_complete_records(wandb_run, tmp_path):
-    full = scalars.parse_wandb(wandb_run, wandb_run.name).tables["scalars"]
+    full = monitor_scalars.parse_wandb(wandb_run, wandb_run.name).tables["scalars"]
     cut = tmp_path / wandb_run.name
-    cut.write_bytes(wandb_run.read_bytes()[: 2 * scalars.LOG_BLOCK + 1000])
-    result = scalars.parse_wandb(cut, cut.name)
+    cut.write_bytes(wandb_run.read_bytes()[: 2 * monitor_scalars.LOG_BLOCK + 1000])
+    result = monitor_scalars.parse_wandb(cut, cut.name)
     kept = result.tables["scalars"]
     assert 0 < kept.height < full.height
     assert kept.equals(full.head(kept.height))
@@ -216,22 +217,22 @@ def test_wandb_truncated_log_keeps_complete_records(wandb_run, tmp_path):
 
 def test_wandb_corrupt_chunk_skips_to_next_block(wandb_run, tmp_path):
     data = bytearray(wandb_run.read_bytes())
-    data[scalars.LOG_BLOCK + 100] ^= 0xFF  # inside the second block
+    data[monitor_scalars.LOG_BLOCK + 100] ^= 0xFF  # inside the second block
     bad = tmp_path / wandb_run.name
     bad.write_bytes(bytes(data))
-    records, problems = scalars.wandb_records(bytes(data))
-    good, _ = scalars.wandb_records(wandb_run.read_bytes())
+    records, problems = monitor_scalars.wandb_records(bytes(data))
+    good, _ = monitor_scalars.wandb_records(wandb_run.read_bytes())
     assert len(problems) == 1 and "corrupt chunk" in problems[0]
     lost = set(good) - set(records)  # records carry a running number, so they are distinct
-    assert lost and sum(map(len, lost)) < 2 * scalars.LOG_BLOCK  # the damaged block (and a record spanning it)
+    assert lost and sum(map(len, lost)) < 2 * monitor_scalars.LOG_BLOCK  # the damaged block (and a record spanning it)
     assert records[-100:] == good[-100:]  # reading resumed after it
-    assert scalars.parse_wandb(bad, bad.name).tables["scalars"].height > 0
+    assert monitor_scalars.parse_wandb(bad, bad.name).tables["scalars"].height > 0
 
 
 def test_wandb_junk_file_is_an_error(tmp_path):
     junk = tmp_path / "run-abc.wandb"
     junk.write_bytes(b"not a wandb file" * 10)
-    result = scalars.parse_wandb(junk, junk.name)
+    result = monitor_scalars.parse_wandb(junk, junk.name)
     assert result.tables == {} and result.issues[0][:2] == ["error", "not_a_wandb_log"]
     assert junk.name in result.issues[0][3]
 
@@ -241,7 +242,7 @@ def test_wandb_reader_agrees_with_wandb_protobuf(wandb_run):
     pytest.importorskip("wandb")
     from wandb.proto import wandb_internal_pb2
 
-    records, problems = scalars.wandb_records(wandb_run.read_bytes())
+    records, problems = monitor_scalars.wandb_records(wandb_run.read_bytes())
     assert problems == []
     history = 0
     for raw in records:
@@ -249,7 +250,7 @@ def test_wandb_reader_agrees_with_wandb_protobuf(wandb_run):
         if record.WhichOneof("record_type") != "history":
             continue
         history += 1
-        ours = scalars._history_rows(dict(scalars.proto_fields(raw))[scalars.RECORD_HISTORY], "x", set())
+        ours = monitor_scalars._history_rows(dict(monitor_scalars.proto_fields(raw))[monitor_scalars.RECORD_HISTORY], "x", set())
         theirs = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
         numeric = {k: v for k, v in theirs.items() if not k.startswith("_") and isinstance(v, (int, float))}
         assert {row["name"]: row["value"] for row in ours} == pytest.approx(numeric, nan_ok=True)

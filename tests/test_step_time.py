@@ -2,7 +2,7 @@
 
 Every number is recomputed here from the raw inputs (the collector's Parquet parts read with pyarrow,
 the Kineto traces with gzip + json + Decimal, the log lines with a regex), sharing no code with
-steplens, and the exclusion rule of analyze/step_time.py is restated here from its docstring.
+steplens, and the exclusion rule of analyze/analyses/step_time.py is restated here from its docstring.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 from conftest import REALRUN_INSTRUMENTED, REALRUN_STEADY_STEPS
-from steplens.analyze import step_time
+from steplens.analyze.analyses import step_time
 from steplens.reports import data, verdict
 
 ANALYZE = [sys.executable, "-m", "steplens.analyze"]

@@ -9,13 +9,14 @@ from __future__ import annotations
 from math import comb
 
 import pytest
-from steplens.analyze import analyses, ingest
+from steplens.analyze.analyses import runner
+from steplens.analyze.pipeline import ingest
 from synthetic import generate_run
 
 
 def analyse(run, out) -> dict:
     findings: dict = {}
-    ingest.ingest(run, out, jobs=1, finish=lambda staging: findings.update(analyses.run(staging)))
+    ingest.ingest(run, out, jobs=1, finish=lambda staging: findings.update(runner.run(staging)))
     return findings
 
 

@@ -5,8 +5,8 @@ import json
 import polars as pl
 import pytest
 
-from steplens.analyze import schema
-from steplens.analyze.ingest import ingest
+from steplens.analyze.contract import schema
+from steplens.analyze.pipeline.ingest import ingest
 from synthetic import generate_run
 
 

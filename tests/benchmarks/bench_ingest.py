@@ -86,10 +86,10 @@ def run_steplens(d: Path, jobs: int) -> dict:
 ANALYSES = """
 import sys, time
 from pathlib import Path
-from steplens.analyze import analyses
+from steplens.analyze.analyses import runner
 from steplens.reports import html, markdown
 started = time.perf_counter()
-analyses.run(Path(sys.argv[1]))
+runner.run(Path(sys.argv[1]))
 analysed = time.perf_counter()
 report = html.write(Path(sys.argv[1]))
 markdown.write(Path(sys.argv[1]))

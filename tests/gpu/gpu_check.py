@@ -137,11 +137,13 @@ def unpack(folder: Path) -> Path:
 def check(root: Path, gpu: bool) -> dict:
     """analyze the job folder and the checks; each is ok, failed (with why) or skipped (with why)."""
     import polars as pl
-    from steplens.analyze import analyses, ingest, schema
+    from steplens.analyze.analyses import runner
+    from steplens.analyze.pipeline import ingest
+    from steplens.analyze.contract import schema
 
     job, results = root / "job", {}
     result = ingest.ingest(job, jobs=1)
-    findings = analyses.run(result.out_dir, analyses.Options(dtype="bf16" if gpu else "fp32"))
+    findings = runner.run(result.out_dir, runner.Options(dtype="bf16" if gpu else "fp32"))
     table = lambda name: pl.read_parquet(result.out_dir / name)  # noqa: E731
 
     def verdict(name: str, ok: bool, detail, needs_gpu: bool = False) -> None:

@@ -1,0 +1,71 @@
+"""In-job alarms next to the same rules replayed after the fact: where they agree.
+
+The collector evaluated its alarm rules (analyze/contract/alarm_rules.py) on rank 0 while the job ran and wrote what
+fired to the `alarms` table. Here the same rules, with the settings of the collector's manifest, run again
+over the rows the collector recorded (rank 0's scalars in the order written, every rank's train_steps and
+comms_calls). An alarm is matched on (rule, name, step). Differences have causes that can be named: rows
+that never reached the disk (a killed rank, a failed writer), a straggler step judged in the job only once
+the other ranks' parts were on disk, a watchdog that saw a hang the step times cannot (the job never
+stepped again).
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from steplens.analyze.contract import alarm_rules
+
+COLUMNS = {"rule": pl.String, "name": pl.String, "step": pl.Int64, "rank": pl.Int64, "severity": pl.String,
+           "in_job": pl.Boolean, "post_hoc": pl.Boolean, "value_in_job": pl.Float64, "value_post_hoc": pl.Float64,
+           "detail": pl.String}
+
+
+def _collector(frame: pl.DataFrame) -> pl.DataFrame:
+    """The collector's rows of a run table (an absent table: no rows)."""
+    if "source" not in frame.columns:
+        return pl.DataFrame()
+    return frame.filter(pl.col("source").str.starts_with("collector/"))
+
+
+def _by_rank(frame: pl.DataFrame) -> dict[int, list[dict]]:
+    if frame.is_empty():
+        return {}
+    return {rank: part.to_dicts() for (rank,), part in frame.partition_by("rank", as_dict=True, maintain_order=True).items()}
+
+
+def alarm_agreement(alarms: pl.DataFrame, scalars: pl.DataFrame, train_steps: pl.DataFrame,
+                    comms_calls: pl.DataFrame, facts: dict) -> pl.DataFrame:
+    """One row per alarm raised in the job, by the replay, or both; empty without a collector's settings."""
+    settings = facts.get("settings") if isinstance(facts.get("settings"), dict) else None
+    if settings is None or "alarms" not in settings:  # no collector, or one from before alarms: nothing to replay
+        return pl.DataFrame(schema=COLUMNS)
+    try:
+        rules = alarm_rules.parse_rules(settings.get("alarms"))
+    except ValueError:
+        return pl.DataFrame(schema=COLUMNS)
+    scalars = _collector(scalars)
+    own = scalars.filter((pl.col("rank") == 0) & (pl.col("origin") == "collector")) if not scalars.is_empty() else scalars
+    steps, comms = _collector(train_steps), _collector(comms_calls)
+    # Parts sort by name in flush order (rank0-00003 before rank0-00004); rows keep their order inside a part.
+    own_rows = own.sort("source", maintain_order=True).to_dicts() if not own.is_empty() else []
+    steps_rows = _by_rank(steps.sort("rank", "step", "micro_step")) if not steps.is_empty() else {}
+    replayed = alarm_rules.replay(rules, own_rows, steps_rows, _by_rank(comms) if not comms.is_empty() else {})
+    in_job = _collector(alarms).to_dicts() if not alarms.is_empty() else []
+    rows: dict[tuple, dict] = {}
+    for side, found in (("in_job", in_job), ("post_hoc", replayed)):
+        for alarm in found:
+            key = (alarm["rule"], alarm["name"], alarm["step"])
+            row = rows.setdefault(key, {"rule": alarm["rule"], "name": alarm["name"], "step": alarm["step"],
+                                        "rank": alarm["rank"], "severity": alarm["severity"], "in_job": False,
+                                        "post_hoc": False, "detail": alarm["detail"]})
+            row[side] = True
+            row[f"value_{side}"] = alarm["value"]
+    return pl.DataFrame(list(rows.values()), schema=COLUMNS).sort("step", "rule", "name")
+
+
+def agreement_summary(table: pl.DataFrame) -> dict:
+    """Counts for findings.json: alarms in the job, in the replay, in both."""
+    both = table.filter(pl.col("in_job") & pl.col("post_hoc")).height
+    return {"in_job": table.filter("in_job").height, "post_hoc": table.filter("post_hoc").height, "agree": both,
+            "only_in_job": table.filter(pl.col("in_job") & ~pl.col("post_hoc")).height,
+            "only_post_hoc": table.filter(~pl.col("in_job") & pl.col("post_hoc")).height}

@@ -1,0 +1,184 @@
+"""Which collective and message size is slow, and how much of it the GPU waits on.
+
+One row per collective kernel per rank: bytes and bandwidth with the nccl-tests definitions
+(NVIDIA/nccl-tests doc/PERFORMANCE.md: algbw = S / t, busbw = algbw * factor, GB/s = 1e9 bytes/s,
+n = the process group's size), time exposed (not overlapped by compute kernels on another stream of
+the same device) vs overlapped, and the cross-rank instance it belongs to.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from steplens.analyze.trace import intervals
+from steplens.analyze.analyses.kernels import families, first_match
+from steplens.analyze.analyses.launch import enclosing_op
+
+# c10 ScalarType names (record_param_comms `dtype`) -> bytes per element.
+DTYPE_BYTES = {
+    "Float": 4, "float": 4, "Float32": 4, "Double": 8, "Half": 2, "BFloat16": 2, "ComplexFloat": 8,
+    "Int": 4, "Long": 8, "Short": 2, "Char": 1, "Byte": 1, "Bool": 1, "UInt32": 4, "UInt64": 8,
+    "Float8_e4m3fn": 1, "Float8_e5m2": 1, "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1,
+}
+
+# Below this message size a collective's time is dominated by latency, not bandwidth: NCCL's LL and
+# LL128 protocols, tuned for small messages, cover sizes up to roughly this (NCCL tuning tables).
+LATENCY_BOUND_BYTES = 1 << 20
+
+# Ordered: the first match names the collective (args first, then the kernel name).
+_OPS = [
+    ("reducescatter", r"(?i)reduce_?scatter"),
+    ("allreduce", r"(?i)all_?reduce|cross_device_reduce"),
+    ("allgather", r"(?i)all_?gather"),
+    # DeepEP's dispatch/combine kernels are the two halves of an MoE all-to-all
+    ("alltoall", r"(?i)all_?to_?all|(^|::)(notify_|cached_notify_?)?(dispatch|combine)(_ll)?\b"),
+    ("broadcast", r"(?i)broadcast"),
+    ("sendrecv", r"(?i)send|recv"),
+    ("reduce", r"(?i)reduce"),
+    ("gather", r"(?i)gather"),
+    ("scatter", r"(?i)scatter"),
+    ("barrier", r"(?i)barrier"),
+]
+
+
+def nccl_op(column: str) -> pl.Expr:
+    """A collective's name (NCCL kernel, record_param_comms or DeepSpeed op) in nccl-tests terms."""
+    return first_match(column, _OPS, None)
+
+
+def collective_kernels(events: pl.DataFrame) -> pl.DataFrame:
+    """Communication kernels (family `communication`: NCCL/RCCL, NVLS multimem, DeepEP, custom
+    all-reduce; or record_param_comms args) with their collective. `events` may carry the `category`
+    of kernels.device_work (user patterns included); otherwise the default families are used."""
+    kernels = events.filter(pl.col("kind") == "kernel")
+    return kernels.filter(_is_communication(kernels)).with_columns(
+        op=pl.coalesce(nccl_op("collective"), nccl_op("name"), pl.lit("unknown")))
+
+
+def _is_communication(kernels: pl.DataFrame) -> pl.Expr:
+    if "category" in kernels.columns:
+        return pl.col("collective").is_not_null() | (pl.col("category") == "communication")
+    comm = families(kernels["name"]).filter(pl.col("category") == "communication")["name"].implode()
+    return pl.col("collective").is_not_null() | pl.col("name").is_in(comm)
+
+
+def collectives(device: pl.DataFrame, world_size: int | None = None) -> pl.DataFrame:
+    """Per call: bytes, algbw/busbw, exposed vs overlapped time, regime and cross-rank instance key."""
+    comm = collective_kernels(device)
+    if comm.is_empty():
+        return _empty()
+    elem = pl.col("dtype").replace_strict(DTYPE_BYTES, default=None, return_dtype=pl.Int64)
+    n = pl.coalesce("group_size", pl.lit(world_size, pl.Int64))
+    in_bytes, out_bytes = pl.col("in_nelems") * elem, pl.col("out_nelems") * elem
+    size = (
+        pl.when(pl.col("op") == "allgather").then(pl.coalesce(out_bytes, in_bytes * n))
+        .when(pl.col("op") == "reducescatter").then(pl.coalesce(in_bytes, out_bytes * n))
+        .when(pl.col("op") == "sendrecv").then(pl.max_horizontal(in_bytes, out_bytes))
+        .otherwise(in_bytes)
+    )
+    comm = comm.with_columns(group_size=n, bytes=size)
+    comm = comm.with_columns(
+        algbw_gbps=pl.when(pl.col("dur_ns") > 0).then(pl.col("bytes") / pl.col("dur_ns")),  # bytes/ns == GB/s
+    ).with_columns(busbw_gbps=pl.col("algbw_gbps") * busbw_factor())
+    comm = _add_exposure(comm, device)
+    # Same instance on every rank: process group + sequence number when the trace has them, else order.
+    ordinal = pl.int_range(pl.len()).over("rank", "group_name", "op")
+    comm = comm.sort("rank", "ts_ns").with_columns(
+        instance=pl.when(pl.col("seq").is_not_null())
+        .then(pl.format("{}:{}", pl.col("group_name").fill_null("?"), pl.col("seq")))
+        .otherwise(pl.format("{}:{}#{}", pl.col("group_name").fill_null("?"), pl.col("op"), ordinal)),
+        regime=pl.when(pl.col("bytes").is_null()).then(pl.lit(None, pl.String))
+        .when(pl.col("bytes") < LATENCY_BOUND_BYTES).then(pl.lit("latency-bound"))
+        .otherwise(pl.lit("bandwidth-bound")),
+    )
+    return comm.select(
+        "rank", "step", "event_id", "instance", "op", "collective", "name", "group_name", "group_size", "seq",
+        "dtype", "bytes", "ts_ns", "dur_ns", "algbw_gbps", "busbw_gbps", "overlapped_ns", "exposed_ns", "regime",
+        "device", "stream", "source", "launch_event_id",
+    )
+
+
+# Wrappers around the real call site: the op that records the collective's arguments.
+RECORDING_OPS = ("record_param_comms",)
+
+
+def with_call_sites(calls: pl.DataFrame, runtime: pl.DataFrame, threads: dict) -> pl.DataFrame:
+    """Add issuing_op: the innermost CPU op, annotation or Python frame around each collective's
+    launch, skipping record_param_comms (it wraps every collective and says nothing of the caller)."""
+    if calls.is_empty():
+        return calls.with_columns(issuing_op=pl.lit(None, pl.String)).drop("source", "launch_event_id")
+    launches = calls.select("rank", "source", "launch_event_id").join(
+        runtime.select("rank", "source", "event_id", "ts_ns", "dur_ns", "pid", "tid"),
+        left_on=["rank", "source", "launch_event_id"], right_on=["rank", "source", "event_id"], how="left",
+        maintain_order="left")
+    sites = enclosing_op(launches, threads, skip=RECORDING_OPS)
+    return calls.with_columns(issuing_op=sites).drop("source", "launch_event_id")
+
+
+def busbw_factor() -> pl.Expr:
+    """nccl-tests bus-bandwidth factor for `op` and group size n (src/*.cu *GetBw)."""
+    n = pl.col("group_size").cast(pl.Float64)
+    ring = (n - 1) / n
+    return (
+        pl.when(pl.col("group_size") <= 0).then(None)
+        .when(pl.col("op") == "allreduce").then(2 * ring)
+        .when(pl.col("op").is_in(["allgather", "reducescatter", "alltoall", "gather", "scatter"])).then(ring)
+        .when(pl.col("op").is_in(["broadcast", "reduce", "sendrecv"])).then(1.0)
+    )
+
+
+def _add_exposure(comm: pl.DataFrame, device: pl.DataFrame) -> pl.DataFrame:
+    """Overlapped = covered by compute kernels on another stream of the same device; the rest is exposed."""
+    kernels = device.filter(pl.col("kind") == "kernel")
+    compute = kernels.filter(~_is_communication(kernels)).select("rank", "device", "stream", "ts_ns", "dur_ns")
+    by_device = compute.partition_by("rank", "device", as_dict=True)
+    empty = compute.clear()
+    pieces = []
+    for (rank, device, stream), group in comm.group_by("rank", "device", "stream", maintain_order=True):
+        others = by_device.get((rank, device), empty).filter(pl.col("stream") != stream)
+        starts = others["ts_ns"].to_numpy()
+        u_s, u_e = intervals.union(starts, starts + others["dur_ns"].fill_null(0).to_numpy())
+        lo = group["ts_ns"].to_numpy()
+        overlapped = intervals.covered(u_s, u_e, lo, lo + group["dur_ns"].fill_null(0).to_numpy())
+        pieces.append(group.with_columns(overlapped_ns=pl.Series(overlapped, dtype=pl.Int64)))
+    comm = pl.concat(pieces)
+    return comm.with_columns(exposed_ns=pl.col("dur_ns") - pl.col("overlapped_ns"))
+
+
+def instances(calls: pl.DataFrame, offsets: pl.DataFrame | None = None) -> pl.DataFrame:
+    """The same collective across ranks: skew of start and end (clocks aligned when offsets are given),
+    and the minimum-over-ranks latency, which is the transfer itself (the rest is waiting)."""
+    if calls.is_empty():
+        return pl.DataFrame()
+    if offsets is not None and not offsets.is_empty():
+        calls = calls.join(offsets.select("rank", "offset_ns"), on="rank", how="left").with_columns(
+            start=pl.col("ts_ns") - pl.col("offset_ns").fill_null(0))
+    else:
+        calls = calls.with_columns(start=pl.col("ts_ns"))
+    calls = calls.with_columns(end=pl.col("start") + pl.col("dur_ns"))
+    return (
+        calls.group_by("instance", "op")
+        .agg(
+            ranks=pl.col("rank").n_unique(),
+            step=pl.col("step").min(),
+            bytes=pl.col("bytes").max(),
+            group_size=pl.col("group_size").max(),
+            min_dur_ns=pl.col("dur_ns").min(),
+            max_dur_ns=pl.col("dur_ns").max(),
+            start_skew_ns=pl.col("start").max() - pl.col("start").min(),
+            end_skew_ns=pl.col("end").max() - pl.col("end").min(),
+            last_rank=pl.col("rank").sort_by("start").last(),
+            busbw_at_min_latency_gbps=pl.col("busbw_gbps").max(),
+        )
+        .sort("step", "instance", nulls_last=True)
+    )
+
+
+def _empty() -> pl.DataFrame:
+    return pl.DataFrame(schema={
+        "rank": pl.Int64, "step": pl.Int64, "event_id": pl.Int64, "instance": pl.String, "op": pl.String,
+        "collective": pl.String, "name": pl.String, "group_name": pl.String, "group_size": pl.Int64, "seq": pl.Int64,
+        "dtype": pl.String, "bytes": pl.Int64, "ts_ns": pl.Int64, "dur_ns": pl.Int64, "algbw_gbps": pl.Float64,
+        "busbw_gbps": pl.Float64, "overlapped_ns": pl.Int64, "exposed_ns": pl.Int64, "regime": pl.String,
+        "device": pl.Int64, "stream": pl.Int64, "source": pl.String, "launch_event_id": pl.Int64,
+    })

@@ -1,0 +1,235 @@
+"""A/B comparison of two analysed runs: the verdict on the work done, and the metrics side by side.
+
+A step is only the same amount of work in both runs when micro batch, gradient accumulation, world
+size and sequence length agree. When they do, the verdict is on step time (more is a regression). When any of
+them differs, the verdict is on throughput per optimizer step, samples per step / step time
+(samples/s), or tokens/s when both runs know their sequence length (less is a regression), and the
+result says so. The step times themselves come from the best source both runs have; the test is
+`noise.two_run_verdict`.
+
+`run` arguments are analysed runs as `steplens.reports.data.load` returns them: `.name`,
+`.manifest`, `.findings` and `.table(name)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from steplens.analyze.analyses import monitor, noise, step_time
+
+# Fields that change the work of one optimizer step (monitor.COMPARABILITY_FIELDS names).
+WORK_FIELDS = ("world_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+               "seq_len")
+
+
+@dataclass
+class StepSamples:
+    values_ns: np.ndarray  # kept optimizer steps' times (step_time's exclusions applied)
+    samples: np.ndarray  # samples each of those steps consumed, where the source records it (else null)
+    source: str  # the step_time definition they come from
+
+
+# Which input table each step_time definition comes from: dropped to fall back to the next source.
+_INPUT_OF_DEFINITION = {"collector": "train_steps", "log_train_steps": "train_steps", "log_timers": "step_timers",
+                        "log_throughput": "scalars", "log_megatron": "scalars", "profiler_steps": "profiler_steps"}
+
+
+def step_samples(run) -> list[StepSamples]:
+    """The run's optimizer-step times from every source it has, best first, each by the one step-time
+    definition (`step_time.step_time_table`): the best source, then the next once that one's input
+    is set aside, and so on."""
+    steps = run.table("steps")
+    inputs = {"train_steps": run.table("train_steps"), "step_timers": run.table("step_timers"),
+              "scalars": run.table("scalars"),
+              "profiler_steps": steps.select("rank", "step", "start_ns", "end_ns") if not steps.is_empty() else steps,
+              "flops_profile": run.table("flops_profile")}
+    by_text = {text: key for key, text in step_time.DEFINITIONS.items()}
+    found = []
+    while True:
+        table = step_time.step_time_table(**inputs, facts=facts(run))
+        if table.is_empty():
+            return found
+        kept = table.filter(~pl.col("excluded") & pl.col("step_time_ns").is_not_null())
+        definition = table["definition"][0]
+        found.append(StepSamples(kept["step_time_ns"].to_numpy(), kept["samples"].to_numpy(), definition))
+        source_input = _INPUT_OF_DEFINITION.get(by_text.get(definition))
+        if source_input is None:  # a definition this module does not know how to set aside: no fallback
+            return found
+        inputs[source_input] = pl.DataFrame()
+
+
+def common_samples(base, new) -> tuple[StepSamples, StepSamples] | None:
+    """The best source of the base run that the new run also has (the same definition in both)."""
+    new_by_source = {s.source: s for s in step_samples(new)}
+    return next(((s, new_by_source[s.source]) for s in step_samples(base) if s.source in new_by_source), None)
+
+
+def facts(run) -> dict:
+    return {"world_size": run.manifest.get("world_size"), **run.manifest.get("facts", {})}
+
+
+def samples_per_step(run, steps: StepSamples) -> np.ndarray | None:
+    """Samples each of `steps` consumed across the job: what the step-time source records (the
+    collector's global_samples), else train_batch_size, else micro batch x accumulation x
+    data-parallel size; None when the run states none of them."""
+    run_facts = facts(run)
+    batch = monitor.run_fact(run_facts, "train_batch_size")
+    if not batch:
+        parts = [monitor.run_fact(run_facts, f) for f in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
+        data_parallel = run_facts.get("dp_world_size") or run_facts.get("world_size")
+        batch = parts[0] * parts[1] * data_parallel if all(parts) and data_parallel else None
+    recorded = np.array([np.nan if v is None else v for v in steps.samples], dtype=float)
+    recorded[recorded <= 0] = np.nan
+    if np.isnan(recorded).any() and not batch:
+        return None
+    return np.where(np.isnan(recorded), float(batch or 0), recorded)
+
+
+def _work_differs(table: pl.DataFrame) -> list[str]:
+    return table.filter(pl.col("field").is_in(WORK_FIELDS) & (pl.col("status") == "different"))["field"].to_list()
+
+
+def _verdict(base, new, pair: tuple[StepSamples, StepSamples] | None, differs: list[str]) -> dict:
+    """The judged metric: step time when a step is the same work in both runs, throughput otherwise."""
+    if pair is None:
+        return {"metric": "step time", "unit": "ns", "verdict": "not comparable", "established": None,
+                "why": "the runs have no step-time source in common (profiler steps, collector steps, DeepSpeed "
+                       "timers or Megatron iteration times)"}
+    base_steps, new_steps = pair
+    if not differs:
+        return {"metric": "step time", "unit": "ns", "higher_is_better": False, "source": base_steps.source,
+                "why_metric": "a step is the same work in both runs (micro batch, gradient accumulation, world size)",
+                **noise.two_run_verdict(base_steps.values_ns, new_steps.values_ns, higher_is_better=False)}
+    samples = {"base": samples_per_step(base, base_steps), "new": samples_per_step(new, new_steps)}
+    seq = {"base": monitor.run_fact(facts(base), "seq_len"), "new": monitor.run_fact(facts(new), "seq_len")}
+    changed = ", ".join(differs)
+    if any(value is None for value in samples.values()):
+        missing = [side for side, value in samples.items() if value is None]
+        return {"metric": "throughput", "unit": None, "verdict": "not comparable", "established": None,
+                "why": f"{changed} differ(s), so a step is not the same work, and the samples per step of the {missing} "
+                       "run(s) are not recorded (no global_samples, train_batch_size or batch settings)"}
+    tokens = all(seq.values())
+    metric, unit = ("tokens/s", "tokens_per_s") if tokens else ("samples/s", "samples_per_s")
+    rates = {side: samples[side] * (seq[side] if tokens else 1) / (steps.values_ns / 1e9)
+             for side, steps in (("base", base_steps), ("new", new_steps))}
+    result = noise.two_run_verdict(rates["base"], rates["new"], higher_is_better=True)
+    return {"metric": metric, "unit": unit, "higher_is_better": True, "source": base_steps.source,
+            "samples_per_step": {side: float(np.median(values)) for side, values in samples.items()},
+            "seq_len": seq if tokens else None,
+            "why_metric": f"{changed} differ(s) between the runs, so a step is not the same work: judged on {metric} "
+                          f"per optimizer step ({'samples x sequence length' if tokens else 'samples'} per step / step time)",
+            **result}
+
+
+def _step_time(pair: tuple[StepSamples, StepSamples] | None) -> dict:
+    """Step time side by side (always shown; the verdict is `_verdict`'s)."""
+    if pair is None:
+        return {}
+    b, n = pair
+    return {"source": b.source, "base_steps": len(b.values_ns), "new_steps": len(n.values_ns),
+            "base_median_ns": float(np.median(b.values_ns)) if len(b.values_ns) else None,
+            "new_median_ns": float(np.median(n.values_ns)) if len(n.values_ns) else None}
+
+
+def metrics(run) -> dict[str, float | None]:
+    """The scalar metrics shown side by side; per step and rank where they add up over a run."""
+    f = run.findings
+    step_count = max(run.table("step_stats").height, 1)
+    ranks = max(len(run.manifest.get("trace_ranks", [])), 1)
+    calls = run.table("collectives")
+    mfu = run.table("mfu").filter(pl.col("metric") == "MFU") if not run.table("mfu").is_empty() else pl.DataFrame()
+    return {
+        "MFU (median)": float(mfu["utilization"].median()) if not mfu.is_empty() else None,
+        "GPU idle share": (f.get("gpu_idle") or {}).get("idle_share"),
+        "exposed communication per step and rank (ns)": float(calls["exposed_ns"].sum()) / step_count / ranks
+        if not calls.is_empty() else None,
+    }
+
+
+def per_step_rank(frame: pl.DataFrame, key: str, run) -> pl.DataFrame:
+    """Kernel time per step and rank, so runs with different numbers of traced steps compare."""
+    step_count = max(run.table("step_stats").height, 1)
+    ranks = max(len(run.manifest.get("trace_ranks", [])), 1)
+    return frame.group_by(key).agg((pl.col("time_ns").sum() / step_count / ranks).alias("time_ns"))
+
+
+def side_by_side(base: pl.DataFrame, new: pl.DataFrame, key: str, limit: int) -> pl.DataFrame:
+    joined = base.join(new, on=key, how="full", suffix="_new", coalesce=True).fill_null(0)
+    joined = joined.rename({"time_ns": "base_ns", "time_ns_new": "new_ns"}).with_columns(
+        delta_ns=pl.col("new_ns") - pl.col("base_ns"),
+        delta=pl.when(pl.col("base_ns") > 0).then(pl.col("new_ns") / pl.col("base_ns") - 1))
+    return joined.sort(pl.col("delta_ns").abs(), descending=True).head(limit)
+
+
+def _kernel_tables(base, new) -> dict[str, pl.DataFrame]:
+    out = {}
+    for key, table, label, limit in (("categories", "kernel_categories", "category", 20), ("kernels", "top_kernels", "name", 15)):
+        both = not base.table(table).is_empty() and not new.table(table).is_empty()
+        out[key] = side_by_side(per_step_rank(base.table(table), label, base), per_step_rank(new.table(table), label, new),
+                                label, limit) if both else pl.DataFrame()
+    return out
+
+
+def compare(base, new) -> dict:
+    """Everything `steplens compare` shows: the verdict (the judged metric), step time, metrics,
+    kernel tables, what a step is in each run, warnings and monitor curves."""
+    pair = common_samples(base, new)
+    table = comparability(base, new)
+    base_metrics, new_metrics = metrics(base), metrics(new)
+    return {
+        "base": base.name, "new": new.name, "verdict": _verdict(base, new, pair, _work_differs(table)),
+        "step_time": _step_time(pair),
+        "metrics": [{"metric": k, "base": base_metrics[k], "new": new_metrics[k]} for k in base_metrics],
+        **_kernel_tables(base, new), "comparability": table,
+        "warnings": warnings(table, base, new), "curves": curves(base, new),
+    }
+
+
+def comparability(base, new) -> pl.DataFrame:
+    """monitor.comparability over the two runs' facts: which fields decide whether a step of one is
+    the same amount of work as a step of the other, and whether they agree."""
+    return monitor.comparability({"base": facts(base), "new": facts(new)})
+
+
+def warnings(table: pl.DataFrame, base, new) -> list[str]:
+    found = [f"{row['field']} differs ({row['values']}): {row['detail']}; the verdict is on throughput, not step time."
+             for row in table.filter((pl.col("status") == "different") & pl.col("field").is_in(WORK_FIELDS)).iter_rows(named=True)]
+    found += [f"{row['field']} differs ({row['values']})." for row in
+              table.filter((pl.col("status") == "different") & ~pl.col("field").is_in(WORK_FIELDS)).iter_rows(named=True)]
+    found += [f"{row['field']} {row['detail']}." for row in
+              table.filter((pl.col("status") == "missing") & pl.col("required")).iter_rows(named=True)]
+    devices = [tuple(r.manifest.get("environment", {}).get("device_names", [])) for r in (base, new)]
+    if devices[0] and devices[1] and devices[0] != devices[1]:
+        found.append(f"devices differ ({', '.join(devices[0])} vs {', '.join(devices[1])}).")
+    return found
+
+
+MAX_CURVES = 4
+
+
+def curves(base, new) -> pl.DataFrame:
+    """Monitor curves of both runs on global samples (never on step), for the names both have."""
+    runs = {"base": (base.table("scalars"), facts(base)), "new": (new.table("scalars"), facts(new))}
+    if any(frame.is_empty() for frame, _ in runs.values()):
+        return pl.DataFrame()
+    aligned = monitor.aligned_curves(runs, "global_samples").filter(pl.col("value").is_finite())
+    common = (aligned.group_by("name").agg(pl.col("run").n_unique().alias("runs")).filter(pl.col("runs") == 2)
+              .sort("name")["name"].to_list())
+    return aligned.filter(pl.col("name").is_in(common[:MAX_CURVES]))
+
+
+def regressed(result: dict, threshold_pct: float) -> bool:
+    """For --fail-on-regression: a significant change for the worse of the judged metric (step time,
+    or throughput when the work per step differs) larger than threshold_pct."""
+    verdict = result["verdict"]
+    return verdict.get("verdict") == "regression" and abs(verdict["delta"]) * 100 > threshold_pct
+
+
+def as_data(result: dict) -> dict:
+    """The verdict as JSON-ready data (`compare --format json`)."""
+    return {"base": result["base"], "new": result["new"], "verdict": result["verdict"], "step_time": result["step_time"],
+            "metrics": result["metrics"], "warnings": result["warnings"],
+            "comparability": result["comparability"].to_dicts()}

@@ -1,0 +1,95 @@
+"""Which kernels take the GPU time: families per rank and step, and the top kernels.
+
+A kernel's family (the `category` column) comes from its base name (no return type, namespaces,
+template arguments or parameters) matched against the patterns of `kernel_families.FAMILIES`, in
+order (first match wins); users extend them with `--kernel-categories FILE` (CSV with columns
+category,pattern, matched against the base name, placed before the defaults). memcpy and memset come
+from the event kind, not the name.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import polars as pl
+
+from steplens.analyze.analyses.kernel_families import FAMILIES, FAMILY_NAMES, base_name
+
+# (category, case-insensitive regex over the base name), in the order they are tried.
+KERNEL_CATEGORIES: list[tuple[str, str]] = [(family, pattern) for family, pattern, _ in FAMILIES]
+CATEGORIES = FAMILY_NAMES
+
+
+def load_categories(path: Path) -> list[tuple[str, str]]:
+    """User patterns (CSV: category,pattern) followed by the defaults."""
+    with open(path, newline="") as f:
+        rows = [(r["category"].strip(), r["pattern"].strip()) for r in csv.DictReader(f)]
+    return rows + KERNEL_CATEGORIES
+
+
+def first_match(column: str, patterns: list[tuple[str, str]], default: str | None) -> pl.Expr:
+    """The label of the first (label, regex) pattern the column matches, else `default`."""
+    expr = pl.when(pl.lit(False)).then(pl.lit(None, pl.String))
+    for label, pattern in patterns:
+        expr = expr.when(pl.col(column).str.contains(pattern)).then(pl.lit(label))
+    return expr.otherwise(pl.lit(default, pl.String))
+
+
+def categorize(patterns: list[tuple[str, str]] = KERNEL_CATEGORIES, column: str = "name") -> pl.Expr:
+    """An expression giving a kernel (base) name its category (first matching pattern, case-insensitive)."""
+    return first_match(column, [(category, f"(?i){pattern}") for category, pattern in patterns], "other")
+
+
+def families(names: pl.Series, patterns: list[tuple[str, str]] = KERNEL_CATEGORIES) -> pl.DataFrame:
+    """name, base_name and category of each distinct kernel name."""
+    distinct = names.drop_nulls().unique()
+    bases = [base_name(n) for n in distinct.to_list()]  # rowwise-ok: once per distinct kernel name, not per event
+    table = pl.DataFrame({"name": distinct, "base_name": pl.Series(bases, dtype=pl.String)})
+    return table.with_columns(category=categorize(patterns, "base_name"))
+
+
+def device_work(device: pl.DataFrame, patterns=KERNEL_CATEGORIES) -> pl.DataFrame:
+    """Kernels, memcpy and memset with their category. Patterns run once per distinct kernel name."""
+    work = device.filter(pl.col("kind").is_in(["kernel", "gpu_memcpy", "gpu_memset"]))
+    names = families(work["name"], patterns)
+    by_name = pl.col("name").replace_strict(names["name"], names["category"], default="other")
+    return work.with_columns(
+        category=pl.when(pl.col("kind") == "gpu_memcpy").then(pl.lit("memcpy"))
+        .when(pl.col("kind") == "gpu_memset").then(pl.lit("memset"))
+        .when(pl.col("collective").is_not_null()).then(pl.lit("communication"))
+        .otherwise(by_name)
+    )
+
+
+def category_time(work: pl.DataFrame) -> pl.DataFrame:
+    """GPU time per rank, step and category (summed kernel time; streams may overlap)."""
+    return (
+        work.group_by("rank", "step", "category")
+        .agg(kernels=pl.len(), time_ns=pl.col("dur_ns").sum())
+        .sort("rank", "step", "category", nulls_last=True)
+    )
+
+
+def kernel_totals(work: pl.DataFrame) -> pl.DataFrame:
+    """Time and calls per kernel name and rank: the input of top_kernels."""
+    return work.group_by("name", "category", "rank").agg(time_ns=pl.col("dur_ns").sum(), calls=pl.len())
+
+
+def top_kernels(totals: pl.DataFrame, limit: int = 50) -> pl.DataFrame:
+    """Kernels by total time over all ranks, with how they spread across ranks."""
+    if totals.is_empty():
+        return totals
+    return (
+        totals.group_by("name", "category")
+        .agg(
+            calls=pl.col("calls").sum(),
+            time_ns=pl.col("time_ns").sum(),
+            ranks=pl.len(),
+            min_rank_time_ns=pl.col("time_ns").min(),
+            max_rank_time_ns=pl.col("time_ns").max(),
+        )
+        .with_columns(mean_ns=pl.col("time_ns") // pl.col("calls"))
+        .sort("time_ns", descending=True)
+        .head(limit)
+    )

@@ -1,0 +1,211 @@
+"""Whether the GPU waits on the CPU: launch cost and queueing per kernel, GPU busy/idle per device,
+step and stream, and idle time split by cause.
+
+Definitions (one cause per gap; the same in tests/synthetic.py, which builds runs with known answers):
+- The device-busy timeline of a rank's device in one profiler window (source) is the union of all its
+  device work: kernels, memcpy and memset on every stream, of every step, with or without a recorded
+  launch (work enqueued before the window opened included). The device is idle only where it is not.
+- `gpu_idle` rows, all with busy_ns + idle_ns == span_ns:
+  * whole window (step null, stream -1): first start to last end of all device work in the window,
+    idle against the device-busy timeline. Every trace with device activity has them, with or
+    without ProfilerStep; the headline idle share is theirs.
+  * per step (stream -1): first start to last end of the work launched in the step, idle against the
+    same device-wide timeline, so time in which another step's work (or work launched before the
+    window) kept the device busy is never idle.
+  * per step and stream: the step's own work on that stream, idle against its own union.
+- Each gap between consecutive activities A (ends at g0) and B on a lane is
+  * sync       when B's launch call started at or after g0 and, at g0, the launching thread was
+               inside a synchronizing call (stream/device/event synchronize, blocking memcpy);
+  * host-bound when B's launch call started at or after g0 otherwise: nothing was queued, the GPU
+               waited for the CPU to issue work;
+  * other      when B was already queued before A ended (a cross-stream dependency), or B has no
+               recorded launch.
+- queue_ns = start on the GPU - end of the launch call. It is negative where the call returns only
+  after the work started: blocking copies (cudaMemcpy returns once the copy is done) and graph
+  launches (cudaGraphLaunch is still enqueueing when its first kernels start). launch_summary's
+  queue statistics clip it at 0 ("no queueing: the work overlapped the call"); launch_delay_ns (from
+  the start of the call) is never negative for linked work.
+HTA's idle breakdown (host wait / kernel wait / other) differs: it looks at kernel-to-kernel gaps
+with a fixed threshold and does not see synchronization; see tests/fixtures/hta/README.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from steplens.analyze.trace import intervals
+
+SYNC_API = r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^(cuda|hip)Memcpy(To|From)Symbol$|^cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?$"
+WORK_KINDS = ["kernel", "gpu_memcpy", "gpu_memset"]
+
+
+def kernel_launches(device: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
+    """One row per device activity with its launch: API, CPU cost of the call, queueing delay.
+
+    `device` holds the device-side events (with launch_event_id), `calls` the runtime/driver calls."""
+    call_info = calls.select("rank", "source", "event_id", launch_api="name", launch_ts_ns="ts_ns", api_ns="dur_ns",
+                             launch_pid="pid", launch_tid="tid")
+    work = device.filter(pl.col("kind").is_in(WORK_KINDS)).select(
+        "rank", "source", "event_id", "step", "kind", "name", "stream", "device", "correlation", "ts_ns", "dur_ns",
+        "launch_event_id")
+    linked = work.join(call_info, left_on=["rank", "source", "launch_event_id"], right_on=["rank", "source", "event_id"],
+                       how="left", maintain_order="left")
+    # Work whose launch is not in the file (enqueued before the window) belongs to no step: never guess one by time.
+    return linked.with_columns(
+        step=pl.when(pl.col("launch_api").is_not_null()).then(pl.col("step")),
+        queue_ns=pl.col("ts_ns") - (pl.col("launch_ts_ns") + pl.col("api_ns")),
+        launch_delay_ns=pl.col("ts_ns") - pl.col("launch_ts_ns"),
+    ).drop("launch_event_id")
+
+
+ALL_STREAMS = -1  # `stream` value of the rows that treat the device as one timeline
+CAUSES = ("host_bound", "sync", "other")
+
+
+def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
+    """Every gap with its cause and, for sync gaps, the sync call: per step and stream (inside the
+    step's work on that stream), and for the whole device (stream = ALL_STREAMS, step = the step of
+    the activity that ends the gap): the gaps of the device-busy timeline, all steps and streams and
+    work without a launch included.
+
+    `launched` must be in time order within each (rank, source), as kernel_launches leaves it."""
+    work = launched.filter(pl.col("stream").is_not_null()).with_columns(end_ns=pl.col("ts_ns") + pl.col("dur_ns").fill_null(0))
+    lanes = []
+    for lane_keys, stream, rows in (
+        (["rank", "source", "device", "stream", "step"], pl.col("stream"), work.filter(pl.col("step").is_not_null())),
+        (["rank", "source", "device"], pl.lit(ALL_STREAMS, pl.Int64), work),
+    ):
+        prev_end = pl.col("end_ns").cum_max().shift(1).over(lane_keys)
+        lanes.append(rows.with_columns(prev_end_ns=prev_end).filter(pl.col("ts_ns") > pl.col("prev_end_ns")).select(
+            "rank", "source", "device", stream.alias("stream"), "step", "launch_pid", "launch_tid", "launch_ts_ns",
+            gap_start_ns="prev_end_ns", gap_end_ns="ts_ns"))
+    gaps = pl.concat(lanes)
+    syncs = calls.filter(pl.col("name").str.contains(SYNC_API)).select(
+        "rank", "source", sync_pid="pid", sync_tid="tid", sync_event_id="event_id", sync_name="name",
+        sync_start_ns="ts_ns", sync_end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
+    gaps = gaps.sort("gap_start_ns").join_asof(
+        syncs.sort("sync_start_ns"), left_on="gap_start_ns", right_on="sync_start_ns",
+        by_left=["rank", "source", "launch_pid", "launch_tid"], by_right=["rank", "source", "sync_pid", "sync_tid"],
+        strategy="backward", check_sortedness=False,
+    )
+    in_sync = pl.col("sync_end_ns").is_not_null() & (pl.col("sync_end_ns") > pl.col("gap_start_ns"))
+    issued_after = pl.col("launch_ts_ns").is_not_null() & (pl.col("launch_ts_ns") >= pl.col("gap_start_ns"))
+    cause = pl.when(issued_after & in_sync).then(pl.lit("sync")).when(issued_after).then(pl.lit("host_bound")).otherwise(pl.lit("other"))
+    return gaps.with_columns(cause=cause, idle_ns=pl.col("gap_end_ns") - pl.col("gap_start_ns")).with_columns(
+        sync_event_id=pl.when(pl.col("cause") == "sync").then(pl.col("sync_event_id")),
+        sync_name=pl.when(pl.col("cause") == "sync").then(pl.col("sync_name")),
+    ).select("rank", "source", "device", "stream", "step", "gap_start_ns", "gap_end_ns", "idle_ns", "cause",
+             "sync_event_id", "sync_name").sort("rank", "source", "device", "stream", "gap_start_ns")
+
+
+GPU_IDLE_COLUMNS = ["rank", "device", "stream", "step", "span_start_ns", "span_end_ns", "span_ns", "busy_ns", "idle_ns",
+                    "host_bound_ns", "sync_ns", "other_ns", "activities", "source"]
+
+
+def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame) -> pl.DataFrame:
+    """Per rank, device and window (step null, stream ALL_STREAMS), per step (stream ALL_STREAMS) and
+    per step and stream: span, busy, and idle split by cause (busy + idle causes == span)."""
+    work = launched.filter(pl.col("stream").is_not_null())
+    span = dict(span_start_ns=pl.col("ts_ns").min(), span_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max(),
+                activities=pl.len())
+    stream_keys = ["rank", "source", "device", "stream", "step"]
+    per_stream = work.filter(pl.col("step").is_not_null()).group_by(stream_keys).agg(**span)
+    stream_gaps = gaps.filter(pl.col("stream") != ALL_STREAMS)
+    per_stream = per_stream.join(_cause_totals(stream_gaps, stream_keys), on=stream_keys, how="left")
+    device_gaps = gaps.filter(pl.col("stream") == ALL_STREAMS)
+    windows = work.group_by("rank", "source", "device").agg(**span).with_columns(step=pl.lit(None, pl.Int64))
+    windows = windows.join(_cause_totals(device_gaps, ["rank", "source", "device"]), on=["rank", "source", "device"], how="left")
+    per_step = _clipped_causes(work.filter(pl.col("step").is_not_null()).group_by("rank", "source", "device", "step").agg(**span),
+                               device_gaps)
+    device_rows = pl.concat([windows, per_step], how="diagonal_relaxed").with_columns(stream=pl.lit(ALL_STREAMS, pl.Int64))
+    table = pl.concat([device_rows, per_stream], how="diagonal_relaxed").with_columns(
+        [pl.col(f"{c}_ns").fill_null(0) for c in CAUSES])
+    return table.with_columns(
+        span_ns=pl.col("span_end_ns") - pl.col("span_start_ns"),
+        idle_ns=pl.sum_horizontal([f"{c}_ns" for c in CAUSES]),
+    ).with_columns(busy_ns=pl.col("span_ns") - pl.col("idle_ns")).select(GPU_IDLE_COLUMNS).sort(
+        "rank", "device", "stream", "step", "source", nulls_last=False)
+
+
+def _cause_totals(gaps: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
+    return gaps.group_by(keys).agg(**{f"{c}_ns": pl.col("idle_ns").filter(pl.col("cause") == c).sum() for c in CAUSES})
+
+
+def _clipped_causes(spans: pl.DataFrame, device_gaps: pl.DataFrame) -> pl.DataFrame:
+    """Add each cause's share of the device-timeline gaps inside every [span_start_ns, span_end_ns)."""
+    gaps_by_device = device_gaps.partition_by("rank", "source", "device", as_dict=True)
+    pieces = []
+    for key, group in spans.partition_by("rank", "source", "device", as_dict=True).items():
+        gaps = gaps_by_device.get(key, device_gaps.clear())
+        lo, hi = group["span_start_ns"].to_numpy(), group["span_end_ns"].to_numpy()
+        totals = {}
+        for c in CAUSES:
+            mine = gaps.filter(pl.col("cause") == c)  # disjoint and in time order: gaps of one union
+            totals[f"{c}_ns"] = pl.Series(intervals.covered(mine["gap_start_ns"].to_numpy(), mine["gap_end_ns"].to_numpy(),
+                                                            lo, hi).astype(np.int64), dtype=pl.Int64)
+        pieces.append(group.with_columns(**totals))
+    return pl.concat(pieces) if pieces else spans
+
+
+SYNC_POINTS = 20  # the synchronizing calls kept, worst first
+
+
+def sync_points(gaps: pl.DataFrame, calls: pl.DataFrame, threads: dict, limit: int = SYNC_POINTS) -> pl.DataFrame:
+    """The synchronizing calls that left the GPU idle longest, with the CPU op that issued them."""
+    caused = gaps.filter((pl.col("cause") == "sync") & (pl.col("stream") == ALL_STREAMS)).group_by("rank", "source", "sync_event_id").agg(
+        idle_caused_ns=pl.col("idle_ns").sum(), step=pl.col("step").min())
+    if caused.is_empty():
+        return pl.DataFrame(schema={"rank": pl.Int64, "step": pl.Int64, "name": pl.String, "issuing_op": pl.String,
+                                    "ts_ns": pl.Int64, "dur_ns": pl.Int64, "idle_caused_ns": pl.Int64})
+    points = caused.join(calls.select("rank", "source", "event_id", "name", "ts_ns", "dur_ns", "pid", "tid"),
+                         left_on=["rank", "source", "sync_event_id"], right_on=["rank", "source", "event_id"])
+    points = points.sort("idle_caused_ns", descending=True).head(limit)
+    points = points.with_columns(issuing_op=enclosing_op(points, threads))
+    return points.sort("idle_caused_ns", descending=True).head(limit).select(
+        "rank", "step", "name", "issuing_op", "ts_ns", "dur_ns", "idle_caused_ns")
+
+
+THREAD_KEYS = ["rank", "source", "pid", "tid"]
+
+
+def cpu_threads(cpu: pl.DataFrame) -> dict[tuple, pl.DataFrame]:
+    """CPU ops per thread, by start with the outermost first on ties: the input of enclosing_op."""
+    ops = cpu.filter(pl.col("dur_ns").is_not_null()).with_columns(end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
+    ops = ops.sort(THREAD_KEYS + ["ts_ns", "end_ns"], descending=[False] * 5 + [True])
+    return ops.partition_by(THREAD_KEYS, as_dict=True)
+
+
+def enclosing_op(calls: pl.DataFrame, threads: dict[tuple, pl.DataFrame], skip: tuple[str, ...] = ()) -> pl.Series:
+    """Name of the innermost CPU op, annotation or Python frame on the same thread that contains each
+    call, ignoring ops named in `skip` (null when none does). `calls` needs rank, source, pid, tid,
+    ts_ns, dur_ns; `threads` comes from cpu_threads."""
+    names = [None] * calls.height
+    queries = calls.with_columns(row=pl.int_range(pl.len()), end_ns=pl.col("ts_ns") + pl.col("dur_ns")).drop_nulls("end_ns")
+    for key, group in queries.partition_by(THREAD_KEYS, as_dict=True).items():
+        thread = threads.get(key)
+        if thread is None:
+            continue
+        if skip:
+            thread = thread.filter(~pl.col("name").is_in(list(skip)))
+        found = intervals.innermost_container(thread["ts_ns"].to_numpy(), thread["end_ns"].to_numpy(),
+                                              group["ts_ns"].to_numpy(), group["end_ns"].to_numpy())
+        hit = found >= 0
+        rows = group["row"].to_numpy()[hit]
+        for row, name in zip(rows.tolist(), thread["name"].gather(found[hit]).to_list()):
+            names[row] = name
+    return pl.Series("issuing_op", names, dtype=pl.String)
+
+
+def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
+    """Per rank and launch API: how many, CPU cost and queueing (median, p90; queue_ns clipped at 0:
+    work that started before its call returned did not queue)."""
+    linked = launched.filter(pl.col("launch_api").is_not_null()).with_columns(queued=pl.col("queue_ns").clip(lower_bound=0))
+    return linked.group_by("rank", "launch_api").agg(
+        activities=pl.len(),
+        api_ns_median=pl.col("api_ns").median(),
+        api_ns_p90=pl.col("api_ns").quantile(0.9),
+        queue_ns_median=pl.col("queued").median(),
+        queue_ns_p90=pl.col("queued").quantile(0.9),
+        gpu_ns_total=pl.col("dur_ns").sum(),
+    ).sort("rank", "activities", descending=[False, True])

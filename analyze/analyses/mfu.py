@@ -1,0 +1,229 @@
+"""How far the run is from the hardware: MFU and HFU with one stated peak and named numerators.
+
+MFU = model FLOPs per step / (step time x GPUs x peak); HFU counts the FLOPs actually executed,
+recomputation included. The step time is the run's one definition (analyze/analyses/step_time.py: the best
+source the run has, warm-up and instrumented steps left out); only the profiler's own with_flops
+count is divided by its own profiled window. The peak is the DENSE datasheet rate of the device for the dtype (never a
+sparse rate, never a measured "achievable" one); every figure carries the peak, its source and the
+numerator's definition. An unknown device gives no MFU and says how to supply a peak.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import polars as pl
+
+PEAK_TABLE_VERSION = 2  # 2: memory bandwidth (PEAK_HBM_TBPS) added for the roofline
+
+# Dense peak TFLOP/s per device and dtype. Sources: vendor datasheets (dense = the sparsity figure
+# halved where the sheet quotes sparsity), as collected and cross-checked in
+# ../shared/reference/anchors-mfu-comms-peers.md §1 (Lightning throughput.py, composer
+# speed_monitor.py, torchtitan tools/utils.py, PyTorch inductor device_info.py).
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "h100-sxm": {"bf16": 989.5, "fp16": 989.5, "fp8": 1979.0, "tf32": 494.5, "fp32": 67.0},
+    "h100-pcie": {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "tf32": 378.0, "fp32": 51.2},
+    "h100-nvl": {"bf16": 835.5, "fp16": 835.5, "fp8": 1671.0, "tf32": 417.5, "fp32": 60.0},
+    "h200-sxm": {"bf16": 989.5, "fp16": 989.5, "fp8": 1979.0, "tf32": 494.5, "fp32": 67.0},
+    "h200-nvl": {"bf16": 835.5, "fp16": 835.5, "fp8": 1671.0, "tf32": 417.5, "fp32": 60.0},
+    "b200": {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "tf32": 1125.0, "fp32": 75.0},
+    "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "mi300x": {"bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9, "tf32": 653.7, "fp32": 163.4},
+    "v100-sxm": {"fp16": 125.0, "fp32": 15.7},
+    "v100-pcie": {"fp16": 112.0, "fp32": 14.0},
+    "v100s-pcie": {"fp16": 130.0, "fp32": 16.4},
+    "l4": {"bf16": 121.0, "fp16": 121.0, "fp8": 242.5, "tf32": 60.0, "fp32": 30.3},
+    "a10g": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+}
+PEAK_SOURCES = {
+    "h100-sxm": "NVIDIA H100 datasheet, SXM5 column (dense)",
+    "h100-pcie": "NVIDIA H100 datasheet, PCIe column (dense)",
+    "h100-nvl": "NVIDIA H100 NVL datasheet (dense = sparse / 2)",
+    "h200-sxm": "NVIDIA H200 datasheet, SXM column (dense; same tensor cores as H100 SXM)",
+    "h200-nvl": "NVIDIA H200 NVL datasheet (dense)",
+    "b200": "NVIDIA DGX B200 / HGX B200 datasheet per GPU (dense = sparse / 2)",
+    "a100": "NVIDIA A100 datasheet (SXM and PCIe equal for tensor rates; dense)",
+    "mi300x": "AMD Instinct MI300X datasheet (dense, not the measured max-achievable figure)",
+    "v100-sxm": "NVIDIA V100 datasheet, SXM2 column (tensor fp16)",
+    "v100-pcie": "NVIDIA V100 datasheet, PCIe column (tensor fp16)",
+    "v100s-pcie": "NVIDIA V100S datasheet (tensor fp16)",
+    "l4": "NVIDIA L4 datasheet (dense = sparse / 2)",
+    "a10g": "NVIDIA A10 datasheet rates, as Lightning uses for A10G (AWS publishes none of its own)",
+}
+
+# Peak memory (HBM) bandwidth per GPU, TB/s (1e12 B/s): the roofline's memory roof. Same datasheets
+# as PEAK_SOURCES. A100 differs by memory variant (40GB: 1.555, 80GB SXM: 2.039, 80GB PCIe: 1.935), so
+# it is matched on the name's memory size (A100_HBM_RULES); a bare "A100" gets no bandwidth.
+PEAK_HBM_TBPS: dict[str, float] = {
+    "h100-sxm": 3.35, "h100-pcie": 2.0, "h100-nvl": 3.9, "h200-sxm": 4.8, "h200-nvl": 4.8, "b200": 8.0,
+    "mi300x": 5.3, "v100-sxm": 0.9, "v100-pcie": 0.9, "v100s-pcie": 1.134, "l4": 0.3, "a10g": 0.6,
+}
+HBM_SOURCES = {
+    "h100-sxm": "NVIDIA H100 datasheet, SXM5: 3.35 TB/s HBM3", "h100-pcie": "NVIDIA H100 datasheet, PCIe: 2 TB/s HBM2e",
+    "h100-nvl": "NVIDIA H100 NVL datasheet: 3.9 TB/s", "h200-sxm": "NVIDIA H200 datasheet, SXM: 4.8 TB/s HBM3e",
+    "h200-nvl": "NVIDIA H200 datasheet, NVL: 4.8 TB/s HBM3e", "b200": "NVIDIA HGX B200 datasheet: 8 TB/s per GPU",
+    "mi300x": "AMD Instinct MI300X datasheet: 5.3 TB/s HBM3", "v100-sxm": "NVIDIA V100 datasheet, SXM2: 900 GB/s",
+    "v100-pcie": "NVIDIA V100 datasheet, PCIe: 900 GB/s", "v100s-pcie": "NVIDIA V100S datasheet: 1134 GB/s",
+    "l4": "NVIDIA L4 datasheet: 300 GB/s GDDR6", "a10g": "NVIDIA A10 datasheet: 600 GB/s GDDR6 (as for FLOPs)",
+}
+A100_HBM_RULES: list[tuple[str, float, str]] = [
+    (r"80GB.*PCIe|PCIe.*80GB", 1.935, "NVIDIA A100 datasheet, 80GB PCIe: 1,935 GB/s"),
+    (r"80GB", 2.039, "NVIDIA A100 datasheet, 80GB SXM: 2,039 GB/s"),
+    (r"40GB", 1.555, "NVIDIA A100 datasheet, 40GB (SXM and PCIe): 1,555 GB/s"),
+]
+
+# (key, name pattern, SM count or None). Checked in order; the SM count separates H100 SXM (132)
+# from PCIe (114) when the name is bare "NVIDIA H100".
+DEVICE_RULES: list[tuple[str, str, int | None]] = [
+    ("h100-nvl", r"H100.*NVL", None),
+    ("h100-pcie", r"H100.*(PCIe|PCIE|HBM2e)", None),
+    ("h100-sxm", r"H100.*(SXM|HBM3)", None),
+    ("h100-sxm", r"H100", 132),
+    ("h100-pcie", r"H100", 114),
+    ("h200-nvl", r"H200.*NVL", None),
+    ("h200-sxm", r"H200", None),
+    ("b200", r"B200", None),
+    ("a100", r"A100", None),
+    ("mi300x", r"MI300X", None),
+    ("v100s-pcie", r"V100S", None),
+    ("v100-pcie", r"V100.*PCIE", None),
+    ("v100-sxm", r"V100.*SXM", None),
+    ("l4", r"(^|\s)L4($|\s)", None),
+    ("a10g", r"A10G", None),
+]
+
+
+def match_device(name: str, num_sms: int | None = None) -> str | None:
+    """Peak-table key for a device name (as in Kineto's deviceProperties), or None."""
+    for key, pattern, sms in DEVICE_RULES:
+        if re.search(pattern, name, re.IGNORECASE) and (sms is None or sms == num_sms):
+            return key
+    return None
+
+
+@dataclass
+class Peak:
+    flops: float  # per GPU, FLOP/s
+    label: str  # what it is, for every printed figure
+
+
+def peak_for(device_name: str | None, dtype: str, num_sms: int | None = None,
+             peak_tflops: float | None = None) -> tuple[Peak | None, str]:
+    """The peak to divide by, or None with a message saying why and how to supply one."""
+    if peak_tflops:
+        return Peak(peak_tflops * 1e12, f"{peak_tflops:g} TFLOP/s per GPU (given with --peak-tflops)"), ""
+    if not device_name:
+        return None, "no device name in the traces; pass --peak-tflops (dense, per GPU) to compute MFU"
+    key = match_device(device_name, num_sms)
+    if key is None:
+        return None, f"unknown device {device_name!r}; pass --peak-tflops (dense, per GPU) to compute MFU"
+    tflops = PEAK_TFLOPS[key].get(dtype)
+    if tflops is None:
+        return None, f"no {dtype} peak for {key}; pass --peak-tflops or another --dtype"
+    return Peak(tflops * 1e12, f"{tflops:g} TFLOP/s dense {dtype}, {key} ({PEAK_SOURCES[key]})"), ""
+
+
+def peak_bandwidth(device_name: str | None, num_sms: int | None = None) -> tuple[float | None, str]:
+    """Peak memory bandwidth in B/s and its label, or None and why there is no memory roof."""
+    if not device_name:
+        return None, "no device name in the traces: no memory roof"
+    key = match_device(device_name, num_sms)
+    if key == "a100":
+        for pattern, tbps, source in A100_HBM_RULES:
+            if re.search(pattern, device_name, re.IGNORECASE):
+                return tbps * 1e12, f"{tbps:g} TB/s ({source})"
+        return None, f"{device_name!r}: A100 bandwidth depends on the memory variant (40GB / 80GB), which the name does not say"
+    if key is None or key not in PEAK_HBM_TBPS:
+        return None, f"unknown device {device_name!r}: no memory bandwidth in the peak table"
+    return PEAK_HBM_TBPS[key] * 1e12, f"{PEAK_HBM_TBPS[key]:g} TB/s ({HBM_SOURCES[key]})"
+
+
+@dataclass
+class ModelShape:
+    """For the PaLM numerator (Chowdhery et al. 2022, App. B): 6N + 12·L·H·Q·T FLOPs per token."""
+
+    params: float  # N, non-embedding parameters
+    layers: int  # L
+    heads: int  # H
+    head_dim: int  # Q
+    seq_len: int  # T
+    tokens_per_step: int  # global tokens per optimizer step
+
+    def flops_per_step(self, recompute: bool = False) -> float:
+        per_token = 6 * self.params + 12 * self.layers * self.heads * self.head_dim * self.seq_len
+        # Full activation recompute runs the forward (a third of 6N + 12LHQT) once more.
+        return per_token * (4 / 3 if recompute else 1) * self.tokens_per_step
+
+
+PALM_DEFINITION = "PaLM model FLOPs: (6N + 12*L*H*Q*T) per token x tokens per step (attention not causal-halved)"
+PROFILER_DEFINITION = ("FLOPs counted by torch.profiler(with_flops=True) on the ops it knows (matmul, conv, "
+                       "elementwise) in the step, forward and backward as executed: hardware FLOPs")
+
+
+def step_flops(cpu: pl.DataFrame) -> pl.DataFrame:
+    """Profiler-counted FLOPs per rank and step (the with_flops numerator)."""
+    counted = cpu.filter(pl.col("flops").is_not_null() & (pl.col("flops") > 0) & pl.col("step").is_not_null())
+    return counted.group_by("rank", "step").agg(flops=pl.col("flops").sum())
+
+
+COLLECTOR_DEFINITION = ("3 x the forward FLOPs DeepSpeed's FLOPs profiler counted for one micro batch on rank 0 "
+                        "(forward + backward = 3 forward, no recompute), x micro batches per step x data-parallel ranks")
+STEP_TIME_NOTE = "; step time: the run's step_time table, steps the summary keeps (warm-up and instrumented steps left out)"
+COLUMNS = {"step": pl.Int64, "rank": pl.Int64, "metric": pl.String, "numerator": pl.String, "flops": pl.Float64,
+           "step_time_ns": pl.Int64, "gpus": pl.Int64, "peak_flops": pl.Float64, "utilization": pl.Float64,
+           "definition": pl.String, "peak": pl.String}
+
+
+def _collector_flops(flops_profile: pl.DataFrame, facts: dict, world_size: int) -> tuple[float | None, str]:
+    """FLOPs per optimizer step from the collector's exact profile, or None and why not."""
+    exact = flops_profile.filter(pl.col("exact").fill_null(False) & (pl.col("depth") == 0)) \
+        if not flops_profile.is_empty() else flops_profile
+    if exact.is_empty():
+        return None, ""
+    if "flops_zero3_double_counting" in (facts.get("collector_flags") or {}):
+        return None, "the FLOPs profile was taken under ZeRO-3, which counts Linear FLOPs twice: no MFU from it"
+    micro = facts.get("gradient_accumulation_steps") or facts.get("grad_accum") or 1
+    data_parallel = facts.get("dp_world_size") or world_size
+    return 3 * float(exact["flops_total"].max()) * micro * data_parallel, ""
+
+
+def step_time_mfu(step_time: pl.DataFrame, flops_profile: pl.DataFrame, facts: dict, peak: Peak | None, world_size: int,
+                  shape: ModelShape | None = None, recompute: bool = False) -> tuple[pl.DataFrame, str]:
+    """MFU (and HFU with recompute) per step over the run, on the one step-time definition (analyze/analyses/step_time.py).
+
+    Numerators: the PaLM formula when the model shape is given; the collector's exact FLOPs profile
+    (matmuls as 2 x MACs plus the other functional ops, one micro batch, x3 for the backward pass).
+    Only the steps the step-time summary keeps count. Returns the rows and, when a numerator was
+    refused, why."""
+    collector_flops, problem = _collector_flops(flops_profile, facts, world_size)
+    kept = step_time.filter(~pl.col("excluded") & (pl.col("step_time_ns") > 0)) if not step_time.is_empty() else step_time
+    if peak is None or kept.is_empty():
+        return pl.DataFrame(schema=COLUMNS), problem
+    variants = []
+    if shape is not None:
+        variants.append(("MFU", "palm", shape.flops_per_step(), PALM_DEFINITION))
+        if recompute:
+            variants.append(("HFU", "palm", shape.flops_per_step(recompute=True), PALM_DEFINITION + " + one forward recompute"))
+    if collector_flops is not None:
+        variants.append(("MFU", "collector_flops_profile", collector_flops, COLLECTOR_DEFINITION))
+    frames = [kept.select(
+        "step", rank=pl.lit(None, pl.Int64), metric=pl.lit(metric), numerator=pl.lit(numerator), flops=pl.lit(flops),
+        step_time_ns="step_time_ns", gpus=pl.lit(world_size, pl.Int64), peak_flops=pl.lit(peak.flops),
+        utilization=flops / (pl.col("step_time_ns") * 1e-9 * world_size * peak.flops),
+        definition=pl.lit(definition + STEP_TIME_NOTE), peak=pl.lit(peak.label))
+        for metric, numerator, flops, definition in variants]
+    return (pl.concat(frames).cast(COLUMNS) if frames else pl.DataFrame(schema=COLUMNS)), problem
+
+
+def profiler_hfu(step_times: pl.DataFrame, counted_flops: pl.DataFrame, peak: Peak | None) -> pl.DataFrame:
+    """HFU per rank and profiled step from the FLOPs torch.profiler(with_flops=True) counted in the step's
+    own window (`counted_flops` is step_flops' table, possibly empty)."""
+    if peak is None or counted_flops.is_empty():
+        return pl.DataFrame(schema=COLUMNS)
+    per_rank = counted_flops.join(step_times.select("rank", "step", "cpu_dur_ns"), on=["rank", "step"])
+    return per_rank.filter(pl.col("cpu_dur_ns") > 0).select(
+        "step", "rank", metric=pl.lit("HFU"), numerator=pl.lit("profiler_flops"), flops=pl.col("flops").cast(pl.Float64),
+        step_time_ns="cpu_dur_ns", gpus=pl.lit(1, pl.Int64), peak_flops=pl.lit(peak.flops),
+        utilization=pl.col("flops") / (pl.col("cpu_dur_ns") * 1e-9 * peak.flops),
+        definition=pl.lit(PROFILER_DEFINITION), peak=pl.lit(peak.label)).cast(COLUMNS).sort("step", "rank")

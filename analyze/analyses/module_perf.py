@@ -1,0 +1,149 @@
+"""Which module is slow for its work: device time and FLOPs per nn.Module, and per-module MFU for
+collector runs.
+
+Modules come from the `nn.Module: <Class>_<n>` events the profiler's Python tracer writes
+(`with_stack=True`; `<n>` numbers the instances of a class in the order they are first called). A
+module's path is the chain of module events enclosing it on its thread (`GPT_0/Block_1/Linear_4`).
+Its `device_ns` is the device work launched inside its forward span (itself and its submodules, the
+same launch-on-the-thread rule as op_perf); its `flops` the FLOPs of the modeled ops inside it that are
+not nested in another modeled op (op_perf.nested), so a linear and the addmm under it count once. The
+backward pass runs on the autograd thread, outside every module's span: `backward_device_ns` is the
+device work launched under the backward nodes whose forward op (the `fwdbwd` flow's start) ran inside
+the module.
+
+Per-module MFU (collector runs): the collector's exact per-module FLOPs (flops_profile, DeepSpeed's
+profiler, forward FLOPs of one micro batch, children included) joined to the trace's module instances by
+class and instance order (flops_profile rows are in named_modules() order; a class whose instance count
+differs between the two is left unmatched, never guessed), times the calls in the step, over the
+module's forward device time, against the dense peak of the run's dtype (`mfu`); and for training,
+forward + backward with the backward counted as 2 x the forward FLOPs (Kaplan et al. 2020, the 6N rule's
+2N + 4N) over forward + backward device time (`training_mfu`). A ZeRO-3 profile counts Linear FLOPs
+twice: those rows are flagged and get no MFU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from steplens.analyze.analyses.op_perf import THREAD, Roof, launch_points, window_sums
+
+MODULE_PREFIX = "nn.Module: "
+MODULE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid", "step"]
+COLUMNS = {"rank": pl.Int64, "step": pl.Int64, "module": pl.String, "module_class": pl.String, "depth": pl.Int64,
+           "calls": pl.Int64, "device_ns": pl.Int64, "flops": pl.Float64, "achieved_tflops": pl.Float64,
+           "backward_device_ns": pl.Int64}
+MFU_COLUMNS = {"rank": pl.Int64, "step": pl.Int64, "module": pl.String, "module_class": pl.String,
+               "profile_path": pl.String, "calls": pl.Int64, "forward_flops": pl.Float64, "device_ns": pl.Int64,
+               "achieved_tflops": pl.Float64, "peak_tflops": pl.Float64, "mfu": pl.Float64, "definition": pl.String,
+               "flag": pl.String, "backward_device_ns": pl.Int64, "training_flops": pl.Float64,
+               "training_mfu": pl.Float64}
+MFU_DEFINITION = ("mfu: the FLOPs profile's forward FLOPs of the module (one micro batch, children included) x its calls "
+                  "in the step, over the device time launched inside its forward; training_mfu: 3 x those FLOPs (backward "
+                  "= 2 x forward) over forward + backward device time (backward: the work of the backward nodes that "
+                  "fwdbwd flows link to the module's forward ops)")
+ZERO3_FLAG = "ZeRO-3 FLOPs profile: Linear FLOPs counted twice, no MFU"
+
+
+LINKED_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "pid", "tid"]
+
+
+def backward_points(links: pl.DataFrame, linked: pl.DataFrame, launched: pl.DataFrame) -> pl.DataFrame:
+    """Device time under each backward node (a fwdbwd flow's end), placed at its forward op's start.
+    `links`: flows (source, src_event_id, dst_event_id) of type fwdbwd; `linked`: their events (LINKED_COLUMNS)."""
+    empty = pl.DataFrame(schema={"source": pl.String, "pid": pl.Int64, "tid": pl.Int64, "at_ns": pl.Int64,
+                                 "backward_ns": pl.Float64})
+    if links.is_empty() or linked.is_empty():
+        return empty
+    nodes = links.join(linked, left_on=["source", "dst_event_id"], right_on=["source", "event_id"]).drop_nulls(
+        [*THREAD, "ts_ns", "dur_ns"]).with_columns(lo_ns=pl.col("ts_ns"), hi_ns=pl.col("ts_ns") + pl.col("dur_ns"))
+    if nodes.is_empty():
+        return empty
+    nodes = nodes.with_columns(backward_ns=window_sums(nodes, launch_points(launched), "work_ns"))
+    forward = nodes.select("source", "src_event_id", "backward_ns").join(
+        linked, left_on=["source", "src_event_id"], right_on=["source", "event_id"])
+    return forward.select("source", "pid", "tid", at_ns="ts_ns", backward_ns="backward_ns")
+
+
+def module_perf(modules: pl.DataFrame, ops: pl.DataFrame, perf: pl.DataFrame, launched: pl.DataFrame,
+                backward: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Per rank, step and module path: forward device time and FLOPs, and backward device time.
+    `modules` are CPU events (MODULE_COLUMNS plus rank), `ops` op_perf's input, `perf` its output,
+    `launched` kernel_launches, `backward` backward_points' table."""
+    mods = modules.filter(pl.col("name").str.starts_with(MODULE_PREFIX) & pl.col("dur_ns").is_not_null()).drop_nulls(THREAD)
+    if mods.is_empty():
+        return pl.DataFrame(schema=COLUMNS)
+    mods = _with_paths(mods).with_columns(lo_ns=pl.col("ts_ns"), hi_ns=pl.col("ts_ns") + pl.col("dur_ns"))
+    counted = (ops.select("source", "event_id", *THREAD[1:], at_ns="ts_ns")
+               .join(perf.filter(~pl.col("nested") & pl.col("flops").is_not_null()).select("source", "event_id", "flops"),
+                     on=["source", "event_id"]))
+    mods = mods.with_columns(device_ns=window_sums(mods, launch_points(launched), "work_ns").round().cast(pl.Int64),
+                             flops=window_sums(mods, counted, "flops"), has_flops=window_sums(
+                                 mods, counted.with_columns(one=pl.lit(1.0)), "one") > 0,
+                             backward_device_ns=window_sums(mods, backward if backward is not None else pl.DataFrame(),
+                                                            "backward_ns").round().cast(pl.Int64))
+    per_step = mods.group_by("rank", "step", "module").agg(
+        pl.col("module_class", "depth").first(), calls=pl.len(), device_ns=pl.col("device_ns").sum(),
+        backward_device_ns=pl.col("backward_device_ns").sum(),
+        flops=pl.when(pl.col("has_flops").any()).then(pl.col("flops").sum()))
+    return per_step.with_columns(
+        achieved_tflops=pl.when(pl.col("device_ns") > 0).then(pl.col("flops") / pl.col("device_ns") / 1e3)
+    ).select(list(COLUMNS)).cast(COLUMNS).sort("rank", "step", "module")
+
+
+def _with_paths(mods: pl.DataFrame) -> pl.DataFrame:
+    """module (path of enclosing module names on the thread), module_class and depth (0 = outermost)."""
+    ordered = mods.sort(*THREAD, "ts_ns", "dur_ns", descending=[False] * 4 + [True]).with_row_index("order")
+    ordered = ordered.with_columns(thread=pl.struct(THREAD).rank("dense"), end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
+    starts, ends = ordered["ts_ns"].to_numpy(), ordered["end_ns"].to_numpy()
+    thread = ordered["thread"].to_numpy()
+    # Depth = earlier-starting module events on the thread that have not ended when this one starts.
+    depth = np.zeros(len(starts), np.int64)
+    for key in np.unique(thread):  # rowwise-ok: once per thread
+        at = np.nonzero(thread == key)[0]
+        ended_before = np.searchsorted(np.sort(ends[at]), starts[at], side="right")
+        depth[at] = np.arange(len(at)) - ended_before
+    ordered = ordered.with_columns(depth=pl.Series(np.maximum(depth, 0)))
+    # The parent is the last module on the thread, before this one, one level up.
+    parents = ordered.select("thread", "order", want=pl.col("depth") - 1).join_asof(
+        ordered.select("thread", "depth", parent=pl.col("order")), left_on="order", right_on="parent", by_left=["thread", "want"],
+        by_right=["thread", "depth"], strategy="backward", allow_exact_matches=False, check_sortedness=False)
+    parent = parents.sort("order")["parent"].fill_null(-1).to_numpy().astype(np.int64)
+    short = ordered["name"].str.strip_prefix(MODULE_PREFIX).to_numpy().astype(object)
+    path, up = short.copy(), parent.copy()
+    while (up >= 0).any():  # one round per nesting level
+        has = up >= 0
+        path[has] = short[up[has]] + "/" + path[has]
+        up = np.where(has, parent[np.maximum(up, 0)], -1)
+    return ordered.with_columns(module=pl.Series(path, dtype=pl.String),
+                                module_class=pl.Series(short, dtype=pl.String).str.replace(r"_\d+$", ""))
+
+
+def module_mfu(modules: pl.DataFrame, flops_profile: pl.DataFrame, facts: dict, roof: Roof, dtype: str) -> pl.DataFrame:
+    """Per-module MFU of the forward pass from the collector's exact FLOPs profile (see the module docstring)."""
+    exact = flops_profile.filter(pl.col("exact").fill_null(False)) if not flops_profile.is_empty() else flops_profile
+    if exact.is_empty() or modules.is_empty():
+        return pl.DataFrame(schema=MFU_COLUMNS)
+    first = exact.filter((pl.col("rank") == exact["rank"].min()) & (pl.col("source") == exact["source"].min()))
+    profile = first.with_columns(instance=pl.int_range(pl.len()).over("module_class")).select(
+        "module_class", "instance", profile_path="path", profile_flops="flops_total",
+        profile_count=pl.len().over("module_class"))
+    traced = modules.with_columns(instance=pl.col("module").str.extract(r"_(\d+)$").cast(pl.Int64))
+    traced = traced.with_columns(traced_count=pl.col("instance").n_unique().over("rank", "module_class"))
+    joined = traced.join(profile, on=["module_class", "instance"], how="inner").filter(
+        pl.col("traced_count") == pl.col("profile_count"))
+    peak = roof.flops.get(dtype)
+    zero3 = "flops_zero3_double_counting" in (facts.get("collector_flags") or {})
+    forward = pl.col("profile_flops").cast(pl.Float64) * pl.col("calls")
+    achieved = pl.when(pl.col("device_ns") > 0).then(forward / pl.col("device_ns") / 1e3)
+    both_ns = pl.col("device_ns") + pl.col("backward_device_ns")
+    training = pl.when((pl.col("backward_device_ns") > 0) & (both_ns > 0)).then(3 * forward / both_ns / 1e3)
+    return joined.select(
+        "rank", "step", "module", "module_class", "profile_path", "calls", forward_flops=forward, device_ns="device_ns",
+        achieved_tflops=achieved, peak_tflops=pl.lit(peak / 1e12 if peak else None, pl.Float64),
+        mfu=pl.lit(None, pl.Float64) if zero3 or not peak else achieved * 1e12 / peak,
+        definition=pl.lit(MFU_DEFINITION + f"; peak: dense {dtype}, {roof.label}" if peak else MFU_DEFINITION),
+        flag=pl.lit(ZERO3_FLAG if zero3 else None, pl.String), backward_device_ns="backward_device_ns",
+        training_flops=3 * forward,
+        training_mfu=pl.lit(None, pl.Float64) if zero3 or not peak else training * 1e12 / peak,
+    ).cast(MFU_COLUMNS).sort("rank", "step", "module")

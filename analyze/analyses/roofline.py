@@ -1,0 +1,86 @@
+"""The roofline findings: the ops with the most device time and where they sit against the device's
+roofs, and the modules furthest below peak (findings.json `roofline`; report and summary render it)."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from steplens.analyze.analyses import op_perf
+from steplens.reports.text import shapes_text
+
+TOP_MODULES = 10
+MODULE_FRACTION_DEFINITION = ("achieved TFLOP/s of the module's forward (FLOPs of its modeled ops, or the collector's "
+                              "FLOPs profile where it joins) over the dense peak of the run's dtype; training: forward + "
+                              "backward (backward = 2 x forward FLOPs) over forward + backward device time")
+
+
+def roofline_finding(op_totals: pl.DataFrame, modules: pl.DataFrame, module_mfu: pl.DataFrame, roof: op_perf.Roof,
+                     dtype: str, family_time: pl.DataFrame | None = None) -> dict:
+    """Top ops by device time with their roofline position; the modules (of the most device time) furthest below peak."""
+    top = op_perf.top_ops(op_totals, roof)
+    finding: dict = {
+        "roof": {"label": roof.label, "bandwidth_tbps": roof.bandwidth / 1e12 if roof.bandwidth else None,
+                 "peak_tflops": {k: v / 1e12 for k, v in roof.flops.items()}} if roof.bandwidth else None,
+        "note": roof.problem or None,
+        "top_ops": top.select("name", "family", "shapes", "dtype", "calls", "ranks", "device_ns", "flops", "bytes",
+                              "achieved_tflops", "achieved_tbps", "intensity", "bound", "fraction_of_peak").to_dicts()
+        if not top.is_empty() else [],
+        "top_ops_definition": "ops not nested in another op with a FLOPs/bytes model, grouped by name, shapes and dtype, "
+                              "summed over ranks; device time = device work launched under the op (nested ops included)",
+        "modules_below_peak": _modules_below_peak(modules, module_mfu, roof.flops.get(dtype)),
+        "modules_definition": MODULE_FRACTION_DEFINITION + f" ({dtype})",
+        "time_by_op_family": _family_shares(family_time),
+        "time_by_op_family_definition": "device time of every kernel, memcpy and memset under the family of the "
+                                        "innermost CPU op its launch call sits in (none: launched outside every op), "
+                                        "summed over ranks",
+    }
+    return finding
+
+
+def _modules_below_peak(modules: pl.DataFrame, module_mfu: pl.DataFrame, peak: float | None) -> list[dict]:
+    """Among the TOP_MODULES modules with the most forward device time (the root left out), lowest fraction first."""
+    if modules.is_empty():
+        return []
+    if not module_mfu.is_empty():
+        joined = module_mfu.group_by("module", "module_class", "profile_path").agg(
+            device_ns=pl.col("device_ns").sum(), flops=pl.col("forward_flops").sum(), flag=pl.col("flag").first(),
+            backward_device_ns=pl.col("backward_device_ns").sum(), source=pl.lit("collector_flops_profile"))
+    else:
+        joined = modules.filter(pl.col("depth") > 0).group_by("module", "module_class").agg(
+            device_ns=pl.col("device_ns").sum(), flops=pl.when(pl.col("flops").is_not_null().any()).then(pl.col("flops").sum()),
+            profile_path=pl.lit(None, pl.String), flag=pl.lit(None, pl.String),
+            backward_device_ns=pl.col("backward_device_ns").sum(), source=pl.lit("op_shapes"))
+    busiest = joined.filter(pl.col("device_ns") > 0).sort("device_ns", "module", descending=[True, False]).head(TOP_MODULES)
+    achieved = pl.col("flops") / pl.col("device_ns") / 1e3
+    # Training: forward + backward (2 x forward FLOPs) over forward + backward time, where backward time was linked.
+    both_ns = pl.col("device_ns") + pl.col("backward_device_ns")
+    training = pl.when(pl.col("backward_device_ns") > 0).then(3 * pl.col("flops") / both_ns / 1e3)
+    trusted = pl.col("flag").is_null()
+    rated = busiest.with_columns(
+        achieved_tflops=achieved,
+        fraction_of_peak=pl.lit(None, pl.Float64) if not peak else pl.when(trusted).then(achieved * 1e12 / peak),
+        training_fraction_of_peak=pl.lit(None, pl.Float64) if not peak else pl.when(trusted).then(training * 1e12 / peak))
+    return rated.sort("fraction_of_peak", "device_ns", descending=[False, True], nulls_last=True).to_dicts()
+
+
+def terminal_lines(findings: dict) -> list[str]:
+    """The busiest op and the module furthest below peak, for the terminal's findings."""
+    finding = findings.get("roofline") or {}
+    lines = []
+    if top := (finding.get("top_ops") or [None])[0]:
+        where = (f"{top['bound']}-bound, {top['fraction_of_peak']:.1%} of peak" if top.get("fraction_of_peak") is not None
+                 else finding.get("note") or "no roofline")
+        lines.append(f"busiest op: {top['name']} ({shapes_text(top['shapes'])}) x{top['calls']}: {top['device_ns'] / 1e6:.3f} ms, {where}")
+    rated = [m for m in finding.get("modules_below_peak") or [] if m.get("fraction_of_peak") is not None]
+    if rated:
+        lines.append(f"module furthest below peak: {rated[0]['module']}, {rated[0]['fraction_of_peak']:.1%} of peak "
+                     f"over {rated[0]['device_ns'] / 1e6:.3f} ms of forward device time")
+    return lines
+
+
+def _family_shares(family_time: pl.DataFrame | None) -> list[dict]:
+    if family_time is None or family_time.is_empty():
+        return []
+    total = family_time.group_by("family").agg(pl.col("launches", "device_ns").sum())
+    return total.with_columns(share=pl.col("device_ns") / pl.col("device_ns").sum()).sort(
+        "device_ns", "family", descending=[True, False]).to_dicts()

@@ -1,0 +1,163 @@
+"""Where one step's device time went, per rank: compute, exposed communication, idle by cause; and
+the timeline of the slowest profiled step across ranks on one clock.
+
+Definitions, per rank, profiler window (source), device and step, on the same device-busy timeline
+as gpu_idle (the union of all the device's work in the window, of every step, launched or not):
+- span_ns: first start to last end of the device work launched in the step (gpu_idle's step span);
+- compute_ns: the part of the span covered by non-communication work (kernels, copies, sets);
+- exposed_comm_ns: the part covered by communication kernels (the `collectives` table) and not by
+  compute, so overlapped communication is not counted twice;
+- idle_ns: the rest, split by cause as in gpu_idle (host-bound, sync, other).
+compute_ns + exposed_comm_ns + idle_ns = span_ns.
+
+The timeline holds the same three activities as segments of the slowest profiled step on the
+reference rank's clock (aligned = ts - clock offset). Gaps shorter than 1/TIMELINE_RESOLUTION of
+the step's span are closed, so the table (and a picture of it) stays small whatever the kernel count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import polars as pl
+
+from steplens.analyze.trace import intervals
+
+ALL_STREAMS = -1  # gpu_idle's whole-device rows
+TIMELINE_RESOLUTION = 1000  # segments resolved to 1/1000 of the step's span
+LAUNCH_COLUMNS = ["rank", "source", "event_id", "step", "device", "stream", "ts_ns", "dur_ns"]
+# event_id is unique within (rank, source) and collectives has no source: start and duration tell sources apart.
+COMM_KEYS = ["rank", "event_id", "ts_ns", "dur_ns"]
+LANE = ["rank", "source", "device"]
+
+BREAKDOWN_SCHEMA = {"rank": pl.Int64, "source": pl.String, "device": pl.Int64, "step": pl.Int64, "span_ns": pl.Int64,
+                    "compute_ns": pl.Int64, "exposed_comm_ns": pl.Int64, "idle_ns": pl.Int64, "host_bound_ns": pl.Int64,
+                    "sync_ns": pl.Int64, "other_ns": pl.Int64}
+TIMELINE_SCHEMA = {"rank": pl.Int64, "step": pl.Int64, "activity": pl.String, "start_ns": pl.Int64, "end_ns": pl.Int64}
+
+
+def step_breakdown_tables(read_launches: Callable[[int], pl.DataFrame], ranks: list[int], collectives: pl.DataFrame,
+                          gpu_idle: pl.DataFrame, step_stats: pl.DataFrame, offsets: pl.DataFrame
+                          ) -> dict[str, pl.DataFrame]:
+    """step_breakdown (every rank and step) and step_timeline (the slowest profiled step).
+
+    `read_launches(rank)` returns that rank's kernel_launches rows (LAUNCH_COLUMNS); ranks are read
+    one at a time, so memory is bounded by the largest rank."""
+    slowest = slowest_profiled_step(step_stats)
+    comm_ids = collectives.select(*COMM_KEYS).unique().with_columns(is_comm=pl.lit(True))
+    offset_of = {} if offsets.is_empty() else dict(  # rank -> offset_ns (null: not aligned, drawn on its own clock)
+        offsets.select("rank", pl.col("offset_ns").fill_null(0)).iter_rows())  # rowwise-ok: one row per rank
+    breakdowns, timelines = [], []
+    for rank in ranks:
+        lanes = _lanes(_work(read_launches(rank), comm_ids))
+        breakdowns += [_breakdown(work, lane) for work, lane in lanes]
+        if slowest is not None:
+            timelines += [_timeline(work, lane, slowest, offset_of.get(rank, 0)) for work, lane in lanes]
+    breakdowns = [b for b in breakdowns if not b.is_empty()]
+    if not breakdowns:
+        return {"step_breakdown": pl.DataFrame(schema=BREAKDOWN_SCHEMA), "step_timeline": pl.DataFrame(schema=TIMELINE_SCHEMA)}
+    keys = LANE + ["step"]
+    causes = gpu_idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_not_null()).select(
+        *keys, *[pl.col(c).cast(pl.Int64) for c in ("host_bound_ns", "sync_ns", "other_ns")])
+    breakdown = pl.concat(breakdowns).join(causes, on=keys, how="left", nulls_equal=True).with_columns(
+        idle_ns=pl.col("span_ns") - pl.col("compute_ns") - pl.col("exposed_comm_ns"))
+    return {"step_breakdown": breakdown.select(list(BREAKDOWN_SCHEMA)).cast(BREAKDOWN_SCHEMA).sort("step", "rank", "device"),
+            "step_timeline": pl.concat([pl.DataFrame(schema=TIMELINE_SCHEMA)] + timelines).sort("rank", "start_ns")}
+
+
+def slowest_profiled_step(step_stats: pl.DataFrame) -> int | None:
+    """The profiled step with the longest wall time across ranks (aligned clock), else the longest CPU step."""
+    if step_stats.is_empty():
+        return None
+    ranked = step_stats.sort(pl.coalesce("aligned_dur_ns", "max_dur_ns"), "step", descending=[True, False], nulls_last=True)
+    return ranked["step"][0]
+
+
+def _work(launched: pl.DataFrame, comm_ids: pl.DataFrame) -> pl.DataFrame:
+    """All device work (with or without a step), with its end and whether it is communication."""
+    work = launched.filter(pl.col("stream").is_not_null() & (pl.col("dur_ns") >= 0))
+    return work.join(comm_ids, on=COMM_KEYS, how="left").select(
+        *LANE, "step", "ts_ns", end_ns=pl.col("ts_ns") + pl.col("dur_ns"), is_comm=pl.col("is_comm").fill_null(False))
+
+
+class _Lane:
+    """One device timeline (rank, window, device): the union of all its work and of its compute."""
+
+    def __init__(self, work: pl.DataFrame):
+        self.key = work.row(0, named=True)
+        compute = work.filter(~pl.col("is_comm"))
+        comm = work.filter(pl.col("is_comm"))
+        self.busy = intervals.union(work["ts_ns"].to_numpy(), work["end_ns"].to_numpy())
+        self.compute = intervals.union(compute["ts_ns"].to_numpy(), compute["end_ns"].to_numpy())
+        self.exposed = _difference(*intervals.union(comm["ts_ns"].to_numpy(), comm["end_ns"].to_numpy()), *self.compute)
+
+
+def _lanes(work: pl.DataFrame) -> list[tuple[pl.DataFrame, _Lane]]:
+    return [(group, _Lane(group)) for group in work.partition_by(LANE, maintain_order=True)] if not work.is_empty() else []
+
+
+def _spans(work: pl.DataFrame) -> pl.DataFrame:
+    return work.filter(pl.col("step").is_not_null()).group_by("step").agg(
+        span_start_ns=pl.col("ts_ns").min(), span_end_ns=pl.col("end_ns").max()).sort("step")
+
+
+def _breakdown(work: pl.DataFrame, lane: _Lane) -> pl.DataFrame:
+    """Span, compute and exposed communication of every step of one device timeline."""
+    spans = _spans(work)
+    lo, hi = spans["span_start_ns"].to_numpy(), spans["span_end_ns"].to_numpy()
+    busy = intervals.covered(*lane.busy, lo, hi)
+    compute = intervals.covered(*lane.compute, lo, hi)
+    return spans.select(
+        *[pl.lit(lane.key[k]).alias(k) for k in LANE], "step", span_ns=pl.Series(hi - lo),
+        compute_ns=pl.Series(compute, dtype=pl.Int64), exposed_comm_ns=pl.Series(busy - compute, dtype=pl.Int64))
+
+
+def _timeline(work: pl.DataFrame, lane: _Lane, step: int, offset_ns: int) -> pl.DataFrame:
+    """Compute, exposed-communication and idle segments of one step on one device, on the reference clock."""
+    spans = _spans(work.filter(pl.col("step") == step))
+    if spans.is_empty():
+        return pl.DataFrame(schema=TIMELINE_SCHEMA)
+    lo, hi = int(spans["span_start_ns"][0]), int(spans["span_end_ns"][0])
+    min_gap = max((hi - lo) // TIMELINE_RESOLUTION, 1)
+    c_s, c_e = _closed(*_clip(*lane.compute, lo, hi), min_gap)
+    x_s, x_e = _closed(*_clip(*lane.exposed, lo, hi), min_gap)
+    b_s, b_e = _closed(*_clip(*lane.busy, lo, hi), min_gap)
+    segments = [("compute", c_s, c_e), ("exposed communication", x_s, x_e), ("idle", b_e[:-1], b_s[1:])]
+    return pl.concat([pl.DataFrame({"rank": lane.key["rank"], "step": step, "activity": name, "start_ns": s - offset_ns,
+                                    "end_ns": e - offset_ns}, schema=TIMELINE_SCHEMA) for name, s, e in segments])
+
+
+def _clip(starts: np.ndarray, ends: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint sorted blocks cut to [lo, hi)."""
+    s, e = np.maximum(starts, lo), np.minimum(ends, hi)
+    keep = e > s
+    return s[keep], e[keep]
+
+
+def _closed(starts: np.ndarray, ends: np.ndarray, min_gap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint sorted blocks with the gaps shorter than min_gap closed."""
+    if len(starts) == 0:
+        return starts.astype(np.int64), ends.astype(np.int64)
+    keep = np.concatenate([[True], starts[1:] - ends[:-1] >= min_gap])
+    block = np.cumsum(keep) - 1
+    merged_ends = np.zeros(block[-1] + 1, np.int64)
+    np.maximum.at(merged_ends, block, ends)
+    return starts[keep].astype(np.int64), merged_ends
+
+
+def _difference(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray, b_e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The parts of the disjoint sorted blocks A not covered by the disjoint sorted blocks B."""
+    if len(a_s) == 0 or len(b_s) == 0:
+        return a_s.astype(np.int64), a_e.astype(np.int64)
+    points = np.unique(np.concatenate([a_s, a_e, b_s, b_e]))
+    lo, hi = points[:-1], points[1:]
+
+    def inside(s: np.ndarray, e: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(s, lo, side="right") - 1
+        return (i >= 0) & (e[np.clip(i, 0, None)] > lo)
+
+    keep = inside(a_s, a_e) & ~inside(b_s, b_e)
+    if not keep.any():
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    return intervals.union(lo[keep], hi[keep])

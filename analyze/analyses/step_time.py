@@ -1,0 +1,403 @@
+"""One definition of step time: the optimizer-step time of a run, from the best source it has.
+
+Every consumer (the verdict, MFU, compare, trials, the report) calls `step_time_table` and
+`step_time_summary` (or `from_run_dir` on an analysed run) instead of computing its own.
+
+Sources, best first (the first that has at least one step is used; `source` names it):
+
+* ``train_steps``: the collector's record of every micro step (rows written under ``collector/``).
+  Optimizer-step time = the slowest rank's sum of that step's micro-step durations (forward start to
+  the end of ``engine.step()``, so the gaps between micro steps, where the data loader runs, are
+  not counted).
+* ``log``: what the job's logs give, best first: `train_steps` rows read from logs (same
+  definition); DeepSpeed's ``wall_clock_breakdown`` global timers fwd + bwd + step (summed over the
+  step's micro steps by DeepSpeed), slowest rank; the throughput line's ``CurrSamplesPerSec``
+  (rank 0: train_batch_size / CurrSamplesPerSec, the same fwd-to-step sum, every steps_per_print
+  steps); Megatron's ``elapsed time per iteration (ms)`` (an average over the logging interval).
+* ``profiler_steps``: the ``ProfilerStep#N`` windows of the traces, slowest rank. Every one ran the
+  profiler, so none is excluded for it.
+
+Excluded steps, each named in ``reason`` (several joined by ","):
+
+* ``incomplete``: a rank lacks the step, or the step has no gradient-accumulation boundary (the job
+  stopped inside it).
+* ``overflow_skipped``: fp16 overflow, the optimizer skipped the step (``train_steps.skipped``).
+* ``flops_profiler``: the collector's FLOPs profile (``flops_profile.profile_step``) or DeepSpeed's
+  own FLOPs profiler (ds_config ``flops_profiler.profile_step``) ran in the step.
+* ``profiler_warmup`` / ``profiler_window``: torch.profiler traced the step (warm-up: traced and
+  discarded; window: recorded). From the collector's schedule (skip_first, wait, warmup, active,
+  repeat; ProfilerStep#N is optimizer step N) and the ProfilerStep numbers found in the traces.
+* ``profiler_export``: the step after a window's last step. Each rank writes its trace
+  (on_trace_ready) before starting it, each at its own pace, so its collectives wait for the
+  slowest writer.
+* ``checkpoint_save``: steps a checkpoint was saved after (``facts["checkpoint_steps"]``, when an
+  importer records them).
+* ``negative_duration``: the step (or one of its micro steps) ends before it starts: clock trouble.
+* ``longer_than_run``: the step is longer than the run's span (first step start to last step end, or
+  first to last log line): a unit error or clock trouble. Both also become an `inputs_disagree`
+  finding (analyze/analyses/sanity.py).
+* ``warm_up``: the run's first steps while each is slower than the steady state beyond its noise:
+  above median + max(3.5 MAD / 0.6745, 5% of the median) of the steps not excluded for another
+  reason (the modified z-score of Iglewicz & Hoaglin, as `monitor`); the scan stops at the first
+  step within that bound, and never takes more than half of the steps. Needs 3 steps.
+
+Summary (``findings.json`` ``step_time``): ``median_ns`` (mean of the middle two for an even count,
+rounded to the ns), ``p90_ns`` (nearest rank: the ceil(0.9 n)-th smallest), ``max_ns`` over the
+steps kept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import polars as pl
+
+from steplens.analyze.contract import schema
+
+MAD_Z_SCALE = 0.6745  # modified z-score (Iglewicz & Hoaglin 1993): 0.6745 (x - median) / MAD
+OUTLIER_Z = 3.5  # their recommended cut
+MIN_EXCESS_SHARE = 0.05  # and at least 5% above the median: a MAD of ~0 does not make 1 us "slow"
+MIN_STEPS_FOR_NOISE = 3
+LISTED_STEPS = 50  # excluded steps listed per reason in findings.json (the table has them all)
+
+GLOBAL_TIMERS = ({"fwd", "forward"}, {"bwd", "backward"}, {"step"})  # names before DeepSpeed 0.9 in the first set
+MEGATRON_ITERATION = "elapsed time per iteration (ms)"
+DEFINITIONS = {
+    "collector": "collector train_steps: per optimizer step, the slowest rank's sum of its micro steps "
+                 "(forward start to the end of engine.step())",
+    "log_train_steps": "train_steps read from the logs: per optimizer step, the slowest rank's sum of its micro steps",
+    "log_timers": "DeepSpeed wall_clock_breakdown: fwd + bwd + step of the step's global timer line, slowest rank",
+    "log_throughput": "DeepSpeed throughput line: train_batch_size / CurrSamplesPerSec (rank 0's fwd-to-step time "
+                      "of that step), every steps_per_print steps",
+    "log_megatron": "Megatron 'elapsed time per iteration': mean iteration time over each logging interval",
+    "profiler_steps": "ProfilerStep#N windows in the traces, slowest rank (every one ran the profiler)",
+}
+COLUMNS = {
+    "step": pl.Int64, "source": pl.String, "step_time_ns": pl.Int64, "slowest_rank": pl.Int64, "ranks": pl.Int64,
+    "micro_steps": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64, "samples": pl.Int64, "skipped": pl.Boolean,
+    "loss_scale": pl.Float64, "excluded": pl.Boolean, "reason": pl.String,
+}
+
+
+def _empty() -> pl.DataFrame:
+    return pl.DataFrame(schema=COLUMNS)
+
+
+def _is_collector(source: pl.Expr) -> pl.Expr:
+    return source.str.starts_with("collector/") | source.str.contains("/collector/") | (source == "collector")
+
+
+def _from_micro_steps(micro: pl.DataFrame) -> pl.DataFrame:
+    """Per optimizer step: slowest rank's sum of micro steps; incomplete when a rank or the boundary is missing."""
+    micro = micro.filter(pl.col("step").is_not_null() & pl.col("rank").is_not_null())
+    per_rank = micro.group_by("rank", "step").agg(
+        dur_ns=pl.col("dur_ns").sum(), micro_steps=pl.len(), negative=(pl.col("dur_ns") < 0).any(),
+        start_ns=pl.col("start_ns").min(), end_ns=pl.col("end_ns").max(), boundary=pl.col("is_boundary").fill_null(False).any(),
+        skipped=pl.col("skipped").fill_null(False).any(),
+        samples_after=pl.col("global_samples").filter(pl.col("is_boundary").fill_null(False)).max(),
+        loss_scale=pl.col("loss_scale").sort_by("micro_step").last())
+    all_ranks = micro["rank"].n_unique()
+    steps = per_rank.group_by("step").agg(
+        step_time_ns=pl.col("dur_ns").max(), slowest_rank=pl.col("rank").sort_by("dur_ns", "rank").last(),
+        ranks=pl.col("rank").n_unique().cast(pl.Int64), micro_steps=pl.col("micro_steps").sort_by("dur_ns", "rank").last(),
+        start_ns=pl.col("start_ns").min(), end_ns=pl.col("end_ns").max(), complete=pl.col("boundary").all(),
+        skipped=pl.col("skipped").any(), samples_after=pl.col("samples_after").max(), negative=pl.col("negative").any(),
+        loss_scale=pl.col("loss_scale").drop_nulls().first())
+    return steps.sort("step").with_columns(
+        samples=(pl.col("samples_after") - pl.col("samples_after").shift(1)).fill_null(pl.col("samples_after")),
+        incomplete=~pl.col("complete") | (pl.col("ranks") < all_ranks),
+    ).drop("complete", "samples_after")
+
+
+def _from_timers(timers: pl.DataFrame) -> pl.DataFrame:
+    """fwd + bwd + step of each global timer line, slowest rank; one source per rank (the fullest)."""
+    names = [name for group in GLOBAL_TIMERS for name in group]
+    main = timers.filter((pl.col("scope") == "global") & pl.col("timer").is_in(names) & pl.col("step").is_not_null())
+    if main.is_empty():
+        return pl.DataFrame()
+    # The collector and the log may both hold a rank's timers: keep the source with more lines.
+    fullest = (main.group_by("rank", "source").agg(lines=pl.col("line").n_unique())
+               .sort("lines", "source", descending=[True, False]).group_by("rank").first())
+    main = main.join(fullest.select("rank", "source"), on=["rank", "source"])
+    # One global line per step and rank; a step printed twice (runs appended to one log) keeps its last line.
+    per_line = main.group_by("rank", "step", "line").agg(dur_ns=(pl.col("ms").sum() * 1e6).round().cast(pl.Int64))
+    per_rank = per_line.sort("line").group_by("rank", "step").agg(pl.col("dur_ns").last())
+    return per_rank.group_by("step").agg(
+        step_time_ns=pl.col("dur_ns").max(), slowest_rank=pl.col("rank").sort_by("dur_ns", "rank").last(),
+        ranks=pl.col("rank").n_unique().cast(pl.Int64)).with_columns(incomplete=pl.col("ranks") < pl.col("ranks").max())
+
+
+def _from_scalars(scalars: pl.DataFrame, facts: dict) -> tuple[pl.DataFrame, str]:
+    logged = scalars.filter((pl.col("origin") == "log") & pl.col("step").is_not_null()) if not scalars.is_empty() \
+        else scalars
+    if logged.is_empty():
+        return pl.DataFrame(), ""
+    batch = facts.get("train_batch_size") or (facts.get("ds_config") or {}).get("train_batch_size")
+    rate = logged.filter((pl.col("name") == "CurrSamplesPerSec") & (pl.col("value") > 0))
+    if isinstance(batch, int) and not rate.is_empty():
+        seconds = batch / pl.col("value")
+        return rate.group_by("step").agg(
+            step_time_ns=(seconds * 1e9).round().cast(pl.Int64).max(), slowest_rank=pl.col("rank").first(),
+            ranks=pl.col("rank").n_unique().cast(pl.Int64)), "log_throughput"
+    iteration = logged.filter(pl.col("name") == MEGATRON_ITERATION)
+    if not iteration.is_empty():
+        return iteration.group_by("step").agg(
+            step_time_ns=(pl.col("value") * 1e6).round().cast(pl.Int64).max(), slowest_rank=pl.col("rank").first(),
+            ranks=pl.col("rank").n_unique().cast(pl.Int64)), "log_megatron"
+    return pl.DataFrame(), ""
+
+
+def _from_profiler(profiler_steps: pl.DataFrame) -> pl.DataFrame:
+    per_rank = profiler_steps.group_by("rank", "step").agg(
+        dur_ns=(pl.col("end_ns").max() - pl.col("start_ns").min()), start_ns=pl.col("start_ns").min(),
+        end_ns=pl.col("end_ns").max())
+    return per_rank.group_by("step").agg(
+        step_time_ns=pl.col("dur_ns").max(), slowest_rank=pl.col("rank").sort_by("dur_ns", "rank").last(),
+        ranks=pl.col("rank").n_unique().cast(pl.Int64), start_ns=pl.col("start_ns").min(),
+        end_ns=pl.col("end_ns").max()).with_columns(incomplete=pl.col("ranks") < pl.col("ranks").max())
+
+
+def _pick_source(train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: pl.DataFrame,
+                 profiler_steps: pl.DataFrame, facts: dict) -> tuple[str, str, pl.DataFrame]:
+    """(source, definition key, per-step frame) of the best source with at least one step."""
+    if not train_steps.is_empty():
+        collected = train_steps.filter(_is_collector(pl.col("source")))
+        if not collected.is_empty():
+            return "train_steps", "collector", _from_micro_steps(collected)
+        return "log", "log_train_steps", _from_micro_steps(train_steps)
+    if not step_timers.is_empty() and not (timed := _from_timers(step_timers)).is_empty():
+        return "log", "log_timers", timed
+    logged, key = _from_scalars(scalars, facts)
+    if not logged.is_empty():
+        return "log", key, logged
+    if not profiler_steps.is_empty():
+        return "profiler_steps", "profiler_steps", _from_profiler(profiler_steps)
+    return "", "", pl.DataFrame()
+
+
+def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict[int, set[str]]:
+    """Optimizer step -> instrumentation that ran in it (flops_profiler, profiler_warmup, profiler_window)."""
+    found: dict[int, set[str]] = {}
+
+    def mark(step, reason: str) -> None:
+        if step is not None and step >= 0:
+            found.setdefault(int(step), set()).add(reason)
+
+    if not flops_profile.is_empty():
+        for step in flops_profile.filter(_is_collector(pl.col("source")))["profile_step"].drop_nulls().unique():
+            mark(step, "flops_profiler")
+    ds_profiler = (facts.get("ds_config") or {}).get("flops_profiler") or {}
+    if ds_profiler.get("enabled"):
+        # engine.forward profiles when global_steps == profile_step (DeepSpeed's default 1), rank 0
+        mark(ds_profiler.get("profile_step", 1), "flops_profiler")
+    schedule = (facts.get("settings") or {}).get("profile")
+    if isinstance(schedule, dict):
+        first, wait, warmup = schedule.get("skip_first", 0), schedule.get("wait", 0), schedule.get("warmup", 0)
+        active = schedule.get("active", 1)
+        cycle = wait + warmup + active
+        for repeat in range(schedule.get("repeat", 1) or 0):
+            start = first + repeat * cycle + wait
+            for step in range(start, start + warmup):
+                mark(step, "profiler_warmup")
+            for step in range(start + warmup, start + warmup + active):
+                mark(step, "profiler_window")
+            mark(start + warmup + active, "profiler_export")
+    if not profiler_steps.is_empty():
+        traced = set(profiler_steps["step"].drop_nulls().unique().to_list())
+        for step in traced:
+            mark(step, "profiler_window")
+            if step + 1 not in traced:
+                mark(step + 1, "profiler_export")
+    for step in facts.get("checkpoint_steps") or []:
+        mark(step, "checkpoint_save")
+    return found
+
+
+def _run_span_ns(frame: pl.DataFrame, scalars: pl.DataFrame) -> int | None:
+    """The run's own span: first start to last end of the steps, else first to last log line (3 lines at
+    least, so that even a one-iteration logging interval fits twice)."""
+    if frame["start_ns"].null_count() < frame.height:
+        return frame["end_ns"].max() - frame["start_ns"].min()
+    if scalars.is_empty():
+        return None
+    stamps = scalars.filter(pl.col("origin") == "log")["wall_ns"].drop_nulls()
+    return stamps.max() - stamps.min() if stamps.n_unique() >= 3 else None
+
+
+def _noise_bound(values: pl.Series) -> float | None:
+    """Step time above which a step stands out from the run's step-to-step noise; None below 3 steps."""
+    if values.len() < MIN_STEPS_FOR_NOISE:
+        return None
+    median = float(values.median())
+    mad = float((values - median).abs().median())
+    return median + max(OUTLIER_Z * mad / MAD_Z_SCALE, MIN_EXCESS_SHARE * median)
+
+
+def _warm_up(frame: pl.DataFrame) -> set[int]:
+    candidates = frame.filter(pl.col("reason").is_null()).sort("step")
+    bound = _noise_bound(candidates["step_time_ns"])
+    if bound is None:
+        return set()
+    slow = (candidates["step_time_ns"] > bound).to_list()
+    leading = next((i for i, is_slow in enumerate(slow) if not is_slow), len(slow))
+    return set(candidates["step"].head(min(leading, candidates.height // 2)).to_list())
+
+
+def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.DataFrame | None = None,
+                    scalars: pl.DataFrame | None = None, profiler_steps: pl.DataFrame | None = None,
+                    flops_profile: pl.DataFrame | None = None, facts: dict | None = None) -> pl.DataFrame:
+    """Per optimizer step: its time from the best source, and whether (and why) the summary leaves it out.
+
+    Inputs are the run's tables (any may be None or empty): `train_steps`, `step_timers`, `scalars`,
+    the per-rank `steps` table (ProfilerStep windows, with `rank`), `flops_profile`; `facts` is
+    run.json's facts (ds_config, the collector's settings)."""
+    frames = [f if f is not None else pl.DataFrame() for f in (train_steps, step_timers, scalars, profiler_steps,
+                                                               flops_profile)]
+    train_steps, step_timers, scalars, profiler_steps, flops_profile = frames
+    facts = facts or {}
+    source, key, frame = _pick_source(train_steps, step_timers, scalars, profiler_steps, facts)
+    if frame.is_empty():
+        return _empty()
+    flags = {"incomplete": pl.Boolean, "negative": pl.Boolean}  # set by the sources that can tell
+    frame = frame.with_columns([pl.lit(None, dtype).alias(c) for c, dtype in {**COLUMNS, **flags}.items()
+                                if c not in frame.columns])
+    span = _run_span_ns(frame, scalars)
+    frame = frame.with_columns(
+        negative=(pl.col("step_time_ns") < 0) | pl.col("negative").fill_null(False),
+        too_long=(pl.col("step_time_ns") > span) if span is not None else pl.lit(False))
+    instrumented = {} if source == "profiler_steps" else instrumented_steps(facts, flops_profile, profiler_steps)
+    reasons = pl.DataFrame({"step": list(instrumented), "instrumented": [",".join(sorted(r)) for r in instrumented.values()]},
+                           schema={"step": pl.Int64, "instrumented": pl.String})
+    frame = frame.join(reasons, on="step", how="left").with_columns(
+        reason=pl.concat_str(
+            pl.when(pl.col("negative").fill_null(False)).then(pl.lit("negative_duration")),
+            pl.when(pl.col("too_long").fill_null(False)).then(pl.lit("longer_than_run")),
+            pl.when(pl.col("incomplete").fill_null(False)).then(pl.lit("incomplete")),
+            pl.when(pl.col("skipped").fill_null(False)).then(pl.lit("overflow_skipped")),
+            pl.col("instrumented"), separator=",", ignore_nulls=True).replace("", None))
+    warm = _warm_up(frame)
+    frame = frame.with_columns(
+        reason=pl.when(pl.col("step").is_in(list(warm))).then(pl.lit("warm_up")).otherwise(pl.col("reason")),
+        source=pl.lit(source), definition=pl.lit(DEFINITIONS[key]))
+    return frame.with_columns(excluded=pl.col("reason").is_not_null()).select(
+        [pl.col(c).cast(dtype) for c, dtype in COLUMNS.items()] + ["definition"]).sort("step")
+
+
+def nearest_rank(values: list[int], share: float) -> int:
+    """The ceil(share x n)-th smallest value (nearest-rank percentile)."""
+    ordered = sorted(values)
+    return ordered[max(math.ceil(share * len(ordered)), 1) - 1]
+
+
+def step_time_summary(table: pl.DataFrame) -> dict:
+    """The `step_time` block of findings.json: source, steps kept, median/p90/max, excluded steps by reason."""
+    if table.is_empty():
+        return {"source": None, "steps": 0, "note": "no step times: no collector train_steps, step lines in the logs "
+                                                    "or profiler steps"}
+    kept = table.filter(~pl.col("excluded"))
+    values = kept["step_time_ns"].drop_nulls().to_list()
+    excluded = []
+    for reason in sorted({r for rs in table["reason"].drop_nulls().to_list() for r in rs.split(",")}):
+        steps = table.filter(pl.col("reason").str.split(",").list.contains(reason))["step"].to_list()
+        excluded.append({"reason": reason, "count": len(steps), "steps": steps[:LISTED_STEPS]})
+    excluded.sort(key=lambda entry: entry["steps"][0])  # in run order
+    summary = {
+        "source": table["source"][0], "definition": table["definition"][0], "steps": len(values),
+        "total_steps": table.height, "median_ns": round(kept["step_time_ns"].median()) if values else None,
+        "p90_ns": nearest_rank(values, 0.9) if values else None, "max_ns": max(values) if values else None,
+        "max_step": kept.sort("step_time_ns", "step", descending=[True, False])["step"][0] if values else None,
+        "excluded_steps": excluded,
+        # Megatron logs one mean per logging interval: each value stands for several steps.
+        "interval_means": table["definition"][0] == DEFINITIONS["log_megatron"],
+    }
+    if not values:
+        summary["note"] = "every step was excluded (see excluded_steps)"
+    return summary
+
+
+def noise_bound_ns(table: pl.DataFrame) -> float | None:
+    """Step time above which a kept step stands out from the run's own step-to-step noise (None: too few steps)."""
+    if table.is_empty():
+        return None
+    return _noise_bound(table.filter(~pl.col("excluded"))["step_time_ns"].drop_nulls())
+
+
+def _read(out_dir: Path, table: str) -> pl.DataFrame:
+    folder = out_dir / table
+    if not folder.exists() or not any(folder.rglob("*.parquet")):
+        return pl.DataFrame()
+    return pl.read_parquet(folder, hive_partitioning=schema.TABLES[table][2])
+
+
+def from_run_dir(out_dir: Path) -> tuple[pl.DataFrame, dict]:
+    """(step_time_table, step_time_summary) of an ingested run directory (the `.steplens` folder)."""
+    out_dir = Path(out_dir)
+    manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
+    steps = _read(out_dir, "steps")
+    table = step_time_table(_read(out_dir, "train_steps"), _read(out_dir, "step_timers"), _read(out_dir, "scalars"),
+                            steps.select("rank", "step", "start_ns", "end_ns") if not steps.is_empty() else steps,
+                            _read(out_dir, "flops_profile"), manifest.get("facts", {}))
+    return table, step_time_summary(table)
+
+
+def slowest_step(table: pl.DataFrame) -> dict | None:
+    """The slowest kept step, only when it stands out from the run's step-to-step noise (else None:
+    one step a little slower than the rest is not a finding)."""
+    bound = noise_bound_ns(table)
+    if bound is None:
+        return None
+    kept = table.filter(~pl.col("excluded"))
+    slow = kept.sort("step_time_ns", "step", descending=[True, False]).row(0, named=True)
+    if slow["step_time_ns"] <= bound:
+        return None
+    return {"step": slow["step"], "rank": slow["slowest_rank"], "dur_ns": slow["step_time_ns"],
+            "median_step_ns": round(kept["step_time_ns"].median()), "noise_bound_ns": round(bound),
+            "source": slow["source"], "steps": kept.height,
+            "basis": f"above median + max({OUTLIER_Z} MAD / {MAD_Z_SCALE}, {MIN_EXCESS_SHARE:.0%} of the median) "
+                     f"of the {kept.height} kept steps"}
+
+
+def profiled_windows(table: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict | None:
+    """Where the traced ProfilerStep windows sit in the run: each window's time (slowest rank), the
+    same step's time from the run's step-time source, and the run's median step."""
+    source = table["source"][0] if table.height else None
+    if profiler_steps.is_empty() or source == "profiler_steps":  # then the step time is these windows already
+        return None
+    windows = _from_profiler(profiler_steps).select("step", profiler_dur_ns="step_time_ns", rank="slowest_rank")
+    kept = table.filter(~pl.col("excluded"))
+    if source:
+        windows = windows.join(table.select("step", "step_time_ns"), on="step", how="left")
+    else:
+        windows = windows.with_columns(step_time_ns=pl.lit(None, pl.Int64))
+    return {"steps": windows.sort("step").to_dicts(), "source": source,
+            "run_median_ns": round(kept["step_time_ns"].median()) if kept.height else None}
+
+
+OVERFLOW_FREQUENT_SHARE = 0.05  # fp16 overflow skips are a finding from 5% of the steps (and 2 steps) on
+
+
+def overflow_finding(table: pl.DataFrame, scalars: pl.DataFrame | None = None) -> dict | None:
+    """fp16 steps the optimizer skipped on overflow, and the loss scale; None when nothing was skipped.
+
+    Exact per step from `train_steps`; from a log, the last `skipped_steps` count DeepSpeed printed."""
+    if table.is_empty():
+        return None
+    skipped_steps = table.filter(pl.col("skipped").fill_null(False))["step"].to_list()
+    skipped, steps = len(skipped_steps), table.height
+    scalars = scalars if scalars is not None else pl.DataFrame()
+    if not skipped and not scalars.is_empty():
+        # DeepSpeed's step=N, skipped=S line: S steps skipped of the N done so far (printed every steps_per_print).
+        counts = scalars.filter((pl.col("origin") == "log") & (pl.col("name") == "skipped_steps")
+                                & pl.col("step").is_not_null() & pl.col("value").is_not_null()).sort("step")
+        if counts.height:
+            skipped, steps = int(counts["value"].max()), int(counts["step"].max()) + 1
+    if not skipped:
+        return None
+    scales = table.sort("step")["loss_scale"].drop_nulls()
+    share = skipped / steps
+    return {"skipped_steps": skipped, "steps": steps, "share": share, "steps_skipped": skipped_steps[:LISTED_STEPS],
+            "frequent": skipped >= 2 and share >= OVERFLOW_FREQUENT_SHARE,
+            "loss_scale_first": scales[0] if scales.len() else None, "loss_scale_min": scales.min() if scales.len() else None,
+            "loss_scale_last": scales[-1] if scales.len() else None}

@@ -1,0 +1,238 @@
+"""DeepSpeed comms-logger dumps -> `comms_calls` and `comms_summary`.
+
+Inputs (written by the user's script from `deepspeed.comm`):
+* `comms_dict_raw_rank<N>.json`: `CommsLogger.comms_dict` as JSON,
+  `{record_name: {msg_size: [count, [latency_ms...], [algbw...], [busbw...]]}}`
+  (deepspeed/utils/comms_logging.py `CommsLogger.append`). record_name is the op's log_name, or
+  `"<op> | [Caller Func: <fn>]"` with `debug: true`.
+* `log_summary_dict_rank<N>.json`: `log_summary(return_dict=True)`,
+  `{"summary": {record_name: {msg_size: {count, total_latency_ms, avg_latency_ms, tput_avg_gbps,
+  busbw_avg_gbps, ...}}}, "straggler_analysis": ..., "metadata": {world_size, rank, timestamp}}`.
+
+Cumulative latencies (DeepSpeed >= 0.18.3): `timed_op` reads `timers(log_name).elapsed(reset=False)`
+and the timer is never cleared (PR #7714), so every logged latency is the running total over all
+earlier calls with that record name, across message sizes. Running totals only grow, so sorting all
+entries of one record name by value recovers their call order, and the per-call latency is the
+difference of consecutive totals (the first call's is the first total). The dict keeps no order
+across record names, so `call_index` orders calls within a record name only (record names in the
+order the dict lists them, i.e. the order of their first call).
+
+Bandwidth is recomputed with the nccl-tests formulas (`comms.busbw_factor`), GB/s, because
+DeepSpeed's `calc_bw_log` reports Gbps, doubles all_reduce algbw, multiplies reduce_scatter's full
+input by n again, and used the running totals.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from pathlib import Path
+
+import polars as pl
+
+from steplens.analyze.analyses.comms import busbw_factor, nccl_op
+from steplens.analyze.importers.base import Imported, conform, peek
+
+RAW_NAME = re.compile(r"comms_dict_raw_rank(\d+)\.json$")
+SUMMARY_NAME = re.compile(r"log_summary(?:_dict)?_rank(\d+)\.json$")  # either name is in use
+CALLER = re.compile(r"^(?P<op>.*?) \| \[Caller Func: (?P<caller>.*)\]$")  # comms_logging.py get_caller_func
+# A record name needs this many calls before its monotone latencies count as evidence of running
+# totals: real per-call latencies fluctuate, so 3+ in non-decreasing order by chance is unlikely
+# for every record name at once.
+MIN_CALLS_FOR_EVIDENCE = 3
+# deepspeed/utils/comms_logging.py convert_size: 1024-based units, value rounded to 2 decimals.
+SIZE_UNITS = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40, "PB": 1 << 50}
+SIZE_TEXT = re.compile(r"^\s*([0-9.]+)\s*([KMGTP]?B)\s*$")
+# Ops whose DeepSpeed msg_size is one rank's piece while nccl-tests' S is n pieces (comm/utils.py
+# get_msg_size_from_args takes the `tensor` argument: the shard for all_gather_into_tensor, the
+# local piece for gather/scatter). reduce_scatter's `tensor`/input_list is already the full input.
+PER_RANK_PIECE_OPS = ("allgather", "gather", "scatter")
+
+
+def split_record_name(record: str) -> tuple[str, str | None]:
+    """'all_reduce | [Caller Func: allreduce_bucket]' -> ('all_reduce', 'allreduce_bucket')."""
+    match = CALLER.match(record)
+    return (match["op"], match["caller"]) if match else (record, None)
+
+
+def size_from_text(text: str) -> int | None:
+    """DeepSpeed's convert_size text ('3.56 MB', '0B') back to bytes (rounded as printed)."""
+    match = SIZE_TEXT.match(text)
+    if not match or match[2] not in SIZE_UNITS:
+        return None
+    return round(float(match[1]) * SIZE_UNITS[match[2]])
+
+
+def is_running_total(series: list[list[float]]) -> bool | None:
+    """True when every series (latencies of one record name, in call order) is non-decreasing and at
+    least one is long enough to tell; False when one decreases; None when nothing can tell."""
+    long_enough = False
+    for values in series:
+        if any(b < a for a, b in itertools.pairwise(values)):
+            return False
+        long_enough |= len(values) >= MIN_CALLS_FOR_EVIDENCE
+    return True if long_enough else None
+
+
+def per_call(running_totals: list[float]) -> list[float]:
+    """Per-call latencies from running totals in call order."""
+    return [b - a for a, b in zip([0.0, *running_totals], running_totals)]
+
+
+def with_bandwidth(calls: pl.DataFrame) -> pl.DataFrame:
+    """Fill nccl_bytes, algbw_gbps, busbw_gbps from op, msg_bytes, group_size and latency_ns."""
+    n = pl.col("group_size")
+    frame = calls.with_columns(_ds_op=pl.col("op")).with_columns(op=nccl_op("op"))
+    frame = frame.with_columns(
+        nccl_bytes=pl.when(pl.col("op").is_in(PER_RANK_PIECE_OPS)).then(pl.col("msg_bytes") * n)
+        .otherwise(pl.col("msg_bytes"))
+    ).with_columns(
+        # bytes per ns == GB/s (1e9 B/s), as nccl-tests reports.
+        algbw_gbps=pl.when(pl.col("latency_ns") > 0).then(pl.col("nccl_bytes") / pl.col("latency_ns")),
+    ).with_columns(busbw_gbps=pl.col("algbw_gbps") * busbw_factor())
+    return frame.with_columns(op=pl.col("_ds_op")).drop("_ds_op")
+
+
+def rank_from_name(path: Path) -> int | None:
+    match = RAW_NAME.search(path.name) or SUMMARY_NAME.search(path.name)
+    return int(match[1]) if match else None
+
+
+def _peek_is_json_object(path: Path) -> bool:
+    return peek(path, 4096).lstrip().startswith(b"{")
+
+
+def _load(path: Path, issues: list) -> dict | None:
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        issues.append(["error", "bad_json", 1, f"{path.name}: not readable JSON ({type(e).__name__}: {e}); nothing read"])
+        return None
+    if not isinstance(doc, dict):
+        issues.append(["error", "unexpected_layout", 1, f"{path.name}: top level is not an object; nothing read"])
+        return None
+    return doc
+
+
+def summary_rows(doc: dict, rank: int | None, source: str, trusted: bool | None, issues: list) -> list[dict]:
+    """log_summary(return_dict=True)['summary'] -> comms_summary rows."""
+    summary = doc.get("summary")
+    if not isinstance(summary, dict):
+        issues.append(["error", "unexpected_layout", 1, f"{source}: no 'summary' object; no summary rows"])
+        return []
+    rows, bad = [], 0
+    for record, sizes in summary.items():
+        op, _ = split_record_name(record)
+        for size, stats in (sizes.items() if isinstance(sizes, dict) else []):
+            try:
+                rows.append({
+                    "rank": rank, "source": source, "op": op, "msg_bytes": int(stats.get("msg_size_bytes", size)),
+                    "count": int(stats["count"]), "total_latency_ms": float(stats["total_latency_ms"]),
+                    "avg_latency_ms": float(stats["avg_latency_ms"]),
+                    "busbw_gbps": float(stats["busbw_avg_gbps"]), "trusted": trusted,
+                })
+            except (AttributeError, KeyError, TypeError, ValueError):
+                bad += 1
+    if bad:
+        issues.append(["warning", "bad_entry", bad, f"{source}: {bad} summary entries without count/latency; skipped"])
+    return rows
+
+
+def parse_raw(path: Path, rel: str) -> Imported:
+    """comms_dict_raw_rank<N>.json (+ its log_summary_dict_rank<N>.json) -> comms_calls, comms_summary."""
+    issues: list = []
+    rank = rank_from_name(path)
+    raw = _load(path, issues)
+    summary_path = path.with_name(f"log_summary_dict_rank{rank}.json")
+    summary = _load(summary_path, issues) if summary_path.is_file() else None
+    meta = summary.get("metadata") if isinstance(summary, dict) and isinstance(summary.get("metadata"), dict) else {}
+    world_size = meta.get("world_size") if isinstance(meta.get("world_size"), int) else None
+    if raw is None:
+        return Imported(issues=issues)
+
+    entries: dict[str, list[tuple[int, float]]] = {}  # record name -> (msg_size, logged latency ms)
+    bad = 0
+    for record, sizes in raw.items():
+        for size, entry in (sizes.items() if isinstance(sizes, dict) else [(None, None)]):
+            try:
+                latencies = [float(x) for x in entry[1]]
+                entries.setdefault(record, []).extend((int(size), lat) for lat in latencies)
+            except (TypeError, ValueError, IndexError):
+                bad += 1
+    if bad:
+        issues.append(["warning", "bad_entry", bad, f"{bad} record/size entries not [count, [latencies], ...]; skipped"])
+
+    per_size_series = [[lat for s, lat in calls if s == size] for calls in entries.values() for size in {s for s, _ in calls}]
+    cumulative = is_running_total(per_size_series)
+    rows = []
+    for record, calls in entries.items():
+        op, caller = split_record_name(record)
+        if cumulative:
+            calls = sorted(calls, key=lambda c: c[1])  # running totals grow: value order is call order
+            latencies = per_call([lat for _, lat in calls])
+        else:
+            latencies = [lat for _, lat in calls]
+        for (size, _), latency in zip(calls, latencies):
+            rows.append({
+                "rank": rank, "source": rel, "call_index": len(rows), "op": op, "caller": caller, "msg_bytes": size,
+                "group_size": world_size, "latency_ns": round(latency * 1e6),
+                "latency_origin": "repaired_cumulative" if cumulative else "as_logged", "synchronized": True,
+            })
+    report_cumulative(cumulative, "", len(rows), issues)
+    if world_size is None and rows:
+        issues.append(["warning", "no_world_size", len(rows),
+                       f"world size unknown (no log_summary_dict_rank{rank}.json metadata); no nccl_bytes/bandwidth"])
+    tables = {"comms_calls": with_bandwidth(conform(rows, "comms_calls"))} if rows else {}
+    if summary is not None:
+        summary_rel = str(Path(rel).with_name(summary_path.name))
+        srows = summary_rows(summary, meta.get("rank", rank), summary_rel, None if cumulative is None else not cumulative, issues)
+        if srows:
+            tables["comms_summary"] = conform(srows, "comms_summary")
+    facts = {"world_size": world_size} if world_size else {}
+    return Imported(tables=tables, issues=issues, facts=facts)
+
+
+def report_cumulative(cumulative: bool | None, where: str, calls: int, issues: list) -> None:
+    if cumulative:
+        issues.append(["warning", "cumulative_comms_latency", calls,
+                       (f"{where}comms-logger latencies are running totals per record name (DeepSpeed >= 0.18.3); "
+                       "per-call latency = difference of consecutive totals, bandwidth recomputed (nccl-tests)")])
+    elif cumulative is None and calls:
+        issues.append(["info", "comms_latency_kind_unknown", calls,
+                       f"{where}too few calls per op to tell per-call from cumulative latencies; kept as logged"])
+
+
+def parse_summary(path: Path, rel: str) -> Imported:
+    """A log_summary_dict_rank<N>.json without its raw dict: comms_summary only, trust unknown."""
+    issues: list = []
+    doc = _load(path, issues)
+    if doc is None:
+        return Imported(issues=issues)
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    rows = summary_rows(doc, meta.get("rank", rank_from_name(path)), rel, None, issues)
+    if rows:
+        issues.append(["info", "comms_summary_trust_unknown", len(rows),
+                       ("without the raw dict or verbose lines it cannot be told whether latencies are running totals "
+                       "(DeepSpeed >= 0.18.3); trusted left null")])
+    world_size = meta.get("world_size")
+    return Imported(tables={"comms_summary": conform(rows, "comms_summary")} if rows else {}, issues=issues,
+                    facts={"world_size": world_size} if isinstance(world_size, int) else {})
+
+
+def summary_sibling(path: Path) -> list[Path]:
+    """The log_summary_dict written with a raw dict (read with it, for world size and the summary)."""
+    return [path.with_name(f"log_summary_dict_rank{rank_from_name(path)}.json")]
+
+
+def claims_raw(path: Path) -> bool:
+    return bool(RAW_NAME.search(path.name)) and _peek_is_json_object(path)
+
+
+def claims_summary(path: Path) -> bool:
+    """A summary dict on its own; next to its raw dict it is that dict's companion."""
+    match = SUMMARY_NAME.search(path.name)
+    if not match or not _peek_is_json_object(path):
+        return False
+    companion = path.with_name(f"log_summary_dict_rank{match[1]}.json")
+    return not (path == companion and path.with_name(f"comms_dict_raw_rank{match[1]}.json").is_file())

@@ -1,0 +1,637 @@
+"""DeepSpeed (and Megatron-DeepSpeed) job logs -> step_timers, scalars, comms_calls, comms_summary,
+run_status, plus launcher/config facts.
+
+One file may hold one rank (`--enable_each_rank_log`, torchrun's per-rank stdout), every rank
+interleaved (the launcher's stdout), or several jobs appended to one file. Lines are read one by one
+with regexes; anything unrecognised is skipped, so garbled interleaved writes cost only themselves.
+
+Runs. A new run starts at the DeepSpeed runner's `cmd = ...` line, at a second launcher
+`WORLD INFO DICT` line, or at a second launcher-less start (`mpi_discovery] Discovered MPI settings
+of world_rank=0`), each numbered `run_index` from 0. Per-run state (step counters, comms running
+totals) restarts with each run.
+
+Ranks. `[Rank N]` in the line (log_dist), else `[rankN]:` (PyTorch), else `rank<N>` in the file
+name, else 0: the lines without a rank prefix that are read here (throughput, log_summary tables)
+are printed by rank 0 only in DeepSpeed. Megatron's iteration line is printed by the last rank:
+world_size - 1 when the launcher header gave the world size, else null.
+
+Steps. `step` is the 0-based optimizer step everywhere, as in `train_steps`:
+* wall-clock timers (`[Rank r] time (ms) | name: ms | ...`, printed with print, always present
+  with wall_clock_breakdown): every line before and including a rank's global-timer line (fwd, bwd,
+  step, ...) belongs to the current step; the global line closes it. This matches DeepSpeed's order
+  per accumulation boundary (engine.py `_take_model_step` then `step()`): the optimizer line, the
+  micro line, the global line; with gas > 1 a micro line is printed at every micro step.
+* `step=N, skipped=S, lr=[...]` (engine `_report_progress(global_steps + 1)`) and the throughput
+  line `epoch=E/micro_step=M/global_step=N, RunningAvgSamplesPerSec=...` are printed when N
+  optimizer steps are done: step = N - 1 (null for the `step=0` line printed at initialisation),
+  global_samples = N x train_batch_size (the monitors' x axis), when the config dump gave
+  train_batch_size.
+* Megatron-DeepSpeed `iteration N/ M | consumed samples: ... | ...`: step = N - 1,
+  global_samples / global_tokens = its consumed samples / tokens.
+
+Comms. Verbose comms-logger lines (`comm op: <record> | time (ms): ... | msg size: ...`, rank 0,
+log_level info) become comms_calls; on DeepSpeed >= 0.18.3 the times are running totals per record
+name (see comms_dump), detected per run and rank (every record name non-decreasing in line order)
+and repaired to per-call latencies. Message sizes are DeepSpeed's rounded text ("3.56 MB").
+Log lines carry local time without a zone; ts_ns reads it as UTC. `step` of a comms call is left
+null: nothing in the line ties it to a step (init-time broadcasts look like any other call).
+
+Status. One run_status row per run with evidence (launcher lines, exits, a signal, a traceback):
+killed (the launcher got SIGTERM/SIGINT, or a rank's return code is -N), failed (a nonzero return
+code, or a traceback without every process exiting 0), completed (every local process exited 0),
+incomplete (launched, no exit record), unknown (started without the launcher, no exit record).
+
+A FLOPs profile printed into the log (no output_file) is read with `flops_text`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+
+from steplens.analyze.importers import comms_dump, flops_text
+from steplens.analyze.importers.base import Imported, conform, peek
+
+PEEK_BYTES = 64 << 10
+SUFFIXES = (".log", ".txt", ".out")
+
+NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf)"
+TIMESTAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
+LOG_STAMP = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\]")
+# DeepSpeed logger format (deepspeed/utils/logging.py): "[time] [LEVEL] [file.py:line:func] msg".
+LOGGER_LINE = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] \[(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\] \[[\w.]+:\d+:\w+\]")
+RANK_PREFIX = re.compile(r"\[Rank (-?\d+)\]")
+TORCH_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
+RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+# deepspeed/utils/timer.py SynchronizedWallClockTimer.log: "time (ms) | name: 1.23 | name: 4.56".
+TIMER_LINE = re.compile(r"\[Rank (-?\d+)\] time \(ms\) \| (.*)$")
+TIMER_ITEM = re.compile(rf"^\s*([\w.\-/]+): ({NUM})\s*$")
+# deepspeed/runtime/engine.py EngineTimers: global timers (one line per optimizer step).
+GLOBAL_TIMERS = {"fwd", "bwd", "bwd_inner", "bwd_allreduce", "step",
+                 "forward", "backward", "backward_inner", "backward_allreduce"}  # names before 0.9
+# ZeRO 1/2/3 and fp16 optimizer timers (runtime/zero/stage_1_and_2.py, stage3.py, fp16/fused_optimizer.py).
+OPTIMIZER_TIMERS = {"overflow_check", "compute_norm", "unscale_and_clip", "basic_step", "update_fp16",
+                    "init_optimizer_state"}
+
+STEP_LINE = re.compile(r"\[Rank (-?\d+)\] step=(\d+), skipped=(\d+), lr=\[([^\]]*)\]")
+THROUGHPUT_LINE = re.compile(
+    rf"(?:epoch=\d+/micro_step=\d+/global_step=(\d+)|\b\d+/(\d+)), RunningAvgSamplesPerSec=({NUM}), "
+    rf"CurrSamplesPerSec=({NUM})(?:, MemAllocated=({NUM})GB, MaxMemAllocated=({NUM})GB)?")
+MEGATRON_LINE = re.compile(r"^\s*iteration\s+(\d+)\s*/\s*(\d+)\s*\|(.*)$")
+MEGATRON_ITEM = re.compile(rf"^\s*([A-Za-z][\w \-/()]*?)\s*:\s*({NUM})\s*$")
+COMM_LINE = re.compile(
+    rf"comm op: (.+?) \| time \(ms\): ({NUM}) \| msg size: ([^|]+?) \| algbw \(Gbps\): ({NUM}) \| busbw \(Gbps\): ({NUM})")
+SUMMARY_HEADER = re.compile(r"^Comm\. Op\s+Message Size\s+Count\s+Total Latency\(ms\)\s+Avg Latency\(ms\)")
+SUMMARY_ROW = re.compile(rf"^\s+(\d+(?:\.\d+)? ?[KMGTP]?B)\s+(\d+)\s+({NUM})\s+({NUM})\s+({NUM})\s+({NUM})\s*$")
+SUMMARY_OP = re.compile(r"^([A-Za-z_][\w]*(?: \| \[Caller Func: .*\])?)\s*$")
+
+RUNNER_CMD = re.compile(r"\[runner\.py:\d+:main\] cmd = ")
+WORLD_INFO = re.compile(r"\[launch\.py:\d+:main\] WORLD INFO DICT: (\{.*\})")
+MPI_RANK0 = re.compile(r"mpi_discovery\] Discovered MPI settings of world_rank=0, .*world_size=(\d+)")
+DIST_WORLD_SIZE = re.compile(r"\[launch\.py:\d+:main\] dist_world_size=(\d+)")
+NUM_LOCAL_PROCS = re.compile(r"num_local_procs=(\d+)")
+NCCL_VERSION = re.compile(r"NCCL_VERSION=(\S+)")
+DS_VERSION = re.compile(r"DeepSpeed info: version=([\w.+\-]+)")
+# ds_report: "torch version .................... 1.11.0+cu113" (only whole, well-formed lines).
+REPORT_VERSION = re.compile(r"^(torch|deepspeed|nvcc|torch cuda|transformers) (?:version|info) \.{3,} (\d+\.\d+[\w.+\-]*)(?:,|\s*$)")
+# ds_report rows (deepspeed/env_report.py): "<key> ....... <value>", one per line.
+REPORT_KEY = re.compile(r"torch install path|torch version|torch cuda version|torch hip version|nvcc version"
+                        r"|deepspeed install path|deepspeed info|deepspeed wheel compiled w\.")
+REPORT_ROW = re.compile(rf"^(?:{REPORT_KEY.pattern}) \.{{3,}} \S")
+CONFIG_ITEM = re.compile(r"\[config\.py:\d+:print\]\s+(\w+) \.+ (.*)$")
+CONFIG_JSON_START = re.compile(r"\[config\.py:\d+:print_user_config\]\s+json = (\{.*)$")
+EXIT_OK = re.compile(r"\[launch\.py:\d+:main\] Process (\d+) exits successfully")
+EXIT_CODE = re.compile(r"exits with return code = (-?\d+)")
+KILLED = re.compile(r"(?:Main process )?received (SIG\w+)")
+TRACEBACK = "Traceback (most recent call last):"
+EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Fault))(?::.*)?$")
+FLOPS_HEADER = "-- DeepSpeed Flops Profiler --"
+# Megatron's resolved arguments (arguments.py _print_args): "  name ....... value" between these lines.
+MEGATRON_ARGS_START = re.compile(r"^-+ arguments -+$")
+MEGATRON_ARGS_END = re.compile(r"^-+ end of arguments -+$")
+MEGATRON_ARG = re.compile(r"^  (\w+) \.{2,} (.*?)\s*$")
+MEGATRON_PADDED_VOCAB = re.compile(r"> padded vocab \(size: (\d+)\) with (\d+) dummy tokens \(new size: (\d+)\)")
+# The model-shape and batch options MFU and throughput need (Megatron-LM and Megatron-DeepSpeed names).
+MEGATRON_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+                       "num_key_value_heads", "group_query_attention", "num_query_groups", "seq_length",
+                       "global_batch_size", "micro_batch_size", "padded_vocab_size", "vocab_size",
+                       "make_vocab_size_divisible_by", "swiglu",
+                       "num_experts", "world_size", "data_parallel_size", "tensor_model_parallel_size",
+                       "pipeline_model_parallel_size", "checkpoint_activations", "recompute_granularity")
+MEGATRON_FLAG = re.compile(r"(?:^|\s)--([a-z][a-z0-9-]*)(?:[ =]([^\s-][^\s]*))?(?=\s|$)")
+# A command line (the DeepSpeed runner's, or a script's own "cmd = ..." echo) stating the batch.
+SCRIPT_CMD = re.compile(r"^cmd = (.*)$")
+CMD_MICRO_BATCH = re.compile(r"--(?:per_device_train_batch_size|train_micro_batch_size_per_gpu|micro[-_]batch[-_]size)[ =](\d+)")
+CMD_GAS = re.compile(r"--gradient[-_]accumulation[-_]steps[ =](\d+)")
+
+
+@dataclass
+class Run:
+    index: int
+    markers: set = field(default_factory=set)
+    has_records: bool = False
+    exits_ok: int = 0
+    local_procs: int | None = None
+    exit_codes: list = field(default_factory=list)
+    signal: str | None = None
+    exceptions: list = field(default_factory=list)  # (rank, last exception line)
+    steps_done: dict = field(default_factory=dict)  # rank -> optimizer steps closed by a global timer line
+    comms: dict = field(default_factory=dict)  # rank -> list of comms row dicts (latency still as logged)
+
+
+@dataclass
+class LogState:
+    rel: str
+    file_rank: int | None
+    runs: list = field(default_factory=list)
+    timers: list = field(default_factory=list)
+    scalars: list = field(default_factory=list)
+    summary: list = field(default_factory=list)
+    facts: dict = field(default_factory=dict)
+    garbled: set = field(default_factory=set)  # indices of lines written over by another process, or undecodable
+    flops_blocks: list = field(default_factory=list)  # lines of each FLOPs profile printed into the log
+
+    @property
+    def run(self) -> Run:
+        return self.runs[-1]
+
+
+def claims(path: Path) -> bool:
+    # wandb's files/output.log is a copy of rank 0's console: reading it too would count everything twice.
+    if not path.name.endswith(SUFFIXES) or (path.name == "output.log" and path.parent.name == "files"
+                                            and "run-" in path.parent.parent.name):
+        return False
+    head = peek(path, PEEK_BYTES).decode("utf-8", "replace")
+    return bool(LOGGER_LINE.search(head) or TIMER_LINE.search(head) or SUMMARY_HEADER.search(head)
+                or re.search(r"(?m)^\s*iteration\s+\d+/\s*\d+ \|.*elapsed time per iteration", head))
+
+
+def parse(path: Path, rel: str) -> Imported:
+    issues: list = []
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        return Imported(issues=[["error", "unreadable", 1, str(e)]])
+    if not data.strip():
+        return Imported(issues=[["warning", "empty_file", 1, "empty log; nothing read"]])
+    text = data.decode("utf-8", "replace")
+    name_rank = RANK_IN_NAME.search(path.name)
+    state = LogState(rel=rel, file_rank=int(name_rank[1]) if name_rank else None)
+    state.runs.append(Run(index=0))
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        i = _read_line(state, lines, i)
+    if not data.endswith(b"\n"):
+        issues.append(["info", "no_final_newline", 1, "the last line has no newline (cut off or still being written)"])
+    if state.garbled:
+        issues.append(["info", "garbled_lines", len(state.garbled),
+                       (f"{len(state.garbled)} lines hold interleaved writes from several processes or undecodable bytes; "
+                       "records in them that did not parse whole were skipped")])
+    return _build(state, issues)
+
+
+def _rank(state: LogState, line: str, prefix: re.Match | None = None) -> int:
+    if prefix is not None:
+        return int(prefix[1])
+    if m := RANK_PREFIX.search(line) or TORCH_RANK_PREFIX.match(line):
+        return int(m[1])
+    return state.file_rank if state.file_rank is not None else 0
+
+
+def _ts_ns(line: str) -> int | None:
+    if not (m := TIMESTAMP.match(line)):
+        return None
+    stamp = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+    return int(stamp.timestamp()) * 1_000_000_000 + int(m[2]) * 1_000_000
+
+
+def _is_garbled(line: str) -> bool:
+    # A logger timestamp or ds_report key that is not alone at the start means two writers shared the line.
+    stamps = [m.start() for m in LOG_STAMP.finditer(line)]
+    misplaced = len(stamps) > 1 or (stamps and stamps[0] > 0)
+    report_keys = REPORT_KEY.findall(line)
+    mixed_report = bool(report_keys) and not (len(report_keys) == 1 and REPORT_ROW.match(line))
+    return "\ufffd" in line or "\x00" in line or misplaced or mixed_report or line.count("[Rank ") > 1
+
+
+def _start_run_if_new(state: LogState, marker: str) -> None:
+    run = state.run
+    launched = run.markers & {"cmd", "world_info"}
+    new = (marker in run.markers or (marker == "cmd" and (run.markers or run.has_records))
+           or (marker == "mpi0" and launched) or (marker == "world_info" and "mpi0" in run.markers))
+    if new:
+        state.runs.append(Run(index=len(state.runs)))
+    state.run.markers.add(marker)
+
+
+def _read_line(state: LogState, lines: list[str], i: int) -> int:
+    """Read line i (and any block it opens); return the index of the next unread line."""
+    line = lines[i]
+    if _is_garbled(line):
+        state.garbled.add(i)
+    if m := TIMER_LINE.search(line):
+        _timer(state, m, i)
+    elif m := COMM_LINE.search(line):
+        _comm(state, m, line, i)
+    elif m := STEP_LINE.search(line):
+        _step(state, m, i)
+    elif m := THROUGHPUT_LINE.search(line):
+        _throughput(state, m, line)
+    elif m := MEGATRON_LINE.match(line):
+        _megatron(state, m, line)
+    elif SUMMARY_HEADER.match(line):
+        return _summary_table(state, lines, i + 1)
+    elif FLOPS_HEADER in line:
+        return _flops_block(state, lines, i)
+    elif m := CONFIG_JSON_START.search(line):
+        return _config_json(state, lines, i, m[1])
+    elif MEGATRON_ARGS_START.match(line.strip()):
+        return _megatron_args(state, lines, i + 1)
+    else:
+        _launcher_or_status(state, line, i)
+    return i + 1
+
+
+def _timer(state: LogState, m: re.Match, i: int) -> None:
+    rank = int(m[1])
+    items = []
+    for part in m[2].split("|"):
+        if item := TIMER_ITEM.match(part):
+            items.append((item[1], float(item[2])))
+        elif part.strip():
+            state.garbled.add(i)  # a cut or interleaved item: keep the whole ones
+    if not items:
+        return
+    names = {name for name, _ in items}
+    if all(name.endswith("_microstep") for name in names):
+        scope = "micro"
+    elif all(name.startswith("optimizer_") or name in OPTIMIZER_TIMERS for name in names):
+        scope = "optimizer"
+    else:
+        scope = "global"
+    run = state.run
+    run.has_records = True
+    step = run.steps_done.get(rank, 0)
+    state.timers.extend({"rank": rank, "source": state.rel, "step": step, "line": i + 1, "scope": scope,
+                         "timer": name, "ms": ms} for name, ms in items)
+    if scope == "global" and names & GLOBAL_TIMERS:
+        run.steps_done[rank] = step + 1
+
+
+def _comm(state: LogState, m: re.Match, line: str, i: int) -> None:
+    rank = _rank(state, line)
+    op, caller = comms_dump.split_record_name(m[1].strip())
+    state.run.has_records = True
+    state.run.comms.setdefault(rank, []).append({
+        "record": m[1].strip(), "rank": rank, "source": state.rel, "ts_ns": _ts_ns(line), "op": op, "caller": caller,
+        "msg_bytes": comms_dump.size_from_text(m[3]), "logged_ms": float(m[2]), "line": i + 1,
+    })
+
+
+def _samples(state: LogState, steps_done: int) -> int | None:
+    batch = state.facts.get("train_batch_size")
+    return steps_done * batch if isinstance(batch, int) else None
+
+
+def _scalar(state: LogState, rank: int, name: str, value: float, steps_done: int | None, line: str,
+            samples: int | None = None, tokens: int | None = None) -> None:
+    state.run.has_records = True
+    state.scalars.append({
+        "rank": rank, "source": state.rel, "origin": "log", "name": name,
+        "step": steps_done - 1 if steps_done else None,
+        "global_samples": samples if samples is not None else (_samples(state, steps_done) if steps_done is not None else None),
+        "global_tokens": tokens, "value": value, "wall_ns": _ts_ns(line),
+    })
+
+
+def _step(state: LogState, m: re.Match, i: int) -> None:
+    line = m.string
+    rank, steps_done = int(m[1]), int(m[2])
+    _scalar(state, rank, "skipped_steps", float(m[3]), steps_done, line)
+    lrs = [x.strip() for x in m[4].split(",") if x.strip()]
+    if lrs:
+        try:
+            _scalar(state, rank, "lr", float(lrs[0]), steps_done, line)
+        except ValueError:
+            state.garbled.add(i)
+
+
+def _throughput(state: LogState, m: re.Match, line: str) -> None:
+    rank = _rank(state, line)
+    steps_done = int(m[1] or m[2])
+    # Before 0.8 the line began "<epoch>/<micro_step>": a micro-step count, not optimizer steps.
+    steps = steps_done if m[1] else None
+    for name, value in (("RunningAvgSamplesPerSec", m[3]), ("CurrSamplesPerSec", m[4]),
+                        ("MemAllocated_GB", m[5]), ("MaxMemAllocated_GB", m[6])):
+        if value is not None:
+            _scalar(state, rank, name, float(value), steps, line)
+
+
+def _megatron(state: LogState, m: re.Match, line: str) -> None:
+    # megatron/training.py training_log prints with print_rank_last: rank world_size - 1.
+    world_size = state.facts.get("world_size")
+    rank = state.file_rank if state.file_rank is not None else (world_size - 1 if world_size else None)
+    fields = {}
+    for part in m[3].split("|"):
+        if item := MEGATRON_ITEM.match(part):
+            fields[item[1].strip()] = float(item[2])
+    samples = fields.pop("consumed samples", None)
+    tokens = fields.pop("consumed tokens", None)
+    steps_done = int(m[1])
+    for name, value in fields.items():
+        _scalar(state, rank, name, value, steps_done, line,
+                samples=int(samples) if samples is not None else None, tokens=int(tokens) if tokens is not None else None)
+
+
+def _summary_table(state: LogState, lines: list[str], i: int) -> int:
+    """Rows of a log_summary table (comms_logging.py log_all: fixed 20-character columns) after its header."""
+    rank = _rank(state, "")
+    record = None
+    while i < len(lines):
+        line = lines[i]
+        if row := SUMMARY_ROW.match(line):
+            if record is not None:
+                op, _ = comms_dump.split_record_name(record)
+                state.summary.append({
+                    "rank": rank, "source": state.rel, "op": op, "msg_bytes": comms_dump.size_from_text(row[1]),
+                    "count": int(row[2]), "total_latency_ms": float(row[3]), "avg_latency_ms": float(row[4]),
+                    "busbw_gbps": float(row[6]), "run_index": state.run.index,
+                })
+        elif op_line := SUMMARY_OP.match(line):
+            record = op_line[1]
+        else:
+            break  # "____" then the straggler table, a blank line, or the next log line
+        i += 1
+    state.run.has_records = True
+    return i
+
+
+def _flops_block(state: LogState, lines: list[str], i: int) -> int:
+    """A FLOPs profile printed into the log (no output_file): up to its closing dashes line."""
+    end = i + 1
+    while end < len(lines) and not (lines[end].startswith("-----") and set(lines[end].strip()) == {"-"}):
+        end += 1
+    state.flops_blocks.append(lines[i:end + 1])
+    return end + 1
+
+
+def _config_json(state: LogState, lines: list[str], i: int, first: str) -> int:
+    """The user's ds_config, printed as indented JSON (config.py print_user_config) at log_level info."""
+    block, depth, j = [first], first.count("{") - first.count("}"), i + 1
+    while depth > 0 and j < len(lines) and j - i < 2000:
+        block.append(lines[j])
+        depth += lines[j].count("{") - lines[j].count("}")
+        j += 1
+    try:
+        config = json.loads("\n".join(block))
+    except ValueError:
+        state.garbled.add(i)
+        return i + 1
+    state.facts["ds_config"] = config
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if isinstance(config.get(key), int):
+            state.facts.setdefault(key, config[key])
+    stage = (config.get("zero_optimization") or {}).get("stage") if isinstance(config.get("zero_optimization"), dict) else None
+    if isinstance(stage, int):
+        state.facts["zero_stage"] = stage
+    return j
+
+
+def _arg_value(text: str):
+    """A Megatron argument as printed (str() of the value): int, float, bool, None, list, or the text."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _megatron_args(state: LogState, lines: list[str], i: int) -> int:
+    """Megatron's resolved arguments (the model shape and batch among them) -> facts["megatron_args"]."""
+    args = state.facts.setdefault("megatron_args", {})
+    while i < len(lines) and not MEGATRON_ARGS_END.match(lines[i].strip()) and not TIMESTAMP.match(lines[i]):
+        if (m := MEGATRON_ARG.match(lines[i])) and m[1] in MEGATRON_SHAPE_ARGS:
+            args[m[1]] = _arg_value(m[2])  # a value cut by another rank's write is garbled text, not a number
+        i += 1
+    return i + 1
+
+
+def _command_line(state: LogState, command: str) -> None:
+    """Batch options of a command line, and the Megatron shape options it gives (the arguments block,
+    printed later with the resolved values, overrides them)."""
+    if m := CMD_MICRO_BATCH.search(command):
+        state.facts.setdefault("cmd_micro_batch", int(m[1]))
+    if m := CMD_GAS.search(command):
+        state.facts.setdefault("cmd_gradient_accumulation_steps", int(m[1]))
+    args = state.facts.setdefault("megatron_args", {})
+    for flag, value in MEGATRON_FLAG.findall(command):
+        name = flag.replace("-", "_")
+        if name in MEGATRON_SHAPE_ARGS and name not in args:
+            args[name] = True if value == "" else _arg_value(value)
+    if not args:
+        del state.facts["megatron_args"]
+
+
+def _launcher_or_status(state: LogState, line: str, i: int) -> None:
+    facts = state.facts
+    if RUNNER_CMD.search(line):
+        _start_run_if_new(state, "cmd")
+        _command_line(state, line)
+    elif m := SCRIPT_CMD.match(line):
+        _command_line(state, m[1])
+    elif m := MEGATRON_PADDED_VOCAB.search(line):
+        state.facts.setdefault("megatron_args", {})["padded_vocab_size"] = int(m[3])
+    elif m := WORLD_INFO.search(line):
+        _start_run_if_new(state, "world_info")
+        try:
+            facts["world_info"] = ast.literal_eval(m[1])
+        except (ValueError, SyntaxError):
+            state.garbled.add(i)
+    elif m := MPI_RANK0.search(line):
+        _start_run_if_new(state, "mpi0")
+        facts["world_size"] = int(m[1])
+    elif m := DIST_WORLD_SIZE.search(line):
+        facts["world_size"] = int(m[1])
+    elif (m := NUM_LOCAL_PROCS.search(line)) and "[launch.py" in line:
+        state.run.local_procs = int(m[1])
+    elif m := NCCL_VERSION.search(line):
+        facts.setdefault("nccl_version", m[1])
+    elif m := DS_VERSION.search(line):
+        facts["deepspeed_version"] = m[1]
+    elif m := REPORT_VERSION.match(line):
+        facts.setdefault(f"{m[1].replace(' ', '_')}_version", m[2])
+    elif m := CONFIG_ITEM.search(line):
+        key, value = m[1], m[2].strip()
+        if key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "world_size") and value.isdigit():
+            facts[key] = int(value)
+    elif EXIT_OK.search(line):
+        state.run.exits_ok += 1
+    elif m := EXIT_CODE.search(line):
+        state.run.exit_codes.append(int(m[1]))
+    elif (m := KILLED.search(line)) and "sigkill_handler" in line:
+        state.run.signal = m[1]
+    elif line.startswith(TRACEBACK) or line.endswith(TRACEBACK):
+        state.run.exceptions.append([_rank(state, line), None])
+    elif state.run.exceptions and (m := EXCEPTION_LINE.match(line.strip())) and not line[:1].isspace():
+        state.run.exceptions[-1][1] = line.strip()
+
+
+def _status(run: Run, file_rank: int | None) -> dict:
+    errors = [e for _, e in run.exceptions if e]
+    failed_codes = [c for c in run.exit_codes if c != 0]
+    launched = bool(run.markers & {"cmd", "world_info"})
+    if run.signal:
+        status, detail = "killed", f"the launcher received {run.signal} and killed its ranks"
+        error = f"received {run.signal}"
+    elif signalled := [c for c in failed_codes if c < 0]:  # subprocess returncode -N: ended by signal N
+        status, error = "killed", f"a rank was ended by signal {-signalled[0]}"
+        detail = f"a rank exited with return code {signalled[0]} (launcher sigkill_handler)"
+    elif failed_codes:
+        status, error = "failed", errors[-1] if errors else None
+        detail = f"a rank exited with return code {failed_codes[0]} (launcher sigkill_handler)"
+    elif run.exits_ok and (run.local_procs is None or run.exits_ok >= run.local_procs):
+        # Every process exited 0: a traceback before that was caught and printed, not fatal.
+        status, error = "completed", None
+        detail = f"{run.exits_ok} process(es) exited successfully (launcher)" + (
+            f"; {len(errors)} traceback(s) printed before that" if errors else "")
+    elif errors:
+        status, error, detail = "failed", errors[-1], f"{len(errors)} traceback(s); no successful exit after them"
+    elif launched:
+        status, error = "incomplete", None
+        detail = f"started by the launcher; {run.exits_ok} of {run.local_procs or '?'} processes reported an exit"
+    else:
+        status, error, detail = "unknown", None, "no launcher exit record in this file (see the launcher's log)"
+    return {"rank": None if launched else file_rank, "run_index": run.index, "status": status,
+            "exit_code": failed_codes[0] if failed_codes else (0 if status == "completed" else None),
+            "error": error, "detail": detail}
+
+
+def _comms_rows(state: LogState, issues: list) -> list[dict]:
+    """Per run and rank: detect running totals per record name, repair them, number the calls."""
+    rows = []
+    world_size = state.facts.get("world_size")
+    for run in state.runs:
+        for rank, calls in run.comms.items():
+            by_record: dict[str, list[dict]] = {}
+            for call in calls:
+                by_record.setdefault(call["record"], []).append(call)
+            cumulative = comms_dump.is_running_total([[c["logged_ms"] for c in group] for group in by_record.values()])
+            for group in by_record.values():
+                logged = [c["logged_ms"] for c in group]
+                latencies = comms_dump.per_call(logged) if cumulative else logged
+                for call, latency in zip(group, latencies):
+                    call["latency_ns"] = round(latency * 1e6)
+            for index, call in enumerate(calls):
+                rows.append({
+                    "rank": rank, "source": state.rel, "call_index": len(rows), "ts_ns": call["ts_ns"], "op": call["op"],
+                    "caller": call["caller"], "msg_bytes": call["msg_bytes"], "group_size": world_size,
+                    "latency_ns": call["latency_ns"], "synchronized": True,
+                    "latency_origin": "repaired_cumulative" if cumulative else "as_logged",
+                })
+            comms_dump.report_cumulative(cumulative, f"run {run.index}, rank {rank}: ", len(calls), issues)
+    if rows and world_size is None:
+        issues.append(["warning", "no_world_size", len(rows), "world size not in the log; no nccl_bytes/bandwidth"])
+    return rows
+
+
+def _batch_facts(state: LogState, issues: list) -> None:
+    """train_batch_size and seq_len where the log states them (a config dump, Megatron's arguments),
+    else train_batch_size from the throughput lines: CurrSamplesPerSec (train_batch_size / that
+    step's time) x the wall time between two throughput lines / the optimizer steps between them,
+    median over the run, rounded to a multiple of the per-device batch the command line states (a
+    batch is micro batch x accumulation x data-parallel ranks). Without a stated per-device batch
+    the estimate is too rough to count samples with, and the batch stays unknown."""
+    facts, args = state.facts, state.facts.get("megatron_args") or {}
+    for fact, arg in (("train_batch_size", "global_batch_size"), ("seq_len", "seq_length")):
+        if isinstance(args.get(arg), int) and not isinstance(args[arg], bool):
+            facts.setdefault(fact, args[arg])
+    if isinstance(facts.get("train_batch_size"), int):
+        return
+    rates = [r for r in state.scalars if r["name"] == "CurrSamplesPerSec" and r["step"] is not None
+             and r["wall_ns"] is not None and r["value"] > 0]
+    estimates = [now["value"] * (now["wall_ns"] - before["wall_ns"]) / 1e9 / (now["step"] - before["step"])
+                 for before, now in zip(rates, rates[1:]) if now["rank"] == before["rank"] and now["step"] > before["step"]]
+    unit = facts.get("train_micro_batch_size_per_gpu") or facts.get("cmd_micro_batch")
+    if not estimates:
+        return
+    estimate = sorted(estimates)[len(estimates) // 2]
+    if not unit:
+        issues.append(["info", "train_batch_size_unknown", len(rates),
+                       f"throughput lines imply about {estimate:.1f} samples per step, but no per-device batch is stated "
+                       "to round that to: global_samples left null"])
+        return
+    batch = max(round(estimate / unit), 1) * unit
+    facts["train_batch_size"] = batch
+    facts["train_batch_size_origin"] = (
+        f"CurrSamplesPerSec x time between throughput lines / steps between them: median {estimate:.1f} over "
+        f"{len(estimates)} intervals, rounded to a multiple of the per-device batch {unit} on the command line")
+    issues.append(["info", "train_batch_size_inferred", 1, f"train_batch_size {batch}: {facts['train_batch_size_origin']}"])
+
+
+def _fill_global_samples(state: LogState) -> None:
+    """global_samples = optimizer steps done x train_batch_size for log scalars that lack it (lines
+    read before the batch was known, or a batch inferred at the end). DeepSpeed counts fp16-skipped
+    steps in global_steps and global_samples alike."""
+    batch = state.facts.get("train_batch_size")
+    if not isinstance(batch, int):
+        return
+    for row in state.scalars:
+        if row["global_samples"] is None and row["step"] is not None:
+            row["global_samples"] = (row["step"] + 1) * batch
+
+
+def _build(state: LogState, issues: list) -> Imported:
+    tables: dict[str, pl.DataFrame] = {}
+    if state.timers:
+        tables["step_timers"] = conform(state.timers, "step_timers")
+    _batch_facts(state, issues)
+    _fill_global_samples(state)
+    if state.scalars:
+        tables["scalars"] = conform(state.scalars, "scalars")
+    if comms := _comms_rows(state, issues):
+        tables["comms_calls"] = comms_dump.with_bandwidth(conform(comms, "comms_calls"))
+    if state.summary:
+        trust = {run.index: _verbose_trust(run) for run in state.runs}
+        rows = [{**{k: v for k, v in row.items() if k != "run_index"}, "trusted": trust[row["run_index"]]}
+                for row in state.summary]
+        tables["comms_summary"] = conform(rows, "comms_summary")
+        if unknown := sum(row["trusted"] is None for row in rows):
+            issues.append(["info", "comms_summary_trust_unknown", unknown,
+                           ("log_summary table without verbose comms lines in the same run: whether its latencies are "
+                           "running totals (DeepSpeed >= 0.18.3) cannot be told; trusted left null")])
+    # A run_status row needs evidence: launcher lines, exits, a signal or a traceback.
+    statuses = [_status(run, state.file_rank) for run in state.runs
+                if run.markers or run.exceptions or run.exits_ok or run.exit_codes or run.signal]
+    if statuses:
+        tables["run_status"] = conform([{**s, "source": state.rel} for s in statuses], "run_status")
+    if len(state.runs) > 1:
+        issues.append(["info", "several_runs", len(state.runs), f"{len(state.runs)} runs appended to one file"])
+    facts = {k: v for k, v in state.facts.items() if k not in ("world_info", "cmd_micro_batch", "cmd_gradient_accumulation_steps")}
+    if len(state.runs) > 1:
+        facts["runs_in_file"] = len(state.runs)
+    for block in state.flops_blocks:
+        embedded = flops_text.parse_lines(block, state.rel, facts)
+        issues.extend(embedded.issues)
+        if "flops_profile" in embedded.tables:
+            tables["flops_profile"] = pl.concat([tables.get("flops_profile", embedded.tables["flops_profile"].clear()),
+                                                 embedded.tables["flops_profile"]])
+        facts.setdefault("flops_profiler", embedded.facts)
+    if not tables and not facts:
+        issues.append(["info", "no_records", 1, "DeepSpeed markers but no timer, step, comms or status lines"])
+    return Imported(tables=tables, issues=issues, facts=facts)
+
+
+def _verbose_trust(run: Run) -> bool | None:
+    """A run's log_summary is trusted when its verbose lines were per call, not when they were running
+    totals, and unknown without verbose lines."""
+    series = [[c["logged_ms"] for c in calls if c["record"] == record]
+              for calls in run.comms.values() for record in {c["record"] for c in calls}]
+    cumulative = comms_dump.is_running_total(series)
+    return None if cumulative is None else not cumulative

@@ -1,0 +1,879 @@
+"""Ingest a run folder (per-rank Kineto traces, the collector's Parquet parts, native DeepSpeed
+artifacts) into a steplens run directory.
+
+Never touches the inputs. Output is built in a sibling staging folder and swapped in at the end, so a
+killed ingest leaves the previous result readable. Unchanged inputs (same size, mtime and hash of
+their first 64 KiB) are not parsed again: their Parquet parts are linked over from the last result.
+Files are parsed in worker processes, a bounded number at a time, so memory does not grow with the
+number of ranks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import stat
+import threading
+import time
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from steplens.analyze import importers
+from steplens.analyze.importers import kineto
+from steplens.analyze.contract import schema
+from steplens.analyze.importers.base import Importer, conform
+
+# Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
+TRACE_SUFFIXES = (".json", ".gz")
+RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+HASH_PREFIX_BYTES = 64 << 10
+IGNORED_LISTED = 200  # run.json lists this many unrecognised files by name (a checkpoint folder has thousands)
+PARSED_TABLES = ("trace_events", "flows", "steps")
+
+
+class IngestError(Exception):
+    """Nothing usable to ingest; the message is one line for the user, `sources` what became of each file."""
+
+    def __init__(self, message: str, sources: list | None = None):
+        super().__init__(message)
+        self.sources = sources or []
+
+
+class UnsafeOutput(IngestError):
+    """The output folder is not one steplens may replace (it holds inputs or files it did not write)."""
+
+
+class OutputUnwritable(Exception):
+    """The output cannot be written (permissions, read-only or full disk); nothing was published."""
+
+
+@dataclass
+class Source:
+    """One input file and what became of it (a row of run.json's `sources`)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    hash_prefix: str
+    status: str = "pending"  # ingested | reused | ignored | error
+    kind: str = "kineto"  # kineto, or the name of the importer that read it
+    companions: list = field(default_factory=list)  # other files read with it (relative paths)
+    tables: list = field(default_factory=list)  # tables it has parts in (non-Kineto sources)
+    ranks: list = field(default_factory=list)  # ranks in its rows (non-Kineto sources)
+    facts: dict = field(default_factory=dict)  # run facts it gave (versions, config, ...)
+    rank: int | None = None
+    rank_origin: str | None = None  # distributedInfo | file name | only trace
+    part_id: str = ""
+    events: int = 0
+    raw_bytes: int = 0
+    kind_counts: dict = field(default_factory=dict)
+    steps: list = field(default_factory=list)
+    trace_rank: int | None = None
+    world_size: int | None = None
+    host_pids: list = field(default_factory=list)
+    trace_meta: dict = field(default_factory=dict)
+    issues: list = field(default_factory=list)  # [severity, reason, count, detail]
+    seconds: float = 0.0
+
+    def fingerprint(self) -> tuple:
+        return (self.path, self.size, self.mtime_ns, self.hash_prefix)
+
+
+@dataclass
+class IngestResult:
+    out_dir: Path
+    manifest: dict
+    sources: list[Source]
+    parsed: int
+    reused: int
+    seconds: float
+
+    @property
+    def failed(self) -> list[Source]:
+        return [s for s in self.sources if s.status == "error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Discovery
+
+
+@dataclass
+class Discovered:
+    """The files of a run folder, sorted by who reads them."""
+
+    traces: list[Path]  # Kineto candidates (.json/.gz nobody else claimed)
+    native: list[tuple[Path, Importer, list[Path]]]  # (file, importer, companions)
+    unknown: list[Path]  # nobody reads these
+    # Never opened: FIFOs, devices, sockets (a FIFO would block the read forever) and entries that
+    # cannot be looked at; (path, [severity, reason, count, detail]).
+    special: list[tuple[Path, list]] = field(default_factory=list)
+
+
+def discover(run_dir: Path, out_dir: Path) -> Discovered:
+    """Every file under run_dir, skipping hidden files and folders and the output folder."""
+    files = []
+    out_dir = out_dir.resolve()
+    for root, dirs, names in os.walk(run_dir):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (Path(root) / d).resolve() != out_dir)
+        files.extend(Path(root) / name for name in sorted(names) if not name.startswith("."))
+    return classify(files)
+
+
+def classify(files: list[Path]) -> Discovered:
+    """Offer each regular file to the importers; unclaimed .json/.gz files are Kineto candidates."""
+    files, special = _regular_files(files)
+    native, taken = [], set()
+    for path in files:
+        if path in taken or (importer := importers.claimant(path)) is None:
+            continue
+        companions = [c for c in importer.companions(path) if c.is_file()]
+        taken.update([path, *companions])
+        native.append((path, importer, companions))
+    rest = [p for p in files if p not in taken]
+    return Discovered(traces=[p for p in rest if p.name.endswith(TRACE_SUFFIXES)], native=native,
+                      unknown=[p for p in rest if not p.name.endswith(TRACE_SUFFIXES)], special=special)
+
+
+def _regular_files(files: list[Path]) -> tuple[list[Path], list[tuple[Path, list]]]:
+    """The regular files (symlinks followed), and an issue for each other entry, which is never opened."""
+    regular, special = [], []
+    for path in files:
+        try:
+            mode = path.stat().st_mode
+        except OSError as e:
+            special.append((path, ["error", "unreadable", 1, f"cannot read: {e.strerror or e}"]))
+            continue
+        if stat.S_ISREG(mode):
+            regular.append(path)
+        else:
+            what = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                    "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+            special.append((path, ["warning", "special_file", 1, f"{what}, not a regular file: skipped without opening it"]))
+    return regular, special
+
+
+def _unopened_source(path: Path, base: Path, issue: list) -> Source:
+    source = Source(path=os.path.relpath(path, base), size=0, mtime_ns=0, hash_prefix="",
+                    status="error" if issue[0] == "error" else "ignored")
+    source.issues.append(issue)
+    return source
+
+
+def _describe(path: Path, base: Path, companions: list[Path] = ()) -> Source:
+    stat = path.stat()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(HASH_PREFIX_BYTES))
+    for other in companions:  # a change in any file read with it means parsing again
+        other_stat = other.stat()
+        digest.update(f"{os.path.relpath(other, base)}:{other_stat.st_size}:{other_stat.st_mtime_ns}".encode())
+    rel = os.path.relpath(path, base)
+    source = Source(path=rel, size=stat.st_size, mtime_ns=stat.st_mtime_ns, hash_prefix=digest.hexdigest()[:16],
+                    companions=[os.path.relpath(c, base) for c in companions])
+    source.part_id = hashlib.sha256(repr(source.fingerprint()).encode()).hexdigest()[:16]
+    return source
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing one file (runs in a worker process)
+
+
+def _write_table(frame: pl.DataFrame, table: str, path: Path) -> None:
+    arrow = frame.to_arrow().cast(schema.TABLES[table][0])
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(arrow, tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
+    started = time.perf_counter()
+    try:
+        parsed = kineto.parse_trace(Path(abs_path), source.path)
+    except kineto.NotATrace as e:
+        if e.damaged:  # a .json file that is not JSON, or a trace cut before its events: a lost input
+            source.status = "error"
+            source.issues.append(["error", "damaged_trace", 1, f"a .json file with nothing usable: {e}"])
+        else:
+            source.status = "ignored"
+            source.issues.append(["info", "not_a_trace", 1, f"not a trace: {e}"])
+        return source
+    except (OSError, EOFError) as e:
+        source.status = "error"
+        source.issues.append(["error", "unreadable", 1, f"cannot read: {e}"])
+        return source
+    except Exception as e:  # noqa: BLE001 - a file the parser fails on costs that file, not the run
+        source.status = "error"
+        source.issues.append(["error", "parse_failed", 1, f"the trace parser failed: {type(e).__name__}: {str(e)[:300]!r}"])
+        return source
+    if parsed.events.is_empty():
+        source.status = "error"
+        source.issues.extend([i.severity, i.reason, i.count, i.detail] for i in parsed.issues)
+        source.issues.append(["error", "no_events", 1, "a trace with no complete events (empty or cut before the first event)"])
+        return source
+    out = Path(scratch) / source.part_id
+    out.mkdir(parents=True, exist_ok=True)
+    for table, frame in (("trace_events", parsed.events), ("flows", parsed.flows), ("steps", parsed.steps)):
+        _write_table(frame, table, out / f"{table}.parquet")
+    _record_trace_facts(source, parsed)
+    source.status = "ingested"
+    source.seconds = round(time.perf_counter() - started, 3)
+    return source
+
+
+def _parse_native(path: Path, source: Source, importer: Importer, scratch: Path) -> Source:
+    """Run one importer; a crash in it costs that file only, reported with the file's name."""
+    started = time.perf_counter()
+    source.kind = importer.name
+    try:
+        imported = importer.parse(path, source.path)
+    except Exception as e:  # noqa: BLE001 - one bad file must not end the ingest of the others
+        source.status = "error"
+        source.issues.append(["error", "import_failed", 1, f"{importer.name} importer failed: {type(e).__name__}: {e}"])
+        return source
+    source.issues.extend(imported.issues)
+    source.facts = imported.facts
+    out = scratch / source.part_id
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = set()
+    for table, frame in imported.tables.items():
+        if frame.is_empty():
+            continue
+        _write_table(conform(frame, table), table, out / f"{table}.parquet")
+        source.tables.append(table)
+        ranks.update(r for r in frame["rank"].unique().to_list() if r is not None)
+        source.events += frame.height
+    source.ranks = sorted(ranks)
+    has_errors = any(i[0] == "error" for i in imported.issues)
+    source.status = "ingested" if source.tables or imported.facts else ("error" if has_errors else "ignored")
+    if source.status == "ignored" and not imported.issues:
+        source.issues.append(["info", "no_data", 1, f"recognised as {importer.name} but holds no data"])
+    source.seconds = round(time.perf_counter() - started, 3)
+    return source
+
+
+def _record_trace_facts(source: Source, parsed: kineto.ParsedTrace) -> None:
+    """The run facts a trace gives, each checked: a value of the wrong type or out of range is left
+    out of run.json and named in a `bad_metadata` issue."""
+    meta = parsed.metadata
+    problems: list[str] = []
+    info = _checked(meta, "distributedInfo", problems, dict) or {}
+    source.trace_rank = _checked(info, "rank", problems, int, (0, schema.MAX_RANK - 1), "distributedInfo.")
+    source.world_size = _checked(info, "world_size", problems, int, (1, schema.MAX_RANK), "distributedInfo.")
+    if source.trace_rank is not None and source.world_size is not None and source.trace_rank >= source.world_size:
+        problems.append(f"distributedInfo.world_size {source.world_size} is not above its rank {source.trace_rank}")
+        source.world_size = None
+    devices = meta.get("deviceProperties") or meta.get("computeProperties") or []
+    devices = [d for d in devices if isinstance(d, dict)] if isinstance(devices, list) else []
+    names = {_checked(d, "name", problems, str, prefix="deviceProperties.") for d in devices}
+    sms = {_checked(d, "numSms", problems, int, (1, 1 << 20), "deviceProperties.") for d in devices}
+    base = meta.get("baseTimeNanoseconds")  # parse_trace reported a bad one
+    source.trace_meta = {
+        "schema_version": _checked(meta, "schemaVersion", problems, (int, str)),
+        "backend": _checked(info, "backend", problems, str, prefix="distributedInfo."),
+        "nccl_version": _checked(info, "nccl_version", problems, (int, str), prefix="distributedInfo."),
+        "pg_count": _checked(info, "pg_count", problems, int, (0, 1 << 31), "distributedInfo."),
+        "device_names": sorted(names - {None, ""}),
+        "device_sms": sorted(sms - {None}),
+        "cuda_runtime_version": _checked(meta, "cuda_runtime_version", problems, (int, str)),
+        "cuda_driver_version": _checked(meta, "cuda_driver_version", problems, (int, str)),
+        "base_time_ns": base if type(base) is int and 0 <= base <= kineto.TIME_LIMIT_NS else None,
+        "display_time_unit": _checked(meta, "displayTimeUnit", problems, str),
+    }
+    if problems:
+        shown = "; ".join(dict.fromkeys(problems))
+        source.issues.append(["warning", "bad_metadata", len(problems),
+                              f"trace metadata left out (wrong type or out of range): {shown[:400]}"])
+    events = parsed.events
+    source.events = events.height
+    source.raw_bytes = parsed.raw_bytes
+    # The host-clock time the trace covers: two traces of one rank that overlap in it are one rank twice.
+    span = events.select(pl.col("ts_ns").min(), (pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max().alias("end"))
+    source.trace_meta["span_ns"] = list(span.row(0)) if span.height and span.row(0)[0] is not None else None
+    source.kind_counts = dict(sorted(events.group_by("kind").len().iter_rows()))
+    source.steps = parsed.steps["step"].to_list()
+    host = events.filter(pl.col("kind").is_in(["cpu_op", "user_annotation"]))["pid"].drop_nulls().unique().sort()
+    source.host_pids = host.head(8).to_list()
+    source.issues.extend([i.severity, i.reason, i.count, i.detail] for i in parsed.issues)
+
+
+# Metadata strings kept in run.json are cut to this many characters (versions, names, backends).
+_META_TEXT_CHARS = 200
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _checked(mapping: dict, key: str, problems: list[str], kinds, bounds: tuple[int, int] = _INT64, prefix: str = ""):
+    """mapping[key] when it is one of `kinds` (an int within `bounds`, a string cut to
+    _META_TEXT_CHARS, a dict), else None with the reason added to `problems`. Absent is None."""
+    value = mapping.get(key)
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if value is None:
+        return None
+    if type(value) is int and int in kinds and bounds[0] <= value <= bounds[1]:
+        return value
+    if isinstance(value, str) and str in kinds:
+        return value[:_META_TEXT_CHARS]
+    if isinstance(value, dict) and dict in kinds:
+        return value
+    problems.append(f"{prefix}{key} = {kineto.preview(value)}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks
+
+
+def _assign_ranks(sources: list[Source]) -> None:
+    """distributedInfo.rank, else a rank<N> in the file name, else rank 0 if it is clearly the only one."""
+    unresolved = []
+    for s in sources:
+        if s.status not in ("ingested", "reused") or s.kind != "kineto":
+            continue
+        if s.trace_rank is not None:
+            s.rank, s.rank_origin = s.trace_rank, "distributedInfo"
+        elif m := RANK_IN_NAME.search(Path(s.path).name):
+            s.rank, s.rank_origin = int(m.group(1)), "file name"
+            s.issues.append(["warning", "rank_from_filename", 1,
+                             f"no distributedInfo.rank in the trace; rank {s.rank} taken from the file name"])
+        else:
+            unresolved.append(s)
+    _reject_duplicate_ranks(sources)
+    if not unresolved:
+        return
+    resolved = [s for s in sources if s.rank is not None and s.kind == "kineto"]
+    one_process = len({tuple(s.host_pids) for s in unresolved}) == 1
+    if not resolved and (len(unresolved) == 1 or one_process):
+        for s in unresolved:
+            s.rank, s.rank_origin = 0, "only trace"
+            what = "the only trace" if len(unresolved) == 1 else "windows of one process"
+            s.issues.append(["warning", "rank_assumed", 1, f"no rank in the trace or its name; treated as rank 0 ({what})"])
+        return
+    for s in unresolved:
+        s.status = "error"
+        s.issues.append(["error", "rank_unknown", 1,
+                         "cannot tell which rank this trace is: no distributedInfo.rank and no 'rank<N>' in the "
+                         "file name (rename it, e.g. rank-3.json.gz, to include it)"])
+
+
+def _overlap(a: Source, b: Source) -> bool:
+    span_a, span_b = a.trace_meta.get("span_ns"), b.trace_meta.get("span_ns")
+    return bool(span_a and span_b) and max(span_a[0], span_b[0]) < min(span_a[1], span_b[1])
+
+
+def _reject_duplicate_ranks(sources: list[Source]) -> None:
+    """Two traces of one rank that cover the same time (overlapping time spans, byte-identical copies,
+    the same ProfilerStep numbers, or the same baseTimeNanoseconds) are never merged: the later one is
+    an error and skipped. Profiler windows of one process share a rank but neither time nor steps."""
+    kept: dict[int, list[Source]] = {}
+    for s in sources:
+        if s.rank is None or s.status not in ("ingested", "reused") or s.kind != "kineto":
+            continue
+        base = s.trace_meta.get("base_time_ns")
+        twin = next((k for k in kept.get(s.rank, []) if (k.size, k.hash_prefix) == (s.size, s.hash_prefix)
+                     or _overlap(k, s) or set(k.steps) & set(s.steps)
+                     or (base and k.trace_meta.get("base_time_ns") == base)), None)
+        if twin is None:
+            kept.setdefault(s.rank, []).append(s)
+            continue
+        s.status = "error"
+        s.issues.append(["error", "duplicate_rank", 1,
+                         f"claims rank {s.rank} for the same time as {twin.path} (overlapping time, identical file, the same "
+                         "profiler steps or the same start time); skipped, not merged into that rank"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Output folder: steplens replaces only a folder it wrote itself (marked by its own run.json, every
+# entry in it listed there), never an input folder, a parent of the inputs or a user's files.
+
+OUTPUT_CREATOR = "steplens ingest"
+# Entries of an output folder written before run.json listed them (`output_entries`).
+_KNOWN_OUTPUT_FILES = {schema.MANIFEST_FILE, "report.html", "summary.md", "findings.json"}
+PART_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def _read_manifest(folder: Path) -> dict:
+    try:
+        manifest = json.loads((folder / schema.MANIFEST_FILE).read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _written_by_steplens(folder: Path) -> bool:
+    return _read_manifest(folder).get("created_by") == OUTPUT_CREATOR
+
+
+def _foreign_entries(folder: Path) -> list[str]:
+    """Entries of an existing output folder that steplens did not write."""
+    manifest = _read_manifest(folder)
+    listed = manifest.get("output_entries")
+    owned = set(listed) if isinstance(listed, list) else (
+        _KNOWN_OUTPUT_FILES | set(schema.TABLES) | set(schema.ANALYSIS_TABLES))
+    return sorted(name for name in os.listdir(folder) if name not in owned)
+
+
+def check_output_folder(run_dir: Path, out_dir: Path) -> None:
+    """Refuse an output folder whose replacement would lose anything that is not steplens's own output."""
+    run, out = Path(run_dir).resolve(), Path(out_dir).resolve()
+    if out == run or run.is_relative_to(out):
+        raise UnsafeOutput(f"--out {out_dir} holds the inputs ({run_dir}): the output folder is replaced on every "
+                           f"run, so give a folder of its own (the default is RUN_DIR/{schema.DEFAULT_OUT_DIR})")
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise UnsafeOutput(f"{out_dir} exists and is not a folder steplens wrote: give a new or empty folder with --out")
+    try:
+        if not any(out.iterdir()):
+            return
+        if not _written_by_steplens(out):
+            raise UnsafeOutput(f"{out_dir} is not empty and holds no steplens {schema.MANIFEST_FILE}: steplens replaces "
+                               "its output folder whole, so give a new or empty folder with --out")
+        foreign = _foreign_entries(out)
+    except OSError as e:
+        raise OutputUnwritable(f"cannot read {out_dir}: {e.strerror or e}") from e
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UnsafeOutput(f"{out_dir} holds files steplens did not write ({shown}); move them, or give another "
+                           "folder with --out")
+
+
+def _previous_manifest(out_dir: Path) -> dict:
+    manifest = _read_manifest(out_dir)
+    ok = manifest.get("schema_fingerprint") == schema.fingerprint() and isinstance(manifest.get("sources"), list)
+    return manifest if ok else {}
+
+
+def _recover(out_dir: Path) -> None:
+    """Undo a swap that was killed between its two renames, and drop dead staging folders (only
+    folders steplens named and wrote)."""
+    parent = out_dir.parent
+    if not parent.exists():
+        return
+    for leftover in parent.glob(f".{out_dir.name}.old-*"):
+        if not leftover.is_dir() or leftover.is_symlink() or not _written_by_steplens(leftover):
+            continue
+        if not out_dir.exists():
+            leftover.rename(out_dir)
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in parent.glob(f".{out_dir.name}.tmp-*"):
+        pid = leftover.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or leftover.is_symlink() or not leftover.is_dir():
+            continue
+        if not _alive(int(pid)) and _is_staging(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _is_staging(folder: Path) -> bool:
+    """A staging folder holds steplens's scratch space or manifest, or nothing yet."""
+    names = set(os.listdir(folder))
+    return not names or "_scratch" in names or _written_by_steplens(folder)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _swap_in(staging: Path, out_dir: Path, run_dir: Path) -> None:
+    """Publish: the staged result replaces the last one in two renames (checked again just before)."""
+    check_output_folder(run_dir, out_dir)
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    if out_dir.exists():
+        out_dir.rename(old)
+    staging.rename(out_dir)
+    if old.exists() and _written_by_steplens(old):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _place_parts(source: Source, staging: Path, scratch: Path | None = None, previous: tuple[Path, int] | None = None) -> None:
+    """Put a source's parts in place (a trace's in its rank partition): moved from scratch, or linked
+    from the last result."""
+    tables = PARSED_TABLES if source.kind == "kineto" else source.tables
+    for table in tables:
+        dst = staging / schema.part_dir(table, source.rank) / f"part-{source.part_id}.parquet"
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if scratch is not None:
+            os.replace(scratch / source.part_id / f"{table}.parquet", dst)
+        else:
+            old_dir, old_rank = previous
+            _link_or_copy(old_dir / schema.part_dir(table, old_rank) / f"part-{source.part_id}.parquet", dst)
+
+
+def _write_empty_tables(staging: Path) -> None:
+    """Every run-level table exists, empty when no input had rows for it, so SQL over it works."""
+    for table, (arrow_schema, _, partitioned) in schema.TABLES.items():
+        folder = staging / table
+        if not partitioned and not any(folder.glob("*.parquet")):
+            folder.mkdir(parents=True, exist_ok=True)
+            pq.write_table(arrow_schema.empty_table(), folder / "part-empty.parquet")
+
+
+def _issues_table(sources: list[Source]) -> pa.Table:
+    rows = [
+        {"rank": s.rank, "file": s.path, "severity": sev, "reason": reason, "count": count, "detail": detail}
+        for s in sources
+        for sev, reason, count, detail in s.issues
+    ]
+    return pa.Table.from_pylist(rows, schema=schema.INGEST_ISSUES)
+
+
+def _environment(sources: list[Source]) -> dict:
+    ingested = [s for s in sources if s.rank is not None]
+    meta = [s.trace_meta for s in ingested]
+
+    def distinct(key):
+        return sorted({str(m[key]) for m in meta if m.get(key) not in (None, "")})
+
+    return {
+        "device_names": sorted({n for m in meta for n in m.get("device_names", []) if n}),
+        "device_sms": sorted({n for m in meta for n in m.get("device_sms", [])}),
+        "backend": distinct("backend"),
+        "nccl_version": distinct("nccl_version"),
+        "cuda_runtime_version": distinct("cuda_runtime_version"),
+        "cuda_driver_version": distinct("cuda_driver_version"),
+        "trace_schema_version": distinct("schema_version"),
+    }
+
+
+def _facts(sources: list[Source]) -> dict:
+    """Run facts from the non-trace sources (collector manifests, launcher headers, ...); the first
+    source to give a fact wins, and disagreements are kept under `conflicts`."""
+    merged, conflicts = {}, {}
+    for s in sources:
+        for key, value in (s.facts or {}).items():
+            if key not in merged:
+                merged[key] = value
+            elif merged[key] != value:
+                conflicts.setdefault(key, []).append({"source": s.path, "value": value})
+    if conflicts:
+        merged["conflicts"] = conflicts
+    return merged
+
+
+def _manifest(sources: list[Source], ignored: list[str], run_folder: str) -> dict:
+    ingested = [s for s in sources if s.rank is not None]
+    facts = _facts([s for s in sources if s.status in ("ingested", "reused")])
+    world_sizes = sorted({s.world_size for s in ingested if s.world_size})
+    if len(world_sizes) > 1:
+        for s in ingested:
+            s.issues.append(["warning", "world_size_mismatch", 1,
+                             f"traces disagree on world size {world_sizes}: are they from one run?"])
+    used = [s for s in sources if s.status in ("ingested", "reused")]
+    # The run folder is part of the id: two folders holding copies of the same files are two runs.
+    run_id = hashlib.sha256(repr((run_folder, sorted(s.fingerprint() for s in used))).encode()).hexdigest()[:12]
+    trace_ranks = sorted({s.rank for s in ingested})
+    world_size = world_sizes[-1] if world_sizes else facts.get("world_size")
+    return {
+        "schema_version": schema.SCHEMA_VERSION,
+        "schema_fingerprint": schema.fingerprint(),
+        "run_id": run_id,
+        "created_by": "steplens ingest",
+        "world_size": world_size,
+        "ranks": sorted(set(trace_ranks).union(*(s.ranks for s in used))),
+        "trace_ranks": trace_ranks,
+        "sources": [asdict(s) for s in sources],
+        "ignored_files": ignored[:IGNORED_LISTED],
+        "ignored_count": len(ignored),
+        "facts": facts,
+        "environment": _environment(sources),
+        "tables": {name: {"partitioned_by_rank": spec[2]} for name, spec in schema.TABLES.items()},
+    }
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def ingest(
+    run_dir: Path,
+    out_dir: Path | None = None,
+    jobs: int | None = None,
+    files: Iterable[Path] | None = None,
+    progress: Callable[[Source], None] | None = None,
+    finish: Callable[[Path], None] | None = None,
+    found: Discovered | None = None,
+) -> IngestResult:
+    """Ingest the traces under run_dir (or the given files, or what `discover` found) into out_dir
+    (default run_dir/.steplens).
+
+    `finish(staging_dir)` runs on the complete new result before it is swapped in (the analyses), so
+    the swap publishes tables and analyses together or not at all.
+    """
+    started = time.perf_counter()
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise IngestError(f"{run_dir}: not a folder")
+    out_dir = Path(out_dir) if out_dir else run_dir / schema.DEFAULT_OUT_DIR
+    check_output_folder(run_dir, out_dir)
+    if found is None:
+        found = classify(list(files)) if files is not None else discover(run_dir, out_dir)
+    if not found.traces and not found.native:
+        raise IngestError(f"{run_dir}: nothing steplens reads here (no traces, collector output or DeepSpeed artifacts"
+                          f"; {len(found.unknown)} other file(s))")
+    staging = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _recover(out_dir)
+        check_output_folder(run_dir, out_dir)
+        if staging.exists() and _is_staging(staging):
+            shutil.rmtree(staging)
+        (staging / "_scratch").mkdir(parents=True)
+        return _ingest_into(run_dir, out_dir, staging, found, jobs, progress, finish, started)
+    except OSError as e:
+        raise OutputUnwritable(f"cannot write to {out_dir}: {e.strerror or e}: use --out DIR") from e
+    finally:
+        if staging.exists() and _is_staging(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _reusable(old: dict, out_dir: Path) -> Source | None:
+    """A source of the last result whose parts are all there and readable, with paths that stay
+    inside out_dir; None means parse the file again (the cache never fails a run)."""
+    try:
+        restored = Source(**{k: v for k, v in old.items() if k in Source.__dataclass_fields__})
+    except TypeError:
+        return None
+    rank = old.get("rank")
+    tables = PARSED_TABLES if restored.kind == "kineto" else restored.tables
+    if (not isinstance(restored.part_id, str) or not PART_ID.fullmatch(restored.part_id)
+            or not (rank is None or (type(rank) is int and 0 <= rank < schema.MAX_RANK))
+            or not isinstance(tables, (list, tuple)) or any(t not in schema.TABLES for t in tables)
+            or (restored.kind == "kineto" and rank is None)):
+        return None
+    for table in tables:
+        part = out_dir / schema.part_dir(table, rank) / f"part-{restored.part_id}.parquet"
+        try:
+            pq.read_metadata(part)
+        except Exception:  # noqa: BLE001 - missing, truncated or not Parquet: parse the input again
+            return None
+    return restored
+
+
+def _ingest_into(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs, progress, finish,
+                 started: float) -> IngestResult:
+    scratch = staging / "_scratch"
+    previous = {}
+    for old in _previous_manifest(out_dir).get("sources", []):
+        key = tuple(old.get(k) for k in ("path", "size", "mtime_ns", "hash_prefix")) if isinstance(old, dict) else ()
+        if key and all(isinstance(v, (str, int)) for v in key) and old.get("status") in ("ingested", "reused"):
+            previous[key] = old
+
+    sources, to_parse, reused, native = [], [], [], []
+    sources += [_unopened_source(path, run_dir, issue) for path, issue in found.special]
+    candidates = [(path, None, []) for path in found.traces] + found.native
+    for path, importer, companions in candidates:
+        try:
+            source = _describe(path, run_dir, companions)
+        except OSError as e:
+            source = Source(path=os.path.relpath(path, run_dir), size=0, mtime_ns=0, hash_prefix="", status="error",
+                            kind=importer.name if importer else "kineto")
+            source.issues.append(["error", "unreadable", 1, f"cannot read: {e.strerror or e}"])
+            sources.append(source)
+            continue
+        sources.append(source)
+        if source.size == 0:
+            source.status = "error"
+            source.issues.append(["error", "empty_file", 1, "empty file"])
+        elif (old := previous.get(source.fingerprint())) is not None and (restored := _reusable(old, out_dir)):
+            old_rank = old["rank"]
+            restored.issues = [i for i in restored.issues if isinstance(i, list) and len(i) == 4
+                               and i[1] not in _RUN_LEVEL_REASONS]
+            restored.status = "reused"
+            restored.rank = None if restored.kind == "kineto" else restored.rank
+            sources[-1] = restored
+            reused.append((restored, old_rank))
+        elif importer is not None:
+            native.append(_parse_native(path, source, importer, scratch))
+            if progress:
+                progress(native[-1])
+        else:
+            to_parse.append((path, source))
+
+    parsed = _parse_all(to_parse, scratch, jobs, progress) + native
+    by_path = {s.path: s for s in parsed}
+    sources = [by_path.get(s.path, s) for s in sources]
+    _assign_ranks(sources)
+
+    for s in sources:
+        if s.status == "ingested":
+            _place_parts(s, staging, scratch=scratch)
+    for s, old_rank in reused:
+        if s.status == "reused":
+            _place_parts(s, staging, previous=(out_dir, old_rank))
+            if progress:
+                progress(s)
+    shutil.rmtree(scratch, ignore_errors=True)
+    _write_empty_tables(staging)
+
+    manifest = _manifest(sources, [os.path.relpath(p, run_dir) for p in found.unknown], str(run_dir.resolve()))
+    manifest["run_name"] = run_dir.resolve().name
+    issues_dir = staging / schema.part_dir("ingest_issues", None)
+    issues_dir.mkdir(parents=True, exist_ok=True)
+    pq.write_table(_issues_table(sources), issues_dir / "part-0.parquet")
+    _write_json(staging / schema.MANIFEST_FILE, manifest)
+
+    if not any(s.status in ("ingested", "reused") for s in sources):
+        problems = [(s.path, i[3]) for s in sources for i in s.issues if i[0] == "error"]
+        problems = problems or [(s.path, i[3]) for s in sources for i in s.issues]
+        why = f" ({problems[0][0]}: {problems[0][1]})" if problems else ""
+        raise IngestError(f"{run_dir}: nothing usable among {len(sources)} file(s){why}", sources)
+    if finish:
+        finish(staging)
+    manifest["output_entries"] = sorted(os.listdir(staging))
+    _write_json(staging / schema.MANIFEST_FILE, manifest)
+    _swap_in(staging, out_dir, run_dir)
+    return IngestResult(out_dir, manifest, sources, len(to_parse) + len(native), len(reused), time.perf_counter() - started)
+
+
+# Issues that depend on the other files of the run, so they are recomputed on every ingest.
+_RUN_LEVEL_REASONS = {"rank_from_filename", "rank_assumed", "rank_unknown", "world_size_mismatch"}
+
+
+# Starting a worker (a fresh interpreter importing polars and pyarrow) costs about as much as
+# parsing 30 MB of JSON, so below this much JSON in total the work stays in this process
+# (STEPLENS_WORKER_WORTH_BYTES overrides it, e.g. to force workers on small test inputs).
+WORKER_WORTH_BYTES = int(os.environ.get("STEPLENS_WORKER_WORTH_BYTES", 100_000_000))
+GZIP_RATIO = 10  # typical raw/gzip size of a Kineto trace (the corpus ranges 7x-30x)
+
+
+def _estimated_json_bytes(to_parse) -> int:
+    return sum(s.size * (GZIP_RATIO if str(p).endswith(".gz") else 1) for p, s in to_parse)
+
+
+def use_system_allocator() -> None:
+    """Arrow's default pool (mimalloc) keeps freed blocks; the system allocator returns them, which
+    lowers an ingest process's peak memory by about a sixth at a few percent of speed."""
+    pa.set_memory_pool(pa.system_memory_pool())
+
+
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+
+
+def _start_worker(parent_pid: int) -> None:
+    """A parse worker dies with `analyze` (kill -9 included) and leaves Ctrl-C to it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the watchdog thread below still ends it
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch_parent() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, daemon=True, name="steplens-parent-watch").start()
+    use_system_allocator()
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill the workers now (Ctrl-C, SIGTERM, an error): waiting would finish every file in flight."""
+    # Every child multiprocessing started, including a worker still starting up (not yet in the pool).
+    processes = list((getattr(pool, "_processes", None) or {}).values()) + multiprocessing.active_children()
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.join(timeout=5)
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _stop_resource_tracker() -> None:
+    """The spawn context's resource tracker would outlive `analyze` by a moment; end it with the pool."""
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker._resource_tracker._stop()
+    except (AttributeError, OSError, ChildProcessError):
+        pass
+
+
+def _parse_all(to_parse, scratch: Path, jobs: int | None, progress) -> list[Source]:
+    """Parse files on `jobs` processes: this one plus jobs - 1 spawned workers (not forked: polars'
+    thread pool does not survive fork). At most `jobs` files are in flight, which bounds memory."""
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    results: list[Source] = []
+
+    def done(source: Source) -> None:
+        results.append(source)
+        if progress:
+            progress(source)
+
+    pending = sorted(to_parse, key=lambda item: item[1].size)  # workers take the largest, we the smallest
+    if jobs == 1 or len(pending) <= 1 or _estimated_json_bytes(to_parse) < WORKER_WORTH_BYTES:
+        for path, source in pending:
+            done(_parse_source(str(path), source, str(scratch)))
+        return results
+    saved = os.environ.get("POLARS_MAX_THREADS")
+    os.environ["POLARS_MAX_THREADS"] = "1"  # inherited by the workers only: this process has started polars
+    try:
+        context = multiprocessing.get_context("spawn")
+        workers = min(jobs - 1, len(pending) - 1)
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_worker,
+                                   initargs=(os.getpid(),))
+        try:
+            in_flight: set[Future] = set()
+
+            def top_up() -> None:
+                # submit() may start a worker; a Ctrl-C or SIGTERM in the middle of that would leave a
+                # half-started child the cleanup cannot see, so they wait until it is registered.
+                blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+                try:
+                    while pending and len(in_flight) < workers:
+                        path, source = pending.pop()
+                        in_flight.add(pool.submit(_parse_source, str(path), source, str(scratch)))
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+            top_up()
+            while pending:
+                path, source = pending.pop(0)
+                done(_parse_source(str(path), source, str(scratch)))
+                for future in [f for f in in_flight if f.done()]:
+                    in_flight.discard(future)
+                    done(future.result())
+                top_up()
+            for future in as_completed(in_flight):
+                done(future.result())
+        except BaseException:
+            _stop_workers(pool)
+            raise
+        pool.shutdown(wait=True)
+        _stop_resource_tracker()
+    finally:
+        if saved is None:
+            os.environ.pop("POLARS_MAX_THREADS", None)
+        else:
+            os.environ["POLARS_MAX_THREADS"] = saved
+    return results

@@ -1,0 +1,106 @@
+"""Tell the runs in a folder apart, so that `analyze runs/` never merges several jobs into one.
+
+One run holds at most one input of each kind: one collector folder, one csv_monitor, one set of
+traces with one trace per rank, ... So when two sub-folders of a folder each hold an input of the
+same kind (for per-rank inputs: a rank both hold, or files whose names give no rank), the
+sub-folders are separate runs, and each is looked at the same way in turn. Sub-folders with inputs
+of different kinds (`collector/`, `traces/`, `rank_logs/` of one job) stay one run. Logs and
+FLOPs text are scattered over a job's folders, so they set runs apart only in folders that hold
+nothing else (logs-only runs side by side).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from steplens.analyze.importers.base import peek
+from steplens.analyze.pipeline.ingest import RANK_IN_NAME, Discovered
+from steplens.analyze.importers.json_events import sniff
+
+MAX_DEPTH = 6  # runs/sweep/config/trial/... deeper than this are analysed where they stand
+
+
+@dataclass
+class RunFolder:
+    path: Path
+    found: Discovered  # the files that belong to this run (its own, not its sibling runs')
+    name: str | None = None  # how to call it when it is not its folder (a single trace file)
+
+
+SNIFF_BYTES = 64 << 10
+
+
+def _looks_like_trace(path: Path) -> bool:
+    """A .json/.gz candidate whose first bytes are a trace's (a ds_config.json beside traces is not)."""
+    head = peek(path, SNIFF_BYTES) if path.is_file() else b""
+    if head[:2] == b"\x1f\x8b":
+        try:
+            head = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(head, SNIFF_BYTES)
+        except zlib.error:
+            return False
+    return sniff(head)
+
+
+def _inputs(found: Discovered) -> list[tuple[Path, str]]:
+    return [(p, "kineto") for p in found.traces if _looks_like_trace(p)] + [
+        (p, importer.name) for p, importer, _ in found.native]
+
+
+# Inputs a job writes once per rank: two folders holding the same rank of one are two runs.
+PER_RANK_KINDS = {"kineto", "deepspeed_comms_dict", "deepspeed_comms_summary_dict"}
+# Inputs a job scatters (launcher log, per-rank logs, a log_summary beside the comms dumps, FLOPs
+# text): they tell runs apart only between folders that hold nothing else.
+SCATTERED_KINDS = {"deepspeed_log", "deepspeed_flops_profile"}
+
+
+def _ranks(paths: list[Path]) -> list[int | None]:
+    return [int(m.group(1)) if (m := RANK_IN_NAME.search(p.name)) else None for p in paths]
+
+
+def _overlap(a: list[Path], b: list[Path]) -> bool:
+    ranks_a, ranks_b = _ranks(a), _ranks(b)
+    return None in ranks_a or None in ranks_b or bool(set(ranks_a) & set(ranks_b))
+
+
+def _clash(a: dict[str, list[Path]], b: dict[str, list[Path]]) -> bool:
+    """Two sub-folders' inputs that cannot be one run's."""
+    only_scattered = set(a) <= SCATTERED_KINDS and set(b) <= SCATTERED_KINDS
+    for kind in a.keys() & b.keys():
+        if kind in SCATTERED_KINDS:
+            if only_scattered and _overlap(a[kind], b[kind]):
+                return True
+        elif kind not in PER_RANK_KINDS or _overlap(a[kind], b[kind]):
+            return True
+    return False
+
+
+def _subset(found: Discovered, keep) -> Discovered:
+    return Discovered(traces=[p for p in found.traces if keep(p)],
+                      native=[entry for entry in found.native if keep(entry[0])],
+                      unknown=[p for p in found.unknown if keep(p)],
+                      special=[entry for entry in found.special if keep(entry[0])])
+
+
+def split_runs(root: Path, found: Discovered, depth: int = 0) -> list[RunFolder]:
+    """The runs under root, each with its files; one entry (root itself) when it is one run."""
+    root = Path(root)
+    by_child: dict[str, dict[str, list[Path]]] = {}
+    for path, kind in _inputs(found):
+        parts = path.relative_to(root).parts
+        if len(parts) > 1:
+            by_child.setdefault(parts[0], {}).setdefault(kind, []).append(path)
+    children = sorted(by_child)
+    separate = depth < MAX_DEPTH and any(
+        _clash(by_child[a], by_child[b]) for i, a in enumerate(children) for b in children[i + 1:])
+    if not separate:
+        return [RunFolder(root, found)]
+    runs = []
+    own = _subset(found, lambda p: len(p.relative_to(root).parts) == 1)
+    if own.traces or own.native:
+        runs.append(RunFolder(root, own))
+    for child in children:
+        inside = _subset(found, lambda p, child=child: p.relative_to(root).parts[0] == child)
+        runs.extend(split_runs(root / child, inside, depth + 1))
+    return runs

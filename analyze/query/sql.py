@@ -1,0 +1,122 @@
+"""SQL over many runs: one DuckDB view per table across every run (and rank) under a folder.
+
+A run is any folder holding a steplens `run.json` (an `analyze` output such as `RUN/.steplens/`, or
+a collector run directory). Every view has a `run_id` column; per-rank tables also have `rank`.
+The `runs` view lists the runs themselves. Only SELECT statements are accepted: querying never
+changes a run.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+from pathlib import Path
+
+import duckdb
+import polars as pl
+
+from steplens.analyze.analyses import monitor
+from steplens.analyze.contract import schema
+
+EXAMPLES = {
+    "slowest step per run": "SELECT run_id, step, max_dur_ns / 1e6 AS ms, straggler_rank FROM step_stats "
+                            "QUALIFY row_number() OVER (PARTITION BY run_id ORDER BY max_dur_ns DESC) = 1",
+    "busbw by message size across runs": "SELECT run_id, op, bytes, count(*) AS calls, median(busbw_gbps) AS busbw_gbps "
+                                         "FROM collectives GROUP BY ALL ORDER BY op, bytes, run_id",
+    "MFU by run": "SELECT run_id, metric, numerator, median(utilization) AS utilization FROM mfu GROUP BY ALL",
+    "GPU idle by cause": "SELECT run_id, sum(host_bound_ns) / 1e6 AS host_bound_ms, sum(sync_ns) / 1e6 AS sync_ms "
+                         "FROM gpu_idle WHERE stream = -1 AND step IS NULL GROUP BY run_id",
+    "MFU by code revision and ZeRO stage": "SELECT r.code_revision, r.zero_stage, median(m.utilization) AS mfu "
+                                           "FROM mfu m JOIN runs r USING (run_id) WHERE m.metric = 'MFU' GROUP BY ALL",
+    "loss against global samples across runs": "SELECT run_id, global_samples, value AS loss FROM scalars "
+                                               "WHERE name ILIKE '%loss%' ORDER BY run_id, global_samples",
+    "slowest logged collective per run": "SELECT run_id, op, nccl_bytes, median_latency_ns / 1e6 AS median_ms, latency_origin "
+                                         "FROM comms_log_stats QUALIFY row_number() OVER "
+                                         "(PARTITION BY run_id ORDER BY total_latency_ns DESC) = 1",
+}
+# Facts of each run shown in the `runs` view (monitor.run_fact reads them from any importer's facts).
+RUN_FACTS = {"zero_stage": pl.Int64, "train_batch_size": pl.Int64, "code_revision": pl.String,
+             "deepspeed_version": pl.String}
+
+
+class QueryError(Exception):
+    """A query that is not a single SELECT, or that DuckDB rejects; the message is for the user."""
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Folders under root (root included) that hold a steplens run.json."""
+    found = []
+    for manifest in sorted(Path(root).rglob(schema.MANIFEST_FILE)):
+        try:
+            if "schema_version" in json.loads(manifest.read_text()):
+                found.append(manifest.parent)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _part_files(run: Path, table: str, partitioned: bool) -> list[str]:
+    """The table's part files in one run, by exact path: a folder named `exp*` or `glob[1]` must
+    not match another run's files, so nothing here is a pattern for DuckDB to expand."""
+    folder = run / table
+    files = sorted(folder.glob("*/*.parquet" if partitioned else "*.parquet")) if folder.is_dir() else []
+    return [glob.escape(str(f)) for f in files]
+
+
+def connect(root: Path) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with a view per table over every run under root."""
+    runs = find_runs(root)
+    con = duckdb.connect()
+    rows, parts, seen_ids = [], {}, set()
+    for run in runs:
+        manifest = json.loads((run / schema.MANIFEST_FILE).read_text())
+        run_id = str(manifest.get("run_id") or run)
+        if run_id in seen_ids:  # a copied output folder: still a run of its own
+            run_id = f"{run_id}-{hashlib.sha256(str(run.resolve()).encode()).hexdigest()[:6]}"
+        seen_ids.add(run_id)
+        facts = manifest.get("facts", {})
+        rows.append({"run_id": run_id, "run_name": manifest.get("run_name"), "path": str(run),
+                     "world_size": manifest.get("world_size"), "ranks": len(manifest.get("ranks", [])),
+                     "devices": ", ".join(manifest.get("environment", {}).get("device_names", [])),
+                     "created_by": manifest.get("created_by"),
+                     **{field: _fact(monitor.run_fact(facts, field), dtype) for field, dtype in RUN_FACTS.items()}})
+        for table in list(schema.TABLES) + list(schema.ANALYSIS_TABLES):
+            partitioned = table in schema.TABLES and schema.TABLES[table][2]
+            if files := _part_files(run, table, partitioned):
+                listed = ", ".join(_quote(f) for f in files)
+                parts.setdefault(table, []).append(
+                    f"SELECT {_quote(run_id)} AS run_id, * FROM read_parquet([{listed}]"
+                    f"{', hive_partitioning = true' if partitioned else ''})")
+    con.register("runs_frame", pl.DataFrame(rows, schema={
+        "run_id": pl.String, "run_name": pl.String, "path": pl.String, "world_size": pl.Int64, "ranks": pl.Int64,
+        "devices": pl.String, "created_by": pl.String, **RUN_FACTS}))
+    con.execute("CREATE VIEW runs AS SELECT * FROM runs_frame")
+    for table, selects in parts.items():
+        con.execute(f"CREATE VIEW {table} AS " + " UNION ALL BY NAME ".join(selects))
+    return con
+
+
+def _fact(value, dtype):
+    """A fact as the column's type, or null when it does not fit (facts come from free-form sources)."""
+    if value is None:
+        return None
+    if dtype == pl.Int64:
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return str(value)
+
+
+def query(root: Path, sql: str) -> pl.DataFrame:
+    """Run one SELECT over every run under root; the result as a polars DataFrame."""
+    statements = duckdb.extract_statements(sql)
+    if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
+        raise QueryError("only a single SELECT (or WITH ... SELECT) statement is accepted")
+    con = connect(root)
+    try:
+        return con.sql(sql).pl()
+    except duckdb.Error as e:
+        raise QueryError(str(e).splitlines()[0]) from None
