@@ -121,8 +121,8 @@ def test_cpu_event_with_stream_arg_is_not_device_activity(tmp_path):
 def test_chunked_decoding_matches_whole_file(tmp_path, monkeypatch, corpus):
     path = corpus / "HolisticTraceAnalysis/nccl_parser_config/nccl_data.json.gz"
     whole = parse_trace(path, "x")
-    monkeypatch.setattr(trace_reader, "CHUNK_BYTES", 50_000)
-    monkeypatch.setattr(trace_reader, "SNIFF_BYTES", 50_000)
+    monkeypatch.setattr(json_events, "CHUNK_BYTES", 50_000)
+    monkeypatch.setattr(json_events, "SNIFF_BYTES", 50_000)
     chunked = parse_trace(path, "x")
     assert chunked.events.equals(whole.events)
     assert chunked.flows.equals(whole.flows)
@@ -134,7 +134,7 @@ def test_compact_json_and_event_larger_than_chunk(tmp_path, monkeypatch):
     events[3]["args"] = {"correlation": 101, "Input Dims": [[1] * 5000]}
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"traceEvents": events}, separators=(",", ":")))
-    monkeypatch.setattr(trace_reader, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(json_events, "CHUNK_BYTES", 1000)
     parsed = parse_trace(path, "c.json")
     assert parsed.events.height == 101
     assert parsed.issues == []
