@@ -17,6 +17,7 @@ import json
 import polars as pl
 
 from steplens.analyze.analyses import autotune, step_time
+from steplens.analyze.importers import autotune_results
 
 # Top-level ds_config keys that do not change the work of a step: the tuner's own block, where
 # output goes, and what is logged, monitored or profiled. (Logging settings can cost time, as
@@ -81,7 +82,7 @@ def experiments_from_runs(runs: dict[str, tuple[pl.DataFrame, dict]]) -> tuple[p
                                                    + ("" if per_step else ", samples per step unknown")
                                                    + f": a trial needs {step_time.MIN_STEPS_FOR_NOISE} to be timed")
         rows.append(row)
-    frame = autotune._rows(rows)
+    frame = autotune_results.experiment_rows(rows)
     trial = pl.col("experiment").cum_count().over(pl.coalesce("config_json", "experiment")) - 1
     return frame.with_columns(trial=trial.cast(pl.Int64)), ignored
 

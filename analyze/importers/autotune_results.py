@@ -157,7 +157,7 @@ def parse_experiment(path: Path, source: str) -> Imported:
     if path.name != "exp.json":  # a spec whose experiment left no result folder
         row.update(status="not_run", error="no result folder: the experiment was never launched (or was cleaned up)",
                    environment=json.dumps(_environment(exp, None), sort_keys=True))
-        result.tables = {"autotune_experiments": _rows([row])}
+        result.tables = {"autotune_experiments": experiment_rows([row])}
         return result
 
     stdout = _read_text(folder / "stdout.log")
@@ -173,7 +173,7 @@ def parse_experiment(path: Path, source: str) -> Imported:
         row["status"], row["error"] = classify_stderr(_read_text(folder / "stderr.log"))
     if problems:
         result.issues.append(["error", "bad_autotune_file", len(problems), f"{source}: " + "; ".join(problems)])
-    result.tables = {"autotune_experiments": _rows([row])}
+    result.tables = {"autotune_experiments": experiment_rows([row])}
     return result
 
 
@@ -184,7 +184,7 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _rows(rows: list[dict]) -> pl.DataFrame:
+def experiment_rows(rows: list[dict]) -> pl.DataFrame:
 
     for row in rows:  # metrics.json numbers may be ints
         for key in ("latency_us", "throughput", "flops_per_gpu", "fwd_us", "bwd_us", "step_us"):
