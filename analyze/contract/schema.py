@@ -50,10 +50,14 @@ KINDS = (
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 
 
-def _table(*columns: tuple[str, pa.DataType, str]) -> tuple[pa.Schema, dict[str, str]]:
+def table_spec(*columns: tuple[str, pa.DataType, str]) -> tuple[pa.Schema, dict[str, str]]:
+    """A table's declaration: (name, Arrow type, meaning) per column -> (typed schema, column docs)."""
     schema = pa.schema([pa.field(name, dtype) for name, dtype, _ in columns])
     docs = {name: doc for name, _, doc in columns}
     return schema, docs
+
+
+_table = table_spec
 
 
 TRACE_EVENTS, TRACE_EVENTS_DOC = _table(

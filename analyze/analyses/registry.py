@@ -1,0 +1,109 @@
+"""What an analysis is: what it reads, what it writes, what it says. Every analysis is declared once,
+as an `Analysis`, and listed in `analyses/__init__.py` (REGISTERED); `runner.run` does the rest.
+
+An analysis is a pure function from tables to tables plus a finding:
+
+    ANALYSIS = Analysis(
+        name="memory",                       # its findings.json key
+        title="Memory per rank and step",    # its report section's heading
+        reads=("trace_events", "train_steps"),
+        writes={"memory_by_step": MEMORY_BY_STEP},   # typed, documented: schema.table_spec(...)
+        compute=memory,                      # Inputs -> Output
+        phrase=memory_lines,                 # its finding -> sentences (terminal, summary.md, report.html)
+    )
+
+The runner orders analyses by the tables they read and write, gives each an `Inputs` (ingested tables
+read with only the needed columns, earlier analyses' outputs, the run facts and options), casts what
+it returns to the declared schemas, writes each table and keeps the finding under `name`. Reports
+and the terminal render an analysis's tables and sentences in a section of its own, so a new
+analysis needs no edit anywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import polars as pl
+import pyarrow as pa
+
+from steplens.analyze.contract import schema
+
+
+@dataclass
+class Inputs:
+    """What an analysis may read. `table` reads an ingested run table (a per-rank table: every rank's
+    rows with a `rank` column) or an earlier analysis's output, with only the columns asked for."""
+
+    out_dir: Path
+    facts: dict
+    options: Any  # runner.Options
+    ranks: list[int]
+    computed: dict[str, pl.DataFrame] = field(default_factory=dict)
+
+    def table(self, name: str, columns: list[str] | None = None, where: pl.Expr | None = None) -> pl.DataFrame:
+        if name in self.computed:
+            frame = self.computed[name]
+            frame = frame.filter(where) if where is not None else frame
+            return frame.select(columns) if columns else frame
+        if not (self.out_dir / name).exists():
+            return _empty(name, columns)
+        frame = pl.scan_parquet(self.out_dir / name, hive_partitioning=schema.TABLES[name][2])
+        if where is not None:
+            frame = frame.filter(where)
+        return (frame.select(columns) if columns else frame).collect()
+
+
+def _empty(name: str, columns: list[str] | None) -> pl.DataFrame:
+    """The typed empty frame of an ingested table (a run without traces has no per-rank tables)."""
+    frame = pl.from_arrow(schema.TABLES[name][0].empty_table())
+    if schema.TABLES[name][2]:
+        frame = frame.with_columns(rank=pl.lit(None, pl.Int64))
+    return frame.select(columns) if columns else frame
+
+
+@dataclass
+class Output:
+    tables: dict[str, pl.DataFrame] = field(default_factory=dict)
+    finding: dict | None = None  # None: nothing to say (no key in findings.json)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    name: str
+    title: str
+    reads: tuple[str, ...]
+    writes: dict[str, tuple[pa.Schema, dict[str, str]]]
+    compute: Callable[[Inputs], Output]
+    phrase: Callable[[dict], list[str]] = lambda finding: []
+
+    def __post_init__(self):
+        clash = set(self.writes) & (set(schema.TABLES) | set(schema.ANALYSIS_TABLES))
+        if clash:
+            raise ValueError(f"analysis {self.name}: output tables {sorted(clash)} are already declared elsewhere")
+
+
+def ordered(analyses: list[Analysis]) -> list[Analysis]:
+    """Analyses in an order where each runs after those whose tables it reads."""
+    producer = {table: a.name for a in analyses for table in a.writes}
+    done: list[Analysis] = []
+    pending = list(analyses)
+    while pending:
+        ready = [a for a in pending
+                 if all(producer.get(t) in (None, a.name) or producer[t] in {d.name for d in done} for t in a.reads)]
+        if not ready:
+            raise ValueError(f"analyses with circular inputs: {[a.name for a in pending]}")
+        done.extend(ready)
+        pending = [a for a in pending if a not in ready]
+    return done
+
+
+def conformed(frame: pl.DataFrame, spec: tuple[pa.Schema, dict[str, str]], table: str) -> pl.DataFrame:
+    """`frame` with exactly the declared columns, in order and type (an empty result: typed and empty)."""
+    arrow_schema = spec[0]
+    if frame.is_empty() and not frame.columns:
+        return pl.from_arrow(arrow_schema.empty_table())
+    if missing := [name for name in arrow_schema.names if name not in frame.columns]:
+        raise KeyError(f"analysis table {table} lacks columns {missing}")
+    return pl.from_arrow(frame.select(arrow_schema.names).to_arrow().cast(arrow_schema))
