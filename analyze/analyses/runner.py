@@ -14,9 +14,11 @@ from pathlib import Path
 
 import polars as pl
 
-from steplens.analyze.analyses import alarm_agreement, autotune, comms, comms_log, job_end, kernels, launch, log_mfu, mfu, module_perf, monitor, op_perf, roofline, sanity
+from steplens.analyze.analyses import (REGISTERED, alarm_agreement, autotune, comms, comms_log, job_end, kernels, launch,
+                                       log_mfu, mfu, module_perf, monitor, op_perf, registry, roofline, sanity,
+                                       step_breakdown, step_time, steps, summaries)
+from steplens.analyze.analyses.registry import Inputs
 from steplens.analyze.contract import schema
-from steplens.analyze.analyses import step_breakdown, step_time, steps, summaries
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
@@ -192,7 +194,27 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     device_key = mfu.match_device(device_name, num_sms) if device_name else None
     if disagree := sanity.inputs_disagree(findings, tables["step_time"], device_key):
         findings["inputs_disagree"] = disagree
+    findings.update(run_registered(out_dir, facts, options, ranks, tables))
     (out_dir / "findings.json").write_text(json.dumps(findings, indent=1, default=str))
+    return findings
+
+
+def run_registered(out_dir: Path, facts: dict, options: Options, ranks: list[int], computed: dict[str, pl.DataFrame]
+                   ) -> dict:
+    """The registered analyses, in dependency order: each output table written typed, each finding
+    kept under the analysis's name."""
+    findings = {}
+    inputs = Inputs(out_dir, facts, options, ranks, computed=dict(computed))
+    for analysis in registry.ordered(REGISTERED):
+        result = analysis.compute(inputs)
+        for table, spec in analysis.writes.items():
+            frame = registry.conformed(result.tables.get(table, pl.DataFrame()), spec, table)
+            inputs.computed[table] = frame
+            shutil.rmtree(out_dir / table, ignore_errors=True)
+            (out_dir / table).mkdir(parents=True)
+            frame.write_parquet(out_dir / table / "part-0.parquet", compression="zstd", compression_level=1)
+        if result.finding is not None:
+            findings[analysis.name] = result.finding
     return findings
 
 
