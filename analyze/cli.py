@@ -22,9 +22,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from steplens.analyze.analyses import kernels, mfu, roofline, runner
+from steplens.analyze.analyses import kernels, mfu, runner
 from steplens.analyze.contract import schema
-from steplens.reports.verdict import disagreement_lines, job_end_lines, step_lines, straggler_lines, telemetry_lines
+from steplens.reports.verdict import finding_lines
 
 from steplens.analyze.pipeline.ingest import (
     IngestError,
@@ -406,40 +406,9 @@ def _print_issues(console: Console, result: IngestResult) -> None:
 
 
 def print_findings(console: Console, f: dict) -> None:
-    """The headline: slowest rank and step, GPU idle and its cause, most exposed collective, MFU."""
+    """Every finding, in the sentences the report and summary.md use."""
     console.print("[bold]findings[/]")
-    lines = []
-    lines.extend(line[0].lower() + line[1:].removesuffix(".") for line in
-                 job_end_lines(f, with_status=True) + disagreement_lines(f) + step_lines(f)
-                 + straggler_lines(f, limit=len(f.get("stragglers", []))))
-    idle = f.get("gpu_idle", {})
-    if idle.get("idle_share") is not None:
-        cause = {"host_bound": "host-bound (GPU waiting for the CPU to launch)", "sync": "synchronization (CPU waiting on the GPU)",
-                 "other": "other (cross-stream waits)"}.get(idle.get("main_cause"), "none")
-        lines.append(f"GPU idle: {idle['idle_share']:.1%} of the profiled GPU time (first to last device activity of "
-                     f"each window, no stream busy); main cause {cause}")
-    elif idle.get("note"):
-        lines.append(f"GPU idle: {idle['note']}")
-    if top := f.get("most_exposed_collective"):
-        bw = f", median busbw {top['busbw_gbps']:.1f} GB/s" if top.get("busbw_gbps") is not None else ""
-        size = f"{top['bytes']:,} B" if top.get("bytes") is not None else "unknown size"
-        on_rank = f" on rank {top['rank']} (the most exposed rank)" if top.get("rank") is not None else ""
-        lines.append(f"most exposed collective: {top['op']} of {size}: {_ms(top['exposed_ns'])} exposed over "
-                     f"{top['calls']} calls{bw}{on_rank}")
-    elif f.get("comms_note"):
-        lines.append(f"collectives: {f['comms_note']}")
-    util = f.get("mfu")
-    if isinstance(util, list):
-        for row in util:
-            lines.append(f"{row['metric']}: {row['utilization']:.1%} (median over steps). Numerator: {row['definition']}. "
-                         f"Peak: {row['peak']}")
-    elif isinstance(util, dict):
-        lines.append(f"MFU: not computed: {util['note']}")
-    lines.extend(roofline.terminal_lines(f))
-    if f.get("traces"):
-        lines.append(f["traces"])
-    lines.extend(telemetry_lines(f))
-    for line in lines:
+    for line in finding_lines(f):
         say(console, line)
 
 

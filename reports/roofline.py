@@ -6,6 +6,7 @@ from __future__ import annotations
 from steplens.reports.text import shapes_text
 
 from .figures import PLAIN_NUMBER, _svg, plt
+from .verdict import module_line, op_line
 
 
 def scatter(top_ops: list[dict], roof: dict) -> str:
@@ -90,11 +91,7 @@ def summary_lines(finding: dict | None, escape) -> list[str]:
     if not finding or not (finding.get("top_ops") or finding.get("modules_below_peak")):
         return []
     lines = ["**Roofline** (top ops by device time" + ("" if finding.get("roof") else "; " + escape(finding.get("note") or "")) + ")", ""]
-    for op in finding.get("top_ops", [])[:3]:
-        where = f"{op['bound']}-bound, {op['fraction_of_peak']:.1%} of peak" if op.get("fraction_of_peak") is not None else "no roofline"
-        lines.append(f"- {escape(op['name'])} ({escape(shapes_text(op['shapes']))}) x{op['calls']}: {op['device_ns'] / 1e6:.3f} ms, {where}")
+    lines += [f"- {escape(op_line(op))}" for op in finding.get("top_ops", [])[:3]]
     below = [m for m in finding.get("modules_below_peak", []) if m.get("fraction_of_peak") is not None][:3]
-    lines += [f"- module {escape(m['module'])}: {m['fraction_of_peak']:.1%} of peak over {m['device_ns'] / 1e6:.3f} ms forward"
-              for m in below]
+    lines += [f"- module {escape(module_line(m))}" for m in below]
     return lines + [""]
-

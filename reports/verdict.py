@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import polars as pl
+from steplens.analyze.analyses import REGISTERED
+from steplens.reports.text import shapes_text
 
 from .data import Run, ms, size
 
@@ -129,40 +130,82 @@ def step_lines(f: dict) -> list[str]:
     return lines
 
 
-def verdict(run: Run) -> list[str]:
-    f, lines = run.findings, []
-    status = run.table("run_status")
-    if not status.is_empty():
-        bad = status.filter(pl.col("status").is_in(["failed", "killed", "incomplete"]))
-        for row in bad.head(2).iter_rows(named=True):
-            error = f": {row['error']}" if row["error"] else ""
-            what = {"failed": "failed", "killed": "was killed", "incomplete": "did not finish"}[row["status"]]
-            lines.append(f"The job {what} ({row['source']}{error}).")
-    lines.extend(job_end_lines(f))
-    lines.extend(disagreement_lines(f))
-    lines.extend(step_lines(f))
-    lines.extend(straggler_lines(f))
+IDLE_CAUSE_WORDS = {"host_bound": "host-bound: the GPU waited for the CPU to launch work",
+                    "sync": "synchronization: the CPU waited on the GPU", "other": "cross-stream waits or unrecorded launches"}
+
+
+def gpu_idle_lines(f: dict) -> list[str]:
     idle = f.get("gpu_idle") or {}
-    if idle.get("idle_share") is not None:
-        cause = {"host_bound": "host-bound: the GPU waited for the CPU to launch work",
-                 "sync": "synchronization: the CPU waited on the GPU", "other": "cross-stream waits or unrecorded launches"}
-        lines.append(f"The GPU was idle {idle['idle_share']:.1%} of the profiled time (no stream busy); main cause "
-                     f"{cause.get(idle.get('main_cause'), 'none')}.")
+    if idle.get("idle_share") is None:
+        return []
+    return [f"GPU idle: {idle['idle_share']:.1%} of the profiled time (first to last device activity of each window, no "
+            f"stream busy); main cause {IDLE_CAUSE_WORDS.get(idle.get('main_cause'), 'none')}."]
+
+
+def collective_lines(f: dict) -> list[str]:
     if top := f.get("most_exposed_collective"):
         bandwidth = f" at a median busbw of {top['busbw_gbps']:.1f} GB/s" if top.get("busbw_gbps") is not None else ""
         message = f" of {size(top['bytes'])}" if top.get("bytes") is not None else " (message size not in the traces)"
-        on_rank = f" on rank {top['rank']}" if top.get("rank") is not None else ""
-        lines.append(f"Most exposed communication: {top['op']}{message}, {ms(top['exposed_ns'])} not hidden behind compute"
-                     f"{on_rank} over {top['calls']} calls{bandwidth}.")
+        on_rank = f" on rank {top['rank']} (the most exposed rank)" if top.get("rank") is not None else ""
+        return [f"Most exposed communication: {top['op']}{message}, {ms(top['exposed_ns'])} not hidden behind compute"
+                f"{on_rank} over {top['calls']} calls{bandwidth}."]
+    return [f"Collectives: {f['comms_note']}."] if f.get("comms_note") else []
+
+
+def mfu_lines(f: dict) -> list[str]:
     utilization = f.get("mfu")
     if isinstance(utilization, list):
-        for row in utilization:
-            lines.append(f"{row['metric']} {row['utilization']:.1%} (median over steps; numerator {row['numerator']}, "
-                         f"peak {row['peak']}).")
-    lines.extend(line[0].upper() + line[1:] + ("" if line.endswith(".") else ".") for line in telemetry_lines(f))
-    issues = run.table("ingest_issues")
-    if not issues.is_empty() and (errors := issues.filter(pl.col("severity") == "error")).height:
-        lines.append(f"{errors.height} input problem(s) lost data (see Ingest issues); numbers cover what was readable.")
-    if not lines:
-        lines.append("Nothing stands out: no step boundaries, device activity or collectives to judge.")
-    return lines[:MAX_FINDINGS]
+        return [f"{row['metric']}: {row['utilization']:.1%} (median over steps). Numerator: {row['definition']}. "
+                f"Peak: {row['peak']}." for row in utilization]
+    if isinstance(utilization, dict) and utilization.get("note"):
+        return [f"MFU: not computed: {utilization['note']}."]
+    return []
+
+
+def op_line(op: dict, note: str | None = None) -> str:
+    """One op of the roofline: name, shapes, calls, device time, where it sits against the roof."""
+    where = (f"{op['bound']}-bound, {op['fraction_of_peak']:.1%} of peak" if op.get("fraction_of_peak") is not None
+             else note or "no roofline")
+    return f"{op['name']} ({shapes_text(op['shapes'])}) x{op['calls']}: {op['device_ns'] / 1e6:.3f} ms, {where}"
+
+
+def module_line(module: dict) -> str:
+    return (f"{module['module']}, {module['fraction_of_peak']:.1%} of peak over {module['device_ns'] / 1e6:.3f} ms of "
+            "forward device time")
+
+
+def roofline_lines(f: dict) -> list[str]:
+    """The busiest op and the module furthest below peak."""
+    finding = f.get("roofline") or {}
+    lines = []
+    if top := (finding.get("top_ops") or [None])[0]:
+        lines.append(f"Busiest op: {op_line(top, finding.get('note'))}.")
+    if rated := [m for m in finding.get("modules_below_peak") or [] if m.get("fraction_of_peak") is not None]:
+        lines.append(f"Module furthest below peak: {module_line(rated[0])}.")
+    return lines
+
+
+def input_problem_lines(f: dict) -> list[str]:
+    if errors := f.get("ingest_errors"):
+        return [f"{errors} input problem(s) lost data (see Ingest issues); numbers cover what was readable."]
+    return []
+
+
+def registered_lines(f: dict) -> list[str]:
+    """The sentences of the registered analyses (each phrases its own finding)."""
+    return [line for analysis in REGISTERED if analysis.name in f for line in analysis.phrase(f[analysis.name])]
+
+
+def finding_lines(f: dict) -> list[str]:
+    """Every finding as sentences, most important first. The terminal prints them all; summary.md and
+    report.html show the first MAX_FINDINGS. Each sentence is written here once."""
+    lines = (job_end_lines(f, with_status=True) + disagreement_lines(f) + step_lines(f)
+             + straggler_lines(f, limit=3) + gpu_idle_lines(f) + collective_lines(f)
+             + mfu_lines(f) + roofline_lines(f) + ([f"{f['traces']}."] if f.get("traces") else [])
+             + [line[0].upper() + line[1:] + ("" if line.endswith(".") else ".") for line in telemetry_lines(f)]
+             + registered_lines(f) + input_problem_lines(f))
+    return lines or ["Nothing stands out: no step boundaries, device activity or collectives to judge."]
+
+
+def verdict(run: Run) -> list[str]:
+    return finding_lines(run.findings)[:MAX_FINDINGS]

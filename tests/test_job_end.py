@@ -45,7 +45,7 @@ def test_the_killed_rank_is_named(ds_killed_run, tmp_path):
     assert last_steps[killed] <= REALRUN_KILLED["after_step"]
     sentence = f"Rank {killed} stopped making progress first: its collector manifest never closed"
     assert any(line.startswith(sentence) for line in lines)
-    assert f"rank {killed} stopped making progress first" in stdout and "the job was killed" in stdout
+    assert f"Rank {killed} stopped making progress first" in stdout and "The job was killed" in stdout
 
 
 def test_logs_only_killed_job(ds_killed_run, tmp_path):
@@ -57,7 +57,7 @@ def test_logs_only_killed_job(ds_killed_run, tmp_path):
     findings, lines, stdout = analyse(run, tmp_path / "out")
     end = findings["job_end"]
     assert end["status"] == "killed" and end["first_stalled_rank"] is None
-    assert "the job was killed" in stdout
+    assert "The job was killed" in stdout
     assert not any("stopped making progress first" in line for line in lines)
 
 

@@ -57,7 +57,7 @@ def test_mfu_above_100_percent_becomes_a_disagreement(tmp_path):
     assert not isinstance(findings["mfu"], list)  # no MFU figure left to print as a result
     assert f"Inputs disagree: MFU {median:.1%} (numerator collector_flops_profile) is above 100%" in "\n".join(lines)
     assert not any(line.startswith("MFU ") for line in lines)
-    assert "inputs disagree: MFU" in stdout and "MFU: " not in stdout.replace("MFU: not", "")
+    assert "Inputs disagree: MFU" in stdout and "MFU: " not in stdout.replace("MFU: not", "")
 
 
 def test_clock_stepped_back_is_left_out_and_named(ds_steady_run, tmp_path):

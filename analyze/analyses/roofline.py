@@ -6,7 +6,6 @@ from __future__ import annotations
 import polars as pl
 
 from steplens.analyze.analyses import op_perf
-from steplens.reports.text import shapes_text
 
 TOP_MODULES = 10
 MODULE_FRACTION_DEFINITION = ("achieved TFLOP/s of the module's forward (FLOPs of its modeled ops, or the collector's "
@@ -61,21 +60,6 @@ def _modules_below_peak(modules: pl.DataFrame, module_mfu: pl.DataFrame, peak: f
         fraction_of_peak=pl.lit(None, pl.Float64) if not peak else pl.when(trusted).then(achieved * 1e12 / peak),
         training_fraction_of_peak=pl.lit(None, pl.Float64) if not peak else pl.when(trusted).then(training * 1e12 / peak))
     return rated.sort("fraction_of_peak", "device_ns", descending=[False, True], nulls_last=True).to_dicts()
-
-
-def terminal_lines(findings: dict) -> list[str]:
-    """The busiest op and the module furthest below peak, for the terminal's findings."""
-    finding = findings.get("roofline") or {}
-    lines = []
-    if top := (finding.get("top_ops") or [None])[0]:
-        where = (f"{top['bound']}-bound, {top['fraction_of_peak']:.1%} of peak" if top.get("fraction_of_peak") is not None
-                 else finding.get("note") or "no roofline")
-        lines.append(f"busiest op: {top['name']} ({shapes_text(top['shapes'])}) x{top['calls']}: {top['device_ns'] / 1e6:.3f} ms, {where}")
-    rated = [m for m in finding.get("modules_below_peak") or [] if m.get("fraction_of_peak") is not None]
-    if rated:
-        lines.append(f"module furthest below peak: {rated[0]['module']}, {rated[0]['fraction_of_peak']:.1%} of peak "
-                     f"over {rated[0]['device_ns'] / 1e6:.3f} ms of forward device time")
-    return lines
 
 
 def _family_shares(family_time: pl.DataFrame | None) -> list[dict]:

@@ -195,6 +195,9 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
     if disagree := sanity.inputs_disagree(findings, tables["step_time"], device_key):
         findings["inputs_disagree"] = disagree
     findings.update(run_registered(out_dir, facts, options, ranks, tables))
+    issues = _run_table(out_dir, "ingest_issues")
+    if not issues.is_empty() and (errors := issues.filter(pl.col("severity") == "error").height):
+        findings["ingest_errors"] = errors  # input problems that lost data
     (out_dir / "findings.json").write_text(json.dumps(findings, indent=1, default=str))
     return findings
 
