@@ -19,6 +19,8 @@ import jinja2
 import polars as pl
 from markupsafe import Markup
 
+from steplens.analyze.analyses import REGISTERED
+
 from . import caveats, figures, roofline
 from .data import Run, kernel_labels, load, ms, size, text_value, write_atomic
 from .verdict import verdict
@@ -348,6 +350,24 @@ def _extra_analyses(run: Run) -> list[dict]:
     return sections
 
 
+def _registered_sections(run: Run) -> list[dict]:
+    """A section per registered analysis with something to say: its sentences, then its tables with
+    the columns its declaration documents (the column meaning is the header's tooltip)."""
+    sections = []
+    for analysis in REGISTERED:
+        if analysis.name not in run.findings:
+            continue
+        section = Section(analysis.title, analysis.name.replace("_", "-"))
+        for line in analysis.phrase(run.findings[analysis.name]):
+            section.text(line)
+        for table, (arrow_schema, _docs) in analysis.writes.items():
+            frame = run.table(table)
+            if not frame.is_empty():
+                section.table(_rows(frame, {c: (c, text_value) for c in arrow_schema.names}, table))
+        sections.append(section)
+    return sections
+
+
 def _comparabilitySection(run: Run) -> dict | None:
     fields = run.table("run_comparability")
     if fields.is_empty():
@@ -447,7 +467,7 @@ def render(out_dir: Path) -> str:
         sections = [_timeSection(run), _stepsSection(run), _cpu_gpuSection(run), _kernelsSection(run),
                     _collectivesSection(run)]
     sections += [_mfuSection(run), _monitorSection(run)]
-    sections += [s for s in [_statusSection(run)] if s] + _extra_analyses(run)
+    sections += [s for s in [_statusSection(run)] if s] + _extra_analyses(run) + _registered_sections(run)
     sections += [s for s in [_comparabilitySection(run)] if s] + [_manifestSection(run), _issuesSection(run)]
     return TEMPLATES.get_template("report.html.j2").render(
         run=run, title=f"steplens report: {run.name}", verdict=verdict(run), numbers=key_numbers(run),
