@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from steplens.analyze.contract.bus_bandwidth import busbw_factor
 from steplens.analyze.trace import intervals
 from steplens.analyze.analyses.kernels import families, first_match
 from steplens.analyze.analyses.launch import enclosing_op
@@ -113,18 +114,6 @@ def with_call_sites(calls: pl.DataFrame, runtime: pl.DataFrame, threads: dict) -
         maintain_order="left")
     sites = enclosing_op(launches, threads, skip=RECORDING_OPS)
     return calls.with_columns(issuing_op=sites).drop("source", "launch_event_id")
-
-
-def busbw_factor() -> pl.Expr:
-    """nccl-tests bus-bandwidth factor for `op` and group size n (src/*.cu *GetBw)."""
-    n = pl.col("group_size").cast(pl.Float64)
-    ring = (n - 1) / n
-    return (
-        pl.when(pl.col("group_size") <= 0).then(None)
-        .when(pl.col("op") == "allreduce").then(2 * ring)
-        .when(pl.col("op").is_in(["allgather", "reducescatter", "alltoall", "gather", "scatter"])).then(ring)
-        .when(pl.col("op").is_in(["broadcast", "reduce", "sendrecv"])).then(1.0)
-    )
 
 
 def _add_exposure(comm: pl.DataFrame, device: pl.DataFrame) -> pl.DataFrame:

@@ -17,7 +17,7 @@ difference of consecutive totals (the first call's is the first total). The dict
 across record names, so `call_index` orders calls within a record name only (record names in the
 order the dict lists them, i.e. the order of their first call).
 
-Bandwidth is recomputed with the nccl-tests formulas (`comms.busbw_factor`), GB/s, because
+Bandwidth is recomputed with the nccl-tests formulas (`contract.bus_bandwidth.busbw_factor`), GB/s, because
 DeepSpeed's `calc_bw_log` reports Gbps, doubles all_reduce algbw, multiplies reduce_scatter's full
 input by n again, and used the running totals.
 """
@@ -31,7 +31,8 @@ from pathlib import Path
 
 import polars as pl
 
-from steplens.analyze.analyses.comms import busbw_factor, nccl_op
+from steplens.analyze.analyses.comms import nccl_op
+from steplens.analyze.contract.bus_bandwidth import busbw_factor
 from steplens.analyze.importers.base import Imported, conform, peek
 
 RAW_NAME = re.compile(r"comms_dict_raw_rank(\d+)\.json$")
