@@ -95,6 +95,10 @@ TRACE_EVENTS, TRACE_EVENTS_DOC = _table(
     ("concrete_inputs", pa.string(), "'Concrete Inputs' as JSON text: scalar arguments as strings (conv stride, SDPA is_causal)."),
     ("bytes", pa.int64(), "'bytes' of a memcpy/memset, or 'Bytes' of a [memory] event."),
     ("flops", pa.float64(), "'flops' estimated by the profiler (with_flops=True)."),
+    ("total_allocated_bytes", pa.int64(), "'Total Allocated' of a [memory] event (profile_memory=True): the device "
+                                          "allocator's allocated bytes after it; null for host (Device Type 0) allocations."),
+    ("total_reserved_bytes", pa.int64(), "'Total Reserved' of a [memory] event: the device caching allocator's reserved "
+                                         "bytes after it; null for host allocations."),
 )
 
 FLOWS, FLOWS_DOC = _table(

@@ -95,6 +95,9 @@ class _Args(msgspec.Struct, gc=False):
     concrete_inputs: msgspec.Raw = msgspec.field(default=msgspec.Raw(), name="Concrete Inputs")
     nbytes: Any = msgspec.field(default=None, name="bytes")
     memory_bytes: Any = msgspec.field(default=None, name="Bytes")
+    total_allocated: Any = msgspec.field(default=None, name="Total Allocated")
+    total_reserved: Any = msgspec.field(default=None, name="Total Reserved")
+    memory_device_type: Any = msgspec.field(default=None, name="Device Type")
     flops: Any = None
 
 
@@ -135,6 +138,7 @@ TIME_LIMIT_NS = 2**62
 # and keeps byte counts (x the element size) and their sums over many calls inside int64.
 MAX_MESSAGE_NELEMS = 2**48
 MAX_MEMORY_BYTES = 2**48  # a [memory] event's allocation size (negative for a free)
+HOST_DEVICE_TYPE = 0  # c10::DeviceType::CPU in a [memory] event's 'Device Type' (CUDA is 1, HIP 6)
 MAX_STEP = 2**31 - 1  # ProfilerStep numbers; a step counter past 2 billion is damage
 # Longest integer text parsed (int64 has 19 digits); longer strings are not parsed at all.
 _MAX_INT_DIGITS = 20
@@ -346,6 +350,10 @@ def _columns(events: list[_Event], counters: dict[str, list]) -> pl.DataFrame:
             values[i] = getattr(args[i], name)
         return values
 
+    def device_memory(name: str) -> list:
+        """A [memory] event's allocator total, kept for device allocators only: the host's (Device Type 0) is another pool."""
+        return [getattr(a, name) if a.memory_device_type != HOST_DEVICE_TYPE else None for a in args]
+
     nelems = (0, MAX_MESSAGE_NELEMS)
     dims = [a.input_dims or a.input_dims_legacy for a in args]
     columns = {
@@ -379,6 +387,8 @@ def _columns(events: list[_Event], counters: dict[str, list]) -> pl.DataFrame:
         "bytes": ints([a.nbytes if a.nbytes is not None else a.memory_bytes for a in args], "bytes",
                       bounds=(-MAX_MEMORY_BYTES, MAX_MEMORY_BYTES)),
         "flops": _float_column([a.flops for a in args], count_bad("flops")),
+        "total_allocated_bytes": ints(device_memory("total_allocated"), "Total Allocated", bounds=(0, MAX_MEMORY_BYTES)),
+        "total_reserved_bytes": ints(device_memory("total_reserved"), "Total Reserved", bounds=(0, MAX_MEMORY_BYTES)),
     }
     return pl.from_arrow(pa.table(columns))
 
