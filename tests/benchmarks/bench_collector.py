@@ -1,13 +1,19 @@
-"""Step-time overhead of the collector outside profiler windows (issue 4; target: ratio <= 1.02).
+"""Step-time overhead of the collector outside profiler windows (issues 4 and 18; target: ratio <= 1.02).
 
-The same 2-rank DeepSpeed CPU job (tests/realrun/train_tiny_gpt.py, ZeRO-2) runs with the collector on
-(its defaults: steps, timers, scalars, per-call comms; flushes every --flush-every steps; no FLOPs step and no
-profiler window, which are bounded one-off costs) and off, interleaved on/off/on/off..., so drift of the
-machine hits both alike. Step time is the training script's own wall clock per optimizer step
-(script/rank<r>.json), the same measurement whether the collector runs or not; the first --warmup steps are
-left out. Per run: the median step over ranks and steps. Printed: the ratio of the medians over runs of each
-kind, and the median of the per-repeat ratios (on / off of the two runs made back to back), which is less
-sensitive to other load on a shared machine.
+The same 2-rank DeepSpeed CPU job (tests/realrun/train_tiny_gpt.py, ZeRO-2) runs without the collector
+(`off`) and with it in three ways (its defaults: steps, timers, scalars, per-call comms; flushes every
+--flush-every steps; no FLOPs step and no profiler window, which are bounded one-off costs):
+
+  alarms   the default alarm rules (no "alarms" key), the on_alarm callback writing a jsonl file
+  hang     the default rules plus a rule that fires at every step (loss above 0), and an on_alarm
+           callback that never returns: the sink is disabled after alarm_timeout_s, alarms are dropped
+  raise    the same firing rule, and an on_alarm callback that raises: the sink is disabled at once
+
+The kinds run interleaved, in a rotated order each repeat, so drift of the machine hits them alike. Step time
+is the training script's own wall clock per optimizer step (script/rank<r>.json), the same measurement with
+or without the collector; the first --warmup steps are left out. Per run: the median step over ranks and
+steps. Printed per kind: the median over runs, the ratio of medians to `off`, and the per-repeat ratios to
+the `off` run of the same repeat (median, min-max), which are less sensitive to load that drifts.
 
 Second figure, with less noise from other load: one job that attaches the collector for --block steps, closes
 it for --block steps, and so on (train_tiny_gpt.py --collector_ab); per pair of neighbouring blocks the ratio
@@ -29,6 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "realrun"))
 
 from launch import run_tiny_gpt  # the path is set just above
+
+from steplens.analyze.contract import alarm_rules
 
 
 def median_step_ms(run: Path, warmup: int) -> float:
@@ -58,25 +66,48 @@ def main() -> None:
         same_job(args, job, collector_on)
 
 
+# A rule that fires at every step (the training script logs train/loss > 0): the failing sinks are called.
+FIRING_RULE = {"kind": "grad_norm_high", "match": "^train/loss$", "threshold": 0.0, "cooldown_steps": 0,
+               "severity": "info"}
+KINDS = {"off": ("--no-collector",), "alarms": (),
+         "hang": ("--alarms", json.dumps([*({"kind": k} for k in alarm_rules.DEFAULT_KINDS), FIRING_RULE]),
+                  "--alarm_sink", "hang"),
+         "raise": ("--alarms", json.dumps([*({"kind": k} for k in alarm_rules.DEFAULT_KINDS), FIRING_RULE]),
+                   "--alarm_sink", "raise")}
+
+
 def interleaved_runs(args, job, collector_on) -> None:
-    medians: dict[str, list[float]] = {"on": [], "off": []}
+    medians: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    kinds = list(KINDS)
     with tempfile.TemporaryDirectory(prefix="bench_collector_") as tmp:
         for repeat in range(args.repeats):
-            for kind in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
-                extra = collector_on if kind == "on" else ("--no-collector",)
+            for kind in kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]:
+                extra = KINDS[kind] if kind == "off" else (*collector_on, *KINDS[kind])
                 started = time.perf_counter()
                 run = run_tiny_gpt(Path(tmp) / f"{kind}{repeat}", *job, *extra)
                 medians[kind].append(median_step_ms(run, args.warmup))
-                print(f"repeat {repeat} collector {kind:3}: median step {medians[kind][-1]:7.2f} ms "
-                      f"(job {time.perf_counter() - started:5.1f} s)", flush=True)
-    on, off = statistics.median(medians["on"]), statistics.median(medians["off"])
-    # Each repeat's on and off ran back to back: their ratio cancels load that drifts over minutes.
-    paired = [a / b for a, b in zip(medians["on"], medians["off"])]
+                print(f"repeat {repeat} {kind:6}: median step {medians[kind][-1]:7.2f} ms "
+                      f"(job {time.perf_counter() - started:5.1f} s){alarm_count(run)}", flush=True)
+    off = statistics.median(medians["off"])
     print(f"\nZeRO-{args.zero_stage}, 2 ranks on CPU, {args.steps} steps per run, first {args.warmup} left out, "
-          f"{args.repeats} runs each")
-    print(f"median step time  collector on: {on:.2f} ms  off: {off:.2f} ms  ratio of medians: {on / off:.4f}")
-    print(f"per-repeat ratios: {' '.join(f'{r:.3f}' for r in paired)}")
-    print(f"overhead ratio (median of per-repeat on / off): {statistics.median(paired):.4f}  (target <= 1.02)")
+          f"{args.repeats} runs of each kind")
+    print(f"off: median step {off:.2f} ms")
+    for kind in kinds[1:]:
+        # Each repeat's runs ran one after another: the ratio to that repeat's off run cancels slow drift.
+        paired = [a / b for a, b in zip(medians[kind], medians["off"])]
+        print(f"{kind:6}: median step {statistics.median(medians[kind]):.2f} ms, ratio of medians "
+              f"{statistics.median(medians[kind]) / off:.4f}; per-repeat on/off median {statistics.median(paired):.4f} "
+              f"(min {min(paired):.4f}, max {max(paired):.4f})  (target <= 1.02)")
+
+
+def alarm_count(run: Path) -> str:
+    """What the collector's manifest says about alarms raised and sinks disabled (rank 0)."""
+    path = run / "collector" / "manifest" / "rank0.json"
+    alarms = json.loads(path.read_text()).get("alarms") if path.is_file() else None
+    if not isinstance(alarms, dict):
+        return ""
+    sinks = {name: "disabled" if sink["disabled"] else "ok" for name, sink in alarms["sinks"].items()}
+    return f", alarms raised {alarms['raised']}, sinks {sinks}"
 
 
 def same_job(args, job, collector_on) -> None:

@@ -114,6 +114,9 @@ def parse_args() -> argparse.Namespace:
     collector.add_argument("--alarms", default=None, metavar="JSON",
                            help='The steplens block\'s "alarms" list (default: no key, the default rules).')
     collector.add_argument("--pushgateway", default=None, metavar="HOST:PORT", help="Push alarms to this pushgateway.")
+    collector.add_argument("--alarm_sink", choices=["jsonl", "hang", "raise"], default="jsonl",
+                           help="on_alarm callback: write script/alarms_rank<r>.jsonl, never return, or raise "
+                                "(benchmarks of a failing sink).")
 
     tests = p.add_argument_group("test hooks")
     tests.add_argument("--probe_comms", type=int, metavar="STEP", default=None,
@@ -210,10 +213,13 @@ def main() -> None:
     if args.collector and "steplens" in config:
         from steplens.collect import attach
 
-        # Settings from the ds_config's "steplens" block; every alarm also goes to script/alarms_rank<r>.jsonl.
+        # Settings from the ds_config's "steplens" block; every alarm also goes to script/alarms_rank<r>.jsonl
+        # (--alarm_sink jsonl).
         (out_dir / "script").mkdir(parents=True, exist_ok=True)
         alarm_log = open(out_dir / "script" / f"alarms_rank{rank}.jsonl", "w", buffering=1)
-        collector = attach(engine, on_alarm=lambda alarm: alarm_log.write(json.dumps(alarm) + "\n"))
+        sinks = {"jsonl": lambda alarm: alarm_log.write(json.dumps(alarm) + "\n"),
+                 "hang": lambda alarm: time.sleep(3600), "raise": lambda alarm: 1 / 0}
+        collector = attach(engine, on_alarm=sinks[args.alarm_sink])
         if args.inject_fault:
             def fault(*_args, **_kwargs):
                 raise RuntimeError(f"injected fault in {args.inject_fault}")
