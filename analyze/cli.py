@@ -33,7 +33,8 @@ from steplens.analyze.pipeline.ingest import (
     Source,
     classify,
     discover,
-    ingest,
+    publish,
+    staged,
     use_system_allocator,
 )
 from steplens.analyze.pipeline.runs import RunFolder, split_runs
@@ -249,9 +250,10 @@ def _analyse_run(run: RunFolder, out: Path, jobs, options: runner.Options, inges
                         console=Console(stderr=True), transient=True, disable=not (show_progress and sys.stderr.isatty()))
     with progress:
         task = progress.add_task("ingest", total=total or None)
-        result = ingest(run.path, out, jobs=jobs, found=run.found, progress=lambda s: progress.advance(task, s.size),
-                        finish=None if ingest_only else lambda staging: findings.update(analyse_and_report(staging, options)))
-    return result, findings
+        with staged(run.path, out, jobs=jobs, found=run.found, progress=lambda s: progress.advance(task, s.size)) as stage:
+            if not ingest_only:
+                findings = analyse_and_report(stage.folder, options)
+            return publish(stage), findings
 
 
 def _status(result: IngestResult) -> int:
@@ -269,16 +271,16 @@ def _warn_missing_ranks(result: IngestResult) -> None:
                    "(profiled on some ranks only, or lost: see the issues)", err=True)
 
 
-def analyse_and_report(staging: Path, options: runner.Options) -> dict:
-    """The analyses, then report.html and summary.md, inside the staged output (published together)."""
+def analyse_and_report(folder: Path, options: runner.Options) -> dict:
+    """The analyses, then report.html and summary.md, in the staged output (published together)."""
     from steplens.reports import html, markdown
 
     started = time.perf_counter()
-    findings = runner.run(staging, options)
+    findings = runner.run(folder, options)
     findings["analysis_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
-    html.write(staging)
-    markdown.write(staging)
+    html.write(folder)
+    markdown.write(folder)
     findings["report_seconds"] = time.perf_counter() - started
     return findings
 
@@ -556,7 +558,9 @@ def _analysed(run_dir: Path) -> Path:
             return candidate
     click.echo(f"analysing {run_dir} first (default options) ...", err=True)
     try:
-        return ingest(run_dir, finish=lambda staging: analyse_and_report(staging, runner.Options())).out_dir
+        with staged(run_dir) as stage:
+            analyse_and_report(stage.folder, runner.Options())
+            return publish(stage).out_dir
     except IngestError as e:
         _fail(str(e))
 

@@ -6,9 +6,10 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from steplens.analyze.analyses import comms, mfu, runner
+from steplens.analyze.analyses import comms, mfu
 from steplens.analyze.cli import analyze
 from steplens.analyze.pipeline.ingest import ingest
+from steplens.analyze.pipeline import analyse
 from synthetic import generate_run
 
 from conftest import CORPUS, write_trace
@@ -21,7 +22,7 @@ def analysed(tmp_path_factory):
     truth = json.loads((run / "truth.json").read_text())
     out = run / ".steplens"
     findings = {}
-    ingest(run, out, jobs=1, finish=lambda staging: findings.update(runner.run(staging)))
+    findings.update(analyse(run, out, jobs=1)[1])
     return out, truth, findings
 
 
@@ -196,7 +197,7 @@ def test_profiler_flops_numerator(tmp_path):
     ]
     write_trace(tmp_path / "run" / "t.json", events, deviceProperties=[{"id": 0, "name": "NVIDIA A100-SXM4-80GB", "numSms": 108}])
     findings = {}
-    ingest(tmp_path / "run", jobs=1, finish=lambda s: findings.update(runner.run(s)))
+    findings.update(analyse(tmp_path / "run", jobs=1)[1])
     table = pl.read_parquet(tmp_path / "run" / ".steplens" / "mfu" / "part-0.parquet")
     row = table.row(0, named=True)
     # 9.895e11 FLOPs in a 1 ms step on a 312 TFLOP/s A100 = 3.171...%
@@ -280,7 +281,7 @@ def test_step_missing_on_one_rank(tmp_path):
             ]
         write_trace(tmp_path / "run" / f"rank{rank}.json", events, distributedInfo={"rank": rank, "world_size": 2})
     findings = {}
-    ingest(tmp_path / "run", jobs=1, finish=lambda s: findings.update(runner.run(s)))
+    findings.update(analyse(tmp_path / "run", jobs=1)[1])
     stats = pl.read_parquet(tmp_path / "run" / ".steplens" / "step_stats" / "part-0.parquet").sort("step")
     assert stats.select("step", "ranks").rows() == [(1, 2), (2, 1), (3, 2)]
     offsets = pl.read_parquet(tmp_path / "run" / ".steplens" / "clock_offsets" / "part-0.parquet").sort("rank")
@@ -313,7 +314,7 @@ def test_printed_summary_and_findings_match_truth(tmp_path):
         assert sorted(ranks) == list(range(min(ranks), max(ranks) + 1))
         assert re.search(rf"(^| ){who}: 1 window\(s\), {len(steps)} step\(s\) {steps[0]}-{steps[-1]}( |$)", text, re.M)
     s = truth["stragglers"][0]
-    assert f"straggler: rank {s['rank']} in step {s['step']};" in text
+    assert f"Straggler: rank {s['rank']} in step {s['step']};" in text
     findings = json.loads((run / ".steplens" / "findings.json").read_text())
     # Device-level host-bound idle in the steps: the compute stream's host-bound gaps (the comm stream is idle then).
     host_bound = sum(v["host_bound_idle_ns"] for r in truth["ranks"].values() for v in r["idle"].values())
@@ -333,7 +334,7 @@ def test_printed_summary_and_findings_match_truth(tmp_path):
         size = c["bytes"] * c["group_size"] if c["name"] == "_allgather_base" else c["bytes"]
         exposed[(c["name"], size)] = exposed.get((c["name"], size), 0) + c["exposed_ns"]
     (name, size), ns = max(exposed.items(), key=lambda kv: kv[1])
-    assert f"of {size:,} B: {ns / 1e6:.3f} ms exposed" in text
+    assert f" of {size / 2**20:.3g} MiB, {ns / 1e6:.3g} ms not hidden behind compute" in text  # 2**20 B sizes
 
 
 def test_mfu_from_the_collectors_flops_profile(tmp_path):

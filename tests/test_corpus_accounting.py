@@ -11,8 +11,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from steplens.analyze.analyses import kernels, runner
-from steplens.analyze.pipeline.ingest import ingest
+from steplens.analyze.analyses import kernels
+from steplens.analyze.pipeline import analyse
 
 from conftest import CORPUS
 
@@ -114,7 +114,7 @@ def analysed_corpus(tmp_path_factory):
         if _rel(path) in NOT_TRACES:
             continue
         out = tmp_path_factory.mktemp("corpus") / "out"
-        ingest(path.parent, out, files=[path], jobs=1, finish=runner.run)
+        analyse(path.parent, out, files=[path], jobs=1)
         results[_rel(path)] = (out, _reference(path))
     return results
 

@@ -4,8 +4,7 @@ analyses' questions, GPU time per rank and kernel category, gives the same answe
 import duckdb
 import pytest
 
-from steplens.analyze.analyses import runner
-from steplens.analyze.pipeline.ingest import ingest
+from steplens.analyze.pipeline import analyse
 from synthetic import generate_run
 
 dd = pytest.importorskip("dask.dataframe")
@@ -14,7 +13,7 @@ dd = pytest.importorskip("dask.dataframe")
 def test_dask_reads_the_run_layout_unchanged(tmp_path):
     run = tmp_path / "run"
     generate_run(run, ranks=4, steps=3, seed=2)
-    ingest(run, jobs=1, finish=lambda s: runner.run(s))
+    analyse(run, jobs=1)
     out = run / ".steplens"
 
     # Per-rank table, hive-partitioned by rank: Dask finds the rank column in the paths.

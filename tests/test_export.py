@@ -5,9 +5,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from steplens.analyze.analyses import runner
 from steplens.analyze.cli import steplens
-from steplens.analyze.pipeline.ingest import ingest
+from steplens.analyze.pipeline import analyse
 from synthetic import generate_run
 
 
@@ -15,7 +14,7 @@ from synthetic import generate_run
 def exported(tmp_path_factory):
     run = tmp_path_factory.mktemp("exp") / "run"
     generate_run(run, ranks=3, steps=4, seed=11, stragglers=[(1, 12)])
-    ingest(run, jobs=1, finish=lambda s: runner.run(s))
+    analyse(run, jobs=1)
     truth = json.loads((run / "truth.json").read_text())
     result = CliRunner().invoke(steplens, ["export-trace", str(run)])
     assert result.exit_code == 0, result.output

@@ -9,9 +9,8 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from steplens.analyze.analyses import runner
 from steplens.analyze.cli import analyze
-from steplens.analyze.pipeline.ingest import ingest
+from steplens.analyze.pipeline import analyse
 
 from conftest import write_trace
 
@@ -33,7 +32,8 @@ def _step(n, ts, dur):
 
 def _analyse(folder):
     findings = {}
-    result = ingest(folder, jobs=1, finish=lambda staging: findings.update(runner.run(staging)))
+    result, found_findings = analyse(folder, jobs=1)
+    findings.update(found_findings)
     return folder / ".steplens", findings, result
 
 

@@ -11,8 +11,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from steplens.analyze.analyses import runner
-from steplens.analyze.pipeline.ingest import ingest
+from steplens.analyze.pipeline import analyse
 
 from conftest import CORPUS
 
@@ -42,7 +41,7 @@ def analysed(tmp_path_factory):
             files = [path] if path.is_file() else None
             folder = path.parent if path.is_file() else path
             findings = {}
-            ingest(folder, out, jobs=1, files=files, finish=lambda s: findings.update(runner.run(s)))
+            findings.update(analyse(folder, out, jobs=1, files=files)[1])
             cache[name] = (out, findings)
         return cache[name]
 

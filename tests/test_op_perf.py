@@ -18,8 +18,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from steplens.analyze.analyses import mfu, op_model, op_perf, runner
-from steplens.analyze.pipeline.ingest import ingest
+from steplens.analyze.analyses import mfu, op_model, op_perf
+from steplens.analyze.pipeline import analyse
 
 from conftest import CORPUS, write_trace
 
@@ -217,7 +217,7 @@ def corpus_op_perf(tmp_path_factory):
     results = {}
     for path in _corpus_files():
         out = tmp_path_factory.mktemp("opperf") / "out"
-        ingest(path.parent, out, files=[path], jobs=1, finish=runner.run)
+        analyse(path.parent, out, files=[path], jobs=1)
         launched = pl.read_parquet(out / "kernel_launches").filter(pl.col("launch_api").is_not_null())["dur_ns"].sum()
         families = json.loads((out / "findings.json").read_text())["roofline"]["time_by_op_family"]
         results[path.relative_to(CORPUS).as_posix()] = (path, pl.read_parquet(out / "op_perf"), launched, families)
@@ -293,7 +293,7 @@ def _module_trace(path: Path) -> Path:
 def test_module_time_and_flops_from_a_hand_built_trace(tmp_path):
     trace = _module_trace(tmp_path / "run" / "rank0.pt.trace.json")
     out = tmp_path / "out"
-    ingest(trace.parent, out, jobs=1, finish=runner.run)
+    analyse(trace.parent, out, jobs=1)
     table = pl.read_parquet(out / "module_perf")
     modules = {m: row for m, *row in table.select("module", "calls", "device_ns", "flops", "achieved_tflops").iter_rows()}
     backward = dict(table.select("module", "backward_device_ns").iter_rows())
@@ -321,7 +321,7 @@ def test_report_and_summary_show_the_roofline_with_names_escaped(tmp_path):
     trace = _module_trace(tmp_path / "run" / "rank0.pt.trace.json")
     trace.write_text(trace.read_text().replace("nn.Module: Block_0", "nn.Module: <script>alert(1)</script>_0"))
     out = tmp_path / "out"
-    ingest(trace.parent, out, jobs=1, finish=runner.run)
+    analyse(trace.parent, out, jobs=1)
     from steplens.reports import html, markdown
     page = html.render(out)
     assert "Top ops by device time" in page and "roof bf16: 989.5 TFLOP/s, 3.35 TB/s" in page  # the scatter's roof
@@ -393,7 +393,7 @@ def stack_profiled_run(tmp_path_factory):
                            "profile_with_stack": True}}
     (out_dir / "config.json").write_text(json.dumps(config))
     run_tiny_gpt(out_dir, "--steps", "8", "--deepspeed_config", str(out_dir / "config.json"))
-    ingest(out_dir, out_dir / ".steplens", jobs=1, finish=runner.run)
+    analyse(out_dir, out_dir / ".steplens", jobs=1)
     return out_dir
 
 

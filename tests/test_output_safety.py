@@ -16,10 +16,10 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
-from steplens.analyze.analyses import runner
 from steplens.analyze.pipeline import ingest as ingest_module
 from steplens.analyze.contract import schema
 from steplens.analyze.cli import EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_UNWRITABLE, analyze, steplens
+from steplens.analyze.pipeline import analyse
 
 from conftest import write_trace
 from synthetic import generate_run
@@ -239,7 +239,7 @@ def test_sql_takes_run_folders_literally(synthetic_run, tmp_path):
 
 def test_export_trace_never_overwrites_an_input(synthetic_run, tmp_path):
     run = _copy(synthetic_run, tmp_path / "run")
-    ingest_module.ingest(run, jobs=1, finish=lambda staging: runner.run(staging))  # tables and analyses, no report
+    analyse(run, jobs=1)  # tables and analyses, no report
     trace = run / "rank-0.pt.trace.json.gz"
     before = trace.read_bytes()
     refused = CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(trace)])

@@ -8,11 +8,10 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
 from steplens.analyze.query import sql
 from steplens.analyze.cli import steplens
-from steplens.analyze.pipeline.ingest import ingest
+from steplens.analyze.pipeline import analyse
 from synthetic import generate_run
 
 
@@ -22,7 +21,7 @@ def runs(tmp_path_factory):
     truths = {}
     for name, ranks, straggler in (("a", 2, (1, 11)), ("b", 3, (2, 12))):
         generate_run(root / name, ranks=ranks, steps=4, seed=ranks, stragglers=[straggler])
-        result = ingest(root / name, jobs=1, finish=lambda s: runner.run(s))
+        result, _ = analyse(root / name, jobs=1)
         truths[result.manifest["run_id"]] = json.loads((root / name / "truth.json").read_text())
     return root, truths
 

@@ -9,15 +9,12 @@ from __future__ import annotations
 from math import comb
 
 import pytest
-from steplens.analyze.analyses import runner
-from steplens.analyze.pipeline import ingest
+from steplens.analyze import pipeline
 from synthetic import generate_run
 
 
 def analyse(run, out) -> dict:
-    findings: dict = {}
-    ingest.ingest(run, out, jobs=1, finish=lambda staging: findings.update(runner.run(staging)))
-    return findings
+    return pipeline.analyse(run, out, jobs=1)[1]
 
 
 @pytest.mark.parametrize("ranks", [2, 8])

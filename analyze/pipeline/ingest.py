@@ -21,10 +21,11 @@ import signal
 import stat
 import threading
 import time
+from contextlib import contextmanager
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import polars as pl
 import pyarrow as pa
@@ -614,21 +615,34 @@ def _write_json(path: Path, value: dict) -> None:
 # Entry point
 
 
-def ingest(
+@dataclass
+class Staged:
+    """A complete new result in its staging folder, not yet visible at out_dir: analyses and reports
+    are written into `folder`, then `publish` swaps it in, so tables, analyses and reports appear
+    together or not at all."""
+
+    run_dir: Path
+    out_dir: Path
+    folder: Path
+    manifest: dict
+    sources: list[Source]
+    parsed: int
+    reused: int
+    started: float
+
+
+@contextmanager
+def staged(
     run_dir: Path,
     out_dir: Path | None = None,
     jobs: int | None = None,
     files: Iterable[Path] | None = None,
     progress: Callable[[Source], None] | None = None,
-    finish: Callable[[Path], None] | None = None,
     found: Discovered | None = None,
-) -> IngestResult:
-    """Ingest the traces under run_dir (or the given files, or what `discover` found) into out_dir
-    (default run_dir/.steplens).
-
-    `finish(staging_dir)` runs on the complete new result before it is swapped in (the analyses), so
-    the swap publishes tables and analyses together or not at all.
-    """
+) -> Iterator[Staged]:
+    """Ingest the inputs under run_dir (or the given files, or what `discover` found) into a staging
+    folder beside out_dir (default run_dir/.steplens); the folder is removed when the block ends,
+    published or not."""
     started = time.perf_counter()
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -642,18 +656,38 @@ def ingest(
                           f"; {len(found.unknown)} other file(s))")
     staging = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        _recover(out_dir)
-        check_output_folder(run_dir, out_dir)
-        if staging.exists() and _is_staging(staging):
-            shutil.rmtree(staging)
-        (staging / "_scratch").mkdir(parents=True)
-        return _ingest_into(run_dir, out_dir, staging, found, jobs, progress, finish, started)
-    except OSError as e:
-        raise OutputUnwritable(f"cannot write to {out_dir}: {e.strerror or e}: use --out DIR") from e
+        try:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            _recover(out_dir)
+            check_output_folder(run_dir, out_dir)
+            if staging.exists() and _is_staging(staging):
+                shutil.rmtree(staging)
+            (staging / "_scratch").mkdir(parents=True)
+            yield _stage(run_dir, out_dir, staging, found, jobs, progress, started)  # analyses write here too
+        except OSError as e:
+            raise OutputUnwritable(f"cannot write to {out_dir}: {e.strerror or e}: use --out DIR") from e
     finally:
         if staging.exists() and _is_staging(staging):
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish(stage: Staged) -> IngestResult:
+    """Swap the staged result in at out_dir (the previous result stays until then)."""
+    try:
+        stage.manifest["output_entries"] = sorted(os.listdir(stage.folder))
+        _write_json(stage.folder / schema.MANIFEST_FILE, stage.manifest)
+        _swap_in(stage.folder, stage.out_dir, stage.run_dir)
+    except OSError as e:
+        raise OutputUnwritable(f"cannot write to {stage.out_dir}: {e.strerror or e}: use --out DIR") from e
+    return IngestResult(stage.out_dir, stage.manifest, stage.sources, stage.parsed, stage.reused,
+                        time.perf_counter() - stage.started)
+
+
+def ingest(run_dir: Path, out_dir: Path | None = None, jobs: int | None = None, files: Iterable[Path] | None = None,
+           progress: Callable[[Source], None] | None = None, found: Discovered | None = None) -> IngestResult:
+    """The tables alone: stage and publish (`steplens.analyze.pipeline.analyse` adds the analyses)."""
+    with staged(run_dir, out_dir, jobs, files, progress, found) as stage:
+        return publish(stage)
 
 
 def _reusable(old: dict, out_dir: Path) -> Source | None:
@@ -679,8 +713,7 @@ def _reusable(old: dict, out_dir: Path) -> Source | None:
     return restored
 
 
-def _ingest_into(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs, progress, finish,
-                 started: float) -> IngestResult:
+def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs, progress, started: float) -> Staged:
     scratch = staging / "_scratch"
     previous = {}
     for old in _previous_manifest(out_dir).get("sources", []):
@@ -747,12 +780,7 @@ def _ingest_into(run_dir: Path, out_dir: Path, staging: Path, found: Discovered,
         problems = problems or [(s.path, i[3]) for s in sources for i in s.issues]
         why = f" ({problems[0][0]}: {problems[0][1]})" if problems else ""
         raise IngestError(f"{run_dir}: nothing usable among {len(sources)} file(s){why}", sources)
-    if finish:
-        finish(staging)
-    manifest["output_entries"] = sorted(os.listdir(staging))
-    _write_json(staging / schema.MANIFEST_FILE, manifest)
-    _swap_in(staging, out_dir, run_dir)
-    return IngestResult(out_dir, manifest, sources, len(to_parse) + len(native), len(reused), time.perf_counter() - started)
+    return Staged(run_dir, out_dir, staging, manifest, sources, len(to_parse) + len(native), len(reused), started)
 
 
 # Issues that depend on the other files of the run, so they are recomputed on every ingest.

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import polars as pl
 
-from steplens.analyze.analyses import runner
-from steplens.analyze.pipeline.ingest import ingest
+from steplens.analyze.pipeline import analyse
 
 OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::convolution",
        "aten::convolution_backward", "aten::_scaled_dot_product_flash_attention",
@@ -68,7 +67,7 @@ def tracelens_rows(python: str, trace: Path) -> pl.DataFrame:
 
 def steplens_rows(trace: Path, workdir: Path) -> pl.DataFrame:
     out = workdir / trace.name
-    ingest(trace.parent, out, files=[trace], jobs=1, finish=runner.run)
+    analyse(trace.parent, out, files=[trace], jobs=1)
     return pl.read_parquet(out / "op_perf").filter(pl.col("name").is_in(OPS))
 
 
