@@ -149,6 +149,10 @@ TRAIN_STEPS, TRAIN_STEPS_DOC = _table(
     ("global_tokens", pa.int64(), "global_samples x sequence length, when the sequence length is known."),
     ("loss_scale", pa.float64(), "fp16 loss scale after the step (null without fp16)."),
     ("lr", pa.float64(), "Learning rate of the first parameter group."),
+    ("max_allocated_bytes", pa.int64(), "torch.cuda.max_memory_allocated() of the rank's device at the row's end: the "
+                                        "peak since the job started or last reset it (the collector never resets it; "
+                                        "DeepSpeed's see_memory_usage does). Null without a CUDA/ROCm device."),
+    ("max_reserved_bytes", pa.int64(), "torch.cuda.max_memory_reserved() at the row's end (same scope); null without a device."),
 )
 
 STEP_TIMERS, STEP_TIMERS_DOC = _table(
@@ -251,6 +255,23 @@ AUTOTUNE_EXPERIMENTS, AUTOTUNE_EXPERIMENTS_DOC = _table(
     ("environment", pa.string(), "Host, devices and versions the experiment ran with, when recorded."),
 )
 
+MEMORY_USAGE, MEMORY_USAGE_DOC = _table(
+    ("rank", pa.int64(), "Rank that printed it (see_memory_usage prints on rank 0 only)."),
+    ("source", pa.string(), "Input file."),
+    ("line", pa.int64(), "Line number of the figures in the file."),
+    ("origin", pa.string(), "see_memory_usage (DeepSpeed runtime/utils.py) | megatron_report_memory (Megatron's report_memory)."),
+    ("message", pa.string(), "Where it was printed: see_memory_usage's message line (e.g. After Building Model), or "
+                             "Megatron's '(after N iterations)'."),
+    ("step", pa.int64(), "Optimizer step when the line says it (Megatron: after N iterations -> N - 1), else null."),
+    ("allocated_bytes", pa.int64(), "Allocated device memory then (MA; Megatron 'allocated')."),
+    ("max_allocated_bytes", pa.int64(), "Peak allocated since the previous reset (Max_MA; see_memory_usage resets it after printing)."),
+    ("reserved_bytes", pa.int64(), "Reserved (cached) device memory (CA; Megatron 'reserved')."),
+    ("max_reserved_bytes", pa.int64(), "Peak reserved (Max_CA, which DeepSpeed prints rounded to whole GiB; Megatron 'max reserved')."),
+    ("resolution_bytes", pa.int64(), "Rounding of the printed allocated/reserved figures: 0.01 GiB for see_memory_usage, "
+                                     "0 for Megatron's exact MiB."),
+    ("wall_ns", pa.int64(), "Time of the log line, ns since epoch (read as UTC), when stamped."),
+)
+
 ALARMS, ALARMS_DOC = _table(
     ("rank", pa.int64(), "Rank the alarm is about (straggler: the slow rank; the rules run on rank 0)."),
     ("source", pa.string(), "Writer or input file."),
@@ -281,11 +302,12 @@ TABLES: dict[str, tuple[pa.Schema, dict[str, str], bool]] = {
     "run_status": (RUN_STATUS, RUN_STATUS_DOC, False),
     "autotune_experiments": (AUTOTUNE_EXPERIMENTS, AUTOTUNE_EXPERIMENTS_DOC, False),
     "alarms": (ALARMS, ALARMS_DOC, False),
+    "memory_usage": (MEMORY_USAGE, MEMORY_USAGE_DOC, False),
 }
 
 # Tables filled by the collector and the native importers (not by the Kineto parser).
 TELEMETRY_TABLES = ("train_steps", "step_timers", "scalars", "comms_calls", "comms_summary",
-                    "flops_profile", "run_status", "autotune_experiments", "alarms")
+                    "flops_profile", "run_status", "autotune_experiments", "alarms", "memory_usage")
 
 # run.json keys, for the README and for readers:
 #   schema_version   int, SCHEMA_VERSION of the writer

@@ -84,6 +84,18 @@ STEP_LINE = re.compile(r"\[Rank (-?\d+)\] step=(\d+), skipped=(\d+), lr=\[([^\]]
 THROUGHPUT_LINE = re.compile(
     rf"(?:epoch=\d+/micro_step=\d+/global_step=(\d+)|\b\d+/(\d+)), RunningAvgSamplesPerSec=({NUM}), "
     rf"CurrSamplesPerSec=({NUM})(?:, MemAllocated=({NUM})GB, MaxMemAllocated=({NUM})GB)?")
+# runtime/utils.py see_memory_usage: the message line, then "MA x GB Max_MA x GB CA x GB Max_CA x GB", each
+# bytes / (1024 * 1024 * 1024) rounded to 2 decimals (Max_CA to a whole number); printed on rank 0 only.
+SIZE = r"\d{1,12}(?:\.\d{1,20})?"  # a memory figure as printed (no sign, exponent or nan)
+SEE_MEMORY_USAGE = re.compile(rf"\bMA ({SIZE}) GB\s+Max_MA ({SIZE}) GB\s+CA ({SIZE}) GB\s+Max_CA ({SIZE}) GB")
+SEE_MEMORY_MESSAGE = re.compile(r"\[[\w.]+:\d+:see_memory_usage\] (.*?)\s*$")
+GIB = 1024**3
+SEE_MEMORY_RESOLUTION_BYTES = round(0.01 * GIB)
+# Megatron's report_memory (megatron/utils.py): torch.cuda figures / (1024 * 1024), printed once after the first
+# logged iterations by data-parallel rank 0 of each model-parallel group.
+MEGATRON_MEMORY = re.compile(rf"\[Rank (\d+)\] (\(after (\d+) iterations\)) memory \(MB\) \| allocated: ({SIZE}) \| "
+                             rf"max allocated: ({SIZE}) \| reserved: ({SIZE}) \| max reserved: ({SIZE})")
+MIB = 1024**2
 MEGATRON_LINE = re.compile(r"^\s*iteration\s+(\d+)\s*/\s*(\d+)\s*\|(.*)$")
 MEGATRON_ITEM = re.compile(rf"^\s*([A-Za-z][\w \-/()]*?)\s*:\s*({NUM})\s*$")
 COMM_LINE = re.compile(
@@ -157,6 +169,7 @@ class LogState:
     facts: dict = field(default_factory=dict)
     garbled: set = field(default_factory=set)  # indices of lines written over by another process, or undecodable
     flops_blocks: list = field(default_factory=list)  # lines of each FLOPs profile printed into the log
+    memory: list = field(default_factory=list)  # memory_usage rows
 
     @property
     def run(self) -> Run:
@@ -247,6 +260,10 @@ def _read_line(state: LogState, lines: list[str], i: int) -> int:
         _throughput(state, m, line)
     elif m := MEGATRON_LINE.match(line):
         _megatron(state, m, line)
+    elif m := SEE_MEMORY_USAGE.search(line):
+        _see_memory_usage(state, m, lines, i)
+    elif m := MEGATRON_MEMORY.search(line):
+        _megatron_memory(state, m, i)
     elif SUMMARY_HEADER.match(line):
         return _summary_table(state, lines, i + 1)
     elif FLOPS_HEADER in line:
@@ -349,6 +366,33 @@ def _megatron(state: LogState, m: re.Match, line: str) -> None:
     for name, value in fields.items():
         _scalar(state, rank, name, value, steps_done, line,
                 samples=int(samples) if samples is not None else None, tokens=int(tokens) if tokens is not None else None)
+
+
+def _see_memory_usage(state: LogState, m: re.Match, lines: list[str], i: int) -> None:
+    """DeepSpeed's see_memory_usage figures; its message is the line printed just before them."""
+    line = m.string
+    before = lines[i - 1] if i > 0 else ""
+    if said := SEE_MEMORY_MESSAGE.search(before):
+        message = said[1]
+    else:  # print() form (DeepSpeed 0.19 prints, 0.7 logged): the bare line before, unless it is another record
+        message = before.strip() if before.strip() and not LOGGER_LINE.search(before) and i - 1 not in state.garbled else None
+    allocated, max_allocated, reserved, max_reserved = (round(float(value) * GIB) for value in m.groups())
+    state.run.has_records = True
+    state.memory.append({
+        "rank": _rank(state, line), "source": state.rel, "line": i + 1, "origin": "see_memory_usage", "message": message,
+        "allocated_bytes": allocated, "max_allocated_bytes": max_allocated, "reserved_bytes": reserved,
+        "max_reserved_bytes": max_reserved, "resolution_bytes": SEE_MEMORY_RESOLUTION_BYTES, "wall_ns": _ts_ns(line),
+    })
+
+
+def _megatron_memory(state: LogState, m: re.Match, i: int) -> None:
+    allocated, max_allocated, reserved, max_reserved = (round(float(value) * MIB) for value in m.groups()[3:])
+    state.run.has_records = True
+    state.memory.append({
+        "rank": int(m[1]), "source": state.rel, "line": i + 1, "origin": "megatron_report_memory", "message": m[2],
+        "step": int(m[3]) - 1, "allocated_bytes": allocated, "max_allocated_bytes": max_allocated,
+        "reserved_bytes": reserved, "max_reserved_bytes": max_reserved, "resolution_bytes": 0, "wall_ns": _ts_ns(m.string),
+    })
 
 
 def _summary_table(state: LogState, lines: list[str], i: int) -> int:
@@ -597,6 +641,8 @@ def _build(state: LogState, issues: list) -> Imported:
         tables["scalars"] = conform(state.scalars, "scalars")
     if comms := _comms_rows(state, issues):
         tables["comms_calls"] = comms_dump.with_bandwidth(conform(comms, "comms_calls"))
+    if state.memory:
+        tables["memory_usage"] = conform(state.memory, "memory_usage")
     if state.summary:
         trust = {run.index: _verbose_trust(run) for run in state.runs}
         rows = [{**{k: v for k, v in row.items() if k != "run_index"}, "trusted": trust[row["run_index"]]}
