@@ -150,6 +150,19 @@ class Collector:
 
     # --- rows -----------------------------------------------------------------------------------
 
+    def device_memory_peaks(self) -> dict:
+        """The device's peak allocated/reserved bytes for a train_steps row; {} while the job has not initialized
+        CUDA/ROCm (a CPU run: no cuda call at all, and never a context created on an unused GPU). One
+        memory_stats() read, which does not synchronize; the peak is never reset, since the job's own
+        max_memory_allocated() readings (DeepSpeed's, Megatron's, the user's) would change."""
+        import torch
+
+        if not torch.cuda.is_initialized():
+            return {}
+        stats = torch.cuda.memory_stats()
+        return {"max_allocated_bytes": stats.get("allocated_bytes.all.peak"),
+                "max_reserved_bytes": stats.get("reserved_bytes.all.peak")}
+
     def tokens(self, samples: int | None) -> int | None:
         return samples * self.settings.seq_len if samples is not None and self.settings.seq_len else None
 
@@ -490,6 +503,7 @@ class EngineCollector(Collector):
             "is_boundary": boundary, "skipped": e.skipped_steps > skipped_before if boundary else None,
             "global_samples": samples, "global_tokens": self.tokens(samples),
             "loss_scale": None if scale is None else float(scale), "lr": float(lr[0]) if lr else None,
+            **(self.guard("memory", self.device_memory_peaks) or {}),
         })
 
     def record_timers(self, names) -> None:
@@ -598,6 +612,7 @@ class TorchCollector(Collector):
             "start_ns": start, "end_ns": end, "dur_ns": end - start, "is_boundary": True, "skipped": False,
             "global_samples": samples, "global_tokens": self.tokens(samples),
             "lr": None if lr is None else float(lr),
+            **(self.guard("memory", self.device_memory_peaks) or {}),
         })
 
     def unhook(self) -> None:
