@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from steplens.analyze.contract import alarm_rules
+from steplens.analyze.contract import alarm_rules, layout
 
 log = logging.getLogger("steplens.collect")
 QUEUE_SIZE = 64  # alarms waiting for one sink; more are counted as dropped
@@ -195,8 +195,8 @@ class Alarms:
                    "comms_calls": ["step", "latency_ns"]}
         root = self.collector.writer.root
         for table, wanted in columns.items():
-            for path in sorted((root / table).glob("rank*-*.parquet")):
-                rank = int(path.name[4:].split("-")[0])
+            for path in sorted((root / table).glob(layout.PART_GLOB)):
+                rank, _ = layout.parse_part_name(path.name)
                 if rank == self.collector.rank or path in self.parts_read:
                     continue
                 self.parts_read.add(path)

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from steplens.analyze.contract import alarm_rules
+from steplens.analyze.contract import alarm_rules, layout
 
 from . import environment
 from .comms import CommsRecorder, with_bandwidth
@@ -33,8 +33,6 @@ from .parts import PartWriter
 log = logging.getLogger("steplens.collect")
 
 TABLES = ("train_steps", "step_timers", "scalars", "comms_calls", "flops_profile", "alarms")
-MANIFEST_FORMAT = "steplens-collector-manifest"
-MANIFEST_VERSION = 1
 SOURCE = "collector"
 _ABSENT = object()
 
@@ -271,7 +269,8 @@ class Collector:
 
     def manifest(self) -> dict:
         return {
-            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "rank": self.rank, "status": self.status,
+            "format": layout.COLLECTOR_MANIFEST_FORMAT, "version": layout.COLLECTOR_MANIFEST_VERSION, "rank": self.rank,
+            "status": self.status,
             "started_ns": self.started_ns, "updated_ns": time.time_ns(),
             "steps_completed": self.completed_steps, "last_flushed_step": self.last_flush_step,
             "flushes": self.writer.seq, "rows_written": dict(self.writer.rows_written),

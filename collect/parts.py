@@ -1,6 +1,6 @@
 """Buffered, crash-safe output of one rank: rows of the telemetry tables, written as Parquet parts.
 
-Layout under the run folder (the folder `analyze` is later given):
+Layout under the run folder (the folder `analyze` is later given), built by analyze/contract/layout.py:
     collector/<table>/rank<r>-<seq:05d>.parquet   one part per table per flush (seq counts flushes)
     collector/manifest/rank<r>.json               the rank's manifest, rewritten whole after each flush
 
@@ -31,10 +31,8 @@ from pathlib import Path
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
-from steplens.analyze.contract import schema
+from steplens.analyze.contract import layout, schema
 
-COLLECTOR_DIR = "collector"
-MANIFEST_DIR = "manifest"
 WAIT_S = 10.0  # longest wait for a background write at close or SIGTERM (schedulers kill ~30 s after SIGTERM)
 
 log = logging.getLogger("steplens.collect")
@@ -62,11 +60,12 @@ class PartWriter:
 
     def __init__(self, run_dir: Path, rank: int, tables: tuple[str, ...],
                  prepare: dict[str, Callable[[pl.DataFrame], pl.DataFrame]]):
-        self.root = Path(run_dir) / COLLECTOR_DIR
+        self.root = layout.collector_root(run_dir)
         self.rank = rank
         # After this rank's existing parts: a resumed job (or a second attach) writing into the same folder
         # adds parts and never replaces one.
-        self.seq = 1 + max((int(p.stem.split("-")[1]) for p in self.root.glob(f"*/rank{rank}-*.parquet")), default=-1)
+        self.seq = 1 + max((layout.parse_part_name(p.name)[1] for p in self.root.glob(layout.rank_parts_glob(rank))),
+                           default=-1)
         self.prepare = prepare  # table -> frame transform run at write time (e.g. derived columns)
         self.rows: dict[str, list[dict]] = {table: [] for table in tables}
         self.rows_written: dict[str, int] = dict.fromkeys(tables, 0)
@@ -75,7 +74,7 @@ class PartWriter:
         self.lock = threading.Lock()  # the worker thread and the job both count dropped rows
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"steplens-writer-rank{rank}")
         self.last: Future | None = None
-        (self.root / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
+        layout.manifest_path(self.root, rank).parent.mkdir(parents=True, exist_ok=True)
 
     def warm_up(self) -> None:
         """Run the write path once on empty frames, in memory, before training starts: the first use of
@@ -152,9 +151,8 @@ class PartWriter:
         if table in self.prepare:
             frame = self.prepare[table](frame)
         arrow = frame.to_arrow().cast(schema.TABLES[table][0])
-        folder = self.root / table
-        folder.mkdir(exist_ok=True)
-        path = folder / f"rank{self.rank}-{seq:05d}.parquet"
+        path = layout.part_path(self.root, table, self.rank, seq)
+        path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         try:
             pq.write_table(arrow, tmp)
@@ -175,7 +173,7 @@ class PartWriter:
 
     def write_manifest(self, manifest: dict) -> None:
         data = json.dumps(manifest, indent=1, default=str).encode()
-        write_atomically(self.root / MANIFEST_DIR / f"rank{self.rank}.json", data)
+        write_atomically(layout.manifest_path(self.root, self.rank), data)
 
     def close(self) -> None:
         self.wait()

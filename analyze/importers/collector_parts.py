@@ -1,4 +1,4 @@
-"""Importer for what the in-job collector (collect/) wrote into the run folder:
+"""Importer for what the in-job collector (collect/) wrote into the run folder (analyze/contract/layout.py):
 
     collector/<table>/rank<r>-<seq>.parquet   rows of one telemetry table, one part per flush
     collector/manifest/rank<r>.json           the rank's manifest (status running -> completed)
@@ -11,47 +11,33 @@ going): its rows after `last_flushed_step` are missing, and that is reported.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from steplens.analyze.contract import schema
+from steplens.analyze.contract import layout, schema
 from steplens.analyze.importers.base import Imported, conform
 
-PART = re.compile(r"rank(\d+)-(\d+)\.parquet")
-MANIFEST = re.compile(r"rank(\d+)\.json")
-MANIFEST_FORMAT = "steplens-collector-manifest"  # collect.collector.MANIFEST_FORMAT (the analyzer never imports collect)
 # Run facts every rank's manifest gives alike; the rest is per rank, under collector_rank<r>.
 RUN_FACTS = ("world_size", "zero_stage", "dtype", "dp_world_size", "micro_batch", "grad_accum", "train_batch_size",
              "seq_len", "param_count", "ds_config", "wall_clock_breakdown", "environment", "git", "settings")
 
 
-def _is_part(path: Path) -> bool:
-    return (path.parent.parent.name == "collector" and path.parent.name in schema.TELEMETRY_TABLES
-            and PART.fullmatch(path.name) is not None)
-
-
-def _is_manifest(path: Path) -> bool:
-    return (path.parent.name == "manifest" and path.parent.parent.name == "collector"
-            and MANIFEST.fullmatch(path.name) is not None)
-
-
 def claims(path: Path) -> bool:
-    return _is_part(path) or _is_manifest(path)
+    return layout.parse_part(path) is not None or layout.parse_manifest(path) is not None
 
 
 def parse(path: Path, rel: str) -> Imported:
     """Registered in importers.IMPORTERS as "collector", ahead of the native-artifact importers."""
-    return _parse_part(path, rel) if _is_part(path) else _parse_manifest(path, rel)
+    part = layout.parse_part(path)
+    return _parse_part(path, rel, part) if part is not None else _parse_manifest(path, rel)
 
 
-def _parse_part(path: Path, rel: str) -> Imported:
+def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
 
-    table = path.parent.name
-    rank = int(PART.fullmatch(path.name).group(1))
+    table, rank = part.table, part.rank
     expected = schema.TABLES[table][0]
     try:
         arrow = pq.read_table(path)
@@ -74,7 +60,7 @@ def _parse_part(path: Path, rel: str) -> Imported:
 def _parse_manifest(path: Path, rel: str) -> Imported:
 
     doc = json.loads(path.read_text())
-    if doc.get("format") != MANIFEST_FORMAT:
+    if doc.get("format") != layout.COLLECTOR_MANIFEST_FORMAT:
         return Imported(issues=[["warning", "not_a_collector_manifest", 1, f"{rel} is not a collector manifest"]])
     rank, status, run = doc["rank"], doc.get("status"), doc.get("run") or {}
     facts = {key: run[key] for key in RUN_FACTS if key in run}
