@@ -1,0 +1,198 @@
+"""Memory per rank and step (analyze/analyses/memory.py): peaks from [memory] trace events, the collector and
+DeepSpeed/Megatron log lines, growth across steps, and an out-of-memory end. Every number is checked against
+the raw input read here with plain json/re, or against a generated input whose answer is known."""
+
+import gzip
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from conftest import write_trace
+from steplens.analyze import pipeline
+
+QWEN_TRACE = "TraceLens/h100/Qwen_Qwen1.5-0.5B-Chat__1016005.json.gz"
+MEGATRON_LOG = ("Megatron-DeepSpeed/random_ltd_gpt3_baseline/"
+                "gpt3-0.125B-tokendropping-graduallyIncrease-lr-3.0e-4-baseline.log")
+MIB, GIB = 2**20, 2**30
+
+
+def _analysed(folder: Path, tmp_path: Path) -> tuple[Path, dict]:
+    result, findings = pipeline.analyse(folder, tmp_path / "out", jobs=1)
+    return result.out_dir, findings
+
+
+def _linked(tmp_path: Path, *files: Path) -> Path:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for file in files:
+        (folder / file.name).symlink_to(file)
+    return folder
+
+
+def test_trace_peak_is_the_largest_device_total_in_the_step(corpus, tmp_path):
+    path = corpus / QWEN_TRACE
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "ProfilerStep#6"]
+    device = [e["args"] for e in events if e.get("name") == "[memory]" and e["args"]["Device Type"] != 0
+              and any(start <= e["ts"] < end for start, end in windows)]
+    out_dir, findings = _analysed(_linked(tmp_path, path), tmp_path)
+    rows = pl.read_parquet(out_dir / "memory_by_step").filter(pl.col("source") == "trace")
+    assert rows.select("rank", "step", "peak_scope").rows() == [(0, 6, "step")]
+    assert rows["peak_allocated_bytes"][0] == max(a["Total Allocated"] for a in device) == 2088508416
+    assert rows["peak_reserved_bytes"][0] == max(a["Total Reserved"] for a in device)
+    assert rows["samples"][0] == len(device)
+    # Host allocations (Device Type 0) have their own, tiny totals: never taken as device memory.
+    events_table = pl.read_parquet(out_dir / "trace_events").filter(pl.col("kind") == "memory")
+    host = sum(e["args"]["Device Type"] == 0 for e in events if e.get("name") == "[memory]")
+    assert events_table["total_allocated_bytes"].null_count() == host == 200
+    assert findings["memory"]["peak_by_rank"][0]["peak_allocated_bytes"] == 2088508416
+
+
+def test_log_lines_give_the_figures_as_printed(corpus, tmp_path):
+    """see_memory_usage: GB = 2**30 (deepspeed/runtime/utils.py divides by 1024 * 1024 * 1024), rounded to
+    0.01 and Max_CA to a whole number; Megatron's report_memory: MB = 2**20. Values read off the file by hand:
+    line 1109 'MA 0.24 GB Max_MA 0.24 GB CA 0.25 GB Max_CA 0 GB' after 'After Building Model' (line 1108),
+    line 2739 '[Rank 0] (after 10 iterations) memory (MB) | allocated: 1674.31005859375 | max allocated:
+    7176.13916015625 | reserved: 8774.0 | max reserved: 8774.0'."""
+    out_dir, findings = _analysed(_linked(tmp_path, corpus / MEGATRON_LOG), tmp_path)
+    usage = pl.read_parquet(out_dir / "memory_usage").sort("line")
+    assert usage.select("line", "origin", "message", "step").rows() == [
+        (1106, "see_memory_usage", "Before Building Model", None),
+        (1109, "see_memory_usage", "After Building Model", None),
+        (2739, "megatron_report_memory", "(after 10 iterations)", 9)]
+    built = usage.row(1, named=True)
+    assert (built["allocated_bytes"], built["max_allocated_bytes"], built["reserved_bytes"], built["max_reserved_bytes"]) == (
+        round(0.24 * GIB), round(0.24 * GIB), round(0.25 * GIB), 0)
+    megatron = usage.row(2, named=True)
+    assert (megatron["allocated_bytes"], megatron["max_allocated_bytes"], megatron["reserved_bytes"]) == (
+        round(1674.31005859375 * MIB), round(7176.13916015625 * MIB), 8774 * MIB)
+    peak = findings["memory"]["peak_by_rank"]
+    assert peak == [{"rank": 0, "peak_allocated_bytes": round(7176.13916015625 * MIB), "step": 9,
+                     "source": "megatron_report_memory", "peak_reserved_bytes": 8774 * MIB}]
+    by_step = pl.read_parquet(out_dir / "memory_by_step")
+    # see_memory_usage's reserved peak: CA 0.25 GiB is larger than the whole-GiB Max_CA printed as 0.
+    assert by_step.filter(pl.col("label") == "After Building Model")["peak_reserved_bytes"].to_list() == [round(0.25 * GIB)]
+    assert findings["memory"]["out_of_memory"] is None
+
+
+def _memory_trace(path: Path, peaks_mib: list[float]) -> Path:
+    """One ProfilerStep per peak: an allocation that takes the device total to the step's peak, then its free."""
+    base_us, step_us = 1_700_000_000_000_000, 10_000
+    events = []
+    for step, peak in enumerate(peaks_mib):
+        start = base_us + step * step_us
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": 1, "tid": 1,
+                       "ts": start, "dur": step_us - 10})
+        resident, block = 900 * MIB, round(peak * MIB) - 900 * MIB
+        for offset, nbytes, total in ((100, block, resident + block), (5000, -block, resident)):
+            events.append({"ph": "i", "s": "t", "cat": "cpu_instant_event", "name": "[memory]", "pid": 1, "tid": 1,
+                           "ts": start + offset, "args": {"Total Reserved": 2 * GIB, "Total Allocated": total,
+                                                          "Bytes": nbytes, "Device Id": 0, "Device Type": 1}})
+    return write_trace(path, events)
+
+
+def test_growth_beyond_the_noise_is_named_and_flat_memory_is_not(tmp_path):
+    # 12 steps: the first two warm up (optimizer states), then +8 MiB per step with +-0.25 MiB jitter.
+    jitter = [0.25, -0.25, 0.0, 0.25, -0.25, 0.0, 0.25, -0.25, 0.0, 0.25]
+    leaking = [1000.0, 1500.0] + [1600 + 8 * k + j for k, j in enumerate(jitter)]
+    _memory_trace(tmp_path / "leak" / "rank0.pt.trace.json", leaking)
+    _, findings = _analysed(tmp_path / "leak", tmp_path / "a")
+    judged = findings["memory"]["growth"][0]
+    assert judged["growing"] and (judged["first_step"], judged["last_step"], judged["steps"]) == (2, 11, 10)
+    assert judged["slope_bytes_per_step"] == pytest.approx(8 * MIB, rel=0.02)
+    flat = [1000.0, 1500.0] + [1600 + j for j in jitter]
+    _memory_trace(tmp_path / "flat" / "rank0.pt.trace.json", flat)
+    _, findings = _analysed(tmp_path / "flat", tmp_path / "b")
+    assert findings["memory"]["growth"][0]["growing"] is False
+    assert findings["memory"]["peak_by_rank"][0]["peak_allocated_bytes"] == round(1600.25 * MIB)
+
+
+ENGINE_LINE = "[2025-01-01 10:00:00,000] [INFO] [engine.py:1234:_configure_optimizer] Using DeepSpeed Optimizer param name adam"
+TIMER_LINE = "[Rank {rank}] time (ms) | fwd: 10.5 | bwd: 20.25 | step: 5.0"
+
+
+@pytest.mark.parametrize("error, kind, tried, capacity", [
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB "
+     "of which 1.02 GiB is free.", "device", 2 * GIB, round(79.15 * GIB)),
+    ("RuntimeError: HIP out of memory. Tried to allocate 20.00 MiB (GPU 0; 63.98 GiB total capacity; 61.50 GiB already "
+     "allocated)", "device", 20 * MIB, round(63.98 * GIB)),
+    ("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", "device", None, None),
+    ("MemoryError: std::bad_alloc", "host", None, None),
+])
+def test_out_of_memory_end_with_its_rank_and_step(tmp_path, error, kind, tried, capacity):
+    # A per-rank log (rank 1 by its name): three optimizer steps close (global timer lines), then the
+    # traceback: the job died in step 3.
+    lines = [ENGINE_LINE] + [TIMER_LINE.format(rank=1)] * 3 + ["Traceback (most recent call last):",
+                                               '  File "train.py", line 10, in <module>', error]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "rank1.log").write_text("\n".join(lines) + "\n")
+    _, findings = _analysed(tmp_path / "in", tmp_path)
+    oom = findings["memory"]["out_of_memory"]
+    assert (oom["kind"], oom["rank"], oom["step"], oom["tried_bytes"], oom["capacity_bytes"]) == (kind, 1, 3, tried, capacity)
+    assert oom["error"] == error
+    from steplens.analyze.analyses.memory import memory_lines
+
+    assert f"out of {kind} memory on rank 1 in step 3" in " ".join(memory_lines(findings["memory"]))
+
+
+def test_a_cpu_collector_run_makes_no_cuda_call_and_says_no_device_memory(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from steplens.collect import attach
+
+    def no_cuda_call(*args, **kwargs):
+        raise AssertionError("a CPU job must make no cuda call")
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", no_cuda_call)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path / "run"), samples_per_step=4, flush_every=2,
+                       profile=None, flops_step=None)
+    for _ in range(4):
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+    collector.close()
+    assert "memory" not in json.loads((tmp_path / "run" / "collector" / "manifest" / "rank0.json").read_text())["disabled"]
+    out_dir, findings = _analysed(tmp_path / "run", tmp_path)
+    steps = pl.read_parquet(out_dir / "train_steps")
+    assert steps.height == 4 and steps["max_allocated_bytes"].null_count() == steps["max_reserved_bytes"].null_count() == 4
+    assert findings["memory"]["device_memory_recorded"] is False and findings["memory"]["collector_without_device"]
+
+
+def test_the_collector_reads_the_keys_max_memory_allocated_reads():
+    """The collector takes both peaks from one memory_stats() read: the same keys torch's own functions return."""
+    torch = pytest.importorskip("torch")
+    import inspect
+
+    assert '"allocated_bytes.all.peak"' in inspect.getsource(torch.cuda.max_memory_allocated)
+    assert '"reserved_bytes.all.peak"' in inspect.getsource(torch.cuda.max_memory_reserved)
+    collector_source = (Path(__file__).resolve().parents[1] / "collect" / "collector.py").read_text()
+    assert '"allocated_bytes.all.peak"' in collector_source and '"reserved_bytes.all.peak"' in collector_source
+
+
+def test_a_deepspeed_cpu_job_says_no_device_memory(ds_steady_run, tmp_path):
+    """A real 2-rank DeepSpeed CPU job: the collector recorded every step and no device memory."""
+    out_dir, findings = _analysed(ds_steady_run, tmp_path)
+    steps = pl.read_parquet(out_dir / "train_steps")
+    assert sorted(steps["rank"].unique().to_list()) == [0, 1] and steps["max_allocated_bytes"].is_null().all()
+    memory = findings["memory"]
+    assert memory["device_memory_recorded"] is False and memory["collector_without_device"]
+    assert pl.read_parquet(out_dir / "memory_by_step").is_empty()
+
+
+def test_analyze_shows_the_memory_section(tmp_path):
+    _memory_trace(tmp_path / "run" / "rank0.pt.trace.json", [1000.0, 1500.0] + [1600 + 8 * k for k in range(8)])
+    done = subprocess.run([sys.executable, "-m", "steplens.analyze", str(tmp_path / "run"), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    findings = json.loads((tmp_path / "o" / "findings.json").read_text())
+    assert findings["memory"]["growth"][0]["growing"]
+    assert pl.read_parquet(tmp_path / "o" / "memory_by_step").height == 10
+    html = (tmp_path / "o" / "report.html").read_text()
+    assert "Memory per rank and step" in html and "8.00 MiB per step" in html
+    assert "8.00 MiB per step" in (tmp_path / "o" / "summary.md").read_text()
+    assert re.search(r"Rank 0: peak 1\.\d\d GiB allocated", done.stdout)
