@@ -1,6 +1,10 @@
 """Read one PyTorch-profiler (Kineto) Chrome trace into normalized tables.
 
-The trace is decoded in bounded chunks straight from the (gzip) stream by trace_reader, so memory
+This module knows the Kineto format: it decodes the events into per-rank columns (kinds from
+Kineto's categories, exact ns times) and the trace's metadata; what the events mean whatever the
+format (step windows, step of each event, launch and flow links) is trace.semantics, applied last.
+
+The trace is decoded in bounded chunks straight from the (gzip) stream by json_events, so memory
 stays a small multiple of the chunk size whatever the file holds, and damage (a cut, a bad token)
 costs only what it damages. Events are decoded into typed structs by msgspec (unknown keys are
 skipped without building Python objects), every value is checked where it is read (out of range or
@@ -35,6 +39,7 @@ import pyarrow.csv as pacsv
 
 from steplens.analyze.contract import schema
 from steplens.analyze.importers.json_events import ByteStream, EventReader, Issue, NotATrace  # noqa: F401 - NotATrace is raised through this module
+from steplens.analyze.trace import semantics
 
 # A ts above this many ns (~1973 as epoch time) is already absolute, not relative to a base time.
 ABSOLUTE_NS_THRESHOLD = 10**17
@@ -57,19 +62,6 @@ CATEGORY_KINDS = {
     "gpu_user_annotation": "gpu_user_annotation",
 }
 MEMORY_EVENT_NAME = "[memory]"
-
-# Flow categories that link a CPU launch to device work: `ac2g` (PyTorch >= 1.10) and the legacy
-# names Kineto used before it.
-LAUNCH_FLOW_CATEGORIES = {"ac2g", "async", "async_gpu", "async_cpu_to_gpu"}
-FWDBWD_FLOW_CATEGORY = "fwdbwd"
-
-# Runtime/driver calls that enqueue device work. Covers every launch API in the corpus
-# (cudaLaunchKernel[ExC], cuLaunchKernel[Ex], cudaGraphLaunch, hipLaunchKernel,
-# hipExtModuleLaunchKernel, hipModuleLaunchKernel, hipGraphLaunch) and async/sync copies and sets.
-LAUNCH_API = re.compile(
-    r"^(cuda|cu|hip)(Ext)?(Module)?Launch|^(cuda|cu|hip)GraphLaunch|^(cuda|cu|hip)Memcpy|^(cuda|cu|hip)Memset"
-)
-STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 
 
 class _Args(msgspec.Struct, gc=False):
@@ -139,7 +131,6 @@ TIME_LIMIT_NS = 2**62
 MAX_MESSAGE_NELEMS = 2**48
 MAX_MEMORY_BYTES = 2**48  # a [memory] event's allocation size (negative for a free)
 HOST_DEVICE_TYPE = 0  # c10::DeviceType::CPU in a [memory] event's 'Device Type' (CUDA is 1, HIP 6)
-MAX_STEP = 2**31 - 1  # ProfilerStep numbers; a step counter past 2 billion is damage
 # Longest integer text parsed (int64 has 19 digits); longer strings are not parsed at all.
 _MAX_INT_DIGITS = 20
 
@@ -433,7 +424,6 @@ def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl
     ).with_columns(
         stream=pl.when(pl.col("kind").is_in(schema.DEVICE_KINDS)).then(pl.coalesce("arg_stream", "tid")),
         device=pl.when(pl.col("kind").is_in(schema.DEVICE_KINDS)).then(pl.coalesce("arg_device", "pid")),
-        is_launch=pl.col("kind").is_in(["cuda_runtime", "cuda_driver"]) & pl.col("name").str.contains(LAUNCH_API.pattern),
     )
     events = events.sort("ts_ns", maintain_order=True).with_row_index("event_id").with_columns(pl.col("event_id").cast(pl.Int64))
     return events, flows
@@ -463,131 +453,6 @@ def _report_bad_times(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> i
             name, value = raw.filter(mask).select("name", column).row(0)
             issues.append(Issue("warning", reason, counts[reason], f"{what}, e.g. {name!r:.80} {column[:-5]}={value!r:.60}"))
     return counts["bad_duration"]
-
-
-def _steps(events: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
-    marked = events.filter(
-        pl.col("name").str.starts_with("ProfilerStep#")
-        & pl.col("dur_ns").is_not_null()
-        & ~pl.col("kind").is_in(schema.DEVICE_KINDS)
-    ).with_columns(digits=pl.col("name").str.extract(STEP_NAME.pattern))
-    number = pl.col("digits").cast(pl.Int64, strict=False)
-    damaged = marked.filter(pl.col("digits").is_not_null() & ~number.is_between(0, MAX_STEP).fill_null(False))
-    if damaged.height:
-        issues.append(Issue("warning", "bad_step_number", damaged.height, f"ProfilerStep numbers above {MAX_STEP} "
-                            f"are damage, not steps; those events are kept as plain events, e.g. {damaged['name'][0]!r:.80}"))
-    steps = (
-        marked.filter(number.is_between(0, MAX_STEP))
-        .select(
-            step=number,
-            start_ns="ts_ns",
-            end_ns=pl.col("ts_ns") + pl.col("dur_ns"),
-            dur_ns="dur_ns",
-            pid="pid",
-            tid="tid",
-        )
-        .drop_nulls("step")
-        .sort("start_ns")
-    )
-    return steps
-
-
-WORK_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")  # device work a launch call enqueues
-
-
-def _assign_steps(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
-    """CPU events get the step whose window holds their start; device events the step of their launch.
-
-    `events` is sorted by ts_ns (event_id order), which the as-of join needs and keeps."""
-    if steps.is_empty():
-        return events.with_columns(step=pl.lit(None, pl.Int64))
-    windows = steps.select("start_ns", step_end_ns="end_ns", window_step="step").sort("start_ns")
-    events = events.join_asof(windows, left_on="ts_ns", right_on="start_ns", strategy="backward", check_sortedness=False)
-    events = events.with_columns(time_step=pl.when(pl.col("ts_ns") < pl.col("step_end_ns")).then(pl.col("window_step")))
-    launch_steps = (
-        events.filter(pl.col("kind").is_in(["cuda_runtime", "cuda_driver"]) & pl.col("correlation").is_not_null())
-        .group_by("correlation")
-        .agg(launch_step=pl.col("time_step").first())
-    )
-    # Device work takes its launch's step, and none when its launch is not in the file (enqueued before
-    # the window): a time guess would put it in whichever step was open when it ran.
-    work = pl.col("kind").is_in(WORK_KINDS)
-    events = events.join(launch_steps, on="correlation", how="left", maintain_order="left").with_columns(
-        step=pl.when(work).then(pl.col("launch_step")).otherwise(pl.col("time_step"))
-    )
-    return events.drop("start_ns", "step_end_ns", "window_step", "time_step", "launch_step")
-
-
-def _launch_links(events: pl.DataFrame) -> pl.DataFrame:
-    """Launch -> device work by correlation id. A graph launch links to every kernel it ran."""
-    calls = events.filter(pl.col("kind").is_in(["cuda_runtime", "cuda_driver"]) & pl.col("correlation").is_not_null())
-    device = events.filter(pl.col("kind").is_in(["kernel", "gpu_memcpy", "gpu_memset"]) & pl.col("correlation").is_not_null())
-    # Correlation ids are unique per call; if a trace repeats one, keep the launch API (then the first).
-    calls = calls.sort(["correlation", "is_launch", "event_id"], descending=[False, True, False]).unique("correlation", keep="first")
-    return device.join(calls, on="correlation", how="inner", suffix="_src").select(
-        flow_type=pl.lit("launch"),
-        src_event_id="event_id_src",
-        dst_event_id="event_id",
-        via=pl.lit("correlation"),
-        flow_id="correlation",
-    )
-
-
-def _flow_links(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
-    """Pair s/f flow events and bind each end to the innermost slice starting at that time."""
-    if endpoints.is_empty():
-        return pl.DataFrame(schema=_FLOW_LINK_SCHEMA)
-    endpoints = endpoints.filter(pl.col("flow_id").is_not_null())
-    starts = endpoints.filter(pl.col("ph") == "s")
-    ends = endpoints.filter(pl.col("ph").is_in(["f", "t"]))
-    pairs = starts.join(ends, on=["cat", "flow_id"], how="inner", suffix="_dst").unique(["cat", "flow_id"], keep="first")
-    unmatched_starts = starts.height - starts.join(ends, on=["cat", "flow_id"], how="semi").height
-    if unmatched_starts:
-        issues.append(Issue("info", "flow_without_end", unmatched_starts,
-                            "flow starts whose end is outside the trace window (e.g. a launch whose kernel was not recorded)"))
-    slices = events.filter(pl.col("dur_ns").is_not_null()).select("event_id", "pid", "tid", "ts_ns", "dur_ns")
-    innermost = slices.sort("dur_ns").unique(["pid", "tid", "ts_ns"], keep="first").drop("dur_ns")
-    src = innermost.rename({"event_id": "src_event_id"})
-    dst = innermost.rename({"event_id": "dst_event_id", "pid": "pid_dst", "tid": "tid_dst", "ts_ns": "ts_ns_dst"})
-    linked = pairs.join(src, on=["pid", "tid", "ts_ns"], how="inner").join(dst, on=["pid_dst", "tid_dst", "ts_ns_dst"], how="inner")
-    unbound = pairs.height - linked.height
-    if unbound:
-        issues.append(Issue("info", "flow_unbound", unbound, "flow pairs whose start or end matches no slice; not linked"))
-    flow_type = pl.when(pl.col("cat").is_in(list(LAUNCH_FLOW_CATEGORIES))).then(pl.lit("launch")).otherwise(
-        pl.when(pl.col("cat") == FWDBWD_FLOW_CATEGORY).then(pl.lit("fwdbwd")).otherwise(pl.col("cat"))
-    )
-    return linked.select(
-        flow_type=flow_type,
-        src_event_id="src_event_id",
-        dst_event_id="dst_event_id",
-        via=pl.lit("flow_event"),
-        flow_id="flow_id",
-    )
-
-
-_FLOW_LINK_SCHEMA = {
-    "flow_type": pl.String,
-    "src_event_id": pl.Int64,
-    "dst_event_id": pl.Int64,
-    "via": pl.String,
-    "flow_id": pl.Int64,
-}
-
-
-def _flows(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
-    by_correlation = _launch_links(events)
-    by_flow = _flow_links(events, endpoints, issues)
-    # Correlation is authoritative for launches; flow events add only the links it cannot see.
-    extra = by_flow.join(by_correlation, on="dst_event_id", how="anti")
-    flows = pl.concat([by_correlation.cast(_FLOW_LINK_SCHEMA), extra.cast(_FLOW_LINK_SCHEMA)]).sort("src_event_id", "dst_event_id")
-    launched = flows.filter(pl.col("flow_type") == "launch")["dst_event_id"].implode()
-    orphans = events.filter(pl.col("kind").is_in(WORK_KINDS) & ~pl.col("event_id").is_in(launched))
-    if orphans.height:
-        issues.append(Issue("warning", "orphan_device_activity", orphans.height,
-                            f"device activities ({orphans['dur_ns'].fill_null(0).sum()} ns of GPU time) whose launch is not "
-                            "in the trace (enqueued before the profiler window opened): no step, no launch API; they "
-                            "still count as device busy time"))
-    return flows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,12 +488,7 @@ def parse_trace(path: Path, source: str) -> ParsedTrace:
     base_ns = _base_time_ns(metadata, issues)
     events, endpoints = _normalize(raw, base_ns, issues)
     del raw
-    steps = _steps(events, issues)
-    events = _assign_steps(events, steps)
-    flows = _flows(events, endpoints, issues)
-    launched_by = flows.filter(pl.col("flow_type") == "launch").unique("dst_event_id", keep="first").select(
-        event_id="dst_event_id", launch_event_id="src_event_id")
-    events = events.join(launched_by, on="event_id", how="left", maintain_order="left")
+    events, steps, flows = semantics.apply(events, endpoints, issues)
     events = events.select(
         [pl.col(c) if c != "source" else pl.lit(source).alias("source") for c in schema.TRACE_EVENTS.names]
     )
