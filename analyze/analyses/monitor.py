@@ -11,25 +11,24 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import polars as pl
 
-# Which tags are what, and the robust z-score (Iglewicz & Hoaglin's modified z, |z| > 3.5): one definition,
-# shared with the in-job alarm rules. The analysis here is post hoc, so the median and MAD are over the
-# neighbours on both sides of the point: a trend (a falling loss) then shifts the median little, and one
-# spike cannot hide in its own baseline. The in-job rules, replayed over the same rows, are alarm_agreement.
-from steplens.analyze.contract.alarm_rules import DURATION, GRAD_NORM, LOSS, MAD_Z_SCALE, MEMORY, RATE, SPIKE_Z
+# The alarm rules are the in-job collector's (analyze/contract/alarm_rules.py): one implementation, fed here
+# point by point over every scalar series of the run, whoever wrote it, with the same trailing windows,
+# thresholds and cooldowns, so a series the job saw raises the same alarms here as it did there.
+from steplens.analyze.contract import alarm_rules
+from steplens.analyze.contract.alarm_rules import SPIKE_Z  # noqa: F401  (the spike limit, for readers of this module)
 
-NEIGHBOURS = 25  # points on each side a point is judged against
-MIN_HISTORY = 8  # fewer points before it: not judged (the first steps are warm-up)
-THROUGHPUT_MIN_CHANGE = 0.10  # and a throughput drop must also be >= 10% off the median around it
-# Memory growth: Theil-Sen slope (Sen 1968; scipy.stats.theilslopes) with its 95% interval above zero
-# and a fitted growth of at least MEMORY_MIN_GROWTH over the run.
-MEMORY_MIN_GROWTH = 0.05
 ORIGIN_PREFERENCE = ("collector", "csv_monitor", "tensorboard", "wandb", "log")  # exact first, float32 TB later
-
-ALARM_COLUMNS = ("alarm", "name", "origin", "source", "global_samples", "step", "value", "baseline", "score",
-                 "threshold", "detail")
+# Post hoc, the rules a job may leave off run too (they cost the job nothing here), with their default settings.
+POST_HOC_EXTRA_KINDS = ("grad_norm_spike", "memory_growth")
+# The `alarm` column keeps its values (public): the rule that fired is in the `rule` column.
+ALARM_OF_RULE = {"nonfinite": "nan_inf", "loss_spike": "loss_spike", "grad_norm_spike": "grad_norm_high",
+                 "grad_norm_high": "grad_norm_high", "memory_growth": "memory_growth",
+                 "throughput_drop": "throughput_drop", "slow_step": "throughput_drop"}
+ALARM_SCHEMA = {"alarm": pl.String, "name": pl.String, "origin": pl.String, "source": pl.String,
+                "global_samples": pl.Int64, "step": pl.Int64, "value": pl.Float64, "baseline": pl.Float64,
+                "score": pl.Float64, "threshold": pl.Float64, "detail": pl.String, "rule": pl.String}
 COMPARABILITY_FIELDS = ("world_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                         "train_batch_size", "code_revision", "zero_stage", "seq_len", "deepspeed_version")
 # Without these the runs' x axes or results cannot be compared.
@@ -100,95 +99,56 @@ def aligned_curves(runs: dict[str, tuple[pl.DataFrame, dict]], axis: str = "glob
     return pl.concat(frames) if frames else pl.DataFrame()
 
 
-def robust_z(values: np.ndarray, neighbours: int = NEIGHBOURS, min_history: int = MIN_HISTORY
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """(modified z-score, median of the neighbours) of each point against the finite points within
-    `neighbours` on either side; NaN with under `min_history` points before it or no spread (MAD 0)."""
-    z, medians = np.full(len(values), np.nan), np.full(len(values), np.nan)
-    finite = np.where(np.isfinite(values), values, np.nan)
-    before = np.cumsum(~np.isnan(finite)) - ~np.isnan(finite)  # finite points before each index
-    for i in np.flatnonzero(before >= min_history):
-        around = np.concatenate([finite[max(0, i - neighbours):i], finite[i + 1:i + 1 + neighbours]])
-        around = around[~np.isnan(around)]
-        median = np.median(around)
-        mad = np.median(np.abs(around - median))
-        medians[i] = median
-        if mad > 0 and np.isfinite(values[i]):
-            z[i] = MAD_Z_SCALE * (values[i] - median) / mad
-    return z, medians
+def post_hoc_rules(facts: dict | None = None, grad_norm_threshold: float | None = None) -> list[alarm_rules.Rule]:
+    """The rules judged after the fact: the in-job defaults, and the opt-in scalar rules with their defaults;
+    a kind the run's collector configured (run.json settings.alarms) is judged with the job's settings, and
+    `grad_norm_threshold` sets grad_norm_high. `"alarms": []` in the job turned delivery off, not the analysis."""
+    settings = (facts or {}).get("settings")
+    configured = settings.get("alarms") if isinstance(settings, dict) else None
+    try:
+        configured_rules = alarm_rules.parse_rules(configured) if isinstance(configured, list) else []
+    except ValueError:  # a config the collector refused: the defaults
+        configured_rules = []
+    configured_kinds = {rule.kind for rule in configured_rules}
+    defaults = [*alarm_rules.parse_rules(None), *(alarm_rules.Rule.parse({"kind": k}) for k in POST_HOC_EXTRA_KINDS)]
+    rules = [rule for rule in defaults if rule.kind not in configured_kinds]
+    rules += [rule for rule in configured_rules if rule.kind in alarm_rules.SCALAR_KINDS + alarm_rules.STEP_KINDS]
+    if grad_norm_threshold is not None:
+        rules = [rule for rule in rules if rule.kind != "grad_norm_high"]
+        rules.append(alarm_rules.Rule.parse({"kind": "grad_norm_high", "threshold": grad_norm_threshold}))
+    return rules
 
 
-def _alarm(kind: str, row: dict, value: float, baseline, score, threshold, detail: str) -> dict:
-    return {"alarm": kind, "name": row["name"], "origin": row["origin"], "source": row["source"],
-            "global_samples": row["global_samples"], "step": row["step"], "value": value, "baseline": baseline,
-            "score": score, "threshold": threshold, "detail": detail}
-
-
-def _series_alarms(series: pl.DataFrame, grad_norm_threshold: float | None) -> list[dict]:
-    name = series["name"][0]
-    values = series["value"].to_numpy().astype(float)
-    rows = series.to_dicts()
-    alarms = [_alarm("nan_inf", row, v, None, None, None, f"{name} is {v} at global sample {row['global_samples']}")
-              for row, v in zip(rows, values) if not math.isfinite(v)]
-    z, medians = robust_z(values)
-
-    def spikes(kind: str, upward: bool, min_change: float = 0.0) -> None:
-        for i in np.flatnonzero(np.nan_to_num(z if upward else -z, nan=-np.inf) > SPIKE_Z):
-            change = values[i] / medians[i] - 1 if medians[i] else math.inf
-            if abs(change) < min_change:
-                continue
-            alarms.append(_alarm(kind, rows[i], values[i], medians[i], z[i], SPIKE_Z,
-                                 f"{name} = {values[i]:.6g} against a median of {medians[i]:.6g} around it "
-                                 f"({change:+.1%}); robust z = {z[i]:.1f}, |z| > {SPIKE_Z} (Iglewicz & Hoaglin)"))
-
-    if GRAD_NORM.search(name):
-        if grad_norm_threshold is None:
-            spikes("grad_norm_high", upward=True)
-        else:
-            alarms += [_alarm("grad_norm_high", row, v, None, None, grad_norm_threshold,
-                              f"{name} = {v:.6g} > threshold {grad_norm_threshold:g}")
-                       for row, v in zip(rows, values) if math.isfinite(v) and v > grad_norm_threshold]
-    elif LOSS.search(name):
-        spikes("loss_spike", upward=True)
-    elif RATE.search(name):
-        spikes("throughput_drop", upward=False, min_change=THROUGHPUT_MIN_CHANGE)
-    elif DURATION.search(name):  # a slower step is a throughput drop
-        spikes("throughput_drop", upward=True, min_change=THROUGHPUT_MIN_CHANGE)
-    elif MEMORY.search(name):
-        alarms += _memory_growth(series, values)
+def series_alarms(rules: list[alarm_rules.Rule], rows: list[dict]) -> list[dict]:
+    """The rules over one series' points (dicts with name, step, global_samples, value, wall_ns), in order:
+    the engine's alarm dicts, as the job would have raised them on the same points, each with the
+    `position` of the point that raised it."""
+    engine = alarm_rules.AlarmEngine(rules)
+    alarms = []
+    for position, row in enumerate(rows):
+        alarms += [{**alarm, "position": position} for alarm in
+                   engine.scalar(row["name"], row["step"], row["global_samples"], row["value"], row.get("wall_ns"),
+                                 position=position)]
     return alarms
 
 
-def _memory_growth(series: pl.DataFrame, values: np.ndarray) -> list[dict]:
-    from scipy import stats
-
-    x = series["global_samples"].to_numpy().astype(float)
-    keep = np.isfinite(values) & np.isfinite(x)
-    if keep.sum() < MIN_HISTORY or np.ptp(x[keep]) == 0:
-        return []
-    slope, intercept, low, high = stats.theilslopes(values[keep], x[keep], alpha=0.95)
-    start, end = intercept + slope * x[keep][0], intercept + slope * x[keep][-1]
-    growth = (end - start) / abs(start) if start else math.inf
-    if low <= 0 or growth < MEMORY_MIN_GROWTH:
-        return []
-    last = series.row(int(np.flatnonzero(keep)[-1]), named=True)
-    return [_alarm("memory_growth", last, float(values[keep][-1]), float(start), float(slope), MEMORY_MIN_GROWTH,
-                   f"{last['name']} grows {growth:+.1%} over the run (Theil-Sen slope {slope:.4g} per sample, "
-                   f"95% interval {low:.4g}..{high:.4g} above 0)")]
-
-
-def monitor_alarms(scalars: pl.DataFrame, facts: dict | None = None, grad_norm_threshold: float | None = None
-                   ) -> pl.DataFrame:
-    """Post-hoc alarms over every tag: nan_inf, loss_spike, grad_norm_high (above
-    `grad_norm_threshold` when given, else a robust-z spike), throughput_drop, memory_growth."""
+def monitor_alarms(scalars: pl.DataFrame, facts: dict | None = None, grad_norm_threshold: float | None = None,
+                   rules: list[alarm_rules.Rule] | None = None) -> pl.DataFrame:
+    """Post-hoc alarms over every tag, from the alarm rules (`post_hoc_rules` unless `rules` is given) fed each
+    series in global-sample order: nan_inf, loss_spike, grad_norm_high (above the threshold when one is given,
+    and robust-z spikes), throughput_drop (a rate falls, or a step time rises: slow_step), memory_growth."""
+    rules = post_hoc_rules(facts, grad_norm_threshold) if rules is None else rules
     series = with_axes(one_origin(scalars), facts or {})
     alarms = []
     for _, frame in series.group_by("name", maintain_order=True):
-        alarms += _series_alarms(frame.sort("global_samples"), grad_norm_threshold)
-    schema = {"alarm": pl.String, "name": pl.String, "origin": pl.String, "source": pl.String,
-              "global_samples": pl.Int64, "step": pl.Int64, "value": pl.Float64, "baseline": pl.Float64,
-              "score": pl.Float64, "threshold": pl.Float64, "detail": pl.String}
-    return pl.DataFrame(alarms, schema=schema)
+        rows = frame.sort("global_samples", maintain_order=True).to_dicts()
+        for alarm in series_alarms(rules, rows):
+            row = rows[alarm["position"]]
+            alarms.append({"alarm": ALARM_OF_RULE[alarm["rule"]], "rule": alarm["rule"], "name": alarm["name"],
+                           "origin": row["origin"], "source": row["source"], "global_samples": row["global_samples"],
+                           "step": row["step"], "value": alarm["value"], "baseline": alarm["baseline"],
+                           "score": alarm["score"], "threshold": alarm["threshold"], "detail": alarm["detail"]})
+    return pl.DataFrame(alarms, schema=ALARM_SCHEMA)
 
 
 def comparability(run_facts: dict[str, dict]) -> pl.DataFrame:

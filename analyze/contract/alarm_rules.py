@@ -1,7 +1,9 @@
 """Alarm rules: one implementation for the in-job collector and for the post-hoc analysis.
 
 The collector (collect/alarms.py) feeds an `AlarmEngine` on rank 0 at each flush with the rows it just
-flushed; `analyze` replays the same rules over the recorded tables (`replay`). Both see the points of a series
+flushed; `analyze` replays the same rules over the recorded tables (`replay`), and its post-hoc
+`monitor_alarms` analysis (analyze/analyses/monitor.py) feeds every scalar series of a run, whatever wrote it
+(collector, csv_monitor, TensorBoard, W&B, logs), through an `AlarmEngine` too. All see the points of a series
 in the same order and keep the same trailing state, so they raise the same alarms at the same steps. Pure
 Python, standard library only: it runs inside training jobs, beside torch, and imports neither torch nor
 polars.
@@ -9,12 +11,14 @@ polars.
 Rules (`kind`), what they watch and their `threshold`:
   nonfinite        loss and grad-norm scalars: the value is NaN or +-inf                      (none)
   loss_spike       loss scalars: modified z-score against the trailing `window` finite points  z, 3.5
+  grad_norm_spike  grad-norm scalars: the same robust z against the trailing window           z, 3.5
   grad_norm_high   grad-norm scalars: the value is above the threshold                        required
   memory_growth    memory scalars: the value is above the median of the first `window` points by more
                    than the fraction                                                          0.2
   slow_step        optimizer step time above factor x the trailing median of `window` steps   3.0
+                   (also step-time scalars, e.g. elapsed time per iteration: same test on the value)
   throughput_drop  median samples/s of the last `recent` steps below (1 - fraction) x the median of the
-                   `window` steps before them                                                 0.2
+                   `window` steps before them (also rate scalars, e.g. samples/sec)          0.2
   straggler        a rank's busy time (time since its previous step ended, minus its comms time: a rank that
                    waits for a slow one waits in collectives) above factor x the median of the other
                    ranks' for `recent` consecutive steps                                      1.5
@@ -32,8 +36,10 @@ from collections import deque
 # Which scalar tags are what (DeepSpeed's Train/Samples/* tags and the usual names of other loggers).
 LOSS = re.compile(r"loss(?!_?scale)", re.IGNORECASE)
 GRAD_NORM = re.compile(r"grad[_\- /]?norm", re.IGNORECASE)
-RATE = re.compile(r"throughput|samples_per_s|tokens_per_s|samples/s|tokens/s|tflops|flops_per|it/s", re.IGNORECASE)
-DURATION = re.compile(r"elapsed_time|step_time|iter(ation)?_time|latency|_ms(_|$)", re.IGNORECASE)
+RATE = re.compile(r"throughput|samples_?per_?s|tokens_?per_?s|samples/s|tokens/s|tflops|flops_per|it/s",
+                  re.IGNORECASE)  # samples_per_s(ec), DeepSpeed's CurrSamplesPerSec
+# Step-time tags: DeepSpeed's Train/Samples/elapsed_time_ms_*, Megatron's "elapsed time per iteration (ms)".
+DURATION = re.compile(r"elapsed[_ ]time|step[_ ]time|iter(ation)?[_ ]time|latency|_ms(_|$)", re.IGNORECASE)
 MEMORY = re.compile(r"mem(ory)?|allocated|reserved|rss", re.IGNORECASE)
 
 # Robust z-score: the modified z-score 0.6745 (x - median) / MAD of Iglewicz & Hoaglin, "How to Detect and
@@ -41,15 +47,17 @@ MEMORY = re.compile(r"mem(ory)?|allocated|reserved|rss", re.IGNORECASE)
 MAD_Z_SCALE = 0.6745
 SPIKE_Z = 3.5
 
-SCALAR_KINDS = ("nonfinite", "loss_spike", "grad_norm_high", "memory_growth")
-STEP_KINDS = ("slow_step", "throughput_drop")
+SCALAR_KINDS = ("nonfinite", "loss_spike", "grad_norm_spike", "grad_norm_high", "memory_growth")
+STEP_KINDS = ("slow_step", "throughput_drop")  # from train_steps, and from scalar tags their pattern matches
 KINDS = (*SCALAR_KINDS, *STEP_KINDS, "straggler", "no_progress")
 SEVERITIES = ("info", "warning", "critical")
-# kind -> (default threshold, default tag pattern or None)
+# kind -> (default threshold, default tag pattern or None); the patterns, as text in a rule, keep their
+# case-insensitivity inline ("(?i)"), so CurrSamplesPerSec is a rate and Train/Samples/Loss a loss.
 DEFAULTS = {
-    "nonfinite": (None, f"{LOSS.pattern}|{GRAD_NORM.pattern}"), "loss_spike": (SPIKE_Z, LOSS.pattern),
-    "grad_norm_high": (None, GRAD_NORM.pattern), "memory_growth": (0.2, MEMORY.pattern),
-    "slow_step": (3.0, None), "throughput_drop": (0.2, None), "straggler": (1.5, None), "no_progress": (600.0, None),
+    "nonfinite": (None, f"(?i){LOSS.pattern}|{GRAD_NORM.pattern}"), "loss_spike": (SPIKE_Z, f"(?i){LOSS.pattern}"),
+    "grad_norm_spike": (SPIKE_Z, f"(?i){GRAD_NORM.pattern}"), "grad_norm_high": (None, f"(?i){GRAD_NORM.pattern}"),
+    "memory_growth": (0.2, f"(?i){MEMORY.pattern}"), "slow_step": (3.0, f"(?i){DURATION.pattern}"),
+    "throughput_drop": (0.2, f"(?i){RATE.pattern}"), "straggler": (1.5, None), "no_progress": (600.0, None),
 }
 DEFAULT_KINDS = ("nonfinite", "loss_spike", "throughput_drop", "slow_step", "no_progress")
 ALARM_FIELDS = ("rule", "name", "step", "global_samples", "value", "threshold", "severity", "rank", "wall_ns", "detail")
@@ -124,6 +132,13 @@ def step_times(rows) -> list[dict]:
              "cycle_ns": s["end"] - ends[s["step"] - 1] if s["step"] - 1 in ends else s["end"] - s["start"]} for s in done]
 
 
+def _at(step: int | None, samples) -> str:
+    """Where a point is, in words: its step, else its global sample, else nothing."""
+    if step is not None:
+        return f" at step {step}"
+    return f" at global sample {samples}" if samples is not None else ""
+
+
 class AlarmEngine:
     """Rules evaluated point by point, with per-series trailing state; `fire` applies cooldown and `once`."""
 
@@ -137,43 +152,55 @@ class AlarmEngine:
         self.streak: dict[tuple[int, int], int] = {}  # straggler: (rule, rank) -> consecutive steps
         self.last_samples: int | None = None
 
-    def fire(self, index: int, name: str, step: int, global_samples, value, threshold, wall_ns: int, detail: str,
-             rank: int | None = None) -> list[dict]:
+    def fire(self, index: int, name: str, step: int | None, global_samples, value, threshold, wall_ns: int | None,
+             detail: str, rank: int | None = None, baseline: float | None = None, score: float | None = None,
+             position: int | None = None) -> list[dict]:
+        """An alarm unless the rule's cooldown or `once` holds it back. Cooldown counts steps; a point with no
+        step (a post-hoc series whose batch size is unknown) counts its `position` in the series instead."""
         rule, key = self.rules[index], (index, name)
+        at = step if step is not None else position
         last = self.last_fired.get(key)
-        if last is not None and (rule.once or step < last + rule.cooldown_steps):
+        if last is not None and (rule.once or at is None or at < last + rule.cooldown_steps):
             return []
-        self.last_fired[key] = step
+        self.last_fired[key] = at
         return [{"rule": rule.kind, "name": name, "step": step, "global_samples": global_samples,
                  "value": None if value is None else float(value), "threshold": threshold, "severity": rule.severity,
                  "rank": self.rank if rank is None else rank, "wall_ns": wall_ns, "detail": detail,
-                 "stop_training": rule.stop_training}]
+                 "stop_training": rule.stop_training, "baseline": baseline, "score": score}]
 
     def trailing(self, index: int, name: str) -> deque:
         return self.history.setdefault((index, name), deque(maxlen=self.rules[index].window))
 
     # --- scalars ------------------------------------------------------------------------------------
 
-    def scalar(self, name: str, step: int, global_samples, value: float, wall_ns: int) -> list[dict]:
+    def scalar(self, name: str, step: int | None, global_samples, value: float, wall_ns: int | None,
+               position: int | None = None) -> list[dict]:
+        """One point of a scalar series, in series order (`position`: its index, for a point with no step)."""
         alarms = []
         for index, rule in enumerate(self.rules):
             pattern = self.patterns[index]
-            if rule.kind in SCALAR_KINDS and pattern is not None and pattern.search(name):
-                alarms += self._scalar_rule(index, rule, name, step, global_samples, value, wall_ns)
+            if pattern is None or not pattern.search(name):
+                continue
+            where = (index, name, step, global_samples, wall_ns, position)
+            if rule.kind in SCALAR_KINDS:
+                alarms += self._scalar_rule(rule, value, *where)
+            elif rule.kind == "slow_step" and math.isfinite(value):
+                alarms += self._slow(rule, value, *where)
+            elif rule.kind == "throughput_drop" and math.isfinite(value):
+                alarms += self._throughput(rule, value, *where)
         return alarms
 
-    def _scalar_rule(self, index, rule, name, step, samples, value, wall_ns) -> list[dict]:
+    def _scalar_rule(self, rule, value, index, name, step, samples, wall_ns, position) -> list[dict]:
+        fire = lambda detail, **extra: self.fire(index, name, step, samples, value, rule.threshold, wall_ns,  # noqa: E731
+                                                 detail, position=position, **extra)
         if rule.kind == "nonfinite":
-            if math.isfinite(value):
-                return []
-            return self.fire(index, name, step, samples, value, None, wall_ns, f"{name} is {value} at step {step}")
+            return [] if math.isfinite(value) else fire(f"{name} is {value}{_at(step, samples)}")
         if not math.isfinite(value):  # the trailing rules judge and keep finite points only
             return []
         if rule.kind == "grad_norm_high":
             if value <= rule.threshold:
                 return []
-            return self.fire(index, name, step, samples, value, rule.threshold, wall_ns,
-                             f"{name} = {value:.6g} > threshold {rule.threshold:g} at step {step}")
+            return fire(f"{name} = {value:.6g} > threshold {rule.threshold:g}{_at(step, samples)}")
         if rule.kind == "memory_growth":
             first = self.first.setdefault((index, name), [])
             if len(first) < rule.window:
@@ -182,16 +209,31 @@ class AlarmEngine:
             baseline = statistics.median(first)
             if baseline <= 0 or value <= baseline * (1 + rule.threshold):
                 return []
-            return self.fire(index, name, step, samples, value, rule.threshold, wall_ns,
-                             f"{name} = {value:.6g} is {value / baseline - 1:+.1%} over the median of its first "
-                             f"{rule.window} points ({baseline:.6g}); limit +{rule.threshold:.0%}")
-        history = self.trailing(index, name)  # loss_spike
+            return fire(f"{name} = {value:.6g} is {value / baseline - 1:+.1%} over the median of its first "
+                        f"{rule.window} points ({baseline:.6g}); limit +{rule.threshold:.0%}",
+                        baseline=baseline, score=value / baseline - 1)
+        history = self.trailing(index, name)  # loss_spike, grad_norm_spike
         alarms = []
         if len(history) >= rule.min_history and (z := modified_z(value, list(history))) is not None and z > rule.threshold:
             median = statistics.median(history)
-            alarms = self.fire(index, name, step, samples, value, rule.threshold, wall_ns,
-                               f"{name} = {value:.6g} against a trailing median of {median:.6g} over {len(history)} "
-                               f"points; robust z = {z:.1f} > {rule.threshold:g} (Iglewicz & Hoaglin)")
+            alarms = fire(f"{name} = {value:.6g} against a trailing median of {median:.6g} over {len(history)} "
+                          f"points; robust z = {z:.1f} > {rule.threshold:g} (Iglewicz & Hoaglin)", baseline=median, score=z)
+        history.append(value)
+        return alarms
+
+    def _slow(self, rule, value, index, name, step, samples, wall_ns, position, describe=None,
+              unit_scale: float = 1.0) -> list[dict]:
+        """slow_step: `value` (a step time) above threshold x the trailing median of the series. The alarm's
+        value and baseline are value x `unit_scale`; describe(median, points) words it (default: the scalar as
+        logged)."""
+        history = self.trailing(index, name)
+        alarms = []
+        if len(history) >= rule.min_history and (median := statistics.median(history)) > 0 and value > rule.threshold * median:
+            detail = (describe(median, len(history)) if describe else
+                      f"{name} = {value:.6g}{_at(step, samples)}, {value / median:.1f}x the trailing median of "
+                      f"{median:.6g} over {len(history)} points")
+            alarms = self.fire(index, name, step, samples, value * unit_scale, rule.threshold, wall_ns, detail,
+                               position=position, baseline=median * unit_scale, score=value / median)
         history.append(value)
         return alarms
 
@@ -205,19 +247,19 @@ class AlarmEngine:
             rate = (global_samples - self.last_samples) / (step_ns / 1e9)
         self.last_samples = global_samples
         for index, rule in enumerate(self.rules):
+            where = (index, "step_time", step, global_samples, wall_ns, None)
             if rule.kind == "slow_step":
-                history = self.trailing(index, "step_time")
-                if len(history) >= rule.min_history and step_ns > rule.threshold * (median := statistics.median(history)):
-                    alarms += self.fire(index, "step_time", step, global_samples, step_ns / 1e6, rule.threshold, wall_ns,
-                                        f"step {step} took {step_ns / 1e6:.1f} ms, {step_ns / median:.1f}x the trailing "
-                                        f"median of {median / 1e6:.1f} ms over {len(history)} steps")
-                history.append(step_ns)
+                alarms += self._slow(rule, step_ns, *where, unit_scale=1e-6,
+                                     describe=lambda median, points: (
+                                         f"step {step} took {step_ns / 1e6:.1f} ms, {step_ns / median:.1f}x the trailing "
+                                         f"median of {median / 1e6:.1f} ms over {points} steps"))
             elif rule.kind == "throughput_drop" and rate is not None:
-                alarms += self._throughput(index, rule, step, global_samples, rate, wall_ns)
+                alarms += self._throughput(rule, rate, index, "samples_per_s", step, global_samples, wall_ns, None)
         return alarms
 
-    def _throughput(self, index, rule, step, samples, rate, wall_ns) -> list[dict]:
-        history = self.history.setdefault((index, "samples_per_s"), deque(maxlen=rule.window + rule.recent))
+    def _throughput(self, rule, rate, index, name, step, samples, wall_ns, position) -> list[dict]:
+        """throughput_drop: the median of the last `recent` rates below (1 - threshold) x the median before them."""
+        history = self.history.setdefault((index, name), deque(maxlen=rule.window + rule.recent))
         history.append(rate)
         if len(history) < rule.recent + max(rule.min_history, 1):
             return []
@@ -225,9 +267,12 @@ class AlarmEngine:
         recent, before = statistics.median(points[-rule.recent:]), statistics.median(points[:-rule.recent])
         if recent >= (1 - rule.threshold) * before:
             return []
-        return self.fire(index, "samples_per_s", step, samples, recent, rule.threshold, wall_ns,
-                         f"median {recent:.4g} samples/s over the last {rule.recent} steps, {recent / before - 1:+.1%} "
-                         f"against {before:.4g} over the {len(points) - rule.recent} steps before")
+        unit = " samples/s" if name == "samples_per_s" else ""
+        return self.fire(index, name, step, samples, recent, rule.threshold, wall_ns,
+                         f"{'' if unit else name + ': '}median {recent:.4g}{unit} over the last {rule.recent} "
+                         f"{'steps' if unit else 'points'}, {recent / before - 1:+.1%} against {before:.4g} over the "
+                         f"{len(points) - rule.recent} {'steps' if unit else 'points'} before",
+                         position=position, baseline=before, score=recent / before - 1)
 
     # --- ranks and progress ----------------------------------------------------------------------------
 

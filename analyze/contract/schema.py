@@ -538,11 +538,16 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "alarm": "nan_inf | loss_spike | grad_norm_high | throughput_drop (a rate falls or a step time rises) | memory_growth.",
         "name": "Scalar tag.", "origin": "Where the series came from (one origin per tag: the fullest).",
         "source": "Input file.", "global_samples": "x of the point.", "step": "Optimizer step, when train_batch_size is known.",
-        "value": "The value (memory_growth: the last one).",
-        "baseline": "Median of the 25 points on each side (memory_growth: fitted value at the start).",
-        "score": "Modified z-score 0.6745 (value - median) / MAD (memory_growth: Theil-Sen slope per sample).",
-        "threshold": "|z| limit 3.5 (Iglewicz & Hoaglin), the grad-norm threshold given, or the 5% growth floor.",
+        "value": "The value that fired (throughput_drop from a rate: the median of the last `recent` points).",
+        "baseline": "What it was judged against: the trailing median (spikes, slow steps), the median before the recent "
+                    "points (rates), the median of the first `window` points (memory_growth); null for nan_inf and a threshold.",
+        "score": "loss/grad-norm spikes: modified z-score 0.6745 (value - median) / MAD; slow step: value / median; "
+                 "rate and memory: relative change.",
+        "threshold": "The rule's threshold (analyze/contract/alarm_rules.py: z 3.5 after Iglewicz & Hoaglin, 3x for a slow "
+                     "step, -20% for a rate, +20% for memory, the grad-norm threshold given).",
         "detail": "The alarm in words.",
+        "rule": "The alarm rule that fired (alarm_rules kinds: nonfinite, loss_spike, grad_norm_spike, grad_norm_high, "
+                "slow_step, throughput_drop, memory_growth), evaluated as the in-job collector evaluates it.",
     },
     "alarm_agreement": {
         "rule": "Alarm rule (analyze/contract/alarm_rules.py).", "name": "Series watched (scalar tag, step_time, samples_per_s, rank <r>, step_end).",
