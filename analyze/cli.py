@@ -6,9 +6,6 @@ import errno
 import os
 import signal
 import sys
-import textwrap
-import time
-from collections import Counter
 from pathlib import Path
 
 import click
@@ -20,17 +17,14 @@ from rich.progress import (
     TextColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
 
 from steplens.analyze.analyses import kernels, mfu, runner
 from steplens.analyze.contract import schema
-from steplens.reports.verdict import finding_lines
 
 from steplens.analyze.pipeline.ingest import (
     IngestError,
     IngestResult,
     OutputUnwritable,
-    Source,
     classify,
     discover,
     publish,
@@ -38,25 +32,11 @@ from steplens.analyze.pipeline.ingest import (
     use_system_allocator,
 )
 from steplens.analyze.pipeline.runs import RunFolder, split_runs
+from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
+from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
+                                         EXIT_REGRESSION, EXIT_STATUS_HELP, EXIT_UNWRITABLE, Terminated, analyse_and_report,
+                                         fail, print_findings, print_summary, ranges)
 from steplens.reports.text import safe_text
-
-# Exit status, one meaning each, for every command (documented in --help and the README).
-EXIT_PARTIAL = 1  # results written, but some inputs could not be used (see the issues)
-EXIT_NOTHING = 2  # nothing usable, or bad arguments
-EXIT_REGRESSION = 3  # compare --fail-on-regression: a significant slowdown beyond the threshold
-EXIT_UNWRITABLE = 4  # the output cannot be written (permissions, read-only or full disk)
-EXIT_INTERNAL = 5  # a steplens bug: the message says where to look
-EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM: the last published result is unchanged
-EXIT_STATUS_HELP = f"""\b
-Exit status:
-  0    all inputs used
-  {EXIT_PARTIAL}    results written, but some inputs could not be used (see the issues)
-  {EXIT_NOTHING}    nothing usable, or bad arguments
-  {EXIT_REGRESSION}    compare: a regression beyond --fail-on-regression
-  {EXIT_UNWRITABLE}    the output cannot be written (read-only or full disk)
-  {EXIT_INTERNAL}    internal error (STEPLENS_DEBUG=1 shows the traceback)
-  {EXIT_INTERRUPTED}  interrupted by Ctrl-C or SIGTERM (the last result is kept)
-"""
 
 ANALYZE_HELP = f"""Turn what a training job left in RUN_DIR into queryable Parquet tables, analyses and a report.
 
@@ -126,10 +106,10 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
     use_system_allocator()
     console = Console(stderr=False, highlight=False)
     if not run_dir.exists():
-        _fail(f"{safe_text(run_dir)}: no such file or folder")
+        fail(f"{safe_text(run_dir)}: no such file or folder")
     shape_values = (params, layers, heads, head_dim, seq_len, tokens_per_step)
     if any(v is not None for v in shape_values) and not all(v is not None for v in shape_values):
-        _fail("the PaLM numerator needs all of --params --layers --heads --head-dim --seq-len --tokens-per-step")
+        fail("the PaLM numerator needs all of --params --layers --heads --head-dim --seq-len --tokens-per-step")
     options = runner.Options(
         dtype=dtype, peak_tflops=peak_tflops, recompute=recompute, grad_norm_threshold=grad_norm_threshold,
         shape=mfu.ModelShape(*shape_values) if all(v is not None for v in shape_values) else None,
@@ -141,10 +121,10 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         try:
             result, findings = _analyse_run(run, out, jobs, options, ingest_only, show_progress=not quiet)
         except OutputUnwritable as e:
-            _fail(safe_text(e), EXIT_UNWRITABLE)
+            fail(safe_text(e), EXIT_UNWRITABLE)
         except IngestError as e:
             if not (apart := _unranked_traces_apart(run, e, out_dir)):
-                _fail(safe_text(e))
+                fail(safe_text(e))
             click.echo(f"{safe_text(run_dir)}: {len(apart)} traces with no rank, from different processes: "
                        "separate runs, each analysed on its own:")
             sys.exit(_analyse_each(run_dir, apart, jobs, options, ingest_only))
@@ -177,7 +157,7 @@ def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, optio
         try:
             result, findings = _analyse_run(run, out, jobs, options, ingest_only, show_progress=False)
         except OutputUnwritable as e:
-            _fail(safe_text(e), EXIT_UNWRITABLE)
+            fail(safe_text(e), EXIT_UNWRITABLE)
         except IngestError as e:
             if apart := _unranked_traces_apart(run, e, out if out_given else None):
                 click.echo(f"  {name}: {len(apart)} traces with no rank, from different processes: separate runs")
@@ -187,7 +167,7 @@ def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, optio
             click.echo(f"  {name}: not analysed: {safe_text(e)}")
             continue
         statuses.append(_status(result))
-        ranks = _ranges(result.manifest.get("ranks", []))
+        ranks = ranges(result.manifest.get("ranks", []))
         problems = sum(1 for s in result.sources for i in s.issues if i[0] == "error")
         report = result.out_dir / ("report.html" if findings else schema.MANIFEST_FILE)
         click.echo(f"  {name}: {len(result.sources)} input(s), ranks {ranks or 'none'}, {problems} error(s)\n"
@@ -219,11 +199,11 @@ def _runs_to_analyse(run_dir: Path, out_dir: Path | None):
         out = out_dir or run_dir.parent / f"{schema.DEFAULT_OUT_DIR}-{run_dir.name}"
         return [RunFolder(run_dir.parent, classify([run_dir]))], lambda run: out
     if not run_dir.is_dir():
-        _fail(f"{safe_text(run_dir)}: not a file or folder steplens can read")
+        fail(f"{safe_text(run_dir)}: not a file or folder steplens can read")
     try:
         found = discover(run_dir, out_dir or run_dir / schema.DEFAULT_OUT_DIR)
     except OSError as e:
-        _fail(f"{safe_text(run_dir)}: cannot list the folder: {e.strerror or e}")
+        fail(f"{safe_text(run_dir)}: cannot list the folder: {e.strerror or e}")
     runs = split_runs(run_dir, found)
     if len(runs) == 1:
         return runs, lambda run: out_dir or run_dir / schema.DEFAULT_OUT_DIR
@@ -267,32 +247,8 @@ def _warn_missing_ranks(result: IngestResult) -> None:
     traced = result.manifest.get("trace_ranks") or []
     if traced and isinstance(world_size, int) and 0 < world_size <= schema.MAX_RANK and len(traced) < world_size:
         missing = sorted(set(range(world_size)) - set(traced))
-        click.echo(f"warning: traces of {len(traced)} of {world_size} ranks; no trace for rank(s) {_ranges(missing)} "
+        click.echo(f"warning: traces of {len(traced)} of {world_size} ranks; no trace for rank(s) {ranges(missing)} "
                    "(profiled on some ranks only, or lost: see the issues)", err=True)
-
-
-def analyse_and_report(folder: Path, options: runner.Options) -> dict:
-    """The analyses, then report.html and summary.md, in the staged output (published together)."""
-    from steplens.reports import html, markdown
-
-    started = time.perf_counter()
-    findings = runner.run(folder, options)
-    findings["analysis_seconds"] = time.perf_counter() - started
-    started = time.perf_counter()
-    html.write(folder)
-    markdown.write(folder)
-    findings["report_seconds"] = time.perf_counter() - started
-    return findings
-
-
-def _fail(message: str, status: int = EXIT_NOTHING) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(status)
-
-
-class Terminated(BaseException):
-    """SIGTERM or Ctrl-C, raised in the main thread so that cleanup (workers, staging folder) runs;
-    not a KeyboardInterrupt, which click would answer with a line of its own."""
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -318,120 +274,19 @@ def _guarded(command: click.Command, args: list[str] | None = None, prog_name: s
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except OutputUnwritable as e:
-        _fail(safe_text(e), EXIT_UNWRITABLE)
+        fail(safe_text(e), EXIT_UNWRITABLE)
     except IngestError as e:
-        _fail(safe_text(e))
+        fail(safe_text(e))
     except OSError as e:
-        _fail(f"{safe_text(e.filename or '')}: {e.strerror or e}", EXIT_UNWRITABLE if e.errno in _WRITE_ERRNOS else EXIT_NOTHING)
+        fail(f"{safe_text(e.filename or '')}: {e.strerror or e}", EXIT_UNWRITABLE if e.errno in _WRITE_ERRNOS else EXIT_NOTHING)
     except Exception as e:  # noqa: BLE001 - one line and a distinct status instead of a traceback
         if os.environ.get("STEPLENS_DEBUG"):
             raise
-        _fail(f"internal error: {type(e).__name__}: {safe_text(e)} (a steplens bug: rerun with STEPLENS_DEBUG=1 for "
+        fail(f"internal error: {type(e).__name__}: {safe_text(e)} (a steplens bug: rerun with STEPLENS_DEBUG=1 for "
               "the traceback and report it)", EXIT_INTERNAL)
 
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
-
-
-def print_summary(console: Console, result: IngestResult, analysis_seconds: float | None = None) -> None:
-    """What was read: one line per fact, wrapped to the console (80 columns when piped), no tables."""
-    m = result.manifest
-    used = [s for s in result.sources if s.rank is not None and s.kind == "kineto"]
-    mb = sum(s.raw_bytes for s in result.sources if s.status == "ingested") / 1e6
-    parsed = sum(1 for s in result.sources if s.status == "ingested")
-    ingest_seconds = result.seconds - (analysis_seconds or 0)
-    speed = f", {mb / ingest_seconds:.0f} MB/s" if parsed and ingest_seconds > 0 else ""
-    analysed = f"; analyses {analysis_seconds:.2f}s" if analysis_seconds is not None else ""
-    artifacts = Counter(s.kind for s in result.sources if s.kind != "kineto" and s.status in ("ingested", "reused"))
-    others = f" and {sum(artifacts.values())} other input(s)" if artifacts else ""
-    say(console, f"{len(used)} trace file(s){others} -> {result.out_dir}", indent=0)
-    say(console, f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed}")
-    world = f" of world size {m['world_size']}" if m.get("world_size") else ""
-    say(console, f"ranks: {_ranges(m['ranks']) or 'none'}{world}", indent=0)
-    if artifacts:
-        say(console, "other inputs: " + ", ".join(f"{kind}={n}" for kind, n in sorted(artifacts.items())), indent=0)
-    if m.get("ignored_count"):
-        say(console, f"not read: {m['ignored_count']} file(s) in no format steplens knows (run.json ignored_files)",
-            indent=0)
-    if used:
-        _print_trace_tables(console, used)
-    _print_issues(console, result)
-
-
-def say(console: Console, text: str, indent: int = 2) -> None:
-    """Print untrusted text as plain lines wrapped to the console width (80 columns when piped), the
-    continuation indented; a word longer than the line (a path) stays whole rather than broken."""
-    width = max(console.width, 40)
-    lines = textwrap.wrap(safe_text(text), width=width, initial_indent=" " * indent, subsequent_indent=" " * (indent + 2),
-                          break_long_words=False, break_on_hyphens=False) or [""]
-    for line in lines:
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
-
-
-def _print_trace_tables(console: Console, used: list[Source]) -> None:
-    """Profiled steps per rank (ranks with the same steps on one line) and events per kind."""
-    by_rank: dict[int, list[Source]] = {}
-    for s in used:
-        by_rank.setdefault(s.rank, []).append(s)
-    same_steps: dict[tuple, list[int]] = {}
-    for rank in sorted(by_rank):
-        numbers = sorted(n for s in by_rank[rank] for n in s.steps)
-        same_steps.setdefault((len(by_rank[rank]), tuple(numbers)), []).append(rank)
-    say(console, "profiled steps (ProfilerStep#):", indent=0)
-    for (windows, numbers), ranks in same_steps.items():
-        steps = f"{len(numbers)} step(s) {_ranges(list(numbers))}" if numbers else "no steps"
-        say(console, f"rank{'s' if len(ranks) > 1 else ''} {_ranges(ranks)}: {windows} window(s), {steps}")
-    kinds = Counter()
-    for s in used:
-        kinds.update(s.kind_counts)
-    # kind=count: a line wrapped at the console width never parts a kind from its count
-    say(console, "events (all ranks): " + ", ".join(f"{kind}={kinds[kind]:,}" for kind in schema.KINDS if kinds.get(kind)),
-        indent=0)
-
-
-def _print_issues(console: Console, result: IngestResult) -> None:
-    """One line per kind of issue (severity, reason, count, files) and its first example."""
-    grouped: dict[tuple, list] = {}
-    for s in result.sources:
-        for severity, reason, count, detail in s.issues:
-            grouped.setdefault((severity, reason), []).append((s.path, count, detail))
-    if not grouped:
-        say(console, "ingest issues: none", indent=0)
-        return
-    say(console, f"ingest issues ({len(grouped)} kind(s); all in the ingest_issues table):", indent=0)
-    order = {"error": 0, "warning": 1, "info": 2}
-    for (severity, reason), rows in sorted(grouped.items(), key=lambda kv: (order.get(kv[0][0], 3), kv[0][1])):
-        path, _, detail = rows[0]
-        detail = detail.removeprefix(f"{path}: ")
-        files = f"{len(rows)} file{'s' if len(rows) > 1 else ''}"
-        say(console, f"{severity} {reason}: {sum(r[1] for r in rows):,} in {files}; e.g. {path}: {detail}")
-
-
-def print_findings(console: Console, f: dict) -> None:
-    """Every finding, in the sentences the report and summary.md use."""
-    console.print("[bold]findings[/]")
-    for line in finding_lines(f):
-        say(console, line)
-
-
-def _ms(ns) -> str:
-    return "n/a" if ns is None else f"{ns / 1e6:.3f} ms"
-
-
-def _ranges(numbers: list[int]) -> str:
-    """[0,1,2,5,7,8] -> '0-2, 5, 7-8'."""
-    parts, start, prev = [], None, None
-    for n in sorted(set(numbers)):
-        if start is None:
-            start = prev = n
-        elif n == prev + 1:
-            prev = n
-        else:
-            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = n
-    if start is not None:
-        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-    return ", ".join(parts)
 
 
 @click.group(help="steplens: post-hoc trace and log analysis for DeepSpeed / PyTorch training runs.\n\n"
@@ -440,189 +295,8 @@ def steplens() -> None:
     pass
 
 
-steplens.add_command(analyze)
-
-
-def _sql_help() -> str:
-    from steplens.analyze.query.sql import EXAMPLES
-
-    tables = ", ".join(list(schema.TABLES) + list(schema.ANALYSIS_TABLES))
-    # One \\b block per example: click keeps its lines as written (the comment above its query).
-    examples = "\n\n".join("\b\n  # " + title + "\n" + "\n".join(textwrap.wrap(text, 76, initial_indent="  ",
-                                                                         subsequent_indent="    "))
-                           for title, text in EXAMPLES.items())
-    return f"""Run one SELECT over every steplens run under RUNS_DIR (any folder holding a run.json, such
-as RUN/.steplens/), with DuckDB.
-
-Each table is a view across all runs, with a run_id column (per-rank tables also have rank):
-{tables}. The view `runs` lists the runs (run_id, run_name, path, world_size, ranks, devices, created_by,
-zero_stage, train_batch_size, code_revision, deepspeed_version).
-Columns are documented in analyze/contract/schema.py and the README. Queries never modify a run: only a
-single SELECT is accepted.
-
-Examples:
-
-{examples}"""
-
-
-@click.command("sql", help=_sql_help())
-@click.argument("runs_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("query")
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
-              help="table for reading, csv or json (one object per row) for other tools.")
-def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
-    from steplens.analyze.query.sql import QueryError, find_runs
-    from steplens.analyze.query.sql import query as run_query
-
-    if not find_runs(runs_dir):
-        _fail(f"{runs_dir}: no steplens runs (no run.json) under this folder; run `analyze` first")
-    try:
-        result = run_query(runs_dir, query)
-    except QueryError as e:
-        _fail(str(e))
-    if fmt == "csv":
-        click.echo(result.write_csv(), nl=False)
-    elif fmt == "json":
-        click.echo(result.write_ndjson(), nl=False)
-    else:
-        with pl_config():
-            click.echo(result)
-
-
-def pl_config():
-    import polars as pl
-
-    return pl.Config(tbl_rows=200, tbl_cols=-1, tbl_width_chars=200, fmt_str_lengths=80, tbl_hide_dataframe_shape=True)
-
-
-steplens.add_command(sql_command)
-
-
-def _step_range(value: str | None) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    first, _, last = value.partition(":")
-    try:
-        return int(first), int(last or first)
-    except ValueError:
-        raise click.BadParameter("expected A:B (ProfilerStep numbers, inclusive) or A") from None
-
-
-@click.command("export-trace")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--steps", default=None, help="Only ProfilerSteps A to B inclusive, as A:B (or one step A).")
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Output file (default: merged_trace.json in the run directory).")
-def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None) -> None:
-    """Write one Chrome-trace JSON with every rank of an analysed run on one clock.
-
-    RUN_DIR is a run folder that `analyze` has processed (or its .steplens/ output). Each rank becomes
-    a process, its GPU streams become threads, times move onto the reference rank's clock (the
-    clock_offsets analysis) and launch links stay as flow arrows. Open the file in Perfetto UI
-    (ui.perfetto.dev) or chrome://tracing; slices that overlap without nesting, which Perfetto drops,
-    are counted in the summary.
-    """
-    from steplens.analyze.query.export_trace import export_trace
-
-    out_dir = run_dir if (run_dir / schema.MANIFEST_FILE).exists() else run_dir / schema.DEFAULT_OUT_DIR
-    if not (out_dir / schema.MANIFEST_FILE).exists():
-        _fail(f"{run_dir}: not an analysed run (no run.json); run `analyze {run_dir}` first")
-    out_path = out_path or out_dir / "merged_trace.json"
-    if out_path.exists() and not _is_export(out_path):
-        _fail(f"{safe_text(out_path)} exists and is not a trace steplens exported: give a new file with --out")
-    counts = export_trace(out_dir, out_path, _step_range(steps))
-    if not counts["events"]:
-        _fail(f"{run_dir}: no events to export" + (f" in steps {steps}" if steps else ""))
-    click.echo(f"{out_path}: {counts['events']:,} events and {counts['flows']:,} launch flows from "
-               f"{counts['ranks']} rank(s); {counts['partial_overlaps']:,} slices overlap without nesting")
-
-
-steplens.add_command(export_trace_command)
-
-
-def _is_export(path: Path) -> bool:
-    """A file export-trace wrote (its otherData, written last, names steplens): the only kind it replaces."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - 4096))
-            tail = f.read()
-    except OSError:
-        return False
-    return b'"steplens":' in tail and b'"origin_ns":' in tail
-
-
-def _analysed(run_dir: Path) -> Path:
-    """The run's analysed output folder, analysing it first (default options) when it has none."""
-    for candidate in (run_dir, run_dir / schema.DEFAULT_OUT_DIR):
-        if (candidate / schema.MANIFEST_FILE).exists():
-            return candidate
-    click.echo(f"analysing {run_dir} first (default options) ...", err=True)
-    try:
-        with staged(run_dir) as stage:
-            analyse_and_report(stage.folder, runner.Options())
-            return publish(stage).out_dir
-    except IngestError as e:
-        _fail(str(e))
-
-
-@click.command("compare")
-@click.argument("base_run", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("new_run", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("steplens-compare"),
-              show_default=True, help="Folder for compare.html and compare.md.")
-@click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True,
-              help="text: terminal tables; md: print compare.md (for a PR comment); json: the verdict as data.")
-@click.option("--fail-on-regression", "fail_pct", type=float, default=None, metavar="PCT",
-              help=f"Exit {EXIT_REGRESSION} when the judged metric (step time, or throughput when the work per step "
-                   "differs) got significantly worse by more than PCT percent (CI gating).")
-def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail_pct: float | None) -> None:
-    """Compare two runs: a noise-aware verdict on the work done, and MFU, GPU idle, exposed
-    communication, kernel categories and top kernels side by side.
-
-    BASE_RUN and NEW_RUN are run folders (analysed first if they have no .steplens/ output) or
-    analysed output folders. When micro batch, gradient accumulation and world size agree the
-    verdict is on step time; when any differs, on throughput (tokens/s when both runs know their
-    sequence length, else samples/s), and the output says so. A change counts only when a bootstrap
-    95% interval of the relative change of the median excludes zero and a Mann-Whitney U test gives
-    p < 0.05; with fewer than 5 steps per run the verdict is "not established". Writes compare.html
-    and compare.md.
-    """
-    import json
-
-    from steplens.analyze.analyses import compare as comparison
-    from steplens.reports import compare, html, markdown
-    from steplens.reports.data import load, write_atomic
-
-    result = comparison.compare(load(_analysed(base_run)), load(_analysed(new_run)))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(out_dir / "compare.html", html.render_compare(result))
-    write_atomic(out_dir / "compare.md", markdown.render_compare(result))
-    if fmt == "md":
-        click.echo((out_dir / "compare.md").read_text(), nl=False)
-    elif fmt == "json":
-        click.echo(json.dumps(comparison.as_data(result), indent=1, default=str))
-    else:
-        console = Console(highlight=False)
-        verdict = result["verdict"]
-        why = f": {verdict['why']}" if verdict.get("why") else ""
-        console.print(f"{verdict['metric']}: {verdict['verdict']}{why}", markup=False)
-        if verdict.get("why_metric"):
-            console.print(f"judged on {verdict['metric']}: {verdict['why_metric']}", markup=False)
-        for warning in result["warnings"]:
-            console.print(f"warning: {safe_text(warning)}", markup=False)
-        # One line per row, "label: header value, ...": CI logs (piped, 80 columns) wrap it as text, not as table fragments.
-        for table in compare.display_tables(result):
-            if table["rows"]:
-                console.print(table["title"], markup=False)
-                for label, *cells in table["rows"]:
-                    pairs = ", ".join(f"{header} {cell}" for header, cell in zip(table["header"][1:], cells) if cell)
-                    console.print(f"  {safe_text(label)}: {safe_text(pairs)}", markup=False)
-        console.print(f"written: {out_dir / 'compare.html'}, {out_dir / 'compare.md'}", markup=False)
-    if fail_pct is not None and comparison.regressed(result, fail_pct):
-        sys.exit(EXIT_REGRESSION)
-
-
-steplens.add_command(compare_command)
+for command in (analyze, sql_command, export_trace_command, compare_command, trials_command):
+    steplens.add_command(command)
 
 
 def analyze_entry() -> None:
@@ -637,71 +311,3 @@ def analyze_entry() -> None:
 def steplens_entry() -> None:
     """The `steplens` script: every subcommand with the documented exit statuses."""
     _guarded(steplens, sys.argv[1:], prog_name="steplens")
-
-
-@click.command("trials")
-@click.argument("runs_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True,
-              help="text: terminal tables; md: markdown for a PR comment; json: the verdict as data.")
-def trials_command(runs_dir: Path, fmt: str) -> None:
-    """Rank repeated trial runs made by the collector, with a noise-aware verdict.
-
-    Every folder directly under RUNS_DIR is one run (analysed first if it has no .steplens/ output).
-    Runs whose ds_configs differ only in settings that do not change the work (the steplens block and
-    its run_dir, output paths, logging, monitor, profiler and comms-logger settings, autotuning) are
-    trials of one configuration; what was ignored is printed. Each run is measured by its median
-    optimizer-step time and samples per step (collector train_steps). Configurations are ranked by
-    median throughput, as the autotuning analysis ranks DeepSpeed's experiments, and the winner is
-    called only when an exact one-sided Mann-Whitney U test over the trials gives p < 0.05 (which
-    needs at least 4 trials per configuration).
-    """
-    import json
-
-    from steplens.analyze.analyses.trials import trials
-    from steplens.reports.data import load
-
-    folders = sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
-    runs = {}
-    for folder in folders:
-        run = load(_analysed(folder))
-        runs[folder.name] = (run.table("step_time"), {"world_size": run.manifest.get("world_size"),
-                                                      **run.manifest.get("facts", {})})
-    measured = {name: value for name, value in runs.items() if not value[0].is_empty()}
-    if not measured:
-        _fail(f"{runs_dir}: no run folder with step times (collector train_steps, logs or profiler steps) under it")
-    result = trials(measured)
-    if fmt == "json":
-        click.echo(json.dumps(result, indent=1, default=str))
-        return
-    columns = ["rank", "runs", "trials", "ok_trials", "median", "min", "max", "metric"]
-    rows = [[_cell(",".join(c["runs"]) if column == "runs" else c[column]) for column in columns]
-            for c in result["configurations"]]
-    ignored = (f"ignored settings that differed between trials: {', '.join(result['ignored_differences'])}"
-               if result["ignored_differences"] else "no ignored setting differed between trials")
-    if fmt == "md":
-        from steplens.reports.markdown import escape, table_lines
-
-        click.echo("\n".join([f"**{escape(result['verdict']['detail'])}**", "", escape(ignored) + ".", ""]
-                             + table_lines(columns, rows) + ["", escape(result["ignored_rule"]) + "."]))
-        return
-    console = Console(highlight=False)
-    console.print(result["verdict"]["detail"], markup=False, soft_wrap=True)
-    console.print(ignored, markup=False, soft_wrap=True)
-    # Narrow enough for an 80-column CI log: the configuration's first run names it (--format json lists every run).
-    view = Table(title="configurations (throughput in samples/s, median over trials)", title_justify="left", box=None)
-    narrow = ["rank", "configuration", "micro_batch", "trials", "ok_trials", "median", "min", "max"]
-    for column in narrow:
-        view.add_column(column.replace("_", " "), overflow="fold")
-    for c in result["configurations"]:
-        view.add_row(*(_cell(c[column]) for column in narrow))
-    console.print(view, markup=False)
-    console.print(result["ignored_rule"], markup=False, soft_wrap=True)
-
-
-def _cell(value) -> str:
-    if value is None:
-        return ""
-    return f"{value:,.4g}" if isinstance(value, float) else str(value)
-
-
-steplens.add_command(trials_command)

@@ -29,6 +29,30 @@ def telemetry_lines(f: dict) -> list[str]:
     return lines
 
 
+ALARM_ONLY_WORDS = {"only_in_job": "only in the job (rows that never reached the disk, or a hang the watchdog saw)",
+                    "only_post_hoc": "only in the replay (a straggler step the job judged before the other ranks' "
+                                     "parts were on disk, or alarms from after the job stopped delivering)"}
+
+
+def alarm_lines(f: dict, limit: int = 3) -> list[str]:
+    """In-job alarms (the collector's alarms table) next to the same rules replayed on the recorded rows, and
+    where they agree; then the first alarms by severity and step. Post-hoc alarms over every scalar series
+    (monitor_alarms) are in telemetry_lines."""
+    summary = f.get("alarms") or {}
+    if not (summary.get("in_job") or summary.get("post_hoc")):
+        return []
+    line = (f"In-job alarms: {summary['in_job']} raised while the job ran; the same rules replayed on the recorded "
+            f"rows raise {summary['post_hoc']}; {summary['agree']} agree (same rule, series and step)")
+    differ = [f"{summary[key]} {words}" for key, words in ALARM_ONLY_WORDS.items() if summary.get(key)]
+    lines = [line + ("; " + "; ".join(differ) if differ else "") + "."]
+    for alarm in summary.get("listed", [])[:limit]:
+        seen = ("in the job and in the replay" if alarm["in_job"] and alarm["post_hoc"]
+                else "in the job only" if alarm["in_job"] else "in the replay only")
+        lines.append(f"Alarm {alarm['rule']} ({alarm['severity']}) on {alarm['name']} at step {alarm['step']}, {seen}: "
+                     f"{alarm['detail'].rstrip('.')}.")
+    return lines
+
+
 EXCLUSION_WORDS = {"warm_up": "warm-up", "flops_profiler": "FLOPs profiler", "profiler_warmup": "profiler warm-up",
                    "profiler_window": "profiler window", "profiler_export": "trace export",
                    "checkpoint_save": "checkpoint save", "overflow_skipped": "skipped on fp16 overflow",
@@ -146,7 +170,7 @@ def collective_lines(f: dict) -> list[str]:
     if top := f.get("most_exposed_collective"):
         bandwidth = f" at a median busbw of {top['busbw_gbps']:.1f} GB/s" if top.get("busbw_gbps") is not None else ""
         message = f" of {size(top['bytes'])}" if top.get("bytes") is not None else " (message size not in the traces)"
-        on_rank = f" on rank {top['rank']} (the most exposed rank)" if top.get("rank") is not None else ""
+        on_rank = f" on rank {top['rank']}" if top.get("rank") is not None else ""
         return [f"Most exposed communication: {top['op']}{message}, {ms(top['exposed_ns'])} not hidden behind compute"
                 f"{on_rank} over {top['calls']} calls{bandwidth}."]
     return [f"Collectives: {f['comms_note']}."] if f.get("comms_note") else []

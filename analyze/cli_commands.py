@@ -1,0 +1,260 @@
+"""The commands over analysed runs: `steplens sql`, `export-trace`, `compare` and `trials`."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from steplens.analyze.cli_render import EXIT_REGRESSION, analyse_and_report, fail
+from steplens.analyze.analyses import runner
+from steplens.analyze.contract import schema
+from steplens.analyze.pipeline.ingest import IngestError, publish, staged
+from steplens.reports.text import safe_text
+
+def _sql_help() -> str:
+    from steplens.analyze.query.sql import EXAMPLES
+
+    tables = ", ".join(list(schema.TABLES) + list(schema.ANALYSIS_TABLES))
+    # One \\b block per example: click keeps its lines as written (the comment above its query).
+    examples = "\n\n".join("\b\n  # " + title + "\n" + "\n".join(textwrap.wrap(text, 76, initial_indent="  ",
+                                                                         subsequent_indent="    "))
+                           for title, text in EXAMPLES.items())
+    return f"""Run one SELECT over every steplens run under RUNS_DIR (any folder holding a run.json, such
+as RUN/.steplens/), with DuckDB.
+
+Each table is a view across all runs, with a run_id column (per-rank tables also have rank):
+{tables}. The view `runs` lists the runs (run_id, run_name, path, world_size, ranks, devices, created_by,
+zero_stage, train_batch_size, code_revision, deepspeed_version).
+Columns are documented in analyze/contract/schema.py and the README. Queries never modify a run: only a
+single SELECT is accepted.
+
+Examples:
+
+{examples}"""
+
+
+@click.command("sql", help=_sql_help())
+@click.argument("runs_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("query")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
+              help="table for reading, csv or json (one object per row) for other tools.")
+def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
+    from steplens.analyze.query.sql import QueryError, find_runs
+    from steplens.analyze.query.sql import query as run_query
+
+    if not find_runs(runs_dir):
+        fail(f"{runs_dir}: no steplens runs (no run.json) under this folder; run `analyze` first")
+    try:
+        result = run_query(runs_dir, query)
+    except QueryError as e:
+        fail(str(e))
+    if fmt == "csv":
+        click.echo(result.write_csv(), nl=False)
+    elif fmt == "json":
+        click.echo(result.write_ndjson(), nl=False)
+    else:
+        with pl_config():
+            click.echo(result)
+
+
+def pl_config():
+    import polars as pl
+
+    return pl.Config(tbl_rows=200, tbl_cols=-1, tbl_width_chars=200, fmt_str_lengths=80, tbl_hide_dataframe_shape=True)
+
+
+
+
+def _step_range(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    first, _, last = value.partition(":")
+    try:
+        return int(first), int(last or first)
+    except ValueError:
+        raise click.BadParameter("expected A:B (ProfilerStep numbers, inclusive) or A") from None
+
+
+@click.command("export-trace")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--steps", default=None, help="Only ProfilerSteps A to B inclusive, as A:B (or one step A).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Output file (default: merged_trace.json in the run directory).")
+def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None) -> None:
+    """Write one Chrome-trace JSON with every rank of an analysed run on one clock.
+
+    RUN_DIR is a run folder that `analyze` has processed (or its .steplens/ output). Each rank becomes
+    a process, its GPU streams become threads, times move onto the reference rank's clock (the
+    clock_offsets analysis) and launch links stay as flow arrows. Open the file in Perfetto UI
+    (ui.perfetto.dev) or chrome://tracing; slices that overlap without nesting, which Perfetto drops,
+    are counted in the summary.
+    """
+    from steplens.analyze.query.export_trace import export_trace
+
+    out_dir = run_dir if (run_dir / schema.MANIFEST_FILE).exists() else run_dir / schema.DEFAULT_OUT_DIR
+    if not (out_dir / schema.MANIFEST_FILE).exists():
+        fail(f"{run_dir}: not an analysed run (no run.json); run `analyze {run_dir}` first")
+    out_path = out_path or out_dir / "merged_trace.json"
+    if out_path.exists() and not _is_export(out_path):
+        fail(f"{safe_text(out_path)} exists and is not a trace steplens exported: give a new file with --out")
+    counts = export_trace(out_dir, out_path, _step_range(steps))
+    if not counts["events"]:
+        fail(f"{run_dir}: no events to export" + (f" in steps {steps}" if steps else ""))
+    click.echo(f"{out_path}: {counts['events']:,} events and {counts['flows']:,} launch flows from "
+               f"{counts['ranks']} rank(s); {counts['partial_overlaps']:,} slices overlap without nesting")
+
+
+
+
+def _is_export(path: Path) -> bool:
+    """A file export-trace wrote (its otherData, written last, names steplens): the only kind it replaces."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 4096))
+            tail = f.read()
+    except OSError:
+        return False
+    return b'"steplens":' in tail and b'"origin_ns":' in tail
+
+
+def _analysed(run_dir: Path) -> Path:
+    """The run's analysed output folder, analysing it first (default options) when it has none."""
+    for candidate in (run_dir, run_dir / schema.DEFAULT_OUT_DIR):
+        if (candidate / schema.MANIFEST_FILE).exists():
+            return candidate
+    click.echo(f"analysing {run_dir} first (default options) ...", err=True)
+    try:
+        with staged(run_dir) as stage:
+            analyse_and_report(stage.folder, runner.Options())
+            return publish(stage).out_dir
+    except IngestError as e:
+        fail(str(e))
+
+
+@click.command("compare")
+@click.argument("base_run", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("new_run", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("steplens-compare"),
+              show_default=True, help="Folder for compare.html and compare.md.")
+@click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True,
+              help="text: terminal tables; md: print compare.md (for a PR comment); json: the verdict as data.")
+@click.option("--fail-on-regression", "fail_pct", type=float, default=None, metavar="PCT",
+              help=f"Exit {EXIT_REGRESSION} when the judged metric (step time, or throughput when the work per step "
+                   "differs) got significantly worse by more than PCT percent (CI gating).")
+def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail_pct: float | None) -> None:
+    """Compare two runs: a noise-aware verdict on the work done, and MFU, GPU idle, exposed
+    communication, kernel categories and top kernels side by side.
+
+    BASE_RUN and NEW_RUN are run folders (analysed first if they have no .steplens/ output) or
+    analysed output folders. When micro batch, gradient accumulation and world size agree the
+    verdict is on step time; when any differs, on throughput (tokens/s when both runs know their
+    sequence length, else samples/s), and the output says so. A change counts only when a bootstrap
+    95% interval of the relative change of the median excludes zero and a Mann-Whitney U test gives
+    p < 0.05; with fewer than 5 steps per run the verdict is "not established". Writes compare.html
+    and compare.md.
+    """
+    import json
+
+    from steplens.analyze.analyses import compare as comparison
+    from steplens.reports import compare, html, markdown
+    from steplens.reports.data import load, write_atomic
+
+    result = comparison.compare(load(_analysed(base_run)), load(_analysed(new_run)))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / "compare.html", html.render_compare(result))
+    write_atomic(out_dir / "compare.md", markdown.render_compare(result))
+    if fmt == "md":
+        click.echo((out_dir / "compare.md").read_text(), nl=False)
+    elif fmt == "json":
+        click.echo(json.dumps(comparison.as_data(result), indent=1, default=str))
+    else:
+        console = Console(highlight=False)
+        verdict = result["verdict"]
+        why = f": {verdict['why']}" if verdict.get("why") else ""
+        console.print(f"{verdict['metric']}: {verdict['verdict']}{why}", markup=False)
+        if verdict.get("why_metric"):
+            console.print(f"judged on {verdict['metric']}: {verdict['why_metric']}", markup=False)
+        for warning in result["warnings"]:
+            console.print(f"warning: {safe_text(warning)}", markup=False)
+        # One line per row, "label: header value, ...": CI logs (piped, 80 columns) wrap it as text, not as table fragments.
+        for table in compare.display_tables(result):
+            if table["rows"]:
+                console.print(table["title"], markup=False)
+                for label, *cells in table["rows"]:
+                    pairs = ", ".join(f"{header} {cell}" for header, cell in zip(table["header"][1:], cells) if cell)
+                    console.print(f"  {safe_text(label)}: {safe_text(pairs)}", markup=False)
+        console.print(f"written: {out_dir / 'compare.html'}, {out_dir / 'compare.md'}", markup=False)
+    if fail_pct is not None and comparison.regressed(result, fail_pct):
+        sys.exit(EXIT_REGRESSION)
+
+
+
+
+@click.command("trials")
+@click.argument("runs_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True,
+              help="text: terminal tables; md: markdown for a PR comment; json: the verdict as data.")
+def trials_command(runs_dir: Path, fmt: str) -> None:
+    """Rank repeated trial runs made by the collector, with a noise-aware verdict.
+
+    Every folder directly under RUNS_DIR is one run (analysed first if it has no .steplens/ output).
+    Runs whose ds_configs differ only in settings that do not change the work (the steplens block and
+    its run_dir, output paths, logging, monitor, profiler and comms-logger settings, autotuning) are
+    trials of one configuration; what was ignored is printed. Each run is measured by its median
+    optimizer-step time and samples per step (collector train_steps). Configurations are ranked by
+    median throughput, as the autotuning analysis ranks DeepSpeed's experiments, and the winner is
+    called only when an exact one-sided Mann-Whitney U test over the trials gives p < 0.05 (which
+    needs at least 4 trials per configuration).
+    """
+    import json
+
+    from steplens.analyze.analyses.trials import trials
+    from steplens.reports.data import load
+
+    folders = sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    runs = {}
+    for folder in folders:
+        run = load(_analysed(folder))
+        runs[folder.name] = (run.table("step_time"), {"world_size": run.manifest.get("world_size"),
+                                                      **run.manifest.get("facts", {})})
+    measured = {name: value for name, value in runs.items() if not value[0].is_empty()}
+    if not measured:
+        fail(f"{runs_dir}: no run folder with step times (collector train_steps, logs or profiler steps) under it")
+    result = trials(measured)
+    if fmt == "json":
+        click.echo(json.dumps(result, indent=1, default=str))
+        return
+    columns = ["rank", "runs", "trials", "ok_trials", "median", "min", "max", "metric"]
+    rows = [[_cell(",".join(c["runs"]) if column == "runs" else c[column]) for column in columns]
+            for c in result["configurations"]]
+    ignored = (f"ignored settings that differed between trials: {', '.join(result['ignored_differences'])}"
+               if result["ignored_differences"] else "no ignored setting differed between trials")
+    if fmt == "md":
+        from steplens.reports.markdown import escape, table_lines
+
+        click.echo("\n".join([f"**{escape(result['verdict']['detail'])}**", "", escape(ignored) + ".", ""]
+                             + table_lines(columns, rows) + ["", escape(result["ignored_rule"]) + "."]))
+        return
+    console = Console(highlight=False)
+    console.print(result["verdict"]["detail"], markup=False, soft_wrap=True)
+    console.print(ignored, markup=False, soft_wrap=True)
+    # Narrow enough for an 80-column CI log: the configuration's first run names it (--format json lists every run).
+    view = Table(title="configurations (throughput in samples/s, median over trials)", title_justify="left", box=None)
+    narrow = ["rank", "configuration", "micro_batch", "trials", "ok_trials", "median", "min", "max"]
+    for column in narrow:
+        view.add_column(column.replace("_", " "), overflow="fold")
+    for c in result["configurations"]:
+        view.add_row(*(_cell(c[column]) for column in narrow))
+    console.print(view, markup=False)
+    console.print(result["ignored_rule"], markup=False, soft_wrap=True)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    return f"{value:,.4g}" if isinstance(value, float) else str(value)

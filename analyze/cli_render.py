@@ -1,0 +1,160 @@
+"""What the command line prints and writes besides the tables: exit statuses, the ingest summary,
+the findings (in the sentences of reports/verdict.py) and the rendered reports."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from steplens.analyze.analyses import runner
+from steplens.analyze.contract import schema
+from steplens.analyze.pipeline.ingest import IngestResult, Source
+from steplens.reports.text import safe_text
+from steplens.reports.verdict import finding_lines
+
+# Exit status, one meaning each, for every command (documented in --help and the README).
+EXIT_PARTIAL = 1  # results written, but some inputs could not be used (see the issues)
+EXIT_NOTHING = 2  # nothing usable, or bad arguments
+EXIT_REGRESSION = 3  # compare --fail-on-regression: a significant slowdown beyond the threshold
+EXIT_UNWRITABLE = 4  # the output cannot be written (permissions, read-only or full disk)
+EXIT_INTERNAL = 5  # a steplens bug: the message says where to look
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM: the last published result is unchanged
+EXIT_STATUS_HELP = f"""\b
+Exit status:
+  0    all inputs used
+  {EXIT_PARTIAL}    results written, but some inputs could not be used (see the issues)
+  {EXIT_NOTHING}    nothing usable, or bad arguments
+  {EXIT_REGRESSION}    compare: a regression beyond --fail-on-regression
+  {EXIT_UNWRITABLE}    the output cannot be written (read-only or full disk)
+  {EXIT_INTERNAL}    internal error (STEPLENS_DEBUG=1 shows the traceback)
+  {EXIT_INTERRUPTED}  interrupted by Ctrl-C or SIGTERM (the last result is kept)
+"""
+
+
+
+def fail(message: str, status: int = EXIT_NOTHING) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(status)
+
+
+class Terminated(BaseException):
+    """SIGTERM or Ctrl-C, raised in the main thread so that cleanup (workers, staging folder) runs;
+    not a KeyboardInterrupt, which click would answer with a line of its own."""
+
+
+def print_summary(console: Console, result: IngestResult, analysis_seconds: float | None = None) -> None:
+    """What was read: one line per fact, wrapped to the console (80 columns when piped), no tables."""
+    m = result.manifest
+    used = [s for s in result.sources if s.rank is not None and s.kind == "kineto"]
+    mb = sum(s.raw_bytes for s in result.sources if s.status == "ingested") / 1e6
+    parsed = sum(1 for s in result.sources if s.status == "ingested")
+    ingest_seconds = result.seconds - (analysis_seconds or 0)
+    speed = f", {mb / ingest_seconds:.0f} MB/s" if parsed and ingest_seconds > 0 else ""
+    analysed = f"; analyses {analysis_seconds:.2f}s" if analysis_seconds is not None else ""
+    artifacts = Counter(s.kind for s in result.sources if s.kind != "kineto" and s.status in ("ingested", "reused"))
+    others = f" and {sum(artifacts.values())} other input(s)" if artifacts else ""
+    say(console, f"{len(used)} trace file(s){others} -> {result.out_dir}", indent=0)
+    say(console, f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed}")
+    world = f" of world size {m['world_size']}" if m.get("world_size") else ""
+    say(console, f"ranks: {ranges(m['ranks']) or 'none'}{world}", indent=0)
+    if artifacts:
+        say(console, "other inputs: " + ", ".join(f"{kind}={n}" for kind, n in sorted(artifacts.items())), indent=0)
+    if m.get("ignored_count"):
+        say(console, f"not read: {m['ignored_count']} file(s) in no format steplens knows (run.json ignored_files)",
+            indent=0)
+    if used:
+        _print_trace_tables(console, used)
+    _print_issues(console, result)
+
+
+def say(console: Console, text: str, indent: int = 2) -> None:
+    """Print untrusted text as plain lines wrapped to the console width (80 columns when piped), the
+    continuation indented; a word longer than the line (a path) stays whole rather than broken."""
+    width = max(console.width, 40)
+    lines = textwrap.wrap(safe_text(text), width=width, initial_indent=" " * indent, subsequent_indent=" " * (indent + 2),
+                          break_long_words=False, break_on_hyphens=False) or [""]
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_trace_tables(console: Console, used: list[Source]) -> None:
+    """Profiled steps per rank (ranks with the same steps on one line) and events per kind."""
+    by_rank: dict[int, list[Source]] = {}
+    for s in used:
+        by_rank.setdefault(s.rank, []).append(s)
+    same_steps: dict[tuple, list[int]] = {}
+    for rank in sorted(by_rank):
+        numbers = sorted(n for s in by_rank[rank] for n in s.steps)
+        same_steps.setdefault((len(by_rank[rank]), tuple(numbers)), []).append(rank)
+    say(console, "profiled steps (ProfilerStep#):", indent=0)
+    for (windows, numbers), ranks in same_steps.items():
+        steps = f"{len(numbers)} step(s) {ranges(list(numbers))}" if numbers else "no steps"
+        say(console, f"rank{'s' if len(ranks) > 1 else ''} {ranges(ranks)}: {windows} window(s), {steps}")
+    kinds = Counter()
+    for s in used:
+        kinds.update(s.kind_counts)
+    # kind=count: a line wrapped at the console width never parts a kind from its count
+    say(console, "events (all ranks): " + ", ".join(f"{kind}={kinds[kind]:,}" for kind in schema.KINDS if kinds.get(kind)),
+        indent=0)
+
+
+def _print_issues(console: Console, result: IngestResult) -> None:
+    """One line per kind of issue (severity, reason, count, files) and its first example."""
+    grouped: dict[tuple, list] = {}
+    for s in result.sources:
+        for severity, reason, count, detail in s.issues:
+            grouped.setdefault((severity, reason), []).append((s.path, count, detail))
+    if not grouped:
+        say(console, "ingest issues: none", indent=0)
+        return
+    say(console, f"ingest issues ({len(grouped)} kind(s); all in the ingest_issues table):", indent=0)
+    order = {"error": 0, "warning": 1, "info": 2}
+    for (severity, reason), rows in sorted(grouped.items(), key=lambda kv: (order.get(kv[0][0], 3), kv[0][1])):
+        path, _, detail = rows[0]
+        detail = detail.removeprefix(f"{path}: ")
+        files = f"{len(rows)} file{'s' if len(rows) > 1 else ''}"
+        say(console, f"{severity} {reason}: {sum(r[1] for r in rows):,} in {files}; e.g. {path}: {detail}")
+
+
+def print_findings(console: Console, f: dict) -> None:
+    """Every finding, in the sentences the report and summary.md use."""
+    console.print("[bold]findings[/]")
+    for line in finding_lines(f):
+        say(console, line)
+
+
+def ranges(numbers: list[int]) -> str:
+    """[0,1,2,5,7,8] -> '0-2, 5, 7-8'."""
+    parts, start, prev = [], None, None
+    for n in sorted(set(numbers)):
+        if start is None:
+            start = prev = n
+        elif n == prev + 1:
+            prev = n
+        else:
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = n
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ", ".join(parts)
+
+
+
+def analyse_and_report(folder: Path, options: runner.Options) -> dict:
+    """The analyses, then report.html and summary.md, in the staged output (published together)."""
+    from steplens.reports import html, markdown
+
+    started = time.perf_counter()
+    findings = runner.run(folder, options)
+    findings["analysis_seconds"] = time.perf_counter() - started
+    started = time.perf_counter()
+    html.write(folder)
+    markdown.write(folder)
+    findings["report_seconds"] = time.perf_counter() - started
+    return findings
