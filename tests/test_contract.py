@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from steplens.analyze.contract import layout
+from steplens.analyze.contract import layout, schema
+from steplens.analyze.pipeline import analyse
 from steplens.analyze.contract.bus_bandwidth import busbw_factor
 from steplens.analyze.importers import collector_parts
 from steplens.collect.comms import with_bandwidth
@@ -64,3 +69,45 @@ def test_part_writer_files_are_claimed_by_the_analyzer(tmp_path):
     assert manifest.tables["run_status"]["status"].to_list() == ["completed"]
     # A second writer on the same folder (a resumed job) continues the sequence instead of replacing a part.
     assert PartWriter(tmp_path, rank=2, tables=("train_steps",), prepare={}).seq == 1
+
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+# Real runs of every kind the analyses see: a 2-rank DeepSpeed CPU job (traces, logs, monitors, comms
+# dumps), 2-rank GPU traces with NCCL kernels, a Megatron-DeepSpeed log alone, a DeepSpeed autotuning run.
+REAL_RUNS = {
+    "deepspeed_cpu_2rank": Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank",
+    "gpu_traces_2rank": SHARED / "corpus" / "HolisticTraceAnalysis" / "trace_filter",
+    "megatron_log": SHARED / "corpus" / "Megatron-DeepSpeed" / "random_ltd_gpt3_baseline",
+    "autotuning": SHARED / "deepspeed-cpu-runs" / "autotune1",
+}
+
+
+@pytest.fixture(scope="module")
+def analysed_runs(tmp_path_factory) -> dict[str, Path]:
+    missing = [str(path) for path in REAL_RUNS.values() if not path.is_dir()]
+    if missing:
+        pytest.skip(f"real runs not found: {missing}")
+    root = tmp_path_factory.mktemp("contract_runs")
+    return {name: analyse(path, root / name, jobs=1)[0].out_dir for name, path in REAL_RUNS.items()}
+
+
+def test_every_analysis_table_is_written_with_its_declared_schema(analysed_runs):
+    """Names, order and Arrow types of every part of every analysis table, empty or not, on every run."""
+    rows = {table: 0 for table in schema.ANALYSIS_TABLES}
+    for name, out_dir in analysed_runs.items():
+        for table in schema.ANALYSIS_TABLES:
+            parts = sorted((out_dir / table).glob("*.parquet"))
+            assert parts, f"{name}: {table} not written"
+            for part in parts:
+                assert pq.read_schema(part) == schema.analysis_schema(table), f"{name}: {part.relative_to(out_dir)}"
+                rows[table] += pq.read_metadata(part).num_rows
+    # The runs exercise the trace, log and autotuning analyses with real rows, not only empty tables.
+    assert {t for t, n in rows.items() if n} >= {"step_stats", "collectives", "kernel_launches", "gpu_idle", "op_perf",
+                                                 "step_time", "comms_log_stats", "autotune_ranking", "autotune_verdict"}
+
+
+def test_counts_are_int64_where_polars_counts_in_uint32(analysed_runs):
+    """step_stats.ranks is a polars count (uint32) cast to the declared int64: 2 ranks per step of a 2-rank job."""
+    stats = pq.read_table(analysed_runs["gpu_traces_2rank"] / "step_stats")
+    assert stats.schema.field("ranks").type == pa.int64()
+    assert set(stats["ranks"].to_pylist()) == {2}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
+import pyarrow.parquet as pq
 
 from steplens.analyze.analyses import (REGISTERED, alarm_agreement, autotune, comms, comms_log, job_end, kernels, launch,
                                        log_mfu, mfu, module_perf, monitor, op_perf, registry, roofline, sanity,
@@ -53,13 +54,14 @@ def _write(out_dir: Path, table: str, frame: pl.DataFrame, part: str = "part-0")
     folder = out_dir / table
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"{part}.parquet.tmp"
-    columns = list(schema.ANALYSIS_TABLES[table])
-    missing = [c for c in columns if c not in frame.columns]
+    declared = schema.analysis_schema(table)
+    missing = [c for c in declared.names if c not in frame.columns]
     if missing and not frame.is_empty():
         raise KeyError(f"analysis table {table} lacks columns {missing}")
-    # An analysis with nothing to say still writes its (empty) table, so SQL over it works.
-    frame = frame.with_columns([pl.lit(None).alias(c) for c in missing]).select(columns)
-    frame.write_parquet(tmp, compression="zstd", compression_level=1)
+    # Every table is written with its declared types (an analysis with nothing to say: empty, typed, so
+    # SQL over it works); a value that does not fit its type (3.5 in an int64 column) raises here.
+    arrow = declared.empty_table() if missing else frame.select(declared.names).to_arrow().cast(declared)
+    pq.write_table(arrow, tmp, compression="zstd", compression_level=1)
     tmp.replace(folder / f"{part}.parquet")
 
 

@@ -601,3 +601,107 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "aligned_points": "Points with a global-samples x and a finite value (the ones a curve can show).",
     },
 }
+
+# The Arrow type of every analysis column (ANALYSIS_TABLES gives the order and the meaning). Taken from what
+# the analyses produce on real runs, with every count as int64 (polars counts are uint32) and text as
+# string, as in the ingested tables. runner._write casts each table to analysis_schema(table) before
+# writing, so a table has the same types in every run directory, empty or not.
+_INT, _FLOAT, _STR, _BOOL = pa.int64(), pa.float64(), pa.string(), pa.bool_()
+ANALYSIS_TYPES: dict[str, dict[str, pa.DataType]] = {
+    "clock_offsets": {"rank": _INT, "offset_ns": _INT, "uncertainty_ns": _INT, "matched": _INT, "method": _STR,
+        "reference_rank": _INT},
+    "step_times": {"rank": _INT, "step": _INT, "cpu_start_ns": _INT, "cpu_end_ns": _INT, "cpu_dur_ns": _INT,
+        "gpu_start_ns": _INT, "gpu_end_ns": _INT, "gpu_dur_ns": _INT, "comm_wait_ns": _INT, "aligned_start_ns": _INT,
+        "aligned_end_ns": _INT},
+    "step_stats": {"step": _INT, "ranks": _INT, "min_dur_ns": _INT, "median_dur_ns": _INT, "max_dur_ns": _INT,
+        "spread_ns": _INT, "slowest_rank": _INT, "straggler_rank": _INT, "others_waited_ns": _INT,
+        "median_other_wait_ns": _INT, "aligned_dur_ns": _INT, "straggler_basis": _STR},
+    "collectives": {"rank": _INT, "step": _INT, "event_id": _INT, "instance": _STR, "op": _STR, "collective": _STR,
+        "name": _STR, "group_name": _STR, "group_size": _INT, "seq": _INT, "dtype": _STR, "bytes": _INT,
+        "ts_ns": _INT, "dur_ns": _INT, "algbw_gbps": _FLOAT, "busbw_gbps": _FLOAT, "overlapped_ns": _INT,
+        "exposed_ns": _INT, "regime": _STR, "device": _INT, "stream": _INT, "issuing_op": _STR},
+    "collective_instances": {"instance": _STR, "op": _STR, "ranks": _INT, "step": _INT, "bytes": _INT,
+        "group_size": _INT, "min_dur_ns": _INT, "max_dur_ns": _INT, "start_skew_ns": _INT, "end_skew_ns": _INT,
+        "last_rank": _INT, "busbw_at_min_latency_gbps": _FLOAT},
+    "kernel_launches": {"rank": _INT, "source": _STR, "event_id": _INT, "step": _INT, "kind": _STR, "name": _STR,
+        "stream": _INT, "device": _INT, "correlation": _INT, "ts_ns": _INT, "dur_ns": _INT, "launch_api": _STR,
+        "launch_ts_ns": _INT, "api_ns": _INT, "launch_pid": _INT, "launch_tid": _INT, "queue_ns": _INT,
+        "launch_delay_ns": _INT},
+    "launch_summary": {"rank": _INT, "launch_api": _STR, "activities": _INT, "api_ns_median": _FLOAT,
+        "api_ns_p90": _FLOAT, "queue_ns_median": _FLOAT, "queue_ns_p90": _FLOAT, "gpu_ns_total": _INT},
+    "gpu_idle": {"rank": _INT, "device": _INT, "stream": _INT, "step": _INT, "span_start_ns": _INT,
+        "span_end_ns": _INT, "span_ns": _INT, "busy_ns": _INT, "idle_ns": _INT, "host_bound_ns": _INT,
+        "sync_ns": _INT, "other_ns": _INT, "activities": _INT, "source": _STR},
+    "sync_points": {"rank": _INT, "step": _INT, "name": _STR, "issuing_op": _STR, "ts_ns": _INT, "dur_ns": _INT,
+        "idle_caused_ns": _INT},
+    "kernel_categories": {"rank": _INT, "step": _INT, "category": _STR, "kernels": _INT, "time_ns": _INT},
+    "top_kernels": {"name": _STR, "category": _STR, "calls": _INT, "time_ns": _INT, "ranks": _INT,
+        "min_rank_time_ns": _INT, "max_rank_time_ns": _INT, "mean_ns": _INT},
+    "op_perf": {"rank": _INT, "source": _STR, "event_id": _INT, "external_id": _INT, "step": _INT, "name": _STR,
+        "family": _STR, "shapes": _STR, "dtype": _STR, "flops": _FLOAT, "bytes": _FLOAT, "device_ns": _INT,
+        "achieved_tflops": _FLOAT, "achieved_tbps": _FLOAT, "intensity": _FLOAT, "bound": _STR,
+        "fraction_of_peak": _FLOAT, "nested": _BOOL},
+    "module_perf": {"rank": _INT, "step": _INT, "module": _STR, "module_class": _STR, "depth": _INT, "calls": _INT,
+        "device_ns": _INT, "flops": _FLOAT, "achieved_tflops": _FLOAT, "backward_device_ns": _INT},
+    "module_mfu": {"rank": _INT, "step": _INT, "module": _STR, "module_class": _STR, "profile_path": _STR,
+        "calls": _INT, "forward_flops": _FLOAT, "device_ns": _INT, "achieved_tflops": _FLOAT, "peak_tflops": _FLOAT,
+        "mfu": _FLOAT, "definition": _STR, "flag": _STR, "backward_device_ns": _INT, "training_flops": _FLOAT,
+        "training_mfu": _FLOAT},
+    "mfu": {"step": _INT, "rank": _INT, "metric": _STR, "numerator": _STR, "flops": _FLOAT, "step_time_ns": _INT,
+        "gpus": _INT, "peak_flops": _FLOAT, "utilization": _FLOAT, "definition": _STR, "peak": _STR},
+    "step_time": {"step": _INT, "source": _STR, "step_time_ns": _INT, "slowest_rank": _INT, "ranks": _INT,
+        "micro_steps": _INT, "start_ns": _INT, "end_ns": _INT, "samples": _INT, "skipped": _BOOL,
+        "loss_scale": _FLOAT, "excluded": _BOOL, "reason": _STR, "definition": _STR},
+    "autotune_ranking": {"tuning_space": _STR, "rank": _INT, "experiment": _STR, "experiments": _STR,
+        "zero_stage": _INT, "micro_batch": _INT, "grad_accum": _INT, "trials": _INT, "ok_trials": _INT,
+        "statuses": _STR, "error": _STR, "metric": _STR, "median": _FLOAT, "min": _FLOAT, "max": _FLOAT,
+        "spread": _FLOAT, "environment": _STR, "environment_differs": _BOOL},
+    "autotune_verdict": {"tuning_space": _STR, "metric": _STR, "winner": _STR, "winner_median": _FLOAT,
+        "winner_trials": _INT, "runner_up": _STR, "runner_up_median": _FLOAT, "runner_up_trials": _INT,
+        "difference": _FLOAT, "relative_difference": _FLOAT, "noise_sd": _FLOAT, "test": _STR, "statistic": _FLOAT,
+        "p_value": _FLOAT, "established": _BOOL, "trials_needed": _INT, "detail": _STR, "deepspeed_pick": _STR,
+        "deepspeed_recorded": _FLOAT, "pick_mismatch": _BOOL, "pick_detail": _STR, "same_environment": _BOOL,
+        "environment_detail": _STR},
+    "comms_log_stats": {"op": _STR, "msg_bytes": _INT, "nccl_bytes": _INT, "group_size": _INT, "calls": _INT,
+        "ranks": _INT, "median_latency_ns": _INT, "p90_latency_ns": _INT, "total_latency_ns": _INT,
+        "median_algbw_gbps": _FLOAT, "median_busbw_gbps": _FLOAT, "latency_origin": _STR, "synchronized": _BOOL,
+        "caveat": _STR},
+    "monitor_alarms": {"alarm": _STR, "name": _STR, "origin": _STR, "source": _STR, "global_samples": _INT,
+        "step": _INT, "value": _FLOAT, "baseline": _FLOAT, "score": _FLOAT, "threshold": _FLOAT, "detail": _STR,
+        "rule": _STR},
+    "alarm_agreement": {"rule": _STR, "name": _STR, "step": _INT, "rank": _INT, "severity": _STR, "in_job": _BOOL,
+        "post_hoc": _BOOL, "value_in_job": _FLOAT, "value_post_hoc": _FLOAT, "detail": _STR},
+    "run_comparability": {"field": _STR, "required": _BOOL, "status": _STR, "values": _STR, "detail": _STR},
+    "step_breakdown": {"rank": _INT, "source": _STR, "device": _INT, "step": _INT, "span_ns": _INT,
+        "compute_ns": _INT, "exposed_comm_ns": _INT, "idle_ns": _INT, "host_bound_ns": _INT, "sync_ns": _INT,
+        "other_ns": _INT},
+    "step_timeline": {"rank": _INT, "step": _INT, "activity": _STR, "start_ns": _INT, "end_ns": _INT},
+    "collective_summary": {"op": _STR, "bytes": _INT, "calls": _INT, "ranks": _INT, "kernel_ns": _INT,
+        "max_rank_exposed_ns": _INT, "max_exposed_rank": _INT, "median_rank_exposed_ns": _INT, "overlapped_ns": _INT,
+        "busbw_median_gbps": _FLOAT, "busbw_p10_gbps": _FLOAT, "busbw_p90_gbps": _FLOAT},
+    "collective_call_sites": {"issuing_op": _STR, "op": _STR, "calls": _INT, "max_rank_exposed_ns": _INT,
+        "max_exposed_rank": _INT},
+    "category_summary": {"category": _STR, "kernels": _INT, "time_ns": _INT, "share": _FLOAT},
+    "scalar_series": {"origin": _STR, "name": _STR, "points": _INT, "ranks": _INT, "aligned_points": _INT},
+}
+
+
+def _analysis_schemas() -> dict[str, pa.Schema]:
+    schemas = {}
+    for table, docs in ANALYSIS_TABLES.items():
+        types = ANALYSIS_TYPES.get(table, {})
+        if set(types) != set(docs):
+            raise ValueError(f"analysis table {table}: columns documented but not typed {sorted(set(docs) - set(types))}, "
+                             f"typed but not documented {sorted(set(types) - set(docs))}")
+        schemas[table] = pa.schema([pa.field(column, types[column]) for column in docs])
+    if extra := set(ANALYSIS_TYPES) - set(ANALYSIS_TABLES):
+        raise ValueError(f"analysis tables typed but not documented: {sorted(extra)}")
+    return schemas
+
+
+_ANALYSIS_SCHEMAS = _analysis_schemas()
+
+
+def analysis_schema(table: str) -> pa.Schema:
+    """An analysis table's typed schema: ANALYSIS_TABLES' columns, in order, with ANALYSIS_TYPES' types."""
+    return _ANALYSIS_SCHEMAS[table]
