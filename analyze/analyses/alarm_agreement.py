@@ -63,9 +63,19 @@ def alarm_agreement(alarms: pl.DataFrame, scalars: pl.DataFrame, train_steps: pl
     return pl.DataFrame(list(rows.values()), schema=COLUMNS).sort("step", "rule", "name")
 
 
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+LISTED = 5  # alarms named in findings.json (the table holds them all)
+
+
 def agreement_summary(table: pl.DataFrame) -> dict:
-    """Counts for findings.json: alarms in the job, in the replay, in both."""
+    """For findings.json: counts of alarms in the job, in the replay, in both; and the first LISTED alarms, most
+    severe first, then by step (`listed`: rule, name, step, rank, severity, in_job, post_hoc, value, detail)."""
     both = table.filter(pl.col("in_job") & pl.col("post_hoc")).height
+    listed = (table.with_columns(order=pl.col("severity").replace_strict(SEVERITY_ORDER, default=len(SEVERITY_ORDER)))
+              .sort("order", "step", "rule", "name").head(LISTED)
+              .select("rule", "name", "step", "rank", "severity", "in_job", "post_hoc",
+                      pl.coalesce("value_in_job", "value_post_hoc").alias("value"), "detail"))
     return {"in_job": table.filter("in_job").height, "post_hoc": table.filter("post_hoc").height, "agree": both,
             "only_in_job": table.filter(pl.col("in_job") & ~pl.col("post_hoc")).height,
-            "only_post_hoc": table.filter(~pl.col("in_job") & pl.col("post_hoc")).height}
+            "only_post_hoc": table.filter(~pl.col("in_job") & pl.col("post_hoc")).height,
+            "listed": listed.to_dicts()}
