@@ -44,12 +44,13 @@ def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
     except (pa.ArrowException, OSError) as e:
         return Imported(issues=[["error", "collector_part_unreadable", 1,
                                  f"collector part {rel} cannot be read ({e}); its rows are lost, the other parts are used"]])
-    if arrow.schema.names != expected.names:
-        missing, extra = set(expected.names) - set(arrow.schema.names), set(arrow.schema.names) - set(expected.names)
+    missing, extra = set(expected.names) - set(arrow.schema.names), set(arrow.schema.names) - set(expected.names)
+    if extra:
         return Imported(issues=[["error", "collector_part_columns", 1,
                                  (f"collector part {rel} has other columns than {table} (missing {sorted(missing)}, "
                                   f"unknown {sorted(extra)}): written by another steplens version? Skipped")]])
-    frame = pl.from_arrow(arrow.cast(expected)).with_columns(source=pl.lit(rel))
+    # Columns are only ever added: a part from an older collector lacks the newest ones, read as null.
+    frame = conform(pl.from_arrow(arrow), table).with_columns(source=pl.lit(rel))
     issues = []
     # An alarm's rank is the rank it is about (a straggler), not the writer's.
     if table != "alarms" and (ranks := frame["rank"].unique().to_list()) != [rank] and frame.height:
