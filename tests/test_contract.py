@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import polars as pl
@@ -12,6 +14,7 @@ import pytest
 from steplens.analyze.contract import layout, schema
 from steplens.analyze.pipeline import analyse
 from steplens.analyze.contract.bus_bandwidth import busbw_factor
+from steplens.analyze.contract.manifest import RunManifest
 from steplens.analyze.importers import collector_parts
 from steplens.collect.comms import with_bandwidth
 from steplens.collect.parts import PartWriter
@@ -111,3 +114,30 @@ def test_counts_are_int64_where_polars_counts_in_uint32(analysed_runs):
     stats = pq.read_table(analysed_runs["gpu_traces_2rank"] / "step_stats")
     assert stats.schema.field("ranks").type == pa.int64()
     assert set(stats["ranks"].to_pylist()) == {2}
+
+
+def test_run_json_keys_are_the_manifest_fields(analysed_runs):
+    """Every key a real run.json holds is a RunManifest field and every field is written, in declaration order."""
+    fields = [f.name for f in dataclasses.fields(RunManifest)]
+    for name, out_dir in analysed_runs.items():
+        text = (out_dir / schema.MANIFEST_FILE).read_text()
+        assert list(json.loads(text)) == fields, name
+        assert RunManifest.from_json(text).to_json() == text, name  # round trip, byte for byte
+    autotuning = RunManifest.from_json((analysed_runs["autotuning"] / schema.MANIFEST_FILE).read_text())
+    assert autotuning.created_by == "steplens ingest" and autotuning.trace_ranks == [] and autotuning.run_name == "autotune1"
+    gpu = RunManifest.from_json((analysed_runs["gpu_traces_2rank"] / schema.MANIFEST_FILE).read_text())
+    assert gpu.trace_ranks == [0, 1] and {s["path"] for s in gpu.sources} == {"sampled_rank-0.json.gz", "sampled_rank-1.json.gz"}
+
+
+def test_older_run_json_loads_and_unknown_keys_are_refused_only_when_writing():
+    older = RunManifest.from_json('{"schema_version": 1, "run_id": "abc", "ranks": [0, 1], "from_the_future": 3}')
+    assert (older.run_id, older.ranks, older.trace_ranks, older.schema_fingerprint) == ("abc", [0, 1], [], None)
+    assert "output_entries" not in older.to_dict()  # absent until the output folder is complete
+    with pytest.raises(KeyError, match="from_the_future"):
+        RunManifest.from_dict({"run_id": "abc", "from_the_future": 3}, strict=True)
+
+
+def test_readme_documents_every_run_json_key():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    paragraph = readme[readme.index("**`run.json`**"):readme.index("**`trace_events`**")]
+    assert [f.name for f in dataclasses.fields(RunManifest) if f"`{f.name}`" not in paragraph] == []

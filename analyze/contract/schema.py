@@ -3,7 +3,7 @@
 A run directory is what `analyze` writes (to `<run_dir>/.steplens/` or `--out DIR`) and what the
 collector writes in-job. It holds:
 
-    run.json                                   manifest (see `RunManifest`)
+    run.json                                   manifest (manifest.RunManifest)
     <table>/rank=<r>/part-<source>.parquet     per-rank tables, hive-partitioned by rank
     <table>/part-<name>.parquet                run-level tables (no rank partition)
 
@@ -309,15 +309,7 @@ TABLES: dict[str, tuple[pa.Schema, dict[str, str], bool]] = {
 TELEMETRY_TABLES = ("train_steps", "step_timers", "scalars", "comms_calls", "comms_summary",
                     "flops_profile", "run_status", "autotune_experiments", "alarms", "memory_usage")
 
-# run.json keys, for the README and for readers:
-#   schema_version   int, SCHEMA_VERSION of the writer
-#   run_id           str, stable id of the run (hash of the source fingerprints, or the collector's id)
-#   created_by       "steplens <version> ingest" or "steplens <version> collect"
-#   world_size       int or null, from distributedInfo / the launcher
-#   ranks            sorted list of ranks present
-#   sources          list of {path, kind, size, mtime_ns, hash_prefix, status, rank, parts, events}
-#   environment      {devices: [...], backend, nccl_version, cuda_runtime_version, ...} where known
-#   tables           {name: {"partitioned_by_rank": bool}}
+# run.json's keys, types and meanings: manifest.RunManifest.
 
 
 def fingerprint() -> str:

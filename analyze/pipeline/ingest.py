@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from steplens.analyze import importers
 from steplens.analyze.importers import kineto
 from steplens.analyze.contract import schema
+from steplens.analyze.contract.manifest import RunManifest
 from steplens.analyze.importers.base import Importer, conform
 
 # Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
@@ -588,26 +589,27 @@ def _manifest(sources: list[Source], ignored: list[str], run_folder: str) -> dic
     run_id = hashlib.sha256(repr((run_folder, sorted(s.fingerprint() for s in used))).encode()).hexdigest()[:12]
     trace_ranks = sorted({s.rank for s in ingested})
     world_size = world_sizes[-1] if world_sizes else facts.get("world_size")
-    return {
-        "schema_version": schema.SCHEMA_VERSION,
-        "schema_fingerprint": schema.fingerprint(),
-        "run_id": run_id,
-        "created_by": "steplens ingest",
-        "world_size": world_size,
-        "ranks": sorted(set(trace_ranks).union(*(s.ranks for s in used))),
-        "trace_ranks": trace_ranks,
-        "sources": [asdict(s) for s in sources],
-        "ignored_files": ignored[:IGNORED_LISTED],
-        "ignored_count": len(ignored),
-        "facts": facts,
-        "environment": _environment(sources),
-        "tables": {name: {"partitioned_by_rank": spec[2]} for name, spec in schema.TABLES.items()},
-    }
+    return RunManifest(
+        schema_version=schema.SCHEMA_VERSION,
+        schema_fingerprint=schema.fingerprint(),
+        run_id=run_id,
+        created_by=OUTPUT_CREATOR,
+        world_size=world_size,
+        ranks=sorted(set(trace_ranks).union(*(s.ranks for s in used))),
+        trace_ranks=trace_ranks,
+        sources=[asdict(s) for s in sources],
+        ignored_files=ignored[:IGNORED_LISTED],
+        ignored_count=len(ignored),
+        facts=facts,
+        environment=_environment(sources),
+        tables={name: {"partitioned_by_rank": spec[2]} for name, spec in schema.TABLES.items()},
+    ).to_dict()
 
 
 def _write_json(path: Path, value: dict) -> None:
+    """run.json, atomically; a key RunManifest does not declare raises (the contract lists every key)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1, default=str))
+    tmp.write_text(RunManifest.from_dict(value, strict=True).to_json())
     os.replace(tmp, path)
 
 

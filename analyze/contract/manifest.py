@@ -1,0 +1,57 @@
+"""run.json, the manifest of a run directory: its keys, their types and meaning, in one declaration.
+
+Written by the ingest (analyze/pipeline/ingest.py) through `RunManifest.to_json`; read by anything that
+opens a run directory. Readers are tolerant: a run.json written by an older steplens (keys missing) or a
+newer one (keys unknown here) still loads, missing keys taking their defaults. The writer is strict: a key
+that is not a field here is a programming error, so every key run.json can hold is declared below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RunManifest:
+    schema_version: int = 0  # schema.SCHEMA_VERSION of the writer (0: not recorded)
+    schema_fingerprint: str | None = None  # schema.fingerprint(): parts written under another layout are re-parsed
+    run_id: str | None = None  # hash of the run folder and the used sources' fingerprints
+    created_by: str | None = None  # "steplens ingest": marks an output folder steplens may replace
+    world_size: int | None = None  # from the traces (distributedInfo), else the run facts
+    ranks: list[int] = field(default_factory=list)  # ranks with traces or telemetry rows
+    trace_ranks: list[int] = field(default_factory=list)  # ranks with profiler traces
+    sources: list[dict] = field(default_factory=list)  # one per input file: path, size, status, kind, rank, issues, ...
+    ignored_files: list[str] = field(default_factory=list)  # files in no format steplens reads (the first ones)
+    ignored_count: int = 0  # how many such files in all
+    facts: dict = field(default_factory=dict)  # merged run facts (versions, ds_config, ...; disagreements under conflicts)
+    environment: dict = field(default_factory=dict)  # device names and SMs, backend, NCCL/CUDA versions from traces
+    tables: dict[str, dict] = field(default_factory=dict)  # {table: {"partitioned_by_rank": bool}}
+    run_name: str | None = None  # the run folder's name
+    output_entries: list[str] | None = None  # every entry of the output folder, once it is complete
+
+    def to_dict(self) -> dict:
+        """The JSON object, keys in declaration order; output_entries only once known."""
+        doc = dataclasses.asdict(self)
+        if self.output_entries is None:
+            del doc["output_entries"]
+        return doc
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, default=str)
+
+    @classmethod
+    def from_dict(cls, doc: dict, strict: bool = False) -> RunManifest:
+        """Known keys of `doc`; an unknown key raises when `strict` (the writer), else is ignored (readers)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        if strict and (unknown := set(doc) - known):
+            raise KeyError(f"run.json keys not declared in RunManifest: {sorted(unknown)}")
+        return cls(**{key: value for key, value in doc.items() if key in known})
+
+    @classmethod
+    def from_json(cls, text: str) -> RunManifest:
+        doc = json.loads(text)
+        if not isinstance(doc, dict):
+            raise ValueError("run.json does not hold a JSON object")
+        return cls.from_dict(doc)
