@@ -111,6 +111,17 @@ def test_ids_above_int64_are_kept_unsigned(tmp_path):
     assert [(i.reason, i.count) for i in parsed.issues] == [("unrepresentable_value", 1)]
 
 
+def test_metadata_events_are_dropped_silently_other_phases_are_counted(tmp_path):
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "python"}},
+              {"ph": "M", "name": "thread_sort_index", "pid": "Spans", "tid": 1, "ts": 0, "args": {"sort_index": 1}},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 5, "dur": 2},
+              {"ph": "C", "name": "memory", "pid": 1, "tid": 1, "ts": 6, "args": {"bytes": 3}},
+              {"ph": "i", "cat": "cpu_instant_event", "name": "mark", "pid": 1, "tid": 1, "ts": 7, "s": "t"}]
+    parsed = parse_trace(write_trace(tmp_path / "m.json", events), "m.json")
+    assert parsed.events["name"].to_list() == ["aten::mm", "mark"]
+    assert [(i.reason, i.count, "ph='C'" in i.detail) for i in parsed.issues] == [("unsupported_phase", 1, True)]
+
+
 def test_cpu_event_with_stream_arg_is_not_device_activity(tmp_path):
     events = [{"ph": "X", "cat": "cpu_op", "name": "triton_launcher", "pid": 1, "tid": 1, "ts": 1, "dur": 400,
                "args": {"stream": 7, "device": 0}}]
