@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import polars as pl
@@ -11,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from steplens.analyze.contract import layout, schema
-from steplens.analyze.pipeline import analyse
+from steplens.analyze.contract import issue_reasons, layout, schema
+from steplens.analyze.pipeline import analyse, ingest
 from steplens.analyze.contract.bus_bandwidth import busbw_factor
 from steplens.analyze.contract.manifest import RunManifest
 from steplens.analyze.importers import collector_parts
@@ -141,3 +143,77 @@ def test_readme_documents_every_run_json_key():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     paragraph = readme[readme.index("**`run.json`**"):readme.index("**`trace_events`**")]
     assert [f.name for f in dataclasses.fields(RunManifest) if f"`{f.name}`" not in paragraph] == []
+
+
+ANALYZER = Path(__file__).resolve().parents[1] / "analyze"
+# Reasons the importers pass as variables (the keys of a table of checks), not as literals.
+REASONS_FROM_TABLES = {"importers/json_events.py": {"malformed_event", "nesting_too_deep", "oversized_event"},
+                       "importers/kineto.py": {"missing_timestamp", "bad_timestamp", "bad_duration"}}
+
+
+def raised_issues() -> tuple[dict[str, set[str]], list[str]]:
+    """(reason -> severities) of every issue the analyzer's source raises, in either shape:
+    Issue(severity, reason, count, detail) and [severity, reason, count, detail]; and the places whose
+    reason is not a literal."""
+    raised: dict[str, set[str]] = {}
+    not_literal = []
+    for path in sorted(ANALYZER.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Issue":
+                fields = node.args
+            elif isinstance(node, ast.List) and len(node.elts) == 4:
+                fields = node.elts
+            else:
+                continue
+            severity, reason = fields[0], fields[1]
+            if not (isinstance(severity, ast.Constant) and severity.value in ("info", "warning", "error")):
+                continue
+            if isinstance(reason, ast.Constant):
+                raised.setdefault(reason.value, set()).add(severity.value)
+            else:
+                not_literal.append(f"{path.relative_to(ANALYZER)}:{node.lineno}")
+    return raised, not_literal
+
+
+def test_every_reason_the_analyzer_raises_is_declared_with_its_severity():
+    raised, not_literal = raised_issues()
+    assert len(raised) > 50  # the scan finds the importers' issues at all
+    undeclared = sorted(set(raised) - set(issue_reasons.ISSUE_REASONS))
+    assert undeclared == []
+    wrong_severity = {r: s for r, s in raised.items() if not s <= set(issue_reasons.ISSUE_REASONS[r].severities)}
+    assert wrong_severity == {}
+    # Reasons passed as variables come from the tables named above; each file still has exactly one such site.
+    assert sorted(site.split(":")[0] for site in not_literal) == sorted(REASONS_FROM_TABLES)
+    for reasons in REASONS_FROM_TABLES.values():
+        assert reasons <= set(issue_reasons.ISSUE_REASONS)
+    source_text = {f: (ANALYZER / f).read_text() for f in REASONS_FROM_TABLES}
+    assert all(f'"{r}"' in source_text[f] for f, reasons in REASONS_FROM_TABLES.items() for r in reasons)
+    # Nothing declared that nothing raises.
+    declared_unused = set(issue_reasons.ISSUE_REASONS) - set(raised) - set().union(*REASONS_FROM_TABLES.values())
+    assert declared_unused == set()
+
+
+def test_registry_declares_each_reason_once_with_known_severities():
+    names = [r.name for r in issue_reasons._DECLARED]
+    assert len(names) == len(set(names))
+    assert all(r.severities and set(r.severities) <= {"info", "warning", "error"} and r.meaning for r in issue_reasons._DECLARED)
+
+
+def test_readme_lists_exactly_the_declared_reasons():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("Every reason, with its severity and meaning")
+    listed = re.findall(r"`([a-z0-9_]+)`", readme[start:readme.index("\n\n", start)])
+    assert listed == list(issue_reasons.ISSUE_REASONS)
+
+
+def test_ingest_refuses_an_undeclared_reason(tmp_path):
+    """The ingest_issues table is built only from declared reasons at an allowed severity."""
+    source = ingest.Source(path="a.json", size=1, mtime_ns=0, hash_prefix="", issues=[["warning", "truncated", 1, "cut"]])
+    table = ingest._issues_table([source])
+    assert table.column("reason").to_pylist() == ["truncated"]
+    source.issues = [["warning", "made_up_reason", 1, "?"]]
+    with pytest.raises(ValueError, match="made_up_reason"):
+        ingest._issues_table([source])
+    source.issues = [["info", "rank_unknown", 1, "?"]]  # declared as error only
+    with pytest.raises(ValueError, match="rank_unknown"):
+        ingest._issues_table([source])

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from steplens.analyze import importers
 from steplens.analyze.importers import kineto
-from steplens.analyze.contract import schema
+from steplens.analyze.contract import issue_reasons, schema
 from steplens.analyze.contract.manifest import RunManifest
 from steplens.analyze.importers.base import Importer, conform
 
@@ -540,6 +540,8 @@ def _issues_table(sources: list[Source]) -> pa.Table:
         for s in sources
         for sev, reason, count, detail in s.issues
     ]
+    for row in rows:  # an undeclared reason is a programming error (contract/issue_reasons.py)
+        issue_reasons.check(row["severity"], row["reason"])
     return pa.Table.from_pylist(rows, schema=schema.INGEST_ISSUES)
 
 

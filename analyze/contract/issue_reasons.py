@@ -1,0 +1,118 @@
+"""Every reason an input problem is recorded in the `ingest_issues` table, declared once, like the stats
+table of Perfetto's trace processor (src/trace_processor/storage/stats.h: name, severity, description).
+
+Severity: info (normal, nothing lost), warning (repaired or guessed), error (data lost). A reason raised
+at two severities by different importers lists both, the usual first. The ingest refuses to write an
+issue whose reason is not declared here or whose severity the reason does not allow (a programming
+error: tests/test_contract.py also scans the analyzer's source for reason literals).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SEVERITIES = ("info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class IssueReason:
+    name: str
+    severities: tuple[str, ...]
+    meaning: str
+
+
+_DECLARED = (
+    # Files and folders (pipeline/ingest.py)
+    IssueReason("special_file", ("warning",), "A FIFO, device or socket: skipped without opening it."),
+    IssueReason("unreadable", ("error",), "The file cannot be read (permissions, I/O error)."),
+    IssueReason("empty_file", ("error", "warning"), "The file is empty (a log: warning, nothing expected was lost)."),
+    IssueReason("not_a_trace", ("info",), "A .json/.gz file that is not a profiler trace; ignored."),
+    IssueReason("damaged_trace", ("error",), "A .json file with nothing usable (not JSON, or cut before its events)."),
+    IssueReason("parse_failed", ("error",), "The trace parser failed on the file."),
+    IssueReason("no_events", ("error",), "A trace with no complete events."),
+    IssueReason("import_failed", ("error",), "An importer of a native artifact failed on the file."),
+    IssueReason("no_data", ("info",), "Recognised by an importer but holds no data."),
+    IssueReason("bad_metadata", ("warning",), "Trace metadata of the wrong type or out of range; left out."),
+    # Ranks (pipeline/ingest.py)
+    IssueReason("rank_from_filename", ("warning",), "No distributedInfo.rank: the rank is taken from the file name."),
+    IssueReason("rank_assumed", ("warning",), "No rank in the trace or its name: treated as rank 0, the only trace."),
+    IssueReason("rank_unknown", ("error",), "The rank of a trace cannot be told; the trace is not used."),
+    IssueReason("duplicate_rank", ("error",), "Two traces claim one rank for the same time; the later is not used."),
+    IssueReason("world_size_mismatch", ("warning",), "Traces disagree on the world size."),
+    # JSON decoding (importers/json_events.py)
+    IssueReason("truncated", ("error", "warning"), "The file is cut short; what came before the cut is kept."),
+    IssueReason("malformed_event", ("warning",), "Events that are not valid JSON or have an unexpected shape; skipped."),
+    IssueReason("nesting_too_deep", ("warning",), "Events or metadata nested deeper than the decoder allows; skipped."),
+    IssueReason("oversized_event", ("warning",), "Events larger than the decoder's limit (an unterminated string?); skipped."),
+    IssueReason("oversized_metadata", ("warning",), "The text after traceEvents is too large and not valid JSON; not read."),
+    IssueReason("trailing_garbage", ("warning",), "Bytes after the end of the JSON document or gzip stream; ignored."),
+    IssueReason("zero_padding", ("info",), "Zero bytes after the end of the document (a preallocated file); ignored."),
+    # Kineto events (importers/kineto.py, trace/semantics.py)
+    IssueReason("absolute_ts_with_base", ("info",), "ts already absolute: baseTimeNanoseconds not added."),
+    IssueReason("bad_base_time", ("warning",), "baseTimeNanoseconds is not a plausible time; ignored."),
+    IssueReason("unsupported_phase", ("info",), "Events of a phase other than complete, instant or flow; skipped."),
+    IssueReason("missing_duration", ("warning",), "Complete events without dur; kept with a null duration."),
+    IssueReason("negative_duration", ("warning",), "Complete events with a negative dur, kept as written."),
+    IssueReason("missing_timestamp", ("warning",), "Timed events without ts; dropped."),
+    IssueReason("bad_timestamp", ("warning",), "ts that is not a number or not a plausible time; those events dropped."),
+    IssueReason("bad_duration", ("warning",), "dur that is not a number or implausible; kept without a duration."),
+    IssueReason("unrepresentable_value", ("warning",), "Arg values out of range for their meaning; stored as null."),
+    IssueReason("bad_step_number", ("warning",), "ProfilerStep numbers too large to be steps; kept as plain events."),
+    IssueReason("flow_without_end", ("info",), "Flow starts whose end is outside the trace window."),
+    IssueReason("flow_unbound", ("info",), "Flow pairs whose start or end matches no slice; not linked."),
+    IssueReason("orphan_device_activity", ("warning",), "Device activities whose launch is not in the trace (no step)."),
+    # Collector parts (importers/collector_parts.py)
+    IssueReason("collector_part_unreadable", ("error",), "A collector part cannot be read; its rows are lost."),
+    IssueReason("collector_part_columns", ("error",), "A collector part with other columns than its table; skipped."),
+    IssueReason("collector_rank_mismatch", ("warning",), "A collector part's file name and rows name different ranks."),
+    IssueReason("not_a_collector_manifest", ("warning",), "A file in collector/manifest/ that is not a collector manifest."),
+    IssueReason("collector_missing_tail", ("error",), "A rank's collector did not finish; rows after its last flush are missing."),
+    IssueReason("collector_rows_dropped", ("warning",), "The collector could not write and dropped rows."),
+    IssueReason("collector_values_rejected", ("warning",), "log() values that were not numbers were dropped in the job."),
+    IssueReason("collector_part_disabled", ("warning",), "A part of the collector's recording was disabled after an error."),
+    # DeepSpeed and Megatron logs (importers/deepspeed_log.py)
+    IssueReason("no_final_newline", ("info",), "The last line has no newline (cut off or still being written)."),
+    IssueReason("garbled_lines", ("info", "error"), "Lines of interleaved writes or undecodable bytes (a csv_monitor file: "
+                                                    "lines lost, error)."),
+    IssueReason("no_world_size", ("warning",), "World size unknown: no nccl_bytes or bandwidth for comms records."),
+    IssueReason("train_batch_size_unknown", ("info",), "Throughput lines imply a batch size no line states."),
+    IssueReason("train_batch_size_inferred", ("info",), "train_batch_size inferred from other lines of the log."),
+    IssueReason("several_runs", ("info",), "Several runs appended to one log file."),
+    IssueReason("no_records", ("info",), "DeepSpeed markers but no timer, step, comms or status lines."),
+    # Comms-logger dumps (importers/comms_dump.py)
+    IssueReason("bad_json", ("error",), "A comms dump that is not readable JSON; nothing read."),
+    IssueReason("unexpected_layout", ("error",), "A comms dump whose JSON is not laid out as DeepSpeed writes it."),
+    IssueReason("bad_entry", ("warning",), "Comms dump entries of the wrong shape; skipped."),
+    IssueReason("cumulative_comms_latency", ("warning",), "Comms-logger latencies are running totals (DeepSpeed >= 0.18.3); "
+                                                          "per-call latency repaired as differences."),
+    IssueReason("comms_latency_kind_unknown", ("info",), "Too few calls to tell per-call from cumulative latencies."),
+    IssueReason("comms_summary_trust_unknown", ("info",), "Whether a comms summary's latencies are running totals is unknown."),
+    # Monitors: csv_monitor, TensorBoard, W&B (importers/monitor_scalars.py)
+    IssueReason("csv_restart", ("warning",), "A csv_monitor header written again: the job restarted and appended."),
+    IssueReason("truncated_event_file", ("error",), "A TensorBoard event file cut short or corrupt; complete records kept."),
+    IssueReason("non_scalar_summaries", ("info",), "TensorBoard summaries that are not scalars; not read."),
+    IssueReason("not_a_wandb_log", ("error",), "A .wandb file without the W&B log header; nothing read."),
+    IssueReason("truncated_wandb_log", ("error",), "A W&B log cut short or with damaged blocks; complete records kept."),
+    IssueReason("bad_wandb_record", ("error",), "W&B records that are not valid protobuf; skipped."),
+    IssueReason("non_numeric_history", ("info",), "W&B history keys that are not numbers; not read."),
+    # FLOPs-profiler text (importers/flops_text.py)
+    IssueReason("not_a_flops_profile", ("error",), "No FLOPs-profiler header; not read."),
+    IssueReason("no_module_tree", ("warning",), "No detailed per-module profile (detailed=false, or cut off)."),
+    IssueReason("zero3_double_count", ("warning",), "ZeRO-3: DeepSpeed's profiler counts Linear MACs twice; flagged."),
+    IssueReason("bogus_root_latency", ("warning",), "The root module latency is a known profiler error; flagged."),
+    # Autotuning results (importers/autotune_results.py)
+    IssueReason("bad_autotune_experiment", ("error",), "An autotuning experiment folder that is not one; not read."),
+    IssueReason("bad_autotune_file", ("error",), "An autotuning file that cannot be read as DeepSpeed writes it."),
+    IssueReason("bad_autotune_summary", ("error",), "An autotuning summary without tuning_space rows."),
+)
+
+ISSUE_REASONS: dict[str, IssueReason] = {reason.name: reason for reason in _DECLARED}
+
+
+def check(severity: str, reason: str) -> None:
+    """Raise ValueError for an undeclared reason or a severity the reason does not allow."""
+    declared = ISSUE_REASONS.get(reason)
+    if declared is None:
+        raise ValueError(f"ingest issue reason {reason!r} is not declared in analyze/contract/issue_reasons.py")
+    if severity not in declared.severities:
+        raise ValueError(f"ingest issue {reason!r} raised as {severity!r}; declared {declared.severities}")
