@@ -4,19 +4,29 @@
 
 Input sets (each a folder of symlinks to the trace files only, under --cache):
   synthetic-8r : 8 ranks, >= 50 MB raw JSON per rank, gzipped, made once by tests/synthetic.py
+  real-8r      : 8 copies of the real A100 trace trace_diff/control.json.gz (35 MB raw), its
+                 distributedInfo rank relabelled 0..7 (both tools take the rank from there)
   trace_diff   : /work/shared/corpus/HolisticTraceAnalysis/trace_diff (2 ranks, ~33 MB raw each)
-  mtia_single  : .../mtia_trace_single_rank (1 rank, 83 MB raw)
+  mtia_single  : .../mtia_trace_single_rank (1 rank, 87 MB raw: the heaviest trace of the corpus)
 --quick: 4 ranks x 10 MB generated, trace_diff only, 1 run (smoke test).
-Each set: steplens and HTA alternate (steplens, hta, steplens, hta, ...) --runs times; medians.
-Wall seconds = the whole process (interpreter start-up and imports included, for both tools),
-peak RSS = summed RSS of the process tree (tests/benchmarks/peak_rss.py). Then steplens alone on
-1, 2, 4, 8 rank subsets of the generated set: peak RSS should stay flat (<= --jobs files in flight).
-Standard library + psutil only. Nothing is written outside --cache and tempfile's directory.
+Each set, end to end, whole processes from a cold start (interpreter start-up and imports count):
+steplens `analyze RUN_DIR` (ingest + analyses + report) against HTA `TraceAnalysis(trace_dir=...)` +
+its four core analyses (tests/benchmarks/hta_load.py), alternating (steplens, hta, steplens, ...)
+--runs times; medians, with min-max. Peak RSS = summed RSS of the process tree
+(tests/benchmarks/peak_rss.py). Then, per set, where steplens's time goes: seconds per stage of one
+file (tests/benchmarks/stage_split.py: gunzip, JSON decode, column building, normalisation,
+step/launch linking, Parquet write), MB/s, and the ratio to the decode-only limit (gunzip + msgspec
+scanning the same bytes). Then the analyses' share of ingest time, an unchanged re-run against a
+fresh one, and steplens alone on 1, 2, 4, 8 rank subsets of the generated set: peak RSS should stay
+flat (<= --jobs files in flight).
+Standard library + psutil only in this process. Nothing is written outside --cache and tempfile's
+directory.
 """
 import argparse
 import gzip
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -60,6 +70,21 @@ def generate(cache: Path, ranks: int, mb: int) -> Path:
     return out
 
 
+def relabelled_copies(cache: Path, source: Path, ranks: int) -> Path:
+    """`ranks` copies of one real trace, each with its distributedInfo rank set to 0..ranks-1."""
+    out = cache / f"real-{ranks}x-{source.name.split('.')[0]}"
+    if not (out / ".done").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        text = gzip.decompress(source.read_bytes())
+        info = re.search(rb'"distributedInfo":\s*\{[^}]*"rank":\s*(\d+)', text)
+        for rank in range(ranks):
+            data = text[: info.start(1)] + str(rank).encode() + text[info.end(1):]
+            (out / f"rank{rank}.json.gz").write_bytes(gzip.compress(data, compresslevel=1))
+        (out / ".done").touch()
+    return out
+
+
 def scan(path: Path, cache: dict) -> dict:
     """Uncompressed bytes and X/i event count of one file; cached by path, size and mtime."""
     st = path.resolve().stat()
@@ -76,9 +101,9 @@ def scan(path: Path, cache: dict) -> dict:
 
 def run_steplens(d: Path, jobs: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="steplens-bench-out-") as tmp:
-        r = measure([str(ANALYZE), str(d), "--out", os.path.join(tmp, "out"), "-q", "--jobs", str(jobs), "--ingest-only"],
+        r = measure([str(ANALYZE), str(d), "--out", os.path.join(tmp, "out"), "-q", "--jobs", str(jobs)],
                     capture=True, stderr=subprocess.STDOUT)
-    if r["returncode"] != 0:
+    if r["returncode"] not in (0, 1):  # 1: findings at warning level, a finished analysis
         print(f"  steplens exit {r['returncode']} on {d}:\n{r['stdout'][-3000:]}", flush=True)
     return r
 
@@ -130,9 +155,21 @@ def run_hta(hta_py: str, d: Path) -> dict:
     return r
 
 
+FINISHED = (0, 1)  # analyze: 1 = results written, some input lost (the hostile sets may have some)
+
+
+def finished(results) -> list:
+    return [r for r in results if r.get("returncode") in FINISHED and r.get("hta", True) is not None]
+
+
 def med(results, key):
-    vals = [r[key] for r in results if r.get("returncode") == 0]
+    vals = [r[key] for r in finished(results)]
     return statistics.median(vals) if vals else float("nan")
+
+
+def spread(results, key) -> str:
+    vals = [r[key] for r in finished(results)]
+    return f"{min(vals):.2f}-{max(vals):.2f}" if vals else "-"
 
 
 def bench_set(name, d, hta_py, runs, jobs, counts):
@@ -146,22 +183,60 @@ def bench_set(name, d, hta_py, runs, jobs, counts):
         print(f"  [{name}] run {i + 1}/{runs}: steplens {sl[-1]['seconds']:.2f} s {sl[-1]['peak_rss_mb']:.0f} MiB"
               f" | hta {hta[-1]['seconds']:.2f} s {hta[-1]['peak_rss_mb']:.0f} MiB", flush=True)
     hta_ok = [r for r in hta if r["hta"]]
-    hta_inner = statistics.median(r["hta"]["seconds"] for r in hta_ok) if hta_ok else float("nan")
+    hta_load = statistics.median(r["hta"]["load_seconds"] for r in hta_ok) if hta_ok else float("nan")
     hta_rows = statistics.median(r["hta"]["events"] for r in hta_ok) if hta_ok else 0
-    rows = [("steplens", med(sl, "seconds"), med(sl, "peak_rss_mb")),
-            ("hta", med(hta, "seconds"), med(hta, "peak_rss_mb")),
-            ("hta (internal load time)", hta_inner, med(hta, "peak_rss_mb"))]
+    failed = sorted({a for r in hta_ok for a in r["hta"].get("failed_analyses", {})})
     print(f"\n== {name}: {len(files)} file(s), {mb:.1f} MB raw JSON, {events:,} input events (X+i);"
-          f" median of {runs} run(s), steplens --jobs {jobs}")
-    print(f"   {'tool':<26}{'seconds':>9}{'raw MB/s':>10}{'events/s':>12}{'peak RSS MiB':>14}")
-    for tool, s, rss in rows:
-        print(f"   {tool:<26}{s:>9.2f}{mb / s:>10.1f}{events / s:>12,.0f}{rss:>14.0f}")
-    print(f"   (wall seconds include interpreter start-up and imports for both tools; HTA kept "
-          f"{hta_rows:,.0f} rows after its own filtering)")
-    s_sl, s_hta, rss_sl, rss_hta = rows[0][1], rows[1][1], rows[0][2], rows[1][2]
-    print(f"   steplens MB/s / HTA MB/s = {s_hta / s_sl:.1f}x wall (target >= 10),"
-          f" {hta_inner / s_sl:.1f}x vs HTA internal load time")
-    print(f"   steplens peak RSS / HTA peak RSS = {rss_sl / rss_hta:.2f} (target <= 1)\n", flush=True)
+          f" median (min-max) of {runs} run(s), steplens --jobs {jobs}")
+    print(f"   {'tool':<44}{'seconds':>9}{'min-max':>13}{'raw MB/s':>10}{'peak RSS MiB':>14}")
+    for tool, results in (("steplens analyze (ingest+analyses+report)", sl), ("hta (load + 4 core analyses)", hta)):
+        seconds = med(results, "seconds")
+        print(f"   {tool:<44}{seconds:>9.2f}{spread(results, 'seconds'):>13}{mb / seconds:>10.1f}"
+              f"{med(results, 'peak_rss_mb'):>14.0f}")
+    print(f"   (whole processes from a cold start; HTA's own load step alone {hta_load:.2f} s; it kept "
+          f"{hta_rows:,.0f} rows after its own filtering{'; analyses that raised: ' + ', '.join(failed) if failed else ''})")
+    s_sl, s_hta = med(sl, "seconds"), med(hta, "seconds")
+    print(f"   end to end: HTA seconds / steplens seconds = {s_hta / s_sl:.1f}x (target >= 10)")
+    print(f"   peak RSS: steplens / HTA = {med(sl, 'peak_rss_mb') / med(hta, 'peak_rss_mb'):.2f} (target <= 1)\n",
+          flush=True)
+
+
+STAGES = (("gunzip", "gunzip"), ("decode", "JSON decode"), ("columns", "column building"),
+          ("normalise", "normalisation"), ("semantics", "step/launch linking"), ("parquet", "Parquet write"))
+
+
+def stage_split(name: str, files: list, runs: int) -> None:
+    """Seconds per stage of the first two files of a set of distinct files, or of its first file when they are
+    copies or generated alike (tests/benchmarks/stage_split.py)."""
+    shown = files[:2] if name in ("trace_diff",) else files[:1]
+    done = subprocess.run([sys.executable, str(HERE / "stage_split.py"), "--runs", str(runs), *map(str, shown)],
+                          check=True, capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        r = json.loads(line)
+        r["decode_s"] = max(0.0, r["read_decode_s"] - r["gunzip_s"])
+        total = sum(r[f"{key}_s"] for key, _ in STAGES)
+        print(f"== {name}: where steplens's time goes in {r['file']} ({r['mb']:.1f} MB raw, {r['events']:,} events kept;"
+              f" one core, in process, median of {runs})")
+        print(f"   {'stage':<22}{'seconds':>9}{'share':>8}{'MB/s':>9}")
+        for key, label in STAGES:
+            seconds = r[f"{key}_s"]
+            print(f"   {label:<22}{seconds:>9.3f}{seconds / total:>8.0%}{r['mb'] / seconds if seconds else float('inf'):>9.0f}")
+        print(f"   {'total':<22}{total:>9.3f}{'':>8}{r['mb'] / total:>9.1f}  (target >= 100 MB/s per core)")
+        print(f"   decode-only limit (gunzip + msgspec scan of traceEvents): {r['limit_s']:.3f} s = "
+              f"{r['mb'] / r['limit_s']:.0f} MB/s; steplens at {r['limit_s'] / total:.0%} of it\n", flush=True)
+
+
+def time_incremental(d: Path, jobs: int, runs: int) -> tuple[float, float]:
+    """Median seconds of a fresh `analyze` and of the same command again with nothing changed."""
+    fresh, again = [], []
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory(prefix="steplens-bench-out-") as tmp:
+            cmd = [str(ANALYZE), str(d), "--out", os.path.join(tmp, "out"), "-q", "--jobs", str(jobs)]
+            for times in (fresh, again):
+                started = time.perf_counter()
+                subprocess.run(cmd, capture_output=True)
+                times.append(time.perf_counter() - started)
+    return statistics.median(fresh), statistics.median(again)
 
 
 def main() -> int:
@@ -180,8 +255,11 @@ def main() -> int:
     ranks, mb = (4, 10) if args.quick else (8, 50)
     gen = generate(cache, ranks, mb)
     gen_files = trace_files(gen)
-    sets = [(f"synthetic-{ranks}r", link_set(cache / "sets" / f"synthetic-{ranks}r", gen_files)),
-            ("trace_diff", link_set(cache / "sets" / "trace_diff", trace_files(CORPUS / "trace_diff")))]
+    sets = [(f"synthetic-{ranks}r", link_set(cache / "sets" / f"synthetic-{ranks}r", gen_files))]
+    if not args.quick:
+        real = trace_files(relabelled_copies(cache, CORPUS / "trace_diff" / "control.json.gz", 8))
+        sets.append(("real-8r", link_set(cache / "sets" / "real-8r", real)))
+    sets.append(("trace_diff", link_set(cache / "sets" / "trace_diff", trace_files(CORPUS / "trace_diff"))))
     if not args.quick:
         sets.append(("mtia_single", link_set(cache / "sets" / "mtia_single",
                                              trace_files(CORPUS / "mtia_trace_single_rank"))))
@@ -192,12 +270,17 @@ def main() -> int:
     for name, d in sets:
         bench_set(name, d, hta_py, runs, args.jobs, counts)
         counts_path.write_text(json.dumps(counts, indent=1))
+    for name, d in sets:
+        stage_split(name, trace_files(d), runs)
 
     ingest_s, analyses_s, report_s, report_bytes = time_analyses(sets[0][1], args.jobs, runs)
     print(f"== analyses on {sets[0][0]} (reading Parquet): {analyses_s:.2f} s = {analyses_s / ingest_s:.1%} of its ingest "
           f"time {ingest_s:.2f} s (target <= 5%)", flush=True)
     print(f"== report.html + summary.md from Parquet: {report_s:.2f} s (ingest {ingest_s:.2f} s); "
-          f"report.html {report_bytes / 1e6:.2f} MB\n", flush=True)
+          f"report.html {report_bytes / 1e6:.2f} MB", flush=True)
+    fresh_s, again_s = time_incremental(sets[0][1], args.jobs, runs)
+    print(f"== re-running analyze on {sets[0][0]} with nothing changed: {again_s:.2f} s = {again_s / fresh_s:.0%} of a "
+          f"fresh run's {fresh_s:.2f} s (target < 10%)\n", flush=True)
 
     print(f"== steplens peak RSS vs rank count (generated set, --jobs {args.jobs}, median of {runs})")
     print(f"   {'ranks':>5}{'raw MB':>9}{'seconds':>9}{'peak RSS MiB':>14}")
