@@ -313,6 +313,6 @@ def test_printed_logged_comms_line_counts_the_collectors_calls(tmp_path):
     costliest = (calls.group_by("op", "nccl_bytes").agg(pl.len().alias("calls"), pl.col("latency_ns").sum())
                  .sort("latency_ns", descending=True).row(0, named=True))
     findings = result.stdout.replace("\n    ", " ")  # a finding wraps at the console width, continued indented
-    line = next(line for line in findings.splitlines() if "logged comms:" in line)
+    line = next(line for line in findings.splitlines() if "Logged comms:" in line)
     assert f"{costliest['op']} of {costliest['nccl_bytes']:,} B costs most" in line
     assert f"over {costliest['calls']} calls" in line and "latencies measured" in line
