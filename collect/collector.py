@@ -433,6 +433,8 @@ class EngineCollector(Collector):
         self.guard("manifest", self.note_profiler_pitfalls)
         self.wrap(e, "forward", self.wrapped_forward(e.forward))
         self.wrap(e, "step", self.wrapped_step(e.step))
+        if callable(getattr(e, "save_checkpoint", None)):
+            self.wrap(e, "save_checkpoint", self.wrapped_save_checkpoint(e.save_checkpoint))
         if hasattr(e.timers, "timers"):  # a NoopTimer (wall_clock_breakdown off) has nothing to read
             self.wrap(e.timers, "log", self.wrapped_timer_log(e.timers.log))
         from .monitor import SteplensMonitor
@@ -470,6 +472,18 @@ class EngineCollector(Collector):
                 self.step_finished()
             return result
         return step_recorded
+
+    def wrapped_save_checkpoint(self, save_checkpoint):
+        """Note the step a checkpoint save precedes (run fact checkpoint_steps: engine.global_steps when the save
+        began, the `step` of the next train_steps rows, DeepSpeed's global_step<N> tag); the save itself is
+        untouched, and a failure to note it costs the note only."""
+        def save_recorded(*args, **kwargs):
+            self.guard("checkpoint", self.checkpoint_started)
+            return save_checkpoint(*args, **kwargs)
+        return save_recorded
+
+    def checkpoint_started(self) -> None:
+        self.run_facts.setdefault("checkpoint_steps", []).append(int(self.engine.global_steps))
 
     def wrapped_timer_log(self, timer_log):
         def log_recorded(names, *args, **kwargs):

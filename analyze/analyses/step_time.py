@@ -30,8 +30,10 @@ Excluded steps, each named in ``reason`` (several joined by ","):
 * ``profiler_export``: the step after a window's last step. Each rank writes its trace
   (on_trace_ready) before starting it, each at its own pace, so its collectives wait for the
   slowest writer.
-* ``checkpoint_save``: steps a checkpoint was saved after (``facts["checkpoint_steps"]``, when an
-  importer records them).
+* ``checkpoint_save``: the step that follows a checkpoint save (``facts["checkpoint_steps"]``: the
+  optimizer steps done when the save began, from the DeepSpeed/Megatron log lines or the collector's
+  wrapped ``save_checkpoint``). The save runs between steps: the ranks enter that step's first
+  collective as each finishes saving, and a log interval that holds it holds the save.
 * ``negative_duration``: the step (or one of its micro steps) ends before it starts: clock trouble.
 * ``longer_than_run``: the step is longer than the run's span (first step start to last step end, or
   first to last log line): a unit error or clock trouble. Both also become an `inputs_disagree`

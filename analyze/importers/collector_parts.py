@@ -22,7 +22,8 @@ from steplens.analyze.importers.base import Imported, conform
 
 # Run facts every rank's manifest gives alike; the rest is per rank, under collector_rank<r>.
 RUN_FACTS = ("world_size", "zero_stage", "dtype", "dp_world_size", "micro_batch", "grad_accum", "train_batch_size",
-             "seq_len", "param_count", "ds_config", "wall_clock_breakdown", "environment", "git", "settings")
+             "seq_len", "param_count", "ds_config", "wall_clock_breakdown", "environment", "git", "settings",
+             "checkpoint_steps")
 
 
 def claims(path: Path) -> bool:

@@ -36,6 +36,11 @@ and repaired to per-call latencies. Message sizes are DeepSpeed's rounded text (
 Log lines carry local time without a zone; ts_ns reads it as UTC. `step` of a comms call is left
 null: nothing in the line ties it to a step (init-time broadcasts look like any other call).
 
+Checkpoints. A save (DeepSpeed's "[Torch] Checkpoint global_stepN is about to be saved!" and "Saving model
+checkpoint: .../global_stepN/...", Megatron's "saving checkpoint at iteration N") adds N, the optimizer steps
+done when it began (the 0-based step that follows it), to the run fact `checkpoint_steps`. A custom tag
+without global_stepN places no step.
+
 Status. One run_status row per run with evidence (launcher lines, exits, a signal, a traceback):
 killed (the launcher got SIGTERM/SIGINT, or a rank's return code is -N), failed (a nonzero return
 code, or a traceback without every process exiting 0), completed (every local process exited 0),
@@ -125,6 +130,13 @@ KILLED = re.compile(r"(?:Main process )?received (SIG\w+)")
 TRACEBACK = "Traceback (most recent call last):"
 EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Fault))(?::.*)?$")
 FLOPS_HEADER = "-- DeepSpeed Flops Profiler --"
+# Checkpoint saves: DeepSpeed's torch checkpoint engine (runtime/checkpoint_engine/torch_checkpoint_engine.py
+# create(): "[Torch] Checkpoint {tag} is about to be saved!"), the engine's "Saving model checkpoint: {path}"
+# (engine.py _save_checkpoint; the path holds the tag), Megatron's "saving checkpoint at iteration N to ...".
+# The default tag is global_step{engine.global_steps}: the optimizer steps done when the save began.
+CHECKPOINT_LINE = re.compile(r"\[Torch\] Checkpoint (\S+) is about to be saved!|Saving model checkpoint: (.*)$")
+CHECKPOINT_TAG_STEP = re.compile(r"global_step(\d+)")
+MEGATRON_CHECKPOINT = re.compile(r"saving checkpoint at iteration\s+(\d+) to ")
 # Megatron's resolved arguments (arguments.py _print_args): "  name ....... value" between these lines.
 MEGATRON_ARGS_START = re.compile(r"^-+ arguments -+$")
 MEGATRON_ARGS_END = re.compile(r"^-+ end of arguments -+$")
@@ -155,6 +167,7 @@ class Run:
     signal: str | None = None
     exceptions: list = field(default_factory=list)  # (rank, last exception line)
     steps_done: dict = field(default_factory=dict)  # rank -> optimizer steps closed by a global timer line
+    checkpoint_steps: set = field(default_factory=set)  # optimizer steps done when a checkpoint save began
     comms: dict = field(default_factory=dict)  # rank -> list of comms row dicts (latency still as logged)
 
 
@@ -515,6 +528,13 @@ def _launcher_or_status(state: LogState, line: str, i: int) -> None:
         key, value = m[1], m[2].strip()
         if key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "world_size") and value.isdigit():
             facts[key] = int(value)
+    elif m := CHECKPOINT_LINE.search(line):
+        if step := CHECKPOINT_TAG_STEP.search(m[1] or m[2]):
+            state.run.checkpoint_steps.add(int(step[1]))
+            state.run.has_records = True
+    elif m := MEGATRON_CHECKPOINT.search(line):
+        state.run.checkpoint_steps.add(int(m[1]))
+        state.run.has_records = True
     elif EXIT_OK.search(line):
         state.run.exits_ok += 1
     elif m := EXIT_CODE.search(line):
@@ -662,6 +682,8 @@ def _build(state: LogState, issues: list) -> Imported:
     facts = {k: v for k, v in state.facts.items() if k not in ("world_info", "cmd_micro_batch", "cmd_gradient_accumulation_steps")}
     if len(state.runs) > 1:
         facts["runs_in_file"] = len(state.runs)
+    if checkpoints := set().union(*(run.checkpoint_steps for run in state.runs)):
+        facts["checkpoint_steps"] = sorted(checkpoints)
     for block in state.flops_blocks:
         embedded = flops_text.parse_lines(block, state.rel, facts)
         issues.extend(embedded.issues)

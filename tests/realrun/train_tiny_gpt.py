@@ -134,6 +134,8 @@ def parse_args() -> argparse.Namespace:
                        help="Backward of 1000 x the loss at this step (a real grad-norm spike); logs train/grad_norm each step.")
     tests.add_argument("--nan_loss_at", type=int, default=None, metavar="STEP",
                        help="The loss becomes NaN from this step on (NaN x loss, so the weights follow).")
+    tests.add_argument("--save_checkpoint_at", type=int, default=None, metavar="STEP",
+                       help="engine.save_checkpoint(out_dir/checkpoints) after this optimizer step.")
     tests.add_argument("--slow_rank", type=int, default=None, help="This rank sleeps --slow_ms in every step ...")
     tests.add_argument("--slow_ms", type=float, default=0.0, help="... before its forward (a straggler).")
     tests.add_argument("--collector_ab", type=int, default=None, metavar="BLOCK",
@@ -268,6 +270,8 @@ def main() -> None:
             objects = [None] * deepspeed.comm.get_world_size()
             deepspeed.comm.all_gather_object(objects, {"rank": rank})
             deepspeed.comm.monitored_barrier()
+        if args.save_checkpoint_at == step:
+            engine.save_checkpoint(str(out_dir / "checkpoints"))
         if args.kill_rank == rank and args.kill_at_step == step:
             os.kill(os.getpid(), signal.SIGKILL)
 
