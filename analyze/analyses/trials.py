@@ -8,6 +8,10 @@ in IGNORED_NAMES at any depth, such as a monitor's output_path or the steplens b
 The world size is part of the work; so is the sequence length the steplens block records (seq_len
 describes the samples). Which ignored settings actually differed between the runs grouped together
 is returned, so a reader sees what was set aside.
+
+Code is part of the configuration too: runs whose records name another git revision of the training
+code (commit, or a dirty tree) or other steplens, DeepSpeed or torch versions (`code_identity`) are
+different configurations, and the output says which configurations are the same settings on other code.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import polars as pl
 
 from steplens.analyze.analyses import autotune, step_time
+from steplens.analyze.analyses.monitor import run_fact
 from steplens.analyze.importers import autotune_results
 
 # Top-level ds_config keys that do not change the work of a step: the tuner's own block, where
@@ -57,6 +62,19 @@ def work_config(config: dict, world_size: int | None) -> tuple[dict, dict]:
     return work, ignored
 
 
+def code_identity(facts: dict) -> dict:
+    """What the run records of the code it ran: the training script's git commit and whether its tree was
+    dirty (collector manifest, launcher or W&B facts), and the steplens, DeepSpeed and torch versions
+    (collector environment, else the log's DeepSpeed info and ds_report lines). Unrecorded items are left out."""
+    environment = facts.get("environment") if isinstance(facts.get("environment"), dict) else {}
+    git = facts.get("git") if isinstance(facts.get("git"), dict) else {}
+    code = {"git_commit": run_fact(facts, "code_revision"), "git_dirty": git.get("dirty"),
+            "steplens": environment.get("steplens"),
+            "deepspeed": environment.get("deepspeed") or facts.get("deepspeed_version"),
+            "torch": environment.get("torch") or facts.get("torch_version")}
+    return {key: value for key, value in code.items() if value is not None}
+
+
 def experiments_from_runs(runs: dict[str, tuple[pl.DataFrame, dict]]) -> tuple[pl.DataFrame, dict[str, dict]]:
     """Runs (one run folder each: its `step_time` table and run facts) as `autotune_experiments`
     rows, so they rank and get the same verdict as DeepSpeed's experiments, and each run's ignored
@@ -67,6 +85,7 @@ def experiments_from_runs(runs: dict[str, tuple[pl.DataFrame, dict]]) -> tuple[p
     for name, (steps, facts) in runs.items():
         config = dict(facts.get("ds_config") or {})
         work, ignored[name] = work_config(config, facts.get("world_size"))
+        work["code"] = code_identity(facts)
         row = {"experiment": name, "source": name, "config_json": json.dumps(work, sort_keys=True) if config else None,
                "zero_stage": (config.get("zero_optimization") or {}).get("stage"),
                "micro_batch": config.get("train_micro_batch_size_per_gpu"),
@@ -112,22 +131,46 @@ def trials(runs: dict[str, tuple[pl.DataFrame, dict]]) -> dict:
     tables = autotune.autotune_tables(experiments, {})
     verdict = tables["autotune_verdict"].filter(pl.col("tuning_space") == "global").row(0, named=True)
     ranking = tables["autotune_ranking"].filter(pl.col("tuning_space") == "global").sort("rank", nulls_last=True)
-    configurations = []
+    work_of = dict(zip(experiments["experiment"], experiments["config_json"]))
+    configurations, settings = [], []
     for row in ranking.iter_rows(named=True):
         names = row["experiments"].split(",")
+        work = json.loads(work_of[names[0]]) if work_of.get(names[0]) else {}
+        code = work.pop("code", {})
+        settings.append(json.dumps(work, sort_keys=True) if work else names[0])
         configurations.append({
             "configuration": row["experiment"], "rank": row["rank"], "runs": names, "trials": row["trials"],
             "ok_trials": row["ok_trials"], "zero_stage": row["zero_stage"], "micro_batch": row["micro_batch"],
             "grad_accum": row["grad_accum"], "metric": row["metric"], "median": row["median"], "min": row["min"],
-            "max": row["max"], "ignored_differences": _differing(ignored, names)})
+            "max": row["max"], "ignored_differences": _differing(ignored, names), "code": code})
+    code_splits = _code_splits(configurations, settings)
     keys = ("winner", "winner_median", "winner_trials", "runner_up", "runner_up_median", "runner_up_trials", "difference",
             "relative_difference", "noise_sd", "test", "statistic", "p_value", "established", "trials_needed", "detail")
     return {"metric": "throughput", "unit": "samples_per_s", "higher_is_better": True, "alpha": autotune.ALPHA,
             "configurations": configurations, "verdict": {k: verdict[k] for k in keys},
-            "ignored_rule": IGNORED_RULE,
-            "ignored_differences": sorted({p for c in configurations for p in c["ignored_differences"]})}
+            "ignored_rule": IGNORED_RULE + "".join(f"; {split}" for split in code_splits),
+            "ignored_differences": sorted({p for c in configurations for p in c["ignored_differences"]}),
+            "code_splits": code_splits}
+
+
+def _code_splits(configurations: list[dict], settings: list[str]) -> list[str]:
+    """Configurations with the same settings (`settings`, one per configuration) but other code, in words."""
+    by_work: dict[str, list[dict]] = {}
+    for c, work in zip(configurations, settings):
+        by_work.setdefault(work, []).append(c)
+    splits = []
+    for group in by_work.values():
+        if len(group) < 2:
+            continue
+        items = sorted({key for c in group for key in c["code"]})
+        differ = [key for key in items if len({json.dumps(c["code"].get(key)) for c in group}) > 1]
+        splits.append(f"{', '.join(c['configuration'] for c in group)} have the same settings but other code "
+                      f"({', '.join(f'{key}: ' + ' vs '.join(str(c['code'].get(key, 'not recorded')) for c in group) for key in differ)}): "
+                      "kept apart, not trials of one configuration")
+    return splits
 
 
 IGNORED_RULE = (f"ds_config settings that do not change the work were ignored when grouping runs: "
                 f"{', '.join(sorted(IGNORED_KEYS))}, and keys named {', '.join(sorted(IGNORED_NAMES))} at any depth "
-                "(steplens.seq_len and the world size still count)")
+                "(steplens.seq_len and the world size still count); runs of other code (git commit or dirty tree, "
+                "steplens, DeepSpeed or torch versions) are other configurations")
