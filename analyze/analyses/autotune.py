@@ -215,3 +215,11 @@ def _check_pick(space: str, picks: dict, ranked: pl.DataFrame, higher_is_better:
         problems.append(f"DeepSpeed picked {name}, which has no metrics here")
     return {"deepspeed_pick": name, "deepspeed_recorded": recorded, "pick_mismatch": bool(problems),
             "pick_detail": "; ".join(problems) or f"matches the re-ranking ({name})"}
+
+
+def verdict_finding(verdicts: pl.DataFrame) -> dict:
+    """Each tuning space's verdict, for findings.json."""
+    if verdicts.is_empty():
+        return {}
+    return {"autotune": verdicts.select("tuning_space", "winner", "established", "trials_needed", "pick_mismatch",
+                                        "pick_detail", "detail").to_dicts()}

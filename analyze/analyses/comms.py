@@ -171,3 +171,26 @@ def _empty() -> pl.DataFrame:
         "busbw_gbps": pl.Float64, "overlapped_ns": pl.Int64, "exposed_ns": pl.Int64, "regime": pl.String,
         "device": pl.Int64, "stream": pl.Int64, "source": pl.String, "launch_event_id": pl.Int64,
     })
+
+
+def exposed_comm_finding(calls: pl.DataFrame, cpu_comm_ops: int) -> dict:
+    """Exposed communication of the rank with the most (summing over ranks could exceed the run's wall
+    time); without communication kernels, what the CPU side shows."""
+    if calls.is_empty():
+        return {"most_exposed_collective": None,
+                "comms_note": f"communication without NCCL/RCCL kernels: {cpu_comm_ops} CPU collective ops (gloo or CPU "
+                              "collectives: record_param_comms or c10d::*)" if cpu_comm_ops else "no collectives in the traces"}
+    per_rank = calls.group_by("rank").agg(exposed_ns=pl.col("exposed_ns").sum()).sort("exposed_ns", "rank", descending=[True, False])
+    worst_rank = per_rank.row(0, named=True)
+    worst = (calls.filter(pl.col("rank") == worst_rank["rank"])
+             .group_by("op", "bytes").agg(exposed_ns=pl.col("exposed_ns").sum(), calls=pl.len(),
+                                          busbw_gbps=pl.col("busbw_gbps").median())
+             .sort("exposed_ns", "calls", descending=True))
+    return {
+        "most_exposed_collective": {**worst.row(0, named=True), "rank": worst_rank["rank"]},
+        "exposed_comm_ns": int(worst_rank["exposed_ns"]),
+        "exposed_comm_rank": worst_rank["rank"],
+        "exposed_comm_median_rank_ns": int(per_rank["exposed_ns"].median()),
+        "exposed_comm_definition": "communication kernel time not overlapped by compute kernels on another stream of the "
+                                   "same device, on the rank with the most (exposed_comm_rank); never summed over ranks",
+    }

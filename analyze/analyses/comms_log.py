@@ -50,3 +50,12 @@ def comms_log_stats(comms_calls: pl.DataFrame) -> pl.DataFrame:
         "op", "msg_bytes", "nccl_bytes", "group_size", "calls", "ranks", "median_latency_ns", "p90_latency_ns",
         "total_latency_ns", "median_algbw_gbps", "median_busbw_gbps", "latency_origin", "synchronized", "caveat",
     )
+
+
+def costliest_finding(stats: pl.DataFrame) -> dict:
+    """The logged collective and size that cost the most time."""
+    if stats.is_empty():
+        return {}
+    top = stats.sort("total_latency_ns", descending=True).row(0, named=True)
+    return {"logged_comms": {k: top[k] for k in ("op", "nccl_bytes", "calls", "median_latency_ns", "total_latency_ns",
+                                                  "median_busbw_gbps", "latency_origin")}}

@@ -209,3 +209,20 @@ def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
         queue_ns_p90=pl.col("queued").quantile(0.9),
         gpu_ns_total=pl.col("dur_ns").sum(),
     ).sort("rank", "activities", descending=[False, True])
+
+
+def idle_finding(idle: pl.DataFrame) -> dict:
+    """Device idle share over the whole profiled windows (the whole-window rows of gpu_idle)."""
+    windows = idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_null())
+    if windows.is_empty():
+        return {"idle_share": None, "note": "no device activity in the traces (CPU-only or no kernels)"}
+    totals = windows.select(pl.col("span_ns", "idle_ns", "host_bound_ns", "sync_ns", "other_ns").sum()).row(0, named=True)
+    causes = {c: totals[f"{c}_ns"] for c in CAUSES}
+    return {
+        "idle_share": totals["idle_ns"] / totals["span_ns"] if totals["span_ns"] else None,
+        "main_cause": max(causes, key=causes.get) if totals["idle_ns"] else None,
+        **{f"{c}_ns": v for c, v in causes.items()},
+        "definition": "time no stream of the device was busy (every step's work and work launched before the window "
+                      "included), over the span from the first to the last device activity of each profiler window; "
+                      "summed over ranks, devices and windows",
+    }

@@ -227,3 +227,13 @@ def profiler_hfu(step_times: pl.DataFrame, counted_flops: pl.DataFrame, peak: Pe
         step_time_ns="cpu_dur_ns", gpus=pl.lit(1, pl.Int64), peak_flops=pl.lit(peak.flops),
         utilization=pl.col("flops") / (pl.col("cpu_dur_ns") * 1e-9 * peak.flops),
         definition=pl.lit(PROFILER_DEFINITION), peak=pl.lit(peak.label)).cast(COLUMNS).sort("step", "rank")
+
+
+def mfu_finding(table: pl.DataFrame, problem: str | None) -> list[dict] | dict:
+    """Median utilization per metric and numerator, or why there is none."""
+    if table.is_empty():
+        return {"note": problem or "no FLOPs numerator: give the model shape (--params ...), profile with_flops=True, "
+                                   "or let the collector take a FLOPs profile"}
+    summary = table.group_by("metric", "numerator", "definition", "peak").agg(
+        utilization=pl.col("utilization").median()).sort("metric", "numerator", descending=[True, False])
+    return summary.to_dicts()

@@ -185,3 +185,8 @@ def monitor_tables(scalars: pl.DataFrame, facts: dict, grad_norm_threshold: floa
     which of the fields needed to compare it with others are missing)."""
     return {"monitor_alarms": monitor_alarms(scalars, facts, grad_norm_threshold),
             "run_comparability": comparability({"run": facts})}
+
+
+def alarms_finding(alarms: pl.DataFrame) -> dict:
+    """Post-hoc alarms by kind."""
+    return {"monitor_alarms": dict(alarms.group_by("alarm").len().sort("alarm").iter_rows())} if not alarms.is_empty() else {}

@@ -34,22 +34,30 @@ from steplens.analyze.contract import schema
 @dataclass
 class Inputs:
     """What an analysis may read. `table` reads an ingested run table (a per-rank table: every rank's
-    rows with a `rank` column) or an earlier analysis's output, with only the columns asked for."""
+    rows with a `rank` column; only this rank's when `rank` is set), an earlier analysis's output, or
+    an analysis table already written (the per-rank parts), with only the columns asked for."""
 
     out_dir: Path
     facts: dict
     options: Any  # runner.Options
     ranks: list[int]
     computed: dict[str, pl.DataFrame] = field(default_factory=dict)
+    rank: int | None = None  # set for a per-rank analysis
+    findings: dict = field(default_factory=dict)  # the findings of the analyses run so far
+    context: Any = None  # runner.RunContext: the device, its peak and roofline, the world size
 
     def table(self, name: str, columns: list[str] | None = None, where: pl.Expr | None = None) -> pl.DataFrame:
         if name in self.computed:
             frame = self.computed[name]
             frame = frame.filter(where) if where is not None else frame
             return frame.select(columns) if columns else frame
+        ingested = name in schema.TABLES
         if not (self.out_dir / name).exists():
-            return _empty(name, columns)
-        frame = pl.scan_parquet(self.out_dir / name, hive_partitioning=schema.TABLES[name][2])
+            return _empty(name, columns) if ingested else pl.DataFrame()
+        partitioned = ingested and schema.TABLES[name][2]
+        frame = pl.scan_parquet(self.out_dir / name, hive_partitioning=partitioned)
+        if self.rank is not None and partitioned:
+            frame = frame.filter(pl.col("rank") == self.rank)
         if where is not None:
             frame = frame.filter(where)
         return (frame.select(columns) if columns else frame).collect()
@@ -65,8 +73,9 @@ def _empty(name: str, columns: list[str] | None) -> pl.DataFrame:
 
 @dataclass
 class Output:
-    tables: dict[str, pl.DataFrame] = field(default_factory=dict)
-    finding: dict | None = None  # None: nothing to say (no key in findings.json)
+    tables: dict[str, pl.DataFrame] = field(default_factory=dict)  # declared outputs and passed results
+    finding: dict | None = None  # findings.json[name]; None: nothing to say
+    findings: dict = field(default_factory=dict)  # top-level findings.json keys it contributes (the built-in ones)
 
 
 @dataclass(frozen=True)
@@ -77,32 +86,51 @@ class Analysis:
     writes: dict[str, tuple[pa.Schema, dict[str, str]]]
     compute: Callable[[Inputs], Output]
     phrase: Callable[[dict], list[str]] = lambda finding: []
+    # Per-rank analyses run once per rank, before any run-level one, reading only that rank's rows;
+    # their outputs are concatenated over ranks, except `parts`, written rank by rank as part-<rank>
+    # and never held for all ranks at once (the large per-rank tables).
+    per_rank: bool = False
+    parts: tuple[str, ...] = ()
+    # Results later analyses read that are not tables of their own (kept in memory, never written).
+    passes: tuple[str, ...] = ()
 
     def __post_init__(self):
-        clash = set(self.writes) & (set(schema.TABLES) | set(schema.ANALYSIS_TABLES))
-        if clash:
-            raise ValueError(f"analysis {self.name}: output tables {sorted(clash)} are already declared elsewhere")
+        if clash := set(self.writes) & set(schema.TABLES):
+            raise ValueError(f"analysis {self.name}: output tables {sorted(clash)} are ingested tables")
+        if stray := set(self.parts) - set(self.writes):
+            raise ValueError(f"analysis {self.name}: parts {sorted(stray)} are not among its outputs")
+
+
+def declared(*tables: str) -> dict[str, tuple[pa.Schema, dict[str, str]]]:
+    """Output declarations of analysis tables the contract documents (schema.ANALYSIS_TABLES)."""
+    return {table: (schema.analysis_schema(table), schema.ANALYSIS_TABLES[table]) for table in tables}
 
 
 def ordered(analyses: list[Analysis]) -> list[Analysis]:
-    """Analyses in an order where each runs after those whose tables it reads."""
-    producer = {table: a.name for a in analyses for table in a.writes}
+    """Per-rank analyses first, then the run-level ones, each after those whose outputs it reads."""
+    producer: dict[str, str] = {}
+    for analysis in analyses:
+        for table in [*analysis.writes, *analysis.passes]:
+            if table in producer:
+                raise ValueError(f"{table} is produced by both {producer[table]} and {analysis.name}")
+            producer[table] = analysis.name
     done: list[Analysis] = []
-    pending = list(analyses)
-    while pending:
-        ready = [a for a in pending
-                 if all(producer.get(t) in (None, a.name) or producer[t] in {d.name for d in done} for t in a.reads)]
-        if not ready:
-            raise ValueError(f"analyses with circular inputs: {[a.name for a in pending]}")
-        done.extend(ready)
-        pending = [a for a in pending if a not in ready]
+    for stage in ([a for a in analyses if a.per_rank], [a for a in analyses if not a.per_rank]):
+        pending = list(stage)
+        while pending:
+            finished = {d.name for d in done}
+            ready = [a for a in pending if all(producer.get(t) in (None, a.name) or producer[t] in finished for t in a.reads)]
+            if not ready:
+                raise ValueError(f"analyses whose inputs are never produced before them: {[a.name for a in pending]}")
+            done.extend(ready)
+            pending = [a for a in pending if a not in ready]
     return done
 
 
 def conformed(frame: pl.DataFrame, spec: tuple[pa.Schema, dict[str, str]], table: str) -> pl.DataFrame:
     """`frame` with exactly the declared columns, in order and type (an empty result: typed and empty)."""
     arrow_schema = spec[0]
-    if frame.is_empty() and not frame.columns:
+    if frame.is_empty():
         return pl.from_arrow(arrow_schema.empty_table())
     if missing := [name for name in arrow_schema.names if name not in frame.columns]:
         raise KeyError(f"analysis table {table} lacks columns {missing}")

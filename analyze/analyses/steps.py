@@ -177,3 +177,16 @@ def _straggler_basis(stats: pl.DataFrame) -> pl.DataFrame:
                       (other_max / 1e6).round(3))))
     decided = pl.when(material).then(pl.coalesce(reasons))
     return stats.select("step", straggler_basis=decided.cast(pl.String))
+
+
+def straggler_finding(stats: pl.DataFrame) -> dict:
+    """The steps with a straggler that stands out from the run's noise, and how each was decided."""
+    if stats.is_empty():
+        return {}
+    stragglers = stats.filter(pl.col("straggler_rank").is_not_null())
+    # Without collective waits (gloo/CPU runs, or no NCCL kernels) the straggler is the longest CPU step.
+    basis = "collective_wait" if stats["others_waited_ns"].fill_null(0).sum() > 0 else "step_spread"
+    return {"stragglers": [
+        {"step": s, "rank": r, "others_waited_ns": w, "spread_ns": d, "basis": basis, "decided_by": how}
+        for s, r, w, d, how in
+        stragglers.select("step", "straggler_rank", "others_waited_ns", "spread_ns", "straggler_basis").iter_rows()]}

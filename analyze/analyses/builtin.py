@@ -1,0 +1,236 @@
+"""The built-in analyses, declared: what each reads, which tables it writes (documented and typed in
+the contract, schema.ANALYSIS_TABLES) and which findings.json keys it contributes. The computations
+are the pure functions of the modules named; each `compute` here only reads its inputs and calls them.
+
+`device_timeline` is the one per-rank analysis over the traces: it reads a rank's events once and
+leaves small per-rank results (names starting with `_`) for the run-level analyses, so memory is
+bounded by the largest rank.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from steplens.analyze.analyses import (alarm_agreement, autotune, comms, comms_log, job_end, kernels, launch, log_mfu,
+                                       mfu, module_perf, monitor, op_perf, roofline, sanity, step_breakdown, step_time,
+                                       steps, summaries)
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+
+# Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
+DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
+                  "launch_event_id", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "group_name", "seq"]
+CALL_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid"]
+CPU_COLUMNS = ["source", "ts_ns", "dur_ns", "kind", "name", "pid", "tid", "step", "collective", "flops"]
+CPU_KINDS = ["cpu_op", "user_annotation", "python_function"]
+NO_TRACES = "no profiler traces: step, GPU and collective analyses need them"
+
+
+def _events(inputs: Inputs, columns: list[str], where: pl.Expr) -> pl.DataFrame:
+    return inputs.table("trace_events", ["rank"] + columns, where)
+
+
+def device_timeline(inputs: Inputs) -> Output:
+    """One rank: kernel launches, idle and its causes, op and module performance, and the small
+    results the run-level analyses need."""
+    kind, context = pl.col("kind"), inputs.context
+    device = _events(inputs, DEVICE_COLUMNS, kind.is_in(launch.WORK_KINDS))
+    runtime = _events(inputs, CALL_COLUMNS, kind.is_in(["cuda_runtime", "cuda_driver"]))
+    cpu = _events(inputs, CPU_COLUMNS, kind.is_in(CPU_KINDS))
+    work = kernels.device_work(device, inputs.options.kernel_categories)
+    threads = launch.cpu_threads(cpu)
+    launched = launch.kernel_launches(device, runtime)
+    ops = _events(inputs, op_perf.OP_COLUMNS, kind.is_in(CPU_KINDS) & pl.col("input_dims").is_not_null())
+    perf = op_perf.op_perf(ops, launched, context.roof)
+    modules = _events(inputs, module_perf.MODULE_COLUMNS,
+                      kind.is_in(CPU_KINDS) & pl.col("name").str.starts_with(module_perf.MODULE_PREFIX))
+    links = inputs.table("flows", ["rank", "source", "src_event_id", "dst_event_id"], pl.col("flow_type") == "fwdbwd")
+    linked = _events(inputs, module_perf.LINKED_COLUMNS, pl.col("event_id").is_in(
+        pl.concat([links["src_event_id"], links["dst_event_id"]]).unique().implode())) if not modules.is_empty() \
+        else pl.DataFrame()
+    gaps = launch.idle_gaps(launched, runtime)
+    # record_param_comms (NCCL builds) or the c10d ops themselves (gloo/CPU runs record no comms args)
+    cpu_comm_ops = cpu.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()
+                              | pl.col("name").str.starts_with("c10d::")).height
+    return Output(tables={
+        "kernel_launches": launched,
+        "op_perf": perf,
+        "gpu_idle": launch.gpu_idle(launched, gaps),
+        "launch_summary": launch.launch_summary(launched),
+        "kernel_categories": kernels.category_time(work),
+        "_collective_calls": comms.with_call_sites(comms.collectives(work, context.world_size), runtime, threads),
+        "_sync_points": launch.sync_points(gaps, runtime, threads),
+        "_kernel_totals": kernels.kernel_totals(work),
+        "_gpu_spans": steps.gpu_spans(work),
+        "_step_flops": mfu.step_flops(cpu),
+        "_cpu_comm_ops": pl.DataFrame({"rank": [inputs.rank], "ops": [cpu_comm_ops]}),
+        "_op_totals": op_perf.op_totals(perf),
+        "_family_time": op_perf.family_time(cpu, launched),
+        "_module_rows": module_perf.module_perf(modules, ops, perf, launched,
+                                               module_perf.backward_points(links, linked, launched)),
+    })
+
+
+def _steps(inputs: Inputs) -> Output:
+    if not inputs.ranks:
+        return Output()
+    calls = inputs.table("_collective_calls")
+    offsets = steps.clock_offsets(calls, inputs.ranks)
+    times = steps.step_times(inputs.table("steps", ["rank", "step", "start_ns", "end_ns"]), inputs.table("_gpu_spans"),
+                             steps.collective_waits(calls), offsets)
+    stats = steps.step_stats(times)
+    return Output(tables={"clock_offsets": offsets, "step_times": times, "step_stats": stats},
+                  findings=steps.straggler_finding(stats))
+
+
+def _collectives(inputs: Inputs) -> Output:
+    if not inputs.ranks:
+        return Output()
+    calls = inputs.table("_collective_calls")
+    cpu_comm_ops = inputs.table("_cpu_comm_ops")["ops"].sum()
+    return Output(tables={"collectives": calls, "collective_instances": comms.instances(calls, inputs.table("clock_offsets"))},
+                  findings=comms.exposed_comm_finding(calls, cpu_comm_ops))
+
+
+def _idle(inputs: Inputs) -> Output:
+    if not inputs.ranks:
+        return Output(findings={"traces": NO_TRACES})
+    sync_points = inputs.table("_sync_points")
+    return Output(tables={"sync_points": sync_points.sort("idle_caused_ns", descending=True).head(launch.SYNC_POINTS)},
+                  findings={"gpu_idle": launch.idle_finding(inputs.table("gpu_idle"))})
+
+
+def _top_kernels(inputs: Inputs) -> Output:
+    return Output(tables={"top_kernels": kernels.top_kernels(inputs.table("_kernel_totals"))} if inputs.ranks else {})
+
+
+def _step_breakdown(inputs: Inputs) -> Output:
+    if not inputs.ranks:
+        return Output()
+    launches = pl.scan_parquet(inputs.out_dir / "kernel_launches")
+    return Output(tables=step_breakdown.step_breakdown_tables(
+        lambda rank: launches.filter(pl.col("rank") == rank).select(step_breakdown.LAUNCH_COLUMNS).collect(), inputs.ranks,
+        inputs.table("collectives"), inputs.table("gpu_idle"), inputs.table("step_stats"), inputs.table("clock_offsets")))
+
+
+def _step_time(inputs: Inputs) -> Output:
+    profiler_steps = inputs.table("steps", ["rank", "step", "start_ns", "end_ns"])
+    table = step_time.step_time_table(inputs.table("train_steps"), inputs.table("step_timers"), inputs.table("scalars"),
+                                      profiler_steps, inputs.table("flops_profile"), inputs.facts)
+    findings = {"step_time": step_time.step_time_summary(table)}
+    # The slowest step over the whole run (not only the profiled ones), and only when it stands out.
+    if slow := step_time.slowest_step(table):
+        findings["slowest_step"] = slow
+    if windows := step_time.profiled_windows(table, profiler_steps):
+        findings["profiled_steps"] = windows
+    if overflow := step_time.overflow_finding(table, inputs.table("scalars")):
+        findings["fp16_overflow"] = overflow
+    return Output(tables={"step_time": table}, findings=findings)
+
+
+def _mfu(inputs: Inputs) -> Output:
+    context, facts = inputs.context, inputs.facts
+    world_size = context.world_size or facts.get("world_size") or 1
+    rows = [mfu.profiler_hfu(inputs.table("step_times"), inputs.table("_step_flops"), context.peak)] if inputs.ranks else []
+    run_rows, problem = mfu.step_time_mfu(inputs.table("step_time"), inputs.table("flops_profile"), facts, context.peak,
+                                          world_size, inputs.options.shape, inputs.options.recompute)
+    log_rows, log_problem = log_mfu.megatron_mfu(inputs.table("step_time"), facts, context.peak, world_size)
+    # a logs-only Megatron run: the shape from its arguments
+    table = pl.concat([r for r in rows + [run_rows, log_rows] if not r.is_empty()], how="diagonal_relaxed") \
+        if any(not r.is_empty() for r in rows + [run_rows, log_rows]) else pl.DataFrame()
+    return Output(tables={"mfu": table},
+                  findings={"mfu": mfu.mfu_finding(table, problem or log_problem or context.peak_problem)})
+
+
+def _module_perf(inputs: Inputs) -> Output:
+    modules = inputs.table("_module_rows") if inputs.ranks else pl.DataFrame(schema=module_perf.COLUMNS)
+    return Output(tables={"module_perf": modules, "module_mfu": module_perf.module_mfu(
+        modules, inputs.table("flops_profile"), inputs.facts, inputs.context.roof, inputs.options.dtype)})
+
+
+def _roofline(inputs: Inputs) -> Output:
+    ranked = bool(inputs.ranks)
+    return Output(findings={"roofline": roofline.roofline_finding(
+        inputs.table("_op_totals") if ranked else pl.DataFrame(), inputs.table("module_perf"), inputs.table("module_mfu"),
+        inputs.context.roof, inputs.options.dtype, inputs.table("_family_time") if ranked else pl.DataFrame())})
+
+
+def _summaries(inputs: Inputs) -> Output:
+    return Output(tables=summaries.summary_tables(inputs.table("collectives"), inputs.table("kernel_categories"),
+                                                  inputs.table("scalars")))
+
+
+def _monitor(inputs: Inputs) -> Output:
+    tables = monitor.monitor_tables(inputs.table("scalars"), inputs.facts, inputs.options.grad_norm_threshold)
+    return Output(tables=tables, findings=monitor.alarms_finding(tables["monitor_alarms"]))
+
+
+def _alarm_agreement(inputs: Inputs) -> Output:
+    table = alarm_agreement.alarm_agreement(inputs.table("alarms"), inputs.table("scalars"), inputs.table("train_steps"),
+                                            inputs.table("comms_calls"), inputs.facts)
+    return Output(tables={"alarm_agreement": table},
+                  findings={"alarms": alarm_agreement.agreement_summary(table)} if not table.is_empty() else {})
+
+
+def _autotune(inputs: Inputs) -> Output:
+    tables = autotune.autotune_tables(inputs.table("autotune_experiments"), inputs.facts)
+    return Output(tables=tables, findings=autotune.verdict_finding(tables["autotune_verdict"]))
+
+
+def _comms_log(inputs: Inputs) -> Output:
+    calls = inputs.table("comms_calls")
+    table = comms_log.comms_log_stats(calls) if not calls.is_empty() else pl.DataFrame()
+    return Output(tables={"comms_log_stats": table}, findings=comms_log.costliest_finding(table))
+
+
+def _job_end(inputs: Inputs) -> Output:
+    ended = job_end.job_end(inputs.table("run_status"), inputs.table("train_steps"), inputs.table("step_timers"),
+                            inputs.table("scalars"), inputs.facts, inputs.findings["step_time"].get("median_ns"))
+    return Output(findings={"job_end": ended} if ended else {})
+
+
+def _sanity(inputs: Inputs) -> Output:
+    """Figures that cannot be true leave the findings they were in (sanity changes them in place)."""
+    disagree = sanity.inputs_disagree(inputs.findings, inputs.table("step_time"), inputs.context.device_key)
+    return Output(findings={"inputs_disagree": disagree} if disagree else {})
+
+
+def _input_problems(inputs: Inputs) -> Output:
+    issues = inputs.table("ingest_issues")
+    errors = issues.filter(pl.col("severity") == "error").height if not issues.is_empty() else 0
+    return Output(findings={"ingest_errors": errors} if errors else {})  # input problems that lost data
+
+
+ANALYSES = [
+    Analysis("device_timeline", "CPU launch and GPU execution, per rank", ("trace_events", "flows"),
+             declared("kernel_launches", "op_perf", "gpu_idle", "launch_summary", "kernel_categories"), device_timeline,
+             per_rank=True, parts=("kernel_launches", "op_perf"),
+             passes=("_collective_calls", "_sync_points", "_kernel_totals", "_gpu_spans", "_step_flops", "_cpu_comm_ops",
+                     "_op_totals", "_family_time", "_module_rows")),
+    Analysis("steps", "Steps and stragglers", ("_collective_calls", "_gpu_spans", "steps"),
+             declared("clock_offsets", "step_times", "step_stats"), _steps),
+    Analysis("collectives", "Collectives", ("_collective_calls", "_cpu_comm_ops", "clock_offsets"),
+             declared("collectives", "collective_instances"), _collectives),
+    Analysis("gpu_idle", "GPU idle", ("gpu_idle", "_sync_points"), declared("sync_points"), _idle),
+    Analysis("top_kernels", "Kernels", ("_kernel_totals",), declared("top_kernels"), _top_kernels),
+    Analysis("step_breakdown", "Where one step's time went",
+             ("kernel_launches", "collectives", "gpu_idle", "step_stats", "clock_offsets"),
+             declared("step_breakdown", "step_timeline"), _step_breakdown),
+    Analysis("step_time", "Step time over the run", ("train_steps", "step_timers", "scalars", "steps", "flops_profile"),
+             declared("step_time"), _step_time),
+    Analysis("mfu", "FLOPs and MFU", ("step_times", "_step_flops", "step_time", "flops_profile"), declared("mfu"), _mfu),
+    Analysis("module_perf", "Modules", ("_module_rows", "flops_profile"), declared("module_perf", "module_mfu"),
+             _module_perf),
+    Analysis("roofline", "Roofline", ("_op_totals", "_family_time", "module_perf", "module_mfu"), {}, _roofline),
+    Analysis("summaries", "Summaries", ("collectives", "kernel_categories", "scalars"),
+             declared("collective_summary", "collective_call_sites", "category_summary", "scalar_series"), _summaries),
+    Analysis("monitor", "Monitor alarms", ("scalars",), declared("monitor_alarms", "run_comparability"), _monitor),
+    Analysis("alarm_agreement", "In-job alarms", ("alarms", "scalars", "train_steps", "comms_calls"),
+             declared("alarm_agreement"), _alarm_agreement),
+    Analysis("autotune", "Autotuning", ("autotune_experiments",), declared("autotune_ranking", "autotune_verdict"),
+             _autotune),
+    Analysis("comms_log", "Logged communication", ("comms_calls",), declared("comms_log_stats"), _comms_log),
+    Analysis("job_end", "How the job ended", ("run_status", "train_steps", "step_timers", "scalars", "step_time"), {},
+             _job_end),
+    Analysis("sanity", "Inputs that disagree", ("step_time", "mfu", "collectives", "comms_log_stats"), {}, _sanity),
+    Analysis("input_problems", "Input problems", ("ingest_issues",), {}, _input_problems),
+]
