@@ -69,7 +69,7 @@ class ByteStream:
     further gzip members are read, and bytes after the last member that are not one are counted
     (`trailing_bytes`, `trailing_zeros`), not taken for a damaged member."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path):  # or an fsspec OpenFile (an object in object storage), read the same way
         self.path = path
         self.truncated: str | None = None
         self.raw_bytes = 0
@@ -77,7 +77,7 @@ class ByteStream:
         self.trailing_zeros = False
 
     def blocks(self) -> Iterator[bytes]:
-        with open(self.path, "rb") as f:
+        with open(self.path, "rb") if isinstance(self.path, (str, os.PathLike)) else self.path.open() as f:
             head = f.read(2)
             f.seek(0)
             if head != GZIP_MAGIC:
@@ -119,7 +119,8 @@ class ByteStream:
     def _count_trailing(self, pending: bytes, f) -> None:
         """Bytes after the last gzip member: zero padding (from a preallocated file) or garbage."""
         first = pending + f.read(max(0, (1 << 20) - len(pending)))
-        self.trailing_bytes = os.fstat(f.fileno()).st_size - f.tell() + len(first)
+        size = getattr(f, "size", None)  # an fsspec file knows its object's size; a local one has fstat
+        self.trailing_bytes = (os.fstat(f.fileno()).st_size if size is None else size) - f.tell() + len(first)
         self.trailing_zeros = first.count(0) == len(first)
 
 
