@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 from steplens.analyze.analyses import REGISTERED
 from steplens.reports.text import shapes_text
 
@@ -108,6 +110,26 @@ def job_end_lines(f: dict, with_status: bool = False) -> list[str]:
         lines.append(f"It ended on {CAUSE_WORDS[end['cause']]}.")
     if end.get("first_stalled_rank") is not None:
         lines.append(f"Rank {end['first_stalled_rank']} stopped making progress first: {end['basis']}.")
+    return lines
+
+
+def _log_clock(ns: int) -> str:
+    """A log line's time as the log printed it (importers read the zone-less stamps as UTC)."""
+    return datetime.fromtimestamp(ns / 1e9, timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def last_log_line_lines(f: dict, limit: int = 4) -> list[str]:
+    """For a job that did not end cleanly: each rank's last log line (where, when, what), earliest first, so a
+    reader sees which rank fell silent first (job_end.last_log_lines)."""
+    lines = []
+    for row in ((f.get("job_end") or {}).get("last_log_lines") or [])[:limit]:
+        if row.get("wall_ns") is not None:
+            when = f"at {_log_clock(row['wall_ns'])}"
+        elif row.get("not_before_ns") is not None:
+            when = f"no time of its own, after {_log_clock(row['not_before_ns'])}"
+        else:
+            when = "no time"
+        lines.append(f"Rank {row['rank']}'s last log line ({row['source']}:{row['line']}, {when}): {row['text']}")
     return lines
 
 

@@ -8,10 +8,14 @@ state of its collector manifest. The rank that stopped first is, in this order o
    (``completed`` or ``failed``): its process died without running its exit hooks (SIGKILL, the
    OOM killer) or hangs; among several, the one updated last the earliest;
 2. the one rank with the fewest finished steps;
-3. among ranks tied on steps, the one whose last record is earliest by more than one median step.
+3. among ranks tied on steps, the one whose last record is earliest by more than one median step;
+4. the rank whose last log line (run fact ``log_last_line_rank<r>`` from the DeepSpeed log importer) is
+   earliest by more than one median step: a logs-only run whose lines name no steps.
 
 Otherwise no rank is named: every rank got as far as the others. The cause is read from the status
 errors: an NCCL watchdog timeout, or a lost peer (a connection reset, a remote worker hanging).
+The finding lists each rank's last log line (time, file, line number, text), earliest first, so a reader
+sees where each rank fell silent.
 """
 
 from __future__ import annotations
@@ -72,6 +76,29 @@ def _first_stalled(ranks: pl.DataFrame, median_step_ns: float | None) -> tuple[i
     return None, "every rank got as far as the others: nothing tells which stopped first"
 
 
+def last_log_lines(facts: dict) -> list[dict]:
+    """Each rank's last log line: rank, wall_ns (its own time stamp; None for a print()ed line), not_before_ns
+    (the latest stamp of the rank's lines up to it), source, line, text; earliest first, lines without a time
+    last."""
+    rows = []
+    for key, value in facts.items():
+        rank = key.removeprefix("log_last_line_rank")
+        if key != rank and rank.isdigit() and isinstance(value, dict):
+            rows.append({"rank": int(rank), **{k: value.get(k) for k in ("wall_ns", "not_before_ns", "source", "line",
+                                                                          "text")}})
+    return sorted(rows, key=lambda r: (r["wall_ns"] is None, r["wall_ns"] or 0, r["rank"]))
+
+
+def _silent_first(lines: list[dict], median_step_ns: float | None) -> tuple[int | None, str]:
+    """Only when every rank's last line carries its own time: a print()ed last line could be later than any stamp."""
+    timed = [line for line in lines if line["wall_ns"] is not None]
+    if len(timed) == len(lines) and len(timed) >= 2 and median_step_ns and timed[1]["wall_ns"] - timed[0]["wall_ns"] > median_step_ns:
+        gap = (timed[1]["wall_ns"] - timed[0]["wall_ns"]) / 1e6
+        return timed[0]["rank"], (f"its last log line is {gap:,.0f} ms before the next rank's (more than one median "
+                                  "step)")
+    return None, ""
+
+
 def _ranks(frame: pl.DataFrame) -> str:
     return ", ".join(str(r) for r in frame["rank"].to_list())
 
@@ -88,7 +115,10 @@ def job_end(run_status: pl.DataFrame, train_steps: pl.DataFrame, step_timers: pl
     cause = ("nccl_watchdog_timeout" if any(WATCHDOG.search(e) for e in errors)
              else "peer_lost" if any(PEER_LOST.search(e) for e in errors) else None)
     rank, basis = _first_stalled(ranks, median_step_ns) if ranks.height > 1 else (None, "one rank")
+    lines = last_log_lines(facts)
+    if rank is None and (silent := _silent_first(lines, median_step_ns))[0] is not None:
+        rank, basis = silent
     order = {"killed": 0, "failed": 1, "incomplete": 2}
     worst = min(bad["status"].to_list(), key=order.get) if not bad.is_empty() else None
     return {"status": worst, "errors": errors[:3], "cause": cause, "first_stalled_rank": rank, "basis": basis,
-            "progress": ranks.to_dicts()}
+            "progress": ranks.to_dicts(), "last_log_lines": lines}

@@ -41,6 +41,10 @@ checkpoint: .../global_stepN/...", Megatron's "saving checkpoint at iteration N"
 done when it began (the 0-based step that follows it), to the run fact `checkpoint_steps`. A custom tag
 without global_stepN places no step.
 
+Last lines. Per rank, its last line in the file (number, text, its time stamp when it has one, and the
+latest stamp of the rank's lines up to it) goes to the run fact `log_last_line_rank<r>`: which rank fell
+silent first when a job hangs or dies.
+
 Status. One run_status row per run with evidence (launcher lines, exits, a signal, a traceback):
 killed (the launcher got SIGTERM/SIGINT, or a rank's return code is -N), failed (a nonzero return
 code, or a traceback without every process exiting 0), completed (every local process exited 0),
@@ -168,6 +172,7 @@ class Run:
     exceptions: list = field(default_factory=list)  # (rank, last exception line)
     steps_done: dict = field(default_factory=dict)  # rank -> optimizer steps closed by a global timer line
     checkpoint_steps: set = field(default_factory=set)  # optimizer steps done when a checkpoint save began
+    last_lines: dict = field(default_factory=dict)  # rank -> its last line: line number, text, latest time seen
     comms: dict = field(default_factory=dict)  # rank -> list of comms row dicts (latency still as logged)
 
 
@@ -263,6 +268,8 @@ def _read_line(state: LogState, lines: list[str], i: int) -> int:
     line = lines[i]
     if _is_garbled(line):
         state.garbled.add(i)
+    else:
+        _note_last_line(state, line, i)
     if m := TIMER_LINE.search(line):
         _timer(state, m, i)
     elif m := COMM_LINE.search(line):
@@ -288,6 +295,27 @@ def _read_line(state: LogState, lines: list[str], i: int) -> int:
     else:
         _launcher_or_status(state, line, i)
     return i + 1
+
+
+LAST_LINE_CHARS = 300  # a last line longer than this is cut (a traceback line, a tensor printed whole)
+
+
+def _note_last_line(state: LogState, line: str, i: int) -> None:
+    """The latest line of each rank: a line that names its rank ([Rank N], [rankN]:), or any line of a file that
+    holds one rank. Launcher lines belong to no rank. Its time is its own stamp (print()ed lines carry none);
+    the latest stamp of the rank's lines up to it says it is no earlier than that."""
+    if not line.strip() or "[launch.py:" in line or "[runner.py:" in line:
+        return
+    if m := RANK_PREFIX.search(line) or TORCH_RANK_PREFIX.match(line):
+        rank = int(m[1])
+    elif state.file_rank is not None:
+        rank = state.file_rank
+    else:
+        return
+    last = state.run.last_lines.setdefault(rank, {"stamped": None})
+    last["line"], last["text"], last["own_stamp"] = i + 1, line.strip()[:LAST_LINE_CHARS], bool(TIMESTAMP.match(line))
+    if last["own_stamp"]:
+        last["stamped"] = line  # parsed once, at the end
 
 
 def _timer(state: LogState, m: re.Match, i: int) -> None:
@@ -684,6 +712,11 @@ def _build(state: LogState, issues: list) -> Imported:
         facts["runs_in_file"] = len(state.runs)
     if checkpoints := set().union(*(run.checkpoint_steps for run in state.runs)):
         facts["checkpoint_steps"] = sorted(checkpoints)
+    for rank, last in state.runs[-1].last_lines.items():  # the last run of the file: how the job ended
+        stamped_ns = _ts_ns(last["stamped"]) if last["stamped"] else None
+        facts[f"log_last_line_rank{rank}"] = {"line": last["line"], "text": last["text"], "source": state.rel,
+                                              "wall_ns": stamped_ns if last["own_stamp"] else None,
+                                              "not_before_ns": stamped_ns}
     for block in state.flops_blocks:
         embedded = flops_text.parse_lines(block, state.rel, facts)
         issues.extend(embedded.issues)
