@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+from contextlib import nullcontext
 import signal
 import sys
 from pathlib import Path
@@ -16,8 +17,10 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeRemainingColumn,
+    TransferSpeedColumn,
 )
 
+from steplens.analyze import importers
 from steplens.analyze.analyses import kernels, mfu, runner
 from steplens.analyze.contract import schema
 
@@ -31,6 +34,7 @@ from steplens.analyze.pipeline.ingest import (
     staged,
     use_system_allocator,
 )
+from steplens.analyze.pipeline import remote
 from steplens.analyze.pipeline.runs import RunFolder, split_runs
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
 from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
@@ -75,10 +79,13 @@ also be a single trace file, analysed as a one-rank run into .steplens-FILE/ bes
 
 
 @click.command("analyze", help=ANALYZE_HELP)
-@click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.argument("run_dir", callback=lambda ctx, param, value: _path_or_url(value))
+@click.option("--out", "out_dir", callback=lambda ctx, param, value: _path_or_url(value, folder=True), default=None,
               help=f"Write the run directory here instead of RUN_DIR/{schema.DEFAULT_OUT_DIR}/ (a new or empty folder, "
-                   "or one steplens wrote).")
+                   "or one steplens wrote; or an s3://, gs://... URL).")
+@click.option("--scheduler", default=None, metavar="ADDRESS",
+              help="Parse the traces as tasks on this Dask cluster (e.g. tcp://10.0.0.5:8786; needs steplens[dask]). "
+                   "--out must be on a file system the workers share.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Files parsed in parallel (default: number of CPUs). Memory grows with it, not with the number of ranks.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no ingest summary: print only the findings.")
@@ -102,10 +109,10 @@ also be a single trace file, analysed as a one-rank run into .steplens-FILE/ bes
               help="CSV with columns category,pattern (regex on kernel names), checked before the built-in patterns.")
 def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, ingest_only: bool, dtype: str,
             peak_tflops: float | None, params, layers, heads, head_dim, seq_len, tokens_per_step, recompute: bool,
-            grad_norm_threshold: float | None, fmt: str, kernel_categories: Path | None) -> None:
+            grad_norm_threshold: float | None, fmt: str, kernel_categories: Path | None, scheduler: str | None) -> None:
     use_system_allocator()
     console = Console(stderr=False, highlight=False)
-    if not run_dir.exists():
+    if not remote.is_url(run_dir) and not run_dir.exists():
         fail(f"{safe_text(run_dir)}: no such file or folder")
     shape_values = (params, layers, heads, head_dim, seq_len, tokens_per_step)
     if any(v is not None for v in shape_values) and not all(v is not None for v in shape_values):
@@ -116,10 +123,15 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         kernel_categories=kernels.load_categories(kernel_categories) if kernel_categories else list(kernels.KERNEL_CATEGORIES),
     )
     runs, out_of = _runs_to_analyse(run_dir, out_dir)
+    client = None
+    if scheduler:
+        from steplens.analyze.pipeline import cluster  # Dask only when asked for
+
+        client = cluster.connect(scheduler)
     if len(runs) == 1:
         run, out = runs[0], out_of(runs[0])
         try:
-            result, findings = _analyse_run(run, out, jobs, options, ingest_only, show_progress=not quiet)
+            result, findings = _analyse_run(run, out, jobs, options, ingest_only, show_progress=not quiet, client=client)
         except OutputUnwritable as e:
             fail(safe_text(e), EXIT_UNWRITABLE)
         except IngestError as e:
@@ -127,7 +139,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
                 fail(safe_text(e))
             click.echo(f"{safe_text(run_dir)}: {len(apart)} traces with no rank, from different processes: "
                        "separate runs, each analysed on its own:")
-            sys.exit(_analyse_each(run_dir, apart, jobs, options, ingest_only))
+            sys.exit(_analyse_each(run_dir, apart, jobs, options, ingest_only, client=client))
         if fmt == "md" and findings:
             click.echo((result.out_dir / "summary.md").read_text(), nl=False)
         else:
@@ -143,11 +155,20 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         sys.exit(_status(result))
     click.echo(f"{safe_text(run_dir)} holds {len(runs)} runs; each is analysed on its own:")
     sys.exit(_analyse_each(run_dir, [(run, out_of(run)) for run in runs], jobs, options, ingest_only,
-                           out_given=out_dir is not None))
+                           out_given=out_dir is not None, client=client))
+
+
+def _path_or_url(value: str | None, folder: bool = False) -> Path | str | None:
+    """A local path, or an object-store URL kept as text (a Path would fold its '//')."""
+    if value is None or remote.is_url(value):
+        return value
+    if folder and Path(value).is_file():
+        raise click.BadParameter(f"{value} is a file, not a folder")
+    return Path(value)
 
 
 def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, options: runner.Options,
-                  ingest_only: bool, out_given: bool = False) -> int:
+                  ingest_only: bool, out_given: bool = False, client=None) -> int:
     """Several runs, one line each with where its report is; the exit status of them all."""
     statuses = []
     pending = list(runs)
@@ -155,7 +176,7 @@ def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, optio
         run, out = pending.pop(0)
         name = safe_text(run.name or (os.path.relpath(run.path, run_dir) if run.path != run_dir else run_dir.name))
         try:
-            result, findings = _analyse_run(run, out, jobs, options, ingest_only, show_progress=False)
+            result, findings = _analyse_run(run, out, jobs, options, ingest_only, show_progress=False, client=client)
         except OutputUnwritable as e:
             fail(safe_text(e), EXIT_UNWRITABLE)
         except IngestError as e:
@@ -181,7 +202,7 @@ def _unranked_traces_apart(run: RunFolder, error: IngestError, out_dir: Path | N
     """Traces that name no rank and come from different processes (before/after traces, two
     models side by side) are separate one-rank runs, not one run that cannot be told apart: each
     is written to OUT/FILE, or to .steplens-FILE beside it."""
-    traces = [s for s in error.sources if s.kind == "kineto"]
+    traces = [s for s in error.sources if s.kind in importers.TRACE_KINDS]
     unranked = [s for s in traces if any(i[1] == "rank_unknown" for i in s.issues)]
     if len(unranked) < 2 or len(unranked) != len(traces) or run.found.native:
         return []
@@ -195,6 +216,9 @@ def _unranked_traces_apart(run: RunFolder, error: IngestError, out_dir: Path | N
 
 def _runs_to_analyse(run_dir: Path, out_dir: Path | None):
     """The runs under run_dir (or the one trace file it names), and where each one's output goes."""
+    if remote.is_url(run_dir):  # one run per URL; its traces are listed, not downloaded
+        mirror, found = remote.discover(run_dir)
+        return [RunFolder(mirror, found)], lambda run: out_dir or remote.join(run_dir, schema.DEFAULT_OUT_DIR)
     if run_dir.is_file():
         out = out_dir or run_dir.parent / f"{schema.DEFAULT_OUT_DIR}-{run_dir.name}"
         return [RunFolder(run_dir.parent, classify([run_dir]))], lambda run: out
@@ -217,23 +241,32 @@ def _runs_to_analyse(run_dir: Path, out_dir: Path | None):
     return runs, out_of
 
 
-def _analyse_run(run: RunFolder, out: Path, jobs, options: runner.Options, ingest_only: bool,
-                 show_progress: bool) -> tuple[IngestResult, dict]:
+def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options, ingest_only: bool,
+                 show_progress: bool, client=None) -> tuple[IngestResult, dict]:
+    """Stage, analyse, report and publish one run; an object-store `out` is built locally and committed."""
     findings: dict = {}
     total = 0
     for path in run.found.traces + [path for path, _, _ in run.found.native]:
         try:
-            total += path.stat().st_size
+            total += run.found.remote[path].size if path in run.found.remote else path.stat().st_size
         except OSError:
             pass
-    progress = Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+    progress = Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                        TextColumn("{task.fields[files]} files"), TimeRemainingColumn(),
                         console=Console(stderr=True), transient=True, disable=not (show_progress and sys.stderr.isatty()))
-    with progress:
-        task = progress.add_task("ingest", total=total or None)
-        with staged(run.path, out, jobs=jobs, found=run.found, progress=lambda s: progress.advance(task, s.size)) as stage:
+    with progress, (remote.output_folder(out) if remote.is_url(out) else nullcontext(out)) as local_out:
+        task = progress.add_task("ingest", total=total or None, files=0)
+
+        def advance(source) -> None:
+            progress.update(task, advance=source.size, files=progress.tasks[task].fields["files"] + 1)
+
+        with staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance, client=client) as stage:
             if not ingest_only:
                 findings = analyse_and_report(stage.folder, options)
-            return publish(stage), findings
+            result = publish(stage)
+        if remote.is_url(out):
+            result.out_dir = remote.commit(local_out, out)
+        return result, findings
 
 
 def _status(result: IngestResult) -> int:

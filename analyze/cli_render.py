@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from steplens.analyze import importers
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline.ingest import IngestResult, Source
@@ -51,13 +52,13 @@ class Terminated(BaseException):
 def print_summary(console: Console, result: IngestResult, analysis_seconds: float | None = None) -> None:
     """What was read: one line per fact, wrapped to the console (80 columns when piped), no tables."""
     m = result.manifest
-    used = [s for s in result.sources if s.rank is not None and s.kind == "kineto"]
+    used = [s for s in result.sources if s.rank is not None and s.kind in importers.TRACE_KINDS]
     mb = sum(s.raw_bytes for s in result.sources if s.status == "ingested") / 1e6
     parsed = sum(1 for s in result.sources if s.status == "ingested")
     ingest_seconds = result.seconds - (analysis_seconds or 0)
     speed = f", {mb / ingest_seconds:.0f} MB/s" if parsed and ingest_seconds > 0 else ""
     analysed = f"; analyses {analysis_seconds:.2f}s" if analysis_seconds is not None else ""
-    artifacts = Counter(s.kind for s in result.sources if s.kind != "kineto" and s.status in ("ingested", "reused"))
+    artifacts = Counter(s.kind for s in result.sources if s.kind not in importers.TRACE_KINDS and s.status in ("ingested", "reused"))
     others = f" and {sum(artifacts.values())} other input(s)" if artifacts else ""
     say(console, f"{len(used)} trace file(s){others} -> {result.out_dir}", indent=0)
     say(console, f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed}")

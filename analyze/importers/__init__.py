@@ -1,10 +1,13 @@
-"""Importers for what a job left besides Kineto traces: the collector's Parquet parts and the native
-DeepSpeed artifacts (logs, FLOPs-profiler text, comms dumps, csv_monitor, TensorBoard, W&B,
-autotuning results). Each turns one input file into rows of the telemetry tables in `schema`.
+"""The importers, one module per input format (the interfaces are in `base`).
 
-`ingest` offers every file under the run folder to `IMPORTERS` in order; the first that claims it
-parses it. Files nobody claims are Kineto candidates when they end in .json/.gz, otherwise they are
-listed as ignored with the reason.
+IMPORTERS read what a job left besides traces: the collector's Parquet parts and the native
+DeepSpeed artifacts (logs, FLOPs-profiler text, comms dumps, csv_monitor, TensorBoard, W&B,
+autotuning results), each into rows of the telemetry tables in `schema`. TRACE_IMPORTERS read one
+rank's trace into its trace tables.
+
+`ingest` offers every file under the run folder to IMPORTERS in order, then what is left to
+TRACE_IMPORTERS; the first that claims a file reads it. Files nobody claims are listed as ignored
+with the reason.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from steplens.analyze.importers import autotune_results, collector_parts, comms_dump, deepspeed_log, flops_text, monitor_scalars
-from steplens.analyze.importers.base import Importer
+from steplens.analyze.importers import kineto
+from steplens.analyze.importers.base import Importer, TraceImporter
 
 # Order is priority: specific file names before generic suffixes.
 IMPORTERS: list[Importer] = [
@@ -34,3 +38,15 @@ def claimant(path: Path) -> Importer | None:
         if importer.claims(path):
             return importer
     return None
+
+
+# Kineto JSON (tensorboard_trace_handler's .pt.trace.json[.gz], export_chrome_trace's .json): a file
+# that turns out not to be a trace is reported by the parser (not_a_trace), not guessed from its name.
+TRACE_IMPORTERS: list[TraceImporter] = [
+    TraceImporter("kineto", lambda path: path.name.endswith((".json", ".gz")), kineto.parse_trace),
+]
+TRACE_KINDS = frozenset(importer.name for importer in TRACE_IMPORTERS)
+
+
+def trace_claimant(path: Path) -> TraceImporter | None:
+    return next((importer for importer in TRACE_IMPORTERS if importer.claims(path)), None)

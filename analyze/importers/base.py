@@ -1,11 +1,21 @@
 """What an importer is and what it returns: the interface between `ingest` and the modules that read
-non-Kineto inputs (registered in `importers`)."""
+inputs (registered in `importers`). Two kinds:
+
+- a telemetry importer (`Importer`) turns one file into rows of run-level tables (logs, monitors,
+  dumps, the collector's parts) plus run facts;
+- a trace importer (`TraceImporter`) turns one rank's trace file into that rank's trace tables
+  (`ParsedTrace`: trace_events, flows, steps), which ingest places under rank=<r>. Its events carry
+  the trace-event columns of the contract; `trace/semantics.py apply` adds steps and links, so a
+  new format only decodes.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from steplens.analyze.importers.json_events import Issue
 
 import polars as pl
 
@@ -52,3 +62,25 @@ def conform(frame: pl.DataFrame | list[dict], table: str) -> pl.DataFrame:
         pl.col(name).cast(dtype) if name in frame.columns else pl.lit(None, dtype).alias(name)
         for name, dtype in polars_schema.items()
     )
+
+
+@dataclass
+class ParsedTrace:
+    """What a trace importer returns for one file (one rank's trace)."""
+
+    events: pl.DataFrame  # trace_events rows
+    flows: pl.DataFrame
+    steps: pl.DataFrame
+    # The trace's own metadata under Kineto's keys (distributedInfo, deviceProperties,
+    # baseTimeNanoseconds, ...): ingest reads the rank, world size and devices from them.
+    metadata: dict
+    issues: list[Issue] = field(default_factory=list)
+    raw_bytes: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # seconds per parse stage, for the benchmark
+
+
+@dataclass(frozen=True)
+class TraceImporter:
+    name: str  # the source kind recorded in run.json
+    claims: Callable[[Path], bool]  # cheap: the path, and at most a peek at the first bytes
+    parse: Callable[[Path, str], ParsedTrace]  # (absolute path, path relative to the run folder); runs in a worker

@@ -27,7 +27,6 @@ import gc
 import io
 import re
 import time
-from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Optional
@@ -39,6 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from steplens.analyze.contract import schema
+from steplens.analyze.importers.base import ParsedTrace
 from steplens.analyze.importers.json_events import ByteStream, EventReader, Issue, NotATrace  # noqa: F401 - NotATrace is raised through this module
 from steplens.analyze.trace import semantics
 
@@ -107,18 +107,6 @@ class _Event(msgspec.Struct, gc=False):
 
 
 _NO_ARGS = _Args()
-
-
-@dataclass
-class ParsedTrace:
-    events: pl.DataFrame
-    flows: pl.DataFrame
-    steps: pl.DataFrame
-    metadata: dict
-    issues: list[Issue] = field(default_factory=list)
-    raw_bytes: int = 0
-    # Seconds per stage of parse_trace (STAGES), for the ingest benchmark's split.
-    stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
 # read_decode: gunzip and JSON decoding into structs (interleaved, chunk by chunk); columns: structs

@@ -35,10 +35,10 @@ from steplens.analyze import importers
 from steplens.analyze.importers import kineto
 from steplens.analyze.contract import issue_reasons, schema
 from steplens.analyze.contract.manifest import RunManifest
-from steplens.analyze.importers.base import Importer, conform
+from steplens.analyze.importers.base import Importer, ParsedTrace, conform
+from steplens.analyze.importers.json_events import NotATrace
 
 # Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
-TRACE_SUFFIXES = (".json", ".gz")
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 HASH_PREFIX_BYTES = 64 << 10
 IGNORED_LISTED = 200  # run.json lists this many unrecognised files by name (a checkpoint folder has thousands)
@@ -70,7 +70,7 @@ class Source:
     mtime_ns: int
     hash_prefix: str
     status: str = "pending"  # ingested | reused | ignored | error
-    kind: str = "kineto"  # kineto, or the name of the importer that read it
+    kind: str = "kineto"  # the name of the importer that read it (run.json keeps it)
     companions: list = field(default_factory=list)  # other files read with it (relative paths)
     tables: list = field(default_factory=list)  # tables it has parts in (non-Kineto sources)
     ranks: list = field(default_factory=list)  # ranks in its rows (non-Kineto sources)
@@ -121,6 +121,10 @@ class Discovered:
     # Never opened: FIFOs, devices, sockets (a FIFO would block the read forever) and entries that
     # cannot be looked at; (path, [severity, reason, count, detail]).
     special: list[tuple[Path, list]] = field(default_factory=list)
+    # A run in object storage (pipeline/remote.py): its URL, and the traces streamed from it (their
+    # paths lie in a local mirror of the run's layout that holds only the other files).
+    origin: str | None = None
+    remote: dict = field(default_factory=dict)  # mirror path -> remote.RemoteFile
 
 
 def discover(run_dir: Path, out_dir: Path) -> Discovered:
@@ -134,7 +138,7 @@ def discover(run_dir: Path, out_dir: Path) -> Discovered:
 
 
 def classify(files: list[Path]) -> Discovered:
-    """Offer each regular file to the importers; unclaimed .json/.gz files are Kineto candidates."""
+    """Offer each regular file to the telemetry importers, then what is left to the trace importers."""
     files, special = _regular_files(files)
     native, taken = [], set()
     for path in files:
@@ -144,8 +148,8 @@ def classify(files: list[Path]) -> Discovered:
         taken.update([path, *companions])
         native.append((path, importer, companions))
     rest = [p for p in files if p not in taken]
-    return Discovered(traces=[p for p in rest if p.name.endswith(TRACE_SUFFIXES)], native=native,
-                      unknown=[p for p in rest if not p.name.endswith(TRACE_SUFFIXES)], special=special)
+    traces = [p for p in rest if importers.trace_claimant(p) is not None]
+    return Discovered(traces=traces, native=native, unknown=[p for p in rest if p not in set(traces)], special=special)
 
 
 def _regular_files(files: list[Path]) -> tuple[list[Path], list[tuple[Path, list]]]:
@@ -199,11 +203,21 @@ def _write_table(frame: pl.DataFrame, table: str, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _opened(location: str):
+    """A local path, or an object in storage streamed by the parser (pipeline/remote.py: imported,
+    with fsspec, only for URLs)."""
+    if "://" not in location:
+        return Path(location)
+    from steplens.analyze.pipeline import remote
+
+    return remote.StreamedObject(location)
+
+
 def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
     started = time.perf_counter()
     try:
-        parsed = kineto.parse_trace(Path(abs_path), source.path)
-    except kineto.NotATrace as e:
+        parsed = importers.trace_claimant(Path(abs_path)).parse(_opened(abs_path), source.path)
+    except NotATrace as e:
         if e.damaged:  # a .json file that is not JSON, or a trace cut before its events: a lost input
             source.status = "error"
             source.issues.append(["error", "damaged_trace", 1, f"a .json file with nothing usable: {e}"])
@@ -265,7 +279,7 @@ def _parse_native(path: Path, source: Source, importer: Importer, scratch: Path)
     return source
 
 
-def _record_trace_facts(source: Source, parsed: kineto.ParsedTrace) -> None:
+def _record_trace_facts(source: Source, parsed: ParsedTrace) -> None:
     """The run facts a trace gives, each checked: a value of the wrong type or out of range is left
     out of run.json and named in a `bad_metadata` issue."""
     meta = parsed.metadata
@@ -340,7 +354,7 @@ def _assign_ranks(sources: list[Source]) -> None:
     """distributedInfo.rank, else a rank<N> in the file name, else rank 0 if it is clearly the only one."""
     unresolved = []
     for s in sources:
-        if s.status not in ("ingested", "reused") or s.kind != "kineto":
+        if s.status not in ("ingested", "reused") or s.kind not in importers.TRACE_KINDS:
             continue
         if s.trace_rank is not None:
             s.rank, s.rank_origin = s.trace_rank, "distributedInfo"
@@ -353,7 +367,7 @@ def _assign_ranks(sources: list[Source]) -> None:
     _reject_duplicate_ranks(sources)
     if not unresolved:
         return
-    resolved = [s for s in sources if s.rank is not None and s.kind == "kineto"]
+    resolved = [s for s in sources if s.rank is not None and s.kind in importers.TRACE_KINDS]
     one_process = len({tuple(s.host_pids) for s in unresolved}) == 1
     if not resolved and (len(unresolved) == 1 or one_process):
         for s in unresolved:
@@ -379,7 +393,7 @@ def _reject_duplicate_ranks(sources: list[Source]) -> None:
     an error and skipped. Profiler windows of one process share a rank but neither time nor steps."""
     kept: dict[int, list[Source]] = {}
     for s in sources:
-        if s.rank is None or s.status not in ("ingested", "reused") or s.kind != "kineto":
+        if s.rank is None or s.status not in ("ingested", "reused") or s.kind not in importers.TRACE_KINDS:
             continue
         base = s.trace_meta.get("base_time_ns")
         twin = next((k for k in kept.get(s.rank, []) if (k.size, k.hash_prefix) == (s.size, s.hash_prefix)
@@ -514,7 +528,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 def _place_parts(source: Source, staging: Path, scratch: Path | None = None, previous: tuple[Path, int] | None = None) -> None:
     """Put a source's parts in place (a trace's in its rank partition): moved from scratch, or linked
     from the last result."""
-    tables = PARSED_TABLES if source.kind == "kineto" else source.tables
+    tables = PARSED_TABLES if source.kind in importers.TRACE_KINDS else source.tables
     for table in tables:
         dst = staging / schema.part_dir(table, source.rank) / f"part-{source.part_id}.parquet"
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -643,10 +657,11 @@ def staged(
     files: Iterable[Path] | None = None,
     progress: Callable[[Source], None] | None = None,
     found: Discovered | None = None,
+    client=None,
 ) -> Iterator[Staged]:
     """Ingest the inputs under run_dir (or the given files, or what `discover` found) into a staging
     folder beside out_dir (default run_dir/.steplens); the folder is removed when the block ends,
-    published or not."""
+    published or not. With a Dask `client` the traces are parsed as tasks on its cluster."""
     started = time.perf_counter()
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -667,7 +682,7 @@ def staged(
             if staging.exists() and _is_staging(staging):
                 shutil.rmtree(staging)
             (staging / "_scratch").mkdir(parents=True)
-            yield _stage(run_dir, out_dir, staging, found, jobs, progress, started)  # analyses write here too
+            yield _stage(run_dir, out_dir, staging, found, jobs, progress, started, client)  # analyses write here too
         except OSError as e:
             raise OutputUnwritable(f"cannot write to {out_dir}: {e.strerror or e}: use --out DIR") from e
     finally:
@@ -702,11 +717,11 @@ def _reusable(old: dict, out_dir: Path) -> Source | None:
     except TypeError:
         return None
     rank = old.get("rank")
-    tables = PARSED_TABLES if restored.kind == "kineto" else restored.tables
+    tables = PARSED_TABLES if restored.kind in importers.TRACE_KINDS else restored.tables
     if (not isinstance(restored.part_id, str) or not PART_ID.fullmatch(restored.part_id)
             or not (rank is None or (type(rank) is int and 0 <= rank < schema.MAX_RANK))
             or not isinstance(tables, (list, tuple)) or any(t not in schema.TABLES for t in tables)
-            or (restored.kind == "kineto" and rank is None)):
+            or (restored.kind in importers.TRACE_KINDS and rank is None)):
         return None
     for table in tables:
         part = out_dir / schema.part_dir(table, rank) / f"part-{restored.part_id}.parquet"
@@ -717,7 +732,8 @@ def _reusable(old: dict, out_dir: Path) -> Source | None:
     return restored
 
 
-def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs, progress, started: float) -> Staged:
+def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs, progress, started: float,
+           client=None) -> Staged:
     scratch = staging / "_scratch"
     previous = {}
     for old in _previous_manifest(out_dir).get("sources", []):
@@ -730,10 +746,11 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs,
     candidates = [(path, None, []) for path in found.traces] + found.native
     for path, importer, companions in candidates:
         try:
-            source = _describe(path, run_dir, companions)
+            source = found.remote[path].source() if path in found.remote else _describe(path, run_dir, companions)
+            source.kind = importer.name if importer else importers.trace_claimant(path).name
         except OSError as e:
             source = Source(path=os.path.relpath(path, run_dir), size=0, mtime_ns=0, hash_prefix="", status="error",
-                            kind=importer.name if importer else "kineto")
+                            kind=importer.name if importer else importers.trace_claimant(path).name)
             source.issues.append(["error", "unreadable", 1, f"cannot read: {e.strerror or e}"])
             sources.append(source)
             continue
@@ -746,7 +763,7 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs,
             restored.issues = [i for i in restored.issues if isinstance(i, list) and len(i) == 4
                                and i[1] not in _RUN_LEVEL_REASONS]
             restored.status = "reused"
-            restored.rank = None if restored.kind == "kineto" else restored.rank
+            restored.rank = None if restored.kind in importers.TRACE_KINDS else restored.rank
             sources[-1] = restored
             reused.append((restored, old_rank))
         elif importer is not None:
@@ -754,9 +771,14 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs,
             if progress:
                 progress(native[-1])
         else:
-            to_parse.append((path, source))
+            to_parse.append((found.remote[path].url if path in found.remote else path, source))
 
-    parsed = _parse_all(to_parse, scratch, jobs, progress) + native
+    if client is not None:
+        from steplens.analyze.pipeline import cluster  # Dask is imported only for --scheduler
+
+        parsed = cluster.parse_all(client, to_parse, scratch, progress) + native
+    else:
+        parsed = _parse_all(to_parse, scratch, jobs, progress) + native
     by_path = {s.path: s for s in parsed}
     sources = [by_path.get(s.path, s) for s in sources]
     _assign_ranks(sources)
@@ -772,7 +794,8 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs,
     shutil.rmtree(scratch, ignore_errors=True)
     _write_empty_tables(staging)
 
-    manifest = _manifest(sources, [os.path.relpath(p, run_dir) for p in found.unknown], str(run_dir.resolve()))
+    manifest = _manifest(sources, [os.path.relpath(p, run_dir) for p in found.unknown],
+                         found.origin or str(run_dir.resolve()))
     manifest["run_name"] = run_dir.resolve().name
     issues_dir = staging / schema.part_dir("ingest_issues", None)
     issues_dir.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from steplens.analyze import importers
 from steplens.analyze.importers.base import peek
 from steplens.analyze.pipeline.ingest import RANK_IN_NAME, Discovered
 from steplens.analyze.importers.json_events import sniff
@@ -44,12 +45,12 @@ def _looks_like_trace(path: Path) -> bool:
 
 
 def _inputs(found: Discovered) -> list[tuple[Path, str]]:
-    return [(p, "kineto") for p in found.traces if _looks_like_trace(p)] + [
+    return [(p, importers.trace_claimant(p).name) for p in found.traces if _looks_like_trace(p)] + [
         (p, importer.name) for p, importer, _ in found.native]
 
 
 # Inputs a job writes once per rank: two folders holding the same rank of one are two runs.
-PER_RANK_KINDS = {"kineto", "deepspeed_comms_dict", "deepspeed_comms_summary_dict"}
+PER_RANK_KINDS = importers.TRACE_KINDS | {"deepspeed_comms_dict", "deepspeed_comms_summary_dict"}
 # Inputs a job scatters (launcher log, per-rank logs, a log_summary beside the comms dumps, FLOPs
 # text): they tell runs apart only between folders that hold nothing else.
 SCATTERED_KINDS = {"deepspeed_log", "deepspeed_flops_profile"}
