@@ -21,7 +21,7 @@ from markupsafe import Markup
 
 from steplens.analyze.analyses import REGISTERED
 
-from . import caveats, figures, roofline
+from . import figures, roofline
 from .data import Run, kernel_labels, load, ms, size, text_value, write_atomic
 from .verdict import verdict
 
@@ -471,7 +471,7 @@ def render(out_dir: Path) -> str:
     sections += [s for s in [_comparabilitySection(run)] if s] + [_manifestSection(run), _issuesSection(run)]
     return TEMPLATES.get_template("report.html.j2").render(
         run=run, title=f"steplens report: {run.name}", verdict=verdict(run), numbers=key_numbers(run),
-        sections=sections, caveats=caveats.caveats(run))
+        sections=sections, caveats=run.findings.get("caveats", []))
 
 
 def render_compare(result: dict) -> str:

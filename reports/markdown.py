@@ -14,7 +14,7 @@ import polars as pl
 
 from steplens.reports.text import safe_text
 
-from . import caveats, roofline
+from . import roofline
 from .data import kernel_labels, load, ms, size, write_atomic
 from .html import SUMMARY_FILE, key_numbers
 from .verdict import verdict
@@ -70,7 +70,7 @@ def render(out_dir: Path) -> str:
                                f"{r['busbw_median_gbps']:.1f}" if r["busbw_median_gbps"] is not None else ""]
                               for r in collectives.head(TOP_ROWS).iter_rows(named=True)])
     lines += roofline.summary_lines(run.findings.get("roofline"), escape)
-    notes = caveats.caveats(run)
+    notes = run.findings.get("caveats", [])
     if notes:
         lines += ["<details><summary>Method and caveats</summary>", ""]
         lines += [f"- **{escape(c['title'])}**: {escape(c['detail'])}" for c in notes]

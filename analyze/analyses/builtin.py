@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from steplens.analyze.analyses import (alarm_agreement, autotune, comms, comms_log, job_end, kernels, launch, log_mfu,
+from steplens.analyze.analyses import (alarm_agreement, autotune, caveats, comms, comms_log, job_end, kernels, launch, log_mfu,
                                        mfu, module_perf, monitor, op_perf, roofline, sanity, step_breakdown, step_time,
                                        steps, summaries)
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
@@ -194,6 +194,10 @@ def _sanity(inputs: Inputs) -> Output:
     return Output(findings={"inputs_disagree": disagree} if disagree else {})
 
 
+def _caveats(inputs: Inputs) -> Output:
+    return Output(findings={"caveats": caveats.caveats(inputs)})
+
+
 def _input_problems(inputs: Inputs) -> Output:
     issues = inputs.table("ingest_issues")
     errors = issues.filter(pl.col("severity") == "error").height if not issues.is_empty() else 0
@@ -233,4 +237,6 @@ ANALYSES = [
              _job_end),
     Analysis("sanity", "Inputs that disagree", ("step_time", "mfu", "collectives", "comms_log_stats"), {}, _sanity),
     Analysis("input_problems", "Input problems", ("ingest_issues",), {}, _input_problems),
+    Analysis("caveats", "Method and caveats", ("comms_calls", "flops_profile", "steps", "train_steps", "scalars",
+                                               "autotune_experiments", "mfu"), {}, _caveats),
 ]

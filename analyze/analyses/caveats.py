@@ -1,14 +1,15 @@
 """Method and caveats: the misuses of profiling data that this run's own data shows.
 
 Each check looks at the tables, not at what the user meant, and says what the numbers can and
-cannot be used for. A check with nothing to say returns nothing.
+cannot be used for. A check with nothing to say returns nothing. findings.json `caveats` holds them;
+the report and summary.md show them under "Method and caveats".
 """
 
 from __future__ import annotations
 
 import polars as pl
 
-from .data import Run
+from steplens.analyze.analyses.registry import Inputs
 
 # A profiler window of more steps than this is "tracing the run", not a bounded window: the
 # torch.profiler docs recommend schedule(wait, warmup, active) with a few active steps, because
@@ -18,7 +19,7 @@ MAX_WINDOW_STEPS = 10
 MAX_TRACED_SHARE = 0.5
 
 
-def caveats(run: Run) -> list[dict]:
+def caveats(run: Inputs) -> list[dict]:
     found = []
     for check in (_comms_logger_timings, _flops_are_not_time, _whole_run_traced, _curves_on_step, _single_samples,
                   _mfu_definition):
@@ -26,7 +27,7 @@ def caveats(run: Run) -> list[dict]:
     return found
 
 
-def _comms_logger_timings(run: Run) -> list[dict]:
+def _comms_logger_timings(run: Inputs) -> list[dict]:
     calls = run.table("comms_calls")
     if calls.is_empty():
         return []
@@ -42,7 +43,7 @@ def _comms_logger_timings(run: Run) -> list[dict]:
     return [{"title": "Comms-logger timings are not throughput numbers", "detail": detail}]
 
 
-def _flops_are_not_time(run: Run) -> list[dict]:
+def _flops_are_not_time(run: Inputs) -> list[dict]:
     profile = run.table("flops_profile")
     if profile.is_empty():
         return []
@@ -56,7 +57,7 @@ def _flops_are_not_time(run: Run) -> list[dict]:
     return [{"title": "FLOPs are not latency", "detail": detail}]
 
 
-def _whole_run_traced(run: Run) -> list[dict]:
+def _whole_run_traced(run: Inputs) -> list[dict]:
     steps = run.table("steps")
     if steps.is_empty():
         return []
@@ -74,7 +75,7 @@ def _whole_run_traced(run: Run) -> list[dict]:
     return []
 
 
-def _curves_on_step(run: Run) -> list[dict]:
+def _curves_on_step(run: Inputs) -> list[dict]:
     scalars = run.table("scalars")
     if scalars.is_empty():
         return []
@@ -88,7 +89,7 @@ def _curves_on_step(run: Run) -> list[dict]:
                        "compared on global samples or tokens, not on step: a step is a different amount of training."}]
 
 
-def _single_samples(run: Run) -> list[dict]:
+def _single_samples(run: Inputs) -> list[dict]:
     experiments = run.table("autotune_experiments")
     if experiments.is_empty():
         return []
@@ -101,7 +102,7 @@ def _single_samples(run: Run) -> list[dict]:
                        "configurations and compare their spread before adopting the winner."}]
 
 
-def _mfu_definition(run: Run) -> list[dict]:
+def _mfu_definition(run: Inputs) -> list[dict]:
     mfu = run.table("mfu")
     if mfu.is_empty():
         return [{"title": "No MFU", "detail": (run.findings.get("mfu") or {}).get("note", "no FLOPs numerator or peak") +
