@@ -114,7 +114,7 @@ STEP_SOURCES = {"train_steps": "the collector (every step)", "log": "the job's l
                 "profiler_steps": "the profiled ProfilerSteps"}
 
 
-def _timeSection(run: Run) -> dict:
+def _time_section(run: Run) -> dict:
     breakdown, timeline = run.table("step_breakdown"), run.table("step_timeline")
     title = "Where one step's time went"
     if breakdown.is_empty():
@@ -135,7 +135,7 @@ def _timeSection(run: Run) -> dict:
     return section
 
 
-def _stepsSection(run: Run) -> dict:
+def _steps_section(run: Run) -> dict:
     series, stats, times = run.table("step_time"), run.table("step_stats"), run.table("step_times")
     if series.is_empty() and stats.is_empty():
         return Section("Step time over the run", "steps",
@@ -187,7 +187,7 @@ def _reason(value) -> str:
     return str(value).replace("_", " ").replace(",", ", ")
 
 
-def _cpu_gpuSection(run: Run) -> dict:
+def _cpu_gpu_section(run: Run) -> dict:
     launches = run.table("kernel_launches", ["queue_ns"])  # one row per device activity: read only what is drawn
     idle, sync = run.table("gpu_idle"), run.table("sync_points")
     if launches.is_empty():
@@ -212,7 +212,7 @@ def _cpu_gpuSection(run: Run) -> dict:
     return section
 
 
-def _kernelsSection(run: Run) -> dict:
+def _kernels_section(run: Run) -> dict:
     categories, top = run.table("category_summary"), run.table("top_kernels")
     if top.is_empty():
         return Section("Kernels", "kernels", empty="No kernels in the traces.")
@@ -230,7 +230,7 @@ def _kernelsSection(run: Run) -> dict:
     return section
 
 
-def _collectivesSection(run: Run) -> dict:
+def _collectives_section(run: Run) -> dict:
     summary, sites, logged = run.table("collective_summary"), run.table("collective_call_sites"), run.table("comms_log_stats")
     if summary.is_empty() and logged.is_empty():
         note = run.findings.get("comms_note") or "No collectives recorded."
@@ -264,7 +264,7 @@ def _collectivesSection(run: Run) -> dict:
     return section
 
 
-def _mfuSection(run: Run) -> dict:
+def _mfu_section(run: Run) -> dict:
     profile = run.table("flops_profile")
     section = Section("FLOPs and MFU", "mfu")
     utilization = run.findings.get("mfu")
@@ -289,7 +289,7 @@ def _mfuSection(run: Run) -> dict:
     return section
 
 
-def _monitorSection(run: Run) -> dict:
+def _monitor_section(run: Run) -> dict:
     series = run.table("scalar_series")
     if series.is_empty():
         return Section("Monitor curves", "monitor", empty="No monitor scalars (csv_monitor, TensorBoard, W&B or collector).")
@@ -368,7 +368,7 @@ def _registered_sections(run: Run) -> list[dict]:
     return sections
 
 
-def _comparabilitySection(run: Run) -> dict | None:
+def _comparability_section(run: Run) -> dict | None:
     fields = run.table("run_comparability")
     if fields.is_empty():
         return None
@@ -387,7 +387,7 @@ def _run_values(values: str) -> str:
     return ", ".join(f"{run}: {text_value(value)}" for run, value in decoded.items())
 
 
-def _statusSection(run: Run) -> dict | None:
+def _status_section(run: Run) -> dict | None:
     status = run.table("run_status")
     if status.is_empty():
         return None
@@ -405,7 +405,7 @@ FACT_LABELS = {"micro_batch": "micro batch per GPU", "grad_accum": "gradient acc
                "param_count": "parameters", "train_batch_size": "global batch (samples per step)"}
 
 
-def _manifestSection(run: Run) -> dict:
+def _manifest_section(run: Run) -> dict:
     m, facts, env = run.manifest, run.manifest.get("facts", {}), run.manifest.get("environment", {})
     pairs = [
         ("run id", m.get("run_id")), ("world size", m.get("world_size")), ("ranks", _span(m.get("ranks", []))),
@@ -443,7 +443,7 @@ def _span(values: list[int]) -> str:
         else ", ".join(map(str, values))
 
 
-def _issuesSection(run: Run) -> dict:
+def _issues_section(run: Run) -> dict:
     issues = run.table("ingest_issues")
     if issues.is_empty():
         return Section("Ingest issues", "issues", empty="None: every input was read completely.")
@@ -458,17 +458,17 @@ def _issuesSection(run: Run) -> dict:
 def render(out_dir: Path) -> str:
     run = load(out_dir)
     if not run.manifest.get("trace_ranks"):  # one line for every picture that needs traces
-        sections = [Section("Where one step's time went", "time", empty=_no_traces(run)), _stepsSection(run)]
-        sections += [s for s in [_collectivesSection(run)] if s.get("empty") is None]  # logged comms
+        sections = [Section("Where one step's time went", "time", empty=_no_traces(run)), _steps_section(run)]
+        sections += [s for s in [_collectives_section(run)] if s.get("empty") is None]  # logged comms
     elif run.table("kernel_launches", ["queue_ns"]).is_empty():  # CPU-only traces: no device pictures
-        sections = [Section("Where one step's time went", "time", empty=NO_DEVICE_WORK), _stepsSection(run),
-                    _collectivesSection(run)]
+        sections = [Section("Where one step's time went", "time", empty=NO_DEVICE_WORK), _steps_section(run),
+                    _collectives_section(run)]
     else:
-        sections = [_timeSection(run), _stepsSection(run), _cpu_gpuSection(run), _kernelsSection(run),
-                    _collectivesSection(run)]
-    sections += [_mfuSection(run), _monitorSection(run)]
-    sections += [s for s in [_statusSection(run)] if s] + _extra_analyses(run) + _registered_sections(run)
-    sections += [s for s in [_comparabilitySection(run)] if s] + [_manifestSection(run), _issuesSection(run)]
+        sections = [_time_section(run), _steps_section(run), _cpu_gpu_section(run), _kernels_section(run),
+                    _collectives_section(run)]
+    sections += [_mfu_section(run), _monitor_section(run)]
+    sections += [s for s in [_status_section(run)] if s] + _extra_analyses(run) + _registered_sections(run)
+    sections += [s for s in [_comparability_section(run)] if s] + [_manifest_section(run), _issues_section(run)]
     return TEMPLATES.get_template("report.html.j2").render(
         run=run, title=f"steplens report: {run.name}", verdict=verdict(run), numbers=key_numbers(run),
         sections=sections, caveats=run.findings.get("caveats", []))
