@@ -2,12 +2,14 @@
 run_status, plus launcher/config facts.
 
 One file may hold one rank (`--enable_each_rank_log`, torchrun's per-rank stdout), every rank
-interleaved (the launcher's stdout), or several jobs appended to one file. Lines are read one by one
+interleaved (the launcher's stdout), or several jobs appended to one file (`run_spans`; `parse(...,
+run_index=k)` reads run k alone, and analyze/pipeline/runs.split_appended_logs makes each its own run). Lines are read one by one
 with regexes; anything unrecognised is skipped, so garbled interleaved writes cost only themselves.
 
 Runs. A new run starts at the DeepSpeed runner's `cmd = ...` line, at a second launcher
-`WORLD INFO DICT` line, or at a second launcher-less start (`mpi_discovery] Discovered MPI settings
-of world_rank=0`), each numbered `run_index` from 0. Per-run state (step counters, comms running
+`WORLD INFO DICT` line, at a second launcher-less start (`mpi_discovery] Discovered MPI settings
+of world_rank=0`), or at a script's own `cmd = ...` echo after records (DeepSpeed-Chat's logs), each
+numbered `run_index` from 0. Per-run state (step counters, comms running
 totals) restarts with each run.
 
 Ranks. `[Rank N]` in the line (log_dist), else `[rankN]:` (PyTorch), else `rank<N>` in the file
@@ -163,6 +165,7 @@ CMD_GAS = re.compile(r"--gradient[-_]accumulation[-_]steps[ =](\d+)")
 @dataclass
 class Run:
     index: int
+    first_line: int = 0  # index of the line that started it
     markers: set = field(default_factory=set)
     has_records: bool = False
     exits_ok: int = 0
@@ -187,6 +190,7 @@ class LogState:
     facts: dict = field(default_factory=dict)
     garbled: set = field(default_factory=set)  # indices of lines written over by another process, or undecodable
     flops_blocks: list = field(default_factory=list)  # lines of each FLOPs profile printed into the log
+    line_index: int = 0  # the line being read
     memory: list = field(default_factory=list)  # memory_usage rows
 
     @property
@@ -204,7 +208,9 @@ def claims(path: Path) -> bool:
                 or re.search(r"(?m)^\s*iteration\s+\d+/\s*\d+ \|.*elapsed time per iteration", head))
 
 
-def parse(path: Path, rel: str) -> Imported:
+def parse(path: Path, rel: str, run_index: int | None = None) -> Imported:
+    """The file's records; with run_index, only those of that run of a file holding several appended
+    (`run_spans`), as if it were alone in the file (line numbers stay the file's)."""
     issues: list = []
     try:
         data = path.read_bytes()
@@ -217,16 +223,52 @@ def parse(path: Path, rel: str) -> Imported:
     state = LogState(rel=rel, file_rank=int(name_rank[1]) if name_rank else None)
     state.runs.append(Run(index=0))
     lines = text.splitlines()
-    i = 0
-    while i < len(lines):
-        i = _read_line(state, lines, i)
-    if not data.endswith(b"\n"):
+    _read_lines(state, lines, 0, len(lines))
+    at_end = True  # the part read ends the file
+    if run_index is not None:
+        spans = _spans(state, len(lines))
+        at_end = run_index == len(spans) - 1
+        if not 0 <= run_index < len(spans):
+            return Imported(issues=[["error", "no_such_run", 1, f"the file holds {len(spans)} run(s), not run {run_index}"]])
+        first, end = spans[run_index]
+        state = LogState(rel=rel, file_rank=state.file_rank)
+        state.runs.append(Run(index=run_index, first_line=first))
+        _read_lines(state, lines, first, end)
+        state.facts["log_run"] = {"index": run_index, "runs_in_file": len(spans), "first_line": first + 1, "last_line": end}
+    if not data.endswith(b"\n") and at_end:
         issues.append(["info", "no_final_newline", 1, "the last line has no newline (cut off or still being written)"])
     if state.garbled:
         issues.append(["info", "garbled_lines", len(state.garbled),
                        (f"{len(state.garbled)} lines hold interleaved writes from several processes or undecodable bytes; "
                        "records in them that did not parse whole were skipped")])
     return _build(state, issues)
+
+
+def _read_lines(state: LogState, lines: list[str], start: int, end: int) -> None:
+    i = start
+    while i < end:
+        state.line_index = i
+        i = _read_line(state, lines, i)
+
+
+def _spans(state: LogState, line_count: int) -> list[tuple[int, int]]:
+    """(first line index, end index) of each run the file holds."""
+    starts = [run.first_line for run in state.runs]
+    return list(zip(starts, starts[1:] + [line_count]))
+
+
+def run_spans(path: Path) -> list[tuple[int, int]]:
+    """1-based (first line, last line) of each run a log file holds: several when jobs were appended to it."""
+    try:
+        text = path.read_bytes().decode("utf-8", "replace")
+    except OSError:
+        return []
+    name_rank = RANK_IN_NAME.search(path.name)
+    state = LogState(rel=path.name, file_rank=int(name_rank[1]) if name_rank else None)
+    state.runs.append(Run(index=0))
+    lines = text.splitlines()
+    _read_lines(state, lines, 0, len(lines))
+    return [(first + 1, end) for first, end in _spans(state, len(lines))]
 
 
 def _rank(state: LogState, line: str, prefix: re.Match | None = None) -> int:
@@ -256,10 +298,13 @@ def _is_garbled(line: str) -> bool:
 def _start_run_if_new(state: LogState, marker: str) -> None:
     run = state.run
     launched = run.markers & {"cmd", "world_info"}
-    new = (marker in run.markers or (marker == "cmd" and (run.markers or run.has_records))
+    # A script's own "cmd = ..." echo (DeepSpeed-Chat's) starts a run after records only: it precedes the
+    # launcher's lines of the same job.
+    new = (marker in run.markers or (marker == "cmd" and (run.markers - {"script_cmd"} or run.has_records))
+           or (marker == "script_cmd" and run.has_records)
            or (marker == "mpi0" and launched) or (marker == "world_info" and "mpi0" in run.markers))
     if new:
-        state.runs.append(Run(index=len(state.runs)))
+        state.runs.append(Run(index=len(state.runs), first_line=state.line_index))
     state.run.markers.add(marker)
 
 
@@ -530,6 +575,7 @@ def _launcher_or_status(state: LogState, line: str, i: int) -> None:
         _start_run_if_new(state, "cmd")
         _command_line(state, line)
     elif m := SCRIPT_CMD.match(line):
+        _start_run_if_new(state, "script_cmd")
         _command_line(state, m[1])
     elif m := MEGATRON_PADDED_VOCAB.search(line):
         state.facts.setdefault("megatron_args", {})["padded_vocab_size"] = int(m[3])

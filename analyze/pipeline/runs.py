@@ -7,16 +7,22 @@ sub-folders are separate runs, and each is looked at the same way in turn. Sub-f
 of different kinds (`collector/`, `traces/`, `rank_logs/` of one job) stay one run. Logs and
 FLOPs text are scattered over a job's folders, so they set runs apart only in folders that hold
 nothing else (logs-only runs side by side).
+
+A DeepSpeed log that holds several jobs appended to one file (the launcher's stdout redirected with >>)
+is several runs too: `split_appended_logs` makes one run of each job in it, read alone.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from steplens.analyze import importers
-from steplens.analyze.importers.base import peek
+from steplens.analyze.importers import deepspeed_log
+from steplens.analyze.importers.base import Importer, peek
 from steplens.analyze.pipeline.ingest import RANK_IN_NAME, Discovered
 from steplens.analyze.importers.json_events import sniff
 
@@ -28,6 +34,7 @@ class RunFolder:
     path: Path
     found: Discovered  # the files that belong to this run (its own, not its sibling runs')
     name: str | None = None  # how to call it when it is not its folder (a single trace file)
+    log_run: int | None = None  # which of the jobs appended to its one log file (split_appended_logs)
 
 
 SNIFF_BYTES = 64 << 10
@@ -105,3 +112,29 @@ def split_runs(root: Path, found: Discovered, depth: int = 0) -> list[RunFolder]
         inside = _subset(found, lambda p, child=child: p.relative_to(root).parts[0] == child)
         runs.extend(split_runs(root / child, inside, depth + 1))
     return runs
+
+
+def split_appended_logs(runs: list[RunFolder]) -> list[RunFolder]:
+    """Each run whose one input is a DeepSpeed log holding several jobs becomes one run per job, each read
+    alone (its own facts, steps and status) and named by the file and its lines. Runs sharing a folder need
+    outputs of their own: callers place run k's output apart (RunFolder.log_run)."""
+    split = []
+    for run in runs:
+        native = run.found.native
+        if run.found.traces or len(native) != 1 or native[0][1].name != "deepspeed_log":
+            split.append(run)
+            continue
+        path, importer, companions = native[0]
+        spans = deepspeed_log.run_spans(path)
+        if len(spans) < 2:
+            split.append(run)
+            continue
+        rel = os.path.relpath(path, run.path)
+        for index, (first, last) in enumerate(spans):
+            one = Importer(importer.name, importer.claims, functools.partial(deepspeed_log.parse, run_index=index),
+                           importer.companions)
+            found = Discovered(traces=[], native=[(path, one, companions)], unknown=run.found.unknown,
+                               special=run.found.special)
+            split.append(RunFolder(run.path, found, name=f"{rel} run {index + 1} of {len(spans)} (lines {first}-{last})",
+                                   log_run=index))
+    return split
