@@ -1,4 +1,5 @@
-"""In-job alarms on rank 0: the rules of `steplens.analyze.alarm_rules` (the same code `analyze` replays),
+"""In-job alarms on rank 0: the rules of `steplens.analyze.contract.alarm_rules` (the same code `analyze` replays
+and its post-hoc monitor_alarms analysis runs over every scalar series),
 fed at each flush on the writer's thread (never inside a training step), a watchdog thread for
 `no_progress`, and the sinks every alarm goes to:
 
