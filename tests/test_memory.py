@@ -195,4 +195,20 @@ def test_analyze_shows_the_memory_section(tmp_path):
     html = (tmp_path / "o" / "report.html").read_text()
     assert "Memory per rank and step" in html and "8.00 MiB per step" in html
     assert "8.00 MiB per step" in (tmp_path / "o" / "summary.md").read_text()
-    assert re.search(r"Rank 0: peak 1\.\d\d GiB allocated", done.stdout)
+    assert re.search(r"Peak memory: 1\.\d\d GiB allocated, [\d.]+ \w+ reserved on rank 0", " ".join(done.stdout.split()))
+
+
+def test_sentences_stay_few_however_many_ranks():
+    """64 ranks: one peak sentence naming the highest rank and the lowest peak, one growth sentence."""
+    from steplens.analyze.analyses.memory import memory_lines
+    peaks = [{"rank": r, "peak_allocated_bytes": (10 + r % 7) * 2**30, "peak_reserved_bytes": 20 * 2**30, "step": 5,
+              "source": "collector"} for r in range(64)]
+    growth = [{"rank": r, "growing": r in (3, 9), "slope_bytes_per_step": (r + 1) * 2**20, "first_step": 2, "last_step": 40,
+               "first_bytes": 10 * 2**30, "last_bytes": 11 * 2**30, "noise_bytes": 2**20, "source": "collector"}
+              for r in range(64)]
+    lines = memory_lines({"out_of_memory": None, "device_memory_recorded": True, "collector_without_device": False,
+                          "peak_by_rank": peaks, "growth": growth})
+    assert len(lines) == 2
+    assert lines[0].startswith("Peak memory: 16.00 GiB allocated, 20.00 GiB reserved on rank 6 (step 5, from collector)")
+    assert "the lowest of the 64 ranks peaks at 10.00 GiB" in lines[0]
+    assert lines[1].startswith("Memory grows on rank(s) 3, 9: up to 10.00 MiB per step on rank 9")

@@ -199,30 +199,41 @@ def size_text(num_bytes: float) -> str:
 
 
 def memory_lines(finding: dict) -> list[str]:
+    """At most four sentences however many ranks: the out-of-memory end, the highest peak and the
+    spread over ranks, the ranks whose memory grows (per-rank figures are in memory_by_step)."""
     lines = []
-    if not finding["device_memory_recorded"]:
-        lines.append("No device memory was recorded: " + (
-            "the collector ran without a CUDA/ROCm device (a CPU job), and no trace or log gave memory figures."
-            if finding["collector_without_device"] else "no [memory] events, collector peaks or memory log lines."))
-    for peak in finding["peak_by_rank"]:
-        where = f"step {peak['step']}" if peak["step"] is not None else "outside the steps"
-        reserved = f", {size_text(peak['peak_reserved_bytes'])} reserved" if peak["peak_reserved_bytes"] is not None else ""
-        lines.append(f"Rank {peak['rank']}: peak {size_text(peak['peak_allocated_bytes'])} allocated{reserved} "
-                     f"({where}, from {peak['source']}).")
-    for judged in finding["growth"]:
-        span = f"steps {judged['first_step']}-{judged['last_step']}"
-        if judged["growing"]:
-            lines.append(f"Rank {judged['rank']}: peak allocated memory grows by {size_text(judged['slope_bytes_per_step'])} "
-                         f"per step over {span} ({size_text(judged['first_bytes'])} -> {size_text(judged['last_bytes'])}, "
-                         f"{judged['source']}), beyond the step-to-step noise ({size_text(judged['noise_bytes'])}).")
-        else:
-            lines.append(f"Rank {judged['rank']}: no memory growth over {span} beyond the noise ({judged['source']}).")
     if oom := finding["out_of_memory"]:
         who = f"rank {oom['rank']}" if oom["rank"] is not None else "a rank the logs do not name"
         when = f" in step {oom['step']}" if oom["step"] is not None else ""
         sizes = (f" while allocating {size_text(oom['tried_bytes'])}" if oom["tried_bytes"] is not None else "") + (
             f" of a {size_text(oom['capacity_bytes'])} device" if oom["capacity_bytes"] is not None else "")
         lines.append(f"The job ended out of {oom['kind']} memory on {who}{when}{sizes}: {oom['error'][:200]}")
+    if not finding["device_memory_recorded"]:
+        lines.append("No device memory was recorded: " + (
+            "the collector ran without a CUDA/ROCm device (a CPU job), and no trace or log gave memory figures."
+            if finding["collector_without_device"] else "no [memory] events, collector peaks or memory log lines."))
+    if peaks := finding["peak_by_rank"]:
+        top = max(peaks, key=lambda p: (p["peak_allocated_bytes"], -p["rank"]))
+        where = f"step {top['step']}" if top["step"] is not None else "outside the steps"
+        reserved = f", {size_text(top['peak_reserved_bytes'])} reserved" if top["peak_reserved_bytes"] is not None else ""
+        others = ""
+        if len(peaks) > 1:
+            low = min(p["peak_allocated_bytes"] for p in peaks)
+            others = (f"; every one of the {len(peaks)} ranks peaks at the same" if low == top["peak_allocated_bytes"]
+                      else f"; the lowest of the {len(peaks)} ranks peaks at {size_text(low)}")
+        lines.append(f"Peak memory: {size_text(top['peak_allocated_bytes'])} allocated{reserved} on rank {top['rank']} "
+                     f"({where}, from {top['source']}){others}.")
+    growing = [g for g in finding["growth"] if g["growing"]]
+    if growing:
+        worst = max(growing, key=lambda g: g["slope_bytes_per_step"])
+        ranks = ", ".join(str(g["rank"]) for g in growing)
+        lines.append(f"Memory grows on rank(s) {ranks}: up to {size_text(worst['slope_bytes_per_step'])} per step on rank "
+                     f"{worst['rank']} over steps {worst['first_step']}-{worst['last_step']} ({size_text(worst['first_bytes'])} "
+                     f"-> {size_text(worst['last_bytes'])}, {worst['source']}), beyond the step-to-step noise "
+                     f"({size_text(worst['noise_bytes'])}).")
+    elif finding["growth"]:
+        lines.append(f"No memory growth beyond the step-to-step noise on the {len(finding['growth'])} rank(s) with enough "
+                     "steps to judge.")
     return lines
 
 
