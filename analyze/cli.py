@@ -35,7 +35,7 @@ from steplens.analyze.pipeline.ingest import (
     use_system_allocator,
 )
 from steplens.analyze.pipeline import remote
-from steplens.analyze.pipeline.runs import RunFolder, split_runs
+from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split_runs
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
 from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
                                          EXIT_REGRESSION, EXIT_STATUS_HELP, EXIT_UNWRITABLE, Terminated, analyse_and_report,
@@ -221,24 +221,29 @@ def _runs_to_analyse(run_dir: Path, out_dir: Path | None):
         return [RunFolder(mirror, found)], lambda run: out_dir or remote.join(run_dir, schema.DEFAULT_OUT_DIR)
     if run_dir.is_file():
         out = out_dir or run_dir.parent / f"{schema.DEFAULT_OUT_DIR}-{run_dir.name}"
-        return [RunFolder(run_dir.parent, classify([run_dir]))], lambda run: out
+        return split_appended_logs([RunFolder(run_dir.parent, classify([run_dir]))]), lambda run: _apart(out, run)
     if not run_dir.is_dir():
         fail(f"{safe_text(run_dir)}: not a file or folder steplens can read")
     try:
         found = discover(run_dir, out_dir or run_dir / schema.DEFAULT_OUT_DIR)
     except OSError as e:
         fail(f"{safe_text(run_dir)}: cannot list the folder: {e.strerror or e}")
-    runs = split_runs(run_dir, found)
+    runs = split_appended_logs(split_runs(run_dir, found))
     if len(runs) == 1:
         return runs, lambda run: out_dir or run_dir / schema.DEFAULT_OUT_DIR
 
     def out_of(run: RunFolder) -> Path:
         if out_dir is None:
-            return run.path / schema.DEFAULT_OUT_DIR
+            return _apart(run.path / schema.DEFAULT_OUT_DIR, run)
         relative = run.path.relative_to(run_dir)
-        return out_dir / (relative if relative.parts else "_top")
+        return _apart(out_dir / (relative if relative.parts else "_top"), run)
 
     return runs, out_of
+
+
+def _apart(out: Path, run: RunFolder) -> Path:
+    """The output of one of the jobs appended to one log file: OUT-run<k>, beside the others'."""
+    return out if run.log_run is None else out.with_name(f"{out.name}-run{run.log_run + 1}")
 
 
 def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options, ingest_only: bool,

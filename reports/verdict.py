@@ -245,10 +245,11 @@ def registered_lines(f: dict) -> list[str]:
 def finding_lines(f: dict) -> list[str]:
     """Every finding as sentences, most important first. The terminal prints them all; summary.md and
     report.html show the first MAX_FINDINGS. Each sentence is written here once."""
-    lines = (job_end_lines(f, with_status=True) + disagreement_lines(f) + step_lines(f)
+    lines = (job_end_lines(f, with_status=True) + last_log_line_lines(f) + disagreement_lines(f) + step_lines(f)
              + straggler_lines(f, limit=3) + gpu_idle_lines(f) + collective_lines(f)
              + mfu_lines(f) + roofline_lines(f) + ([f"{f['traces']}."] if f.get("traces") else [])
              + [line[0].upper() + line[1:] + ("" if line.endswith(".") else ".") for line in telemetry_lines(f)]
+             + alarm_lines(f)
              + registered_lines(f) + input_problem_lines(f))
     return lines or ["Nothing stands out: no step boundaries, device activity or collectives to judge."]
 

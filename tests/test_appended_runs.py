@@ -60,3 +60,21 @@ def test_an_appended_log_becomes_two_runs_each_ingested_alone(appended, tmp_path
         scalars = pl.read_parquet(result.out_dir / "scalars")
         alone = deepspeed_log.parse(original, original.name).tables["scalars"]
         assert scalars.height == alone.height
+
+
+def test_analyze_reports_each_appended_job_apart(appended):
+    """Through the command line: one line per job, each with its own output folder and its own
+    throughput rows, counted in the original logs without steplens."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "steplens.analyze", str(appended)], capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    assert f"{appended} holds 2 runs" in done.stdout
+    for index, original in enumerate(LOGS):
+        out = appended / f".steplens-run{index + 1}"
+        expected = sum(bool(THROUGHPUT.search(line)) for line in original.read_text(errors="replace").splitlines())
+        scalars = pl.read_parquet(out / "scalars")
+        assert scalars.filter(pl.col("name").str.contains("RunningAvgSamplesPerSec")).height == expected
+        assert json.loads((out / "run.json").read_text())["created_by"].startswith("steplens")
