@@ -350,6 +350,15 @@ def _extra_analyses(run: Run) -> list[dict]:
     return sections
 
 
+def _by_unit(column: str):
+    """How to show a column, from its unit suffix (the contract names every unit)."""
+    if column.endswith("_bytes"):
+        return lambda v: size(v) if v is not None else text_value(v)
+    if column.endswith("_ns") and not column.endswith(("ts_ns", "start_ns", "end_ns", "wall_ns")):  # durations only
+        return lambda v: ms(v) if v is not None else text_value(v)
+    return text_value
+
+
 def _registered_sections(run: Run) -> list[dict]:
     """A section per registered analysis with something to say: its sentences, then its tables with
     the columns its declaration documents (the column meaning is the header's tooltip)."""
@@ -363,7 +372,7 @@ def _registered_sections(run: Run) -> list[dict]:
         for table, (arrow_schema, _docs) in analysis.writes.items():
             frame = run.table(table)
             if not frame.is_empty():
-                section.table(_rows(frame, {c: (c, text_value) for c in arrow_schema.names}, table))
+                section.table(_rows(frame, {c: (c, _by_unit(c)) for c in arrow_schema.names}, table))
         sections.append(section)
     return sections
 
