@@ -38,8 +38,16 @@ Examples:
 {examples}"""
 
 
+def _folder_or_url(ctx, param, value: str) -> Path | str:
+    """An existing folder, or an object-store URL (s3://, gs://...) kept as text."""
+    from steplens.analyze.pipeline import remote
+
+    return value if remote.is_url(value) else click.Path(exists=True, file_okay=False, path_type=Path).convert(
+        value, param, ctx)
+
+
 @click.command("sql", help=_sql_help())
-@click.argument("runs_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("runs_dir", callback=_folder_or_url)
 @click.argument("query")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="table for reading, csv or json (one object per row) for other tools.")
@@ -81,10 +89,10 @@ def _step_range(value: str | None) -> tuple[int, int] | None:
 
 
 @click.command("export-trace")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("run_dir", callback=_folder_or_url)
 @click.option("--steps", default=None, help="Only ProfilerSteps A to B inclusive, as A:B (or one step A).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Output file (default: merged_trace.json in the run directory).")
+              help="Output file (default: merged_trace.json in the run directory; for an s3:// or gs:// run, here).")
 def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None) -> None:
     """Write one Chrome-trace JSON with every rank of an analysed run on one clock.
 
@@ -94,12 +102,19 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
     (ui.perfetto.dev) or chrome://tracing; slices that overlap without nesting, which Perfetto drops,
     are counted in the summary.
     """
+    from steplens.analyze.pipeline import remote
     from steplens.analyze.query.export_trace import export_trace
 
-    out_dir = run_dir if (run_dir / schema.MANIFEST_FILE).exists() else run_dir / schema.DEFAULT_OUT_DIR
-    if not (out_dir / schema.MANIFEST_FILE).exists():
-        fail(f"{run_dir}: not an analysed run (no run.json); run `analyze {run_dir}` first")
-    out_path = out_path or out_dir / "merged_trace.json"
+    if remote.is_url(run_dir):  # a committed result in object storage; the trace is written here
+        out_dir = run_dir if remote.committed(run_dir) else remote.join(run_dir, schema.DEFAULT_OUT_DIR)
+        if not remote.committed(out_dir):
+            fail(f"{run_dir}: not an analysed run (no committed run.json); run `analyze {run_dir}` first")
+        out_path = out_path or Path("merged_trace.json")
+    else:
+        out_dir = run_dir if (run_dir / schema.MANIFEST_FILE).exists() else run_dir / schema.DEFAULT_OUT_DIR
+        if not (out_dir / schema.MANIFEST_FILE).exists():
+            fail(f"{run_dir}: not an analysed run (no run.json); run `analyze {run_dir}` first")
+        out_path = out_path or out_dir / "merged_trace.json"
     if out_path.exists() and not _is_export(out_path):
         fail(f"{safe_text(out_path)} exists and is not a trace steplens exported: give a new file with --out")
     counts = export_trace(out_dir, out_path, _step_range(steps))

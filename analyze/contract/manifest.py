@@ -30,6 +30,9 @@ class RunManifest:
     tables: dict[str, dict] = field(default_factory=dict)  # {table: {"partitioned_by_rank": bool}}
     run_name: str | None = None  # the run folder's name
     output_entries: list[str] | None = None  # every entry of the output folder, once it is complete
+    # Object storage only (null in a folder): every object of the result, relative to the output URL,
+    # with its size in bytes. This run.json, written last, is the commit: readers ignore other objects.
+    objects: dict[str, int] | None = None
 
     def to_dict(self) -> dict:
         """The JSON object, keys in declaration order; output_entries only once known."""

@@ -16,6 +16,7 @@ import msgspec
 import polars as pl
 
 from steplens.analyze.contract import schema
+from steplens.analyze.pipeline import remote
 
 GPU_TID_BASE = 1_000_000  # GPU stream s of device d is thread GPU_TID_BASE * (d + 1) + s
 EXPORT_KINDS = ["cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver", "kernel",
@@ -27,15 +28,37 @@ def _us(ns: int) -> msgspec.Raw:
     return msgspec.Raw(f"{ns // 1000}.{ns % 1000:03d}".encode())
 
 
+def _scan(run_dir: Path | str, table: str) -> pl.LazyFrame | None:
+    """A table of an analysed run (None when it has no parts); in object storage, the objects its
+    committed run.json names, read through pyarrow with the filters pushed down."""
+    if not remote.is_url(run_dir):
+        folder = Path(run_dir) / table
+        return pl.scan_parquet(folder, hive_partitioning=True) if any(folder.rglob("*.parquet")) else None
+    import pyarrow.dataset as ds
+
+    urls = remote.table_objects(str(run_dir), remote.committed(str(run_dir)), table)
+    if not urls:
+        return None
+    fs, _ = remote.filesystem(str(run_dir))
+    paths = [url.split("://", 1)[1] for url in urls]
+    base = paths[0][:paths[0].index(f"/{table}/") + len(table) + 1]
+    dataset = ds.dataset(paths, filesystem=fs, format="parquet", partitioning="hive", partition_base_dir=base)
+    frame = pl.scan_pyarrow_dataset(dataset)
+    return frame.with_columns(pl.col("rank").cast(pl.Int64)) if "rank" in dataset.schema.names else frame
+
+
 def export_trace(run_dir: Path, out_path: Path, steps: tuple[int, int] | None = None) -> dict:
     """Write the merged trace; returns counts (events, flows, ranks, partial overlaps)."""
-    scan = pl.scan_parquet(run_dir / "trace_events", hive_partitioning=True).filter(pl.col("kind").is_in(EXPORT_KINDS))
+    scan = _scan(run_dir, "trace_events")
+    if scan is None:  # a run without traces
+        scan = pl.from_arrow(schema.TABLES["trace_events"][0].empty_table()).with_columns(rank=pl.lit(None, pl.Int64)).lazy()
+    scan = scan.filter(pl.col("kind").is_in(EXPORT_KINDS))
     if steps is not None:
         scan = scan.filter(pl.col("step").is_between(steps[0], steps[1]))
     events = scan.select("rank", "source", "event_id", "ts_ns", "dur_ns", "kind", "name", "pid", "tid", "stream",
                          "device", "step", "launch_event_id").collect()
-    offsets_file = run_dir / "clock_offsets" / "part-0.parquet"
-    offsets = pl.read_parquet(offsets_file).select("rank", "offset_ns") if offsets_file.exists() else None
+    offsets = _scan(run_dir, "clock_offsets")
+    offsets = offsets.select("rank", "offset_ns").collect() if offsets is not None else None
     if offsets is not None:
         events = events.join(offsets, on="rank", how="left").with_columns(
             ts_ns=pl.col("ts_ns") - pl.col("offset_ns").fill_null(0)).drop("offset_ns")

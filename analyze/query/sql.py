@@ -18,6 +18,7 @@ import polars as pl
 
 from steplens.analyze.analyses import monitor
 from steplens.analyze.contract import schema
+from steplens.analyze.pipeline import remote
 
 EXAMPLES = {
     "slowest step per run": "SELECT run_id, step, max_dur_ns / 1e6 AS ms, straggler_rank FROM step_stats "
@@ -44,8 +45,11 @@ class QueryError(Exception):
     """A query that is not a single SELECT, or that DuckDB rejects; the message is for the user."""
 
 
-def find_runs(root: Path) -> list[Path]:
-    """Folders under root (root included) that hold a steplens run.json."""
+def find_runs(root: Path | str) -> list[Path] | list[str]:
+    """Folders under root (root included) that hold a steplens run.json; under an object-store URL,
+    the committed results."""
+    if remote.is_url(root):
+        return [url for url, _ in remote.committed_runs(str(root))]
     found = []
     for manifest in sorted(Path(root).rglob(schema.MANIFEST_FILE)):
         try:
@@ -70,14 +74,17 @@ def _part_files(run: Path, table: str, partitioned: bool) -> list[str]:
 
 def connect(root: Path) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per table over every run under root."""
-    runs = find_runs(root)
     con = duckdb.connect()
+    if remote.is_url(root):  # DuckDB reads the objects through the store's fsspec filesystem, offline too
+        runs = remote.committed_runs(str(root))
+        con.register_filesystem(remote.filesystem(str(root))[0])
+    else:
+        runs = [(run, json.loads((run / schema.MANIFEST_FILE).read_text())) for run in find_runs(root)]
     rows, parts, seen_ids = [], {}, set()
-    for run in runs:
-        manifest = json.loads((run / schema.MANIFEST_FILE).read_text())
+    for run, manifest in runs:
         run_id = str(manifest.get("run_id") or run)
         if run_id in seen_ids:  # a copied output folder: still a run of its own
-            run_id = f"{run_id}-{hashlib.sha256(str(run.resolve()).encode()).hexdigest()[:6]}"
+            run_id = f"{run_id}-{hashlib.sha256(str(run if isinstance(run, str) else run.resolve()).encode()).hexdigest()[:6]}"
         seen_ids.add(run_id)
         facts = manifest.get("facts", {})
         rows.append({"run_id": run_id, "run_name": manifest.get("run_name"), "path": str(run),
@@ -87,7 +94,11 @@ def connect(root: Path) -> duckdb.DuckDBPyConnection:
                      **{field: _fact(monitor.run_fact(facts, field), dtype) for field, dtype in RUN_FACTS.items()}})
         for table in list(schema.TABLES) + list(schema.ANALYSIS_TABLES):
             partitioned = table in schema.TABLES and schema.TABLES[table][2]
-            if files := _part_files(run, table, partitioned):
+            if isinstance(run, str):  # a committed result in object storage: the objects it names
+                files = [glob.escape(url) for url in remote.table_objects(run, manifest, table)]
+            else:
+                files = _part_files(run, table, partitioned)
+            if files:
                 listed = ", ".join(_quote(f) for f in files)
                 parts.setdefault(table, []).append(
                     f"SELECT {_quote(run_id)} AS run_id, * FROM read_parquet([{listed}]"
