@@ -267,11 +267,20 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
 
         with staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance, client=client) as stage:
             if not ingest_only:
-                findings = analyse_and_report(stage.folder, options)
+                findings = analyse_and_report(stage.folder, options, map_ranks=_rank_mapper(client))
             result = publish(stage)
         if remote.is_url(out):
             result.out_dir = remote.commit(local_out, out)
         return result, findings
+
+
+def _rank_mapper(client):
+    """The per-rank analyses as tasks on the cluster (--scheduler), else None: one rank after the other here."""
+    if client is None:
+        return None
+    from steplens.analyze.pipeline import cluster
+
+    return cluster.rank_mapper(client)
 
 
 def _status(result: IngestResult) -> int:

@@ -147,12 +147,13 @@ def ranges(numbers: list[int]) -> str:
 
 
 
-def analyse_and_report(folder: Path, options: runner.Options) -> dict:
-    """The analyses, then report.html and summary.md, in the staged output (published together)."""
+def analyse_and_report(folder: Path, options: runner.Options, map_ranks=None) -> dict:
+    """The analyses, then report.html and summary.md, in the staged output (published together);
+    `map_ranks` runs the per-rank analyses (runner.run)."""
     from steplens.reports import html, markdown
 
     started = time.perf_counter()
-    findings = runner.run(folder, options)
+    findings = runner.run(folder, options, map_ranks)
     findings["analysis_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
     html.write(folder)

@@ -8,6 +8,7 @@ into findings.json.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -67,8 +68,30 @@ def _write(out_dir: Path, table: str, frame: pl.DataFrame, spec, part: str = "pa
     return frame
 
 
-def run(out_dir: Path, options: Options | None = None) -> dict:
-    """All analyses over out_dir; returns the findings (also written to findings.json)."""
+def rank_analyses(out_dir: Path, facts: dict, options: Options, ranks: list[int], context: RunContext,
+                  rank: int) -> dict[str, list[pl.DataFrame]]:
+    """The per-rank analyses of one rank: its per-rank parts written to out_dir, the frames to gather
+    across ranks returned (under `analyze --scheduler`, a task on a worker that sees out_dir)."""
+    gathered: dict[str, list[pl.DataFrame]] = {}
+    inputs = Inputs(out_dir, facts, options, ranks, rank=rank, context=context)
+    for analysis in [a for a in registry.ordered(ANALYSES) if a.per_rank]:
+        result = analysis.compute(inputs)
+        for table, spec in analysis.writes.items():
+            frame = result.tables.get(table, pl.DataFrame())
+            if table in analysis.parts:
+                inputs.computed[table] = _write(out_dir, table, frame, spec, part=f"part-{rank}")
+            else:
+                inputs.computed[table] = frame
+                gathered.setdefault(table, []).append(frame)
+        for name in analysis.passes:
+            inputs.computed[name] = result.tables[name]
+            gathered.setdefault(name, []).append(result.tables[name])
+    return gathered
+
+
+def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
+    """All analyses over out_dir; returns the findings (also written to findings.json). `map_ranks`
+    (like the builtin map, the default) runs the per-rank analyses over the ranks, in order."""
     options = options or Options()
     manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
     ranks = manifest["trace_ranks"]
@@ -87,20 +110,10 @@ def run(out_dir: Path, options: Options | None = None) -> dict:
 
     per_rank = [a for a in ordered if a.per_rank]
     gathered: dict[str, list[pl.DataFrame]] = {}
-    for rank in ranks:
-        inputs = Inputs(out_dir, facts, options, ranks, rank=rank, context=context)
-        for analysis in per_rank:
-            result = analysis.compute(inputs)
-            for table, spec in analysis.writes.items():
-                frame = result.tables.get(table, pl.DataFrame())
-                if table in analysis.parts:
-                    inputs.computed[table] = _write(out_dir, table, frame, spec, part=f"part-{rank}")
-                else:
-                    inputs.computed[table] = frame
-                    gathered.setdefault(table, []).append(frame)
-            for name in analysis.passes:
-                inputs.computed[name] = result.tables[name]
-                gathered.setdefault(name, []).append(result.tables[name])
+    one_rank = functools.partial(rank_analyses, Path(out_dir).resolve(), facts, options, ranks, context)
+    for frames in (map_ranks or map)(one_rank, ranks):  # in rank order, however they ran
+        for name, parts in frames.items():
+            gathered.setdefault(name, []).extend(parts)
 
     findings: dict = {"device": device_name if ranks else None}
     computed = {name: pl.concat(frames, how="diagonal_relaxed") for name, frames in gathered.items()}

@@ -1,7 +1,10 @@
-"""`analyze --scheduler ADDRESS`: the traces of a run parsed as tasks on an existing Dask cluster.
+"""`analyze --scheduler ADDRESS`: the traces of a run parsed, and its per-rank analyses run, as tasks
+on an existing Dask cluster.
 
-Discovery, the small native artifacts, rank assignment, the analyses, the report and the publish stay
-in the `analyze` process. Each trace is one task (`_parse_task`: ingest._parse_source, the code a local
+Discovery, the small native artifacts, rank assignment, the cross-rank analyses, the report and the
+publish stay in the `analyze` process. Each rank's analyses are one task (`rank_mapper`:
+runner.rank_analyses, reading the staged tables, writing its per-rank parts, returning its small
+frames to gather). Each trace is one task (`_parse_task`: ingest._parse_source, the code a local
 run uses): it streams its file (a shared path or an object-store URL) and writes its Parquet parts
 into the staging folder's scratch space, which therefore lies on a file system the workers share;
 only the small `Source` record travels back. A task whose worker dies is rescheduled by Dask (up to
@@ -85,3 +88,32 @@ def parse_all(client, to_parse: list, scratch: Path, progress) -> list[Source]:
         for future in futures:
             future.release()
     return results
+
+
+def _rank_task(rank: int, one_rank):
+    """The per-rank analyses of one rank, on a worker (runner.rank_analyses), logged with the rank."""
+    TASK_LOG.info("steplens: analysing rank %d in pid %d", rank, os.getpid())
+    return one_rank(rank)
+
+
+def rank_mapper(client):
+    """A `map` for runner.run: each rank's analyses as a task, the results in rank order. They read the
+    staged tables and write their per-rank parts there (the shared folder the parse tasks wrote to)."""
+    from distributed.scheduler import KilledWorker
+
+    def map_ranks(one_rank, ranks):
+        token = secrets.token_hex(4)
+        futures = [client.submit(_rank_task, rank, one_rank, key=f"steplens-rank-{rank}-{token}", pure=False)
+                   for rank in ranks]
+        try:
+            return client.gather(futures)
+        except KilledWorker as e:
+            raise ClusterError(f"the workers analysing a rank died each time it was tried ({e}); nothing was "
+                               "published") from None
+        except OSError as e:
+            raise ClusterError(f"lost the Dask scheduler at {client.scheduler.address}: {e}") from None
+        finally:
+            for future in futures:
+                future.release()
+
+    return map_ranks
