@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 from contextlib import nullcontext
 import signal
@@ -30,8 +31,10 @@ from steplens.analyze.pipeline.ingest import (
     OutputUnwritable,
     classify,
     discover,
+    input_key,
     publish,
     staged,
+    unchanged,
     use_system_allocator,
 )
 from steplens.analyze.pipeline import remote
@@ -147,8 +150,9 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
                 print_summary(console, result, findings.get("analysis_seconds"))
             if findings:
                 print_findings(console, findings)
-                console.print(f"report: {safe_text(result.out_dir / 'report.html')} (rendered in "
-                              f"{findings['report_seconds']:.2f}s)\nPR summary: "
+                rendered = (f"rendered in {findings['report_seconds']:.2f}s" if "report_seconds" in findings
+                            else "unchanged")
+                console.print(f"report: {safe_text(result.out_dir / 'report.html')} ({rendered})\nPR summary: "
                               f"{safe_text(result.out_dir / 'summary.md')}", markup=False, highlight=False,
                               soft_wrap=True)
         _warn_missing_ranks(result)
@@ -248,8 +252,12 @@ def _apart(out: Path, run: RunFolder) -> Path:
 
 def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options, ingest_only: bool,
                  show_progress: bool, client=None) -> tuple[IngestResult, dict]:
-    """Stage, analyse, report and publish one run; an object-store `out` is built locally and committed."""
+    """Stage, analyse, report and publish one run; an object-store `out` is built locally and committed.
+    A local result made from the same inputs, options and code is reused as it is."""
     findings: dict = {}
+    key = None if remote.is_url(out) else input_key(run.path, run.found, repr((options, ingest_only)))
+    if (previous := unchanged(out, key)) is not None:
+        return previous, {} if ingest_only else json.loads((out / "findings.json").read_text())
     total = 0
     for path in run.found.traces + [path for path, _, _ in run.found.native]:
         try:
@@ -268,6 +276,7 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
         with staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance, client=client) as stage:
             if not ingest_only:
                 findings = analyse_and_report(stage.folder, options, map_ranks=_rank_mapper(client))
+            stage.manifest["input_key"] = key
             result = publish(stage)
         if remote.is_url(out):
             result.out_dir = remote.commit(local_out, out)

@@ -61,7 +61,11 @@ def print_summary(console: Console, result: IngestResult, analysis_seconds: floa
     artifacts = Counter(s.kind for s in result.sources if s.kind not in importers.TRACE_KINDS and s.status in ("ingested", "reused"))
     others = f" and {sum(artifacts.values())} other input(s)" if artifacts else ""
     say(console, f"{len(used)} trace file(s){others} -> {result.out_dir}", indent=0)
-    say(console, f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed}")
+    if result.parsed == 0 and analysis_seconds is None and m.get("input_key"):
+        say(console, f"nothing changed since the last analysis ({result.reused} input(s), same options and steplens): "
+                     "the result is reused as it is")
+    else:
+        say(console, f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed}")
     world = f" of world size {m['world_size']}" if m.get("world_size") else ""
     say(console, f"ranks: {ranges(m['ranks']) or 'none'}{world}", indent=0)
     if artifacts:

@@ -30,6 +30,7 @@ _DECLARED = (
     IssueReason("damaged_trace", ("error",), "A .json file with nothing usable (not JSON, or cut before its events)."),
     IssueReason("parse_failed", ("error",), "The trace parser failed on the file."),
     IssueReason("worker_lost", ("error",), "analyze --scheduler: every Dask worker that parsed the file died; not used."),
+    IssueReason("no_such_run", ("error",), "A log asked for a job it does not hold (jobs appended to one log are read apart)."),
     IssueReason("no_events", ("error",), "A trace with no complete events."),
     IssueReason("import_failed", ("error",), "An importer of a native artifact failed on the file."),
     IssueReason("no_data", ("info",), "Recognised by an importer but holds no data."),

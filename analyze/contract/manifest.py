@@ -33,6 +33,9 @@ class RunManifest:
     # Object storage only (null in a folder): every object of the result, relative to the output URL,
     # with its size in bytes. This run.json, written last, is the commit: readers ignore other objects.
     objects: dict[str, int] | None = None
+    # Hash of what the result depends on (every input's fingerprint, the names of unread files, the
+    # analysis options, the steplens code): a re-run with the same key reuses the result as it is.
+    input_key: str | None = None
 
     def to_dict(self) -> dict:
         """The JSON object, keys in declaration order; output_entries only once known."""

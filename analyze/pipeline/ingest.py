@@ -11,6 +11,7 @@ number of ranks.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -707,6 +708,45 @@ def ingest(run_dir: Path, out_dir: Path | None = None, jobs: int | None = None, 
     """The tables alone: stage and publish (`steplens.analyze.pipeline.analyse` adds the analyses)."""
     with staged(run_dir, out_dir, jobs, files, progress, found) as stage:
         return publish(stage)
+
+
+@functools.cache
+def _code_fingerprint() -> str:
+    """The steplens code that made a result (every module's and template's name, size and mtime)."""
+    package = Path(__file__).resolve().parents[2]
+    files = sorted(p for folder in ("analyze", "reports") for p in (package / folder).rglob("*") if p.suffix in (".py", ".j2"))
+    return hashlib.sha256(repr([(str(p.relative_to(package)), p.stat().st_size, p.stat().st_mtime_ns)
+                                for p in files]).encode()).hexdigest()
+
+
+def input_key(run_dir: Path, found: Discovered, settings: str) -> str | None:
+    """One hash of what a run's result depends on: each input's fingerprint (path, size, mtime and first
+    64 KiB, its companions'), the names of the files steplens does not read, `settings` (the analysis
+    options) and the steplens code. None when an input cannot be read (then nothing is reused)."""
+    try:
+        inputs = sorted([_describe(path, run_dir, companions).fingerprint() for path, _, companions in found.native]
+                        + [_describe(path, run_dir).fingerprint() for path in found.traces])
+    except OSError:
+        return None
+    unread = sorted(os.path.relpath(path, run_dir) for path in found.unknown)
+    return hashlib.sha256(repr((inputs, unread, settings, schema.fingerprint(), _code_fingerprint())).encode()).hexdigest()[:32]
+
+
+def unchanged(out_dir: Path, key: str | None) -> IngestResult | None:
+    """The published result at out_dir, when it was made with this input key and is complete (every
+    entry it listed is still there): a re-run with nothing changed reads nothing and writes nothing."""
+    if key is None:
+        return None
+    manifest = _read_manifest(out_dir)
+    entries = manifest.get("output_entries")
+    if (manifest.get("input_key") != key or manifest.get("created_by") != OUTPUT_CREATOR or not isinstance(entries, list)
+            or not all(isinstance(e, str) and os.sep not in e and (out_dir / e).exists() for e in entries)):
+        return None
+    sources = [Source(**{k: v for k, v in doc.items() if k in Source.__dataclass_fields__})
+               for doc in manifest.get("sources", []) if isinstance(doc, dict)]
+    for source in sources:
+        source.status = "reused" if source.status == "ingested" else source.status
+    return IngestResult(out_dir, manifest, sources, 0, sum(s.status == "reused" for s in sources), 0.0)
 
 
 def _reusable(old: dict, out_dir: Path) -> Source | None:
