@@ -26,6 +26,7 @@ Sources of the formulas (each function names its own):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -93,6 +94,7 @@ def family(name: str) -> str:
     return "other"
 
 
+@functools.lru_cache(maxsize=1 << 16)  # ranks of one job share their op signatures: each is modeled once
 def model(name: str, dims_json: str | None, types_json: str | None, concrete_json: str | None
           ) -> tuple[str | None, float | None, float | None]:
     """(dtype, FLOPs, bytes) of one op; None where unknown. Any malformed argument list gives Nones."""
