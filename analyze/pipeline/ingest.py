@@ -733,14 +733,16 @@ def input_key(run_dir: Path, found: Discovered, settings: str) -> str | None:
 
 
 def unchanged(out_dir: Path, key: str | None) -> IngestResult | None:
-    """The published result at out_dir, when it was made with this input key and is complete (every
-    entry it listed is still there): a re-run with nothing changed reads nothing and writes nothing."""
+    """The published result at out_dir, when it was made with this input key, is complete (every entry
+    it listed is still there) and holds nothing else: a re-run with nothing changed reads nothing and
+    writes nothing."""
     if key is None:
         return None
     manifest = _read_manifest(out_dir)
     entries = manifest.get("output_entries")
     if (manifest.get("input_key") != key or manifest.get("created_by") != OUTPUT_CREATOR or not isinstance(entries, list)
-            or not all(isinstance(e, str) and os.sep not in e and (out_dir / e).exists() for e in entries)):
+            or not all(isinstance(e, str) and os.sep not in e and (out_dir / e).exists() for e in entries)
+            or _foreign_entries(out_dir)):  # a user's file in it: the full path says so and refuses
         return None
     sources = [Source(**{k: v for k, v in doc.items() if k in Source.__dataclass_fields__})
                for doc in manifest.get("sources", []) if isinstance(doc, dict)]
