@@ -61,7 +61,7 @@ def print_summary(console: Console, result: IngestResult, analysis_seconds: floa
     artifacts = Counter(s.kind for s in result.sources if s.kind not in importers.TRACE_KINDS and s.status in ("ingested", "reused"))
     others = f" and {sum(artifacts.values())} other input(s)" if artifacts else ""
     say(console, f"{len(used)} trace file(s){others} -> {result.out_dir}", indent=0)
-    if result.parsed == 0 and analysis_seconds is None and m.get("input_key"):
+    if result.unchanged:
         say(console, f"nothing changed since the last analysis ({result.reused} input(s), same options and steplens): "
                      "the result is reused as it is")
     else:

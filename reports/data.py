@@ -80,7 +80,9 @@ def size(num_bytes: float | None) -> str:
     value = float(num_bytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+            if unit == "B":
+                return f"{value:.0f} B"
+            return f"{value:.3g} {unit}" if abs(value) < 100 else f"{value:,.0f} {unit}"  # never 1e+03
         value /= 1024
     return f"{value} GiB"
 

@@ -64,3 +64,11 @@ def test_any_change_analyses_again(analysed, change):
     manifest = json.loads((out / "run.json").read_text())
     if change == "new_unread_file":
         assert "notes.txt" in manifest["ignored_files"]
+
+
+def test_inputs_reused_after_a_change_are_not_called_unchanged(analysed):
+    """A new unread file changes the key: the traces' parts are reused, but the run is built again and
+    the summary counts them, never 'nothing changed'."""
+    (analysed / "notes.txt").write_text("new")
+    again = _analyze(analysed, "--ingest-only")
+    assert "nothing changed" not in again.stdout and "0 parsed, 8 unchanged" in again.stdout

@@ -194,6 +194,11 @@ def test_analyze_shows_the_memory_section(tmp_path):
     assert pl.read_parquet(tmp_path / "o" / "memory_by_step").height == 10
     html = (tmp_path / "o" / "report.html").read_text()
     assert "Memory per rank and step" in html and "8.00 MiB per step" in html
+    first = pl.read_parquet(tmp_path / "o" / "memory_by_step").sort("rank", "step").row(0, named=True)
+    peak = first["peak_allocated_bytes"]
+    unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
+    shown = f"{peak / scale:.3g}" if peak / scale < 100 else f"{peak / scale:,.0f}"  # three digits, never 1e+03
+    assert f"<td>{shown} {unit}</td>" in html  # the table in units, from its _bytes suffix
     assert "8.00 MiB per step" in (tmp_path / "o" / "summary.md").read_text()
     assert re.search(r"Peak memory: 1\.\d\d GiB allocated, [\d.]+ \w+ reserved on rank 0", " ".join(done.stdout.split()))
 

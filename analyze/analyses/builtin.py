@@ -135,8 +135,8 @@ def _mfu(inputs: Inputs) -> Output:
                                           world_size, inputs.options.shape, inputs.options.recompute)
     log_rows, log_problem = log_mfu.megatron_mfu(inputs.table("step_time"), facts, context.peak, world_size)
     # a logs-only Megatron run: the shape from its arguments
-    table = pl.concat([r for r in rows + [run_rows, log_rows] if not r.is_empty()], how="diagonal_relaxed") \
-        if any(not r.is_empty() for r in rows + [run_rows, log_rows]) else pl.DataFrame()
+    found = [r for r in rows + [run_rows, log_rows] if not r.is_empty()]
+    table = pl.concat(found, how="diagonal_relaxed") if found else pl.DataFrame()
     return Output(tables={"mfu": table},
                   findings={"mfu": mfu.mfu_finding(table, problem or log_problem or context.peak_problem)})
 

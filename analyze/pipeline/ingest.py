@@ -102,6 +102,7 @@ class IngestResult:
     parsed: int
     reused: int
     seconds: float
+    unchanged: bool = False  # the previous result, reused as it is (nothing read or written)
 
     @property
     def failed(self) -> list[Source]:
@@ -748,7 +749,7 @@ def unchanged(out_dir: Path, key: str | None) -> IngestResult | None:
                for doc in manifest.get("sources", []) if isinstance(doc, dict)]
     for source in sources:
         source.status = "reused" if source.status == "ingested" else source.status
-    return IngestResult(out_dir, manifest, sources, 0, sum(s.status == "reused" for s in sources), 0.0)
+    return IngestResult(out_dir, manifest, sources, 0, sum(s.status == "reused" for s in sources), 0.0, unchanged=True)
 
 
 def _reusable(old: dict, out_dir: Path) -> Source | None:
