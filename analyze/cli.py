@@ -38,7 +38,7 @@ from steplens.analyze.pipeline.ingest import (
     use_system_allocator,
 )
 from steplens.analyze.pipeline import remote
-from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split_runs
+from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split_runs, subset
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
 from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
                                          EXIT_REGRESSION, EXIT_STATUS_HELP, EXIT_UNWRITABLE, Terminated, analyse_and_report,
@@ -178,7 +178,7 @@ def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, optio
     pending = list(runs)
     while pending:
         run, out = pending.pop(0)
-        name = safe_text(run.name or (os.path.relpath(run.path, run_dir) if run.path != run_dir else run_dir.name))
+        name = safe_text(run.name or _run_name(run, run_dir))
         try:
             result, findings = _analyse_run(run, out, jobs, options, ingest_only, show_progress=False, client=client)
         except OutputUnwritable as e:
@@ -213,16 +213,43 @@ def _unranked_traces_apart(run: RunFolder, error: IngestError, out_dir: Path | N
     apart = []
     for source in unranked:
         trace = run.path / source.path
-        out = out_dir / trace.name if out_dir else trace.parent / f"{schema.DEFAULT_OUT_DIR}-{trace.name}"
-        apart.append((RunFolder(run.path, classify([trace]), name=source.path), out))
+        if out_dir:
+            out = _under(out_dir, trace.name)
+        elif trace in run.found.remote:  # beside the trace in its store
+            out = f"{run.found.remote[trace].url.rsplit('/', 1)[0]}/{schema.DEFAULT_OUT_DIR}-{trace.name}"
+        else:
+            out = trace.parent / f"{schema.DEFAULT_OUT_DIR}-{trace.name}"
+        apart.append((RunFolder(run.path, subset(run.found, lambda p, trace=trace: p == trace), name=source.path), out))
     return apart
+
+
+def _run_name(run: RunFolder, run_dir: Path | str) -> str:
+    """A run among several, by its folder below RUN_DIR (a run in object storage: below its URL)."""
+    if run.found.origin and remote.is_url(run_dir):
+        return run.found.origin[len(str(run_dir).rstrip("/")) + 1:] or str(run_dir)
+    return os.path.relpath(run.path, run_dir) if run.path != run_dir else run_dir.name
+
+
+def _under(out: Path | str, *parts: str) -> Path | str:
+    """A place below an output folder or an output URL."""
+    return remote.join(out, *parts) if remote.is_url(out) else Path(out, *parts)
 
 
 def _runs_to_analyse(run_dir: Path, out_dir: Path | None):
     """The runs under run_dir (or the one trace file it names), and where each one's output goes."""
-    if remote.is_url(run_dir):  # one run per URL; its traces are listed, not downloaded
+    if remote.is_url(run_dir):  # told apart as a local folder is, in a mirror holding all but the traces
         mirror, found = remote.discover(run_dir)
-        return [RunFolder(mirror, found)], lambda run: out_dir or remote.join(run_dir, schema.DEFAULT_OUT_DIR)
+        runs = split_appended_logs(split_runs(mirror, found))
+        if len(runs) == 1:
+            return runs, lambda run: out_dir or remote.join(run_dir, schema.DEFAULT_OUT_DIR)
+
+        def remote_out_of(run: RunFolder) -> Path | str:
+            if out_dir is None:
+                return _apart(remote.join(run.found.origin, schema.DEFAULT_OUT_DIR), run)
+            relative = run.path.relative_to(mirror).parts
+            return _apart(_under(out_dir, *(relative or ["_top"])), run)
+
+        return runs, remote_out_of
     if run_dir.is_file():
         out = out_dir or run_dir.parent / f"{schema.DEFAULT_OUT_DIR}-{run_dir.name}"
         return split_appended_logs([RunFolder(run_dir.parent, classify([run_dir]))]), lambda run: _apart(out, run)
@@ -245,9 +272,11 @@ def _runs_to_analyse(run_dir: Path, out_dir: Path | None):
     return runs, out_of
 
 
-def _apart(out: Path, run: RunFolder) -> Path:
+def _apart(out: Path | str, run: RunFolder) -> Path | str:
     """The output of one of the jobs appended to one log file: OUT-run<k>, beside the others'."""
-    return out if run.log_run is None else out.with_name(f"{out.name}-run{run.log_run + 1}")
+    if run.log_run is None:
+        return out
+    return f"{out.rstrip('/')}-run{run.log_run + 1}" if remote.is_url(out) else out.with_name(f"{out.name}-run{run.log_run + 1}")
 
 
 def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options, ingest_only: bool,

@@ -164,3 +164,35 @@ def test_missing_credentials_name_the_variables_to_set(store, generated, tmp_pat
     assert done.returncode == 2
     assert "no credentials for s3://" in done.stderr and "AWS_ACCESS_KEY_ID" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "o").exists()
+
+
+def test_several_runs_under_one_url_are_split_as_a_local_folder_is(store, tmp_path):
+    """Two jobs side by side under one prefix (each with ranks 0 and 1): two runs, each analysed into its own
+    output with the tables of the same folder analysed from disk, never merged."""
+    fs, env = store
+    runs = tmp_path / "jobs"
+    for seed, job in enumerate(("job-a", "job-b")):
+        generate_run(runs / job, ranks=2, steps=2, kernels_per_step=20, seed=10 + seed)
+    fs.put(str(runs), f"{BUCKET}/multi/jobs", recursive=True)
+    local = steplens("analyze", runs)
+    assert local.returncode == 0, local.stderr
+
+    done = steplens("analyze", f"s3://{BUCKET}/multi/jobs", "--out", f"s3://{BUCKET}/multi/out", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "holds 2 runs" in done.stdout and "job-a:" in done.stdout and "job-b:" in done.stdout
+    fs.invalidate_cache()
+    for job in ("job-a", "job-b"):
+        manifest, folder = fetch_committed(fs, f"{BUCKET}/multi/out/{job}", tmp_path / "fetched" / job)
+        reference = runs / job / schema.DEFAULT_OUT_DIR
+        assert manifest["run_name"] == job and manifest["trace_ranks"] == [0, 1]
+        local_manifest = json.loads((reference / schema.MANIFEST_FILE).read_text())
+        assert sorted(s["path"] for s in manifest["sources"]) == sorted(s["path"] for s in local_manifest["sources"])
+        assert_same_tables(output_tables(reference), output_tables(folder))
+
+    # Without --out each run's result is committed beside its inputs, as a local run's is.
+    done = steplens("analyze", f"s3://{BUCKET}/multi/jobs", env=env)
+    assert done.returncode == 0, done.stderr
+    fs.invalidate_cache()
+    for job in ("job-a", "job-b"):
+        _, folder = fetch_committed(fs, f"{BUCKET}/multi/jobs/{job}/{schema.DEFAULT_OUT_DIR}", tmp_path / "beside" / job)
+        assert_same_tables(output_tables(runs / job / schema.DEFAULT_OUT_DIR), output_tables(folder))

@@ -789,7 +789,8 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs,
     candidates = [(path, None, []) for path in found.traces] + found.native
     for path, importer, companions in candidates:
         try:
-            source = found.remote[path].source() if path in found.remote else _describe(path, run_dir, companions)
+            source = (found.remote[path].source(os.path.relpath(path, run_dir)) if path in found.remote
+                      else _describe(path, run_dir, companions))
             source.kind = importer.name if importer else importers.trace_claimant(path).name
         except OSError as e:
             source = Source(path=os.path.relpath(path, run_dir), size=0, mtime_ns=0, hash_prefix="", status="error",

@@ -109,14 +109,15 @@ class RemoteFile:
     """One object of a run in object storage."""
 
     url: str
-    relative: str  # path below the run's URL, as a local run's files are named in run.json
     size: int
     mtime_ns: int
     etag: str
 
-    def source(self) -> Source:
-        """Its run.json entry, fingerprinted by size, modification time and ETag (nothing is read)."""
-        source = Source(path=self.relative, size=self.size, mtime_ns=self.mtime_ns,
+    def source(self, relative: str) -> Source:
+        """Its run.json entry, named by its path below the run's URL (as a local run's files are, so a
+        run found among several under one URL is named alike), fingerprinted by size, modification time
+        and ETag (nothing is read)."""
+        source = Source(path=relative, size=self.size, mtime_ns=self.mtime_ns,
                         hash_prefix=hashlib.sha256(f"etag:{self.etag}".encode()).hexdigest()[:16])
         source.part_id = hashlib.sha256(repr(source.fingerprint()).encode()).hexdigest()[:16]
         return source
@@ -177,7 +178,7 @@ def discover(url: str) -> tuple[Path, Discovered]:
         relative = key[len(root) + 1:] if key.startswith(root + "/") else ""
         if info.get("type", "file") != "file" or not relative or _hidden(relative):
             continue
-        file = RemoteFile(url=f"{URL.match(url).group(1)}://{key}", relative=relative, size=int(info.get("size") or 0),
+        file = RemoteFile(url=f"{URL.match(url).group(1)}://{key}", size=int(info.get("size") or 0),
                           mtime_ns=_mtime_ns(info), etag=_etag(fs, key, info))
         local = mirror / relative
         local.parent.mkdir(parents=True, exist_ok=True)

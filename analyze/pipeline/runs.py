@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from steplens.analyze import importers
@@ -84,11 +84,15 @@ def _clash(a: dict[str, list[Path]], b: dict[str, list[Path]]) -> bool:
     return False
 
 
-def _subset(found: Discovered, keep) -> Discovered:
+def subset(found: Discovered, keep, origin: str | None = None) -> Discovered:
+    """The files `keep` accepts; a run in object storage keeps its streamed traces, and is at `origin`
+    (its URL; default: the URL of what it was taken from)."""
     return Discovered(traces=[p for p in found.traces if keep(p)],
                       native=[entry for entry in found.native if keep(entry[0])],
                       unknown=[p for p in found.unknown if keep(p)],
-                      special=[entry for entry in found.special if keep(entry[0])])
+                      special=[entry for entry in found.special if keep(entry[0])],
+                      origin=origin or found.origin,
+                      remote={p: file for p, file in found.remote.items() if keep(p)})
 
 
 def split_runs(root: Path, found: Discovered, depth: int = 0) -> list[RunFolder]:
@@ -105,11 +109,12 @@ def split_runs(root: Path, found: Discovered, depth: int = 0) -> list[RunFolder]
     if not separate:
         return [RunFolder(root, found)]
     runs = []
-    own = _subset(found, lambda p: len(p.relative_to(root).parts) == 1)
+    own = subset(found, lambda p: len(p.relative_to(root).parts) == 1)
     if own.traces or own.native:
         runs.append(RunFolder(root, own))
     for child in children:
-        inside = _subset(found, lambda p, child=child: p.relative_to(root).parts[0] == child)
+        inside = subset(found, lambda p, child=child: p.relative_to(root).parts[0] == child,
+                        origin=f"{found.origin}/{child}" if found.origin else None)
         runs.extend(split_runs(root / child, inside, depth + 1))
     return runs
 
@@ -133,8 +138,7 @@ def split_appended_logs(runs: list[RunFolder]) -> list[RunFolder]:
         for index, (first, last) in enumerate(spans):
             one = Importer(importer.name, importer.claims, functools.partial(deepspeed_log.parse, run_index=index),
                            importer.companions)
-            found = Discovered(traces=[], native=[(path, one, companions)], unknown=run.found.unknown,
-                               special=run.found.special)
+            found = replace(run.found, traces=[], native=[(path, one, companions)])
             split.append(RunFolder(run.path, found, name=f"{rel} run {index + 1} of {len(spans)} (lines {first}-{last})",
                                    log_run=index))
     return split
