@@ -88,7 +88,7 @@ also be a single trace file, analysed as a one-rank run into .steplens-FILE/ bes
                    "or one steplens wrote; or an s3://, gs://... URL).")
 @click.option("--scheduler", default=None, metavar="ADDRESS",
               help="Parse the traces as tasks on this Dask cluster (e.g. tcp://10.0.0.5:8786; needs steplens[dask]). "
-                   "--out must be on a file system the workers share.")
+                   "--out must be on a file system the workers share, or an object-store URL they write to.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="Files parsed in parallel (default: number of CPUs). Memory grows with it, not with the number of ranks.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no ingest summary: print only the findings.")
@@ -296,29 +296,37 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
     progress = Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                         TextColumn("{task.fields[files]} files"), TimeRemainingColumn(),
                         console=Console(stderr=True), transient=True, disable=not (show_progress and sys.stderr.isatty()))
-    with progress, (remote.output_folder(out) if remote.is_url(out) else nullcontext(out)) as local_out:
-        task = progress.add_task("ingest", total=total or None, files=0)
+    # An object-store --out under --scheduler: the workers write their parts straight into its new generation.
+    store = remote.Generation(out) if client is not None and remote.is_url(out) else None
+    try:
+        with progress, (remote.output_folder(out) if remote.is_url(out) else nullcontext(out)) as local_out:
+            task = progress.add_task("ingest", total=total or None, files=0)
 
-        def advance(source) -> None:
-            progress.update(task, advance=source.size, files=progress.tasks[task].fields["files"] + 1)
+            def advance(source) -> None:
+                progress.update(task, advance=source.size, files=progress.tasks[task].fields["files"] + 1)
 
-        with staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance, client=client) as stage:
-            if not ingest_only:
-                findings = analyse_and_report(stage.folder, options, map_ranks=_rank_mapper(client))
-            stage.manifest["input_key"] = key
-            result = publish(stage)
-        if remote.is_url(out):
-            result.out_dir = remote.commit(local_out, out)
-        return result, findings
+            with staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance, client=client,
+                        store=store) as stage:
+                if not ingest_only:
+                    findings = analyse_and_report(stage.folder, options, map_ranks=_rank_mapper(client, store))
+                stage.manifest["input_key"] = key
+                result = publish(stage)
+            if remote.is_url(out):
+                result.out_dir = remote.commit(local_out, out, store)
+    except BaseException:
+        if store is not None:  # what the workers uploaded is named by no commit: delete it
+            store.abandon()
+        raise
+    return result, findings
 
 
-def _rank_mapper(client):
+def _rank_mapper(client, store=None):
     """The per-rank analyses as tasks on the cluster (--scheduler), else None: one rank after the other here."""
     if client is None:
         return None
     from steplens.analyze.pipeline import cluster
 
-    return cluster.rank_mapper(client)
+    return cluster.rank_mapper(client, store)
 
 
 def _status(result: IngestResult) -> int:

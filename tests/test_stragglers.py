@@ -52,3 +52,16 @@ def test_two_ranks_one_late_step_beyond_the_run_noise(tmp_path):
     findings = analyse(tmp_path / "run", tmp_path / "out")
     assert [(s["rank"], s["step"]) for s in findings["stragglers"]] == [(s["rank"], s["step"]) for s in truth["stragglers"]]
     assert findings["stragglers"][0]["decided_by"].startswith("beyond_step_noise: the others waited ")
+
+
+def test_binomial_tail_matches_the_exact_sum():
+    """The p-value's tail, against the exact rational sum of its definition (no scipy, no log space)."""
+    from fractions import Fraction
+
+    from steplens.analyze.analyses.steps import binomial_tail
+
+    for n, ranks in ((1, 2), (6, 2), (40, 3), (200, 8), (500, 64)):
+        p = Fraction(1, ranks)
+        for k in range(0, n + 1, max(1, n // 15)):
+            exact = sum(comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+            assert binomial_tail(k, n, 1 / ranks) == pytest.approx(float(exact), rel=1e-9, abs=1e-300), (n, ranks, k)

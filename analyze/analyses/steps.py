@@ -28,6 +28,8 @@ Ranks taking turns at being last (noise) pass none of them.
 
 from __future__ import annotations
 
+import math
+
 import polars as pl
 
 # A step has a straggler when the other ranks waited for it, on median, at least this share of the
@@ -149,17 +151,26 @@ def _rank_spread(times: pl.DataFrame, has_comm: bool) -> pl.DataFrame:
         others_spread_ns=(pl.col("late").slice(1) - pl.col("late").slice(1).median()).abs().median() / MAD_Z_SCALE)
 
 
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), summed in log space (scipy.stats, which has it, takes a second
+    to import: a third of a small run's whole analysis)."""
+    if k <= 0:
+        return 1.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    log_n = math.lgamma(n + 1)
+    return min(1.0, math.fsum(math.exp(log_n - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q)
+                              for i in range(k, n + 1)))
+
+
 def _straggler_basis(stats: pl.DataFrame) -> pl.DataFrame:
     """step -> how the step's candidate was shown to stand out from the run's noise (absent: it was not)."""
-    from scipy.stats import binom
-
     steps = stats.height
     material = pl.col("lateness_ns") >= STRAGGLER_MIN_SHARE * pl.col("median_dur_ns")
     reasons = []
     if steps:
         counts = stats.group_by("candidate").len().sort("len", "candidate", descending=[True, False]).row(0)
         ranks = int(stats["ranks"].max())
-        p_value = float(binom.sf(counts[1] - 1, steps, 1 / ranks))
+        p_value = binomial_tail(counts[1], steps, 1 / ranks)
         if p_value < ALPHA:
             reasons.append(pl.when(pl.col("candidate") == counts[0]).then(pl.lit(
                 f"same_rank_last: rank {counts[0]} was last in {counts[1]} of {steps} steps; with {ranks} ranks taking "

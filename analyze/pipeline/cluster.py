@@ -7,7 +7,14 @@ runner.rank_analyses, reading the staged tables, writing its per-rank parts, ret
 frames to gather). Each trace is one task (`_parse_task`: ingest._parse_source, the code a local
 run uses): it streams its file (a shared path or an object-store URL) and writes its Parquet parts
 into the staging folder's scratch space, which therefore lies on a file system the workers share;
-only the small `Source` record travels back. A task whose worker dies is rescheduled by Dask (up to
+only the small `Source` record travels back.
+
+With an object-store --out, the workers share nothing with `analyze` but the store: a parse task
+writes its parts straight into the result's uncommitted generation (remote.Generation), at the rank
+the trace names; a rank task reads its rank's parts from there and writes its own parts there. The
+`analyze` process downloads the parts for the cross-rank analyses and the report, uploads what the
+workers did not write, and commits: run.json, written last, names them (readers see none of them
+before). A task whose worker dies is rescheduled by Dask (up to
 the scheduler's `distributed.scheduler.allowed-failures`); after that the file is reported as an
 ingest issue (`worker_lost`) and the run goes on without it.
 
@@ -16,12 +23,16 @@ Dask is imported here only: `analyze` without --scheduler never imports it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
-from steplens.analyze.pipeline.ingest import IngestError, Source, _parse_source
+from steplens.analyze.contract import schema
+from steplens.analyze.pipeline import remote
+from steplens.analyze.pipeline.ingest import PARSED_TABLES, RANK_IN_NAME, IngestError, Source, _parse_source
 
 # A child of the worker's own logger, so the line goes where the worker's log goes (its stderr, and
 # the log `Client.get_worker_logs()` returns) without configuring logging on the workers.
@@ -51,8 +62,34 @@ def _parse_task(location: str, source: Source, scratch: str) -> Source:
     return _parse_source(location, source, scratch)
 
 
-def parse_all(client, to_parse: list, scratch: Path, progress) -> list[Source]:
-    """Parse every (location, source) as a task; the sources as the tasks finish (or fail)."""
+def _likely_rank(source: Source) -> int:
+    """The rank ingest._assign_ranks gives a parsed trace, as far as the trace alone tells: its
+    distributedInfo rank, else the rank in its name, else 0 (the only trace, or refused). Where the other
+    traces decide otherwise, `analyze` uploads the parts again under the right rank."""
+    if source.trace_rank is not None:
+        return source.trace_rank
+    named = RANK_IN_NAME.search(Path(source.path).name)
+    return int(named.group(1)) if named else 0
+
+
+def _parse_to_store_task(location: str, source: Source, parts_url: str) -> tuple[Source, dict[str, int]]:
+    """One trace, on a worker that shares no folder with `analyze`: parsed into a folder of its own, its
+    parts uploaded to the uncommitted result (parts_url) where the result lays them out."""
+    TASK_LOG.info("steplens: parsing %s (%s, %d bytes) in pid %d, parts to %s", source.path, location, source.size,
+                  os.getpid(), parts_url)
+    with tempfile.TemporaryDirectory(prefix="steplens-parse-") as scratch:
+        parsed = _parse_source(location, source, scratch)
+        if parsed.status != "ingested":
+            return parsed, {}
+        rank = _likely_rank(parsed)
+        return parsed, remote.put_files(parts_url, {
+            f"{schema.part_dir(table, rank)}/part-{parsed.part_id}.parquet": Path(scratch, parsed.part_id, f"{table}.parquet")
+            for table in PARSED_TABLES})
+
+
+def parse_all(client, to_parse: list, scratch: Path, progress, store: remote.Generation | None = None) -> list[Source]:
+    """Parse every (location, source) as a task; the sources as the tasks finish (or fail). With a `store`
+    (an object-store --out) the workers upload their parts to it, and they are downloaded into scratch."""
     from distributed import as_completed
     from distributed.scheduler import KilledWorker
 
@@ -62,13 +99,19 @@ def parse_all(client, to_parse: list, scratch: Path, progress) -> list[Source]:
     for location, source in sorted(to_parse, key=lambda item: -item[1].size):  # the largest first
         location = str(location) if "://" in str(location) else str(Path(location).resolve())
         key = f"steplens-parse-{source.path}-{token}"
-        futures[client.submit(_parse_task, location, source, str(scratch), key=key, pure=False)] = source
+        task = (_parse_to_store_task, location, source, store.prefix) if store else (_parse_task, location, source,
+                                                                                      str(scratch))
+        futures[client.submit(*task, key=key, pure=False)] = source
     results = []
     try:
         for future in as_completed(futures, loop=client.loop):
             source = futures[future]
             try:
-                parsed = future.result()
+                parsed, uploaded = future.result() if store else (future.result(), {})
+                if uploaded:  # here too: the cross-rank analyses and the report read them
+                    store.uploaded.update(uploaded)
+                    remote.get_files(store.prefix, {relative: scratch / parsed.part_id / f"{relative.split('/')[0]}.parquet"
+                                                    for relative in uploaded})
             except KilledWorker as e:
                 source.status = "error"
                 source.issues.append(["error", "worker_lost", 1, f"the Dask workers parsing it died each time it was "
@@ -77,8 +120,7 @@ def parse_all(client, to_parse: list, scratch: Path, progress) -> list[Source]:
                 parsed = source
             if parsed.status == "ingested" and not (scratch / parsed.part_id).is_dir():
                 raise ClusterError(f"a worker wrote the parts of {parsed.path} to {scratch}, which this machine does "
-                                   "not see: --out (or, for an object-store --out, the temporary folder) must be on a "
-                                   "file system the workers share")
+                                   "not see: --out must be on a file system the workers share, or an object-store URL")
             results.append(parsed)
             if progress:
                 progress(parsed)
@@ -96,17 +138,56 @@ def _rank_task(rank: int, one_rank):
     return one_rank(rank)
 
 
-def rank_mapper(client):
+def _rank_from_store_task(rank: int, one_rank, parts_url: str, inputs: list[str]):
+    """The per-rank analyses of one rank, on a worker that shares no folder with `analyze`: its inputs
+    downloaded from the uncommitted result into a folder of its own, its parts uploaded there. Returns
+    the frames to gather and {relative path: size} of what it uploaded."""
+    TASK_LOG.info("steplens: analysing rank %d in pid %d, parts to %s", rank, os.getpid(), parts_url)
+    with tempfile.TemporaryDirectory(prefix="steplens-rank-") as folder:
+        remote.get_files(parts_url, {relative: Path(folder, relative) for relative in inputs})
+        # runner.run binds the staged folder first: here the folder is this task's own
+        frames = functools.partial(one_rank.func, Path(folder), *one_rank.args[1:], **one_rank.keywords)(rank)
+        written = {p.relative_to(folder).as_posix(): p for p in Path(folder).rglob("*.parquet")}
+        return frames, remote.put_files(parts_url, {k: v for k, v in written.items() if k not in inputs})
+
+
+def _rank_inputs(folder: Path, rank: int) -> list[str]:
+    """The staged parts the per-rank analyses read for one rank (relative paths): that rank's partition
+    of the ingested tables they read, and those tables whole when they are not partitioned by rank."""
+    from steplens.analyze.analyses import runner
+
+    tables = {table for analysis in runner.ANALYSES if analysis.per_rank for table in analysis.reads
+              if table in schema.TABLES}
+    return sorted(p.relative_to(folder).as_posix() for table in tables
+                  for p in (folder / schema.part_dir(table, rank)).glob("*.parquet"))
+
+
+def rank_mapper(client, store: remote.Generation | None = None):
     """A `map` for runner.run: each rank's analyses as a task, the results in rank order. They read the
-    staged tables and write their per-rank parts there (the shared folder the parse tasks wrote to)."""
+    staged tables and write their per-rank parts there (the shared folder the parse tasks wrote to); with a
+    `store`, they read and write the uncommitted result instead, and their parts are downloaded here."""
     from distributed.scheduler import KilledWorker
 
     def map_ranks(one_rank, ranks):
         token = secrets.token_hex(4)
-        futures = [client.submit(_rank_task, rank, one_rank, key=f"steplens-rank-{rank}-{token}", pure=False)
-                   for rank in ranks]
+        if store:
+            folder = Path(one_rank.args[0])
+            inputs = {rank: _rank_inputs(folder, rank) for rank in ranks}
+            store.put_missing(folder, sorted({p for paths in inputs.values() for p in paths}))  # reused parts
+            futures = [client.submit(_rank_from_store_task, rank, one_rank, store.prefix, inputs[rank],
+                                     key=f"steplens-rank-{rank}-{token}", pure=False) for rank in ranks]
+        else:
+            futures = [client.submit(_rank_task, rank, one_rank, key=f"steplens-rank-{rank}-{token}", pure=False)
+                       for rank in ranks]
         try:
-            return client.gather(futures)
+            if not store:
+                return client.gather(futures)
+            results = []
+            for frames, uploaded in client.gather(futures):
+                store.uploaded.update(uploaded)
+                remote.get_files(store.prefix, {relative: folder / relative for relative in uploaded})
+                results.append(frames)
+            return results
         except KilledWorker as e:
             raise ClusterError(f"the workers analysing a rank died each time it was tried ({e}); nothing was "
                                "published") from None

@@ -660,10 +660,12 @@ def staged(
     progress: Callable[[Source], None] | None = None,
     found: Discovered | None = None,
     client=None,
+    store=None,
 ) -> Iterator[Staged]:
     """Ingest the inputs under run_dir (or the given files, or what `discover` found) into a staging
     folder beside out_dir (default run_dir/.steplens); the folder is removed when the block ends,
-    published or not. With a Dask `client` the traces are parsed as tasks on its cluster."""
+    published or not. With a Dask `client` the traces are parsed as tasks on its cluster; with a `store`
+    (remote.Generation of an object-store --out) its workers upload their parts there."""
     started = time.perf_counter()
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -684,7 +686,7 @@ def staged(
             if staging.exists() and _is_staging(staging):
                 shutil.rmtree(staging)
             (staging / "_scratch").mkdir(parents=True)
-            yield _stage(run_dir, out_dir, staging, found, jobs, progress, started, client)  # analyses write here too
+            yield _stage(run_dir, out_dir, staging, found, jobs, progress, started, client, store)  # analyses write here too
         except OSError as e:
             raise OutputUnwritable(f"cannot write to {out_dir}: {e.strerror or e}: use --out DIR") from e
     finally:
@@ -776,7 +778,7 @@ def _reusable(old: dict, out_dir: Path) -> Source | None:
 
 
 def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs, progress, started: float,
-           client=None) -> Staged:
+           client=None, store=None) -> Staged:
     scratch = staging / "_scratch"
     previous = {}
     for old in _previous_manifest(out_dir).get("sources", []):
@@ -820,7 +822,7 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs,
     if client is not None:
         from steplens.analyze.pipeline import cluster  # Dask is imported only for --scheduler
 
-        parsed = cluster.parse_all(client, to_parse, scratch, progress) + native
+        parsed = cluster.parse_all(client, to_parse, scratch, progress, store) + native
     else:
         parsed = _parse_all(to_parse, scratch, jobs, progress) + native
     by_path = {s.path: s for s in parsed}

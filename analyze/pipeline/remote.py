@@ -22,6 +22,7 @@ Credentials and endpoints come from each store's standard variables and files.
 from __future__ import annotations
 
 import atexit
+import calendar
 import hashlib
 import json
 import os
@@ -43,7 +44,10 @@ from steplens.analyze.pipeline.ingest import HASH_PREFIX_BYTES, OUTPUT_CREATOR, 
 URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # Block size of a streamed object: a few of the parser's 2 MiB chunks per request, bounded memory.
 READ_BLOCK_BYTES = 8 << 20
-GENERATION = re.compile(r"g-\d{8}T\d{6}-[0-9a-f]{8}")
+GENERATION = re.compile(r"g-(\d{8}T\d{6})-[0-9a-f]{8}")
+# An uncommitted generation older than this is a run that died (no analysis takes a day): the next commit
+# deletes it. A younger one may be a run still going, and is left alone (readers ignore it either way).
+ABANDONED_AFTER_S = 24 * 3600
 # What to set when a store refuses for want of credentials, by protocol.
 CREDENTIALS = {
     "s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE; AWS_ENDPOINT_URL for a store other than AWS)",
@@ -282,29 +286,103 @@ def output_folder(url: str) -> Iterator[Path]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def commit(local: Path, url: str) -> RemoteLocation:
-    """Upload the published local result under a new generation, then write url/run.json naming
-    every object (the commit), then delete the previous result's objects. Returns the result's URL."""
+def put_files(prefix: str, files: dict[str, Path]) -> dict[str, int]:
+    """Upload local files to prefix/<relative path> (on a worker too); {relative path: size}."""
+    if not files:
+        return {}
+    fs, root = filesystem(prefix)
+    try:
+        fs.put([str(path) for path in files.values()], [join(root, relative) for relative in files])
+    except Exception as e:  # noqa: BLE001
+        raise storage_error(prefix, e) from e
+    return {relative: path.stat().st_size for relative, path in files.items()}
+
+
+def get_files(prefix: str, files: dict[str, Path]) -> None:
+    """Download prefix/<relative path> to each local path (on a worker too)."""
+    if not files:
+        return
+    fs, root = filesystem(prefix)
+    for path in files.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fs.get([join(root, relative) for relative in files], [str(path) for path in files.values()])
+    except Exception as e:  # noqa: BLE001
+        raise storage_error(prefix, e) from e
+
+
+class Generation:
+    """A result being written under OUT/g-<time>-<random>/, by this process and (analyze --scheduler) by
+    the workers straight from their tasks. Nothing names its objects until `commit` writes OUT/run.json,
+    so readers see none of them before."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.name = f"g-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
+        self.uploaded: dict[str, int] = {}  # path below `prefix` -> size, of the objects already there
+
+    @property
+    def prefix(self) -> str:
+        return join(self.url, self.name)
+
+    def put_missing(self, local: Path, relatives: list[str]) -> None:
+        """Upload the local result's files that are not there yet (under the same relative paths)."""
+        missing = {r: local / r for r in relatives if self.uploaded.get(r) != (local / r).stat().st_size}
+        self.uploaded.update(put_files(self.prefix, missing))
+
+    def abandon(self) -> None:
+        """Delete what this run uploaded, unless a commit names it (the run failed, or was stopped)."""
+        try:
+            if any(key.startswith(f"{self.name}/") for key in committed(self.url).get("objects", {})):
+                return
+            fs, root = filesystem(self.url)
+            fs.rm(join(root, self.name), recursive=True)
+        except Exception:  # noqa: BLE001 - left-over objects are ignored by readers; a later commit deletes them
+            pass
+
+
+def commit(local: Path, url: str, generation: Generation | None = None) -> RemoteLocation:
+    """Upload the published local result under its generation (what the workers uploaded already is not
+    sent again), then write url/run.json naming every object (the commit), then delete what no commit
+    names: the previous result's objects, this run's parts it did not use, and generations of runs that
+    died. Returns the result's URL."""
     fs, root = filesystem(url)
     previous = committed(url)
-    generation = f"g-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
-    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != schema.MANIFEST_FILE)
-    objects = {f"{generation}/{p.relative_to(local).as_posix()}": p.stat().st_size for p in files}
+    generation = generation or Generation(url)
+    files = {p.relative_to(local).as_posix(): p for p in sorted(local.rglob("*"))
+             if p.is_file() and p.name != schema.MANIFEST_FILE}
+    objects = {f"{generation.name}/{relative}": path.stat().st_size for relative, path in files.items()}
     manifest = json.loads((local / schema.MANIFEST_FILE).read_text())
     manifest["objects"] = objects
+    generation.put_missing(local, list(files))
     try:
-        if files:
-            fs.put([str(p) for p in files], [join(root, key) for key in objects])
         fs.pipe_file(join(root, schema.MANIFEST_FILE), RunManifest.from_dict(manifest, strict=True).to_json().encode())
     except Exception as e:  # noqa: BLE001 - the previous commit stands: its run.json was not replaced
         raise storage_error(url, e) from e
-    stale = [join(root, key) for key in previous.get("objects", {}) if key not in objects and GENERATION.match(key)]
-    if stale:
-        try:
-            fs.rm(stale)
-        except Exception:  # noqa: BLE001 - left-over objects are ignored by readers; the commit stands
-            pass
-    return RemoteLocation(join(url, generation))
+    unused = [f"{generation.name}/{relative}" for relative in generation.uploaded if relative not in files]
+    stale = [key for key in previous.get("objects", {}) if key not in objects and GENERATION.match(key)]
+    try:
+        if stale + unused:
+            fs.rm([join(root, key) for key in stale + unused])
+        for abandoned in _abandoned_generations(fs, root, generation.name):
+            fs.rm(abandoned, recursive=True)
+    except Exception:  # noqa: BLE001 - left-over objects are ignored by readers; the commit stands
+        pass
+    return RemoteLocation(join(url, generation.name))
+
+
+def _abandoned_generations(fs, root: str, current: str) -> list[str]:
+    """The generation prefixes under root that no commit names and are older than ABANDONED_AFTER_S."""
+    fs.invalidate_cache(root)
+    abandoned = []
+    for path in fs.ls(root, detail=False):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        match = GENERATION.fullmatch(name)
+        if match and name != current:
+            started = calendar.timegm(time.strptime(match.group(1), "%Y%m%dT%H%M%S"))
+            if time.time() - started > ABANDONED_AFTER_S:
+                abandoned.append(path)
+    return abandoned
 
 
 # ---------------------------------------------------------------------------------------------
