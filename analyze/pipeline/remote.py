@@ -25,6 +25,7 @@ import atexit
 import calendar
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -58,6 +59,19 @@ CREDENTIALS = {
 }
 # Exceptions that mean "no credentials", by class name: their packages are optional.
 _NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError", "ClientAuthenticationError"}
+# Where each store is reached, and the variable that points the client elsewhere (an emulator, MinIO).
+ENDPOINTS = {
+    "s3": ("AWS_ENDPOINT_URL", "https://s3.amazonaws.com"),
+    "gs": ("STORAGE_EMULATOR_HOST", "https://storage.googleapis.com"),
+    "gcs": ("STORAGE_EMULATOR_HOST", "https://storage.googleapis.com"),
+}
+# Exceptions that mean "no connection to the store", by class name (aiohttp's, botocore's).
+_UNREACHABLE = {"ClientConnectorError", "ClientConnectorDNSError", "EndpointConnectionError", "ConnectTimeoutError",
+                "ServerTimeoutError"}
+# gcsfs logs every failed request, with its traceback, before it raises; the error is reported in one line
+# here. (A handler of its own keeps logging's last-resort stderr output away; an application's logging
+# configuration still gets the records.)
+logging.getLogger("gcsfs").addHandler(logging.NullHandler())
 
 
 class StorageError(IngestError):
@@ -94,9 +108,15 @@ def filesystem(url: str):
 def storage_error(url: str, error: BaseException) -> StorageError:
     """One line naming what the user must do: the variable to set, or what the store answered."""
     protocol = URL.match(url).group(1) if URL.match(url) else "?"
-    if type(error).__name__ in _NO_CREDENTIALS:
+    # An anonymous caller (gcsfs without credentials) is answered 401
+    if type(error).__name__ in _NO_CREDENTIALS or getattr(error, "code", None) == 401:
         wanted = CREDENTIALS.get(protocol, f"the credentials {protocol}:// expects")
         return StorageError(f"{url}: no credentials for {protocol}://: set {wanted}")
+    if type(error).__name__ in _UNREACHABLE or isinstance(error, ConnectionError):
+        variable, default = ENDPOINTS.get(protocol, (None, None))
+        endpoint = (os.environ.get(variable) or default) if variable else f"the {protocol}:// store"
+        fix = f"check the network, or set {variable} to the store's address" if variable else "check the network"
+        return StorageError(f"{url}: cannot reach {endpoint} ({type(error).__name__}): {fix}")
     if isinstance(error, PermissionError):
         return StorageError(f"{url}: access denied by the store ({error}): check the credentials' permissions")
     if isinstance(error, FileNotFoundError):
