@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import decimal
 import gc
-import io
 import re
 import time
 from decimal import Decimal
@@ -32,10 +31,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import msgspec
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.csv as pacsv
 
 from steplens.analyze.contract import schema
 from steplens.analyze.importers.base import ParsedTrace
@@ -137,6 +136,8 @@ def _int_column(values: list, dtype=pa.int64(), bounds: tuple[int, int] | None =
 
     Returns the array, how many non-null values could not be represented, and an example of one.
     """
+    if values.count(None) == len(values):  # most args are absent from most chunks: no inference needed
+        return pa.nulls(len(values), dtype), 0, ""
     # Inferred first: converting straight to an integer type would truncate a 3.5 to 3 unnoticed.
     try:
         inferred = pa.array(values)
@@ -204,6 +205,8 @@ def preview(value) -> str:
 def _str_column(values: list, count_bad=None, lists_as_json: bool = False) -> pa.Array:
     """Strings; numbers become their text, anything else (a list where a name belongs) null, or
     with `lists_as_json` its compact JSON text."""
+    if values.count(None) == len(values):
+        return pa.nulls(len(values), pa.string())
     try:
         return pa.array(values, type=pa.string())
     except (pa.ArrowInvalid, pa.ArrowTypeError):
@@ -255,19 +258,20 @@ def _count_nulled(values: list, out: list, count_bad) -> None:
 
 
 def _raw_column(raws: list[msgspec.Raw]) -> pa.Array:
-    """Raw JSON texts (empty = absent) as a string array, via one CSV parse instead of N bytes()."""
-    joined = b"\n".join(raws)
+    """Raw JSON texts (empty = absent) as a string array, built from the joined bytes and their lengths
+    (no Python object per value)."""
+    joined = b"".join(raws)
     if not joined.strip():
         return pa.nulls(len(raws), pa.string())
-    if b"\r" in joined or joined.count(b"\n") != len(raws) - 1:  # multi-line values: re-encode compactly
+    if b"\n" in joined or b"\r" in joined:  # multi-line values: re-encode compactly
         return pa.array([msgspec.json.encode(msgspec.json.decode(r)).decode() if r else None for r in raws], type=pa.string())
-    table = pacsv.read_csv(
-        io.BytesIO(joined + b"\n"),
-        read_options=pacsv.ReadOptions(column_names=["v"], use_threads=False),
-        parse_options=pacsv.ParseOptions(ignore_empty_lines=False, quote_char=False, delimiter="\x01"),
-        convert_options=pacsv.ConvertOptions(column_types={"v": pa.string()}, strings_can_be_null=True),
-    )
-    return table.column("v").combine_chunks()
+    lengths = np.fromiter(map(len, raws), dtype=np.int32, count=len(raws))
+    offsets = np.zeros(len(raws) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    validity = pa.array(lengths > 0).buffers()[1]
+    array = pa.StringArray.from_buffers(len(raws), pa.py_buffer(offsets), pa.py_buffer(joined), validity)
+    array.validate(full=True)  # UTF-8, as a JSON text must be
+    return array
 
 
 _DECIMAL = r"^-?\d+(\.\d+)?$"
@@ -340,9 +344,16 @@ def _columns(events: list[_Event], counters: dict[str, list]) -> pl.DataFrame:
             values[i] = getattr(args[i], name)
         return values
 
+    # Allocator totals sit on [memory] events only: read them only there.
+    memory_rows = [i for i, a in enumerate(args) if a.total_allocated is not None or a.total_reserved is not None]
+
     def device_memory(name: str) -> list:
         """A [memory] event's allocator total, kept for device allocators only: the host's (Device Type 0) is another pool."""
-        return [getattr(a, name) if a.memory_device_type != HOST_DEVICE_TYPE else None for a in args]
+        values = [None] * n
+        for i in memory_rows:
+            if args[i].memory_device_type != HOST_DEVICE_TYPE:
+                values[i] = getattr(args[i], name)
+        return values
 
     nelems = (0, MAX_MESSAGE_NELEMS)
     dims = [a.input_dims or a.input_dims_legacy for a in args]
