@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from steplens.reports.text import shapes_text
 
-from .figures import PLAIN_NUMBER, _svg, plt
+from .figures import PLAIN_NUMBER, _subplots, _svg
 from .verdict import module_line, op_line
 
 
@@ -13,7 +13,7 @@ def scatter(top_ops: list[dict], roof: dict) -> str:
     """Achieved TFLOP/s against FLOPs per byte for the top ops, under the device's roofs (memory slope
     and the dense peak of each dtype shown)."""
     points = [op for op in top_ops if op.get("intensity") and op.get("achieved_tflops")]
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = _subplots(figsize=(6, 3.4))
     lo = min([op["intensity"] for op in points] + [0.1]) / 2
     hi = max([op["intensity"] for op in points] + [1e4]) * 2
     bandwidth = roof["bandwidth_tbps"]

@@ -201,7 +201,9 @@ def _describe(path: Path, base: Path, companions: list[Path] = ()) -> Source:
 def _write_table(frame: pl.DataFrame, table: str, path: Path) -> None:
     arrow = frame.to_arrow().cast(schema.TABLES[table][0])
     tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(arrow, tmp, compression="zstd")
+    # Dictionary pages for text only: on ids and times they cost half the write time and save nothing.
+    text = [f.name for f in arrow.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+    pq.write_table(arrow, tmp, compression="zstd", use_dictionary=text)
     os.replace(tmp, path)
 
 
