@@ -35,9 +35,9 @@ from steplens.analyze.pipeline.ingest import (
     publish,
     staged,
     unchanged,
-    use_system_allocator,
 )
 from steplens.analyze.pipeline import remote
+from steplens.analyze.pipeline.workers import Workers, use_system_allocator
 from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split_runs, subset
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
 from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
@@ -305,10 +305,12 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
             def advance(source) -> None:
                 progress.update(task, advance=source.size, files=progress.tasks[task].fields["files"] + 1)
 
-            with staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance, client=client,
-                        store=store) as stage:
+            # The parse's worker processes stay up for the per-rank analyses (a cluster's are its own).
+            with Workers(jobs) as workers, staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance,
+                                                  client=client, store=store, workers=workers) as stage:
                 if not ingest_only:
-                    findings = analyse_and_report(stage.folder, options, map_ranks=_rank_mapper(client, store))
+                    map_ranks = _rank_mapper(client, store) if client is not None else workers.map_ranks
+                    findings = analyse_and_report(stage.folder, options, map_ranks=map_ranks)
                 stage.manifest["input_key"] = key
                 result = publish(stage)
             if remote.is_url(out):
@@ -321,9 +323,7 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
 
 
 def _rank_mapper(client, store=None):
-    """The per-rank analyses as tasks on the cluster (--scheduler), else None: one rank after the other here."""
-    if client is None:
-        return None
+    """The per-rank analyses as tasks on the cluster (--scheduler)."""
     from steplens.analyze.pipeline import cluster
 
     return cluster.rank_mapper(client, store)

@@ -231,3 +231,30 @@ def test_readme_python_examples_run(tmp_path):
         done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True)
         assert done.returncode == 0, (block, done.stderr)
         assert done.stdout.strip()
+
+
+def test_per_rank_analyses_on_workers_match_this_process(tmp_path, monkeypatch):
+    """The parse's workers also run the per-rank analyses: every table and finding is what one process
+    computes, and no worker outlives `analyze`."""
+    import psutil
+
+    from synthetic import generate_run
+
+    run = tmp_path / "run"
+    generate_run(run, ranks=4, steps=3, kernels_per_step=20, seed=3, write_truth=False)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    one = CliRunner().invoke(analyze, [str(run), "--out", str(tmp_path / "one"), "--jobs", "1", "--quiet"])
+    monkeypatch.setattr(ingest_module, "WORKER_WORTH_BYTES", 0)  # small inputs would stay in this process
+    many = CliRunner().invoke(analyze, [str(run), "--out", str(tmp_path / "many"), "--jobs", "3", "--quiet"])
+    assert one.exit_code == many.exit_code == 0, (one.output, many.output)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    tables = sorted(p.name for p in (tmp_path / "one").iterdir() if p.is_dir())
+    assert tables == sorted(p.name for p in (tmp_path / "many").iterdir() if p.is_dir())
+    for table in tables:
+        a, b = (pl.read_parquet(tmp_path / side / table / "**" / "*.parquet") for side in ("one", "many"))
+        key = [c for c, t in a.schema.items() if t != pl.Object]
+        assert a.sort(key, nulls_last=True).equals(b.select(a.columns).sort(key, nulls_last=True)), table
+    timing = ("analysis_seconds", "report_seconds")
+    findings = [{k: v for k, v in json.loads((tmp_path / side / "findings.json").read_text()).items() if k not in timing}
+                for side in ("one", "many")]
+    assert findings[0] == findings[1]

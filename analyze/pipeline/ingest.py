@@ -10,20 +10,16 @@ number of ranks.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import json
-import multiprocessing
 import os
 import re
 import shutil
-import signal
 import stat
-import threading
 import time
-from contextlib import contextmanager
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures import Future, as_completed
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -38,6 +34,7 @@ from steplens.analyze.contract import issue_reasons, schema
 from steplens.analyze.contract.manifest import RunManifest
 from steplens.analyze.importers.base import Importer, ParsedTrace, conform
 from steplens.analyze.importers.json_events import NotATrace
+from steplens.analyze.pipeline.workers import Workers
 
 # Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
@@ -663,11 +660,13 @@ def staged(
     found: Discovered | None = None,
     client=None,
     store=None,
+    workers: Workers | None = None,
 ) -> Iterator[Staged]:
     """Ingest the inputs under run_dir (or the given files, or what `discover` found) into a staging
     folder beside out_dir (default run_dir/.steplens); the folder is removed when the block ends,
     published or not. With a Dask `client` the traces are parsed as tasks on its cluster; with a `store`
-    (remote.Generation of an object-store --out) its workers upload their parts there."""
+    (remote.Generation of an object-store --out) its workers upload their parts there. Local `workers`
+    given by the caller stay up for its per-rank analyses; else they are `jobs` and stop with the parse."""
     started = time.perf_counter()
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -688,7 +687,9 @@ def staged(
             if staging.exists() and _is_staging(staging):
                 shutil.rmtree(staging)
             (staging / "_scratch").mkdir(parents=True)
-            yield _stage(run_dir, out_dir, staging, found, jobs, progress, started, client, store)  # analyses write here too
+            with nullcontext(workers) if workers else Workers(jobs) as parse_workers:
+                stage = _stage(run_dir, out_dir, staging, found, parse_workers, progress, started, client, store)
+            yield stage  # analyses write here too
         except OSError as e:
             raise OutputUnwritable(f"cannot write to {out_dir}: {e.strerror or e}: use --out DIR") from e
     finally:
@@ -779,8 +780,8 @@ def _reusable(old: dict, out_dir: Path) -> Source | None:
     return restored
 
 
-def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs, progress, started: float,
-           client=None, store=None) -> Staged:
+def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, workers: Workers, progress,
+           started: float, client=None, store=None) -> Staged:
     scratch = staging / "_scratch"
     previous = {}
     for old in _previous_manifest(out_dir).get("sources", []):
@@ -826,7 +827,7 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, jobs,
 
         parsed = cluster.parse_all(client, to_parse, scratch, progress, store) + native
     else:
-        parsed = _parse_all(to_parse, scratch, jobs, progress) + native
+        parsed = _parse_all(to_parse, scratch, workers, progress) + native
     by_path = {s.path: s for s in parsed}
     sources = [by_path.get(s.path, s) for s in sources]
     _assign_ranks(sources)
@@ -863,9 +864,10 @@ _RUN_LEVEL_REASONS = {"rank_from_filename", "rank_assumed", "rank_unknown", "wor
 
 
 # Starting a worker (a fresh interpreter importing polars and pyarrow) costs about as much as
-# parsing 30 MB of JSON, so below this much JSON in total the work stays in this process
+# parsing 30 MB of JSON, so below this much JSON in total the work stays in this process (the
+# workers, once started, also run the per-rank analyses)
 # (STEPLENS_WORKER_WORTH_BYTES overrides it, e.g. to force workers on small test inputs).
-WORKER_WORTH_BYTES = int(os.environ.get("STEPLENS_WORKER_WORTH_BYTES", 100_000_000))
+WORKER_WORTH_BYTES = int(os.environ.get("STEPLENS_WORKER_WORTH_BYTES", 30_000_000))
 GZIP_RATIO = 10  # typical raw/gzip size of a Kineto trace (the corpus ranges 7x-30x)
 
 
@@ -873,59 +875,9 @@ def _estimated_json_bytes(to_parse) -> int:
     return sum(s.size * (GZIP_RATIO if str(p).endswith(".gz") else 1) for p, s in to_parse)
 
 
-def use_system_allocator() -> None:
-    """Arrow's default pool (mimalloc) keeps freed blocks; the system allocator returns them, which
-    lowers an ingest process's peak memory by about a sixth at a few percent of speed."""
-    pa.set_memory_pool(pa.system_memory_pool())
-
-
-_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
-
-
-def _start_worker(parent_pid: int) -> None:
-    """A parse worker dies with `analyze` (kill -9 included) and leaves Ctrl-C to it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the watchdog thread below still ends it
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-    def watch_parent() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch_parent, daemon=True, name="steplens-parent-watch").start()
-    use_system_allocator()
-
-
-def _stop_workers(pool: ProcessPoolExecutor) -> None:
-    """Kill the workers now (Ctrl-C, SIGTERM, an error): waiting would finish every file in flight."""
-    # Every child multiprocessing started, including a worker still starting up (not yet in the pool).
-    processes = list((getattr(pool, "_processes", None) or {}).values()) + multiprocessing.active_children()
-    for process in processes:
-        process.kill()
-    for process in processes:
-        process.join(timeout=5)
-    pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _stop_resource_tracker() -> None:
-    """The spawn context's resource tracker would outlive `analyze` by a moment; end it with the pool."""
-    try:
-        from multiprocessing import resource_tracker
-
-        resource_tracker._resource_tracker._stop()
-    except (AttributeError, OSError, ChildProcessError):
-        pass
-
-
-def _parse_all(to_parse, scratch: Path, jobs: int | None, progress) -> list[Source]:
-    """Parse files on `jobs` processes: this one plus jobs - 1 spawned workers (not forked: polars'
-    thread pool does not survive fork). At most `jobs` files are in flight, which bounds memory."""
-    jobs = max(1, jobs or os.cpu_count() or 1)
+def _parse_all(to_parse, scratch: Path, workers: Workers, progress) -> list[Source]:
+    """Parse files in this process and on the workers. At most one file per process is in flight,
+    which bounds memory."""
     results: list[Source] = []
 
     def done(source: Source) -> None:
@@ -934,49 +886,30 @@ def _parse_all(to_parse, scratch: Path, jobs: int | None, progress) -> list[Sour
             progress(source)
 
     pending = sorted(to_parse, key=lambda item: item[1].size)  # workers take the largest, we the smallest
-    if jobs == 1 or len(pending) <= 1 or _estimated_json_bytes(to_parse) < WORKER_WORTH_BYTES:
+    if workers.jobs == 1 or len(pending) <= 1 or _estimated_json_bytes(to_parse) < WORKER_WORTH_BYTES:
         for path, source in pending:
             done(_parse_source(str(path), source, str(scratch)))
         return results
-    saved = os.environ.get("POLARS_MAX_THREADS")
-    os.environ["POLARS_MAX_THREADS"] = "1"  # inherited by the workers only: this process has started polars
+    workers.pool(len(pending) - 1)
+    in_flight: set[Future] = set()
+
+    def top_up() -> None:
+        while pending and len(in_flight) < workers.size:
+            path, source = pending.pop()
+            in_flight.add(workers.submit(_parse_source, str(path), source, str(scratch)))
+
     try:
-        context = multiprocessing.get_context("spawn")
-        workers = min(jobs - 1, len(pending) - 1)
-        pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_worker,
-                                   initargs=(os.getpid(),))
-        try:
-            in_flight: set[Future] = set()
-
-            def top_up() -> None:
-                # submit() may start a worker; a Ctrl-C or SIGTERM in the middle of that would leave a
-                # half-started child the cleanup cannot see, so they wait until it is registered.
-                blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-                try:
-                    while pending and len(in_flight) < workers:
-                        path, source = pending.pop()
-                        in_flight.add(pool.submit(_parse_source, str(path), source, str(scratch)))
-                finally:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-            top_up()
-            while pending:
-                path, source = pending.pop(0)
-                done(_parse_source(str(path), source, str(scratch)))
-                for future in [f for f in in_flight if f.done()]:
-                    in_flight.discard(future)
-                    done(future.result())
-                top_up()
-            for future in as_completed(in_flight):
+        top_up()
+        while pending:
+            path, source = pending.pop(0)
+            done(_parse_source(str(path), source, str(scratch)))
+            for future in [f for f in in_flight if f.done()]:
+                in_flight.discard(future)
                 done(future.result())
-        except BaseException:
-            _stop_workers(pool)
-            raise
-        pool.shutdown(wait=True)
-        _stop_resource_tracker()
-    finally:
-        if saved is None:
-            os.environ.pop("POLARS_MAX_THREADS", None)
-        else:
-            os.environ["POLARS_MAX_THREADS"] = saved
+            top_up()
+        for future in as_completed(in_flight):
+            done(future.result())
+    except BaseException:
+        workers.kill()
+        raise
     return results
