@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 import zlib
 from pathlib import Path
 
@@ -34,6 +35,8 @@ def store(tmp_path_factory):
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    # moto keeps one store per process: a module started after another would find its buckets
+    urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")).close()
     env = {**ISOLATED, **CREDENTIALS, "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
