@@ -37,7 +37,7 @@ from steplens.analyze.pipeline.ingest import (
     unchanged,
 )
 from steplens.analyze.pipeline import remote
-from steplens.analyze.pipeline.workers import Workers, use_system_allocator
+from steplens.analyze.pipeline.workers import Workers, keep_pandas_out_of_pyarrow, use_system_allocator
 from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split_runs, subset
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
 from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
@@ -395,6 +395,7 @@ for command in (analyze, sql_command, export_trace_command, compare_command, tri
 def analyze_entry() -> None:
     """The `analyze` script: `analyze RUN_DIR`, and `analyze compare BASE NEW` (unless RUN_DIR is a
     folder named compare)."""
+    keep_pandas_out_of_pyarrow()
     if len(sys.argv) > 1 and sys.argv[1] == "compare" and not Path("compare").is_dir():
         _guarded(compare_command, sys.argv[2:], prog_name="analyze compare")
     else:
@@ -403,4 +404,6 @@ def analyze_entry() -> None:
 
 def steplens_entry() -> None:
     """The `steplens` script: every subcommand with the documented exit statuses."""
+    if sys.argv[1:2] == ["analyze"]:
+        keep_pandas_out_of_pyarrow()
     _guarded(steplens, sys.argv[1:], prog_name="steplens")

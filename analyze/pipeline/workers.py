@@ -14,6 +14,7 @@ import ctypes
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, wait
@@ -30,6 +31,32 @@ def use_system_allocator() -> None:
     """Arrow's default pool (mimalloc) keeps freed blocks; the system allocator returns them, which
     lowers an ingest process's peak memory by about a sixth at a few percent of speed."""
     pa.set_memory_pool(pa.system_memory_pool())
+
+
+def keep_pandas_out_of_pyarrow() -> None:
+    """pyarrow imports pandas (half a second) the first time it converts Python objects, only to ask
+    whether they are pandas objects; steplens never hands it any. Called first in the processes that
+    run `analyze` (not in a library user's, which may want pyarrow's pandas conversions): pyarrow then
+    takes pandas as absent there, and pandas itself stays importable."""
+    if "pandas" in sys.modules:
+        return
+    sys.meta_path.insert(0, _NoPandas)  # the import raises ImportError, which pyarrow takes as "not installed"
+    try:
+        # Both look once and remember: the Python-level check, and the C++ one of the first conversion.
+        pa.lib._pandas_api.have_pandas  # noqa: B018
+        pa.array([0])
+    finally:
+        sys.meta_path.remove(_NoPandas)
+
+
+class _NoPandas:
+    """An import finder that refuses pandas."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "pandas":
+            raise ImportError("pandas is kept out of pyarrow in this process")
+        return None
 
 
 def _start_worker(parent_pid: int) -> None:
@@ -49,6 +76,7 @@ def _start_worker(parent_pid: int) -> None:
 
     threading.Thread(target=watch_parent, daemon=True, name="steplens-parent-watch").start()
     use_system_allocator()
+    keep_pandas_out_of_pyarrow()
 
 
 class Workers:
