@@ -258,3 +258,22 @@ def test_per_rank_analyses_on_workers_match_this_process(tmp_path, monkeypatch):
     findings = [{k: v for k, v in json.loads((tmp_path / side / "findings.json").read_text()).items() if k not in timing}
                 for side in ("one", "many")]
     assert findings[0] == findings[1]
+
+
+def test_analyze_script_runs_without_importing_pandas(run_dir, tmp_path):
+    """pyarrow's first conversion of Python objects imports pandas (half a second per process) to ask
+    whether they are pandas objects; the analyze script tells it pandas is absent, and pandas itself
+    stays importable afterwards."""
+    script = (
+        "import sys\n"
+        "from steplens.analyze import cli\n"
+        f"sys.argv = ['analyze', {str(run_dir)!r}, '--out', {str(tmp_path / 'out')!r}, '-q']\n"
+        "try:\n"
+        "    cli.analyze_entry()\n"
+        "except SystemExit as e:\n"
+        "    print('exit', e.code)\n"
+        "print('pandas' in sys.modules)\n"
+        "import pandas, pyarrow\n"
+        "print(pyarrow.array(['a', None]).to_pylist())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.stdout.splitlines()[-3:] == ["exit 0", "False", "['a', None]"], done.stderr
