@@ -13,11 +13,14 @@ from pathlib import Path
 import pytest
 
 from steplens.analyze.contract import schema
+import test_object_storage
 from test_cluster import assert_same_tables, output_tables
-from test_object_storage import BUCKET, fetch_committed, generated, steplens, store  # noqa: F401 - fixtures
+from test_object_storage import BUCKET, fetch_committed, steplens
 
 distributed = pytest.importorskip("distributed")
 pytest.importorskip("moto.server")
+# The moto server and the generated 4-rank run with its local analysis, as in test_object_storage.
+store, generated = test_object_storage.store, test_object_storage.generated
 
 
 class PauseAtRankAnalyses(distributed.WorkerPlugin):

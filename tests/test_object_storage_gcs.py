@@ -13,7 +13,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from steplens.analyze.contract import schema
 from synthetic import generate_run
 from test_cluster import assert_same_tables, output_tables
 from test_object_storage import fetch_committed, steplens
