@@ -5,9 +5,10 @@ from __future__ import annotations
 import errno
 import json
 import os
-from contextlib import nullcontext
+import secrets
 import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import click
@@ -23,7 +24,8 @@ from rich.progress import (
 
 from steplens.analyze import importers
 from steplens.analyze.analyses import kernels, mfu, runner
-from steplens.analyze.contract import schema
+from steplens.analyze import cli_rerun
+from steplens.analyze.contract import reuse, schema
 
 from steplens.analyze.pipeline.ingest import (
     IngestError,
@@ -33,6 +35,7 @@ from steplens.analyze.pipeline.ingest import (
     discover,
     input_key,
     publish,
+    reused_result,
     staged,
     unchanged,
 )
@@ -42,8 +45,9 @@ from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
 from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
                                          EXIT_REGRESSION, EXIT_STATUS_HELP, EXIT_UNWRITABLE, Terminated, analyse_and_report,
-                                         fail, print_findings, print_summary, ranges)
+                                         fail, print_findings, print_summary, ranges, summary_lines)
 from steplens.reports.text import safe_text
+from steplens.reports.verdict import finding_lines
 
 ANALYZE_HELP = f"""Turn what a training job left in RUN_DIR into queryable Parquet tables, analyses and a report.
 
@@ -133,8 +137,12 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         client = cluster.connect(scheduler)
     if len(runs) == 1:
         run, out = runs[0], out_of(runs[0])
+        # The default analysis of a local folder records how the analyze script answers a re-run (cli_rerun.py).
+        recorded = (not ingest_only and fmt == "text" and client is None and options == runner.Options()
+                    and not remote.is_url(run_dir) and not remote.is_url(out) and run_dir.is_dir())
         try:
-            result, findings = _analyse_run(run, out, jobs, options, ingest_only, show_progress=not quiet, client=client)
+            result, findings = _analyse_run(run, out, jobs, options, ingest_only, show_progress=not quiet, client=client,
+                                            rerun_key=reuse.listing_key(run_dir, out) if recorded else None)
         except OutputUnwritable as e:
             fail(safe_text(e), EXIT_UNWRITABLE)
         except IngestError as e:
@@ -280,9 +288,10 @@ def _apart(out: Path | str, run: RunFolder) -> Path | str:
 
 
 def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options, ingest_only: bool,
-                 show_progress: bool, client=None) -> tuple[IngestResult, dict]:
+                 show_progress: bool, client=None, rerun_key: str | None = None) -> tuple[IngestResult, dict]:
     """Stage, analyse, report and publish one run; an object-store `out` is built locally and committed.
-    A local result made from the same inputs, options and code is reused as it is."""
+    A local result made from the same inputs, options and code is reused as it is. With `rerun_key`
+    (contract/reuse.listing_key of the command's RUN_DIR) the result records how a re-run is answered."""
     findings: dict = {}
     key = None if remote.is_url(out) else input_key(run.path, run.found, repr((options, ingest_only)))
     if (previous := unchanged(out, key)) is not None:
@@ -312,6 +321,8 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
                     map_ranks = _rank_mapper(client, store) if client is not None else workers.map_ranks
                     findings = analyse_and_report(stage.folder, options, map_ranks=map_ranks)
                 stage.manifest["input_key"] = key
+                if rerun_key is not None and findings:
+                    stage.manifest["rerun"] = _rerun_record(rerun_key, stage)
                 result = publish(stage)
             if remote.is_url(out):
                 result.out_dir = remote.commit(local_out, out, store)
@@ -335,13 +346,28 @@ def _status(result: IngestResult) -> int:
     return EXIT_PARTIAL if lost else 0
 
 
+def _rerun_record(key: str, stage) -> dict:
+    """What a re-run with nothing changed prints and returns, made by the code that prints it here."""
+    token = f"\x00out-{secrets.token_hex(8)}\x00"
+    reused = reused_result(Path(token), stage.manifest)
+    findings = json.loads((stage.folder / "findings.json").read_text())
+    return cli_rerun.record(key, token, summary_lines(reused), finding_lines(findings), _missing_ranks_warning(reused),
+                            _status(reused))
+
+
 def _warn_missing_ranks(result: IngestResult) -> None:
+    if warning := _missing_ranks_warning(result):
+        click.echo(warning, err=True)
+
+
+def _missing_ranks_warning(result: IngestResult) -> str | None:
     world_size = result.manifest.get("world_size")
     traced = result.manifest.get("trace_ranks") or []
     if traced and isinstance(world_size, int) and 0 < world_size <= schema.MAX_RANK and len(traced) < world_size:
         missing = sorted(set(range(world_size)) - set(traced))
-        click.echo(f"warning: traces of {len(traced)} of {world_size} ranks; no trace for rank(s) {ranges(missing)} "
-                   "(profiled on some ranks only, or lost: see the issues)", err=True)
+        return (f"warning: traces of {len(traced)} of {world_size} ranks; no trace for rank(s) {ranges(missing)} "
+                "(profiled on some ranks only, or lost: see the issues)")
+    return None
 
 
 def _raise_terminated(signum, frame) -> None:

@@ -4,7 +4,6 @@ the findings (in the sentences of reports/verdict.py) and the rendered reports."
 from __future__ import annotations
 
 import sys
-import textwrap
 import time
 from collections import Counter
 from pathlib import Path
@@ -16,7 +15,7 @@ from steplens.analyze import importers
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline.ingest import IngestResult, Source
-from steplens.reports.text import safe_text
+from steplens.analyze.cli_rerun import say
 from steplens.reports.verdict import finding_lines
 
 # Exit status, one meaning each, for every command (documented in --help and the README).
@@ -51,6 +50,13 @@ class Terminated(BaseException):
 
 def print_summary(console: Console, result: IngestResult, analysis_seconds: float | None = None) -> None:
     """What was read: one line per fact, wrapped to the console (80 columns when piped), no tables."""
+    for text, indent in summary_lines(result, analysis_seconds):
+        say(console, text, indent)
+
+
+def summary_lines(result: IngestResult, analysis_seconds: float | None = None) -> list[tuple[str, int]]:
+    """print_summary's lines, unwrapped: (text, indent)."""
+    lines: list[tuple[str, int]] = []
     m = result.manifest
     used = [s for s in result.sources if s.rank is not None and s.kind in importers.TRACE_KINDS]
     mb = sum(s.raw_bytes for s in result.sources if s.status == "ingested") / 1e6
@@ -60,35 +66,24 @@ def print_summary(console: Console, result: IngestResult, analysis_seconds: floa
     analysed = f"; analyses {analysis_seconds:.2f}s" if analysis_seconds is not None else ""
     artifacts = Counter(s.kind for s in result.sources if s.kind not in importers.TRACE_KINDS and s.status in ("ingested", "reused"))
     others = f" and {sum(artifacts.values())} other input(s)" if artifacts else ""
-    say(console, f"{len(used)} trace file(s){others} -> {result.out_dir}", indent=0)
+    lines.append((f"{len(used)} trace file(s){others} -> {result.out_dir}", 0))
     if result.unchanged:
-        say(console, f"nothing changed since the last analysis ({result.reused} input(s), same options and steplens): "
-                     "the result is reused as it is")
+        lines.append((f"nothing changed since the last analysis ({result.reused} input(s), same options and steplens): "
+                      "the result is reused as it is", 2))
     else:
-        say(console, f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed}")
+        lines.append((f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed}", 2))
     world = f" of world size {m['world_size']}" if m.get("world_size") else ""
-    say(console, f"ranks: {ranges(m['ranks']) or 'none'}{world}", indent=0)
+    lines.append((f"ranks: {ranges(m['ranks']) or 'none'}{world}", 0))
     if artifacts:
-        say(console, "other inputs: " + ", ".join(f"{kind}={n}" for kind, n in sorted(artifacts.items())), indent=0)
+        lines.append(("other inputs: " + ", ".join(f"{kind}={n}" for kind, n in sorted(artifacts.items())), 0))
     if m.get("ignored_count"):
-        say(console, f"not read: {m['ignored_count']} file(s) in no format steplens knows (run.json ignored_files)",
-            indent=0)
+        lines.append((f"not read: {m['ignored_count']} file(s) in no format steplens knows (run.json ignored_files)", 0))
     if used:
-        _print_trace_tables(console, used)
-    _print_issues(console, result)
+        lines += _trace_table_lines(used)
+    return lines + _issue_lines(result)
 
 
-def say(console: Console, text: str, indent: int = 2) -> None:
-    """Print untrusted text as plain lines wrapped to the console width (80 columns when piped), the
-    continuation indented; a word longer than the line (a path) stays whole rather than broken."""
-    width = max(console.width, 40)
-    lines = textwrap.wrap(safe_text(text), width=width, initial_indent=" " * indent, subsequent_indent=" " * (indent + 2),
-                          break_long_words=False, break_on_hyphens=False) or [""]
-    for line in lines:
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
-
-
-def _print_trace_tables(console: Console, used: list[Source]) -> None:
+def _trace_table_lines(used: list[Source]) -> list[tuple[str, int]]:
     """Profiled steps per rank (ranks with the same steps on one line) and events per kind."""
     by_rank: dict[int, list[Source]] = {}
     for s in used:
@@ -97,34 +92,34 @@ def _print_trace_tables(console: Console, used: list[Source]) -> None:
     for rank in sorted(by_rank):
         numbers = sorted(n for s in by_rank[rank] for n in s.steps)
         same_steps.setdefault((len(by_rank[rank]), tuple(numbers)), []).append(rank)
-    say(console, "profiled steps (ProfilerStep#):", indent=0)
+    lines = [("profiled steps (ProfilerStep#):", 0)]
     for (windows, numbers), ranks in same_steps.items():
         steps = f"{len(numbers)} step(s) {ranges(list(numbers))}" if numbers else "no steps"
-        say(console, f"rank{'s' if len(ranks) > 1 else ''} {ranges(ranks)}: {windows} window(s), {steps}")
+        lines.append((f"rank{'s' if len(ranks) > 1 else ''} {ranges(ranks)}: {windows} window(s), {steps}", 2))
     kinds = Counter()
     for s in used:
         kinds.update(s.kind_counts)
     # kind=count: a line wrapped at the console width never parts a kind from its count
-    say(console, "events (all ranks): " + ", ".join(f"{kind}={kinds[kind]:,}" for kind in schema.KINDS if kinds.get(kind)),
-        indent=0)
+    lines.append(("events (all ranks): " + ", ".join(f"{kind}={kinds[kind]:,}" for kind in schema.KINDS if kinds.get(kind)), 0))
+    return lines
 
 
-def _print_issues(console: Console, result: IngestResult) -> None:
+def _issue_lines(result: IngestResult) -> list[tuple[str, int]]:
     """One line per kind of issue (severity, reason, count, files) and its first example."""
     grouped: dict[tuple, list] = {}
     for s in result.sources:
         for severity, reason, count, detail in s.issues:
             grouped.setdefault((severity, reason), []).append((s.path, count, detail))
     if not grouped:
-        say(console, "ingest issues: none", indent=0)
-        return
-    say(console, f"ingest issues ({len(grouped)} kind(s); all in the ingest_issues table):", indent=0)
+        return [("ingest issues: none", 0)]
+    lines = [(f"ingest issues ({len(grouped)} kind(s); all in the ingest_issues table):", 0)]
     order = {"error": 0, "warning": 1, "info": 2}
     for (severity, reason), rows in sorted(grouped.items(), key=lambda kv: (order.get(kv[0][0], 3), kv[0][1])):
         path, _, detail = rows[0]
         detail = detail.removeprefix(f"{path}: ")
         files = f"{len(rows)} file{'s' if len(rows) > 1 else ''}"
-        say(console, f"{severity} {reason}: {sum(r[1] for r in rows):,} in {files}; e.g. {path}: {detail}")
+        lines.append((f"{severity} {reason}: {sum(r[1] for r in rows):,} in {files}; e.g. {path}: {detail}", 2))
+    return lines
 
 
 def print_findings(console: Console, f: dict) -> None:

@@ -36,6 +36,10 @@ class RunManifest:
     # Hash of what the result depends on (every input's fingerprint, the names of unread files, the
     # analysis options, the steplens code): a re-run with the same key reuses the result as it is.
     input_key: str | None = None
+    # Made with the default options, on a local folder: contract/reuse.listing_key over every file under
+    # it and the steplens code, and what a re-run with nothing changed prints (cli_rerun.py), so the
+    # `analyze` script can answer that re-run before importing the rest of steplens.
+    rerun: dict | None = None
 
     def to_dict(self) -> dict:
         """The JSON object, keys in declaration order; output_entries only once known."""

@@ -10,15 +10,13 @@ number of ranks.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
 import os
 import re
 import shutil
 import stat
 import time
-from concurrent.futures import Future, as_completed
+from concurrent.futures import as_completed
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +28,7 @@ import pyarrow.parquet as pq
 
 from steplens.analyze import importers
 from steplens.analyze.importers import kineto
-from steplens.analyze.contract import issue_reasons, schema
+from steplens.analyze.contract import issue_reasons, reuse, schema
 from steplens.analyze.contract.manifest import RunManifest
 from steplens.analyze.importers.base import Importer, ParsedTrace, conform
 from steplens.analyze.importers.json_events import NotATrace
@@ -38,7 +36,7 @@ from steplens.analyze.pipeline.workers import Workers
 
 # Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
-HASH_PREFIX_BYTES = 64 << 10
+HASH_PREFIX_BYTES = reuse.PREFIX_BYTES
 IGNORED_LISTED = 200  # run.json lists this many unrecognised files by name (a checkpoint folder has thousands)
 PARSED_TABLES = ("trace_events", "flows", "steps")
 
@@ -413,18 +411,13 @@ def _reject_duplicate_ranks(sources: list[Source]) -> None:
 # Output folder: steplens replaces only a folder it wrote itself (marked by its own run.json, every
 # entry in it listed there), never an input folder, a parent of the inputs or a user's files.
 
-OUTPUT_CREATOR = "steplens ingest"
+OUTPUT_CREATOR = reuse.OUTPUT_CREATOR
 # Entries of an output folder written before run.json listed them (`output_entries`).
 _KNOWN_OUTPUT_FILES = {schema.MANIFEST_FILE, "report.html", "summary.md", "findings.json"}
 PART_ID = re.compile(r"[0-9a-f]{16}")
 
 
-def _read_manifest(folder: Path) -> dict:
-    try:
-        manifest = json.loads((folder / schema.MANIFEST_FILE).read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return manifest if isinstance(manifest, dict) else {}
+_read_manifest = reuse.read_manifest
 
 
 def _written_by_steplens(folder: Path) -> bool:
@@ -716,15 +709,6 @@ def ingest(run_dir: Path, out_dir: Path | None = None, jobs: int | None = None, 
         return publish(stage)
 
 
-@functools.cache
-def _code_fingerprint() -> str:
-    """The steplens code that made a result (every module's and template's name, size and mtime)."""
-    package = Path(__file__).resolve().parents[2]
-    files = sorted(p for folder in ("analyze", "reports") for p in (package / folder).rglob("*") if p.suffix in (".py", ".j2"))
-    return hashlib.sha256(repr([(str(p.relative_to(package)), p.stat().st_size, p.stat().st_mtime_ns)
-                                for p in files]).encode()).hexdigest()
-
-
 def input_key(run_dir: Path, found: Discovered, settings: str) -> str | None:
     """One hash of what a run's result depends on: each input's fingerprint (path, size, mtime and first
     64 KiB, its companions'), the names of the files steplens does not read, `settings` (the analysis
@@ -735,21 +719,23 @@ def input_key(run_dir: Path, found: Discovered, settings: str) -> str | None:
     except OSError:
         return None
     unread = sorted(os.path.relpath(path, run_dir) for path in found.unknown)
-    return hashlib.sha256(repr((inputs, unread, settings, schema.fingerprint(), _code_fingerprint())).encode()).hexdigest()[:32]
+    return hashlib.sha256(repr((inputs, unread, settings, schema.fingerprint(), reuse.code_fingerprint())).encode()).hexdigest()[:32]
 
 
 def unchanged(out_dir: Path, key: str | None) -> IngestResult | None:
     """The published result at out_dir, when it was made with this input key, is complete (every entry
     it listed is still there) and holds nothing else: a re-run with nothing changed reads nothing and
-    writes nothing."""
+    writes nothing. (A user's file in it is refused by the full path, which names it.)"""
     if key is None:
         return None
     manifest = _read_manifest(out_dir)
-    entries = manifest.get("output_entries")
-    if (manifest.get("input_key") != key or manifest.get("created_by") != OUTPUT_CREATOR or not isinstance(entries, list)
-            or not all(isinstance(e, str) and os.sep not in e and (out_dir / e).exists() for e in entries)
-            or _foreign_entries(out_dir)):  # a user's file in it: the full path says so and refuses
+    if manifest.get("input_key") != key or not reuse.complete(out_dir, manifest):
         return None
+    return reused_result(out_dir, manifest)
+
+
+def reused_result(out_dir: Path, manifest: dict) -> IngestResult:
+    """The result a re-run with nothing changed gives: the manifest's sources, reused."""
     sources = [Source(**{k: v for k, v in doc.items() if k in Source.__dataclass_fields__})
                for doc in manifest.get("sources", []) if isinstance(doc, dict)]
     for source in sources:
@@ -876,8 +862,8 @@ def _estimated_json_bytes(to_parse) -> int:
 
 
 def _parse_all(to_parse, scratch: Path, workers: Workers, progress) -> list[Source]:
-    """Parse files in this process and on the workers. At most one file per process is in flight,
-    which bounds memory."""
+    """Parse files here (one process is enough for small inputs) or all on the workers, which take
+    them in turn, the largest first. One file per process is parsed at a time, which bounds memory."""
     results: list[Source] = []
 
     def done(source: Source) -> None:
@@ -885,29 +871,16 @@ def _parse_all(to_parse, scratch: Path, workers: Workers, progress) -> list[Sour
         if progress:
             progress(source)
 
-    pending = sorted(to_parse, key=lambda item: item[1].size)  # workers take the largest, we the smallest
+    pending = sorted(to_parse, key=lambda item: -item[1].size)
     if workers.jobs == 1 or len(pending) <= 1 or _estimated_json_bytes(to_parse) < WORKER_WORTH_BYTES:
         for path, source in pending:
             done(_parse_source(str(path), source, str(scratch)))
         return results
-    workers.pool(len(pending) - 1)
-    in_flight: set[Future] = set()
-
-    def top_up() -> None:
-        while pending and len(in_flight) < workers.size:
-            path, source = pending.pop()
-            in_flight.add(workers.submit(_parse_source, str(path), source, str(scratch)))
-
+    workers.pool(len(pending))
     try:
-        top_up()
-        while pending:
-            path, source = pending.pop(0)
-            done(_parse_source(str(path), source, str(scratch)))
-            for future in [f for f in in_flight if f.done()]:
-                in_flight.discard(future)
-                done(future.result())
-            top_up()
-        for future in as_completed(in_flight):
+        # Queued in the pool, not parsed: a queued file costs its path, and a free worker never waits.
+        for future in as_completed([workers.submit(_parse_source, str(path), source, str(scratch))
+                                    for path, source in pending]):
             done(future.result())
     except BaseException:
         workers.kill()

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor, wait
+from concurrent.futures import Future, ProcessPoolExecutor
 
 import pyarrow as pa
 
@@ -80,8 +80,9 @@ def _start_worker(parent_pid: int) -> None:
 
 
 class Workers:
-    """Up to `jobs` - 1 worker processes beside this one, started on first use; a context manager
-    that stops them when the block ends (killed at once when it ends by an exception)."""
+    """Up to `jobs` worker processes, started on first use, which do the work while this process
+    waits (so the work is shared out evenly); a context manager that stops them when the block ends
+    (killed at once when it ends by an exception)."""
 
     def __init__(self, jobs: int | None = None):
         self.jobs = max(1, jobs or os.cpu_count() or 1)
@@ -93,9 +94,9 @@ class Workers:
         return self._pool is not None
 
     def pool(self, wanted: int) -> ProcessPoolExecutor:
-        """The pool, started with min(wanted, jobs - 1) workers if it is not running yet."""
+        """The pool, started with min(wanted, jobs) workers if it is not running yet."""
         if self._pool is None:
-            self.size = max(1, min(wanted, self.jobs - 1))
+            self.size = max(1, min(wanted, self.jobs))
             saved = os.environ.get("POLARS_MAX_THREADS")
             os.environ["POLARS_MAX_THREADS"] = "1"  # inherited by the workers only: this process has started polars
             try:
@@ -118,36 +119,20 @@ class Workers:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def map_ranks(self, one_rank, ranks: list) -> list:
-        """one_rank(rank) for each rank, in rank order: the workers take ranks from the front, this
-        process from the back. Here alone when there is no worker to use. It is the workers' last job:
-        they stop when it returns, so the report is rendered without them holding memory."""
+        """one_rank(rank) for each rank, in rank order, on the workers (here when there is none to use).
+        It is their last job: they stop when it returns, so the report is rendered without them
+        holding memory."""
         if self.jobs == 1 or len(ranks) < 2 or not (self.started or len(ranks) >= RANKS_WORTH_WORKERS):
             return list(map(one_rank, ranks))
-        self.pool(len(ranks) - 1)
-        queue, results, in_flight = list(ranks), {}, {}
-
-        def top_up() -> None:
-            while queue and len(in_flight) < self.size:
-                rank = queue.pop(0)
-                in_flight[self.submit(one_rank, rank)] = rank
-
-        def collect(futures) -> None:
-            for future in futures:
-                results[in_flight.pop(future)] = future.result()
-
+        self.pool(len(ranks))
         try:
-            top_up()
-            while queue:
-                rank = queue.pop()
-                results[rank] = one_rank(rank)
-                collect([f for f in in_flight if f.done()])
-                top_up()
-            collect(wait(list(in_flight)).done)
+            futures = [self.submit(one_rank, rank) for rank in ranks]
+            results = [future.result() for future in futures]
         except BaseException:
             self.kill()
             raise
         self.close()
-        return [results[rank] for rank in ranks]
+        return results
 
     def kill(self) -> None:
         """Kill the workers now (Ctrl-C, SIGTERM, an error): waiting would finish every task in flight."""

@@ -1,0 +1,110 @@
+"""The `analyze` script, and its answer to a re-run with nothing changed.
+
+A re-run with nothing changed reuses the published result as it is (pipeline/ingest.py `unchanged`),
+but reaching that answer through the full command costs more than the answer: importing polars,
+pyarrow and the importers takes most of a second. So a result made with the default analysis options
+records in run.json `rerun` a key over every file under the run folder and the steplens code
+(contract/reuse.listing_key), and what a re-run prints. This module checks that key with the
+standard library alone (and rich, to print as the full command does); when it matches and the
+result is whole, it prints the recorded lines, wrapped to this terminal, and exits with the
+recorded status. Any other command line (another option, a URL), a changed file or an incomplete
+result takes the full command.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+from steplens.analyze.contract import reuse
+from steplens.reports.text import safe_text
+
+DEFAULT_OUT_DIR = ".steplens"  # schema.DEFAULT_OUT_DIR (test_contract checks they agree)
+
+
+def say(console, text: str, indent: int = 2) -> None:
+    """Print untrusted text as plain lines wrapped to the console width (80 columns when piped), the
+    continuation indented; a word longer than the line (a path) stays whole rather than broken."""
+    width = max(console.width, 40)
+    lines = textwrap.wrap(safe_text(text), width=width, initial_indent=" " * indent, subsequent_indent=" " * (indent + 2),
+                          break_long_words=False, break_on_hyphens=False) or [""]
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def record(key: str, out_token: str, summary: list[tuple[str, int]], findings: list[str], warning: str | None,
+           status: int) -> dict:
+    """run.json `rerun`: the key, and what a re-run prints; `out_token` stands for the output folder as
+    the re-run names it."""
+    return {"key": key, "out_token": out_token, "summary": summary, "findings": findings, "warning": warning,
+            "status": status}
+
+
+def _arguments(argv: list[str]) -> tuple[Path, Path, bool] | None:
+    """RUN_DIR, the output folder and --quiet, when the command line holds nothing else (--jobs aside)."""
+    run_dir, out_dir, quiet = None, None, False
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-q", "--quiet"):
+            quiet = True
+        elif arg == "--out" and args and out_dir is None:
+            out_dir = args.pop(0)
+        elif arg.startswith("--out=") and out_dir is None:
+            out_dir = arg.removeprefix("--out=")
+        elif arg in ("--jobs", "-j") and args and args[0].isdigit() and int(args[0]) > 0:
+            args.pop(0)  # how the work is spread out, not what it gives
+        elif arg.startswith("-") or run_dir is not None:
+            return None
+        else:
+            run_dir = arg
+    if not run_dir or out_dir == "" or "://" in run_dir or "://" in (out_dir or ""):
+        return None
+    return Path(run_dir), Path(out_dir) if out_dir else Path(run_dir) / DEFAULT_OUT_DIR, quiet
+
+
+def answer(argv: list[str]) -> int | None:
+    """The exit status after printing what the full command would, or None: run the full command."""
+    parsed = _arguments(argv)
+    if parsed is None:
+        return None
+    run_dir, out_dir, quiet = parsed
+    if not run_dir.is_dir() or not out_dir.is_dir():
+        return None
+    manifest = reuse.read_manifest(out_dir)
+    recorded = manifest.get("rerun")
+    if not isinstance(recorded, dict) or not reuse.complete(out_dir, manifest):
+        return None
+    if recorded.get("key") != reuse.listing_key(run_dir, out_dir):
+        return None
+    try:
+        summary = [] if quiet else [(text.replace(recorded["out_token"], str(out_dir)), int(indent))
+                                    for text, indent in recorded["summary"]]
+        findings, warning, status = list(recorded["findings"]), recorded["warning"], int(recorded["status"])
+    except (TypeError, ValueError, KeyError, AttributeError):  # not a recording this code wrote
+        return None
+    from rich.console import Console  # as the full command prints: same width, same styles
+
+    console = Console(stderr=False, highlight=False)
+    for text, indent in summary:
+        say(console, text, indent)
+    console.print("[bold]findings[/]")
+    for text in findings:
+        say(console, text)
+    console.print(f"report: {safe_text(out_dir / 'report.html')} (unchanged)\nPR summary: "
+                  f"{safe_text(out_dir / 'summary.md')}", markup=False, highlight=False, soft_wrap=True)
+    if warning:
+        print(warning, file=sys.stderr)
+    return status
+
+
+def analyze_entry() -> None:
+    """The `analyze` script: a re-run with nothing changed answered here, anything else by the full
+    command (cli.py)."""
+    status = answer(sys.argv[1:])
+    if status is not None:
+        sys.exit(status)
+    from steplens.analyze import cli
+
+    cli.analyze_entry()

@@ -1,0 +1,93 @@
+"""The analyze script answers a re-run with nothing changed from run.json `rerun` alone, before importing
+polars or pyarrow (analyze/cli_rerun.py): the same lines and exit status as the full command, in a
+fraction of its time; any other command line, a changed file or an incomplete result goes to the full
+command."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from steplens.analyze import cli_rerun
+from steplens.analyze.contract import reuse, schema
+
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_runs" / "synthetic_8rank"
+SCRIPT = Path(sys.executable).parent / "analyze"
+# The full command, without the script's shortcut, with the set of modules it imported.
+FULL = ("import sys\nfrom steplens.analyze import cli\nsys.argv = ['analyze'] + sys.argv[1:]\n"
+        "try:\n    cli.analyze_entry()\nfinally:\n    print('polars' in sys.modules, file=sys.stderr)\n")
+# The script's entry point, reporting whether it imported polars.
+SHORT = ("import sys\nfrom steplens.analyze import cli_rerun\nsys.argv = ['analyze'] + sys.argv[1:]\n"
+         "try:\n    cli_rerun.analyze_entry()\nfinally:\n    print('polars' in sys.modules, file=sys.stderr)\n")
+
+
+def _run(code: str, *args, cwd: Path, columns: int = 80) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "COLUMNS": str(columns)}, timeout=300)
+
+
+@pytest.fixture
+def run(tmp_path) -> Path:
+    """A copy of the 8-rank sample with one trace missing (a warning and exit status 1 to replay)."""
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns(".steplens", "*rank7*"))
+    (run / "notes.txt").write_text("not read")
+    return run
+
+
+@pytest.mark.parametrize("args,columns", [((), 80), (("--out", "out"), 60), (("-q", "--out=out", "-j", "2"), 120)])
+def test_a_rerun_prints_what_the_full_command_prints_without_importing_polars(run, args, columns):
+    first = subprocess.run([SCRIPT, "run", *args], capture_output=True, text=True, cwd=run.parent, timeout=300)
+    assert first.returncode in (0, 1), first.stderr
+    full = _run(FULL, "run", *args, cwd=run.parent, columns=columns)
+    short = _run(SHORT, "run", *args, cwd=run.parent, columns=columns)
+    assert "nothing changed since the last analysis" in full.stdout or "-q" in args
+    assert "(unchanged)" in full.stdout
+    assert (short.stdout, short.returncode) == (full.stdout, full.returncode)
+    assert short.stderr.splitlines()[:-1] == full.stderr.splitlines()[:-1]  # the missing-rank warning
+    assert full.stderr.splitlines()[-1] == "True" and short.stderr.splitlines()[-1] == "False"
+
+
+def test_a_rerun_takes_a_fraction_of_the_full_command(run):
+    subprocess.run([SCRIPT, "run", "-q"], capture_output=True, cwd=run.parent, timeout=300)
+    timings = {}
+    for name, code in (("full", FULL), ("short", SHORT)):
+        started = time.perf_counter()
+        _run(code, "run", "-q", cwd=run.parent)
+        timings[name] = time.perf_counter() - started
+    assert timings["short"] < timings["full"] / 2, timings
+
+
+@pytest.mark.parametrize("change", ["touch_input", "new_file", "option", "user_file_in_output", "entry_deleted",
+                                    "other_out"])
+def test_anything_else_goes_to_the_full_command(run, change):
+    subprocess.run([SCRIPT, "run"], capture_output=True, cwd=run.parent, timeout=300)
+    out, args = run / schema.DEFAULT_OUT_DIR, ["run"]
+    trace = sorted(run.glob("*.json*"))[0]
+    if change == "touch_input":
+        os.utime(trace, ns=(time.time_ns(), trace.stat().st_mtime_ns + 10**9))
+    elif change == "new_file":
+        (run / "more_notes.txt").write_text("x")
+    elif change == "option":
+        args += ["--dtype", "fp16"]
+    elif change == "user_file_in_output":
+        (out / "mine.txt").write_text("a user's file")
+    elif change == "entry_deleted":
+        (out / "summary.md").unlink()
+    else:
+        args += ["--out", "elsewhere"]
+    assert cli_rerun.answer(args[1:] and [str(run), *args[1:]] or [str(run)]) is None or change == "other_out"
+    short = _run(SHORT, *args, cwd=run.parent)
+    assert short.stderr.splitlines()[-1] == "True"  # the full command ran
+    if change == "user_file_in_output":
+        assert short.returncode == 2 and "mine.txt" in short.stderr
+    else:
+        assert "nothing changed" not in short.stdout and "rendered in" in short.stdout
+
+
+def test_the_shortcut_constants_agree_with_the_contract():
+    assert reuse.MANIFEST_FILE == schema.MANIFEST_FILE and cli_rerun.DEFAULT_OUT_DIR == schema.DEFAULT_OUT_DIR
