@@ -38,16 +38,12 @@ def store(tmp_path_factory):
     # moto keeps one store per process: a module started after another would find its buckets
     urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")).close()
     env = {**ISOLATED, **CREDENTIALS, "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    fs.mkdir(BUCKET)
-    yield fs, env
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        fs.mkdir(BUCKET)
+        yield fs, env
     server.stop()
 
 

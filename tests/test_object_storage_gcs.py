@@ -33,14 +33,10 @@ def store():
     server.start()
     host, port = server._api._httpd.server_address  # port 0: the emulator has no other way to tell the port
     env = {**JSON_API_ONLY, "STORAGE_EMULATOR_HOST": f"http://{host}:{port}"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield gcsfs.GCSFileSystem(skip_instance_cache=True), env
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        yield gcsfs.GCSFileSystem(skip_instance_cache=True), env
     server.stop()
 
 

@@ -1,12 +1,13 @@
 """Ingest benchmark: steplens `analyze` vs Holistic Trace Analysis (HTA) loading the same traces.
 
-    .venv/bin/python tests/benchmarks/bench_ingest.py [--quick] [--runs 3] [--cache DIR] [--jobs N]
+    .venv/bin/python tests/benchmarks/bench_ingest.py [--quick] [--runs 3] [--cache DIR] [--jobs N] [--sets a,b]
 
 Input sets (each a folder of symlinks to the trace files only, under --cache):
   synthetic-8r : 8 ranks, >= 50 MB raw JSON per rank, gzipped, made once by tests/synthetic.py
   real-8r      : 8 copies of the real A100 trace trace_diff/control.json.gz (35 MB raw), its
                  distributedInfo rank relabelled 0..7 (both tools take the rank from there)
   trace_diff   : /work/shared/corpus/HolisticTraceAnalysis/trace_diff (2 ranks, ~33 MB raw each)
+  dlrm-8r      : /work/shared/corpus/param/dlrm_kineto (8 real ranks, ~1 MB raw each: start-up dominates)
   mtia_single  : .../mtia_trace_single_rank (1 rank, 87 MB raw: the heaviest trace of the corpus)
 --quick: 4 ranks x 10 MB generated, trace_diff only, 1 run (smoke test).
 Each set, end to end, whole processes from a cold start (interpreter start-up and imports count):
@@ -41,6 +42,7 @@ sys.path.insert(0, str(HERE))
 from peak_rss import measure  # noqa: E402
 
 CORPUS = Path("/work/shared/corpus/HolisticTraceAnalysis")
+DLRM = Path("/work/shared/corpus/param/dlrm_kineto")  # a real 8-rank set (V100), about 1 MB a rank
 ANALYZE = Path(sys.executable).parent / "analyze"
 TRACE_SUFFIXES = (".json", ".json.gz")
 
@@ -245,6 +247,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=Path("/tmp/steplens-bench"))
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="steplens --jobs (default: CPUs)")
+    ap.add_argument("--sets", default=None, help="comma-separated names of the sets to run (default: all); the "
+                    "analyses, re-run and memory sections use the first one")
     args = ap.parse_args()
     runs = 1 if args.quick else args.runs
     cache = args.cache.resolve()
@@ -261,9 +265,14 @@ def main() -> int:
         sets.append(("real-8r", link_set(cache / "sets" / "real-8r", real)))
     sets.append(("trace_diff", link_set(cache / "sets" / "trace_diff", trace_files(CORPUS / "trace_diff"))))
     if not args.quick:
+        sets.append(("dlrm-8r", link_set(cache / "sets" / "dlrm-8r", trace_files(DLRM))))
+    if not args.quick:
         sets.append(("mtia_single", link_set(cache / "sets" / "mtia_single",
                                              trace_files(CORPUS / "mtia_trace_single_rank"))))
 
+    if args.sets:
+        wanted = args.sets.split(",")
+        sets = [(name, d) for name, d in sets if name in wanted]
     counts_path = cache / "counts.json"
     counts = json.loads(counts_path.read_text()) if counts_path.exists() else {}
     print(f"steplens: {ANALYZE}\nHTA python: {hta_py}\ncache: {cache}\n", flush=True)
@@ -285,7 +294,7 @@ def main() -> int:
     print(f"== steplens peak RSS vs rank count (generated set, --jobs {args.jobs}, median of {runs})")
     print(f"   {'ranks':>5}{'raw MB':>9}{'seconds':>9}{'peak RSS MiB':>14}")
     for n in (1, 2, 4, 8):
-        if n > len(gen_files):
+        if n > len(gen_files) or args.sets and sets[0][0] != f"synthetic-{ranks}r":
             break
         d = link_set(cache / "sets" / f"synthetic-first{n}", gen_files[:n])
         res = [run_steplens(d, args.jobs) for _ in range(runs)]
