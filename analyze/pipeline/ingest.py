@@ -16,7 +16,7 @@ import re
 import shutil
 import stat
 import time
-from concurrent.futures import as_completed
+from concurrent.futures import Future, as_completed
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -850,10 +850,11 @@ _RUN_LEVEL_REASONS = {"rank_from_filename", "rank_assumed", "rank_unknown", "wor
 
 
 # Starting a worker (a fresh interpreter importing polars and pyarrow) costs about as much as
-# parsing 30 MB of JSON, so below this much JSON in total the work stays in this process (the
-# workers, once started, also run the per-rank analyses)
+# parsing 30 MB of JSON, and the memory of another process: below this much JSON in total the work,
+# the per-rank analyses included, stays in this process (measured: two workers on 67 MB were no
+# faster than one process, at twice its memory)
 # (STEPLENS_WORKER_WORTH_BYTES overrides it, e.g. to force workers on small test inputs).
-WORKER_WORTH_BYTES = int(os.environ.get("STEPLENS_WORKER_WORTH_BYTES", 30_000_000))
+WORKER_WORTH_BYTES = int(os.environ.get("STEPLENS_WORKER_WORTH_BYTES", 100_000_000))
 GZIP_RATIO = 10  # typical raw/gzip size of a Kineto trace (the corpus ranges 7x-30x)
 
 
@@ -862,8 +863,8 @@ def _estimated_json_bytes(to_parse) -> int:
 
 
 def _parse_all(to_parse, scratch: Path, workers: Workers, progress) -> list[Source]:
-    """Parse files here (one process is enough for small inputs) or all on the workers, which take
-    them in turn, the largest first. One file per process is parsed at a time, which bounds memory."""
+    """Parse files in this process and on the workers: they take the largest files, this process the
+    smallest. One file per process is parsed at a time, which bounds memory."""
     results: list[Source] = []
 
     def done(source: Source) -> None:
@@ -871,16 +872,30 @@ def _parse_all(to_parse, scratch: Path, workers: Workers, progress) -> list[Sour
         if progress:
             progress(source)
 
-    pending = sorted(to_parse, key=lambda item: -item[1].size)
+    pending = sorted(to_parse, key=lambda item: item[1].size)
     if workers.jobs == 1 or len(pending) <= 1 or _estimated_json_bytes(to_parse) < WORKER_WORTH_BYTES:
         for path, source in pending:
             done(_parse_source(str(path), source, str(scratch)))
         return results
-    workers.pool(len(pending))
+    workers.pool(len(pending) - 1)
+    in_flight: set[Future] = set()
+
+    def top_up() -> None:
+        # One file queued behind each worker's (it costs its path): a worker never waits for this process.
+        while pending and len(in_flight) < 2 * workers.size:
+            path, source = pending.pop()
+            in_flight.add(workers.submit(_parse_source, str(path), source, str(scratch)))
+
     try:
-        # Queued in the pool, not parsed: a queued file costs its path, and a free worker never waits.
-        for future in as_completed([workers.submit(_parse_source, str(path), source, str(scratch))
-                                    for path, source in pending]):
+        top_up()
+        while pending:
+            path, source = pending.pop(0)
+            done(_parse_source(str(path), source, str(scratch)))
+            for future in [f for f in in_flight if f.done()]:
+                in_flight.discard(future)
+                done(future.result())
+            top_up()
+        for future in as_completed(in_flight):
             done(future.result())
     except BaseException:
         workers.kill()

@@ -22,9 +22,6 @@ from concurrent.futures import Future, ProcessPoolExecutor
 import pyarrow as pa
 
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
-# Per-rank analyses take about a third of a second a rank on a 50 MB trace; below this many ranks,
-# starting workers for them alone (when the parse ran here) costs more than it saves.
-RANKS_WORTH_WORKERS = 8
 
 
 def use_system_allocator() -> None:
@@ -80,9 +77,8 @@ def _start_worker(parent_pid: int) -> None:
 
 
 class Workers:
-    """Up to `jobs` worker processes, started on first use, which do the work while this process
-    waits (so the work is shared out evenly); a context manager that stops them when the block ends
-    (killed at once when it ends by an exception)."""
+    """Up to `jobs` - 1 worker processes beside this one, started on first use; a context manager
+    that stops them when the block ends (killed at once when it ends by an exception)."""
 
     def __init__(self, jobs: int | None = None):
         self.jobs = max(1, jobs or os.cpu_count() or 1)
@@ -94,9 +90,9 @@ class Workers:
         return self._pool is not None
 
     def pool(self, wanted: int) -> ProcessPoolExecutor:
-        """The pool, started with min(wanted, jobs) workers if it is not running yet."""
+        """The pool, started with min(wanted, jobs - 1) workers if it is not running yet."""
         if self._pool is None:
-            self.size = max(1, min(wanted, self.jobs))
+            self.size = max(1, min(wanted, self.jobs - 1))
             saved = os.environ.get("POLARS_MAX_THREADS")
             os.environ["POLARS_MAX_THREADS"] = "1"  # inherited by the workers only: this process has started polars
             try:
@@ -119,20 +115,36 @@ class Workers:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def map_ranks(self, one_rank, ranks: list) -> list:
-        """one_rank(rank) for each rank, in rank order, on the workers (here when there is none to use).
-        It is their last job: they stop when it returns, so the report is rendered without them
+        """one_rank(rank) for each rank, in rank order: on the workers the parse started, taking ranks
+        from the front, and this process, from the back; here alone when the parse needed none. It is
+        the workers' last job: they stop when it returns, so the report is rendered without them
         holding memory."""
-        if self.jobs == 1 or len(ranks) < 2 or not (self.started or len(ranks) >= RANKS_WORTH_WORKERS):
+        if not self.started or len(ranks) < 2:
             return list(map(one_rank, ranks))
-        self.pool(len(ranks))
+        queue, results, in_flight = list(ranks), {}, {}
+
+        def top_up() -> None:
+            while queue and len(in_flight) < 2 * self.size:  # one queued behind each worker's
+                rank = queue.pop(0)
+                in_flight[self.submit(one_rank, rank)] = rank
+
+        def collect(futures) -> None:
+            for future in futures:
+                results[in_flight.pop(future)] = future.result()
+
         try:
-            futures = [self.submit(one_rank, rank) for rank in ranks]
-            results = [future.result() for future in futures]
+            top_up()
+            while queue:
+                rank = queue.pop()
+                results[rank] = one_rank(rank)
+                collect([f for f in in_flight if f.done()])
+                top_up()
+            collect(list(in_flight))
         except BaseException:
             self.kill()
             raise
         self.close()
-        return results
+        return [results[rank] for rank in ranks]
 
     def kill(self) -> None:
         """Kill the workers now (Ctrl-C, SIGTERM, an error): waiting would finish every task in flight."""
