@@ -20,7 +20,10 @@ from pathlib import Path
 from steplens.analyze.contract import reuse
 from steplens.reports.text import safe_text
 
-DEFAULT_OUT_DIR = ".steplens"  # schema.DEFAULT_OUT_DIR (test_contract checks they agree)
+DEFAULT_OUT_DIR = ".steplens"  # schema.DEFAULT_OUT_DIR (test_rerun checks they agree)
+# What a recording this code wrote can hold; anything else (an edited run.json) goes to the full command.
+MAX_INDENT = 8
+RECORDED_STATUSES = (0, 1)  # cli_render.EXIT_PARTIAL: a published result was complete or partial
 
 
 def say(console, text: str, indent: int = 2) -> None:
@@ -83,6 +86,10 @@ def answer(argv: list[str]) -> int | None:
                                     for text, indent in recorded["summary"]]
         findings, warning, status = list(recorded["findings"]), recorded["warning"], int(recorded["status"])
     except (TypeError, ValueError, KeyError, AttributeError):  # not a recording this code wrote
+        return None
+    if not (all(isinstance(text, str) and 0 <= indent <= MAX_INDENT for text, indent in summary)
+            and all(isinstance(text, str) for text in findings) and isinstance(warning, (str, type(None)))
+            and status in RECORDED_STATUSES):
         return None
     from rich.console import Console  # as the full command prints: same width, same styles
 

@@ -91,3 +91,17 @@ def test_anything_else_goes_to_the_full_command(run, change):
 
 def test_the_shortcut_constants_agree_with_the_contract():
     assert reuse.MANIFEST_FILE == schema.MANIFEST_FILE and cli_rerun.DEFAULT_OUT_DIR == schema.DEFAULT_OUT_DIR
+
+
+@pytest.mark.parametrize("edit", [{"status": 7}, {"summary": [["x", 10**9]]}, {"findings": [3]}, {"warning": ["w"]},
+                                  {"summary": "not a list"}])
+def test_an_edited_recording_goes_to_the_full_command(run, edit):
+    import json
+
+    subprocess.run([SCRIPT, "run"], capture_output=True, cwd=run.parent, timeout=300)
+    manifest_path = run / schema.DEFAULT_OUT_DIR / schema.MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text())
+    assert cli_rerun.answer([str(run)]) is not None  # the recording as written is replayed
+    manifest["rerun"].update(edit)
+    manifest_path.write_text(json.dumps(manifest))
+    assert cli_rerun.answer([str(run)]) is None
