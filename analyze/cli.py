@@ -45,7 +45,7 @@ from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
 from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
                                          EXIT_REGRESSION, EXIT_STATUS_HELP, EXIT_UNWRITABLE, Terminated, analyse_and_report,
-                                         fail, print_findings, print_summary, ranges, summary_lines)
+                                         fail, print_summary, ranges, summary_lines)
 from steplens.reports.text import safe_text
 from steplens.reports.verdict import finding_lines
 
@@ -157,12 +157,9 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
             if not quiet:
                 print_summary(console, result, findings.get("analysis_seconds"))
             if findings:
-                print_findings(console, findings)
                 rendered = (f"rendered in {findings['report_seconds']:.2f}s" if "report_seconds" in findings
                             else "unchanged")
-                console.print(f"report: {safe_text(result.out_dir / 'report.html')} ({rendered})\nPR summary: "
-                              f"{safe_text(result.out_dir / 'summary.md')}", markup=False, highlight=False,
-                              soft_wrap=True)
+                cli_rerun.print_findings_and_report(console, finding_lines(findings), result.out_dir, rendered)
         _warn_missing_ranks(result)
         sys.exit(_status(result))
     click.echo(f"{safe_text(run_dir)} holds {len(runs)} runs; each is analysed on its own:")
@@ -350,6 +347,7 @@ def _rerun_record(key: str, stage) -> dict:
     """What a re-run with nothing changed prints and returns, made by the code that prints it here."""
     token = f"\x00out-{secrets.token_hex(8)}\x00"
     reused = reused_result(Path(token), stage.manifest)
+    # As a re-run reads them: from findings.json (its JSON round trip can turn a value into its text).
     findings = json.loads((stage.folder / "findings.json").read_text())
     return cli_rerun.record(key, token, summary_lines(reused), finding_lines(findings), _missing_ranks_warning(reused),
                             _status(reused))

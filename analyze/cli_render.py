@@ -16,7 +16,6 @@ from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline.ingest import IngestResult, Source
 from steplens.analyze.cli_rerun import say
-from steplens.reports.verdict import finding_lines
 
 # Exit status, one meaning each, for every command (documented in --help and the README).
 EXIT_PARTIAL = 1  # results written, but some inputs could not be used (see the issues)
@@ -120,13 +119,6 @@ def _issue_lines(result: IngestResult) -> list[tuple[str, int]]:
         files = f"{len(rows)} file{'s' if len(rows) > 1 else ''}"
         lines.append((f"{severity} {reason}: {sum(r[1] for r in rows):,} in {files}; e.g. {path}: {detail}", 2))
     return lines
-
-
-def print_findings(console: Console, f: dict) -> None:
-    """Every finding, in the sentences the report and summary.md use."""
-    console.print("[bold]findings[/]")
-    for line in finding_lines(f):
-        say(console, line)
 
 
 def ranges(numbers: list[int]) -> str:

@@ -36,6 +36,15 @@ def say(console, text: str, indent: int = 2) -> None:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
+def print_findings_and_report(console, finding_texts: list[str], out_dir: Path, rendered: str) -> None:
+    """The findings, in the sentences the report uses, then where the report and summary.md are."""
+    console.print("[bold]findings[/]")
+    for text in finding_texts:
+        say(console, text)
+    console.print(f"report: {safe_text(out_dir / 'report.html')} ({rendered})\nPR summary: "
+                  f"{safe_text(out_dir / 'summary.md')}", markup=False, highlight=False, soft_wrap=True)
+
+
 def record(key: str, out_token: str, summary: list[tuple[str, int]], findings: list[str], warning: str | None,
            status: int) -> dict:
     """run.json `rerun`: the key, and what a re-run prints; `out_token` stands for the output folder as
@@ -96,11 +105,7 @@ def answer(argv: list[str]) -> int | None:
     console = Console(stderr=False, highlight=False)
     for text, indent in summary:
         say(console, text, indent)
-    console.print("[bold]findings[/]")
-    for text in findings:
-        say(console, text)
-    console.print(f"report: {safe_text(out_dir / 'report.html')} (unchanged)\nPR summary: "
-                  f"{safe_text(out_dir / 'summary.md')}", markup=False, highlight=False, soft_wrap=True)
+    print_findings_and_report(console, findings, out_dir, "unchanged")
     if warning:
         print(warning, file=sys.stderr)
     return status

@@ -1,7 +1,6 @@
 """The analyze script answers a re-run with nothing changed from run.json `rerun` alone, before importing
-polars or pyarrow (analyze/cli_rerun.py): the same lines and exit status as the full command, in a
-fraction of its time; any other command line, a changed file or an incomplete result goes to the full
-command."""
+polars or pyarrow (analyze/cli_rerun.py): the same lines and exit status as the full command; any other
+command line, a changed file or an incomplete result goes to the full command."""
 
 import os
 import shutil
@@ -52,16 +51,6 @@ def test_a_rerun_prints_what_the_full_command_prints_without_importing_polars(ru
     assert full.stderr.splitlines()[-1] == "True" and short.stderr.splitlines()[-1] == "False"
 
 
-def test_a_rerun_takes_a_fraction_of_the_full_command(run):
-    subprocess.run([SCRIPT, "run", "-q"], capture_output=True, cwd=run.parent, timeout=300)
-    timings = {}
-    for name, code in (("full", FULL), ("short", SHORT)):
-        started = time.perf_counter()
-        _run(code, "run", "-q", cwd=run.parent)
-        timings[name] = time.perf_counter() - started
-    assert timings["short"] < timings["full"] / 2, timings
-
-
 @pytest.mark.parametrize("change", ["touch_input", "new_file", "option", "user_file_in_output", "entry_deleted",
                                     "other_out"])
 def test_anything_else_goes_to_the_full_command(run, change):
@@ -79,8 +68,8 @@ def test_anything_else_goes_to_the_full_command(run, change):
     elif change == "entry_deleted":
         (out / "summary.md").unlink()
     else:
-        args += ["--out", "elsewhere"]
-    assert cli_rerun.answer(args[1:] and [str(run), *args[1:]] or [str(run)]) is None or change == "other_out"
+        args += ["--out", str(run.parent / "elsewhere")]
+    assert cli_rerun.answer([str(run), *args[1:]]) is None
     short = _run(SHORT, *args, cwd=run.parent)
     assert short.stderr.splitlines()[-1] == "True"  # the full command ran
     if change == "user_file_in_output":

@@ -417,16 +417,13 @@ _KNOWN_OUTPUT_FILES = {schema.MANIFEST_FILE, "report.html", "summary.md", "findi
 PART_ID = re.compile(r"[0-9a-f]{16}")
 
 
-_read_manifest = reuse.read_manifest
-
-
 def _written_by_steplens(folder: Path) -> bool:
-    return _read_manifest(folder).get("created_by") == OUTPUT_CREATOR
+    return reuse.read_manifest(folder).get("created_by") == OUTPUT_CREATOR
 
 
 def _foreign_entries(folder: Path) -> list[str]:
     """Entries of an existing output folder that steplens did not write."""
-    manifest = _read_manifest(folder)
+    manifest = reuse.read_manifest(folder)
     listed = manifest.get("output_entries")
     owned = set(listed) if isinstance(listed, list) else (
         _KNOWN_OUTPUT_FILES | set(schema.TABLES) | set(schema.ANALYSIS_TABLES))
@@ -459,7 +456,7 @@ def check_output_folder(run_dir: Path, out_dir: Path) -> None:
 
 
 def _previous_manifest(out_dir: Path) -> dict:
-    manifest = _read_manifest(out_dir)
+    manifest = reuse.read_manifest(out_dir)
     ok = manifest.get("schema_fingerprint") == schema.fingerprint() and isinstance(manifest.get("sources"), list)
     return manifest if ok else {}
 
@@ -728,7 +725,7 @@ def unchanged(out_dir: Path, key: str | None) -> IngestResult | None:
     writes nothing. (A user's file in it is refused by the full path, which names it.)"""
     if key is None:
         return None
-    manifest = _read_manifest(out_dir)
+    manifest = reuse.read_manifest(out_dir)
     if manifest.get("input_key") != key or not reuse.complete(out_dir, manifest):
         return None
     return reused_result(out_dir, manifest)
