@@ -98,8 +98,8 @@ def test_workers_write_parts_to_the_store_and_readers_see_them_only_once_committ
     # The workers wrote to the store: rank 3's parts from its parse task, every rank's from its analyses.
     generation = f"s3://{out}/{next(iter(committed['objects'])).split('/')[0]}"
     assert any("steplens: parsing rank-3.pt.trace.json.gz" in m and f"parts to {generation}" in m for m in logs)
-    assert sorted(int(m.split("analysing rank ")[1].split()[0]) for m in logs if f"parts to {generation}" in m
-                  and "analysing rank" in m) == [0, 1, 2, 3]
+    assert sorted(int(rank) for m in logs if f"parts to {generation}" in m and "analysing ranks" in m
+                  for rank in m.split("analysing ranks ")[1].split()[0].split("-")) == [0, 1, 2, 3]
     # Nothing left but the commit: the previous result, the dead run's generation; the young one stays.
     fs.invalidate_cache()
     left = {p[len(out) + 1:].split("/")[0] for p in fs.find(out)}

@@ -277,3 +277,54 @@ def test_analyze_script_runs_without_importing_pandas(run_dir, tmp_path):
         "print(pyarrow.array(['a', None]).to_pylist())\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.stdout.splitlines()[-3:] == ["exit 0", "False", "['a', None]"], done.stderr
+
+
+def _tables_and_findings(out: Path) -> tuple[dict, dict]:
+    timing = ("analysis_seconds", "report_seconds")
+    tables = {}
+    for folder in sorted(p for p in out.iterdir() if p.is_dir()):
+        frame = pl.read_parquet(folder / "**" / "*.parquet")
+        key = [c for c, t in frame.schema.items() if t != pl.Object]
+        tables[folder.name] = frame.select(sorted(frame.columns)).sort(key, nulls_last=True)
+    findings = {k: v for k, v in json.loads((out / "findings.json").read_text()).items() if k not in timing}
+    return tables, findings
+
+
+@pytest.mark.parametrize("which", ["dlrm_kineto", "synthetic"])
+def test_batched_per_rank_analyses_match_one_rank_at_a_time(which, corpus, tmp_path, monkeypatch):
+    """Small ranks share one run of the per-rank analyses (runner.batches); every table and finding is
+    what running them one rank at a time gives: on 8 real V100 ranks and on a generated 4-rank run."""
+    from steplens.analyze.analyses import runner
+
+    if which == "synthetic":
+        from synthetic import generate_run
+
+        run = tmp_path / "run"
+        generate_run(run, ranks=4, steps=3, kernels_per_step=20, seed=5, write_truth=False)
+    else:
+        run = corpus / "param" / "dlrm_kineto"
+    batched = CliRunner().invoke(analyze, [str(run), "--out", str(tmp_path / "batched"), "--jobs", "1", "--quiet"])
+    manifest = json.loads((tmp_path / "batched" / schema.MANIFEST_FILE).read_text())
+    assert len(runner.batches(manifest, manifest["trace_ranks"])) == 1 < len(manifest["trace_ranks"])
+    monkeypatch.setattr(runner, "RANK_BATCH_EVENTS", 0)  # every rank alone
+    assert len(runner.batches(manifest, manifest["trace_ranks"])) == len(manifest["trace_ranks"])
+    alone = CliRunner().invoke(analyze, [str(run), "--out", str(tmp_path / "alone"), "--jobs", "1", "--quiet"])
+    assert batched.exit_code == alone.exit_code, (batched.output, alone.output)
+    (tables_b, findings_b), (tables_a, findings_a) = (_tables_and_findings(tmp_path / side) for side in ("batched", "alone"))
+    assert tables_b.keys() == tables_a.keys()
+    for table in tables_b:
+        assert tables_b[table].equals(tables_a[table]), table
+    assert findings_b == findings_a
+
+
+def test_rank_batches_hold_at_most_the_limit_or_one_rank():
+    from steplens.analyze.analyses import runner
+
+    manifest = {"sources": [{"rank": 0, "events": 60}, {"rank": 1, "events": 30}, {"rank": 1, "events": 20},
+                            {"rank": 2, "events": 500}, {"rank": 3, "events": 10}, {"rank": 4, "events": 90},
+                            {"rank": None, "events": 10**9}]}
+    assert runner.batches(manifest, [0, 1, 2, 3, 4], limit=100) == [(0,), (1,), (2,), (3, 4)]
+    assert runner.batches(manifest, [0, 1, 2, 3, 4], limit=109) == [(0,), (1,), (2,), (3, 4)]
+    assert runner.batches(manifest, [0, 1, 2, 3, 4], limit=110) == [(0, 1), (2,), (3, 4)]
+    assert runner.batches(manifest, [0, 1, 2, 3, 4], limit=0) == [(0,), (1,), (2,), (3,), (4,)]
+    assert runner.batches({"sources": []}, [5, 7], limit=0) == [(5,), (7,)]

@@ -105,7 +105,7 @@ def test_nested_marks_ops_inside_another_modeled_op_only():
                         "dur_ns": [r[2] for r in rows], "name": [r[0] for r in rows], "pid": [1] * 4, "tid": [1] * 4,
                         "step": [None] * 4, "external_id": [1, 2, 3, 4], "input_dims": [r[3] for r in rows],
                         "input_types": [r[4] for r in rows], "concrete_inputs": [None] * 4})
-    launched = pl.DataFrame(schema={"source": pl.String, "launch_pid": pl.Int64, "launch_tid": pl.Int64,
+    launched = pl.DataFrame(schema={"rank": pl.Int64, "source": pl.String, "launch_pid": pl.Int64, "launch_tid": pl.Int64,
                                     "launch_ts_ns": pl.Int64, "dur_ns": pl.Int64})
     perf = op_perf.op_perf(ops, launched, op_perf.Roof())
     assert dict(perf.select("name", "nested").iter_rows()) == {"my::wrapper": False, "aten::linear": False,

@@ -30,8 +30,8 @@ def _events(inputs: Inputs, columns: list[str], where: pl.Expr) -> pl.DataFrame:
 
 
 def device_timeline(inputs: Inputs) -> Output:
-    """One rank: kernel launches, idle and its causes, op and module performance, and the small
-    results the run-level analyses need."""
+    """A batch of ranks: kernel launches, idle and its causes, op and module performance, and the small
+    results the run-level analyses need, each keyed by rank (and source)."""
     kind, context = pl.col("kind"), inputs.context
     device = _events(inputs, DEVICE_COLUMNS, kind.is_in(launch.WORK_KINDS))
     runtime = _events(inputs, CALL_COLUMNS, kind.is_in(["cuda_runtime", "cuda_driver"]))
@@ -50,7 +50,7 @@ def device_timeline(inputs: Inputs) -> Output:
     gaps = launch.idle_gaps(launched, runtime)
     # record_param_comms (NCCL builds) or the c10d ops themselves (gloo/CPU runs record no comms args)
     cpu_comm_ops = cpu.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()
-                              | pl.col("name").str.starts_with("c10d::")).height
+                              | pl.col("name").str.starts_with("c10d::")).group_by("rank").agg(ops=pl.len())
     return Output(tables={
         "kernel_launches": launched,
         "op_perf": perf,
@@ -62,7 +62,7 @@ def device_timeline(inputs: Inputs) -> Output:
         "_kernel_totals": kernels.kernel_totals(work),
         "_gpu_spans": steps.gpu_spans(work),
         "_step_flops": mfu.step_flops(cpu),
-        "_cpu_comm_ops": pl.DataFrame({"rank": [inputs.rank], "ops": [cpu_comm_ops]}),
+        "_cpu_comm_ops": cpu_comm_ops,
         "_op_totals": op_perf.op_totals(perf),
         "_family_time": op_perf.family_time(cpu, launched),
         "_module_rows": module_perf.module_perf(modules, ops, perf, launched,

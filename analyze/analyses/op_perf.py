@@ -94,7 +94,7 @@ def window_sums(windows: pl.DataFrame, points: pl.DataFrame, value: str) -> pl.S
 def launch_points(launched: pl.DataFrame) -> pl.DataFrame:
     """Device time per launch call, placed at the call's start on its thread."""
     return (launched.filter(pl.col("launch_ts_ns").is_not_null())
-            .group_by("source", pid="launch_pid", tid="launch_tid", at_ns="launch_ts_ns")
+            .group_by("rank", "source", pid="launch_pid", tid="launch_tid", at_ns="launch_ts_ns")
             .agg(work_ns=pl.col("dur_ns").sum()))
 
 
@@ -113,7 +113,8 @@ def op_perf(ops: pl.DataFrame, launched: pl.DataFrame, roof: Roof) -> pl.DataFra
 def _mark_nested(rows: pl.DataFrame) -> pl.DataFrame:
     """nested: inside another op with a model on its thread (its time is in the outer op's too)."""
     modeled = pl.col("flops").is_not_null() | pl.col("bytes").is_not_null()
-    ordered = rows.sort(THREAD + ["ts_ns", "dur_ns"], descending=[False] * 4 + [True])
+    # Ties (two ops with the same start and duration) in trace order: the one written first encloses.
+    ordered = rows.sort(THREAD + ["ts_ns", "dur_ns", "event_id"], descending=[False] * 4 + [True, False])
     end = pl.when(modeled).then(pl.col("hi_ns"))  # only modeled ops enclose
     # Properly nested slices: the earlier one reaching furthest contains this one if any does (a zero-length
     # op at an earlier op's end is beside it, not inside).
@@ -176,7 +177,7 @@ def top_ops(totals: pl.DataFrame, roof: Roof, limit: int = TOP_OPS) -> pl.DataFr
 def family_time(cpu: pl.DataFrame, launched: pl.DataFrame) -> pl.DataFrame:
     """Device time by the family of the innermost CPU op each launch call sits in (TraceLens's
     kernel-launcher view: every activity counted once, under its innermost op; `none`: launched outside
-    every op). `cpu` holds the rank's CPU events (rank, source, kind, name, ts_ns, dur_ns, pid, tid)."""
+    every op), per rank. `cpu` holds the ranks' CPU events (rank, source, kind, name, ts_ns, dur_ns, pid, tid)."""
     points = launch_points(launched).drop_nulls(THREAD + ["at_ns"])
     if points.is_empty():
         return pl.DataFrame(schema={"rank": pl.Int64, "family": pl.String, "launches": pl.Int64, "device_ns": pl.Int64})
@@ -193,5 +194,5 @@ def family_time(cpu: pl.DataFrame, launched: pl.DataFrame) -> pl.DataFrame:
     owned = pl.concat(owners)
     families = {n: family(n) for n in owned["op"].drop_nulls().unique().to_list()}  # rowwise-ok: per distinct op name
     return owned.with_columns(family=pl.col("op").replace_strict(families, default="none", return_dtype=pl.String)).group_by(
-        "family").agg(launches=pl.len(), device_ns=pl.col("work_ns").sum().cast(pl.Int64)).with_columns(
-        rank=pl.lit(cpu["rank"][0] if cpu.height else None, pl.Int64)).select("rank", "family", "launches", "device_ns")
+        "rank", "family").agg(launches=pl.len(), device_ns=pl.col("work_ns").sum().cast(pl.Int64)).select(
+        "rank", "family", "launches", "device_ns")

@@ -34,15 +34,17 @@ from steplens.analyze.contract import schema
 @dataclass
 class Inputs:
     """What an analysis may read. `table` reads an ingested run table (a per-rank table: every rank's
-    rows with a `rank` column; only this rank's when `rank` is set), an earlier analysis's output, or
-    an analysis table already written (the per-rank parts), with only the columns asked for."""
+    rows with a `rank` column; only the batch's ranks' when `batch` is set), an earlier analysis's
+    output, or an analysis table already written (the per-rank parts), with only the columns asked for."""
 
     out_dir: Path
     facts: dict
     options: Any  # runner.Options
     ranks: list[int]
     computed: dict[str, pl.DataFrame] = field(default_factory=dict)
-    rank: int | None = None  # set for a per-rank analysis
+    # Set for a per-rank analysis: the ranks it sees, one large rank or a few small ones at a time (every
+    # per-rank result is keyed by rank and source, so a batch gives what its ranks give one by one).
+    batch: tuple[int, ...] | None = None
     findings: dict = field(default_factory=dict)  # the findings of the analyses run so far
     context: Any = None  # runner.RunContext: the device, its peak and roofline, the world size
 
@@ -56,8 +58,8 @@ class Inputs:
             return _empty(name, columns) if ingested else pl.DataFrame()
         partitioned = ingested and schema.TABLES[name][2]
         frame = pl.scan_parquet(self.out_dir / name, hive_partitioning=partitioned)
-        if self.rank is not None and partitioned:
-            frame = frame.filter(pl.col("rank") == self.rank)
+        if self.batch is not None and partitioned:
+            frame = frame.filter(pl.col("rank").is_in(self.batch))
         if where is not None:
             frame = frame.filter(where)
         return (frame.select(columns) if columns else frame).collect()
@@ -86,9 +88,9 @@ class Analysis:
     writes: dict[str, tuple[pa.Schema, dict[str, str]]]
     compute: Callable[[Inputs], Output]
     phrase: Callable[[dict], list[str]] = lambda finding: []
-    # Per-rank analyses run once per rank, before any run-level one, reading only that rank's rows;
-    # their outputs are concatenated over ranks, except `parts`, written rank by rank as part-<rank>
-    # and never held for all ranks at once (the large per-rank tables).
+    # Per-rank analyses run before any run-level one, over one batch of ranks at a time (runner.batches),
+    # reading only those ranks' rows; their outputs are concatenated over ranks, except `parts`, written
+    # batch by batch as part-<first rank> and never held for all ranks at once (the large per-rank tables).
     per_rank: bool = False
     parts: tuple[str, ...] = ()
     # Results later analyses read that are not tables of their own (kept in memory, never written).

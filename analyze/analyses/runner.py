@@ -1,9 +1,9 @@
 """Run every analysis over a run directory's tables and write each result as its own Parquet table.
 
 The analyses are declared (analyses/builtin.py, and the registered ones in analyses/__init__.py);
-this module orders them by what they read, runs the per-rank ones rank by rank (only that rank's rows
-in memory), then the run-level ones, writes every output typed as declared and gathers the findings
-into findings.json.
+this module orders them by what they read, runs the per-rank ones a batch of ranks at a time (only
+those ranks' rows in memory: one large rank, or a few small ones), then the run-level ones, writes
+every output typed as declared and gathers the findings into findings.json.
 """
 
 from __future__ import annotations
@@ -69,17 +69,17 @@ def _write(out_dir: Path, table: str, frame: pl.DataFrame, spec, part: str = "pa
 
 
 def rank_analyses(out_dir: Path, facts: dict, options: Options, ranks: list[int], context: RunContext,
-                  rank: int) -> dict[str, list[pl.DataFrame]]:
-    """The per-rank analyses of one rank: its per-rank parts written to out_dir, the frames to gather
-    across ranks returned (under `analyze --scheduler`, a task on a worker that sees out_dir)."""
+                  batch: tuple[int, ...]) -> dict[str, list[pl.DataFrame]]:
+    """The per-rank analyses of one batch of ranks: its per-rank parts written to out_dir, the frames to
+    gather across ranks returned (under `analyze --scheduler`, a task on a worker that sees out_dir)."""
     gathered: dict[str, list[pl.DataFrame]] = {}
-    inputs = Inputs(out_dir, facts, options, ranks, rank=rank, context=context)
+    inputs = Inputs(out_dir, facts, options, ranks, batch=tuple(batch), context=context)
     for analysis in [a for a in registry.ordered(ANALYSES) if a.per_rank]:
         result = analysis.compute(inputs)
         for table, spec in analysis.writes.items():
             frame = result.tables.get(table, pl.DataFrame())
             if table in analysis.parts:
-                inputs.computed[table] = _write(out_dir, table, frame, spec, part=f"part-{rank}")
+                inputs.computed[table] = _write(out_dir, table, frame, spec, part=f"part-{batch[0]}")
             else:
                 inputs.computed[table] = frame
                 gathered.setdefault(table, []).append(frame)
@@ -89,9 +89,35 @@ def rank_analyses(out_dir: Path, facts: dict, options: Options, ranks: list[int]
     return gathered
 
 
+# A batch of per-rank analyses holds at most this many trace events (or one rank, if larger): a query
+# costs about 0.2 ms however small its input, and the per-rank analyses run about 200 of them, so a
+# small rank (a few thousand events) is mostly that fixed cost; batched, its ranks share it. Memory stays
+# bounded by the largest rank or this, whichever is more, not by the number of ranks.
+RANK_BATCH_EVENTS = 100_000
+
+
+def batches(manifest: dict, ranks: list[int], limit: int | None = None) -> list[tuple[int, ...]]:
+    """The ranks in order, in consecutive batches of at most `limit` trace events (one rank alone if larger)."""
+    limit = RANK_BATCH_EVENTS if limit is None else limit
+    events = dict.fromkeys(ranks, 0)
+    for source in manifest.get("sources", []):
+        if isinstance(source, dict) and source.get("rank") in events and isinstance(source.get("events"), int):
+            events[source["rank"]] += source["events"]
+    grouped: list[list[int]] = []
+    held = 0
+    for rank in ranks:
+        size = max(events[rank], 1)  # a rank whose size is unknown still counts
+        if not grouped or held + size > limit:
+            grouped.append([])
+            held = 0
+        grouped[-1].append(rank)
+        held += size
+    return [tuple(batch) for batch in grouped]
+
+
 def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     """All analyses over out_dir; returns the findings (also written to findings.json). `map_ranks`
-    (like the builtin map, the default) runs the per-rank analyses over the ranks, in order."""
+    (like the builtin map, the default) runs the per-rank analyses over the batches of ranks, in order."""
     options = options or Options()
     manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
     ranks = manifest["trace_ranks"]
@@ -110,8 +136,8 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
 
     per_rank = [a for a in ordered if a.per_rank]
     gathered: dict[str, list[pl.DataFrame]] = {}
-    one_rank = functools.partial(rank_analyses, Path(out_dir).resolve(), facts, options, ranks, context)
-    for frames in (map_ranks or map)(one_rank, ranks):  # in rank order, however they ran
+    one_batch = functools.partial(rank_analyses, Path(out_dir).resolve(), facts, options, ranks, context)
+    for frames in (map_ranks or map)(one_batch, batches(manifest, ranks)):  # in rank order, however they ran
         for name, parts in frames.items():
             gathered.setdefault(name, []).extend(parts)
 

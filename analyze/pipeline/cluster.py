@@ -2,16 +2,16 @@
 on an existing Dask cluster.
 
 Discovery, the small native artifacts, rank assignment, the cross-rank analyses, the report and the
-publish stay in the `analyze` process. Each rank's analyses are one task (`rank_mapper`:
-runner.rank_analyses, reading the staged tables, writing its per-rank parts, returning its small
-frames to gather). Each trace is one task (`_parse_task`: ingest._parse_source, the code a local
+publish stay in the `analyze` process. Each batch of ranks' analyses is one task (`rank_mapper`:
+runner.rank_analyses over runner.batches, reading the staged tables, writing its per-rank parts,
+returning its small frames to gather). Each trace is one task (`_parse_task`: ingest._parse_source, the code a local
 run uses): it streams its file (a shared path or an object-store URL) and writes its Parquet parts
 into the staging folder's scratch space, which therefore lies on a file system the workers share;
 only the small `Source` record travels back.
 
 With an object-store --out, the workers share nothing with `analyze` but the store: a parse task
 writes its parts straight into the result's uncommitted generation (remote.Generation), at the rank
-the trace names; a rank task reads its rank's parts from there and writes its own parts there. The
+the trace names; a rank task reads its ranks' parts from there and writes its own parts there. The
 `analyze` process downloads the parts for the cross-rank analyses and the report, uploads what the
 workers did not write, and commits: run.json, written last, names them (readers see none of them
 before). A task whose worker dies is rescheduled by Dask (up to
@@ -132,53 +132,57 @@ def parse_all(client, to_parse: list, scratch: Path, progress, store: remote.Gen
     return results
 
 
-def _rank_task(rank: int, one_rank):
-    """The per-rank analyses of one rank, on a worker (runner.rank_analyses), logged with the rank."""
-    TASK_LOG.info("steplens: analysing rank %d in pid %d", rank, os.getpid())
-    return one_rank(rank)
+def _rank_task(batch: tuple[int, ...], one_batch):
+    """The per-rank analyses of one batch of ranks, on a worker (runner.rank_analyses), logged with its ranks."""
+    TASK_LOG.info("steplens: analysing ranks %s in pid %d", _named(batch), os.getpid())
+    return one_batch(batch)
 
 
-def _rank_from_store_task(rank: int, one_rank, parts_url: str, inputs: list[str]):
-    """The per-rank analyses of one rank, on a worker that shares no folder with `analyze`: its inputs
-    downloaded from the uncommitted result into a folder of its own, its parts uploaded there. Returns
-    the frames to gather and {relative path: size} of what it uploaded."""
-    TASK_LOG.info("steplens: analysing rank %d in pid %d, parts to %s", rank, os.getpid(), parts_url)
+def _named(batch: tuple[int, ...]) -> str:
+    return "-".join(map(str, batch))
+
+
+def _rank_from_store_task(batch: tuple[int, ...], one_batch, parts_url: str, inputs: list[str]):
+    """The per-rank analyses of one batch of ranks, on a worker that shares no folder with `analyze`: its
+    inputs downloaded from the uncommitted result into a folder of its own, its parts uploaded there.
+    Returns the frames to gather and {relative path: size} of what it uploaded."""
+    TASK_LOG.info("steplens: analysing ranks %s in pid %d, parts to %s", _named(batch), os.getpid(), parts_url)
     with tempfile.TemporaryDirectory(prefix="steplens-rank-") as folder:
         remote.get_files(parts_url, {relative: Path(folder, relative) for relative in inputs})
         # runner.run binds the staged folder first: here the folder is this task's own
-        frames = functools.partial(one_rank.func, Path(folder), *one_rank.args[1:], **one_rank.keywords)(rank)
+        frames = functools.partial(one_batch.func, Path(folder), *one_batch.args[1:], **one_batch.keywords)(batch)
         written = {p.relative_to(folder).as_posix(): p for p in Path(folder).rglob("*.parquet")}
         return frames, remote.put_files(parts_url, {k: v for k, v in written.items() if k not in inputs})
 
 
-def _rank_inputs(folder: Path, rank: int) -> list[str]:
-    """The staged parts the per-rank analyses read for one rank (relative paths): that rank's partition
-    of the ingested tables they read, and those tables whole when they are not partitioned by rank."""
+def _rank_inputs(folder: Path, batch: tuple[int, ...]) -> list[str]:
+    """The staged parts the per-rank analyses read for one batch of ranks (relative paths): those ranks'
+    partitions of the ingested tables they read, and those tables whole when they are not partitioned by rank."""
     from steplens.analyze.analyses import runner
 
     tables = {table for analysis in runner.ANALYSES if analysis.per_rank for table in analysis.reads
               if table in schema.TABLES}
-    return sorted(p.relative_to(folder).as_posix() for table in tables
-                  for p in (folder / schema.part_dir(table, rank)).glob("*.parquet"))
+    return sorted({p.relative_to(folder).as_posix() for table in tables for rank in batch
+                   for p in (folder / schema.part_dir(table, rank)).glob("*.parquet")})
 
 
 def rank_mapper(client, store: remote.Generation | None = None):
-    """A `map` for runner.run: each rank's analyses as a task, the results in rank order. They read the
+    """A `map` for runner.run: each batch of ranks' analyses as a task, the results in rank order. They read the
     staged tables and write their per-rank parts there (the shared folder the parse tasks wrote to); with a
     `store`, they read and write the uncommitted result instead, and their parts are downloaded here."""
     from distributed.scheduler import KilledWorker
 
-    def map_ranks(one_rank, ranks):
+    def map_ranks(one_batch, batches):
         token = secrets.token_hex(4)
         if store:
-            folder = Path(one_rank.args[0])
-            inputs = {rank: _rank_inputs(folder, rank) for rank in ranks}
+            folder = Path(one_batch.args[0])
+            inputs = {batch: _rank_inputs(folder, batch) for batch in batches}
             store.put_missing(folder, sorted({p for paths in inputs.values() for p in paths}))  # reused parts
-            futures = [client.submit(_rank_from_store_task, rank, one_rank, store.prefix, inputs[rank],
-                                     key=f"steplens-rank-{rank}-{token}", pure=False) for rank in ranks]
+            futures = [client.submit(_rank_from_store_task, batch, one_batch, store.prefix, inputs[batch],
+                                     key=f"steplens-rank-{_named(batch)}-{token}", pure=False) for batch in batches]
         else:
-            futures = [client.submit(_rank_task, rank, one_rank, key=f"steplens-rank-{rank}-{token}", pure=False)
-                       for rank in ranks]
+            futures = [client.submit(_rank_task, batch, one_batch, key=f"steplens-rank-{_named(batch)}-{token}",
+                                     pure=False) for batch in batches]
         try:
             if not store:
                 return client.gather(futures)

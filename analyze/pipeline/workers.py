@@ -114,19 +114,19 @@ class Workers:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
-    def map_ranks(self, one_rank, ranks: list) -> list:
-        """one_rank(rank) for each rank, in rank order: on the workers the parse started, taking ranks
-        from the front, and this process, from the back; here alone when the parse needed none. It is
-        the workers' last job: they stop when it returns, so the report is rendered without them
+    def map_ranks(self, one_batch, batches: list) -> list:
+        """one_batch(batch) for each batch of ranks, in order: on the workers the parse started, taking
+        batches from the front, and this process, from the back; here alone when the parse needed none.
+        It is the workers' last job: they stop when it returns, so the report is rendered without them
         holding memory."""
-        if not self.started or len(ranks) < 2:
-            return list(map(one_rank, ranks))
-        queue, results, in_flight = list(ranks), {}, {}
+        if not self.started or len(batches) < 2:
+            return list(map(one_batch, batches))
+        queue, results, in_flight = list(batches), {}, {}
 
         def top_up() -> None:
             while queue and len(in_flight) < 2 * self.size:  # one queued behind each worker's
-                rank = queue.pop(0)
-                in_flight[self.submit(one_rank, rank)] = rank
+                batch = queue.pop(0)
+                in_flight[self.submit(one_batch, batch)] = batch
 
         def collect(futures) -> None:
             for future in futures:
@@ -135,8 +135,8 @@ class Workers:
         try:
             top_up()
             while queue:
-                rank = queue.pop()
-                results[rank] = one_rank(rank)
+                batch = queue.pop()
+                results[batch] = one_batch(batch)
                 collect([f for f in in_flight if f.done()])
                 top_up()
             collect(list(in_flight))
@@ -144,7 +144,7 @@ class Workers:
             self.kill()
             raise
         self.close()
-        return [results[rank] for rank in ranks]
+        return [results[batch] for batch in batches]
 
     def kill(self) -> None:
         """Kill the workers now (Ctrl-C, SIGTERM, an error): waiting would finish every task in flight."""
