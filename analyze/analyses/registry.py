@@ -50,9 +50,9 @@ class Inputs:
 
     def table(self, name: str, columns: list[str] | None = None, where: pl.Expr | None = None) -> pl.DataFrame:
         if name in self.computed:
-            frame = self.computed[name]
+            frame = self.computed[name].lazy()  # lazy: only the columns asked for are filtered
             frame = frame.filter(where) if where is not None else frame
-            return frame.select(columns) if columns else frame
+            return (frame.select(columns) if columns else frame).collect()
         ingested = name in schema.TABLES
         if not (self.out_dir / name).exists():
             return _empty(name, columns) if ingested else pl.DataFrame()

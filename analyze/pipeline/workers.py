@@ -120,7 +120,9 @@ class Workers:
         It is the workers' last job: they stop when it returns, so the report is rendered without them
         holding memory."""
         if not self.started or len(batches) < 2:
-            return list(map(one_batch, batches))
+            results = list(map(one_batch, batches))
+            self.close()
+            return results
         queue, results, in_flight = list(batches), {}, {}
 
         def top_up() -> None:

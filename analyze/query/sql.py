@@ -12,13 +12,16 @@ import glob
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import duckdb
 import polars as pl
 
 from steplens.analyze.analyses import monitor
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline import remote
+
+if TYPE_CHECKING:
+    import duckdb
 
 EXAMPLES = {
     "slowest step per run": "SELECT run_id, step, max_dur_ns / 1e6 AS ms, straggler_rank FROM step_stats "
@@ -74,6 +77,8 @@ def _part_files(run: Path, table: str, partitioned: bool) -> list[str]:
 
 def connect(root: Path) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per table over every run under root."""
+    import duckdb  # here, not at import: `analyze` imports this module for its help text only
+
     con = duckdb.connect()
     if remote.is_url(root):  # DuckDB reads the objects through the store's fsspec filesystem, offline too
         runs = remote.committed_runs(str(root))
@@ -123,6 +128,8 @@ def _fact(value, dtype):
 
 def query(root: Path, sql: str) -> pl.DataFrame:
     """Run one SELECT over every run under root; the result as a polars DataFrame."""
+    import duckdb
+
     statements = duckdb.extract_statements(sql)
     if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
         raise QueryError("only a single SELECT (or WITH ... SELECT) statement is accepted")
