@@ -94,3 +94,25 @@ def test_an_edited_recording_goes_to_the_full_command(run, edit):
     manifest["rerun"].update(edit)
     manifest_path.write_text(json.dumps(manifest))
     assert cli_rerun.answer([str(run)]) is None
+
+
+EXIT_CASES = {
+    # buffered output (a pipe: block-buffered) is written whole; the status is the entry's
+    "status": ("import sys\ndef entry():\n    sys.stdout.write('x' * 100000)\n    sys.exit(3)\n", 3, "x" * 100000),
+    # sys.exit with a message: printed to stderr, status 1, as Python does
+    "message": ("import sys\ndef entry():\n    print('out')\n    sys.exit('why')\n", 1, "out\n"),
+    # a non-daemon thread still running is waited for: the interpreter exits as usual
+    "thread": ("import threading, time, sys\ndef late():\n    time.sleep(0.3)\n    print('late', flush=True)\n"
+               "def entry():\n    threading.Thread(target=late).start()\n", 0, "late\n"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXIT_CASES))
+def test_console_scripts_exit_without_teardown_but_lose_nothing(case):
+    """The scripts end with os._exit (the interpreter's teardown costs 0.1-0.3 s after polars, pyarrow and
+    matplotlib): everything printed still arrives, the status is kept, and a live thread is waited for."""
+    code, status, stdout = EXIT_CASES[case]
+    script = code + "from steplens.analyze.cli_rerun import exit_without_teardown\nexit_without_teardown(entry)\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (status, stdout)
+    assert done.stderr == ("why\n" if case == "message" else "")
