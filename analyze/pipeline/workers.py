@@ -121,7 +121,7 @@ class Workers:
         holding memory."""
         if not self.started or len(batches) < 2:
             results = list(map(one_batch, batches))
-            self.close()
+            self.kill()  # idle since the parse
             return results
         queue, results, in_flight = list(batches), {}, {}
 
@@ -142,10 +142,8 @@ class Workers:
                 collect([f for f in in_flight if f.done()])
                 top_up()
             collect(list(in_flight))
-        except BaseException:
-            self.kill()
-            raise
-        self.close()
+        finally:
+            self.kill()  # every task has returned (or failed): nothing is lost, and no worker's teardown is waited for
         return [results[batch] for batch in batches]
 
     def kill(self) -> None:
