@@ -143,7 +143,7 @@ def main() -> None:
 
 
 def analyze_entry() -> None:
-    """The `analyze` script: a re-run with nothing changed answered here, anything else by the full
+    """`analyze`: a re-run with nothing changed answered here, anything else by the full
     command (cli.py)."""
     status = answer(sys.argv[1:])
     if status is not None:

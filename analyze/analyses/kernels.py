@@ -90,6 +90,7 @@ def top_kernels(totals: pl.DataFrame, limit: int = 50) -> pl.DataFrame:
             max_rank_time_ns=pl.col("time_ns").max(),
         )
         .with_columns(mean_ns=pl.col("time_ns") // pl.col("calls"))
-        .sort("time_ns", "name", "category", descending=[True, False, False], nulls_last=True)  # ties by name: the same 50 every run
+        # Ties by name: the same 50 every run.
+        .sort("time_ns", "name", "category", descending=[True, False, False], nulls_last=True)
         .head(limit)
     )

@@ -4,8 +4,8 @@ on an existing Dask cluster.
 Discovery, the small native artifacts, rank assignment, the cross-rank analyses, the report and the
 publish stay in the `analyze` process. Each batch of ranks' analyses is one task (`rank_mapper`:
 runner.rank_analyses over runner.batches, reading the staged tables, writing its per-rank parts,
-returning its small frames to gather). Each trace is one task (`_parse_task`: ingest._parse_source, the code a local
-run uses): it streams its file (a shared path or an object-store URL) and writes its Parquet parts
+returning its small frames to gather). Each trace is one task (`_parse_task`: ingest._parse_source,
+the code a local run uses): it streams its file (a shared path or an object-store URL) and writes its Parquet parts
 into the staging folder's scratch space, which therefore lies on a file system the workers share;
 only the small `Source` record travels back.
 

@@ -14,7 +14,8 @@ Each set, end to end, whole processes from a cold start (interpreter start-up an
 steplens `analyze RUN_DIR` (ingest + analyses + report) against HTA `TraceAnalysis(trace_dir=...)` +
 its four core analyses (tests/benchmarks/hta_load.py), alternating (steplens, hta, steplens, ...)
 --runs times; medians, with min-max. Peak RSS = summed RSS of the process tree
-(tests/benchmarks/peak_rss.py); steplens's sources are byte-compiled first, as pip compiled HTA's. Then, per set, where steplens's time goes: seconds per stage of one
+(tests/benchmarks/peak_rss.py); steplens's sources are byte-compiled first, as pip compiled HTA's.
+Then, per set, where steplens's time goes: seconds per stage of one
 file (tests/benchmarks/stage_split.py: gunzip, JSON decode, column building, normalisation,
 step/launch linking, Parquet write), MB/s, and the ratio to the decode-only limit (gunzip + msgspec
 scanning the same bytes). Then the analyses' share of ingest time, an unchanged re-run against a
@@ -245,8 +246,8 @@ def byte_compile_steplens() -> None:
     """Compile steplens's sources to bytecode once, as pip does for HTA's installed packages: an editable
     install run where PYTHONDONTWRITEBYTECODE is set (this machine sets it) would otherwise compile
     every module again in every process, about a quarter of a second a run that no installed copy pays."""
-    subprocess.run([sys.executable, "-m", "compileall", "-q", *(str(REPO / d) for d in ("analyze", "reports", "collect"))],
-                   check=True, capture_output=True)
+    folders = [str(REPO / d) for d in ("analyze", "reports", "collect")]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *folders], check=True, capture_output=True)
 
 
 def main() -> int:
