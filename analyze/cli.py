@@ -45,7 +45,7 @@ from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
 from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
                                          EXIT_REGRESSION, EXIT_STATUS_HELP, EXIT_UNWRITABLE, Terminated, analyse_and_report,
-                                         fail, print_summary, ranges, summary_lines)
+                                         fail, import_figures, print_summary, ranges, summary_lines)
 from steplens.reports.text import safe_text
 from steplens.reports.verdict import finding_lines
 
@@ -312,7 +312,7 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
                 progress.update(task, advance=source.size, files=progress.tasks[task].fields["files"] + 1)
 
             # The parse's worker processes stay up for the per-rank analyses (a cluster's are its own).
-            with Workers(jobs) as workers, staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance,
+            with Workers(jobs, when_idle=None if ingest_only else import_figures) as workers, staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance,
                                                   client=client, store=store, workers=workers) as stage:
                 if not ingest_only:
                     map_ranks = _rank_mapper(client, store) if client is not None else workers.map_ranks

@@ -138,6 +138,12 @@ def ranges(numbers: list[int]) -> str:
 
 
 
+def import_figures() -> None:
+    """The report's figure module and matplotlib (a quarter of a second): `analyze` imports them while it
+    waits for its workers (Workers when_idle) rather than after the analyses."""
+    from steplens.reports import figures  # noqa: F401
+
+
 def analyse_and_report(folder: Path, options: runner.Options, map_ranks=None) -> dict:
     """The analyses, then report.html and summary.md, in the staged output (published together);
     `map_ranks` runs the per-rank analyses (runner.run)."""

@@ -148,6 +148,43 @@ def analyze_entry() -> None:
     status = answer(sys.argv[1:])
     if status is not None:
         sys.exit(status)
-    from steplens.analyze import cli
+    from steplens.analyze.pipeline import workers
 
-    cli.analyze_entry()
+    if (early := _run_dir_and_jobs(sys.argv[1:])) is not None:
+        workers.start_early_for(*early)  # they import while this process does
+    try:
+        from steplens.analyze import cli
+
+        cli.analyze_entry()
+    finally:
+        workers.stop_early()
+
+
+# The analyze command's options that take a value (test_rerun checks them against cli.analyze).
+VALUE_OPTIONS = {"--out", "--scheduler", "--jobs", "-j", "--dtype", "--peak-tflops", "--params", "--layers", "--heads",
+                 "--head-dim", "--seq-len", "--tokens-per-step", "--grad-norm-threshold", "--format",
+                 "--kernel-categories"}
+
+
+def _run_dir_and_jobs(argv: list[str]) -> tuple[Path, int] | None:
+    """`analyze RUN_DIR ...`'s local RUN_DIR and --jobs, for workers started before the imports; None
+    for another command, a URL, --scheduler (a cluster's workers) or --help."""
+    run_dir, jobs, args = None, os.cpu_count() or 1, list(argv)
+    if args[:1] == ["compare"]:
+        return None
+    while args:
+        arg = args.pop(0)
+        name, _, value = arg.partition("=")
+        if arg in ("--help", "--scheduler") or name == "--scheduler":
+            return None
+        if name in VALUE_OPTIONS:
+            value = value if "=" in arg else (args.pop(0) if args else "")
+            if name in ("--jobs", "-j"):
+                if not value.isdigit():
+                    return None  # click will say what is wrong
+                jobs = int(value)
+        elif not arg.startswith("-"):
+            run_dir = arg
+    if run_dir is None or "://" in run_dir or not Path(run_dir).is_dir():
+        return None
+    return Path(run_dir), jobs

@@ -258,3 +258,34 @@ def run_curves(aligned: pl.DataFrame) -> str:
         ax.legend(frameon=False, fontsize=8)
     axes[-1, 0].set_xlabel("global samples")
     return _svg(fig)
+
+
+def roofline_scatter(top_ops: list[dict], roof: dict) -> str:
+    """Achieved TFLOP/s against FLOPs per byte for the top ops, under the device's roofs (memory slope
+    and the dense peak of each dtype shown)."""
+    points = [op for op in top_ops if op.get("intensity") and op.get("achieved_tflops")]
+    fig, ax = _subplots(figsize=(6, 3.4))
+    lo = min([op["intensity"] for op in points] + [0.1]) / 2
+    hi = max([op["intensity"] for op in points] + [1e4]) * 2
+    bandwidth = roof["bandwidth_tbps"]
+    for dtype in sorted({op["dtype"] for op in points if op["dtype"] in roof["peak_tflops"]}):
+        peak = roof["peak_tflops"][dtype]
+        ridge = peak / bandwidth
+        ax.plot([lo, ridge, hi], [lo * bandwidth, peak, peak], lw=1, label=f"roof {dtype}: {peak:g} TFLOP/s, {bandwidth:g} TB/s")
+    # One colour per op from the colour cycle, as one scatter call per op gave (scatter's cycle is not the lines').
+    colours = [f"C{i % 10}" for i in range(len(points))]
+    ax.scatter([op["intensity"] for op in points], [op["achieved_tflops"] for op in points], s=18, c=colours)
+    for op in points:
+        ax.annotate(op["name"].replace("aten::", ""), (op["intensity"], op["achieved_tflops"]), fontsize=7,
+                    xytext=(3, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    # Minor ticks over these many decades are clutter, and drawing them was half the figure's time.
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.xaxis.set_major_formatter(PLAIN_NUMBER)
+    ax.yaxis.set_major_formatter(PLAIN_NUMBER)
+    ax.set_xlabel("intensity (FLOPs per byte moved)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.legend(frameon=False, fontsize=7)
+    return _svg(fig)

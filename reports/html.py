@@ -2,7 +2,8 @@
 
 Every string that comes from a trace or a log (kernel names, op names, file names, error lines) is
 untrusted: the Jinja2 environment autoescapes everything, and only the SVG that matplotlib wrote
-is marked safe. A Content-Security-Policy meta tag forbids scripts and any fetch, so even a
+is marked safe. Figures are drawn once every section is built (`draw`), so a report without one
+never imports matplotlib (a quarter of a second). A Content-Security-Policy meta tag forbids scripts and any fetch, so even a
 rendering mistake cannot make the page call out.
 
 The report only renders: every number is a row of an analysis table or a finding, picked, sorted
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
@@ -21,7 +23,7 @@ from markupsafe import Markup
 
 from steplens.analyze.analyses import REGISTERED
 
-from . import figures, roofline
+from . import roofline
 from .data import Run, kernel_labels, load, ms, size, text_value, write_atomic
 from .verdict import verdict
 
@@ -67,6 +69,33 @@ def _num(value) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:,.3g}"
 
 
+@dataclass(frozen=True)
+class Drawing:
+    """A figure still to draw: figures.<name>(*args)."""
+
+    name: str
+    args: tuple
+
+
+def draw(drawings: list[Drawing]) -> list[str]:
+    """The SVG of each drawing, in order."""
+    if not drawings:
+        return []
+    from . import figures  # matplotlib: imported by a report that has figures only
+
+    return [getattr(figures, d.name)(*d.args) for d in drawings]
+
+
+def _drawn(sections: list[dict]) -> list[dict]:
+    """The sections with their figures drawn."""
+    blocks = [block for section in sections for block in section["blocks"]]
+    svgs = iter(draw([content for kind, content in blocks if kind == "figure"]))
+    for section in sections:
+        section["blocks"] = [(kind, Markup(next(svgs)) if kind == "figure" else content)
+                             for kind, content in section["blocks"]]
+    return sections
+
+
 class Section(dict):
     """A report section: a title and blocks shown in order (text, figure, table), or one line when empty."""
 
@@ -76,8 +105,9 @@ class Section(dict):
     def text(self, line: str) -> None:
         self["blocks"].append(("text", line))
 
-    def figure(self, svg: str) -> None:
-        self["blocks"].append(("figure", Markup(svg)))
+    def figure(self, name: str, *args) -> None:
+        """A figure drawn by figures.<name>(*args) when the page is rendered."""
+        self["blocks"].append(("figure", Drawing(name, args)))
 
     def table(self, table: dict) -> None:
         self["blocks"].append(("table", table))
@@ -124,14 +154,14 @@ def _time_section(run: Run) -> dict:
     step = timeline["step"][0] if not timeline.is_empty() else breakdown["step"].max()
     section.text(f"ProfilerStep#{step}, the slowest profiled step (longest wall time across ranks): each rank's device "
                  "time split into compute, communication not hidden behind compute, and idle by cause.")
-    section.figure(figures.step_breakdown_bars(breakdown.filter(pl.col("step") == step)))
+    section.figure("step_breakdown_bars", breakdown.filter(pl.col("step") == step))
     if not timeline.is_empty():
         offsets = run.table("clock_offsets")
         aligned = not offsets.is_empty() and offsets["offset_ns"].is_not_null().all() and offsets.height > 1
         clock = ("ranks aligned on collective end times (clock_offsets)" if aligned
                  else "one rank" if offsets.height <= 1 else "ranks NOT aligned (no collectives to match): each on its own clock")
         section.text(f"The same step over time ({clock}); gaps under 1/1000 of the step are not drawn.")
-        section.figure(figures.step_gantt(timeline))
+        section.figure("step_gantt", timeline)
     return section
 
 
@@ -149,8 +179,7 @@ def _steps_section(run: Run) -> dict:
         section.text(f"Step time from {STEP_SOURCES.get(source, source)}" + (f". {definition[0].upper()}{definition[1:]}"
                                                                               if definition else "") + ".")
         if series.height >= MIN_SERIES_STEPS:
-            section.figure(figures.step_time_series(series, profiled,
-                                                    (run.findings.get("step_time") or {}).get("p90_ns")))
+            section.figure("step_time_series", series, profiled, (run.findings.get("step_time") or {}).get("p90_ns"))
         excluded = series.filter(pl.col("excluded").fill_null(False))
         if not excluded.is_empty():
             section.text("Steps left out of the summary, and why:")
@@ -158,7 +187,7 @@ def _steps_section(run: Run) -> dict:
                                 "step_time"))
     if not stats.is_empty():
         if stats.height > 1 and stats["ranks"].max() > 1:  # one step or one rank: a table, not a heatmap
-            section.figure(figures.step_heatmap(times))
+            section.figure("step_heatmap", times)
         section.text("Profiled steps (CPU ProfilerStep time, over ranks)" +
                      (f"; the {TABLE_ROWS} slowest of {stats.height}:" if stats.height > TABLE_ROWS else ":"))
         shown = stats.sort("max_dur_ns", descending=True) if stats.height > TABLE_ROWS else stats.sort("step")
@@ -194,11 +223,11 @@ def _cpu_gpu_section(run: Run) -> dict:
         return Section("CPU vs GPU", "cpu-gpu", empty="No device activity in the traces (CPU-only run or no kernels).")
     section = Section("CPU vs GPU", "cpu-gpu")
     if (launches["queue_ns"] > 0).any():
-        section.figure(figures.launch_delay(launches))
+        section.figure("launch_delay", launches)
     whole_window = idle.filter((pl.col("stream") == -1) & pl.col("step").is_null())
     if not whole_window.is_empty():
         section.text("Device idle over the whole traced window, per rank, by cause:")
-        section.figure(figures.idle_by_cause(whole_window))
+        section.figure("idle_by_cause", whole_window)
     section.text("Launch APIs per rank, most GPU time first:")
     section.table(_rows(run.table("launch_summary").sort("gpu_ns_total", descending=True), {
         "rank": ("rank", str), "launch_api": ("launch API", str), "activities": ("activities", _num),
@@ -238,7 +267,7 @@ def _collectives_section(run: Run) -> dict:
     section = Section("Collectives", "collectives")
     if not summary.is_empty():
         if summary["busbw_median_gbps"].is_not_null().any():
-            section.figure(figures.busbw_by_size(summary.filter(pl.col("busbw_median_gbps").is_not_null())))
+            section.figure("busbw_by_size", summary.filter(pl.col("busbw_median_gbps").is_not_null()))
         else:
             section.text("No bandwidth plot: the traces do not give these collectives' message sizes "
                          "(no record_param_comms sizes).")
@@ -285,7 +314,7 @@ def _mfu_section(run: Run) -> dict:
             "flops_total": ("FLOPs incl. children", _num), "macs_total": ("MACs incl. children", _num),
             "duration_ns": ("forward time", ms)}, "flops_profile"))
     for kind, content in roofline.report_blocks(run.findings.get("roofline")):  # computed in analyze/analyses/roofline.py
-        getattr(section, kind)(content)
+        section.figure(*content) if kind == "figure" else getattr(section, kind)(content)
     return section
 
 
@@ -299,7 +328,7 @@ def _monitor_section(run: Run) -> dict:
         shown = _preferred(names)
         scalars = run.table("scalars").filter(pl.col("name").is_in(shown) & pl.col("global_samples").is_not_null()
                                               & pl.col("value").is_finite())
-        section.figure(figures.curves(scalars, "global_samples", shown))
+        section.figure("curves", scalars, "global_samples", shown)
     section.table(_rows(series, {"origin": ("from", str), "name": ("scalar", str), "points": ("points", _num),
                                  "aligned_points": ("on global samples", _num), "ranks": ("ranks", _num)},
                         "scalar_series"))
@@ -480,13 +509,13 @@ def render(out_dir: Path) -> str:
     sections += [s for s in [_comparability_section(run)] if s] + [_manifest_section(run), _issues_section(run)]
     return TEMPLATES.get_template("report.html.j2").render(
         run=run, title=f"steplens report: {run.name}", verdict=verdict(run), numbers=key_numbers(run),
-        sections=sections, caveats=run.findings.get("caveats", []))
+        sections=_drawn(sections), caveats=run.findings.get("caveats", []))
 
 
 def render_compare(result: dict) -> str:
     from .compare import METHOD, display_tables, headline
 
-    figure = Markup(figures.run_curves(result["curves"])) if not result["curves"].is_empty() else None
+    figure = Markup(draw([Drawing("run_curves", (result["curves"],))])[0]) if not result["curves"].is_empty() else None
     return TEMPLATES.get_template("compare.html.j2").render(r=result, tables=display_tables(result), method=METHOD,
                                                             curves=figure, headline=headline(result))
 

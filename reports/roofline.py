@@ -3,43 +3,9 @@ findings.json's `roofline` (computed by analyze/analyses/roofline.py); nothing i
 
 from __future__ import annotations
 
-import matplotlib.ticker
-
 from steplens.reports.text import shapes_text
 
-from .figures import PLAIN_NUMBER, _subplots, _svg
 from .verdict import module_line, op_line
-
-
-def scatter(top_ops: list[dict], roof: dict) -> str:
-    """Achieved TFLOP/s against FLOPs per byte for the top ops, under the device's roofs (memory slope
-    and the dense peak of each dtype shown)."""
-    points = [op for op in top_ops if op.get("intensity") and op.get("achieved_tflops")]
-    fig, ax = _subplots(figsize=(6, 3.4))
-    lo = min([op["intensity"] for op in points] + [0.1]) / 2
-    hi = max([op["intensity"] for op in points] + [1e4]) * 2
-    bandwidth = roof["bandwidth_tbps"]
-    for dtype in sorted({op["dtype"] for op in points if op["dtype"] in roof["peak_tflops"]}):
-        peak = roof["peak_tflops"][dtype]
-        ridge = peak / bandwidth
-        ax.plot([lo, ridge, hi], [lo * bandwidth, peak, peak], lw=1, label=f"roof {dtype}: {peak:g} TFLOP/s, {bandwidth:g} TB/s")
-    # One colour per op from the colour cycle, as one scatter call per op gave (scatter's cycle is not the lines').
-    colours = [f"C{i % 10}" for i in range(len(points))]
-    ax.scatter([op["intensity"] for op in points], [op["achieved_tflops"] for op in points], s=18, c=colours)
-    for op in points:
-        ax.annotate(op["name"].replace("aten::", ""), (op["intensity"], op["achieved_tflops"]), fontsize=7,
-                    xytext=(3, 2), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    # Minor ticks over these many decades are clutter, and drawing them was half the figure's time.
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.xaxis.set_major_formatter(PLAIN_NUMBER)
-    ax.yaxis.set_major_formatter(PLAIN_NUMBER)
-    ax.set_xlabel("intensity (FLOPs per byte moved)")
-    ax.set_ylabel("achieved TFLOP/s")
-    ax.legend(frameon=False, fontsize=7)
-    return _svg(fig)
 
 
 OP_COLUMNS = {"name": "op", "shapes": "shapes", "dtype": "dtype", "calls": "calls", "device_ns": "device time",
@@ -71,7 +37,8 @@ def table(rows: list[dict], columns: dict[str, str], source_table: str) -> dict:
 
 
 def report_blocks(finding: dict | None) -> list[tuple[str, object]]:
-    """(kind, content) blocks for the FLOPs and MFU section: the scatter, top ops, modules below peak."""
+    """(kind, content) blocks for the FLOPs and MFU section: the scatter (a figure's name and arguments: figures.roofline_scatter),
+    top ops, modules below peak."""
     if not finding:
         return []
     blocks: list[tuple[str, object]] = []
@@ -80,7 +47,7 @@ def report_blocks(finding: dict | None) -> list[tuple[str, object]]:
     if finding.get("top_ops"):
         blocks.append(("text", "Top ops by device time and their place on the roofline (" + finding["top_ops_definition"] + "):"))
         if finding.get("roof"):
-            blocks.append(("figure", scatter(finding["top_ops"], finding["roof"])))
+            blocks.append(("figure", ("roofline_scatter", finding["top_ops"], finding["roof"])))
             blocks.append(("text", "Roofs: " + finding["roof"]["label"] + "."))
         blocks.append(("table", table(finding["top_ops"], OP_COLUMNS, "op_perf")))
     if families := finding.get("time_by_op_family"):

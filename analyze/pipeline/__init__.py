@@ -5,19 +5,22 @@
     -> analyse (analyses/runner.py `run`: analysis tables and findings.json, into the same folder)
     -> render (reports/: report.html and summary.md, into the same folder; called by the CLI)
     -> publish (pipeline/ingest.py `publish`: the folder swapped in at the output path, atomically)
+
+The package imports nothing itself, so that `pipeline.workers` (standard library only) starts the
+workers before polars and pyarrow are imported.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from steplens.analyze.analyses import runner
-from steplens.analyze.pipeline.ingest import IngestResult, publish, staged
 
+def analyse(run_dir: Path, out_dir: Path | None = None, options=None, **ingest_options):
+    """Tables and analyses, published together (no report): (IngestResult, findings); `options` is
+    an analyses.runner.Options."""
+    from steplens.analyze.analyses import runner
+    from steplens.analyze.pipeline.ingest import publish, staged
 
-def analyse(run_dir: Path, out_dir: Path | None = None, options: runner.Options | None = None, **ingest_options
-            ) -> tuple[IngestResult, dict]:
-    """Tables and analyses, published together (no report); the findings."""
     with staged(run_dir, out_dir, **ingest_options) as stage:
         findings = runner.run(stage.folder, options)
         return publish(stage), findings

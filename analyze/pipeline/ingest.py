@@ -16,7 +16,6 @@ import re
 import shutil
 import stat
 import time
-from concurrent.futures import Future, as_completed
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from steplens.analyze.contract import issue_reasons, reuse, schema
 from steplens.analyze.contract.manifest import RunManifest
 from steplens.analyze.importers.base import Importer, ParsedTrace, conform
 from steplens.analyze.importers.json_events import NotATrace
-from steplens.analyze.pipeline.workers import Workers
+from steplens.analyze.pipeline.workers import WORKER_WORTH_BYTES, Workers, estimated_json_bytes
 
 # Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
@@ -846,22 +845,18 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, worke
 _RUN_LEVEL_REASONS = {"rank_from_filename", "rank_assumed", "rank_unknown", "world_size_mismatch"}
 
 
-# Starting a worker (a fresh interpreter importing polars and pyarrow) costs about as much as
-# parsing 30 MB of JSON, and the memory of another process: below this much JSON in total the work,
-# the per-rank analyses included, stays in this process (measured: two workers on 67 MB were no
-# faster than one process, at twice its memory)
-# (STEPLENS_WORKER_WORTH_BYTES overrides it, e.g. to force workers on small test inputs).
-WORKER_WORTH_BYTES = int(os.environ.get("STEPLENS_WORKER_WORTH_BYTES", 100_000_000))
-GZIP_RATIO = 10  # typical raw/gzip size of a Kineto trace (the corpus ranges 7x-30x)
-
-
 def _estimated_json_bytes(to_parse) -> int:
-    return sum(s.size * (GZIP_RATIO if str(p).endswith(".gz") else 1) for p, s in to_parse)
+    return sum(estimated_json_bytes(str(path), source.size) for path, source in to_parse)
+
+
+def _parse_file(item: tuple[str, Source, str]) -> Source:
+    return _parse_source(*item)
 
 
 def _parse_all(to_parse, scratch: Path, workers: Workers, progress) -> list[Source]:
     """Parse files in this process and on the workers: they take the largest files, this process the
-    smallest. One file per process is parsed at a time, which bounds memory."""
+    smallest, each the next as soon as it is free. One file per process is parsed at a time, which
+    bounds memory."""
     results: list[Source] = []
 
     def done(source: Source) -> None:
@@ -870,30 +865,15 @@ def _parse_all(to_parse, scratch: Path, workers: Workers, progress) -> list[Sour
             progress(source)
 
     pending = sorted(to_parse, key=lambda item: item[1].size)
-    if workers.jobs == 1 or len(pending) <= 1 or _estimated_json_bytes(to_parse) < WORKER_WORTH_BYTES:
+    worth = workers.started_early or _estimated_json_bytes(to_parse) >= WORKER_WORTH_BYTES
+    if workers.jobs == 1 or len(pending) <= 1 or not worth:
         for path, source in pending:
             done(_parse_source(str(path), source, str(scratch)))
         return results
     workers.pool(len(pending) - 1)
-    in_flight: set[Future] = set()
-
-    def top_up() -> None:
-        # One file queued behind each worker's (it costs its path): a worker never waits for this process.
-        while pending and len(in_flight) < 2 * workers.size:
-            path, source = pending.pop()
-            in_flight.add(workers.submit(_parse_source, str(path), source, str(scratch)))
-
     try:
-        top_up()
-        while pending:
-            path, source = pending.pop(0)
-            done(_parse_source(str(path), source, str(scratch)))
-            for future in [f for f in in_flight if f.done()]:
-                in_flight.discard(future)
-                done(future.result())
-            top_up()
-        for future in as_completed(in_flight):
-            done(future.result())
+        for _, source in workers.share(_parse_file, [(str(path), source, str(scratch)) for path, source in pending[::-1]]):
+            done(source)
     except BaseException:
         workers.kill()
         raise

@@ -2,8 +2,11 @@
 by the per-rank analyses, stopped when the run ends.
 
 A worker is a spawned interpreter (not forked: polars' thread pool does not survive fork) that has
-imported polars, pyarrow and steplens: about as long as parsing 30 MB of JSON. Keeping the parse's
-workers for the per-rank analyses saves starting them twice. Each worker dies with `analyze`, kill -9
+imported polars, pyarrow and steplens: about as long as parsing 30 MB of JSON. The `analyze` script
+starts them (`start_early`) before its own imports when the run folder holds enough JSON to use them,
+so they import on the other cores while this process does; keeping the parse's workers for the
+per-rank analyses saves starting them twice. While this process would only wait for a worker, it
+does the run's `when_idle` work (the report's imports). Each worker dies with `analyze`, kill -9
 included, and leaves Ctrl-C to it; `close` and `kill` leave no process behind (the resource tracker
 included).
 """
@@ -17,9 +20,10 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 
-import pyarrow as pa
+from pathlib import Path
+from typing import Iterator
 
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 
@@ -27,6 +31,8 @@ _PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent die
 def use_system_allocator() -> None:
     """Arrow's default pool (mimalloc) keeps freed blocks; the system allocator returns them, which
     lowers an ingest process's peak memory by about a sixth at a few percent of speed."""
+    import pyarrow as pa
+
     pa.set_memory_pool(pa.system_memory_pool())
 
 
@@ -37,6 +43,8 @@ def keep_pandas_out_of_pyarrow() -> None:
     takes pandas as absent there, and pandas itself stays importable."""
     if "pandas" in sys.modules:
         return
+    import pyarrow as pa
+
     sys.meta_path.insert(0, _NoPandas)  # the import raises ImportError, which pyarrow takes as "not installed"
     try:
         # Both look once and remember: the Python-level check, and the C++ one of the first conversion.
@@ -76,33 +84,120 @@ def _start_worker(parent_pid: int) -> None:
     keep_pandas_out_of_pyarrow()
 
 
-class Workers:
-    """Up to `jobs` - 1 worker processes beside this one, started on first use; a context manager
-    that stops them when the block ends (killed at once when it ends by an exception)."""
+# Starting a worker (a fresh interpreter importing polars and pyarrow) costs about as much as
+# parsing 30 MB of JSON, and the memory of another process: below this much JSON in total the work,
+# the per-rank analyses included, stays in this process (measured: two workers on 67 MB were no
+# faster than one process, at twice its memory)
+# (STEPLENS_WORKER_WORTH_BYTES overrides it, e.g. to force workers on small test inputs).
+WORKER_WORTH_BYTES = int(os.environ.get("STEPLENS_WORKER_WORTH_BYTES", 100_000_000))
+GZIP_RATIO = 10  # typical raw/gzip size of a Kineto trace (the corpus ranges 7x-30x)
+TRACE_NAMES = (".json", ".json.gz")
 
-    def __init__(self, jobs: int | None = None):
+
+def estimated_json_bytes(name: str, size: int) -> int:
+    return size * (GZIP_RATIO if name.endswith(".gz") else 1)
+
+
+def start_early_for(run_dir: Path, jobs: int) -> None:
+    """Start workers now when run_dir holds traces enough to parse on them: two or more .json or
+    .json.gz files (hidden folders left out, as discovery does) of WORKER_WORTH_BYTES of JSON in all.
+    A guess made before discovery: workers no Workers takes are stopped with the run (stop_early)."""
+    if jobs < 2:
+        return
+    files, total = 0, 0
+    try:
+        for root, dirs, names in os.walk(run_dir):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for name in names:
+                if name.endswith(TRACE_NAMES) and not name.startswith("."):
+                    files += 1
+                    total += estimated_json_bytes(name, os.stat(os.path.join(root, name)).st_size)
+            if files > jobs and total >= WORKER_WORTH_BYTES:  # enough to know: a large folder is not walked twice
+                break
+    except OSError:
+        return
+    if files >= 2 and total >= WORKER_WORTH_BYTES:
+        start_early(min(files - 1, jobs - 1))
+
+
+def _new_pool(size: int) -> ProcessPoolExecutor:
+    saved = os.environ.get("POLARS_MAX_THREADS")
+    os.environ["POLARS_MAX_THREADS"] = "1"  # inherited by the workers only: this process has started polars
+    try:
+        return ProcessPoolExecutor(max_workers=size, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_start_worker, initargs=(os.getpid(),))
+    finally:
+        if saved is None:
+            os.environ.pop("POLARS_MAX_THREADS", None)
+        else:
+            os.environ["POLARS_MAX_THREADS"] = saved
+
+
+def _import_parser() -> None:
+    """A worker's first task when started early: the parse's imports, done before a file arrives."""
+    import steplens.analyze.pipeline.ingest  # noqa: F401
+
+
+_early: tuple[ProcessPoolExecutor, int] | None = None  # started by start_early, taken by the first Workers.pool
+
+
+def start_early(size: int) -> None:
+    """Start `size` workers now, each importing the parser: the first Workers.pool takes them."""
+    global _early
+    if _early is None and size > 0:
+        pool = _new_pool(size)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # as in submit
+        try:
+            for _ in range(size):  # a spawned pool starts one process per task it cannot hand to an idle one
+                pool.submit(_import_parser)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        _early = (pool, size)
+
+
+def stop_early() -> None:
+    """Kill workers started early that no Workers took (the run turned out too small for them, or failed)."""
+    global _early
+    if _early is not None:
+        pool, _early = _early[0], None
+        _kill_pool(pool)
+
+
+class Workers:
+    """Up to `jobs` - 1 worker processes beside this one, started on first use (or taken from
+    start_early); a context manager that stops them when the block ends (killed at once when it ends
+    by an exception). `when_idle` is run once, here, the first time this process would only wait
+    for a worker."""
+
+    def __init__(self, jobs: int | None = None, when_idle=None):
         self.jobs = max(1, jobs or os.cpu_count() or 1)
         self.size = 0
         self._pool: ProcessPoolExecutor | None = None
+        self._when_idle = when_idle
+
+    def idle(self, futures) -> None:
+        """About to wait for `futures`: first the when_idle work, if one of them is still running."""
+        if self._when_idle is not None and not all(f.done() for f in futures):
+            work, self._when_idle = self._when_idle, None
+            work()
 
     @property
     def started(self) -> bool:
         return self._pool is not None
 
+    @property
+    def started_early(self) -> bool:
+        """Workers are up, or waiting from start_early: using them costs nothing more."""
+        return self._pool is not None or _early is not None
+
     def pool(self, wanted: int) -> ProcessPoolExecutor:
         """The pool, started with min(wanted, jobs - 1) workers if it is not running yet."""
+        global _early
+        if self._pool is None and _early is not None:
+            (self._pool, self.size), _early = _early, None
         if self._pool is None:
             self.size = max(1, min(wanted, self.jobs - 1))
-            saved = os.environ.get("POLARS_MAX_THREADS")
-            os.environ["POLARS_MAX_THREADS"] = "1"  # inherited by the workers only: this process has started polars
-            try:
-                self._pool = ProcessPoolExecutor(max_workers=self.size, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_start_worker, initargs=(os.getpid(),))
-            finally:
-                if saved is None:
-                    os.environ.pop("POLARS_MAX_THREADS", None)
-                else:
-                    os.environ["POLARS_MAX_THREADS"] = saved
+            self._pool = _new_pool(self.size)
         return self._pool
 
     def submit(self, function, *args) -> Future:
@@ -114,34 +209,62 @@ class Workers:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
+    def share(self, work, items: list) -> Iterator[tuple[object, object]]:
+        """(item, work(item)) for every item, as each is done: the workers take items from the front of
+        `items`, this process from the back, each the next one as soon as it is free. A worker's next item
+        is handed to it when its last one ends (by that future's callback), so it waits neither for this
+        process nor behind a queued item that this process, free sooner, could have taken."""
+        queue, lock, in_flight = list(items), threading.Lock(), {}
+
+        def hand_out(finished: Future | None = None) -> None:
+            with lock:
+                failed = finished is not None and (finished.cancelled() or finished.exception() is not None)
+                if failed or not queue or self._pool is None:
+                    return  # a failed item is raised when this process collects it; a killed pool gets none
+                item = queue.pop(0)
+                try:
+                    future = self.submit(work, item)
+                except Exception:  # noqa: BLE001 - a pool that cannot take it (broken): this process does the item
+                    queue.insert(0, item)
+                    return
+                in_flight[future] = item
+            future.add_done_callback(hand_out)
+
+        def collect(futures) -> Iterator[tuple[object, object]]:
+            for future in futures:
+                with lock:
+                    item = in_flight.pop(future)
+                yield item, future.result()
+
+        remaining = len(queue)
+        for _ in range(self.size):
+            hand_out()
+        while remaining:
+            with lock:
+                item = queue.pop() if queue else None
+                running = list(in_flight)
+            if item is not None:
+                yield item, work(item)
+                finished = [f for f in running if f.done()]
+            elif running:
+                self.idle(running)
+                finished = [next(as_completed(running))]
+            else:  # an item ended and its callback is handing the next one out: a moment
+                time.sleep(0.001)
+                continue
+            remaining -= (item is not None) + len(finished)
+            yield from collect(finished)
+
     def map_ranks(self, one_batch, batches: list) -> list:
-        """one_batch(batch) for each batch of ranks, in order: on the workers the parse started, taking
-        batches from the front, and this process, from the back; here alone when the parse needed none.
-        It is the workers' last job: they stop when it returns, so the report is rendered without them
-        holding memory."""
+        """one_batch(batch) for each batch of ranks, in order: on the workers the parse started and this
+        process (share); here alone when the parse needed none. It is the workers' last job: they stop
+        when it returns, so the report is rendered without them holding memory."""
         if not self.started or len(batches) < 2:
             results = list(map(one_batch, batches))
             self.kill()  # idle since the parse
             return results
-        queue, results, in_flight = list(batches), {}, {}
-
-        def top_up() -> None:
-            while queue and len(in_flight) < 2 * self.size:  # one queued behind each worker's
-                batch = queue.pop(0)
-                in_flight[self.submit(one_batch, batch)] = batch
-
-        def collect(futures) -> None:
-            for future in futures:
-                results[in_flight.pop(future)] = future.result()
-
         try:
-            top_up()
-            while queue:
-                batch = queue.pop()
-                results[batch] = one_batch(batch)
-                collect([f for f in in_flight if f.done()])
-                top_up()
-            collect(list(in_flight))
+            results = dict(self.share(one_batch, batches))
         finally:
             self.kill()  # every task has returned (or failed): nothing is lost, and no worker's teardown is waited for
         return [results[batch] for batch in batches]
@@ -151,14 +274,7 @@ class Workers:
         if self._pool is None:
             return
         pool, self._pool = self._pool, None
-        # Every child multiprocessing started, including a worker still starting up (not yet in the pool).
-        processes = list((getattr(pool, "_processes", None) or {}).values()) + multiprocessing.active_children()
-        for process in processes:
-            process.kill()
-        for process in processes:
-            process.join(timeout=5)
-        pool.shutdown(wait=True, cancel_futures=True)
-        _stop_resource_tracker()
+        _kill_pool(pool)
 
     def close(self) -> None:
         if self._pool is None:
@@ -175,6 +291,18 @@ class Workers:
             self.close()
         else:
             self.kill()
+        stop_early()
+
+
+def _kill_pool(pool: ProcessPoolExecutor) -> None:
+    # Every child multiprocessing started, including a worker still starting up (not yet in the pool).
+    processes = list((getattr(pool, "_processes", None) or {}).values()) + multiprocessing.active_children()
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.join(timeout=5)
+    pool.shutdown(wait=True, cancel_futures=True)
+    _stop_resource_tracker()
 
 
 def _stop_resource_tracker() -> None:
