@@ -65,7 +65,9 @@ class _NoPandas:
 
 
 def _start_worker(parent_pid: int) -> None:
-    """A worker dies with `analyze` (kill -9 included) and leaves Ctrl-C to it."""
+    """A worker dies with `analyze` (kill -9 included) and leaves Ctrl-C to it. Its polars runs one thread
+    (set before any task imports polars; a user's POLARS_MAX_THREADS stands): the cores are the workers'."""
+    os.environ.setdefault("POLARS_MAX_THREADS", "1")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -117,20 +119,15 @@ def start_early_for(run_dir: Path, jobs: int) -> None:
     except OSError:
         return
     if files >= 2 and total >= WORKER_WORTH_BYTES:
-        start_early(min(files - 1, jobs - 1))
+        size = min(files - 1, jobs - 1)
+        start_early(size)
+        # This process parses beside them: polars threads for the cores they leave (it is imported after this).
+        os.environ.setdefault("POLARS_MAX_THREADS", str(max(1, (os.cpu_count() or 1) - size)))
 
 
 def _new_pool(size: int) -> ProcessPoolExecutor:
-    saved = os.environ.get("POLARS_MAX_THREADS")
-    os.environ["POLARS_MAX_THREADS"] = "1"  # inherited by the workers only: this process has started polars
-    try:
-        return ProcessPoolExecutor(max_workers=size, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_start_worker, initargs=(os.getpid(),))
-    finally:
-        if saved is None:
-            os.environ.pop("POLARS_MAX_THREADS", None)
-        else:
-            os.environ["POLARS_MAX_THREADS"] = saved
+    return ProcessPoolExecutor(max_workers=size, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start_worker, initargs=(os.getpid(),))
 
 
 def _import_parser() -> None:

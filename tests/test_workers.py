@@ -1,0 +1,174 @@
+"""The local worker processes (pipeline/workers.py): one queue shared with this process, workers started
+before the analyze script's imports, polars on one thread each, and nothing left behind."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from steplens.analyze import cli, cli_rerun
+from steplens.analyze.pipeline import workers as workers_module
+from steplens.analyze.pipeline.workers import Workers
+
+from conftest import write_trace
+
+
+def _square_where(item: int) -> tuple[int, int]:
+    time.sleep(0.02)  # long enough for both sides to take items
+    return item * item, os.getpid()
+
+
+def _fails_on_three(item: int) -> int:
+    if item == 3:
+        raise ValueError("item 3 is bad")
+    return item
+
+
+def _polars_threads(_=None) -> int:
+    import polars as pl
+
+    return pl.thread_pool_size()
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+def test_share_gives_every_item_once_from_the_workers_and_this_process():
+    before = _children()
+    with Workers(3) as workers:
+        workers.pool(2)
+        done = list(workers.share(_square_where, list(range(40))))
+    assert sorted(item for item, _ in done) == list(range(40))  # each once
+    assert all(result[0] == item * item for item, result in done)
+    pids = {result[1] for _, result in done}
+    assert os.getpid() in pids and len(pids) >= 2  # this process and at least one worker took items
+    assert _children() <= before
+
+
+def test_share_takes_items_from_the_back_here_and_from_the_front_on_the_workers():
+    with Workers(2) as workers:
+        workers.pool(1)
+        done = list(workers.share(_square_where, list(range(12))))
+    here = [item for item, (_, pid) in done if pid == os.getpid()]
+    there = [item for item, (_, pid) in done if pid != os.getpid()]
+    assert here and there and min(here) > max(there)
+
+
+def test_a_failing_item_is_raised_and_no_worker_is_left():
+    before = _children()
+    workers = Workers(2)
+    workers.pool(1)
+    with pytest.raises(ValueError, match="item 3 is bad"):
+        with workers:
+            dict(workers.share(_fails_on_three, list(range(8))))
+    assert _children() <= before
+
+
+def test_workers_run_polars_on_one_thread():
+    with Workers(2) as workers:
+        workers.pool(1)
+        assert workers.submit(_polars_threads).result() == 1
+
+
+def _two_traces(folder):
+    for rank in (0, 1):
+        write_trace(folder / f"rank{rank}.pt.trace.json", [{"ph": "X", "cat": "cpu_op", "name": "op", "pid": 1,
+                                                              "tid": 1, "ts": 1, "dur": 1}])
+    return folder
+
+
+def test_workers_started_early_are_taken_by_the_first_pool(tmp_path, monkeypatch):
+    monkeypatch.setattr(workers_module, "WORKER_WORTH_BYTES", 0)
+    monkeypatch.setenv("POLARS_MAX_THREADS", "")  # recorded, so that what start_early_for sets is undone
+    monkeypatch.delenv("POLARS_MAX_THREADS")
+    before = _children()
+    workers_module.start_early_for(_two_traces(tmp_path / "run"), jobs=2)
+    early = _children() - before
+    assert len(early) >= 1  # started before any Workers asked
+    assert os.environ["POLARS_MAX_THREADS"] == str(max(1, os.cpu_count() - 1))  # for this process, not yet importing polars
+    with Workers(2) as workers:
+        assert workers.started_early
+        workers.pool(1)
+        assert workers.size == 1 and early <= _children()  # the same processes, no new ones
+        assert workers.submit(_polars_threads).result() == 1
+    assert _children() <= before
+
+
+def test_workers_started_early_that_no_run_takes_are_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr(workers_module, "WORKER_WORTH_BYTES", 0)
+    monkeypatch.setenv("POLARS_MAX_THREADS", "2")  # a user's setting stands
+    before = _children()
+    workers_module.start_early_for(_two_traces(tmp_path / "run"), jobs=2)
+    assert os.environ["POLARS_MAX_THREADS"] == "2"
+    assert _children() - before
+    workers_module.stop_early()
+    assert _children() <= before
+
+
+def test_no_early_workers_below_the_threshold_or_for_one_file(tmp_path, monkeypatch):
+    before = _children()
+    workers_module.start_early_for(_two_traces(tmp_path / "small"), jobs=2)  # a few bytes: the default threshold
+    monkeypatch.setattr(workers_module, "WORKER_WORTH_BYTES", 0)
+    one = tmp_path / "one"
+    write_trace(one / "rank0.pt.trace.json", [{"ph": "X", "cat": "cpu_op", "name": "op", "pid": 1, "tid": 1, "ts": 1, "dur": 1}])
+    workers_module.start_early_for(one, jobs=2)
+    workers_module.start_early_for(_two_traces(tmp_path / "jobs1"), jobs=1)
+    assert workers_module._early is None and _children() <= before
+
+
+def test_the_script_knows_every_analyze_option_that_takes_a_value():
+    taking = {name for param in cli.analyze.params if not getattr(param, "is_flag", True) and param.name != "run_dir"
+              for name in param.opts + param.secondary_opts}
+    assert taking == cli_rerun.VALUE_OPTIONS
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["RUN", "-q"], ("RUN", None)),
+    (["--out", "elsewhere", "RUN", "-j", "3"], ("RUN", 3)),
+    (["--dtype=fp16", "RUN", "--jobs=4"], ("RUN", 4)),
+    (["--scheduler", "tcp://x:1", "RUN"], None),
+    (["compare", "RUN", "RUN"], None),
+    (["RUN", "--help"], None),
+    (["s3://bucket/run"], None),
+])
+def test_the_script_reads_run_dir_and_jobs(argv, expected, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "RUN").mkdir()
+    parsed = cli_rerun._run_dir_and_jobs(argv)
+    if expected is None:
+        assert parsed is None
+    else:
+        assert parsed == (Path(expected[0]), expected[1] or os.cpu_count())
+
+
+def _report_imports(run, out) -> str:
+    script = ("import sys\n"
+              "from steplens.analyze.pipeline import analyse\n"
+              "from steplens.reports import html\n"
+              f"analyse({str(run)!r}, {str(out)!r}, jobs=1)\n"
+              f"page = html.render({str(out)!r})\n"
+              "print('matplotlib' in sys.modules, page.count('<svg'))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_a_report_without_figures_never_imports_matplotlib(tmp_path):
+    run = tmp_path / "cpu_only"
+    write_trace(run / "rank0.pt.trace.json", [{"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 1,
+                                               "ts": 1, "dur": 5}], distributedInfo={"rank": 0, "world_size": 1})
+    assert _report_imports(run, tmp_path / "out") == ["False", "0"]
+
+
+def test_a_report_with_figures_draws_them(tmp_path):
+    from synthetic import generate_run
+
+    run = tmp_path / "run"
+    generate_run(run, ranks=2, steps=3, kernels_per_step=20, seed=1, write_truth=False)
+    imported, figures = _report_imports(run, tmp_path / "out")
+    assert imported == "True" and int(figures) >= 4
