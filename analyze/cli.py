@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import secrets
@@ -315,8 +316,11 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
             with Workers(jobs, when_idle=None if ingest_only else import_figures) as workers, staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance,
                                                   client=client, store=store, workers=workers) as stage:
                 if not ingest_only:
-                    map_ranks = _rank_mapper(client, store) if client is not None else workers.map_ranks
-                    findings = analyse_and_report(stage.folder, options, map_ranks=map_ranks)
+                    if client is not None:
+                        map_ranks, map_figures = _rank_mapper(client, store), None
+                    else:  # the workers stay for the report's figures, importing matplotlib meanwhile
+                        map_ranks, map_figures = functools.partial(workers.map_ranks, then=import_figures), workers.map
+                    findings = analyse_and_report(stage.folder, options, map_ranks=map_ranks, map_figures=map_figures)
                 stage.manifest["input_key"] = key
                 if rerun_key is not None and findings:
                     stage.manifest["rerun"] = _rerun_record(rerun_key, stage)

@@ -140,20 +140,29 @@ def ranges(numbers: list[int]) -> str:
 
 def import_figures() -> None:
     """The report's figure module and matplotlib (a quarter of a second): `analyze` imports them while it
-    waits for its workers (Workers when_idle) rather than after the analyses."""
+    waits for its workers (Workers when_idle), and the workers while this process runs the run-level
+    analyses, rather than after the analyses."""
     from steplens.reports import figures  # noqa: F401
 
 
-def analyse_and_report(folder: Path, options: runner.Options, map_ranks=None) -> dict:
+def draw_figure(drawing) -> str:
+    """One report figure's SVG (reports/html.py Drawing), here or on a worker."""
+    from steplens.reports import html
+
+    return html.draw([drawing])[0]
+
+
+def analyse_and_report(folder: Path, options: runner.Options, map_ranks=None, map_figures=None) -> dict:
     """The analyses, then report.html and summary.md, in the staged output (published together);
-    `map_ranks` runs the per-rank analyses (runner.run)."""
+    `map_ranks` runs the per-rank analyses (runner.run), `map_figures` draws the report's figures
+    (map(draw_figure, drawings) by default)."""
     from steplens.reports import html, markdown
 
     started = time.perf_counter()
     findings = runner.run(folder, options, map_ranks)
     findings["analysis_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
-    html.write(folder)
+    html.write(folder, html.draw if map_figures is None else lambda drawings: map_figures(draw_figure, drawings))
     markdown.write(folder)
     findings["report_seconds"] = time.perf_counter() - started
     return findings

@@ -69,7 +69,7 @@ def _num(value) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:,.3g}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # its arguments (tables) are not hashable
 class Drawing:
     """A figure still to draw: figures.<name>(*args)."""
 
@@ -86,10 +86,10 @@ def draw(drawings: list[Drawing]) -> list[str]:
     return [getattr(figures, d.name)(*d.args) for d in drawings]
 
 
-def _drawn(sections: list[dict]) -> list[dict]:
-    """The sections with their figures drawn."""
+def _drawn(sections: list[dict], drawer) -> list[dict]:
+    """The sections with their figures drawn by `drawer` (drawings -> their SVGs, in order)."""
     blocks = [block for section in sections for block in section["blocks"]]
-    svgs = iter(draw([content for kind, content in blocks if kind == "figure"]))
+    svgs = iter(drawer([content for kind, content in blocks if kind == "figure"]))
     for section in sections:
         section["blocks"] = [(kind, Markup(next(svgs)) if kind == "figure" else content)
                              for kind, content in section["blocks"]]
@@ -493,7 +493,8 @@ def _issues_section(run: Run) -> dict:
     return section
 
 
-def render(out_dir: Path) -> str:
+def render(out_dir: Path, drawer=draw) -> str:
+    """The page; `drawer` (drawings -> their SVGs, in order) draws its figures, here by default."""
     run = load(out_dir)
     if not run.manifest.get("trace_ranks"):  # one line for every picture that needs traces
         sections = [Section("Where one step's time went", "time", empty=_no_traces(run)), _steps_section(run)]
@@ -509,7 +510,7 @@ def render(out_dir: Path) -> str:
     sections += [s for s in [_comparability_section(run)] if s] + [_manifest_section(run), _issues_section(run)]
     return TEMPLATES.get_template("report.html.j2").render(
         run=run, title=f"steplens report: {run.name}", verdict=verdict(run), numbers=key_numbers(run),
-        sections=_drawn(sections), caveats=run.findings.get("caveats", []))
+        sections=_drawn(sections, drawer), caveats=run.findings.get("caveats", []))
 
 
 def render_compare(result: dict) -> str:
@@ -520,6 +521,6 @@ def render_compare(result: dict) -> str:
                                                             curves=figure, headline=headline(result))
 
 
-def write(out_dir: Path) -> Path:
-    """Render report.html into out_dir, atomically."""
-    return write_atomic(Path(out_dir) / REPORT_FILE, render(out_dir))
+def write(out_dir: Path, drawer=draw) -> Path:
+    """Render report.html into out_dir, atomically (figures drawn by `drawer`, as render)."""
+    return write_atomic(Path(out_dir) / REPORT_FILE, render(out_dir, drawer))

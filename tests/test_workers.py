@@ -172,3 +172,25 @@ def test_a_report_with_figures_draws_them(tmp_path):
     generate_run(run, ranks=2, steps=3, kernels_per_step=20, seed=1, write_truth=False)
     imported, figures = _report_imports(run, tmp_path / "out")
     assert imported == "True" and int(figures) >= 4
+
+
+def test_figures_drawn_on_a_worker_are_the_ones_drawn_here(tmp_path):
+    """The report's figures are shared with the workers (Workers.map): the same SVG bytes either way."""
+    from synthetic import generate_run
+
+    from steplens.analyze.cli_render import draw_figure, import_figures
+    from steplens.analyze.pipeline import analyse
+    from steplens.reports import html
+
+    run = tmp_path / "run"
+    generate_run(run, ranks=2, steps=3, kernels_per_step=20, seed=2, write_truth=False)
+    analyse(run, tmp_path / "out", jobs=1)
+    drawings = []
+    here = html.render(tmp_path / "out", lambda ds: drawings.extend(ds) or html.draw(ds))
+    with Workers(2) as workers:
+        workers.pool(1)
+        workers.submit(import_figures).result()
+        shared = workers.map(draw_figure, drawings)
+        assert not workers.started  # the figures were their last job
+    assert len(drawings) >= 4 and shared == html.draw(drawings)
+    assert html.render(tmp_path / "out", lambda ds: shared) == here

@@ -252,19 +252,33 @@ class Workers:
             remaining -= (item is not None) + len(finished)
             yield from collect(finished)
 
-    def map_ranks(self, one_batch, batches: list) -> list:
+    def map_ranks(self, one_batch, batches: list, then=None) -> list:
         """one_batch(batch) for each batch of ranks, in order: on the workers the parse started and this
-        process (share); here alone when the parse needed none. It is the workers' last job: they stop
-        when it returns, so the report is rendered without them holding memory."""
-        if not self.started or len(batches) < 2:
-            results = list(map(one_batch, batches))
-            self.kill()  # idle since the parse
-            return results
+        process (share); here alone when the parse needed none. Then the workers stop, unless `then` is
+        given: each worker starts on it (the report's imports) and stays for `map`."""
+        if not self.started:
+            return list(map(one_batch, batches))
         try:
-            results = dict(self.share(one_batch, batches))
-        finally:
-            self.kill()  # every task has returned (or failed): nothing is lost, and no worker's teardown is waited for
+            results = dict(self.share(one_batch, batches)) if len(batches) > 1 else {b: one_batch(b) for b in batches}
+        except BaseException:
+            self.kill()
+            raise
+        if then is None:
+            self.kill()  # every task has returned: nothing is lost, and no worker's teardown is waited for
+        else:
+            for _ in range(self.size):
+                self.submit(then)
         return [results[batch] for batch in batches]
+
+    def map(self, work, items: list) -> list:
+        """work(item) for each item, in order, shared with the workers if they are up; their last job."""
+        if not self.started:
+            return list(map(work, items))
+        try:
+            results = {id(item): result for item, result in self.share(work, items)}
+        finally:
+            self.kill()
+        return [results[id(item)] for item in items]
 
     def kill(self) -> None:
         """Kill the workers now (Ctrl-C, SIGTERM, an error): waiting would finish every task in flight."""
