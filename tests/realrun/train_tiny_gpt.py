@@ -15,6 +15,7 @@ the tests compare the collector against.
 from __future__ import annotations
 
 import argparse
+import atexit
 import base64
 import json
 import math
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+LAUNCHER_POLL_S = 1.0  # deepspeed/launcher/launch.py: time.sleep(1) between polls of its ranks
 VOCAB = 512  # defaults of the CPU tests; the GPU check (tests/gpu) makes it bigger
 D_MODEL = 128
 HEADS = 4
@@ -199,6 +201,12 @@ def main() -> None:
     out_dir = Path(args.out_dir).resolve()
     deepspeed.init_distributed(dist_backend=args.dist_backend)
     rank = deepspeed.comm.get_rank()
+    if args.kill_rank is not None and args.kill_rank != rank:
+        # DeepSpeed's launcher polls its ranks once a second and reports the first non-zero exit in rank order:
+        # a survivor that fails within that second (gloo: "Connection closed by peer") would be reported instead
+        # of the rank that was killed. Registered first, this runs last: after the traceback and every other
+        # exit handler (the collector's), a survivor waits out the launcher's poll, which then kills it.
+        atexit.register(time.sleep, 3 * LAUNCHER_POLL_S)
     torch.manual_seed(0)
     vocab, d_model, heads, layers = (int(x) for x in args.model.split(","))
     model = TinyGPT(args.seq_len + 1, vocab, d_model, heads, layers)
