@@ -120,8 +120,10 @@ def step_breakdown_bars(breakdown: pl.DataFrame) -> str:
 
 
 # Above this many segments the timeline's bars are drawn as one embedded image, not one SVG
-# rectangle each (a 512-rank step would otherwise weigh tens of MB).
-MAX_VECTOR_SEGMENTS = 3000
+# rectangle each: on 8 real dlrm ranks (2,358 segments) 19 KB and 0.11 s instead of 412 KB and 0.18 s,
+# and without the hairline seams a browser draws between abutting vector rectangles (a 512-rank step
+# would otherwise weigh tens of MB). Labels and axes stay text.
+MAX_VECTOR_SEGMENTS = 500
 
 
 def step_gantt(timeline: pl.DataFrame) -> str:
