@@ -313,8 +313,10 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
                 progress.update(task, advance=source.size, files=progress.tasks[task].fields["files"] + 1)
 
             # The parse's worker processes stay up for the per-rank analyses (a cluster's are its own).
-            with Workers(jobs, when_idle=None if ingest_only else import_figures) as workers, staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance,
-                                                  client=client, store=store, workers=workers) as stage:
+            # While this process would only wait for a worker, it imports the report's figures.
+            workers = Workers(jobs, when_idle=None if ingest_only else import_figures)
+            with workers, staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance, client=client,
+                                 store=store, workers=workers) as stage:
                 if not ingest_only:
                     if client is not None:
                         map_ranks, map_figures = _rank_mapper(client, store), None

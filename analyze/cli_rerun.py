@@ -160,7 +160,7 @@ def analyze_entry() -> None:
         workers.stop_early()
 
 
-# The analyze command's options that take a value (test_rerun checks them against cli.analyze).
+# The analyze command's options that take a value (test_workers checks them against cli.analyze).
 VALUE_OPTIONS = {"--out", "--scheduler", "--jobs", "-j", "--dtype", "--peak-tflops", "--params", "--layers", "--heads",
                  "--head-dim", "--seq-len", "--tokens-per-step", "--grad-norm-threshold", "--format",
                  "--kernel-categories"}

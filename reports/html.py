@@ -2,9 +2,9 @@
 
 Every string that comes from a trace or a log (kernel names, op names, file names, error lines) is
 untrusted: the Jinja2 environment autoescapes everything, and only the SVG that matplotlib wrote
-is marked safe. Figures are drawn once every section is built (`draw`), so a report without one
-never imports matplotlib (a quarter of a second). A Content-Security-Policy meta tag forbids scripts and any fetch, so even a
-rendering mistake cannot make the page call out.
+is marked safe. A Content-Security-Policy meta tag forbids scripts and any fetch, so even a
+rendering mistake cannot make the page call out. Figures are drawn once every section is built
+(`draw`, or the caller's drawer), so a report without one never imports matplotlib.
 
 The report only renders: every number is a row of an analysis table or a finding, picked, sorted
 and formatted here, never computed (so `steplens sql` over the same tables gives the same number).
@@ -69,7 +69,7 @@ def _num(value) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:,.3g}"
 
 
-@dataclass(frozen=True, eq=False)  # its arguments (tables) are not hashable
+@dataclass(frozen=True, eq=False)  # compared by identity: its arguments are tables
 class Drawing:
     """A figure still to draw: figures.<name>(*args)."""
 

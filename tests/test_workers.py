@@ -92,7 +92,7 @@ def test_workers_started_early_are_taken_by_the_first_pool(tmp_path, monkeypatch
     assert len(early) >= 1  # started before any Workers asked
     assert os.environ["POLARS_MAX_THREADS"] == str(max(1, os.cpu_count() - 1))  # for this process, not yet importing polars
     with Workers(2) as workers:
-        assert workers.started_early
+        assert workers.available
         workers.pool(1)
         assert workers.size == 1 and early <= _children()  # the same processes, no new ones
         assert workers.submit(_polars_threads).result() == 1
@@ -194,3 +194,4 @@ def test_figures_drawn_on_a_worker_are_the_ones_drawn_here(tmp_path):
         assert not workers.started  # the figures were their last job
     assert len(drawings) >= 4 and shared == html.draw(drawings)
     assert html.render(tmp_path / "out", lambda ds: shared) == here
+

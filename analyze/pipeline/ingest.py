@@ -865,7 +865,7 @@ def _parse_all(to_parse, scratch: Path, workers: Workers, progress) -> list[Sour
             progress(source)
 
     pending = sorted(to_parse, key=lambda item: item[1].size)
-    worth = workers.started_early or _estimated_json_bytes(to_parse) >= WORKER_WORTH_BYTES
+    worth = workers.available or _estimated_json_bytes(to_parse) >= WORKER_WORTH_BYTES
     if workers.jobs == 1 or len(pending) <= 1 or not worth:
         for path, source in pending:
             done(_parse_source(str(path), source, str(scratch)))

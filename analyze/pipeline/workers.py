@@ -21,7 +21,6 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
-
 from pathlib import Path
 from typing import Iterator
 
@@ -114,7 +113,7 @@ def start_early_for(run_dir: Path, jobs: int) -> None:
                 if name.endswith(TRACE_NAMES) and not name.startswith("."):
                     files += 1
                     total += estimated_json_bytes(name, os.stat(os.path.join(root, name)).st_size)
-            if files > jobs and total >= WORKER_WORTH_BYTES:  # enough to know: a large folder is not walked twice
+            if files > jobs and total >= WORKER_WORTH_BYTES:  # enough to decide: the rest is not walked
                 break
     except OSError:
         return
@@ -123,6 +122,16 @@ def start_early_for(run_dir: Path, jobs: int) -> None:
         start_early(size)
         # This process parses beside them: polars threads for the cores they leave (it is imported after this).
         os.environ.setdefault("POLARS_MAX_THREADS", str(max(1, (os.cpu_count() or 1) - size)))
+
+
+def _submit(pool: ProcessPoolExecutor, function, *args) -> Future:
+    # submit() may start a worker; a Ctrl-C or SIGTERM in the middle of that would leave a
+    # half-started child the cleanup cannot see, so they wait until it is registered.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        return pool.submit(function, *args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _new_pool(size: int) -> ProcessPoolExecutor:
@@ -143,12 +152,8 @@ def start_early(size: int) -> None:
     global _early
     if _early is None and size > 0:
         pool = _new_pool(size)
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # as in submit
-        try:
-            for _ in range(size):  # a spawned pool starts one process per task it cannot hand to an idle one
-                pool.submit(_import_parser)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for _ in range(size):  # a spawned pool starts one process per task it cannot hand to an idle one
+            _submit(pool, _import_parser)
         _early = (pool, size)
 
 
@@ -183,7 +188,7 @@ class Workers:
         return self._pool is not None
 
     @property
-    def started_early(self) -> bool:
+    def available(self) -> bool:
         """Workers are up, or waiting from start_early: using them costs nothing more."""
         return self._pool is not None or _early is not None
 
@@ -198,13 +203,7 @@ class Workers:
         return self._pool
 
     def submit(self, function, *args) -> Future:
-        # submit() may start a worker; a Ctrl-C or SIGTERM in the middle of that would leave a
-        # half-started child the cleanup cannot see, so they wait until it is registered.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            return self._pool.submit(function, *args)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return _submit(self._pool, function, *args)
 
     def share(self, work, items: list) -> Iterator[tuple[object, object]]:
         """(item, work(item)) for every item, as each is done: the workers take items from the front of
