@@ -2,8 +2,10 @@
 before the analyze script's imports, polars on one thread each, and nothing left behind."""
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -195,3 +197,39 @@ def test_figures_drawn_on_a_worker_are_the_ones_drawn_here(tmp_path):
     assert len(drawings) >= 4 and shared == html.draw(drawings)
     assert html.render(tmp_path / "out", lambda ds: shared) == here
 
+
+def test_a_signal_during_a_submit_is_handled_once_the_submit_returns():
+    """A SIGTERM in the middle of starting a worker would leave a half-started child nobody can see (and
+    stopping the resource tracker would then hang): its handler runs when the submit has returned."""
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    submitted = []
+
+    # Sent to the process by a thread made before the submit, as a native (polars) thread would take it:
+    # blocking the signal in the submitting thread alone does not keep the handler out.
+    go, sent = threading.Event(), threading.Event()
+    sender = threading.Thread(target=lambda: (go.wait(), os.kill(os.getpid(), signal.SIGTERM), sent.set()))
+    sender.start()
+
+    class Pool:
+        def submit(self, function, *args):
+            go.set()  # arrives while the child is starting
+            sent.wait()
+            for _ in range(1000):  # bytecodes at which a handler could run
+                time.sleep(0)
+            submitted.append(function)
+            return "future"
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with pytest.raises(Interrupted):
+            workers_module._submit(Pool(), print)
+        assert submitted == [print]  # the submit finished before the handler ran
+        assert signal.getsignal(signal.SIGTERM) is handler  # and the process's own handler is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sender.join()

@@ -124,14 +124,26 @@ def start_early_for(run_dir: Path, jobs: int) -> None:
         os.environ.setdefault("POLARS_MAX_THREADS", str(max(1, (os.cpu_count() or 1) - size)))
 
 
+_DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _submit(pool: ProcessPoolExecutor, function, *args) -> Future:
-    # submit() may start a worker; a Ctrl-C or SIGTERM in the middle of that would leave a
-    # half-started child the cleanup cannot see, so they wait until it is registered.
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    """pool.submit, which may start a worker. A Ctrl-C or SIGTERM handled in the middle of that would leave a
+    half-started child that the cleanup cannot see, waiting for its start-up data with the resource tracker's
+    pipe open (so stopping the tracker hangs): here their handlers run once the child is registered. Blocking the
+    signals (pthread_sigmask) is not enough: polars' threads take them, and Python runs the handler in the
+    main thread all the same. Handlers run in the main thread only, so a submit from another does not defer."""
+    if threading.current_thread() is not threading.main_thread() or None in map(signal.getsignal, _DEFERRED_SIGNALS):
+        return pool.submit(function, *args)  # (None: a handler not set from Python, which could not be put back)
+    caught: list[int] = []
+    handlers = {number: signal.signal(number, lambda signum, frame: caught.append(signum)) for number in _DEFERRED_SIGNALS}
     try:
         return pool.submit(function, *args)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        for number in caught:
+            signal.raise_signal(number)  # now, to the handler the process had
 
 
 def _new_pool(size: int) -> ProcessPoolExecutor:
