@@ -25,24 +25,43 @@ CPU_KINDS = ["cpu_op", "user_annotation", "python_function"]
 NO_TRACES = "no profiler traces: step, GPU and collective analyses need them"
 
 
+RUNTIME_KINDS = ["cuda_runtime", "cuda_driver"]
+
+
 def _events(inputs: Inputs, columns: list[str], where: pl.Expr) -> pl.DataFrame:
     return inputs.table("trace_events", ["rank"] + columns, where)
+
+
+def _slices(inputs: Inputs) -> dict[str, pl.DataFrame]:
+    """The batch's device work, runtime calls, CPU ops, ops with shapes and module spans, in trace order.
+
+    Read from Parquet in one scan and split in memory: five scans of the same files cost four times
+    as much (84 ms against 20 ms for one real 35 MB A100 rank)."""
+    kind = pl.col("kind")
+    cpu_kind = kind.is_in(CPU_KINDS)
+    wanted = {
+        "device": (DEVICE_COLUMNS, kind.is_in(launch.WORK_KINDS)),
+        "runtime": (CALL_COLUMNS, kind.is_in(RUNTIME_KINDS)),
+        "cpu": (CPU_COLUMNS, cpu_kind),
+        "ops": (op_perf.OP_COLUMNS, cpu_kind & pl.col("input_dims").is_not_null()),
+        "modules": (module_perf.MODULE_COLUMNS, cpu_kind & pl.col("name").str.starts_with(module_perf.MODULE_PREFIX)),
+    }
+    columns = list(dict.fromkeys(c for names, _ in wanted.values() for c in names))
+    events = _events(inputs, columns, kind.is_in(launch.WORK_KINDS + RUNTIME_KINDS + CPU_KINDS))
+    return {name: events.filter(where).select(["rank"] + names) for name, (names, where) in wanted.items()}
 
 
 def device_timeline(inputs: Inputs) -> Output:
     """A batch of ranks: kernel launches, idle and its causes, op and module performance, and the small
     results the run-level analyses need, each keyed by rank (and source)."""
-    kind, context = pl.col("kind"), inputs.context
-    device = _events(inputs, DEVICE_COLUMNS, kind.is_in(launch.WORK_KINDS))
-    runtime = _events(inputs, CALL_COLUMNS, kind.is_in(["cuda_runtime", "cuda_driver"]))
-    cpu = _events(inputs, CPU_COLUMNS, kind.is_in(CPU_KINDS))
+    context = inputs.context
+    sliced = _slices(inputs)
+    device, runtime, cpu, ops, modules = (sliced[name] for name in ("device", "runtime", "cpu", "ops", "modules"))
+    del sliced
     work = kernels.device_work(device, inputs.options.kernel_categories)
     threads = launch.cpu_threads(cpu)
     launched = launch.kernel_launches(device, runtime)
-    ops = _events(inputs, op_perf.OP_COLUMNS, kind.is_in(CPU_KINDS) & pl.col("input_dims").is_not_null())
     perf = op_perf.op_perf(ops, launched, context.roof)
-    modules = _events(inputs, module_perf.MODULE_COLUMNS,
-                      kind.is_in(CPU_KINDS) & pl.col("name").str.starts_with(module_perf.MODULE_PREFIX))
     links = inputs.table("flows", ["rank", "source", "src_event_id", "dst_event_id"], pl.col("flow_type") == "fwdbwd")
     linked = _events(inputs, module_perf.LINKED_COLUMNS, pl.col("event_id").is_in(
         pl.concat([links["src_event_id"], links["dst_event_id"]]).unique().implode())) if not modules.is_empty() \
