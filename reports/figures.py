@@ -14,6 +14,7 @@ import matplotlib
 import matplotlib.patches
 import matplotlib.ticker
 import polars as pl
+from matplotlib.backends.backend_agg import RendererAgg
 from matplotlib.figure import Figure
 
 # Figures are made with the object API, never pyplot: no GUI backend, no global figure registry, and
@@ -50,8 +51,15 @@ def _subplots(*grid, figsize: tuple[float, float], **options):
 
 
 def _svg(fig) -> str:
+    """The figure cropped to what it draws (legends above the axes included), as inline SVG.
+
+    savefig's bbox_inches="tight" finds that box by a whole SVG draw to nowhere before the real one;
+    measuring the same artists with an Agg renderer costs a third of that draw (0.03-0.05 s a figure),
+    and the box, padded as "tight" pads it, is then given to savefig."""
+    box = fig.get_tightbbox(RendererAgg(*fig.canvas.get_width_height(), fig.dpi))
     buffer = io.StringIO()
-    fig.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None}, dpi=RASTER_DPI)
+    fig.savefig(buffer, format="svg", bbox_inches=box.padded(matplotlib.rcParams["savefig.pad_inches"]),
+                metadata={"Date": None}, dpi=RASTER_DPI)
     text = buffer.getvalue()
     return text[text.index("<svg"):]  # drop the XML prolog and doctype: inline SVG does not take them
 
