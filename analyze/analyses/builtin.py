@@ -22,10 +22,8 @@ DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stre
 CALL_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid"]
 CPU_COLUMNS = ["source", "ts_ns", "dur_ns", "kind", "name", "pid", "tid", "step", "collective", "flops"]
 CPU_KINDS = ["cpu_op", "user_annotation", "python_function"]
-NO_TRACES = "no profiler traces: step, GPU and collective analyses need them"
-
-
 RUNTIME_KINDS = ["cuda_runtime", "cuda_driver"]
+NO_TRACES = "no profiler traces: step, GPU and collective analyses need them"
 
 
 def _events(inputs: Inputs, columns: list[str], where: pl.Expr) -> pl.DataFrame:
@@ -57,7 +55,6 @@ def device_timeline(inputs: Inputs) -> Output:
     context = inputs.context
     sliced = _slices(inputs)
     device, runtime, cpu, ops, modules = (sliced[name] for name in ("device", "runtime", "cpu", "ops", "modules"))
-    del sliced
     work = kernels.device_work(device, inputs.options.kernel_categories)
     threads = launch.cpu_threads(cpu)
     launched = launch.kernel_launches(device, runtime)
