@@ -316,3 +316,30 @@ def test_printed_logged_comms_line_counts_the_collectors_calls(tmp_path):
     line = next(line for line in findings.splitlines() if "Logged comms:" in line)
     assert f"{costliest['op']} of {costliest['nccl_bytes']:,} B costs most" in line
     assert f"over {costliest['calls']} calls" in line and "latencies measured" in line
+
+
+def test_figure_crop_holds_what_savefig_tight_would_keep():
+    """figures._svg measures its crop box with an Agg renderer instead of savefig's tight pass: the box
+    must hold everything that pass keeps (a legend above the axes, long tick labels), within a point."""
+    import io
+
+    import polars as pl
+
+    from steplens.reports import figures
+
+    breakdown = pl.DataFrame({"rank": [0, 1, 2], "device": [0, 0, 0], "compute_ns": [5e6, 4e6, 6e6],
+                              "exposed_comm_ns": [1e6, 2e6, 0.0], "host_bound_ns": [1e6, 0.0, 3e6],
+                              "sync_ns": [0.0, 1e6, 0.0], "other_ns": [5e5, 5e5, 5e5]})
+    captured = []
+    original = figures._svg
+    figures._svg = lambda fig: captured.append(fig) or original(fig)
+    try:
+        ours = figures.step_breakdown_bars(breakdown)
+    finally:
+        figures._svg = original
+    buffer = io.StringIO()
+    captured[0].savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None})
+    size = r'<svg[^>]*width="([\d.]+)pt" height="([\d.]+)pt"'
+    width, height = map(float, re.search(size, ours).groups())
+    tight_width, tight_height = map(float, re.search(size, buffer.getvalue()).groups())
+    assert tight_width - 1 <= width <= tight_width + 8 and tight_height - 1 <= height <= tight_height + 8
