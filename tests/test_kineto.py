@@ -21,6 +21,46 @@ def test_microseconds_text_to_ns_is_exact():
     assert round(float("1712195495519689.047") * 1000) != 1712195495519689047
 
 
+def _reference_ns(text):
+    """An independent answer: Decimal arithmetic on the text, truncated toward zero, None out of range."""
+    import re
+    from decimal import Decimal
+
+    if text is None or not re.fullmatch(r"-?[0-9]+(\.[0-9]+)?", text):
+        return None
+    value = Decimal(text)
+    return int(value * 1000) if abs(int(value)) < 2**62 // 1000 else None
+
+
+def test_microseconds_text_to_ns_kineto_forms_take_the_fast_path_exactly():
+    import random
+
+    from steplens.analyze.importers import kineto
+
+    rng = random.Random(7)
+    edge = ["-0", "-0.000", "0.500", "007.250", "4611686018427386", "4611686018427387", "-4611686018427386.999",
+            "4611686018427387.000", "9223372036854775807", "-9223372036854775808", "-9223372036854775.808"]
+    for _ in range(300):
+        values = []
+        for _ in range(rng.randint(1, 8)):
+            sign = "-" if rng.random() < 0.3 else ""  # at most 19 digits, below 2**63: what an int64 holds
+            whole, whole_us = rng.randint(0, 10 ** rng.randint(0, 18)), rng.randint(0, 10 ** rng.randint(0, 15))
+            values.append(rng.choice([f"{sign}{whole}", f"{sign}{whole_us}.{rng.randint(0, 999):03d}", rng.choice(edge), None]))
+        text = pl.Series(values, dtype=pl.String)
+        fast = kineto._kineto_text_to_ns(text)
+        assert fast is not None, values  # every value is a form Kineto writes
+        assert fast.to_list() == [_reference_ns(v) for v in values], values
+        ns, bad = microseconds_text_to_ns(text)
+        assert ns.to_list() == fast.to_list() and bad == sum(v is not None and _reference_ns(v) is None for v in values)
+    empty, bad = microseconds_text_to_ns(pl.Series([], dtype=pl.String))  # a trace cut before its first event
+    assert empty.to_list() == [] and bad == 0
+    # any other form sends the whole series down the general path, which gives the same answers
+    for other in ["+5.000", ".500", "-.500", "5.", "1.5", "1.2345", "1e3", '"7.250"', "1.2.3", "", "x", "\u0663"]:
+        assert kineto._kineto_text_to_ns(pl.Series(["1.000", other])) is None, other
+        ns, _ = microseconds_text_to_ns(pl.Series(["1.000", other]))
+        assert ns[0] == 1000 and (ns[1] == _reference_ns(other) or other in ("1e3", '"7.250"'))
+
+
 def _events(n_kernels=3):
     events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "pid": 10, "tid": 1, "ts": 100.0, "dur": 50.5}]
     for i in range(n_kernels):

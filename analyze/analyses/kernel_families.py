@@ -14,6 +14,7 @@ front with `analyze --kernel-categories FILE`. memcpy and memset come from the e
 
 from __future__ import annotations
 
+import functools
 import re
 
 # fmt: off
@@ -85,6 +86,7 @@ _ANONYMOUS = re.compile(r"\((anonymous namespace|anonymous)\)")
 _OPEN, _CLOSE = "<({[", ">)}]"
 
 
+@functools.lru_cache(maxsize=1 << 14)  # the ranks of a run share their kernel names: parse each once per process
 def base_name(name: str) -> str:
     """The kernel's own name: no return type, namespaces, template arguments or parameters."""
     text = _ANONYMOUS.sub("anonymous", name.strip())

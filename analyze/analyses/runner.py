@@ -63,7 +63,9 @@ def _write(out_dir: Path, table: str, frame: pl.DataFrame, spec, part: str = "pa
     folder = out_dir / table
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"{part}.parquet.tmp"
-    pq.write_table(frame.to_arrow().cast(spec[0]), tmp, compression="zstd", compression_level=1)
+    # No dictionary pages: zstd alone packs these tables smaller and writes them faster (op_perf: 185 kB
+    # against 290 kB and 16 ms against 21 ms for one real A100 rank's 36k ops)
+    pq.write_table(frame.to_arrow().cast(spec[0]), tmp, compression="zstd", compression_level=1, use_dictionary=False)
     tmp.replace(folder / f"{part}.parquet")
     return frame
 

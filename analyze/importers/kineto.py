@@ -288,6 +288,37 @@ def microseconds_text_to_ns(text: pl.Series) -> tuple[pl.Series, int]:
     Values that are not JSON numbers, or beyond ±TIME_LIMIT_NS, become null. Returns the ns series
     and how many non-empty values became null.
     """
+    ns = _kineto_text_to_ns(text)
+    if ns is None:
+        ns = _text_to_ns_generally(text)
+    return ns, int((text.is_not_null() & ns.is_null()).sum())
+
+
+def _kineto_text_to_ns(text: pl.Series) -> pl.Series | None:
+    """The fast path for the two forms Kineto writes: whole µs, and µs with exactly three decimals
+    ("%.3f", since PyTorch 2.0). Without the point those are the ns (or µs) as one integer: a cast,
+    against the general path's split and regex (2.4x and 1.6x faster on the 145k ts and dur of
+    mtia_rank_0.json.gz). None when some value has another form (or more than 19 digits)."""
+    t = pl.col("t")
+    parts = pl.DataFrame({"t": text}).with_columns(
+        dot=t.str.find(".", literal=True).cast(pl.Int64),  # null when there is none
+        digits=t.str.replace(".", "", literal=True).cast(pl.Int64, strict=False),  # ASCII digits and a sign only
+        length=t.str.len_bytes().cast(pl.Int64), plus=t.str.starts_with("+"), minus=t.str.starts_with("-"))
+    dot, digits = pl.col("dot"), pl.col("digits")
+    # "+5" casts, and ".500" or "-.500" would read as numbers, but none is a JSON number
+    kineto_form = digits.is_not_null() & ~pl.col("plus") & (
+        dot.is_null() | ((dot == pl.col("length") - 4) & (dot >= 1) & ~((dot == 1) & pl.col("minus"))))
+    whole_ns = pl.when(digits.is_between(-_MAX_WHOLE_US, _MAX_WHOLE_US)).then(digits * 1000)
+    bound = _MAX_WHOLE_US * 1000 + 999
+    if parts.select((t.is_not_null() & ~kineto_form).any()).item():
+        return None
+    return parts.select(ns=pl.when(dot.is_null()).then(whole_ns).otherwise(
+        pl.when(digits.is_between(-bound, bound)).then(digits)))["ns"]
+
+
+def _text_to_ns_generally(text: pl.Series) -> pl.Series:
+    """microseconds_text_to_ns for any text: plain decimals split at the point, exponents and quoted
+    numbers through Decimal."""
     frame = pl.DataFrame({"t": text})
     parts = pl.col("t").str.split_exact(".", 1)
     whole = parts.struct.field("field_0").cast(pl.Int64, strict=False)
@@ -302,7 +333,7 @@ def microseconds_text_to_ns(text: pl.Series) -> tuple[pl.Series, int]:
     if frame["odd"].any():  # exponents or quoted numbers: rare, exact via Decimal
         ns = pl.Series([_decimal_us_to_ns(t) if o else v for t, o, v in
                         zip(frame["t"].to_list(), frame["odd"].to_list(), ns.to_list())], dtype=pl.Int64)
-    return ns, int((text.is_not_null() & ns.is_null()).sum())
+    return ns
 
 
 def _decimal_us_to_ns(text: str) -> int | None:
@@ -417,15 +448,20 @@ def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl
     ignored = counts.filter(~pl.col("ph").is_in(["X", "i", "I", "s", "f", "t", "M"]) | pl.col("ph").is_null())
     for ph, n in ignored.iter_rows():
         issues.append(Issue("info", "unsupported_phase", n, f"events with ph={ph!r} are not complete/instant/flow events; skipped"))
-    no_dur = raw.filter((phase == "X") & pl.col("dur_ns").is_null()).height - bad_durations
+    # Counted, not filtered: a filter copies every column
+    no_dur, negative = raw.select(no_dur=((phase == "X") & pl.col("dur_ns").is_null()).sum(),
+                                  negative=((phase == "X") & (pl.col("dur_ns") < 0)).sum()).row(0)
+    no_dur -= bad_durations
     if no_dur:
         issues.append(Issue("warning", "missing_duration", no_dur, "complete (X) events without dur; kept with null duration"))
-    negative = raw.filter((phase == "X") & (pl.col("dur_ns") < 0)).height
     if negative:
         issues.append(Issue("warning", "negative_duration", negative, "complete events with negative dur as written in the trace"))
 
-    events = raw.filter(is_event)
-    flows = raw.filter(is_flow).select("ph", "cat", "pid", "tid", "ts_ns", "flow_id")
+    # The events in ts order in one gather: filtering, then sorting, would copy every column twice
+    in_order = raw.select(pl.int_range(pl.len(), dtype=pl.UInt32).filter(is_event).sort_by(
+        pl.col("ts_ns").filter(is_event), maintain_order=True))
+    events = raw[in_order.to_series()]
+    flows = raw.select("ph", "cat", "pid", "tid", "ts_ns", "flow_id").filter(is_flow)
     kind_of_cat = pl.col("cat").str.to_lowercase().replace_strict(CATEGORY_KINDS, default="other")
     kind = pl.when(pl.col("name") == MEMORY_EVENT_NAME).then(pl.lit("memory")).otherwise(kind_of_cat)
     events = events.with_columns(
@@ -435,7 +471,7 @@ def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl
         stream=pl.when(pl.col("kind").is_in(schema.DEVICE_KINDS)).then(pl.coalesce("arg_stream", "tid")),
         device=pl.when(pl.col("kind").is_in(schema.DEVICE_KINDS)).then(pl.coalesce("arg_device", "pid")),
     )
-    events = events.sort("ts_ns", maintain_order=True).with_row_index("event_id").with_columns(pl.col("event_id").cast(pl.Int64))
+    events = events.with_row_index("event_id").with_columns(pl.col("event_id").cast(pl.Int64))
     return events, flows
 
 
