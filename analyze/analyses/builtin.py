@@ -46,7 +46,8 @@ def _slices(inputs: Inputs) -> dict[str, pl.DataFrame]:
     }
     columns = list(dict.fromkeys(c for names, _ in wanted.values() for c in names))
     events = _events(inputs, columns, kind.is_in(launch.WORK_KINDS + RUNTIME_KINDS + CPU_KINDS))
-    return {name: events.filter(where).select(["rank"] + names) for name, (names, where) in wanted.items()}
+    # lazily, so that each filter moves only the columns its slice keeps
+    return {name: events.lazy().filter(where).select(["rank"] + names).collect() for name, (names, where) in wanted.items()}
 
 
 def device_timeline(inputs: Inputs) -> Output:

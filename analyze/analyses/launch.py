@@ -171,7 +171,8 @@ THREAD_KEYS = ["rank", "source", "pid", "tid"]
 
 def cpu_threads(cpu: pl.DataFrame) -> dict[tuple, pl.DataFrame]:
     """CPU ops per thread, by start with the outermost first on ties: the input of enclosing_op."""
-    ops = cpu.filter(pl.col("dur_ns").is_not_null()).with_columns(end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
+    ops = cpu.select(*THREAD_KEYS, "ts_ns", "name", end_ns=pl.col("ts_ns") + pl.col("dur_ns")).filter(  # what enclosing_op reads
+        pl.col("end_ns").is_not_null())
     ops = ops.sort(THREAD_KEYS + ["ts_ns", "end_ns"], descending=[False] * 5 + [True])
     return ops.partition_by(THREAD_KEYS, as_dict=True)
 

@@ -181,12 +181,15 @@ def family_time(cpu: pl.DataFrame, launched: pl.DataFrame) -> pl.DataFrame:
     points = launch_points(launched).drop_nulls(THREAD + ["at_ns"])
     if points.is_empty():
         return pl.DataFrame(schema={"rank": pl.Int64, "family": pl.String, "launches": pl.Int64, "device_ns": pl.Int64})
-    ops = (cpu.filter((pl.col("kind") == "cpu_op") & pl.col("dur_ns").is_not_null()).drop_nulls(THREAD + ["ts_ns"])
-           .sort(*THREAD, "ts_ns", "dur_ns", descending=[False] * 4 + [True]))
+    ops = (cpu.lazy().filter((pl.col("kind") == "cpu_op") & pl.col("dur_ns").is_not_null()).drop_nulls(THREAD + ["ts_ns"])
+           .select(*THREAD, "ts_ns", "name", end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
+           .sort(*THREAD, "ts_ns", "end_ns", descending=[False] * 4 + [True]).collect())
+    threads = ops.partition_by(THREAD, as_dict=True)
+    empty = ops.clear()
     owners = []
-    for (source, pid, tid), at in points.group_by(THREAD):  # rowwise-ok: once per thread
-        mine = ops.filter((pl.col("source") == source) & (pl.col("pid") == pid) & (pl.col("tid") == tid))
-        starts, ends = mine["ts_ns"].to_numpy(), (mine["ts_ns"] + mine["dur_ns"]).to_numpy()
+    for key, at in points.group_by(THREAD):  # rowwise-ok: once per thread
+        mine = threads.get(key, empty)
+        starts, ends = mine["ts_ns"].to_numpy(), mine["end_ns"].to_numpy()
         where = intervals.innermost_container(starts, ends, at["at_ns"].to_numpy(), at["at_ns"].to_numpy())
         names = mine["name"].to_numpy()
         owner = np.where(where >= 0, names[np.maximum(where, 0)] if len(names) else None, None)
