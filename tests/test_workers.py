@@ -233,3 +233,20 @@ def test_a_signal_during_a_submit_is_handled_once_the_submit_returns():
     finally:
         signal.signal(signal.SIGTERM, previous)
         sender.join()
+
+
+def test_the_json_a_gzip_trace_holds_is_read_from_its_trailer(tmp_path):
+    import gzip
+
+    text = b'{"traceEvents": [' + b",".join([b'{"ph": "X", "ts": 1, "dur": 1}'] * 5000) + b"]}"
+    whole = tmp_path / "rank0.json.gz"
+    whole.write_bytes(gzip.compress(text))
+    size = whole.stat().st_size
+    assert workers_module.estimated_json_bytes(str(whole), size) == len(text)  # 30x: the ratio would say 10x
+    cut = tmp_path / "cut.json.gz"  # cut short: its last 4 bytes are deflate data, not the size
+    cut.write_bytes(whole.read_bytes()[: size // 2] + b"\x00\x00\x00\x00")
+    assert workers_module.estimated_json_bytes(str(cut), cut.stat().st_size) == cut.stat().st_size * workers_module.GZIP_RATIO
+    plain = tmp_path / "rank1.json"
+    plain.write_bytes(text)
+    assert workers_module.estimated_json_bytes(str(plain), len(text)) == len(text)
+    assert workers_module.estimated_json_bytes("s3://bucket/rank0.json.gz", 100) == 100 * workers_module.GZIP_RATIO

@@ -91,12 +91,25 @@ def _start_worker(parent_pid: int) -> None:
 # faster than one process, at twice its memory)
 # (STEPLENS_WORKER_WORTH_BYTES overrides it, e.g. to force workers on small test inputs).
 WORKER_WORTH_BYTES = int(os.environ.get("STEPLENS_WORKER_WORTH_BYTES", 100_000_000))
-GZIP_RATIO = 10  # typical raw/gzip size of a Kineto trace (the corpus ranges 7x-30x)
+GZIP_RATIO = 10  # typical raw/gzip size of a Kineto trace (the corpus ranges 7x-30x), when the file does not say
 TRACE_NAMES = (".json", ".json.gz")
 
 
 def estimated_json_bytes(name: str, size: int) -> int:
-    return size * (GZIP_RATIO if name.endswith(".gz") else 1)
+    """The JSON a trace file holds: a local .gz file says (gzip's trailer: its last member's size mod
+    2**32, taken when it is not below the compressed size), a URL or an implausible trailer is guessed."""
+    if not name.endswith(".gz"):
+        return size
+    if "://" not in name:
+        try:
+            with open(name, "rb") as f:
+                f.seek(-4, os.SEEK_END)
+                inflated = int.from_bytes(f.read(4), "little")
+            if inflated >= size:
+                return inflated
+        except OSError:
+            pass
+    return size * GZIP_RATIO
 
 
 def start_early_for(run_dir: Path, jobs: int) -> None:
@@ -112,7 +125,8 @@ def start_early_for(run_dir: Path, jobs: int) -> None:
             for name in names:
                 if name.endswith(TRACE_NAMES) and not name.startswith("."):
                     files += 1
-                    total += estimated_json_bytes(name, os.stat(os.path.join(root, name)).st_size)
+                    path = os.path.join(root, name)
+                    total += estimated_json_bytes(path, os.stat(path).st_size)
             if files > jobs and total >= WORKER_WORTH_BYTES:  # enough to decide: the rest is not walked
                 break
     except OSError:
