@@ -162,6 +162,33 @@ def test_metadata_events_are_dropped_silently_other_phases_are_counted(tmp_path)
     assert [(i.reason, i.count, "ph='C'" in i.detail) for i in parsed.issues] == [("unsupported_phase", 1, True)]
 
 
+def test_the_phase_tagged_fast_form_reads_what_the_general_form_reads(tmp_path, monkeypatch):
+    from steplens.analyze.importers import kineto
+
+    base = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "main"}},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 5.5, "dur": 2, "args": {"External id": 3}},
+            {"ph": "C", "name": "memory", "pid": 1, "tid": 1, "ts": 6, "args": {"bytes": 3}},
+            {"ph": "s", "id": 9, "pid": 1, "tid": 1, "ts": 5.5, "cat": "fwdbwd", "name": "fwdbwd"}]
+    odd = [{"ph": "Q", "name": "an unknown phase", "pid": 1, "tid": 1, "ts": 8},
+           {"cat": "cpu_op", "name": "no phase at all", "pid": 1, "tid": 1, "ts": 9, "dur": 1},
+           {"ph": 7, "name": "a number for a phase", "pid": 1, "tid": 1, "ts": 10}]
+    for name, events in [("plain", base * 3000), ("odd", base * 3000 + odd + base * 3000)]:  # several windows each
+        path = write_trace(tmp_path / f"{name}.json", events)
+        fast = parse_trace(path, "t")
+        monkeypatch.setattr(kineto, "_PHASED_EVENT", None)
+        general = parse_trace(path, "t")
+        monkeypatch.undo()
+        for table in ("events", "flows", "steps"):
+            assert getattr(fast, table).equals(getattr(general, table)), (name, table)
+        assert [(i.reason, i.count, i.detail) for i in fast.issues] == [(i.reason, i.count, i.detail) for i in general.issues]
+    unsupported = sorted(i.count for i in fast.issues if i.reason == "unsupported_phase")
+    assert unsupported == [1, 1, 1, 6000]  # Q, no phase and the number once each, C once per base
+    # the fast form is what decoded the plain file: its metadata events carry no fields at all
+    first = next(json_events.EventReader(json_events.ByteStream(tmp_path / "plain.json"), kineto._Event,
+                                         kineto._PHASED_EVENT).events())
+    assert first[0].ph == "M" and not first[0].__struct_fields__ and first[1].name == "aten::mm"
+
+
 def test_cpu_event_with_stream_arg_is_not_device_activity(tmp_path):
     events = [{"ph": "X", "cat": "cpu_op", "name": "triton_launcher", "pid": 1, "tid": 1, "ts": 1, "dur": 400,
                "args": {"stream": 7, "device": 0}}]

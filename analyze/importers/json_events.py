@@ -205,9 +205,12 @@ class EventReader:
     event, or for the text around the events array, whatever the file holds.
     """
 
-    def __init__(self, stream: ByteStream, event_type: type):
+    def __init__(self, stream: ByteStream, event_type: type, fast_type: Any = None):
+        """`fast_type`: a faster form of `event_type` for the events a file usually holds (a tagged union,
+        say); tried first on each window until a window does not fit it, then never again in this file."""
         self.stream = stream
         self._many, self._one = _decoders(event_type)
+        self._fast = _decoders(fast_type)[0] if fast_type is not None else None
         self.blocks = stream.blocks()
         self.buf = b""
         self.eof = False
@@ -309,6 +312,11 @@ class EventReader:
         if pos < 0:
             return self._decode_one_by_one([], 0, limit)
         candidate = b"[" + buf[: pos + 1] + b"]"
+        if self._fast is not None:
+            try:
+                return self._fast.decode(candidate), pos + 1, False
+            except (msgspec.DecodeError, RecursionError):  # (ValidationError included) the general form says what is wrong
+                self._fast = None
         try:
             return self._many.decode(candidate), pos + 1, False
         except msgspec.ValidationError:
