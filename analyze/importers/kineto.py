@@ -387,8 +387,11 @@ def _columns(events: list[_Event], counters: dict[str, list]) -> pl.DataFrame:
         return _str_column(values, count_bad(column), lists_as_json)
 
     n = len(events)
-    # Collective args sit on a handful of events: read them only there.
-    comm_rows = [i for i, a in enumerate(args) if a.collective is not None or a.seq is not None or a.comms_id is not None]
+    # Collective args and allocator totals sit on a handful of events: found in one pass, read only there.
+    rare_rows = [i for i, a in enumerate(args) if a.collective is not None or a.seq is not None or a.comms_id is not None
+                 or a.total_allocated is not None or a.total_reserved is not None]
+    comm_rows = [i for i in rare_rows if args[i].collective is not None or args[i].seq is not None
+                 or args[i].comms_id is not None]
 
     def comm(name: str) -> list:
         values = [None] * n
@@ -396,8 +399,7 @@ def _columns(events: list[_Event], counters: dict[str, list]) -> pl.DataFrame:
             values[i] = getattr(args[i], name)
         return values
 
-    # Allocator totals sit on [memory] events only: read them only there.
-    memory_rows = [i for i, a in enumerate(args) if a.total_allocated is not None or a.total_reserved is not None]
+    memory_rows = [i for i in rare_rows if args[i].total_allocated is not None or args[i].total_reserved is not None]
 
     def device_memory(name: str) -> list:
         """A [memory] event's allocator total, kept for device allocators only: the host's (Device Type 0) is another pool."""
