@@ -51,8 +51,9 @@ def collective_kernels(events: pl.DataFrame) -> pl.DataFrame:
     """Communication kernels (family `communication`: NCCL/RCCL, NVLS multimem, DeepEP, custom
     all-reduce; or record_param_comms args) with their collective. `events` may carry the `category`
     of kernels.device_work (user patterns included); otherwise the default families are used."""
-    kernels = events.filter(pl.col("kind") == "kernel")
-    return kernels.filter(_is_communication(kernels)).with_columns(
+    kernels = events.filter(pl.col("kind") == "kernel") if "category" not in events.columns else events
+    # one filter (a filter copies every column it holds): the kind and the family together
+    return events.filter((pl.col("kind") == "kernel") & _is_communication(kernels)).with_columns(
         op=pl.coalesce(nccl_op("collective"), nccl_op("name"), pl.lit("unknown")))
 
 
@@ -118,8 +119,9 @@ def with_call_sites(calls: pl.DataFrame, runtime: pl.DataFrame, threads: dict) -
 
 def _add_exposure(comm: pl.DataFrame, device: pl.DataFrame) -> pl.DataFrame:
     """Overlapped = covered by compute kernels on another stream of the same device; the rest is exposed."""
-    kernels = device.filter(pl.col("kind") == "kernel")
-    compute = kernels.filter(~_is_communication(kernels)).select("rank", "device", "stream", "ts_ns", "dur_ns")
+    kernels = device.filter(pl.col("kind") == "kernel") if "category" not in device.columns else device
+    compute = device.lazy().filter((pl.col("kind") == "kernel") & ~_is_communication(kernels)).select(
+        "rank", "device", "stream", "ts_ns", "dur_ns").collect()
     by_device = compute.partition_by("rank", "device", as_dict=True)
     empty = compute.clear()
     pieces = []

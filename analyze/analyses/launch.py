@@ -70,7 +70,9 @@ def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     work without a launch included.
 
     `launched` must be in time order within each (rank, source), as kernel_launches leaves it."""
-    work = launched.filter(pl.col("stream").is_not_null()).with_columns(end_ns=pl.col("ts_ns") + pl.col("dur_ns").fill_null(0))
+    # Only the columns the gaps need: a filter copies every column it holds
+    work = launched.select("rank", "source", "device", "stream", "step", "launch_pid", "launch_tid", "launch_ts_ns", "ts_ns",
+                           end_ns=pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).filter(pl.col("stream").is_not_null())
     lanes = []
     for lane_keys, stream, rows in (
         (["rank", "source", "device", "stream", "step"], pl.col("stream"), work.filter(pl.col("step").is_not_null())),
@@ -81,9 +83,9 @@ def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
             "rank", "source", "device", stream.alias("stream"), "step", "launch_pid", "launch_tid", "launch_ts_ns",
             gap_start_ns="prev_end_ns", gap_end_ns="ts_ns"))
     gaps = pl.concat(lanes)
-    syncs = calls.filter(pl.col("name").str.contains(SYNC_API)).select(
+    syncs = calls.lazy().filter(pl.col("name").str.contains(SYNC_API)).select(
         "rank", "source", sync_pid="pid", sync_tid="tid", sync_event_id="event_id", sync_name="name",
-        sync_start_ns="ts_ns", sync_end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
+        sync_start_ns="ts_ns", sync_end_ns=pl.col("ts_ns") + pl.col("dur_ns")).collect()
     gaps = gaps.sort("gap_start_ns").join_asof(
         syncs.sort("sync_start_ns"), left_on="gap_start_ns", right_on="sync_start_ns",
         by_left=["rank", "source", "launch_pid", "launch_tid"], by_right=["rank", "source", "sync_pid", "sync_tid"],
@@ -106,7 +108,7 @@ GPU_IDLE_COLUMNS = ["rank", "device", "stream", "step", "span_start_ns", "span_e
 def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame) -> pl.DataFrame:
     """Per rank, device and window (step null, stream ALL_STREAMS), per step (stream ALL_STREAMS) and
     per step and stream: span, busy, and idle split by cause (busy + idle causes == span)."""
-    work = launched.filter(pl.col("stream").is_not_null())
+    work = launched.select("rank", "source", "device", "stream", "step", "ts_ns", "dur_ns").filter(pl.col("stream").is_not_null())
     span = dict(span_start_ns=pl.col("ts_ns").min(), span_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max(),
                 activities=pl.len())
     stream_keys = ["rank", "source", "device", "stream", "step"]
