@@ -113,7 +113,9 @@ def _phase_forms() -> Any:
     """The fast form of _Event: a union tagged by `ph` over the phases of the Trace Event Format, every
     one with _Event's fields but the metadata events ("M": process and thread names, two thirds of the
     events of mtia_rank_0.json.gz), which _columns drops and which thus decode to nothing (the file's
-    decoding 311 -> 185 ms). An event of another phase, or without one, sends the file to _Event."""
+    decoding 311 -> 185 ms; nothing of theirs is read, so an odd value in them, args that are not an
+    object say, is not counted either). An event of another phase, or without one, or any value the
+    forms reject, sends the rest of the file to _Event."""
     hints = typing.get_type_hints(_Event)
     fields = [(name, hints[name], default) for name, default in zip(_Event.__struct_fields__, _Event.__struct_defaults__)
               if name != "ph"]
