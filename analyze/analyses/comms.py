@@ -51,16 +51,17 @@ def collective_kernels(events: pl.DataFrame) -> pl.DataFrame:
     """Communication kernels (family `communication`: NCCL/RCCL, NVLS multimem, DeepEP, custom
     all-reduce; or record_param_comms args) with their collective. `events` may carry the `category`
     of kernels.device_work (user patterns included); otherwise the default families are used."""
-    kernels = events.filter(pl.col("kind") == "kernel") if "category" not in events.columns else events
     # one filter (a filter copies every column it holds): the kind and the family together
-    return events.filter((pl.col("kind") == "kernel") & _is_communication(kernels)).with_columns(
+    return events.filter((pl.col("kind") == "kernel") & _is_communication(events)).with_columns(
         op=pl.coalesce(nccl_op("collective"), nccl_op("name"), pl.lit("unknown")))
 
 
-def _is_communication(kernels: pl.DataFrame) -> pl.Expr:
-    if "category" in kernels.columns:
+def _is_communication(events: pl.DataFrame) -> pl.Expr:
+    """Whether a kernel of `events` communicates: its category, or the default families of its name."""
+    if "category" in events.columns:
         return pl.col("collective").is_not_null() | (pl.col("category") == "communication")
-    comm = families(kernels["name"]).filter(pl.col("category") == "communication")["name"].implode()
+    names = events.lazy().filter(pl.col("kind") == "kernel").select("name").collect().to_series()
+    comm = families(names).filter(pl.col("category") == "communication")["name"].implode()
     return pl.col("collective").is_not_null() | pl.col("name").is_in(comm)
 
 
@@ -119,8 +120,7 @@ def with_call_sites(calls: pl.DataFrame, runtime: pl.DataFrame, threads: dict) -
 
 def _add_exposure(comm: pl.DataFrame, device: pl.DataFrame) -> pl.DataFrame:
     """Overlapped = covered by compute kernels on another stream of the same device; the rest is exposed."""
-    kernels = device.filter(pl.col("kind") == "kernel") if "category" not in device.columns else device
-    compute = device.lazy().filter((pl.col("kind") == "kernel") & ~_is_communication(kernels)).select(
+    compute = device.lazy().filter((pl.col("kind") == "kernel") & ~_is_communication(device)).select(
         "rank", "device", "stream", "ts_ns", "dur_ns").collect()
     by_device = compute.partition_by("rank", "device", as_dict=True)
     empty = compute.clear()

@@ -108,6 +108,10 @@ class _Event(msgspec.Struct, gc=False):
 
 _NO_ARGS = _Args()
 
+# The phases of the Trace Event Format (Chrome's "Trace Event Format" document), Kineto's among them.
+TRACE_EVENT_PHASES = ("X", "i", "I", "s", "f", "t", "M", "B", "E", "C", "b", "n", "e", "P", "N", "O", "D", "V", "v",
+                      "R", "c", "(", ")")
+
 
 def _phase_forms() -> Any:
     """The fast form of _Event: a union tagged by `ph` over the phases of the Trace Event Format, every
@@ -125,9 +129,6 @@ def _phase_forms() -> Any:
     return Union[tuple(forms)]  # noqa: UP007 - msgspec takes a Union of the forms
 
 
-# The phases of the Trace Event Format (Chrome's "Trace Event Format" document), Kineto's among them.
-TRACE_EVENT_PHASES = ("X", "i", "I", "s", "f", "t", "M", "B", "E", "C", "b", "n", "e", "P", "N", "O", "D", "V", "v",
-                      "R", "c", "(", ")")
 _PHASED_EVENT = _phase_forms()
 
 
