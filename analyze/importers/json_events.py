@@ -233,6 +233,20 @@ class EventReader:
             size += len(block)
         self.buf = b"".join(parts)
 
+    def _fill_past_separator(self, want: int) -> None:
+        """_fill, and drop the separator (blanks, one comma) buf starts with: while the window is joined when the
+        separator ends before the bytes left over do (the usual case), which spares a copy of the whole window."""
+        leftover = self.buf
+        skip = _SEPARATOR.match(leftover).end()
+        if skip < len(leftover):
+            self.buf = memoryview(leftover)[skip:]
+            self._fill(want)  # (which joins into bytes, even one part)
+            return
+        self._fill(want)
+        skip = _SEPARATOR.match(self.buf).end()
+        if skip:
+            self.buf = self.buf[skip:]
+
     def _skip(self, reason: str, example: str) -> None:
         entry = self.skipped.setdefault(reason, [0, example])
         entry[0] += 1
@@ -273,10 +287,7 @@ class EventReader:
         self._find_array_start()
         want = CHUNK_BYTES
         while True:
-            self._fill(want)
-            skip = _SEPARATOR.match(self.buf).end()
-            if skip:
-                self.buf = self.buf[skip:]
+            self._fill_past_separator(want)
             if _at_array_end(self.buf, 0):  # empty array, or the end after the last chunk
                 self._finish(1)
                 return
@@ -311,7 +322,7 @@ class EventReader:
         pos = _last_event_end(buf, limit)
         if pos < 0:
             return self._decode_one_by_one([], 0, limit)
-        candidate = b"[" + buf[: pos + 1] + b"]"
+        candidate = b"".join((b"[", memoryview(buf)[: pos + 1], b"]"))  # one copy, not three
         if self._fast is not None:
             try:
                 return self._fast.decode(candidate), pos + 1, False
@@ -343,7 +354,7 @@ class EventReader:
             pass
         if before is not None:
             try:
-                sound = self._many.decode(b"[" + buf[: before.start() + 1] + b"]")
+                sound = self._many.decode(b"".join((b"[", memoryview(buf)[: before.start() + 1], b"]")))
                 return self._decode_one_by_one(sound, before.start() + 1, limit)
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 pass
