@@ -98,7 +98,7 @@ def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
         sync_event_id=pl.when(pl.col("cause") == "sync").then(pl.col("sync_event_id")),
         sync_name=pl.when(pl.col("cause") == "sync").then(pl.col("sync_name")),
     ).select("rank", "source", "device", "stream", "step", "gap_start_ns", "gap_end_ns", "idle_ns", "cause",
-             "sync_event_id", "sync_name").sort("rank", "source", "device", "stream", "gap_start_ns")
+             "sync_event_id", "sync_name").sort("rank", "source", "device", "stream", "gap_start_ns", maintain_order=True)
 
 
 GPU_IDLE_COLUMNS = ["rank", "device", "stream", "step", "span_start_ns", "span_end_ns", "span_ns", "busy_ns", "idle_ns",
@@ -175,7 +175,7 @@ def cpu_threads(cpu: pl.DataFrame) -> dict[tuple, pl.DataFrame]:
     """CPU ops per thread, by start with the outermost first on ties: the input of enclosing_op."""
     ops = cpu.select(*THREAD_KEYS, "ts_ns", "name", end_ns=pl.col("ts_ns") + pl.col("dur_ns")).filter(  # what enclosing_op reads
         pl.col("end_ns").is_not_null())
-    ops = ops.sort(THREAD_KEYS + ["ts_ns", "end_ns"], descending=[False] * 5 + [True])
+    ops = ops.sort(THREAD_KEYS + ["ts_ns", "end_ns"], descending=[False] * 5 + [True], maintain_order=True)
     return ops.partition_by(THREAD_KEYS, as_dict=True)
 
 

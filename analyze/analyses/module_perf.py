@@ -93,7 +93,7 @@ def module_perf(modules: pl.DataFrame, ops: pl.DataFrame, perf: pl.DataFrame, la
 
 def _with_paths(mods: pl.DataFrame) -> pl.DataFrame:
     """module (path of enclosing module names on the thread), module_class and depth (0 = outermost)."""
-    ordered = mods.sort(*THREAD, "ts_ns", "dur_ns", descending=[False] * 4 + [True]).with_row_index("order")
+    ordered = mods.sort(*THREAD, "ts_ns", "dur_ns", descending=[False] * 4 + [True], maintain_order=True).with_row_index("order")
     ordered = ordered.with_columns(thread=pl.struct(THREAD).rank("dense"), end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
     starts, ends = ordered["ts_ns"].to_numpy(), ordered["end_ns"].to_numpy()
     thread = ordered["thread"].to_numpy()

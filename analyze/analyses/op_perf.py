@@ -114,7 +114,7 @@ def _mark_nested(rows: pl.DataFrame) -> pl.DataFrame:
     """nested: inside another op with a model on its thread (its time is in the outer op's too)."""
     modeled = pl.col("flops").is_not_null() | pl.col("bytes").is_not_null()
     # Ties (two ops with the same start and duration) in trace order: the one written first encloses.
-    ordered = rows.sort(THREAD + ["ts_ns", "dur_ns", "event_id"], descending=[False] * 4 + [True, False])
+    ordered = rows.sort(THREAD + ["ts_ns", "dur_ns", "event_id"], descending=[False] * 4 + [True, False], maintain_order=True)
     end = pl.when(modeled).then(pl.col("hi_ns"))  # only modeled ops enclose
     # Properly nested slices: the earlier one reaching furthest contains this one if any does (a zero-length
     # op at an earlier op's end is beside it, not inside).
@@ -183,7 +183,7 @@ def family_time(cpu: pl.DataFrame, launched: pl.DataFrame) -> pl.DataFrame:
         return pl.DataFrame(schema={"rank": pl.Int64, "family": pl.String, "launches": pl.Int64, "device_ns": pl.Int64})
     ops = (cpu.lazy().filter((pl.col("kind") == "cpu_op") & pl.col("dur_ns").is_not_null()).drop_nulls(THREAD + ["ts_ns"])
            .select(*THREAD, "ts_ns", "name", end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
-           .sort(*THREAD, "ts_ns", "end_ns", descending=[False] * 4 + [True]).collect())
+           .sort(*THREAD, "ts_ns", "end_ns", descending=[False] * 4 + [True], maintain_order=True).collect())
     threads = ops.partition_by(THREAD, as_dict=True)
     empty = ops.clear()
     owners = []

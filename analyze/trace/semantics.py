@@ -118,7 +118,8 @@ def launch_links(events: pl.DataFrame) -> pl.DataFrame:
     calls = ids.filter(pl.col("kind").is_in(LAUNCH_KINDS) & pl.col("correlation").is_not_null())
     device = ids.filter(pl.col("kind").is_in(WORK_KINDS) & pl.col("correlation").is_not_null())
     # Correlation ids are unique per call; if a trace repeats one, keep the launch API (then the first).
-    calls = calls.sort(["correlation", "is_launch", "event_id"], descending=[False, True, False]).unique("correlation", keep="first")
+    calls = calls.sort(["correlation", "is_launch", "event_id"], descending=[False, True, False], maintain_order=True).unique(
+        "correlation", keep="first")
     return device.join(calls, on="correlation", how="inner", suffix="_src").select(
         flow_type=pl.lit("launch"),
         src_event_id="event_id_src",
@@ -141,7 +142,7 @@ def flow_links(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue
         issues.append(Issue("info", "flow_without_end", unmatched_starts,
                             "flow starts whose end is outside the trace window (e.g. a launch whose kernel was not recorded)"))
     slices = events.select("event_id", "pid", "tid", "ts_ns", "dur_ns").filter(pl.col("dur_ns").is_not_null())
-    innermost = slices.sort("dur_ns").unique(["pid", "tid", "ts_ns"], keep="first").drop("dur_ns")
+    innermost = slices.sort("dur_ns", maintain_order=True).unique(["pid", "tid", "ts_ns"], keep="first").drop("dur_ns")
     src = innermost.rename({"event_id": "src_event_id"})
     dst = innermost.rename({"event_id": "dst_event_id", "pid": "pid_dst", "tid": "tid_dst", "ts_ns": "ts_ns_dst"})
     linked = pairs.join(src, on=["pid", "tid", "ts_ns"], how="inner").join(dst, on=["pid_dst", "tid_dst", "ts_ns_dst"], how="inner")
