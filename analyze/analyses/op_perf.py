@@ -183,8 +183,8 @@ def family_time(cpu: pl.DataFrame, launched: pl.DataFrame) -> pl.DataFrame:
         return pl.DataFrame(schema={"rank": pl.Int64, "family": pl.String, "launches": pl.Int64, "device_ns": pl.Int64})
     ops = (cpu.lazy().filter((pl.col("kind") == "cpu_op") & pl.col("dur_ns").is_not_null()).drop_nulls(THREAD + ["ts_ns"])
            .select(*THREAD, "ts_ns", "name", end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
-           .sort(*THREAD, "ts_ns", "end_ns", descending=[False] * 4 + [True], maintain_order=True).collect())
-    threads = ops.partition_by(THREAD, as_dict=True)
+           .sort("ts_ns", "end_ns", descending=[False, True], maintain_order=True).collect())
+    threads = ops.partition_by(THREAD, as_dict=True)  # each thread's ops in that order (partitions keep it)
     empty = ops.clear()
     owners = []
     for key, at in points.group_by(THREAD):  # rowwise-ok: once per thread
