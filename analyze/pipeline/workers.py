@@ -25,14 +25,30 @@ from pathlib import Path
 from typing import Iterator
 
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+try:
+    _LIBC = ctypes.CDLL(None)
+except OSError:  # no C library to load by that name
+    _LIBC = None
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt(3) parameters, from glibc's malloc.h
 
 
 def use_system_allocator() -> None:
     """Arrow's default pool (mimalloc) keeps freed blocks; the system allocator returns them, which
-    lowers an ingest process's peak memory by about a sixth at a few percent of speed."""
+    lowers an ingest process's peak memory by about a sixth at a few percent of speed.
+
+    glibc's allocator is given from the start the thresholds its own rule grows to (blocks under 32 MiB
+    from the heap, heap kept up to 64 MiB free; kineto.parse_trace trims it after decoding): the parse's
+    2 MiB windows then reuse heap pages instead of faulting fresh ones in each time (a quarter fewer page
+    faults, about 4% of a parse's CPU, the same peak memory)."""
     import pyarrow as pa
 
     pa.set_memory_pool(pa.system_memory_pool())
+    mallopt = getattr(_LIBC, "mallopt", None)  # glibc (elsewhere: absent, or a no-op)
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        mallopt(_M_TRIM_THRESHOLD, 64 << 20)
 
 
 def keep_pandas_out_of_pyarrow() -> None:
