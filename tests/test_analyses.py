@@ -364,3 +364,17 @@ def test_mfu_from_the_collectors_flops_profile(tmp_path):
     table = _table(run / ".steplens", "mfu").filter(pl.col("numerator") == "collector_flops_profile")
     assert dict(zip(table["step"], table["utilization"])) == pytest.approx(expected)
     assert "MFU" in result.output and "FLOPs profiler counted" in result.output
+
+
+def test_launch_summary_orders_launch_apis_with_equal_counts_the_same_whatever_their_input_order():
+    """Two launch APIs with one activity each on one rank: sorted by rank, count, then name, so the
+    table's rows do not depend on which API the hash grouping met first."""
+    from steplens.analyze.analyses import launch
+
+    rows = {"rank": [0, 0], "launch_api": ["cudaMemcpyAsync", "cudaLaunchKernel"], "api_ns": [5, 7],
+            "queue_ns": [1, -2], "dur_ns": [10, 20]}
+    frame = pl.DataFrame(rows)
+    for order in ([0, 1], [1, 0]):
+        summary = launch.launch_summary(frame[order])
+        assert summary["launch_api"].to_list() == ["cudaLaunchKernel", "cudaMemcpyAsync"]
+        assert summary.filter(pl.col("launch_api") == "cudaLaunchKernel")["queue_ns_median"].item() == 0  # clipped at 0
