@@ -116,3 +116,28 @@ def test_console_scripts_exit_without_teardown_but_lose_nothing(case):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (status, stdout)
     assert done.stderr == ("why\n" if case == "message" else "")
+
+
+def _cached(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("__pycache__/*.pyc"))
+
+
+def test_own_modules_are_compiled_once_when_the_interpreter_writes_no_bytecode(tmp_path, monkeypatch):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "a.py").write_text("X = 1\n")
+    (package / "sub" / "b.py").write_text("Y = 2\n")
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    cli_rerun.compile_own_modules((package,))
+    assert _cached(package) == []  # an interpreter that writes bytecode compiles on import: nothing to do
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    cli_rerun.compile_own_modules((package,))
+    assert [name.split(".")[0] for name in _cached(package)] == ["a", "b"]
+    sys.path.insert(0, str(package))
+    try:  # the import finds the compiled file beside its source
+        import a  # noqa: PLC0415
+        assert a.__cached__ and Path(a.__cached__).exists() and a.X == 1
+    finally:
+        sys.path.remove(str(package))
+        sys.modules.pop("a", None)
+
