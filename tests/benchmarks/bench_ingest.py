@@ -267,9 +267,10 @@ def main() -> int:
                             text=True).stdout.strip().splitlines()[-1]
     byte_compile_steplens()
     ranks, mb = (4, 10) if args.quick else (8, 50)
-    gen = generate(cache, ranks, mb)
-    gen_files = trace_files(gen)
-    sets = [(f"synthetic-{ranks}r", link_set(cache / "sets" / f"synthetic-{ranks}r", gen_files))]
+    wanted = args.sets.split(",") if args.sets else None
+    # The generated set takes minutes to make the first time: made only when a section uses it.
+    gen_files = trace_files(generate(cache, ranks, mb)) if wanted is None or f"synthetic-{ranks}r" in wanted else []
+    sets = [(f"synthetic-{ranks}r", link_set(cache / "sets" / f"synthetic-{ranks}r", gen_files))] if gen_files else []
     if not args.quick:
         real = trace_files(relabelled_copies(cache, CORPUS / "trace_diff" / "control.json.gz", 8))
         sets.append(("real-8r", link_set(cache / "sets" / "real-8r", real)))
@@ -280,8 +281,7 @@ def main() -> int:
         sets.append(("mtia_single", link_set(cache / "sets" / "mtia_single",
                                              trace_files(CORPUS / "mtia_trace_single_rank"))))
 
-    if args.sets:
-        wanted = args.sets.split(",")
+    if wanted is not None:
         sets = [(name, d) for name, d in sets if name in wanted]
     counts_path = cache / "counts.json"
     counts = json.loads(counts_path.read_text()) if counts_path.exists() else {}
