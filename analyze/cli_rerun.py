@@ -147,11 +147,10 @@ def compile_own_modules(packages: tuple[Path, ...] | None = None) -> None:
         return
     import compileall
 
-    for folder in packages or (Path(__file__).parent, Path(sys.modules["steplens.reports.text"].__file__).parent):
-        try:
-            compileall.compile_dir(folder, quiet=2)
-        except OSError:
-            pass
+    import steplens.reports
+
+    for folder in packages or (Path(__file__).parent, Path(steplens.reports.__file__).parent):
+        compileall.compile_dir(folder, quiet=2)  # a file it cannot write is a quiet failure, not an error
 
 
 def main() -> None:

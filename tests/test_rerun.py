@@ -141,3 +141,13 @@ def test_own_modules_are_compiled_once_when_the_interpreter_writes_no_bytecode(t
         sys.path.remove(str(package))
         sys.modules.pop("a", None)
 
+
+
+def test_a_module_whose_bytecode_cannot_be_written_is_left_as_it_is(tmp_path, monkeypatch):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "a.py").write_text("X = 1\n")
+    (package / "__pycache__").write_text("not a folder")  # no .pyc can go there, even as root
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    cli_rerun.compile_own_modules((package,))  # raises nothing
+    assert (package / "a.py").read_text() == "X = 1\n" and (package / "__pycache__").read_text() == "not a folder"
