@@ -142,11 +142,30 @@ def import_figures() -> None:
     """The report's figure module and matplotlib (a quarter of a second): `analyze` imports them while it
     waits for its workers (Workers when_idle), and the workers while this process runs the run-level
     analyses, rather than after the analyses."""
+    skip_matplotlib_set_docs()
     from steplens.reports import figures  # noqa: F401
+
+
+def skip_matplotlib_set_docs() -> None:
+    """While matplotlib is imported, each Artist class gets a docstring and a signature for its set()
+    listing every property (matplotlib/artist.py: Artist.__init_subclass__ calls
+    _update_set_signature_and_docstring, which calls kwdoc; modules also register kwdoc texts): about a
+    third of the import (0.31-0.47 -> 0.20-0.27 s here), read only by help(). `analyze` never shows help,
+    so its own processes skip that work; set() is the same function either way, and the figures are the
+    same bytes (tests/test_reports.py). Done only before matplotlib's artists exist, and only in the
+    processes of the command line: a program importing steplens keeps matplotlib as it is."""
+    if "matplotlib.artist" in sys.modules:
+        return
+    import matplotlib.artist as artist
+
+    if callable(getattr(artist, "kwdoc", None)) and hasattr(artist.Artist, "_update_set_signature_and_docstring"):
+        artist.kwdoc = lambda _artist: ""
+        artist.Artist._update_set_signature_and_docstring = classmethod(lambda cls: None)
 
 
 def draw_figure(drawing) -> str:
     """One report figure's SVG (reports/html.py Drawing), here or on a worker."""
+    import_figures()
     from steplens.reports import html
 
     return html.draw([drawing])[0]
