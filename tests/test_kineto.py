@@ -189,6 +189,23 @@ def test_the_phase_tagged_fast_form_reads_what_the_general_form_reads(tmp_path, 
     assert first[0].ph == "M" and not first[0].__struct_fields__ and first[1].name == "aten::mm"
 
 
+def test_the_window_where_the_events_array_ends_is_read_by_the_fast_form_too(tmp_path):
+    """Every file's last window holds the end of traceEvents, with the rest of the file after it: the
+    fast form reads it as it reads the others (once more, up to the `]`), so a metadata event there is
+    dropped unread as anywhere else, not decoded by the general form and counted."""
+    from steplens.analyze.importers import kineto
+
+    events = [{"ph": "X", "cat": "cpu_op", "name": f"op{i}", "pid": 1, "tid": 1, "ts": i, "dur": 1} for i in range(3)]
+    odd_metadata = {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": 5}  # args not an object
+    for placed in (events + [odd_metadata], [odd_metadata] + events):
+        path = write_trace(tmp_path / "t.json", placed, deviceProperties=[{"id": 0}, {"id": 1}])
+        reader = json_events.EventReader(json_events.ByteStream(path), kineto._Event, kineto._PHASED_EVENT)
+        decoded = [e for window in reader.events() for e in window]
+        assert reader._fast is not None and len(decoded) == 4 and not reader.skipped
+        parsed = parse_trace(path, "t")
+        assert parsed.events["name"].to_list() == ["op0", "op1", "op2"] and parsed.issues == []
+
+
 def test_cpu_event_with_stream_arg_is_not_device_activity(tmp_path):
     events = [{"ph": "X", "cat": "cpu_op", "name": "triton_launcher", "pid": 1, "tid": 1, "ts": 1, "dur": 400,
                "args": {"stream": 7, "device": 0}}]

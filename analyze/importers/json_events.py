@@ -190,6 +190,20 @@ def _at_array_end(buf: bytes, pos: int) -> bool:
     return _ARRAY_END.match(buf, pos) is not None and buf.find(b'"ph"', pos, pos + CHUNK_BYTES) < 0
 
 
+def _through_array_end(decoder: msgspec.json.Decoder, candidate: bytes, error: msgspec.DecodeError) -> tuple | None:
+    """When `error` says the events array closed inside `candidate` (`[` + a prefix of the buffer + `]`:
+    sound JSON up to the array's `]`, more after it), the events before that `]` decoded by `decoder`, with
+    the buffer offset just past it and True; else None."""
+    offset = _error_offset(error)
+    if offset is None or "trailing characters" not in str(error):
+        return None
+    end = candidate.rfind(b"]", 0, offset)
+    try:
+        return decoder.decode(candidate[: end + 1]), end, True
+    except (msgspec.DecodeError, RecursionError):  # (ValidationError included)
+        return None
+
+
 def _error_offset(error: msgspec.DecodeError) -> int | None:
     """msgspec's byte offset: the offending byte, or the one after it for "trailing characters";
     None when the input just ended."""
@@ -326,7 +340,12 @@ class EventReader:
         if self._fast is not None:
             try:
                 return self._fast.decode(candidate), pos + 1, False
-            except (msgspec.DecodeError, RecursionError):  # (ValidationError included) the general form says what is wrong
+            except msgspec.DecodeError as e:  # (ValidationError included)
+                # The end of the events array in this prefix (every file's last window) keeps the fast form
+                if (ended := _through_array_end(self._fast, candidate, e)) is not None:
+                    return ended
+                self._fast = None  # the general form says what is wrong
+            except RecursionError:
                 self._fast = None
         try:
             return self._many.decode(candidate), pos + 1, False
@@ -339,14 +358,11 @@ class EventReader:
             return self._decode_one_by_one([], 0, limit)
         except msgspec.DecodeError as e:
             offset, message = _error_offset(e), str(e)
-        if offset is None:
+            ended = _through_array_end(self._many, candidate, e)
+        if ended is not None:
+            return ended
+        if offset is None or "trailing characters" in message:
             return self._decode_one_by_one([], 0, limit)
-        if "trailing characters" in message:  # the events array closed inside this prefix
-            end = candidate.rfind(b"]", 0, offset)
-            try:
-                return self._many.decode(candidate[: end + 1]), end, True
-            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-                return self._decode_one_by_one([], 0, limit)
         # The events before the one holding the error are sound: decode them in one go.
         error_at = offset - 2  # msgspec counts past the offending byte, and candidate starts with "["
         before = None
