@@ -140,6 +140,19 @@ def test_2020_array_format_with_string_tids_and_legacy_categories(tmp_path):
     assert not [i for i in parsed.issues if i.severity != "info"]
 
 
+def test_integer_texts_are_read_exactly_and_damaged_ones_are_counted(tmp_path):
+    """pid/tid/ids written as text: plain digits (the tids of PyTorch 1.8-1.9 traces, "stream 7") are
+    numbers; other text ("Spans", "1.5") is a label, null and not counted; digits that make no int64
+    ("--5", 20 nines, an Arabic-Indic three) are null and counted; none of them costs the file (a "--5"
+    once made the whole file unusable)."""
+    tids = ["4093687616", "stream 7", "stream -2", " 8 ", "-0", "0042", "Spans", "--5", "9" * 20, "1.5", "\u0663", 7]
+    expected = [4093687616, 7, -2, 8, 0, 42, None, None, None, None, None, 7]
+    events = [{"ph": "X", "cat": "cpu_op", "name": f"op{i}", "pid": 1, "tid": tid, "ts": i, "dur": 1} for i, tid in enumerate(tids)]
+    parsed = parse_trace(write_trace(tmp_path / "t.json", events), "t.json")
+    assert parsed.events.sort("ts_ns")["tid"].to_list() == expected
+    assert [(i.reason, i.count, "'tid'" in i.detail) for i in parsed.issues] == [("unrepresentable_value", 3, True)]
+
+
 def test_ids_above_int64_are_kept_unsigned(tmp_path):
     big = 10159970886766084423
     events = [{"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": 1, "tid": 1, "ts": 1, "dur": 1,

@@ -210,7 +210,7 @@ def _coerce_int(value, lo: int, hi: int) -> int | None:
     """Numeric strings (and Kineto's legacy "stream 7" tids) become ints; the rest None."""
     if isinstance(value, str):
         digits = value.removeprefix("stream ").strip()
-        numeric = digits.lstrip("-").isdigit() and digits.isascii() and len(digits) <= _MAX_INT_DIGITS
+        numeric = digits.removeprefix("-").isdigit() and digits.isascii() and len(digits) <= _MAX_INT_DIGITS
         value = int(digits) if numeric else None
     elif isinstance(value, float) and value.is_integer():
         value = int(value)
