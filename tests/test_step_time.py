@@ -25,6 +25,8 @@ from conftest import REALRUN_INSTRUMENTED, REALRUN_STEADY_STEPS
 from steplens.analyze.analyses import step_time
 from steplens.reports import data, verdict
 
+ROOT = Path(__file__).resolve().parents[1]
+
 ANALYZE = [sys.executable, "-m", "steplens.analyze"]
 
 
@@ -308,3 +310,40 @@ def test_traces_only_run_takes_step_time_from_the_profiler_windows(corpus, tmp_p
         ("profiler_steps", 1, ns, ns, step)
     assert f"Step time: {shown(ns)} (step {step}, the only one of 1 kept), from the profiled steps." in lines
     assert "profiled_steps" not in findings and "slowest_step" not in findings  # one step: nothing to compare with
+
+
+def test_damaged_schedule_and_config_values_mark_nothing_and_cost_nothing():
+    """instrumented_steps reads ds_config and the collector's schedule, which a damaged log or manifest can
+    fill with anything: only whole step numbers mark steps (hand-computed), a repeat beyond any step number
+    is damage, and one of two billion is not looped over."""
+    empty = pl.DataFrame()
+    schedule = {"skip_first": 7, "wait": 1, "warmup": 1, "active": 1, "repeat": 1}
+    assert step_time.instrumented_steps({"settings": {"profile": schedule}, "checkpoint_steps": [3]}, empty, empty) == {
+        8: {"profiler_warmup"}, 9: {"profiler_window"}, 10: {"profiler_export"}, 3: {"checkpoint_save"}}
+    for ds_config in ({"flops_profiler": {"enabled": True, "profile_step": "x"}},
+                      {"flops_profiler": {"enabled": True, "profile_step": 1e999}}, {"flops_profiler": [1]}):
+        assert step_time.instrumented_steps({"ds_config": ds_config}, empty, empty) == {}
+    assert step_time.instrumented_steps({"settings": {"profile": {**schedule, "active": "2"}}}, empty, empty) == {}
+    every_step = {"wait": 0, "warmup": 0, "active": 1}
+    assert step_time.instrumented_steps({"settings": {"profile": {**every_step, "repeat": 10**12}}}, empty, empty) == {}
+    huge = step_time.instrumented_steps({"settings": {"profile": {**every_step, "repeat": 2**31 - 1}}}, empty, empty)
+    assert len(huge) <= step_time.MAX_SCHEDULE_MARKS + 2 and huge[0] == {"profiler_window"}
+
+
+@pytest.mark.parametrize("damage", [("ds_config", [1]), ("checkpoint_steps", "abc"), ("world_size", "x")])
+def test_a_damaged_run_fact_is_left_out_with_an_issue(tmp_path, damage):
+    """A collector manifest whose run facts have the wrong type (each made analyze exit 5 before): the fact
+    is left out and named in the file's issues, and the analysis finishes with the step time."""
+    run = tmp_path / "run"
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", run, ignore=shutil.ignore_patterns(".steplens"))
+    manifest = run / "collector" / "manifest" / "rank0.json"
+    doc = json.loads(manifest.read_text())
+    doc["run"][damage[0]] = damage[1]
+    manifest.write_text(json.dumps(doc))
+    done = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run), "--out", str(tmp_path / "out"), "-q"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sources = json.loads((tmp_path / "out" / "run.json").read_text())["sources"]
+    issues = [i for s in sources if s["path"] == "collector/manifest/rank0.json" for i in s["issues"]]
+    assert [(i[1], f"'{damage[0]}'" in i[3]) for i in issues if i[1] == "bad_fact"] == [("bad_fact", True)]
+    assert json.loads((tmp_path / "out" / "findings.json").read_text())["step_time"]["median_ns"] > 0

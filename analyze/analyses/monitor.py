@@ -48,7 +48,8 @@ def run_fact(facts: dict, field: str):
         return facts.get("seq_len") or facts.get("sequence_length")
     value = facts.get(field, config.get(field))
     if field == "zero_stage" and value is None:
-        value = (config.get("zero_optimization") or {}).get("stage")
+        zero = config.get("zero_optimization")  # (a printed ds_config: an object, or anything if damaged)
+        value = zero.get("stage") if isinstance(zero, dict) else None
     if field == "train_batch_size" and value is None:
         parts = [run_fact(facts, f) for f in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "world_size")]
         if all(isinstance(p, int) for p in parts):

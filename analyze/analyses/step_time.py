@@ -57,6 +57,7 @@ from pathlib import Path
 import polars as pl
 
 from steplens.analyze.contract import schema
+from steplens.analyze.contract.manifest import MAX_STEP
 
 MAD_Z_SCALE = 0.6745  # modified z-score (Iglewicz & Hoaglin 1993): 0.6745 (x - median) / MAD
 OUTLIER_Z = 3.5  # their recommended cut
@@ -179,27 +180,36 @@ def _pick_source(train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: 
     return "", "", pl.DataFrame()
 
 
+# Profiler-schedule steps marked at most (a real schedule marks a handful)
+MAX_SCHEDULE_MARKS = 100_000
+
+
 def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict[int, set[str]]:
     """Optimizer step -> instrumentation that ran in it (flops_profiler, profiler_warmup, profiler_window)."""
     found: dict[int, set[str]] = {}
 
     def mark(step, reason: str) -> None:
-        if step is not None and step >= 0:
-            found.setdefault(int(step), set()).add(reason)
+        if type(step) is int and 0 <= step <= MAX_STEP:  # (values from a printed ds_config can be anything)
+            found.setdefault(step, set()).add(reason)
 
     if not flops_profile.is_empty():
         for step in flops_profile.filter(_is_collector(pl.col("source")))["profile_step"].drop_nulls().unique():
             mark(step, "flops_profiler")
-    ds_profiler = (facts.get("ds_config") or {}).get("flops_profiler") or {}
-    if ds_profiler.get("enabled"):
+    ds_profiler = (facts.get("ds_config") or {}).get("flops_profiler")
+    if isinstance(ds_profiler, dict) and ds_profiler.get("enabled"):
         # engine.forward profiles when global_steps == profile_step (DeepSpeed's default 1), rank 0
         mark(ds_profiler.get("profile_step", 1), "flops_profiler")
     schedule = (facts.get("settings") or {}).get("profile")
+    fields = {"skip_first": 0, "wait": 0, "warmup": 0, "active": 1, "repeat": 1}
     if isinstance(schedule, dict):
-        first, wait, warmup = schedule.get("skip_first", 0), schedule.get("wait", 0), schedule.get("warmup", 0)
-        active = schedule.get("active", 1)
+        fields = {key: schedule.get(key, default) for key, default in fields.items()}
+    if isinstance(schedule, dict) and all(type(v) is int and 0 <= v <= MAX_STEP for v in fields.values()):
+        first, wait, warmup, active = fields["skip_first"], fields["wait"], fields["warmup"], fields["active"]
         cycle = wait + warmup + active
-        for repeat in range(schedule.get("repeat", 1) or 0):
+        # A damaged schedule (a count of billions) marks at most MAX_SCHEDULE_MARKS steps, not loops over them all
+        repeats = min(fields["repeat"], MAX_SCHEDULE_MARKS // max(cycle, 1) + 1)
+        warmup, active = min(warmup, MAX_SCHEDULE_MARKS), min(active, MAX_SCHEDULE_MARKS)
+        for repeat in range(repeats):
             start = first + repeat * cycle + wait
             for step in range(start, start + warmup):
                 mark(step, "profiler_warmup")

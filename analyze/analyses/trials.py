@@ -87,7 +87,7 @@ def experiments_from_runs(runs: dict[str, tuple[pl.DataFrame, dict]]) -> tuple[p
         work, ignored[name] = work_config(config, facts.get("world_size"))
         work["code"] = code_identity(facts)
         row = {"experiment": name, "source": name, "config_json": json.dumps(work, sort_keys=True) if config else None,
-               "zero_stage": (config.get("zero_optimization") or {}).get("stage"),
+               "zero_stage": zero.get("stage") if isinstance(zero := config.get("zero_optimization"), dict) else None,
                "micro_batch": config.get("train_micro_batch_size_per_gpu"),
                "grad_accum": config.get("gradient_accumulation_steps")}
         kept = steps.filter(~pl.col("excluded") & pl.col("step_time_ns").is_not_null()) if steps.height else steps

@@ -35,6 +35,8 @@ _DECLARED = (
     IssueReason("import_failed", ("error",), "An importer of a native artifact failed on the file."),
     IssueReason("no_data", ("info",), "Recognised by an importer but holds no data."),
     IssueReason("bad_metadata", ("warning",), "Trace metadata of the wrong type or out of range; left out."),
+    IssueReason("bad_fact", ("warning",), "A run fact (a log's ds_config, a manifest's settings, ...) of the wrong type "
+                "or out of range (contract/manifest.py fact_problem); left out of the run's facts."),
     # Ranks (pipeline/ingest.py)
     IssueReason("rank_from_filename", ("warning",), "No distributedInfo.rank: the rank is taken from the file name."),
     IssueReason("rank_assumed", ("warning",), "No rank in the trace or its name: treated as rank 0, the only trace."),

@@ -65,3 +65,32 @@ class RunManifest:
         if not isinstance(doc, dict):
             raise ValueError("run.json does not hold a JSON object")
         return cls.from_dict(doc)
+
+
+# The run facts the analyses and reports read by type. They come from files a job left (a log's printed
+# ds_config, a collector manifest, a launcher's command line), so a damaged one can hold anything: a fact
+# of another type is left out of the run's facts, with an issue on the file that gave it, rather than
+# failing an analysis. Counts are whole numbers up to 2**53 (JSON's exact integers); steps up to 2**31 - 1.
+OBJECT_FACTS = ("ds_config", "settings", "collector_flags", "environment", "git", "wandb", "megatron_args",
+                "autotune_summary", "autotune_model_info")
+POSITIVE_COUNT_FACTS = ("world_size", "dp_world_size", "train_batch_size", "gradient_accumulation_steps", "micro_batch",
+                        "grad_accum", "seq_len", "sequence_length", "train_micro_batch_size_per_gpu",
+                        "data_parallel_size", "model_parallel_size", "batch_size_per_gpu")
+COUNT_FACTS = ("zero_stage", "profile_step", "param_count")
+MAX_COUNT = 2**53
+MAX_STEP = 2**31 - 1
+
+
+def fact_problem(key: str, value) -> str | None:
+    """What is wrong with a run fact's value for the way it is read, or None when it is fine (or unknown here)."""
+    if value is None:
+        return None
+    if key in OBJECT_FACTS and not isinstance(value, dict):
+        return f"not a JSON object but {type(value).__name__}"
+    lowest = 1 if key in POSITIVE_COUNT_FACTS else 0 if key in COUNT_FACTS else None
+    if lowest is not None and not (type(value) is int and lowest <= value <= MAX_COUNT):
+        return f"not a whole number from {lowest} to 2**53: {str(value)[:40]!r}"
+    if key == "checkpoint_steps" and not (isinstance(value, list)
+                                          and all(type(s) is int and 0 <= s <= MAX_STEP for s in value)):
+        return "not a list of step numbers"
+    return None

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from steplens.analyze import importers
 from steplens.analyze.importers import kineto
 from steplens.analyze.contract import issue_reasons, reuse, schema
-from steplens.analyze.contract.manifest import RunManifest
+from steplens.analyze.contract.manifest import RunManifest, fact_problem
 from steplens.analyze.importers.base import Importer, ParsedTrace, conform
 from steplens.analyze.importers.json_events import NotATrace
 from steplens.analyze.pipeline.workers import WORKER_WORTH_BYTES, Workers, estimated_json_bytes
@@ -573,6 +573,9 @@ def _facts(sources: list[Source]) -> dict:
     merged, conflicts = {}, {}
     for s in sources:
         for key, value in (s.facts or {}).items():
+            if (problem := fact_problem(key, value)) is not None:
+                s.issues.append(["warning", "bad_fact", 1, f"run fact {key!r} left out: {problem}"])
+                continue
             if key not in merged:
                 merged[key] = value
             elif merged[key] != value:
@@ -842,7 +845,7 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, worke
 
 
 # Issues that depend on the other files of the run, so they are recomputed on every ingest.
-_RUN_LEVEL_REASONS = {"rank_from_filename", "rank_assumed", "rank_unknown", "world_size_mismatch"}
+_RUN_LEVEL_REASONS = {"rank_from_filename", "rank_assumed", "rank_unknown", "world_size_mismatch", "bad_fact"}
 
 
 def _estimated_json_bytes(to_parse) -> int:
