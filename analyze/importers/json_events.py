@@ -381,7 +381,7 @@ class EventReader:
         for raw in _RAW_LIST.decode(candidate):
             try:
                 events.append(self._one.decode(raw))
-            except msgspec.ValidationError as e:
+            except msgspec.DecodeError as e:  # a wrong shape, or bytes that are not UTF-8 (ValidationError included)
                 self._skip("malformed_event", f"{e}: {bytes(raw)[:120]!r}")
         return events
 
@@ -428,7 +428,7 @@ class EventReader:
             return self._resync(pos, pos + 1, "nesting_too_deep", f"{bytes(view[pos:pos + 120])!r}")
         try:
             return end, self._one.decode(view[pos:end])
-        except msgspec.ValidationError as e:
+        except msgspec.DecodeError as e:  # a wrong shape, or bytes that are not UTF-8 (ValidationError included)
             self._skip("malformed_event", f"{e}: {bytes(view[pos:pos + 120])!r}")
         except RecursionError:
             self._skip("nesting_too_deep", f"{bytes(view[pos:pos + 120])!r}")

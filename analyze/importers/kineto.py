@@ -281,21 +281,43 @@ def _count_nulled(values: list, out: list, count_bad) -> None:
         count_bad(len(nulled), preview(nulled[0]))
 
 
-def _raw_column(raws: list[msgspec.Raw]) -> pa.Array:
+def _raw_column(raws: list[msgspec.Raw], count_bad) -> pa.Array:
     """Raw JSON texts (empty = absent) as a string array, built from the joined bytes and their lengths
-    (no Python object per value)."""
+    (no Python object per value). A text that is not UTF-8 is null and counted (msgspec.Raw keeps bytes
+    as they are; the rest of its event is sound)."""
     joined = b"".join(raws)
     if not joined.strip():
         return pa.nulls(len(raws), pa.string())
     if b"\n" in joined or b"\r" in joined:  # multi-line values: re-encode compactly
-        return pa.array([msgspec.json.encode(msgspec.json.decode(r)).decode() if r else None for r in raws], type=pa.string())
+        texts = [_compact_or_none(r) for r in raws]
+        _count_nulled([bytes(r) if r else None for r in raws], texts, count_bad)
+        return pa.array(texts, type=pa.string())
     lengths = np.fromiter(map(len, raws), dtype=np.int32, count=len(raws))
     offsets = np.zeros(len(raws) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     validity = pa.array(lengths > 0).buffers()[1]
     array = pa.StringArray.from_buffers(len(raws), pa.py_buffer(offsets), pa.py_buffer(joined), validity)
-    array.validate(full=True)  # UTF-8, as a JSON text must be
-    return array
+    try:
+        array.validate(full=True)  # UTF-8, as a JSON text must be
+        return array
+    except pa.ArrowInvalid:
+        texts = [_utf8_or_none(r) for r in raws]
+        _count_nulled([bytes(r) if r else None for r in raws], texts, count_bad)
+        return pa.array(texts, type=pa.string())
+
+
+def _utf8_or_none(raw: msgspec.Raw) -> str | None:
+    try:
+        return bytes(raw).decode() if raw else None
+    except UnicodeDecodeError:
+        return None
+
+
+def _compact_or_none(raw: msgspec.Raw) -> str | None:
+    try:
+        return msgspec.json.encode(msgspec.json.decode(raw)).decode() if raw else None
+    except msgspec.DecodeError:  # not UTF-8
+        return None
 
 
 _DECIMAL = r"^-?\d+(\.\d+)?$"
@@ -420,8 +442,8 @@ def _columns(events: list[_Event], counters: dict[str, list]) -> pl.DataFrame:
         "name": strs([e.name for e in events], "name"),
         "pid": ints([e.pid for e in events], "pid"),
         "tid": ints([e.tid for e in events], "tid"),
-        "ts_text": _raw_column([e.ts for e in events]),
-        "dur_text": _raw_column([e.dur for e in events]),
+        "ts_text": _raw_column([e.ts for e in events], count_bad("ts")),
+        "dur_text": _raw_column([e.dur for e in events], count_bad("dur")),
         "flow_id": ints([e.id for e in events], "id"),
         "arg_stream": ints([a.stream for a in args], "stream"),
         "arg_device": ints([a.device for a in args], "device"),
@@ -439,9 +461,9 @@ def _columns(events: list[_Event], counters: dict[str, list]) -> pl.DataFrame:
         "comms_id": ints(comm("comms_id"), "Comms Id", pa.uint64()),
         "src_rank": ints(comm("src_rank"), "Src Rank"),
         "dst_rank": ints(comm("dst_rank"), "Dst Rank"),
-        "input_dims": _raw_column(dims),
-        "input_types": _raw_column([a.input_types for a in args]),
-        "concrete_inputs": _raw_column([a.concrete_inputs for a in args]),
+        "input_dims": _raw_column(dims, count_bad("Input Dims")),
+        "input_types": _raw_column([a.input_types for a in args], count_bad("Input type")),
+        "concrete_inputs": _raw_column([a.concrete_inputs for a in args], count_bad("Concrete Inputs")),
         "bytes": ints([a.nbytes if a.nbytes is not None else a.memory_bytes for a in args], "bytes",
                       bounds=(-MAX_MEMORY_BYTES, MAX_MEMORY_BYTES)),
         "flops": _float_column([a.flops for a in args], count_bad("flops")),
