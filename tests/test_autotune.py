@@ -173,11 +173,74 @@ def test_bad_files_give_issues_not_exceptions(tmp_path):
     assert autotune.autotune_tables(pl.DataFrame(), {})["autotune_verdict"].is_empty()
 
 
+def test_experiment_values_of_the_wrong_type_are_left_out(tmp_path):
+    folder = tmp_path / "autotuning_results" / "z1_gas2_tmbspg2"
+    folder.mkdir(parents=True)
+    ds_config = {"train_micro_batch_size_per_gpu": 2.5, "gradient_accumulation_steps": 2, "zero_optimization": [1],
+                 "autotuning": {"metric": "latency", "arg_mappings": ["--micro_bs"]}}
+    (folder / "exp.json").write_text(json.dumps({"name": ["x"], "ds_config": ds_config, "launcher_args": 5}))
+    (folder / "metrics.json").write_text('{"latency": 1500.0, "fwd": 7, "throughput": ' + "9" * 400
+                                         + ', "rank": ' + "9" * 40 + "}")
+    result = autotune_results.parse_experiment(folder / "exp.json", "exp.json")
+    row = result.tables["autotune_experiments"].row(0, named=True)
+    assert (row["experiment"], row["status"], row["grad_accum"], row["latency_us"], row["fwd_us"]) == \
+        ("z1_gas2_tmbspg2", "ok", 2, 1500.0, 7.0)
+    assert row["micro_batch"] is None and row["zero_stage"] is None and row["throughput"] is None and row["rank"] is None
+    assert result.facts["autotune_metric"] == "latency"
+    [issue] = result.issues
+    assert issue[:3] == ["error", "bad_autotune_file", 7]
+    for named in ("name", "train_micro_batch_size_per_gpu", "zero_optimization", "arg_mappings", "launcher_args",
+                  "metrics.json throughput", "metrics.json rank"):
+        assert named in issue[3]
+
+
+@pytest.mark.parametrize("autotuning", [[1], "on"])
+def test_an_autotuning_block_that_is_not_an_object_is_an_issue(tmp_path, autotuning):
+    folder = tmp_path / "z1_gas1_tmbspg4"
+    folder.mkdir()
+    ds_config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}, "autotuning": autotuning}
+    (folder / "exp.json").write_text(json.dumps({"name": folder.name, "ds_config": ds_config}))
+    result = autotune_results.parse_experiment(folder / "exp.json", "exp.json")
+    row = result.tables["autotune_experiments"].row(0, named=True)
+    assert (row["micro_batch"], row["zero_stage"]) == (4, 1) and result.facts["autotune_metric"] == "throughput"
+    assert [issue[:3] for issue in result.issues] == [["error", "bad_autotune_file", 1]]
+
+
+def test_json_nested_past_the_decoders_depth_is_an_issue(tmp_path):
+    folder = tmp_path / "z1_gas1_tmbspg4"
+    folder.mkdir()
+    (folder / "exp.json").write_text('{"ds_config": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    result = autotune_results.parse_experiment(folder / "exp.json", "exp.json")
+    assert result.tables == {} and [issue[:3] for issue in result.issues] == [["error", "bad_autotune_experiment", 1]]
+
+
+def test_damaged_summary_rows_and_time_are_left_out(tmp_path):
+    path = tmp_path / "summary.txt"
+    path.write_text("| tuning_space | num_experiments | best_metric_val | best_exp_name |\n"
+                    "|:--|--:|--:|:--|\n| z1 | 6 | 268.708 | z1_gas2_tmbspg4 |\n| z2 | two | 312.166 | z2_gas1_tmbspg8 |\n\n"
+                    "Tuning completed in 0:0:1.2.3. Total number of experiments: 8.")
+    result = autotune_results.parse_summary(path, "summary.txt")
+    assert result.facts["autotune_summary"] == {"spaces": [{"tuning_space": "z1", "num_experiments": 6,
+                                                            "best_metric_val": 268.708, "best_exp_name": "z1_gas2_tmbspg4"}],
+                                                "source": "summary.txt"}
+    [issue] = result.issues
+    assert issue[:3] == ["error", "bad_autotune_file", 2] and "line 4" in issue[3] and "Tuning completed" in issue[3]
+
+
+def test_summary_time_of_more_than_a_day():
+    """str(timedelta) puts whole days before h:mm:ss."""
+    summary, problems = autotune_results.parse_summary_text(
+        "| z1 | 6 | 268.708 | z1_a |\nTuning completed in 1 day, 2:03:04.5. Total number of experiments: 12.")
+    assert problems == [] and summary["tuning_seconds"] == 86400 + 2 * 3600 + 3 * 60 + 4.5
+    assert summary["total_experiments"] == 12
+
+
 def test_summary_table_from_deepspeed_docs():
     path = CORPUS / "DeepSpeed" / "docs_examples" / "autotuning_md_summary_gpt2-large_16xV100.txt"
     if not path.exists():
         pytest.skip("corpus not found")
-    summary = autotune_results.parse_summary_text(path.read_text())
+    summary, problems = autotune_results.parse_summary_text(path.read_text())
+    assert problems == []
     spaces = {s["tuning_space"]: s for s in summary["spaces"]}
     assert list(spaces) == ["z0", "z1", "z2", "z3", "global"]
     assert spaces["global"]["best_exp_name"] == spaces["z1"]["best_exp_name"]

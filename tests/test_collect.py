@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from steplens.analyze.importers import collector_parts
@@ -379,6 +380,60 @@ def test_importer_claims_only_collector_layout(tmp_path):
     assert not collector_parts.claims(Path("run/collector/train_steps/.rank0-00001.parquet.tmp"))
     assert not collector_parts.claims(Path("run/other/train_steps/rank0-00001.parquet"))
     assert not collector_parts.claims(Path("run/collector/not_a_table/rank0-00001.parquet"))
+
+
+SAMPLE_MANIFEST = Path(__file__).resolve().parents[1] / "sample_runs/deepspeed_cpu_2rank/collector/manifest/rank0.json"
+
+
+def write_manifest(tmp_path: Path, content: bytes, rank: int = 0) -> tuple[Path, str]:
+    rel = f"collector/manifest/rank{rank}.json"
+    path = tmp_path / rel
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    return path, rel
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    (lambda text: text[:100], "collector_part_unreadable"),  # cut
+    (lambda text: text[:50] + b"\xff\xfe" + text[50:], "collector_part_unreadable"),  # not UTF-8
+    (lambda text: b"[" * 100_000 + b"]" * 100_000, "collector_part_unreadable"),  # past the decoder's depth
+    (lambda text: b"[1, 2]", "not_a_collector_manifest"),
+])
+def test_an_unreadable_manifest_is_one_issue_naming_it(tmp_path, damage, reason):
+    path, rel = write_manifest(tmp_path, damage(SAMPLE_MANIFEST.read_bytes()))
+    result = collector_parts.parse(path, rel)
+    assert result.tables == {} and result.facts == {}
+    [issue] = result.issues
+    assert issue[1:3] == [reason, 1] and rel in issue[3]
+
+
+@pytest.mark.parametrize("columns", [{"rank": [0.5], "name": ["loss"], "value": [1.0]},
+                                     {"rank": [0], "name": ["loss"], "value": ["1.5"]}])
+def test_a_part_with_a_column_of_another_type_is_skipped(tmp_path, columns):
+    """Cast to the table's types, a float rank would be truncated (0.5 -> 0) and text would fail."""
+    rel = "collector/scalars/rank0-00000.parquet"
+    (tmp_path / rel).parent.mkdir(parents=True)
+    pq.write_table(pa.table(columns), tmp_path / rel)
+    result = collector_parts.parse(tmp_path / rel, rel)
+    assert result.tables == {}
+    [issue] = result.issues
+    assert issue[:3] == ["error", "collector_part_columns", 1] and rel in issue[3] and "of other types" in issue[3]
+
+
+def test_manifest_values_of_the_wrong_type_are_left_out(tmp_path):
+    manifest = json.loads(SAMPLE_MANIFEST.read_text())
+    manifest.update(rank="zero", disabled=["timers"], dropped_rows={"scalars": 3, "comms_calls": "x"},
+                    rejected_values=[1], run="RUN")
+    path, rel = write_manifest(tmp_path, json.dumps(manifest).replace('"RUN"', "1e999").encode(), rank=3)
+    result = collector_parts.parse(path, rel)
+    assert result.tables["run_status"].select("rank", "status").rows() == [(3, "completed")]  # rank from the file name
+    state = result.facts["collector_rank3"]
+    assert state["disabled"] is None and state["status"] == "completed" and state["steps_completed"] == 6
+    assert set(result.facts) == {"collector_flags", "collector_rank3"}  # no run facts from a `run` that is a number
+    assert [issue[:3] for issue in result.issues] == [["warning", "collector_rank_mismatch", 1],
+                                                      ["warning", "collector_rows_dropped", 3],
+                                                      ["warning", "bad_fact", 4]]
+    assert all(key in result.issues[2][3] for key in ("run", "disabled", "dropped_rows", "rejected_values"))
 
 
 def test_a_second_writer_adds_parts_after_the_existing_ones(tmp_path):

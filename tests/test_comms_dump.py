@@ -163,6 +163,68 @@ def test_bad_inputs_give_issues_not_exceptions(runs, tmp_path):
     assert not comms_dump.claims_raw(empty)
 
 
+def test_damaged_size_text_is_no_size():
+    assert comms_dump.size_from_text("1.2.3 MB") is None
+    assert comms_dump.size_from_text("9" * 400 + " PB") is None  # past any int64 count of bytes
+
+
+def test_damaged_entries_cost_only_themselves(tmp_path):
+    """Latencies kept as logged (they decrease): each damaged size entry is skipped alone, as are damaged
+    summary entries; nothing else changes."""
+    raw = tmp_path / "comms_dict_raw_rank0.json"
+    raw.write_text('{"all_reduce": {"4": [2, [0.5, 0.25]], "8": {}, "16": [1, [NaN]], "32": [1, [Infinity]], '
+                   '"64": [1, [1e300]], "128": [1, ["0.5"]], "' + "9" * 30 + '": [1, [0.5]]}, '
+                   '"broadcast": {"512": [1, [0.75]]}}')
+    good = {"count": 1, "total_latency_ms": 0.75, "avg_latency_ms": 0.75, "busbw_avg_gbps": 1.5, "msg_size_bytes": 512}
+    summary = {"broadcast": {"512": good, "1024": {**good, "count": 10**30}, "2048": {}},
+               "all_reduce": {"4": {**good, "msg_size_bytes": "INF"}}}
+    (tmp_path / "log_summary_dict_rank0.json").write_text(
+        json.dumps({"summary": summary, "metadata": {"world_size": 2, "rank": 0}}).replace('"INF"', "1e999"))
+    imported = comms_dump.parse_raw(raw, raw.name)
+    calls = imported.tables["comms_calls"]
+    assert calls.select("op", "msg_bytes", "latency_ns", "group_size").rows() == [
+        ("all_reduce", 4, 500_000, 2), ("all_reduce", 4, 250_000, 2), ("broadcast", 512, 750_000, 2)]
+    assert set(calls["latency_origin"]) == {"as_logged"}
+    rows = imported.tables["comms_summary"].select("op", "msg_bytes", "count", "total_latency_ms", "busbw_gbps").rows()
+    assert rows == [("broadcast", 512, 1, 0.75, 1.5)]
+    bad = [issue for issue in imported.issues if issue[1] == "bad_entry"]
+    assert [issue[:3] for issue in bad] == [["warning", "bad_entry", 6], ["warning", "bad_entry", 3]]
+    assert "log_summary_dict_rank0.json" in bad[1][3]
+
+
+def test_a_damaged_running_total_leaves_its_record_name_without_latencies(tmp_path):
+    """Running totals: one lost total would fold its call into the next call's difference, so the calls of
+    that record name keep no latency; the other record names are repaired as usual."""
+    raw = tmp_path / "comms_dict_raw_rank0.json"
+    raw.write_text('{"all_reduce": {"4": [3, [1.0, 3.0, 6.0]], "8": [1, [NaN]]}, "broadcast": {"512": [3, [0.5, 1.5, 2.0]]}}')
+    imported = comms_dump.parse_raw(raw, raw.name)
+    calls = imported.tables["comms_calls"]
+    assert set(calls["latency_origin"]) == {"repaired_cumulative"}
+    assert calls.select("op", "latency_ns").rows() == [("all_reduce", None)] * 3 + [
+        ("broadcast", 500_000), ("broadcast", 1_000_000), ("broadcast", 500_000)]
+    [bad] = [issue for issue in imported.issues if issue[1] == "bad_entry"]
+    assert bad[:3] == ["warning", "bad_entry", 1] and "other 3 calls" in bad[3]
+
+
+def test_damaged_summary_metadata_is_left_out(tmp_path):
+    path = tmp_path / "log_summary_dict_rank3.json"
+    stats = {"count": 2, "total_latency_ms": 1.0, "avg_latency_ms": 0.5, "busbw_avg_gbps": 4.0, "msg_size_bytes": 8}
+    path.write_text(json.dumps({"summary": {"all_reduce": {"8": stats}}, "metadata": {"rank": "zero", "world_size": 10**30}}))
+    imported = comms_dump.parse_summary(path, path.name)
+    assert imported.tables["comms_summary"].select("rank", "msg_bytes", "count").rows() == [(3, 8, 2)]  # rank from the name
+    assert imported.facts == {}
+    damaged = [issue for issue in imported.issues if issue[1] == "bad_metadata"]
+    assert [issue[:3] for issue in damaged] == [["warning", "bad_metadata", 1]] * 2
+    assert "rank" in damaged[0][3] and "world_size" in damaged[1][3] and path.name in damaged[0][3]
+
+
+def test_json_nested_past_the_decoders_depth_is_bad_json(tmp_path):
+    path = tmp_path / "comms_dict_raw_rank0.json"
+    path.write_text('{"all_reduce": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    imported = comms_dump.parse_raw(path, path.name)
+    assert imported.tables == {} and [issue[:3] for issue in imported.issues] == [["error", "bad_json", 1]]
+
+
 def test_comms_log_stats_counts_each_call_once(runs):
     """Rank 0's calls come twice (log lines and dump); the stats use the dump. Expected values are
     recomputed here from the two JSON dumps: sort a record name's totals, take differences."""

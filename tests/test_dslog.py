@@ -277,3 +277,173 @@ def test_flops_profile_printed_into_the_log(tmp_path):
     assert imported.facts["flops_profiler"]["fwd_macs_per_gpu"] == 234.88e6
     # The lines around it are read as before.
     assert imported.tables["step_timers"].height == _parse(_rank0_log("run1")).tables["step_timers"].height
+
+
+# Hostile input: a damaged value costs that value (null) or its line, counted; never the file. The lines are run1's
+# rank-0 log lines (and the corpus's Megatron log) as printed, with one thing changed.
+STAMP = "[2026-11-29 12:59:{}] [INFO] [logging.py:123:log_dist] [Rank 0] "
+BROADCASTS = [  # run1 rank-0 lines 12-17: running totals (DeepSpeed 0.19.8)
+    ("49,231", "0.63", "256.0 KB"), ("49,233", "0.88", "32.0 KB"), ("49,234", "1.08", "512.0 B"),
+    ("49,235", "1.29", "512.0 B"), ("49,235", "1.48", "192.0 KB"), ("49,236", "1.59", "1.5 KB")]
+
+
+def _damaged_log(tmp_path, lines: list[str], name: str = "damaged_rank0.log"):
+    path = tmp_path / name
+    path.write_text("".join(f"{line}\n" for line in lines))
+    return _parse(path)
+
+
+def _counted(imported, reason: str) -> list[tuple[int, str]]:
+    return [(count, detail.split(":")[0]) for _, r, count, detail in imported.issues if r == reason]
+
+
+def _broadcast_lines(changed: dict[int, tuple[str, str]]) -> list[str]:
+    """BROADCASTS as log lines; `changed` maps an index to the (time, size) text written there instead."""
+    lines = []
+    for index, (at, ms, size) in enumerate(BROADCASTS):
+        ms, size = changed.get(index, (ms, size))
+        lines.append(STAMP.format(at) + f"comm op: broadcast | time (ms): {ms} | msg size: {size} | "
+                     "algbw (Gbps): 0.00 | busbw (Gbps): 0.00")
+    return lines
+
+
+def test_comms_latency_nan_or_inf_is_null_and_counted(tmp_path):
+    """An inf running total: its call and the next (their difference to it) have no latency; the others are repaired
+    as before, and the inf does not hide that the totals run up."""
+    imported = _damaged_log(tmp_path, _broadcast_lines({2: ("inf", "512.0 B")}))
+    calls = imported.tables["comms_calls"]
+    assert calls["latency_ns"].to_list() == [630000, 250000, None, None, 190000, 110000]
+    assert calls["msg_bytes"].to_list() == [262144, 32768, 512, 512, 196608, 1536]
+    assert set(calls["latency_origin"]) == {"repaired_cumulative"}
+    assert _counted(imported, "unrepresentable_value") == [(2, "comms_calls.latency_ns")]
+    nan = _damaged_log(tmp_path, _broadcast_lines({4: ("nan", "192.0 KB")}), "nan_rank0.log").tables["comms_calls"]
+    assert nan["latency_ns"].to_list() == [630000, 250000, 200000, 210000, None, None]
+
+
+def test_comms_size_that_is_no_number_keeps_the_call(tmp_path):
+    imported = _damaged_log(tmp_path, _broadcast_lines({1: ("0.88", "1.2.3 MB"), 3: ("1.29", "9" * 400 + " MB")}))
+    calls = imported.tables["comms_calls"]
+    assert calls["msg_bytes"].to_list() == [262144, None, 512, None, 196608, 1536]
+    assert calls["latency_ns"].to_list() == [630000, 250000, 200000, 210000, 190000, 110000]
+    assert _counted(imported, "garbled_lines") == [(2, "2 lines hold interleaved writes from several processes, "
+                                                       "undecodable bytes or damaged values (an impossible date, a number "
+                                                       "too long to read); records in them that did not parse whole were "
+                                                       "skipped, damaged values in kept records are null")]
+
+
+def test_impossible_date_leaves_the_wall_time_null(tmp_path):
+    imported = _damaged_log(tmp_path, [  # run1 rank-0 lines 257, 275 (30 Nov written 31) and 293
+        "[2026-11-29 12:59:54,493] [INFO] [logging.py:123:log_dist] [Rank 0] step=2, skipped=0, lr=[0.00043067655807339306], mom=[(0.9, 0.999)]",
+        "[2026-11-31 12:59:54,704] [INFO] [logging.py:123:log_dist] [Rank 0] step=4, skipped=0, lr=[0.0008613531161467861], mom=[(0.9, 0.999)]",
+        "[2026-11-29 13:00:01,573] [INFO] [logging.py:123:log_dist] [Rank 0] step=6, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]",
+        "[2026-02-30 13:00:05,000] [INFO] [logging.py:123:log_dist] [Rank 0] done",  # the rank's last line
+    ])
+    lr = imported.tables["scalars"].filter(pl.col("name") == "lr")
+    assert lr.select("step", "value", "wall_ns").rows() == [
+        (1, 0.00043067655807339306, 1795957194493000000), (3, 0.0008613531161467861, None), (5, 0.001, 1795957201573000000)]
+    assert imported.tables["scalars"].filter(pl.col("name") == "skipped_steps")["wall_ns"].null_count() == 1
+    last = imported.facts["log_last_line_rank0"]
+    assert (last["line"], last["wall_ns"], last["not_before_ns"]) == (4, None, None)
+    assert [count for count, _ in _counted(imported, "garbled_lines")] == [2]
+
+
+def test_unhashable_literal_is_kept_as_text(tmp_path):
+    launcher = _damaged_log(tmp_path, [  # run1 launcher.log line 3, its dict damaged
+        "[2026-11-29 12:59:44,805] [INFO] [launch.py:152:main] WORLD INFO DICT: {[1]: 2}"], "launcher.log")
+    assert launcher.tables["run_status"]["status"].to_list() == ["incomplete"]
+    assert [count for count, _ in _counted(launcher, "garbled_lines")] == [1]
+    megatron = _damaged_log(tmp_path, [  # the corpus Megatron log's arguments block (lines 170, 234, 236, 311, 373)
+        "------------------------ arguments ------------------------",
+        "  global_batch_size ............................... {[1]: 2}",
+        "  hidden_size ..................................... 768",
+        "  num_layers ...................................... 12",
+        "-------------------- end of arguments ---------------------"], "megatron.log")
+    assert megatron.facts["megatron_args"] == {"global_batch_size": "{[1]: 2}", "hidden_size": 768, "num_layers": 12}
+    assert "train_batch_size" not in megatron.facts
+
+
+def test_megatron_consumed_samples_nan_or_inf_leave_the_axis_null(tmp_path):
+    fields = ("elapsed time per iteration (ms): {} | learning rate: {} | global batch size:   256 |reserve_length:   256 | "
+              "lm loss: {} | loss scale: 2048.0 | number of skipped iterations:   0 | number of nan iterations:   0 |")
+    imported = _damaged_log(tmp_path, [  # the corpus Megatron log's lines 2740, 2744, 2748
+        " iteration       10/  171661 | consumed samples:         2560 | consumed tokens:      5242880 | "
+        + fields.format("1001.5", "9.339E-08", "1.078335E+01"),
+        " iteration       20/  171661 | consumed samples:          nan | consumed tokens:     10485760 | "
+        + fields.format("484.7", "1.972E-07", "1.074999E+01"),
+        " iteration       30/  171661 | consumed samples:         7680 | consumed tokens:          inf | "
+        + fields.format("484.5", "3.009E-07", "1.071889E+01")], "megatron_rank7.log")
+    scalars = imported.tables["scalars"]
+    assert scalars.filter(pl.col("name") == "lm loss").select("step", "value", "global_samples", "global_tokens").rows() == [
+        (9, 10.78335, 2560, 5242880), (19, 10.74999, None, 10485760), (29, 10.71889, 7680, None)]
+    assert scalars.height == 3 * 8  # eight numbers per line besides the consumed counts
+    assert sorted(_counted(imported, "unrepresentable_value")) == [
+        (8, "scalars.global_samples"), (8, "scalars.global_tokens")]
+
+
+def test_infinite_samples_rate_gives_no_batch_estimate(tmp_path):
+    """train_batch_size from the throughput lines: the inf rates are no estimate, the finite one still is."""
+    throughput = "[2026-11-29 {}] [INFO] [timer.py:264:stop] epoch=0/micro_step={}/global_step={}, " \
+                 "RunningAvgSamplesPerSec={}, CurrSamplesPerSec={}, MemAllocated=0.85GB, MaxMemAllocated=0.85GB"
+    imported = _damaged_log(tmp_path, [  # run1 rank-0 lines 189-190 (its other keys left out), 276, 294, 310 and 326
+        "[2026-11-29 12:59:52,453] [INFO] [config.py:664:print_user_config]   json = {",
+        '    "train_micro_batch_size_per_gpu": 4',
+        "}",
+        throughput.format("12:59:54,705", 4, 4, "88.7557766294982", "70.76169681439102"),
+        throughput.format("13:00:01,574", 6, 6, "102.96268440889044", "inf"),
+        throughput.format("13:00:01,768", 8, 8, "99.79755223436686", "101.61075707963799"),
+        throughput.format("13:00:01,969", 10, 10, "97.04077596338388", "inf")])
+    # One finite interval: 101.61075707963799 samples/s x 0.194 s / 2 steps = 9.86, a multiple of 4: 8 (run1's batch).
+    assert imported.facts["train_batch_size"] == 8
+    assert "median 9.9 over 1 intervals" in imported.facts["train_batch_size_origin"]
+    rates = imported.tables["scalars"].filter(pl.col("name") == "CurrSamplesPerSec")
+    assert rates.select("step", "value", "global_samples").rows() == [
+        (3, 70.76169681439102, 32), (5, float("inf"), 48), (7, 101.61075707963799, 64), (9, float("inf"), 80)]
+
+
+def test_numbers_past_the_int_digit_limit_cost_their_line(tmp_path):
+    huge = "9" * 5000  # int() reads at most 4300 digits
+    imported = _damaged_log(tmp_path, [  # run1 rank-0 lines 251, 257 (step written huge) and 259
+        "[Rank 0] time (ms) | fwd: 724.02 | bwd: 1000.93 | bwd_inner: 970.99 | bwd_allreduce: 29.88 | step: 202.78",
+        f"[2026-11-29 12:59:54,493] [INFO] [logging.py:123:log_dist] [Rank 0] step={huge}, skipped=0, lr=[0.00043067655807339306], mom=[(0.9, 0.999)]",
+        f"[Rank {huge}] time (ms) | fwd: 16.74",
+        "[Rank 0] time (ms) | fwd: 16.74 | bwd: 34.57 | bwd_inner: 21.74 | bwd_allreduce: 12.79 | step: 16.54"])
+    timers = imported.tables["step_timers"]
+    assert timers.filter(pl.col("timer") == "fwd").select("rank", "step", "line", "ms").rows() == [
+        (0, 0, 1, 724.02), (0, 1, 4, 16.74)]
+    assert timers.height == 10 and "scalars" not in imported.tables
+    assert [count for count, _ in _counted(imported, "garbled_lines")] == [2]
+
+
+def test_summary_row_past_the_int_digit_limit_costs_its_row(tmp_path):
+    row = "                    {:<19} {:<19} {:<19} {:<19} 0.00                0.00                "
+    imported = _damaged_log(tmp_path, [  # run1 comms/log_summary_rank0.txt lines 1-5, one count damaged
+        "Comm. Op            Message Size        Count               Total Latency(ms)   Avg Latency(ms)     "
+        "tput_avg (Gbps)     busbw_avg (Gbps)    ",
+        "broadcast",
+        row.format("512.0 B", "26", "120.25", "4.72"),
+        row.format("1.5 KB", "4" * 5000, "16.53", "4.13"),
+        row.format("2.0 KB", "4", "19.71", "4.93")], "log_summary_rank0.txt")
+    summary = imported.tables["comms_summary"]
+    assert summary.select("op", "msg_bytes", "count", "total_latency_ms").rows() == [
+        ("broadcast", 512, 26, 120.25), ("broadcast", 2048, 4, 19.71)]
+    assert [count for count, _ in _counted(imported, "garbled_lines")] == [1]
+
+
+def test_values_beyond_int64_are_null_and_counted(tmp_path):
+    imported = _damaged_log(tmp_path, [  # run1 rank-0 lines 257 (in the year 9999: past int64 in ns) and 275
+        "[9999-11-29 12:59:54,493] [INFO] [logging.py:123:log_dist] [Rank 0] step=2, skipped=0, lr=[0.00043067655807339306], mom=[(0.9, 0.999)]",
+        "[2026-11-29 12:59:54,704] [INFO] [logging.py:123:log_dist] [Rank 0] step=4, skipped=0, lr=[0.0008613531161467861], mom=[(0.9, 0.999)]"])
+    lr = imported.tables["scalars"].filter(pl.col("name") == "lr")
+    assert lr.select("step", "value", "wall_ns").rows() == [
+        (1, 0.00043067655807339306, None), (3, 0.0008613531161467861, 1795957194704000000)]
+    assert _counted(imported, "unrepresentable_value") == [(2, "scalars.wall_ns")]
+
+
+def test_config_json_nested_too_deep_costs_its_line(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    imported = _damaged_log(tmp_path, [  # run1 rank-0 lines 189 (one line, nested past the decoder's depth) and 251
+        f'[2026-11-29 12:59:52,453] [INFO] [config.py:664:print_user_config]   json = {{"train_micro_batch_size_per_gpu": 4, "a": {deep}}}',
+        "[Rank 0] time (ms) | fwd: 724.02 | bwd: 1000.93 | bwd_inner: 970.99 | bwd_allreduce: 29.88 | step: 202.78"])
+    assert "ds_config" not in imported.facts and "train_micro_batch_size_per_gpu" not in imported.facts
+    assert imported.tables["step_timers"]["ms"].to_list() == [724.02, 1000.93, 970.99, 29.88, 202.78]
+    assert [count for count, _ in _counted(imported, "garbled_lines")] == [1]

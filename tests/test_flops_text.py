@@ -131,3 +131,55 @@ def test_cut_and_bad_inputs(tmp_path):
         bad.write_bytes(data)
         assert not flops_text.claims(bad)
         assert flops_text.parse(bad, name).issues[0][:2] == ["error", "not_a_flops_profile"]
+
+
+def _damaged_profile(tmp_path, replacements: dict[str, str], ds_config: str | None = None):
+    """run1's engine profile with text replaced (each once), in a run folder whose ds_config.json is `ds_config`
+    (else run1's); and the profile as written."""
+    original = _need(RUNS / "run1/flops_profiler/flops_profile.txt")
+    text = original.read_text()
+    for old, new in replacements.items():
+        assert old in text
+        text = text.replace(old, new, 1)
+    path = tmp_path / "flops_profiler" / "flops_profile.txt"
+    path.parent.mkdir()
+    path.write_text(text)
+    (tmp_path / "ds_config.json").write_text(ds_config or (RUNS / "run1/ds_config.json").read_text())
+    return flops_text.parse(path, path.name), flops_text.parse(original, path.name)
+
+
+def test_numbers_past_float_range_are_left_out_and_counted(tmp_path):
+    huge = "9" * 400  # float() reads it as inf
+    damaged, whole = _damaged_profile(tmp_path, {
+        "world size:                                                             2": f"world size: {huge}",
+        "fwd flops per GPU:                                                      471.76 M": f"fwd flops per GPU: {huge} M",
+        "(qkv): Linear(49.54 K = 5.31% Params": f"(qkv): Linear({huge} K = 5.31% Params"})  # blocks.0.qkv
+    rows, expected = damaged.tables["flops_profile"], whole.tables["flops_profile"]
+    assert rows.filter(pl.col("path") == "blocks.0.qkv")["params"].to_list() == [None]
+    assert rows.filter(pl.col("depth") == 0)["flops_total"].to_list() == [None]
+    unchanged = ~pl.col("path").is_in(["blocks.0.qkv", ""])
+    assert rows.filter(unchanged).equals(expected.filter(unchanged))
+    assert rows.drop("params", "flops_total").equals(expected.drop("params", "flops_total"))
+    assert "world_size" not in damaged.facts and damaged.facts["fwd_flops_per_gpu"] == float("inf")
+    assert {k: v for k, v in damaged.facts.items() if k not in ("world_size", "fwd_flops_per_gpu")} == {
+        k: v for k, v in whole.facts.items() if k not in ("world_size", "fwd_flops_per_gpu")}
+    counted = sorted((reason, count, detail.split(":")[0]) for _, reason, count, detail in damaged.issues
+                     if reason in ("bad_fact", "unrepresentable_value"))
+    assert counted == [("bad_fact", 1, "world_size"), ("unrepresentable_value", 1, "flops_profile.flops_total"),
+                       ("unrepresentable_value", 1, "flops_profile.params")]
+
+
+def test_profile_step_past_the_int_digit_limit_is_left_out(tmp_path):
+    damaged, whole = _damaged_profile(tmp_path, {"Profile Summary at step 4:": f"Profile Summary at step {'4' * 5000}:"})
+    assert "profile_step" not in damaged.facts and whole.facts["profile_step"] == 4
+    assert damaged.tables["flops_profile"]["profile_step"].null_count() == damaged.tables["flops_profile"].height
+    assert damaged.tables["flops_profile"].drop("profile_step").equals(whole.tables["flops_profile"].drop("profile_step"))
+    assert [(i[1], i[2], i[3].split(":")[0]) for i in damaged.issues if i[1] == "bad_fact"] == [
+        ("bad_fact", 1, "profile_step")]
+
+
+def test_ds_config_nested_too_deep_is_not_read(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    damaged, whole = _damaged_profile(tmp_path, {}, ds_config=f'{{"zero_optimization": {{"stage": 2}}, "a": {deep}}}')
+    assert whole.facts["zero_stage"] == 2 and "zero_stage" not in damaged.facts
+    assert damaged.tables["flops_profile"].equals(whole.tables["flops_profile"])

@@ -76,3 +76,22 @@ def test_a_failing_importer_costs_its_file_only(tmp_path, monkeypatch):
     (failed,) = result.failed
     assert failed.path == "x.toy" and "bad line 3" in failed.issues[0][3]
     assert pl.read_parquet(result.out_dir / "scalars").height == 2
+
+
+def test_conform_stores_values_a_column_cannot_hold_as_null_and_counts_them():
+    """A row value beyond int64, text in a number column, a float in an int column (never truncated) or a
+    lone surrogate once made pl.DataFrame raise, and the importer lost its whole file."""
+    rows = [{"rank": 0, "name": "loss", "value": 1.5, "step": 1},
+            {"rank": 2**70, "name": "lr\udcff", "value": 10**400, "step": "7"},
+            {"rank": 1, "name": "loss", "value": 2, "step": 2.5},
+            {"rank": 2**63 - 1, "name": "loss", "value": float("inf"), "step": -(2**63)}]
+    issues = []
+    frame = conform(rows, "scalars", issues)
+    assert frame.select("rank", "name", "value", "step").rows() == [
+        (0, "loss", 1.5, 1), (None, None, None, None), (1, "loss", 2.0, None), (2**63 - 1, "loss", float("inf"), -(2**63))]
+    assert sorted((reason, count, detail.split(":")[0]) for _, reason, count, detail in issues) == [
+        ("unrepresentable_value", 1, "scalars.name"), ("unrepresentable_value", 1, "scalars.rank"),
+        ("unrepresentable_value", 1, "scalars.value"), ("unrepresentable_value", 2, "scalars.step")]
+    assert frame.schema == conform([], "scalars").schema
+    with pytest.raises(ValueError, match="scalars.rank"):  # no list to count them in: not silently nulled
+        conform(rows, "scalars")

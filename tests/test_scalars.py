@@ -7,6 +7,8 @@ import re
 import shutil
 import subprocess
 import sys
+import zlib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +95,16 @@ def test_csv_garbled_lines_are_reported_and_skipped(tmp_path):
     assert issue[0] == "error" and issue[2] == 2 and "lines [3, 4]" in issue[3] and path.name in issue[3]
 
 
+def test_csv_step_beyond_int64_is_a_garbled_line(tmp_path):
+    path = tmp_path / "Train_Samples_lr.csv"
+    path.write_text("step,lr\n8,0.5\n" + "9" * 30 + ",0.25\n16,0.125\n")
+    result = monitor_scalars.parse_csv_monitor(path, path.name)
+    frame = result.tables["scalars"]
+    assert frame["global_samples"].to_list() == [8, 16] and frame["value"].to_list() == [0.5, 0.125]
+    [issue] = result.issues
+    assert issue[:3] == ["error", "garbled_lines", 1] and "lines [3]" in issue[3]
+
+
 def test_csv_claims_only_step_headers(tmp_path):
     (tmp_path / "a.csv").write_text("step,lr\n8,0.1\n")
     (tmp_path / "b.csv").write_text("epoch,acc,loss\n1,2,3\n")
@@ -144,6 +156,59 @@ def test_event_file_of_junk_is_an_error_not_a_crash(tmp_path):
     result = monitor_scalars.parse_tensorboard(junk, junk.name)
     assert "scalars" not in result.tables
     assert result.issues[0][:2] == ["error", "truncated_event_file"] and junk.name in result.issues[0][3]
+
+
+def test_tensorboard_damaged_points_cost_only_themselves(tmp_path):
+    """A wall time of NaN or inf (no wall_ns) and scalar summaries whose tensor is not one number (skipped)."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    from tensorboard.util import tensor_util
+
+    scalar = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
+                                         data_class=summary_pb2.DATA_CLASS_SCALAR)
+
+    def point(wall_time, step, **value):
+        return event_pb2.Event(wall_time=wall_time, step=step,
+                               summary=summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag="lr", **value)]))
+
+    def tensor(array):
+        return {"tensor": tensor_util.make_tensor_proto(array), "metadata": scalar}
+
+    writer = EventFileWriter(str(tmp_path))
+    for event in (point(1.7e9 + 1, 8, simple_value=0.5), point(math.nan, 16, simple_value=0.25),
+                  point(math.inf, 24, simple_value=0.125), point(1.7e9 + 4, 32, **tensor(np.array([1.0, 2.0]))),
+                  point(1.7e9 + 5, 40, **tensor(np.array(b"text"))), point(1.7e9 + 6, 48, simple_value=0.0625)):
+        writer.add_event(event)
+    writer.close()
+    [path] = tmp_path.glob("events.out.tfevents.*")
+    result = monitor_scalars.parse_tensorboard(path, path.name)
+    frame = result.tables["scalars"]
+    assert frame["global_samples"].to_list() == [8, 16, 24, 48]
+    assert frame["value"].to_list() == [0.5, 0.25, 0.125, 0.0625]
+    assert frame["wall_ns"].to_list() == [1_700_000_001_000_000_000, None, None, 1_700_000_006_000_000_000]
+    [issue] = result.issues
+    assert issue[:3] == ["warning", "bad_monitor_point", 4] and path.name in issue[3]
+    assert "2 point(s): the wall time" in issue[3] and "2 point(s): the value" in issue[3]
+
+
+def test_an_event_record_that_does_not_decode_is_skipped(tmp_path):
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    def point(step, value):
+        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag="lr", simple_value=value)])
+        return event_pb2.Event(wall_time=1.7e9, step=step, summary=summary).SerializeToString()
+
+    path = tmp_path / "events.out.tfevents.1.host"
+    with open(path, "wb") as f:
+        writer = RecordWriter(f)
+        for record in (point(8, 0.5), b"\xff\xff\xff\xff", point(16, 0.25)):  # a well-framed record of junk between
+            writer.write(record)
+        writer.flush()
+    result = monitor_scalars.parse_tensorboard(path, path.name)
+    assert result.tables["scalars"].select("global_samples", "value").rows() == [(8, 0.5), (16, 0.25)]
+    [issue] = result.issues
+    assert issue[:3] == ["error", "truncated_event_file", 1] and path.name in issue[3]
 
 
 # --- W&B offline runs, made fresh with the real wandb client ------------------------------------
@@ -237,6 +302,54 @@ def test_wandb_junk_file_is_an_error(tmp_path):
     assert junk.name in result.issues[0][3]
 
 
+def _varint(n: int) -> bytes:
+    out = b""
+    while n >= 0x80:
+        out, n = out + bytes([n & 0x7F | 0x80]), n >> 7
+    return out + bytes([n])
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def history_record(**items: str) -> bytes:
+    """A wandb Record holding one history row: {key: value_json} (field numbers: monitor_scalars)."""
+    row = b"".join(_field(monitor_scalars.HISTORY_ITEM, _field(monitor_scalars.ITEM_KEY, key.encode())
+                          + _field(monitor_scalars.ITEM_VALUE_JSON, value.encode())) for key, value in items.items())
+    return _field(monitor_scalars.RECORD_HISTORY, row)
+
+
+def wandb_log(records: list[bytes]) -> bytes:
+    """A .wandb file of FULL chunks in one block (LevelDB log format, as monitor_scalars reads it)."""
+    data = monitor_scalars.WANDB_HEADER.pack(monitor_scalars.WANDB_MAGIC, monitor_scalars.WANDB_HEADER_MAGIC, 0)
+    for record in records:
+        kind = bytes([monitor_scalars.LOG_FULL])
+        data += monitor_scalars.LOG_CHUNK_HEADER.pack(zlib.crc32(kind + record), len(record), kind[0]) + record
+    assert len(data) < monitor_scalars.LOG_BLOCK
+    return data
+
+
+def test_wandb_damaged_points_cost_only_themselves(tmp_path):
+    path = tmp_path / "run-damaged.wandb"
+    path.write_bytes(wandb_log([
+        history_record(_step="16", _timestamp="1700000000.5", loss="2.5"),
+        history_record(_step="32", _timestamp="1e300", loss="2.25"),  # no wall time
+        history_record(_step="48", _timestamp="1700000002", loss="9" * 401, lr="0.1"),  # loss beyond float64
+        history_record(_step='"x"', _timestamp="1700000003", loss="2.0"),  # no step
+        history_record(_step="64", deep="[" * 5000 + "]" * 5000),  # nested past the JSON decoder's depth
+        _varint(monitor_scalars.RECORD_HISTORY << 3) + _varint(5),  # a number where the history message belongs
+    ]))
+    result = monitor_scalars.parse_wandb(path, path.name)
+    rows = result.tables["scalars"].select("name", "global_samples", "value", "wall_ns").rows()
+    assert rows == [("loss", 16, 2.5, 1_700_000_000_500_000_000), ("loss", 32, 2.25, None),
+                    ("lr", 48, 0.1, 1_700_000_002_000_000_000)]
+    assert [issue[:3] for issue in result.issues] == [["error", "bad_wandb_record", 1], ["info", "non_numeric_history", 1],
+                                                      ["warning", "bad_monitor_point", 3]]
+    detail = result.issues[2][3]
+    assert path.name in detail and all(f"1 point(s): the {what}" in detail for what in ("value", "step", "wall time"))
+
+
 def test_wandb_reader_agrees_with_wandb_protobuf(wandb_run):
     """Our wire-format decoding against wandb's own generated protobuf classes, record by record."""
     pytest.importorskip("wandb")
@@ -250,7 +363,9 @@ def test_wandb_reader_agrees_with_wandb_protobuf(wandb_run):
         if record.WhichOneof("record_type") != "history":
             continue
         history += 1
-        ours = monitor_scalars._history_rows(dict(monitor_scalars.proto_fields(raw))[monitor_scalars.RECORD_HISTORY], "x", set())
+        ours = monitor_scalars._history_rows(dict(monitor_scalars.proto_fields(raw))[monitor_scalars.RECORD_HISTORY], "x", set(),
+                                             damaged := Counter())
+        assert not damaged
         theirs = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
         numeric = {k: v for k, v in theirs.items() if not k.startswith("_") and isinstance(v, (int, float))}
         assert {row["name"]: row["value"] for row in ours} == pytest.approx(numeric, nan_ok=True)

@@ -60,7 +60,8 @@ _DECLARED = (
     IssueReason("missing_timestamp", ("warning",), "Timed events without ts; dropped."),
     IssueReason("bad_timestamp", ("warning",), "ts that is not a number or not a plausible time; those events dropped."),
     IssueReason("bad_duration", ("warning",), "dur that is not a number or implausible; kept without a duration."),
-    IssueReason("unrepresentable_value", ("warning",), "Arg values out of range for their meaning; stored as null."),
+    IssueReason("unrepresentable_value", ("warning",), "Values out of range for their meaning (a trace arg) or their "
+                "column (a log's number past int64, nan where a count belongs); stored as null."),
     IssueReason("bad_step_number", ("warning",), "ProfilerStep numbers too large to be steps; kept as plain events."),
     IssueReason("flow_without_end", ("info",), "Flow starts whose end is outside the trace window."),
     IssueReason("flow_unbound", ("info",), "Flow pairs whose start or end matches no slice; not linked."),
@@ -99,6 +100,8 @@ _DECLARED = (
     IssueReason("truncated_wandb_log", ("error",), "A W&B log cut short or with damaged blocks; complete records kept."),
     IssueReason("bad_wandb_record", ("error",), "W&B records that are not valid protobuf; skipped."),
     IssueReason("non_numeric_history", ("info",), "W&B history keys that are not numbers; not read."),
+    IssueReason("bad_monitor_point", ("warning",), "TensorBoard or W&B points whose value or step no column holds "
+                                                   "(damaged): skipped; a wall time out of range is left null."),
     # FLOPs-profiler text (importers/flops_text.py)
     IssueReason("not_a_flops_profile", ("error",), "No FLOPs-profiler header; not read."),
     IssueReason("no_module_tree", ("warning",), "No detailed per-module profile (detailed=false, or cut off)."),

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import polars as pl
 
+from steplens.analyze.contract import schema
 from steplens.analyze.importers.base import Imported, conform, peek
+from steplens.analyze.importers.kineto import preview
 
 EXPERIMENT_FILES = ("metrics.json", "stderr.log", "stdout.log", "ds_config.json", "cmd.txt", "model_info.json")
 SUMMARY_FILES = ("ds_config_optimal.json", "cmd_optimal.txt")
@@ -41,6 +43,15 @@ ERROR_WORD = re.compile(r"Error|error|ERROR")  # DeepSpeed's own test (autotunin
 # latency included (autotuner.py get_best_space_record), which is wrong for latency.
 METRIC_COLUMNS = {"throughput": ("throughput", True), "FLOPS": ("flops_per_gpu", True), "latency": ("latency_us", False)}
 DEFAULT_METRIC = "throughput"  # DeepSpeed's default autotuning metric
+# metrics.json keys -> autotune_experiments float columns.
+METRIC_FIELDS = {"latency": "latency_us", "throughput": "throughput", "FLOPS_per_gpu": "flops_per_gpu", "fwd": "fwd_us",
+                 "bwd": "bwd_us", "step": "step_us"}
+INT64 = (-(2**63), 2**63 - 1)
+RANKS = (0, schema.MAX_RANK - 1)
+# summary.txt's closing line (autotuner.py print_tuning_results): the time as str(timedelta), e.g.
+# '0:02:33.223603' or '1 day, 2:03:04'.
+TUNING_COMPLETED = re.compile(r"Tuning completed in (?:(\d{1,9}) days?, )?(\d{1,2}):(\d{1,2}):(\d{1,2}(?:\.\d+)?)\. "
+                              r"Total number of experiments: (\d{1,9})(?!\d)")
 
 
 def _imported() -> Imported:
@@ -53,7 +64,7 @@ def _read_json(path: Path, problems: list[str]) -> dict | None:
         value = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         problems.append(f"{path.name}: {e}")
         return None
     if not isinstance(value, dict):
@@ -61,6 +72,35 @@ def _read_json(path: Path, problems: list[str]) -> dict | None:
         return None
     return value
 
+
+def _object(parent: dict, key: str, where: str, problems: list[str]) -> dict:
+    """parent[key] when it is a JSON object; {} when absent or (with a problem) of another type."""
+    value = parent.get(key)
+    if value is None or isinstance(value, dict):
+        return value or {}
+    problems.append(f"{where}{key} is {preview(value)}, not an object")
+    return {}
+
+
+def _whole(value, what: str, problems: list[str], bounds: tuple[int, int] = INT64) -> int | None:
+    """A whole number within bounds (an int64 column); None for anything else, with a problem when present."""
+    if value is None or (type(value) is int and bounds[0] <= value <= bounds[1]):
+        return value
+    problems.append(f"{what} = {preview(value)} is out of range or not a whole number")
+    return None
+
+
+def _number(value, what: str, problems: list[str]) -> float | None:
+    """A number as a float; None for anything else (text, true/false, an integer beyond float64), with a problem."""
+    if value is None:
+        return None
+    if type(value) in (int, float):
+        try:
+            return float(value)
+        except OverflowError:
+            pass
+    problems.append(f"{what} = {preview(value)} is not a number a float64 holds")
+    return None
 
 
 # --- importer: one experiment ---------------------------------------------------------------------
@@ -99,10 +139,14 @@ def classify_stderr(text: str | None) -> tuple[str, str | None]:
     return "interrupted", "no metrics.json and no error in stderr.log: the run ended before measuring"
 
 
-def _environment(exp: dict, stdout: str | None) -> dict:
+def _environment(exp: dict, stdout: str | None, problems: list[str]) -> dict:
     """What the experiment ran on and with, tuned values removed so experiments compare."""
     env = {key: exp.get(key) for key in ("num_gpus", "num_nodes", "hostfile", "user", "job_id") if key in exp}
-    launcher = list(exp.get("launcher_args") or [])
+    launcher = exp.get("launcher_args") or []
+    if not isinstance(launcher, list):
+        problems.append(f"launcher_args is {preview(launcher)}, not a list")
+        launcher = []
+    launcher = list(launcher)  # a copy: the port is taken out
     if "--master_port" in launcher:  # a fresh port per experiment
         del launcher[launcher.index("--master_port"):launcher.index("--master_port") + 2]
     env["launcher_args"] = launcher
@@ -111,7 +155,7 @@ def _environment(exp: dict, stdout: str | None) -> dict:
             env["python"] = match.group(1)
             try:
                 env["world_info"] = json.loads(base64.urlsafe_b64decode(match.group(2)))
-            except ValueError:
+            except (ValueError, RecursionError):
                 env["world_info"] = match.group(2)
         if match := re.search(r"DeepSpeed info: version=([^,\s]+), git-hash=([^,\s]+)", stdout):
             env["deepspeed_version"], env["deepspeed_git_hash"] = match.groups()
@@ -138,42 +182,57 @@ def parse_experiment(path: Path, source: str) -> Imported:
                               f"{source}: not an autotuner experiment ({'; '.join(problems) or 'no ds_config'})"])
         return result
     name = exp.get("name") or path.parent.name
+    if not isinstance(name, str):
+        problems.append(f"name is {preview(name)}, not text")
+        name = path.parent.name
     folder = path.parent
     if name == MODEL_PROFILE_EXP:
         if info := _read_json(folder / "model_info.json", problems):
             result.facts["autotune_model_info"] = info
-        return result
+        return _with_problems(result, source, problems)
     ds_config = exp["ds_config"]
-    autotuning = ds_config.get("autotuning") or {}
-    arg_mappings = autotuning.get("arg_mappings") or {}
-    result.facts["autotune_metric"] = autotuning.get("metric", DEFAULT_METRIC)
+    # Problems with exp.json's own keys name the key only: the issue names the file.
+    autotuning = _object(ds_config, "autotuning", "ds_config.", problems)
+    arg_mappings = _object(autotuning, "arg_mappings", "ds_config.autotuning.", problems)
+    metric = autotuning.get("metric", DEFAULT_METRIC)
+    if not isinstance(metric, str):
+        problems.append(f"ds_config.autotuning.metric is {preview(metric)}, not a name; {DEFAULT_METRIC} used")
+        metric = DEFAULT_METRIC
+    result.facts["autotune_metric"] = metric
+    zero = _object(ds_config, "zero_optimization", "ds_config.", problems)
     row = {
         "experiment": name, "source": source, "trial": 0,
-        "zero_stage": (ds_config.get("zero_optimization") or {}).get("stage"),
-        "micro_batch": ds_config.get("train_micro_batch_size_per_gpu"),
-        "grad_accum": ds_config.get("gradient_accumulation_steps"),
+        "zero_stage": _whole(zero.get("stage"), "ds_config.zero_optimization.stage", problems),
+        "micro_batch": _whole(ds_config.get("train_micro_batch_size_per_gpu"), "ds_config.train_micro_batch_size_per_gpu",
+                              problems),
+        "grad_accum": _whole(ds_config.get("gradient_accumulation_steps"), "ds_config.gradient_accumulation_steps",
+                             problems),
         "config_json": json.dumps({k: v for k, v in ds_config.items() if k != "autotuning"}, sort_keys=True),
     }
     if path.name != "exp.json":  # a spec whose experiment left no result folder
         row.update(status="not_run", error="no result folder: the experiment was never launched (or was cleaned up)",
-                   environment=json.dumps(_environment(exp, None), sort_keys=True))
+                   environment=json.dumps(_environment(exp, None, problems), sort_keys=True))
         result.tables = {"autotune_experiments": experiment_rows([row])}
-        return result
+        return _with_problems(result, source, problems)
 
     stdout = _read_text(folder / "stdout.log")
-    environment = _environment(exp, stdout)
+    environment = _environment(exp, stdout, problems)
     environment["command"] = _command(_read_text(folder / "cmd.txt"), arg_mappings)
     row["environment"] = json.dumps(environment, sort_keys=True)
     metrics = _read_json(folder / "metrics.json", problems)
     if metrics is not None:
-        row.update(status="ok", rank=metrics.get("rank"), latency_us=metrics.get("latency"), throughput=metrics.get("throughput"),
-                   flops_per_gpu=metrics.get("FLOPS_per_gpu"), fwd_us=metrics.get("fwd"), bwd_us=metrics.get("bwd"),
-                   step_us=metrics.get("step"))
+        row.update(status="ok", rank=_whole(metrics.get("rank"), "metrics.json rank", problems, RANKS))
+        row.update({column: _number(metrics.get(key), f"metrics.json {key}", problems)
+                    for key, column in METRIC_FIELDS.items()})
     else:
         row["status"], row["error"] = classify_stderr(_read_text(folder / "stderr.log"))
+    result.tables = {"autotune_experiments": experiment_rows([row])}
+    return _with_problems(result, source, problems)
+
+
+def _with_problems(result: Imported, source: str, problems: list[str]) -> Imported:
     if problems:
         result.issues.append(["error", "bad_autotune_file", len(problems), f"{source}: " + "; ".join(problems)])
-    result.tables = {"autotune_experiments": experiment_rows([row])}
     return result
 
 
@@ -205,10 +264,10 @@ def summary_companions(path: Path) -> list[Path]:
     return [path.parent / name for name in SUMMARY_FILES]
 
 
-def parse_summary_text(text: str) -> dict:
-    """DeepSpeed's summary.txt (a tabulate "pipe" table and a closing line) -> facts."""
-    spaces = []
-    for line in text.splitlines():
+def parse_summary_text(text: str) -> tuple[dict, list[str]]:
+    """DeepSpeed's summary.txt (a tabulate "pipe" table and a closing line) -> (facts, damaged rows and lines)."""
+    spaces, problems = [], []
+    for number, line in enumerate(text.splitlines(), start=1):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != 4 or cells[0] in ("tuning_space", "") or set(cells[0]) <= set(":- "):
             continue
@@ -216,26 +275,25 @@ def parse_summary_text(text: str) -> dict:
             spaces.append({"tuning_space": cells[0], "num_experiments": int(cells[1]),
                            "best_metric_val": float(cells[2]), "best_exp_name": cells[3]})
         except ValueError:
-            continue
+            problems.append(f"line {number}: not a count and a metric value; row skipped")
     summary = {"spaces": spaces}
-    if match := re.search(r"Tuning completed in (\d+):(\d+):([\d.]+)\. Total number of experiments: (\d+)", text):
-        hours, minutes, seconds, total = match.groups()
-        summary["tuning_seconds"] = int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+    if match := TUNING_COMPLETED.search(text):
+        days, hours, minutes, seconds, total = match.groups()
+        summary["tuning_seconds"] = int(days or 0) * 86400 + int(hours) * 3600 + int(minutes) * 60 + float(seconds)
         summary["total_experiments"] = int(total)
-    return summary
+    elif "Tuning completed in" in text:
+        problems.append("the 'Tuning completed in' line has no [d days, ]h:mm:ss time and experiment count; left out")
+    return summary, problems
 
 
 def parse_summary(path: Path, source: str) -> Imported:
     result = _imported()
-    summary = parse_summary_text(_read_text(path) or "")
+    summary, problems = parse_summary_text(_read_text(path) or "")
     if not summary["spaces"]:
         result.issues.append(["error", "bad_autotune_summary", 1, f"{source}: no tuning_space rows in the table"])
         return result
-    problems: list[str] = []
     if optimal := _read_json(path.parent / "ds_config_optimal.json", problems):
         summary["optimal_ds_config"] = optimal
-    if problems:
-        result.issues.append(["error", "bad_autotune_file", len(problems), f"{source}: " + "; ".join(problems)])
     summary["source"] = source
     result.facts["autotune_summary"] = summary
-    return result
+    return _with_problems(result, source, problems)

@@ -49,19 +49,64 @@ def peek(path: Path, size: int) -> bytes:
         return b""
 
 
-def conform(frame: pl.DataFrame | list[dict], table: str) -> pl.DataFrame:
-    """Rows -> a frame with exactly the table's columns and types (missing columns are null)."""
+def conform(frame: pl.DataFrame | list[dict], table: str, issues: list | None = None) -> pl.DataFrame:
+    """Rows -> a frame with exactly the table's columns and types (missing columns are null). A row
+    value its column cannot hold (an integer beyond int64, text where a number belongs, a lone
+    surrogate) is null and counted in `issues` as unrepresentable_value; without `issues` it raises."""
     arrow_schema = schema.TABLES[table][0]
     polars_schema = pl.DataFrame(schema=dict(pl.from_arrow(arrow_schema.empty_table()).schema)).schema
     columns = {key for row in frame for key in row} if isinstance(frame, list) else set(frame.columns)
     if extra := columns - set(polars_schema):
         raise ValueError(f"{table}: unknown columns {sorted(extra)}")
     if isinstance(frame, list):
-        return pl.DataFrame(frame, schema=polars_schema)
+        try:
+            return pl.DataFrame(frame, schema=polars_schema)
+        except (TypeError, ValueError, OverflowError, UnicodeError, pl.exceptions.PolarsError):
+            return pl.DataFrame([_column_or_nulls(frame, table, name, dtype, issues) for name, dtype in polars_schema.items()])
     return frame.select(
         pl.col(name).cast(dtype) if name in frame.columns else pl.lit(None, dtype).alias(name)
         for name, dtype in polars_schema.items()
     )
+
+
+_INT_RANGES = {pl.Int64: (-(1 << 63), (1 << 63) - 1), pl.UInt64: (0, (1 << 64) - 1)}
+
+
+def _fits(value, dtype) -> bool:
+    """Whether a column of `dtype` holds `value` exactly (None fits every column)."""
+    if value is None:
+        return True
+    if dtype in _INT_RANGES:
+        low, high = _INT_RANGES[dtype]
+        return isinstance(value, int) and low <= value <= high
+    if dtype == pl.Float64:
+        return isinstance(value, float) or isinstance(value, int) and abs(value) < 2**1023
+    if dtype == pl.String:
+        return isinstance(value, str) and (value.isascii() or _encodes(value))
+    return isinstance(value, bool)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+        return True
+    except UnicodeEncodeError:  # a lone surrogate, as a decoder's surrogateescape leaves
+        return False
+
+
+def _column_or_nulls(rows: list[dict], table: str, name: str, dtype, issues: list | None) -> pl.Series:
+    """One column of `rows`, its values that `dtype` cannot hold replaced by null and counted."""
+    values = [row.get(name) for row in rows]
+    try:
+        return pl.Series(name, values, dtype=dtype, strict=True)
+    except (TypeError, ValueError, OverflowError, UnicodeError, pl.exceptions.PolarsError):
+        pass
+    bad = [value for value in values if not _fits(value, dtype)]
+    detail = f"{table}.{name}: values its {dtype} column cannot hold are stored as null, e.g. {bad[0]!r:.80}"
+    if issues is None:
+        raise ValueError(detail)
+    issues.append(["warning", "unrepresentable_value", len(bad), detail])
+    return pl.Series(name, [value if _fits(value, dtype) else None for value in values], dtype=dtype, strict=True)
 
 
 @dataclass

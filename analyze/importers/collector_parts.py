@@ -18,12 +18,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from steplens.analyze.contract import layout, schema
+from steplens.analyze.contract.manifest import MAX_COUNT
 from steplens.analyze.importers.base import Imported, conform
+from steplens.analyze.importers.kineto import preview
 
 # Run facts every rank's manifest gives alike; the rest is per rank, under collector_rank<r>.
 RUN_FACTS = ("world_size", "zero_stage", "dtype", "dp_world_size", "micro_batch", "grad_accum", "train_batch_size",
              "seq_len", "param_count", "ds_config", "wall_clock_breakdown", "environment", "git", "settings",
              "checkpoint_steps")
+# The per-rank manifest keys kept under collector_rank<r>, and the type each must have (job_end reads them).
+RANK_STATE = {"status": str, "host": dict, "started_ns": int, "updated_ns": int, "steps_completed": int,
+              "last_flushed_step": int, "flushes": int, "rows_written": dict, "disabled": dict}
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def claims(path: Path) -> bool:
@@ -46,10 +52,13 @@ def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
         return Imported(issues=[["error", "collector_part_unreadable", 1,
                                  f"collector part {rel} cannot be read ({e}); its rows are lost, the other parts are used"]])
     missing, extra = set(expected.names) - set(arrow.schema.names), set(arrow.schema.names) - set(expected.names)
-    if extra:
+    # A column of another type is another column: casting it could truncate (2.5 -> rank 2) or fail.
+    retyped = sorted(f.name for f in arrow.schema if f.name in expected.names and f.type != expected.field(f.name).type)
+    if extra or retyped:
         return Imported(issues=[["error", "collector_part_columns", 1,
                                  (f"collector part {rel} has other columns than {table} (missing {sorted(missing)}, "
-                                  f"unknown {sorted(extra)}): written by another steplens version? Skipped")]])
+                                  f"unknown {sorted(extra)}, of other types {retyped}): written by another steplens "
+                                  "version? Skipped")]])
     # Columns are only ever added: a part from an older collector lacks the newest ones, read as null.
     frame = conform(pl.from_arrow(arrow), table).with_columns(source=pl.lit(rel))
     issues = []
@@ -59,41 +68,84 @@ def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
     return Imported(tables={table: conform(frame, table)}, issues=issues)
 
 
+def _is_a(value, kind: type) -> bool:
+    if kind is int:  # an int64 column's whole number, not true/false
+        return type(value) is int and INT64_MIN <= value <= INT64_MAX
+    return isinstance(value, kind)
+
+
+def _counts(value) -> tuple[dict, bool]:
+    """A manifest's {name: count} table: the entries that are counts, and whether anything was not."""
+    if value is None:
+        return {}, False
+    if not isinstance(value, dict):
+        return {}, True
+    counts = {name: n for name, n in value.items() if type(n) is int and 0 <= n <= MAX_COUNT}
+    return counts, len(counts) < len(value)
+
+
 def _parse_manifest(path: Path, rel: str) -> Imported:
 
-    doc = json.loads(path.read_text())
-    if doc.get("format") != layout.COLLECTOR_MANIFEST_FORMAT:
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:  # cut, not UTF-8, not JSON, nested past the decoder's depth
+        return Imported(issues=[["error", "collector_part_unreadable", 1,
+                                 (f"collector manifest {rel} cannot be read ({type(e).__name__}: {e}); this rank's "
+                                  "status and run facts are lost, its parts are still used")]])
+    if not isinstance(doc, dict) or doc.get("format") != layout.COLLECTOR_MANIFEST_FORMAT:
         return Imported(issues=[["warning", "not_a_collector_manifest", 1, f"{rel} is not a collector manifest"]])
-    rank, status, run = doc["rank"], doc.get("status"), doc.get("run") or {}
+    issues, damaged = [], []  # damaged: keys of the wrong type or out of range, left out
+    rank = doc.get("rank")
+    if not (type(rank) is int and 0 <= rank < schema.MAX_RANK):
+        name_rank = layout.parse_manifest(path)
+        if name_rank is None or name_rank >= schema.MAX_RANK:
+            return Imported(issues=[["warning", "not_a_collector_manifest", 1,
+                                     f"{rel}: no rank in the manifest ({preview(rank)}) or its file name"]])
+        issues.append(["warning", "collector_rank_mismatch", 1,
+                       f"{rel}: the manifest's rank is {preview(rank)}, not a rank; rank {name_rank} from the file name used"])
+        rank = name_rank
+    state = {}
+    for key, kind in RANK_STATE.items():
+        value = doc.get(key)
+        if value is not None and not _is_a(value, kind):
+            damaged.append(key)
+            value = None
+        state[key] = value
+    run = doc.get("run")
+    if not isinstance(run, dict):
+        if run is not None:
+            damaged.append("run")
+        run = {}
     facts = {key: run[key] for key in RUN_FACTS if key in run}
     facts["collector_flags"] = doc.get("flags") or {}
-    facts[f"collector_rank{rank}"] = {
-        key: doc.get(key) for key in ("status", "host", "started_ns", "updated_ns", "steps_completed",
-                                      "last_flushed_step", "flushes", "rows_written", "disabled")
-    }
-    last = doc.get("last_flushed_step")
-    issues = []
+    facts[f"collector_rank{rank}"] = state
+    status, last, steps = state["status"], state["last_flushed_step"], state["steps_completed"]
     if status == "completed":
-        run_status, detail = "completed", f"collector manifest: completed after {doc.get('steps_completed')} steps"
+        run_status, detail = "completed", f"collector manifest: completed after {steps} steps"
     elif status == "terminated":  # the collector flushed every finished step before the signal ended the rank
         run_status = "killed"
-        detail = (f"collector manifest of rank {rank}: stopped by SIGTERM after {doc.get('steps_completed')} steps; "
+        detail = (f"collector manifest of rank {rank}: stopped by SIGTERM after {steps} steps; "
                   f"rows up to step {last} were flushed")
     else:
         run_status = "failed" if status == "failed" else "incomplete"
         flushed = "nothing was flushed" if last is None else f"rows up to step {last} were flushed"
         detail = (f"collector manifest of rank {rank} says {status!r}: the rank did not finish (killed, crashed or still "
-                  f"running); {doc.get('steps_completed')} steps had run at its last update, {flushed}; "
-                  "everything after is missing")
+                  f"running); {steps} steps had run at its last update, {flushed}; everything after is missing")
         issues.append(["error", "collector_missing_tail", 1, detail])
-    if dropped := {table: n for table, n in (doc.get("dropped_rows") or {}).items() if n}:
+    dropped, dropped_damaged = _counts(doc.get("dropped_rows"))
+    rejected, rejected_damaged = _counts(doc.get("rejected_values"))
+    damaged += [key for key, bad in (("dropped_rows", dropped_damaged), ("rejected_values", rejected_damaged)) if bad]
+    if dropped := {table: n for table, n in dropped.items() if n}:
         issues.append(["warning", "collector_rows_dropped", sum(dropped.values()),
                        f"rank {rank}: the collector could not write and dropped rows {dropped}"])
-    if rejected := doc.get("rejected_values") or {}:
+    if rejected:
         issues.append(["warning", "collector_values_rejected", sum(rejected.values()),
                        f"rank {rank}: log() values that were not numbers were dropped, per scalar: {rejected}"])
-    for part, error in (doc.get("disabled") or {}).items():
+    for part, error in (state["disabled"] or {}).items():
         issues.append(["warning", "collector_part_disabled", 1,
                        f"rank {rank}: the collector's {part} recording was disabled after {error}; its rows stop there"])
+    if damaged:
+        issues.append(["warning", "bad_fact", len(damaged),
+                       f"collector manifest of rank {rank}: {damaged} of the wrong type or out of range; left out"])
     rows = [{"rank": rank, "source": rel, "run_index": 0, "status": run_status, "detail": detail}]
     return Imported(tables={"run_status": conform(rows, "run_status")}, issues=issues, facts=facts)

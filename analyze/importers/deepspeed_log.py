@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -160,6 +161,8 @@ MEGATRON_FLAG = re.compile(r"(?:^|\s)--([a-z][a-z0-9-]*)(?:[ =]([^\s-][^\s]*))?(
 SCRIPT_CMD = re.compile(r"^cmd = (.*)$")
 CMD_MICRO_BATCH = re.compile(r"--(?:per_device_train_batch_size|train_micro_batch_size_per_gpu|micro[-_]batch[-_]size)[ =](\d+)")
 CMD_GAS = re.compile(r"--gradient[-_]accumulation[-_]steps[ =](\d+)")
+# What ast.literal_eval raises on damaged text: unhashable keys ({[1]: 2}) raise TypeError, deep nesting the last two.
+LITERAL_ERRORS = (ValueError, SyntaxError, TypeError, MemoryError, RecursionError)
 
 
 @dataclass
@@ -237,10 +240,6 @@ def parse(path: Path, rel: str, run_index: int | None = None) -> Imported:
         state.facts["log_run"] = {"index": run_index, "runs_in_file": len(spans), "first_line": first + 1, "last_line": end}
     if not data.endswith(b"\n") and at_end:
         issues.append(["info", "no_final_newline", 1, "the last line has no newline (cut off or still being written)"])
-    if state.garbled:
-        issues.append(["info", "garbled_lines", len(state.garbled),
-                       (f"{len(state.garbled)} lines hold interleaved writes from several processes or undecodable bytes; "
-                       "records in them that did not parse whole were skipped")])
     return _build(state, issues)
 
 
@@ -248,7 +247,11 @@ def _read_lines(state: LogState, lines: list[str], start: int, end: int) -> None
     i = start
     while i < end:
         state.line_index = i
-        i = _read_line(state, lines, i)
+        try:
+            i = _read_line(state, lines, i)
+        except (ValueError, OverflowError):  # a number past int()'s 4300 digits or float's range: the line only
+            state.garbled.add(i)
+            i += 1
 
 
 def _spans(state: LogState, line_count: int) -> list[tuple[int, int]]:
@@ -279,10 +282,15 @@ def _rank(state: LogState, line: str, prefix: re.Match | None = None) -> int:
     return state.file_rank if state.file_rank is not None else 0
 
 
-def _ts_ns(line: str) -> int | None:
+def _ts_ns(state: LogState, line: str, i: int) -> int | None:
+    """The time stamp of line i; None when it has none, or an impossible one (2024-02-30), which counts it garbled."""
     if not (m := TIMESTAMP.match(line)):
         return None
-    stamp = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+    try:
+        stamp = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+    except ValueError:
+        state.garbled.add(i)
+        return None
     return int(stamp.timestamp()) * 1_000_000_000 + int(m[2]) * 1_000_000
 
 
@@ -360,7 +368,7 @@ def _note_last_line(state: LogState, line: str, i: int) -> None:
     last = state.run.last_lines.setdefault(rank, {"stamped": None})
     last["line"], last["text"], last["own_stamp"] = i + 1, line.strip()[:LAST_LINE_CHARS], bool(TIMESTAMP.match(line))
     if last["own_stamp"]:
-        last["stamped"] = line  # parsed once, at the end
+        last["stamped"] = (line, i)  # parsed once, at the end
 
 
 def _timer(state: LogState, m: re.Match, i: int) -> None:
@@ -392,10 +400,13 @@ def _timer(state: LogState, m: re.Match, i: int) -> None:
 def _comm(state: LogState, m: re.Match, line: str, i: int) -> None:
     rank = _rank(state, line)
     op, caller = comms_dump.split_record_name(m[1].strip())
+    msg_bytes = comms_dump.size_from_text(m[3])
+    if msg_bytes is None:  # no size as DeepSpeed prints one ("1.2.3 MB"): the call is kept, as dropping it
+        state.garbled.add(i)  # would fold its time into the next difference of a running total
     state.run.has_records = True
     state.run.comms.setdefault(rank, []).append({
-        "record": m[1].strip(), "rank": rank, "source": state.rel, "ts_ns": _ts_ns(line), "op": op, "caller": caller,
-        "msg_bytes": comms_dump.size_from_text(m[3]), "logged_ms": float(m[2]), "line": i + 1,
+        "record": m[1].strip(), "rank": rank, "source": state.rel, "ts_ns": _ts_ns(state, line, i), "op": op,
+        "caller": caller, "msg_bytes": msg_bytes, "logged_ms": float(m[2]), "line": i + 1,
     })
 
 
@@ -411,7 +422,7 @@ def _scalar(state: LogState, rank: int, name: str, value: float, steps_done: int
         "rank": rank, "source": state.rel, "origin": "log", "name": name,
         "step": steps_done - 1 if steps_done else None,
         "global_samples": samples if samples is not None else (_samples(state, steps_done) if steps_done is not None else None),
-        "global_tokens": tokens, "value": value, "wall_ns": _ts_ns(line),
+        "global_tokens": tokens, "value": value, "wall_ns": _ts_ns(state, line, state.line_index),
     })
 
 
@@ -446,12 +457,19 @@ def _megatron(state: LogState, m: re.Match, line: str) -> None:
     for part in m[3].split("|"):
         if item := MEGATRON_ITEM.match(part):
             fields[item[1].strip()] = float(item[2])
-    samples = fields.pop("consumed samples", None)
-    tokens = fields.pop("consumed tokens", None)
+    samples = _whole(fields.pop("consumed samples", None))
+    tokens = _whole(fields.pop("consumed tokens", None))
     steps_done = int(m[1])
     for name, value in fields.items():
-        _scalar(state, rank, name, value, steps_done, line,
-                samples=int(samples) if samples is not None else None, tokens=int(tokens) if tokens is not None else None)
+        _scalar(state, rank, name, value, steps_done, line, samples=samples, tokens=tokens)
+
+
+def _whole(count: float | None) -> int | float | None:
+    """A count printed as a number, as an int; nan and inf stay floats, which conform stores as null and counts."""
+    try:
+        return int(count) if count is not None else None
+    except (ValueError, OverflowError):
+        return count
 
 
 def _see_memory_usage(state: LogState, m: re.Match, lines: list[str], i: int) -> None:
@@ -467,7 +485,7 @@ def _see_memory_usage(state: LogState, m: re.Match, lines: list[str], i: int) ->
     state.memory.append({
         "rank": _rank(state, line), "source": state.rel, "line": i + 1, "origin": "see_memory_usage", "message": message,
         "allocated_bytes": allocated, "max_allocated_bytes": max_allocated, "reserved_bytes": reserved,
-        "max_reserved_bytes": max_reserved, "resolution_bytes": SEE_MEMORY_RESOLUTION_BYTES, "wall_ns": _ts_ns(line),
+        "max_reserved_bytes": max_reserved, "resolution_bytes": SEE_MEMORY_RESOLUTION_BYTES, "wall_ns": _ts_ns(state, line, i),
     })
 
 
@@ -477,7 +495,8 @@ def _megatron_memory(state: LogState, m: re.Match, i: int) -> None:
     state.memory.append({
         "rank": int(m[1]), "source": state.rel, "line": i + 1, "origin": "megatron_report_memory", "message": m[2],
         "step": int(m[3]) - 1, "allocated_bytes": allocated, "max_allocated_bytes": max_allocated,
-        "reserved_bytes": reserved, "max_reserved_bytes": max_reserved, "resolution_bytes": 0, "wall_ns": _ts_ns(m.string),
+        "reserved_bytes": reserved, "max_reserved_bytes": max_reserved, "resolution_bytes": 0,
+        "wall_ns": _ts_ns(state, m.string, i),
     })
 
 
@@ -490,11 +509,17 @@ def _summary_table(state: LogState, lines: list[str], i: int) -> int:
         if row := SUMMARY_ROW.match(line):
             if record is not None:
                 op, _ = comms_dump.split_record_name(record)
-                state.summary.append({
-                    "rank": rank, "source": state.rel, "op": op, "msg_bytes": comms_dump.size_from_text(row[1]),
-                    "count": int(row[2]), "total_latency_ms": float(row[3]), "avg_latency_ms": float(row[4]),
-                    "busbw_gbps": float(row[6]), "run_index": state.run.index,
-                })
+                msg_bytes = comms_dump.size_from_text(row[1])
+                if msg_bytes is None:  # a size too large for a row
+                    state.garbled.add(i)
+                try:
+                    state.summary.append({
+                        "rank": rank, "source": state.rel, "op": op, "msg_bytes": msg_bytes,
+                        "count": int(row[2]), "total_latency_ms": float(row[3]), "avg_latency_ms": float(row[4]),
+                        "busbw_gbps": float(row[6]), "run_index": state.run.index,
+                    })
+                except ValueError:  # a count past int()'s 4300 digits: that row only
+                    state.garbled.add(i)
         elif op_line := SUMMARY_OP.match(line):
             record = op_line[1]
         else:
@@ -522,7 +547,7 @@ def _config_json(state: LogState, lines: list[str], i: int, first: str) -> int:
         j += 1
     try:
         config = json.loads("\n".join(block))
-    except ValueError:
+    except (ValueError, RecursionError):
         state.garbled.add(i)
         return i + 1
     state.facts["ds_config"] = config
@@ -539,7 +564,7 @@ def _arg_value(text: str):
     """A Megatron argument as printed (str() of the value): int, float, bool, None, list, or the text."""
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except LITERAL_ERRORS:
         return text
 
 
@@ -583,7 +608,7 @@ def _launcher_or_status(state: LogState, line: str, i: int) -> None:
         _start_run_if_new(state, "world_info")
         try:
             facts["world_info"] = ast.literal_eval(m[1])
-        except (ValueError, SyntaxError):
+        except LITERAL_ERRORS:
             state.garbled.add(i)
     elif m := MPI_RANK0.search(line):
         _start_run_if_new(state, "mpi0")
@@ -660,12 +685,15 @@ def _comms_rows(state: LogState, issues: list) -> list[dict]:
             by_record: dict[str, list[dict]] = {}
             for call in calls:
                 by_record.setdefault(call["record"], []).append(call)
-            cumulative = comms_dump.is_running_total([[c["logged_ms"] for c in group] for group in by_record.values()])
+            cumulative = comms_dump.is_running_total(_finite_series(by_record.values()))
             for group in by_record.values():
                 logged = [c["logged_ms"] for c in group]
                 latencies = comms_dump.per_call(logged) if cumulative else logged
                 for call, latency in zip(group, latencies):
-                    call["latency_ns"] = round(latency * 1e6)
+                    try:
+                        call["latency_ns"] = round(latency * 1e6)
+                    except (ValueError, OverflowError):  # logged nan or inf, or the running total after one:
+                        call["latency_ns"] = latency  # conform stores it as null and counts it
             for index, call in enumerate(calls):
                 rows.append({
                     "rank": rank, "source": state.rel, "call_index": len(rows), "ts_ns": call["ts_ns"], "op": call["op"],
@@ -677,6 +705,11 @@ def _comms_rows(state: LogState, issues: list) -> list[dict]:
     if rows and world_size is None:
         issues.append(["warning", "no_world_size", len(rows), "world size not in the log; no nccl_bytes/bandwidth"])
     return rows
+
+
+def _finite_series(groups) -> list[list[float]]:
+    """Logged latencies per record name, for telling running totals: a nan or inf would hide (or fake) a decrease."""
+    return [[c["logged_ms"] for c in calls if math.isfinite(c["logged_ms"])] for calls in groups]
 
 
 def _batch_facts(state: LogState, issues: list) -> None:
@@ -694,8 +727,9 @@ def _batch_facts(state: LogState, issues: list) -> None:
         return
     rates = [r for r in state.scalars if r["name"] == "CurrSamplesPerSec" and r["step"] is not None
              and r["wall_ns"] is not None and r["value"] > 0]
-    estimates = [now["value"] * (now["wall_ns"] - before["wall_ns"]) / 1e9 / (now["step"] - before["step"])
-                 for before, now in zip(rates, rates[1:]) if now["rank"] == before["rank"] and now["step"] > before["step"]]
+    estimates = [_batch_estimate(before, now) for before, now in zip(rates, rates[1:])
+                 if now["rank"] == before["rank"] and now["step"] > before["step"]]
+    estimates = [e for e in estimates if e is not None and math.isfinite(e)]  # an inf rate tells no batch
     unit = facts.get("train_micro_batch_size_per_gpu") or facts.get("cmd_micro_batch")
     if not estimates:
         return
@@ -713,6 +747,14 @@ def _batch_facts(state: LogState, issues: list) -> None:
     issues.append(["info", "train_batch_size_inferred", 1, f"train_batch_size {batch}: {facts['train_batch_size_origin']}"])
 
 
+def _batch_estimate(before: dict, now: dict) -> float | None:
+    """Samples per step between two throughput lines; None when a damaged step or time (past float's range) gives none."""
+    try:
+        return now["value"] * (now["wall_ns"] - before["wall_ns"]) / 1e9 / (now["step"] - before["step"])
+    except OverflowError:
+        return None
+
+
 def _fill_global_samples(state: LogState) -> None:
     """global_samples = optimizer steps done x train_batch_size for log scalars that lack it (lines
     read before the batch was known, or a batch inferred at the end). DeepSpeed counts fp16-skipped
@@ -727,21 +769,22 @@ def _fill_global_samples(state: LogState) -> None:
 
 def _build(state: LogState, issues: list) -> Imported:
     tables: dict[str, pl.DataFrame] = {}
+    # conform(..., issues): a value its column cannot hold (a 20-digit rank, a year-9999 stamp in ns) is null, counted.
     if state.timers:
-        tables["step_timers"] = conform(state.timers, "step_timers")
+        tables["step_timers"] = conform(state.timers, "step_timers", issues)
     _batch_facts(state, issues)
     _fill_global_samples(state)
     if state.scalars:
-        tables["scalars"] = conform(state.scalars, "scalars")
+        tables["scalars"] = conform(state.scalars, "scalars", issues)
     if comms := _comms_rows(state, issues):
-        tables["comms_calls"] = comms_dump.with_bandwidth(conform(comms, "comms_calls"))
+        tables["comms_calls"] = comms_dump.with_bandwidth(conform(comms, "comms_calls", issues))
     if state.memory:
-        tables["memory_usage"] = conform(state.memory, "memory_usage")
+        tables["memory_usage"] = conform(state.memory, "memory_usage", issues)
     if state.summary:
         trust = {run.index: _verbose_trust(run) for run in state.runs}
         rows = [{**{k: v for k, v in row.items() if k != "run_index"}, "trusted": trust[row["run_index"]]}
                 for row in state.summary]
-        tables["comms_summary"] = conform(rows, "comms_summary")
+        tables["comms_summary"] = conform(rows, "comms_summary", issues)
         if unknown := sum(row["trusted"] is None for row in rows):
             issues.append(["info", "comms_summary_trust_unknown", unknown,
                            ("log_summary table without verbose comms lines in the same run: whether its latencies are "
@@ -750,7 +793,7 @@ def _build(state: LogState, issues: list) -> Imported:
     statuses = [_status(run, state.file_rank) for run in state.runs
                 if run.markers or run.exceptions or run.exits_ok or run.exit_codes or run.signal]
     if statuses:
-        tables["run_status"] = conform([{**s, "source": state.rel} for s in statuses], "run_status")
+        tables["run_status"] = conform([{**s, "source": state.rel} for s in statuses], "run_status", issues)
     if len(state.runs) > 1:
         issues.append(["info", "several_runs", len(state.runs), f"{len(state.runs)} runs appended to one file"])
     facts = {k: v for k, v in state.facts.items() if k not in ("world_info", "cmd_micro_batch", "cmd_gradient_accumulation_steps")}
@@ -759,7 +802,7 @@ def _build(state: LogState, issues: list) -> Imported:
     if checkpoints := set().union(*(run.checkpoint_steps for run in state.runs)):
         facts["checkpoint_steps"] = sorted(checkpoints)
     for rank, last in state.runs[-1].last_lines.items():  # the last run of the file: how the job ended
-        stamped_ns = _ts_ns(last["stamped"]) if last["stamped"] else None
+        stamped_ns = _ts_ns(state, *last["stamped"]) if last["stamped"] else None
         facts[f"log_last_line_rank{rank}"] = {"line": last["line"], "text": last["text"], "source": state.rel,
                                               "wall_ns": stamped_ns if last["own_stamp"] else None,
                                               "not_before_ns": stamped_ns}
@@ -770,6 +813,11 @@ def _build(state: LogState, issues: list) -> Imported:
             tables["flops_profile"] = pl.concat([tables.get("flops_profile", embedded.tables["flops_profile"].clear()),
                                                  embedded.tables["flops_profile"]])
         facts.setdefault("flops_profiler", embedded.facts)
+    if state.garbled:  # counted last: reading the last lines' time stamps can add some
+        issues.append(["info", "garbled_lines", len(state.garbled),
+                       (f"{len(state.garbled)} lines hold interleaved writes from several processes, undecodable bytes "
+                        "or damaged values (an impossible date, a number too long to read); records in them that did "
+                        "not parse whole were skipped, damaged values in kept records are null")])
     if not tables and not facts:
         issues.append(["info", "no_records", 1, "DeepSpeed markers but no timer, step, comms or status lines"])
     return Imported(tables=tables, issues=issues, facts=facts)
@@ -778,7 +826,7 @@ def _build(state: LogState, issues: list) -> Imported:
 def _verbose_trust(run: Run) -> bool | None:
     """A run's log_summary is trusted when its verbose lines were per call, not when they were running
     totals, and unknown without verbose lines."""
-    series = [[c["logged_ms"] for c in calls if c["record"] == record]
-              for calls in run.comms.values() for record in {c["record"] for c in calls}]
+    series = _finite_series([c for c in calls if c["record"] == record]
+                            for calls in run.comms.values() for record in {c["record"] for c in calls})
     cumulative = comms_dump.is_running_total(series)
     return None if cumulative is None else not cumulative

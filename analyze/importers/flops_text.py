@@ -86,7 +86,7 @@ def parse(path: Path, rel: str) -> Imported:
         try:
             config = json.loads(config_path.read_text())
             stage = config.get("zero_optimization", {}).get("stage")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
             continue
         if isinstance(stage, int):
             context["zero_stage"] = stage
@@ -100,7 +100,7 @@ def parse_lines(lines: list[str], rel: str, context: dict | None = None) -> Impo
     issues: list = []
     if not any(HEADER in line for line in lines[:50]):
         return Imported(issues=[["error", "not_a_flops_profile", 1, f"no '{HEADER.strip('- ')}' header"]])
-    facts, tree_start = _summary(lines)
+    facts, tree_start = _summary(lines, issues)
     rows = _tree(lines[tree_start:], issues) if tree_start is not None else []
     if tree_start is None:
         issues.append(["warning", "no_module_tree", 1, "no detailed per-module profile (detailed=false or cut off)"])
@@ -112,7 +112,7 @@ def parse_lines(lines: list[str], rel: str, context: dict | None = None) -> Impo
         _own_macs(rows)
         root = rows[0]
         if "fwd_flops_per_gpu" in facts:
-            root["flops_total"] = round(facts["fwd_flops_per_gpu"])
+            root["flops_total"] = _rounded(facts["fwd_flops_per_gpu"])
         _flag_bogus_root(root, facts, rel, issues)
     stage = context.get("zero_stage")
     if stage is not None:
@@ -121,17 +121,21 @@ def parse_lines(lines: list[str], rel: str, context: dict | None = None) -> Impo
         issues.append(["warning", "zero3_double_count", 1,
                        ("ZeRO stage 3 (ds_config): DeepSpeed's profiler counts Linear MACs twice under ZeRO-3, "
                        "so its MACs, flops and FLOPS are about 2x too high")])
-    table = {"flops_profile": conform(rows, "flops_profile")} if rows else {}
+    # conform(..., issues): an inf or an integer beyond int64 (a 20-digit MACs count) is null, counted.
+    table = {"flops_profile": conform(rows, "flops_profile", issues)} if rows else {}
     return Imported(tables=table, issues=issues, facts=facts)
 
 
-def _summary(lines: list[str]) -> tuple[dict, int | None]:
+def _summary(lines: list[str], issues: list) -> tuple[dict, int | None]:
     facts, in_summary = {}, True
     for i, line in enumerate(lines):
         if "Detailed Profile per GPU" in line:
             return facts, i + 1
         if step := STEP.search(line):
-            facts["profile_step"] = int(step[1])
+            try:
+                facts["profile_step"] = int(step[1])
+            except ValueError:  # more digits than int() reads (4300)
+                issues.append(["warning", "bad_fact", 1, f"profile_step: {len(step[1])} digits; left out"])
             continue
         in_summary = in_summary and "Aggregated Profile" not in line
         if not in_summary or not (item := SUMMARY_ITEM.match(line)):
@@ -142,7 +146,10 @@ def _summary(lines: list[str]) -> tuple[dict, int | None]:
             label = f"{head} (rate)" if head == "fwd flops per gpu" else head
         key = SUMMARY_FACTS.get(label)
         if key and key not in facts and (value := number(item[2])):
-            facts[key] = int(value[0]) if key in INTEGER_FACTS else value[0]
+            try:
+                facts[key] = int(value[0]) if key in INTEGER_FACTS else value[0]
+            except OverflowError:  # more digits than a float holds: inf is no count
+                issues.append(["warning", "bad_fact", 1, f"{key}: a number past float's range; left out"])
     return facts, None
 
 
@@ -191,11 +198,19 @@ def _set_stats(row: dict, stats: re.Match) -> None:
     params, macs, latency = number(stats["params"]), number(stats["macs"]), number(stats["lat"])
     row["_stats"] = True
     if params:
-        row["params"] = round(params[0])
+        row["params"] = _rounded(params[0])
     if macs:
-        row["macs_total"], row["_rounding"] = round(macs[0]), macs[1]
+        row["macs_total"], row["_rounding"] = _rounded(macs[0]), macs[1]
     if latency:
-        row["duration_ns"] = round(latency[0] * 1e9)
+        row["duration_ns"] = _rounded(latency[0] * 1e9)
+
+
+def _rounded(value: float) -> int | float:
+    """round(value); inf (more digits than a float holds) stays a float, which conform stores as null and counts."""
+    try:
+        return round(value)
+    except OverflowError:
+        return value
 
 
 def _unclosed(lines: list[str]) -> bool:

@@ -12,6 +12,7 @@ import json
 import math
 import struct
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import polars as pl
@@ -20,6 +21,13 @@ from steplens.analyze.importers.base import Imported, conform, peek
 
 MONITOR_RANK = 0  # DeepSpeed's MonitorMaster writes on rank 0 only
 SHOWN_LINES = 5  # line numbers quoted in an issue
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Why a point of a TensorBoard or W&B file is skipped or loses its time (the `bad_monitor_point` issue).
+POINT_DAMAGE = {
+    "value": "the value is not one number a float64 holds; skipped",
+    "step": "the step is not a whole number an int64 holds; skipped",
+    "wall_time": "the wall time is not a time int64 nanoseconds hold; kept without wall_ns",
+}
 
 
 def _result() -> Imported:
@@ -30,6 +38,24 @@ def _result() -> Imported:
 def _frame(rows: list[dict]) -> dict[str, pl.DataFrame]:
 
     return {"scalars": conform(rows, "scalars")} if rows else {}
+
+
+def _wall_ns(seconds) -> int | None:
+    """Seconds since the epoch -> int64 nanoseconds; None for anything else (not a number, NaN, out of range)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return None
+    try:
+        ns = seconds * 1e9
+    except OverflowError:  # an integer beyond float64
+        return None
+    return round(ns) if INT64_MIN <= ns <= INT64_MAX else None  # NaN fails the comparison too
+
+
+def _damage_issues(source: str, damaged: Counter) -> list[list]:
+    if not damaged:
+        return []
+    parts = [f"{count} point(s): {POINT_DAMAGE[kind]}" for kind, count in damaged.items()]
+    return [["warning", "bad_monitor_point", sum(damaged.values()), f"{source}: {'; '.join(parts)}"]]
 
 
 # --- csv_monitor ---------------------------------------------------------------------------------
@@ -75,6 +101,8 @@ def parse_csv_monitor(path: Path, source: str) -> Imported:
             if len(fields) != 2:
                 raise ValueError(line)
             global_samples, value = int(fields[0]), float(fields[1])  # float() keeps nan and inf
+            if not INT64_MIN <= global_samples <= INT64_MAX:
+                raise ValueError(line)
         except ValueError:
             bad_lines.append(number)
             continue
@@ -99,8 +127,9 @@ def parse_csv_monitor(path: Path, source: str) -> Imported:
 
 
 # --- TensorBoard ---------------------------------------------------------------------------------
-# Read with TensorBoard's own loader. Its data_compat layer turns legacy `simple_value` summaries
-# (what torch's SummaryWriter writes for DeepSpeed) into scalar tensors, as TF2 summaries already are.
+# Read with TensorBoard's own record reader and compat layers (the steps of its EventFileLoader, with an
+# undecodable record skipped rather than ending the file). data_compat turns legacy `simple_value`
+# summaries (what torch's SummaryWriter writes for DeepSpeed) into scalar tensors, as TF2 summaries already are.
 TFRECORD_FRAMING_BYTES = 16  # u64 length + u32 masked crc32c, data, u32 masked crc32c (TFRecord format)
 
 
@@ -110,8 +139,10 @@ def claims_tensorboard(path: Path) -> bool:
 
 def parse_tensorboard(path: Path, source: str) -> Imported:
     # Imported here: tensorboard pulls in protobuf and numpy, which only event files need.
+    from google.protobuf.message import DecodeError
+    from tensorboard import data_compat, dataclass_compat
     from tensorboard.backend.event_processing import event_file_loader
-    from tensorboard.compat.proto import summary_pb2
+    from tensorboard.compat.proto import event_pb2, summary_pb2
     from tensorboard.util import tensor_util
 
     class RawRecordCounter(event_file_loader.RawEventFileLoader):
@@ -125,34 +156,59 @@ def parse_tensorboard(path: Path, source: str) -> Imported:
                 self.records += 1
                 yield record
 
-    class CountingLoader(event_file_loader.EventFileLoader, RawRecordCounter):
-        """EventFileLoader (compat layers included) over the counting raw stage: the MRO puts
-        RawRecordCounter between LegacyEventFileLoader and RawEventFileLoader."""
-
     result = _result()
-    rows, skipped = [], {}
-    loader = CountingLoader(str(path))
-    for event in loader.Load():
-        if event.WhichOneof("what") != "summary":
+    rows, skipped, damaged, undecodable = [], {}, Counter(), 0
+    loader = RawRecordCounter(str(path))
+    initial_metadata = {}  # dataclass_compat's state: tag -> its first SummaryMetadata
+    for record in loader.Load():
+        try:
+            event = event_pb2.Event.FromString(record)
+        except DecodeError:
+            undecodable += 1
             continue
-        for value in event.summary.value:
-            if value.metadata.data_class != summary_pb2.DATA_CLASS_SCALAR:
-                skipped[value.tag] = skipped.get(value.tag, 0) + 1
+        for event in dataclass_compat.migrate_event(data_compat.migrate_event(event), initial_metadata):
+            if event.WhichOneof("what") != "summary":
                 continue
-            rows.append({"rank": MONITOR_RANK, "source": source, "origin": "tensorboard", "name": value.tag, "segment": 0,
-                         "global_samples": event.step, "value": float(tensor_util.make_ndarray(value.tensor)),
-                         "wall_ns": round(event.wall_time * 1e9)})
+            wall_ns = _wall_ns(event.wall_time)
+            for value in event.summary.value:
+                if value.metadata.data_class != summary_pb2.DATA_CLASS_SCALAR:
+                    skipped[value.tag] = skipped.get(value.tag, 0) + 1
+                    continue
+                number = _scalar_value(value.tensor, tensor_util.make_ndarray)
+                if number is None:
+                    damaged["value"] += 1
+                    continue
+                if wall_ns is None:
+                    damaged["wall_time"] += 1
+                rows.append({"rank": MONITOR_RANK, "source": source, "origin": "tensorboard", "name": value.tag,
+                             "segment": 0, "global_samples": event.step, "value": number, "wall_ns": wall_ns})
     size = path.stat().st_size
     if loader.bytes_read < size:
         # TensorBoard's loader stops quietly at a truncated or corrupt record; say so.
         result.issues.append(["error", "truncated_event_file", 1,
                               (f"{source}: event records end at byte {loader.bytes_read} of {size} (truncated or "
                               f"corrupt); the {loader.records} complete records before it were kept")])
+    if undecodable:
+        result.issues.append(["error", "truncated_event_file", undecodable,
+                              f"{source}: {undecodable} record(s) are not TensorBoard events (corrupt); skipped"])
     if skipped:
         result.issues.append(["info", "non_scalar_summaries", sum(skipped.values()),
                               f"{source}: non-scalar summaries not read (tags {sorted(skipped)[:SHOWN_LINES]})"])
+    result.issues.extend(_damage_issues(source, damaged))
     result.tables = _frame(rows)
     return result
+
+
+def _scalar_value(tensor, make_ndarray) -> float | None:
+    """The one number of a scalar summary's tensor (any size-1 numeric tensor, as TensorBoard's scalars
+    plugin reads it); None for a damaged one: other shape, text, an undecodable tensor."""
+    if math.prod(dim.size for dim in tensor.tensor_shape.dim) != 1:  # before decoding: a shape can claim terabytes
+        return None
+    try:
+        array = make_ndarray(tensor)
+    except (TypeError, ValueError):
+        return None
+    return float(array.item()) if array.size == 1 and array.dtype.kind in "iuf" else None
 
 
 # --- W&B offline run -----------------------------------------------------------------------------
@@ -267,7 +323,7 @@ def _item(buf: bytes) -> tuple[str, object]:
             raw = value.decode()
     try:
         decoded = json.loads(raw) if raw is not None else None  # json reads NaN, Infinity, -Infinity
-    except ValueError:
+    except (ValueError, RecursionError):
         decoded = None
     return key or ".".join(nested), decoded
 
@@ -304,7 +360,7 @@ def parse_wandb(path: Path, source: str) -> Imported:
                               f"{source}: does not start with the W&B log header (b':W&B' + 0xBEE1); nothing read"])
         return result
     records, problems = wandb_records(data)
-    rows, undecodable, non_numeric = [], 0, set()
+    rows, undecodable, non_numeric, damaged = [], 0, set(), Counter()
     for record in records:
         try:
             fields = proto_fields(record)
@@ -312,8 +368,9 @@ def parse_wandb(path: Path, source: str) -> Imported:
                 if number == RECORD_RUN:
                     result.facts["wandb"] = _run_facts(value)
                 elif number == RECORD_HISTORY:
-                    rows.extend(_history_rows(value, source, non_numeric))
-        except (ValueError, IndexError, UnicodeDecodeError):
+                    rows.extend(_history_rows(value, source, non_numeric, damaged))
+        # TypeError, AttributeError: a field of another wire type (a number where bytes belong).
+        except (ValueError, IndexError, UnicodeDecodeError, TypeError, AttributeError):
             undecodable += 1
     if problems:
         result.issues.append(["error", "truncated_wandb_log", len(problems),
@@ -324,12 +381,14 @@ def parse_wandb(path: Path, source: str) -> Imported:
     if non_numeric:
         result.issues.append(["info", "non_numeric_history", len(non_numeric),
                               f"{source}: non-numeric history keys not read: {sorted(non_numeric)[:SHOWN_LINES]}"])
+    result.issues.extend(_damage_issues(source, damaged))
     result.tables = _frame(rows)
     return result
 
 
-def _history_rows(buf: bytes, source: str, non_numeric: set) -> list[dict]:
-    """One scalars row per numeric key of a history row; `_step` is DeepSpeed's global_samples."""
+def _history_rows(buf: bytes, source: str, non_numeric: set, damaged: Counter) -> list[dict]:
+    """One scalars row per numeric key of a history row; `_step` is DeepSpeed's global_samples. Points
+    that cannot be stored as written are counted in `damaged` (POINT_DAMAGE's kinds)."""
     items, step = {}, None
     for number, value in proto_fields(buf):
         if number == HISTORY_ITEM:
@@ -338,8 +397,9 @@ def _history_rows(buf: bytes, source: str, non_numeric: set) -> list[dict]:
         elif number == HISTORY_STEP:
             step = dict(proto_fields(value)).get(STEP_NUM, 0)  # proto3: a zero num is not written
     step = items.get("_step", step)
+    step_ok = step is None or (type(step) is int and INT64_MIN <= step <= INT64_MAX)
     timestamp = items.get("_timestamp")
-    wall_ns = round(timestamp * 1e9) if isinstance(timestamp, (int, float)) and math.isfinite(timestamp) else None
+    wall_ns = _wall_ns(timestamp)
     rows = []
     for key, value in items.items():
         if key in WANDB_AXES:
@@ -347,6 +407,16 @@ def _history_rows(buf: bytes, source: str, non_numeric: set) -> list[dict]:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             non_numeric.add(key)
             continue
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float64
+            damaged["value"] += 1
+            continue
+        if not step_ok:
+            damaged["step"] += 1
+            continue
+        if wall_ns is None and timestamp is not None:
+            damaged["wall_time"] += 1
         rows.append({"rank": MONITOR_RANK, "source": source, "origin": "wandb", "name": key, "segment": 0,
-                     "global_samples": step, "value": float(value), "wall_ns": wall_ns})
+                     "global_samples": step, "value": number, "wall_ns": wall_ns})
     return rows
