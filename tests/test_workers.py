@@ -123,6 +123,29 @@ def test_no_early_workers_below_the_threshold_or_for_one_file(tmp_path, monkeypa
     assert workers_module._early is None and _children() <= before
 
 
+def test_early_workers_for_many_traces_however_small_but_not_for_many_small_json_files(tmp_path, monkeypatch):
+    """WORKER_WORTH_FILES traces of TRACE_GUESS_MIN_BYTES each are far below WORKER_WORTH_BYTES, and still
+    worth a worker (each file has a fixed cost); as many small .json files (configs, dumps) are not."""
+    many, small = tmp_path / "many", tmp_path / "small"
+    padding = "x" * workers_module.TRACE_GUESS_MIN_BYTES
+    for rank in range(workers_module.WORKER_WORTH_FILES):
+        write_trace(many / f"rank{rank}.pt.trace.json", [{"ph": "X", "cat": "cpu_op", "name": padding, "pid": 1,
+                                                          "tid": 1, "ts": 1, "dur": 1}])
+        write_trace(small / f"exp{rank}.json", [])
+    assert workers_module.WORKER_WORTH_FILES * workers_module.TRACE_GUESS_MIN_BYTES * 10 < workers_module.WORKER_WORTH_BYTES
+    monkeypatch.setenv("POLARS_MAX_THREADS", "")  # recorded, so that what start_early_for sets is undone
+    monkeypatch.delenv("POLARS_MAX_THREADS")
+    before = _children()
+    try:
+        workers_module.start_early_for(small, jobs=2)
+        assert workers_module._early is None and _children() <= before
+        workers_module.start_early_for(many, jobs=2)
+        assert workers_module._early is not None and _children() - before
+    finally:
+        workers_module.stop_early()
+    assert _children() <= before
+
+
 def test_the_script_knows_every_analyze_option_that_takes_a_value():
     taking = {name for param in cli.analyze.params if not getattr(param, "is_flag", True) and param.name != "run_dir"
               for name in param.opts + param.secondary_opts}

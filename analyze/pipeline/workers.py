@@ -107,6 +107,13 @@ def _start_worker(parent_pid: int) -> None:
 # faster than one process, at twice its memory)
 # (STEPLENS_WORKER_WORTH_BYTES overrides it, e.g. to force workers on small test inputs).
 WORKER_WORTH_BYTES = int(os.environ.get("STEPLENS_WORKER_WORTH_BYTES", 100_000_000))
+# ... or this many trace files, however small: each costs about 0.065 s of fixed work (a 1 MB dlrm_kineto
+# rank, tests/benchmarks/stage_split.py), so 32 of them are 2 s in one process. 32 of those ranks (29 MB):
+# 4.1-5.0 s in one process, 3.1-3.2 s with a worker on 2 cores.
+WORKER_WORTH_FILES = 32
+# A file counts towards WORKER_WORTH_FILES before discovery only from this size: a run folder's small
+# .json files (ds_config.json, comms dumps, autotuning experiments, manifests) are not traces.
+TRACE_GUESS_MIN_BYTES = 256 << 10
 GZIP_RATIO = 10  # typical raw/gzip size of a Kineto trace (the corpus ranges 7x-30x), when the file does not say
 TRACE_NAMES = (".json", ".json.gz")
 
@@ -130,11 +137,12 @@ def estimated_json_bytes(name: str, size: int) -> int:
 
 def start_early_for(run_dir: Path, jobs: int) -> None:
     """Start workers now when run_dir holds traces enough to parse on them: two or more .json or
-    .json.gz files (hidden folders left out, as discovery does) of WORKER_WORTH_BYTES of JSON in all.
+    .json.gz files (hidden folders left out, as discovery does) of WORKER_WORTH_BYTES of JSON in all, or
+    WORKER_WORTH_FILES of them of TRACE_GUESS_MIN_BYTES or more.
     A guess made before discovery: workers no Workers takes are stopped with the run (stop_early)."""
     if jobs < 2:
         return
-    files, total = 0, 0
+    files, large, total = 0, 0, 0
     try:
         for root, dirs, names in os.walk(run_dir):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
@@ -142,12 +150,14 @@ def start_early_for(run_dir: Path, jobs: int) -> None:
                 if name.endswith(TRACE_NAMES) and not name.startswith("."):
                     files += 1
                     path = os.path.join(root, name)
-                    total += estimated_json_bytes(path, os.stat(path).st_size)
-            if files > jobs and total >= WORKER_WORTH_BYTES:  # enough to decide: the rest is not walked
+                    size = estimated_json_bytes(path, os.stat(path).st_size)
+                    total += size
+                    large += size >= TRACE_GUESS_MIN_BYTES
+            if files > jobs and (total >= WORKER_WORTH_BYTES or large >= WORKER_WORTH_FILES):  # enough to decide
                 break
     except OSError:
         return
-    if files >= 2 and total >= WORKER_WORTH_BYTES:
+    if files >= 2 and (total >= WORKER_WORTH_BYTES or large >= WORKER_WORTH_FILES):
         size = min(files - 1, jobs - 1)
         start_early(size)
         # This process parses beside them: polars threads for the cores they leave (it is imported after this).

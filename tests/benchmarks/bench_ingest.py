@@ -9,6 +9,8 @@ Input sets (each a folder of symlinks to the trace files only, under --cache):
   trace_diff   : /work/shared/corpus/HolisticTraceAnalysis/trace_diff (2 ranks, ~33 MB raw each)
   dlrm-8r      : /work/shared/corpus/param/dlrm_kineto (8 real ranks, ~1 MB raw each: start-up dominates)
   mtia_single  : .../mtia_trace_single_rank (1 rank, 87 MB raw: the heaviest trace of the corpus)
+  dlrm-32r     : 4 copies of each dlrm_kineto rank, distributedInfo relabelled to ranks 0..31 of 32
+                 (many small real ranks: each file's fixed cost dominates)
 --quick: 4 ranks x 10 MB generated, trace_diff only, 1 run (smoke test).
 Each set, end to end, whole processes from a cold start (interpreter start-up and imports count):
 steplens `analyze RUN_DIR` (ingest + analyses + report) against HTA `TraceAnalysis(trace_dir=...)` +
@@ -84,6 +86,26 @@ def relabelled_copies(cache: Path, source: Path, ranks: int) -> Path:
         for rank in range(ranks):
             data = text[: info.start(1)] + str(rank).encode() + text[info.end(1):]
             (out / f"rank{rank}.json.gz").write_bytes(gzip.compress(data, compresslevel=1))
+        (out / ".done").touch()
+    return out
+
+
+def relabelled_set(cache: Path, sources: list, copies: int) -> Path:
+    """`copies` copies of a real multi-rank set, copy c of rank r relabelled rank c * len(sources) + r of
+    copies * len(sources) (distributedInfo rank and world_size)."""
+    out = cache / f"relabelled-{copies}x-{sources[0].parent.name}"
+    if not (out / ".done").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        world = copies * len(sources)
+        for source in sources:
+            text = source.read_bytes()
+            info = re.search(rb'"distributedInfo":\s*\{[^}]*\}', text)
+            rank = int(re.search(rb'"rank":\s*(\d+)', info[0])[1])
+            for copy in range(copies):
+                relabelled = re.sub(rb'"world_size":\s*\d+', b'"world_size": %d' % world,
+                                    re.sub(rb'"rank":\s*\d+', b'"rank": %d' % (copy * len(sources) + rank), info[0]))
+                (out / f"rank{copy * len(sources) + rank}.json").write_bytes(text[:info.start()] + relabelled + text[info.end():])
         (out / ".done").touch()
     return out
 
@@ -280,6 +302,7 @@ def main() -> int:
     if not args.quick:
         sets.append(("mtia_single", link_set(cache / "sets" / "mtia_single",
                                              trace_files(CORPUS / "mtia_trace_single_rank"))))
+        sets.append(("dlrm-32r", link_set(cache / "sets" / "dlrm-32r", trace_files(relabelled_set(cache, trace_files(DLRM), 4)))))
 
     if wanted is not None:
         sets = [(name, d) for name, d in sets if name in wanted]
