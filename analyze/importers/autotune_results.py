@@ -269,6 +269,10 @@ def parse_summary_text(text: str) -> tuple[dict, list[str]]:
     spaces, problems = [], []
     for number, line in enumerate(text.splitlines(), start=1):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.lstrip().startswith("|") and (len(cells) != 4 or not line.rstrip().endswith("|")):
+            # A table row cut short (a partial copy) or damaged: its last cell may have lost characters.
+            problems.append(f"line {number}: a table row without its 4 cells and closing '|' (cut or damaged); row skipped")
+            continue
         if len(cells) != 4 or cells[0] in ("tuning_space", "") or set(cells[0]) <= set(":- "):
             continue
         try:

@@ -48,9 +48,13 @@ def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
     expected = schema.TABLES[table][0]
     try:
         arrow = pq.read_table(path)
-    except (pa.ArrowException, OSError) as e:
+        names = arrow.schema.names  # a damaged footer can name a column in bytes that are not UTF-8
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
         return Imported(issues=[["error", "collector_part_unreadable", 1,
                                  f"collector part {rel} cannot be read ({e}); its rows are lost, the other parts are used"]])
+    # The footer's key-value metadata (the ARROW:schema blob, per-column metadata) has served the read; damaged
+    # (not UTF-8) it would make polars panic, so the columns go on without it (no copy).
+    arrow = pa.Table.from_arrays(arrow.columns, names=names)
     missing, extra = set(expected.names) - set(arrow.schema.names), set(arrow.schema.names) - set(expected.names)
     # A column of another type is another column: casting it could truncate (2.5 -> rank 2) or fail.
     retyped = sorted(f.name for f in arrow.schema if f.name in expected.names and f.type != expected.field(f.name).type)

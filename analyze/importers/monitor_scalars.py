@@ -87,7 +87,11 @@ def parse_csv_monitor(path: Path, source: str) -> Imported:
     text = path.read_bytes().decode("utf-8", errors="replace")
     rows, bad_lines, headers = [], [], []
     segment, column = 0, None
-    for number, line in enumerate(text.splitlines(), start=1):
+    lines = text.splitlines()
+    # csv.writer ends every row with a newline: a last line without one was cut (a killed job, a copy taken
+    # mid-write), and its value may have lost digits ("14.0104" of "14.01042938"). It is left out, and said.
+    cut = lines.pop() if lines and not text.endswith(("\n", "\r")) else ""
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         fields = line.strip().split(",")
@@ -120,7 +124,11 @@ def parse_csv_monitor(path: Path, source: str) -> Imported:
                               (f"{source}: {len(bad_lines)} line(s) are not `step,value` (lines "
                               f"{bad_lines[:SHOWN_LINES]}{' ...' if len(bad_lines) > SHOWN_LINES else ''}); skipped, "
                               f"{len(rows)} points kept")])
-    if not rows and not bad_lines:
+    if cut.strip():
+        result.issues.append(["warning", "truncated", 1,
+                              (f"{source}: the last line ({cut[:40]!r}, line {len(lines) + 1}) has no newline: cut off "
+                               f"or still being written; skipped, {len(rows)} points kept")])
+    if not rows and not bad_lines and not cut.strip():
         result.issues.append(["info", "no_data", 1, f"{source}: csv_monitor file with no points"])
     result.tables = _frame(rows)
     return result
