@@ -65,9 +65,10 @@ def test_a_changed_companion_means_parsing_again(tmp_path, toy_registry):
     assert result.parsed == 1 and pl.read_parquet(result.out_dir / "scalars")["rank"].unique().to_list() == [3]
 
 
-def test_a_failing_importer_costs_its_file_only(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failure", [ValueError, pl.exceptions.PanicException])  # a Rust panic is a BaseException
+def test_a_failing_importer_costs_its_file_only(tmp_path, monkeypatch, failure):
     def broken(path, rel):
-        raise ValueError("bad line 3")
+        raise failure("bad line 3")
 
     monkeypatch.setattr(importers, "IMPORTERS", [Importer("broken", lambda p: p.name == "x.toy", broken), TOY])
     run = _run(tmp_path)

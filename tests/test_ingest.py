@@ -328,3 +328,23 @@ def test_rank_batches_hold_at_most_the_limit_or_one_rank():
     assert runner.batches(manifest, [0, 1, 2, 3, 4], limit=110) == [(0, 1), (2,), (3, 4)]
     assert runner.batches(manifest, [0, 1, 2, 3, 4], limit=0) == [(0,), (1,), (2,), (3,), (4,)]
     assert runner.batches({"sources": []}, [5, 7], limit=0) == [(5,), (7,)]
+
+
+def test_a_panic_in_the_trace_parser_costs_its_file_only(run_dir, monkeypatch):
+    """A Rust panic in polars or pyarrow reaches Python as pyo3's PanicException, a BaseException that
+    `except Exception` lets through: it once ended the whole analyze with a traceback."""
+    from steplens.analyze import importers
+    from steplens.analyze.importers import kineto
+    from steplens.analyze.importers.base import TraceImporter
+
+    def parse(path, rel):
+        if "host_1" in rel:
+            raise pl.exceptions.PanicException("called `Result::unwrap()` on an `Err` value")
+        return kineto.parse_trace(path, rel)
+
+    monkeypatch.setattr(importers, "TRACE_IMPORTERS", [TraceImporter("kineto", lambda path: True, parse)])
+    result = ingest(run_dir, jobs=1)
+    (failed,) = result.failed
+    assert failed.path == "host_1.pt.trace.json.gz"
+    assert [(reason, "PanicException" in detail) for _, reason, _, detail in failed.issues] == [("parse_failed", True)]
+    assert pl.read_parquet(result.out_dir / "trace_events")["rank"].unique().to_list() == [0]

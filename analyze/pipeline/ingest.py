@@ -36,6 +36,9 @@ from steplens.analyze.pipeline.workers import WORKER_WORTH_BYTES, WORKER_WORTH_F
 # Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 HASH_PREFIX_BYTES = reuse.PREFIX_BYTES
+# What a parser or an importer may raise on one bad file: a Rust panic in polars or pyarrow's binding
+# surfaces as pyo3's PanicException, a BaseException that `except Exception` lets through.
+FILE_FAILURES = (Exception, pl.exceptions.PanicException)
 IGNORED_LISTED = 200  # run.json lists this many unrecognised files by name (a checkpoint folder has thousands)
 PARSED_TABLES = ("trace_events", "flows", "steps")
 
@@ -227,7 +230,7 @@ def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
         source.status = "error"
         source.issues.append(["error", "unreadable", 1, f"cannot read: {e}"])
         return source
-    except Exception as e:  # noqa: BLE001 - a file the parser fails on costs that file, not the run
+    except FILE_FAILURES as e:  # a file the parser fails on costs that file, not the run
         source.status = "error"
         source.issues.append(["error", "parse_failed", 1, f"the trace parser failed: {type(e).__name__}: {str(e)[:300]!r}"])
         return source
@@ -252,7 +255,7 @@ def _parse_native(path: Path, source: Source, importer: Importer, scratch: Path)
     source.kind = importer.name
     try:
         imported = importer.parse(path, source.path)
-    except Exception as e:  # noqa: BLE001 - one bad file must not end the ingest of the others
+    except FILE_FAILURES as e:  # one bad file must not end the ingest of the others
         source.status = "error"
         source.issues.append(["error", "import_failed", 1, f"{importer.name} importer failed: {type(e).__name__}: {e}"])
         return source
