@@ -13,6 +13,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import click
+import polars as pl
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -402,7 +403,7 @@ def _guarded(command: click.Command, args: list[str] | None = None, prog_name: s
         fail(safe_text(e))
     except OSError as e:
         fail(f"{safe_text(e.filename or '')}: {e.strerror or e}", EXIT_UNWRITABLE if e.errno in _WRITE_ERRNOS else EXIT_NOTHING)
-    except Exception as e:  # noqa: BLE001 - one line and a distinct status instead of a traceback
+    except (Exception, pl.exceptions.PanicException) as e:  # noqa: BLE001 - one line and a distinct status, no traceback
         if os.environ.get("STEPLENS_DEBUG"):
             raise
         fail(f"internal error: {type(e).__name__}: {safe_text(e)} (a steplens bug: rerun with STEPLENS_DEBUG=1 for "

@@ -1,6 +1,7 @@
 """The run-directory contract, incremental and atomic ingest, rank rules, and the CLI."""
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -348,3 +349,29 @@ def test_a_panic_in_the_trace_parser_costs_its_file_only(run_dir, monkeypatch):
     assert failed.path == "host_1.pt.trace.json.gz"
     assert [(reason, "PanicException" in detail) for _, reason, _, detail in failed.issues] == [("parse_failed", True)]
     assert pl.read_parquet(result.out_dir / "trace_events")["rank"].unique().to_list() == [0]
+
+
+@pytest.mark.parametrize("failure", [ZeroDivisionError, pl.exceptions.PanicException])
+def test_an_internal_error_is_one_line_and_status_5(run_dir, tmp_path, monkeypatch, capsys, failure):
+    """A bug in an analysis ends analyze with one line naming it and the documented status, no traceback,
+    a Rust panic (a BaseException) included; the inputs are untouched."""
+    from steplens.analyze import cli
+    from steplens.analyze.cli_render import EXIT_INTERNAL
+
+    def broken(*args, **kwargs):
+        raise failure("division by zero in an analysis")
+
+    monkeypatch.setattr(cli.runner, "run", broken)
+    monkeypatch.delenv("STEPLENS_DEBUG", raising=False)
+    before = sorted((p.name, p.stat().st_size) for p in run_dir.iterdir())
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # _guarded sets its own
+    try:
+        with pytest.raises(SystemExit) as ended:
+            cli._guarded(cli.analyze, [str(run_dir), "--out", str(tmp_path / "out"), "-q", "--jobs", "1"])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert ended.value.code == EXIT_INTERNAL
+    err = capsys.readouterr().err
+    assert f"internal error: {failure.__name__}: division by zero in an analysis" in err and "Traceback" not in err
+    assert sorted((p.name, p.stat().st_size) for p in run_dir.iterdir()) == before
