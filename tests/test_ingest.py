@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from steplens.analyze.pipeline import ingest as ingest_module
+from steplens.analyze.pipeline import workers as workers_module
 from steplens.analyze.contract import schema
 from steplens.analyze.cli import EXIT_NOTHING, EXIT_PARTIAL, analyze, steplens
 from steplens.analyze.pipeline.ingest import ingest
@@ -108,7 +109,7 @@ def test_killed_ingest_leaves_previous_result(run_dir, monkeypatch):
 
 
 def test_parallel_ingest_matches_serial(run_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(ingest_module, "WORKER_WORTH_BYTES", 0)  # small inputs would stay in-process
+    monkeypatch.setattr(workers_module, "WORKER_WORTH_BYTES", 0)  # small inputs would stay in-process
     serial = ingest(run_dir, tmp_path / "a", jobs=1)
     parallel = ingest(run_dir, tmp_path / "b", jobs=2)
     a = pl.scan_parquet(tmp_path / "a" / "trace_events").collect().sort("rank", "event_id")
@@ -245,7 +246,7 @@ def test_per_rank_analyses_on_workers_match_this_process(tmp_path, monkeypatch):
     generate_run(run, ranks=4, steps=3, kernels_per_step=20, seed=3, write_truth=False)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     one = CliRunner().invoke(analyze, [str(run), "--out", str(tmp_path / "one"), "--jobs", "1", "--quiet"])
-    monkeypatch.setattr(ingest_module, "WORKER_WORTH_BYTES", 0)  # small inputs would stay in this process
+    monkeypatch.setattr(workers_module, "WORKER_WORTH_BYTES", 0)  # small inputs would stay in this process
     many = CliRunner().invoke(analyze, [str(run), "--out", str(tmp_path / "many"), "--jobs", "3", "--quiet"])
     assert one.exit_code == many.exit_code == 0, (one.output, many.output)
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before

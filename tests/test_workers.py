@@ -125,7 +125,8 @@ def test_no_early_workers_below_the_threshold_or_for_one_file(tmp_path, monkeypa
 
 def test_early_workers_for_many_traces_however_small_but_not_for_many_small_json_files(tmp_path, monkeypatch):
     """WORKER_WORTH_FILES traces of TRACE_GUESS_MIN_BYTES each are far below WORKER_WORTH_BYTES, and still
-    worth a worker (each file has a fixed cost); as many small .json files (configs, dumps) are not."""
+    worth FILES_WORKERS_MIN workers or more (each file has a fixed cost), not one (2 cores: no faster for
+    the memory of another process); as many small .json files (configs, dumps) are not traces."""
     many, small = tmp_path / "many", tmp_path / "small"
     padding = "x" * workers_module.TRACE_GUESS_MIN_BYTES
     for rank in range(workers_module.WORKER_WORTH_FILES):
@@ -137,13 +138,24 @@ def test_early_workers_for_many_traces_however_small_but_not_for_many_small_json
     monkeypatch.delenv("POLARS_MAX_THREADS")
     before = _children()
     try:
-        workers_module.start_early_for(small, jobs=2)
-        assert workers_module._early is None and _children() <= before
+        jobs = workers_module.FILES_WORKERS_MIN + 1
+        workers_module.start_early_for(small, jobs=jobs)
         workers_module.start_early_for(many, jobs=2)
+        assert workers_module._early is None and _children() <= before
+        workers_module.start_early_for(many, jobs=jobs)
         assert workers_module._early is not None and _children() - before
     finally:
         workers_module.stop_early()
     assert _children() <= before
+
+
+def test_worth_workers_by_bytes_or_by_many_files_on_enough_cores():
+    worth, many, mb = workers_module.worth_workers, workers_module.WORKER_WORTH_FILES, 1 << 20
+    assert workers_module.FILES_WORKERS_MIN == 3 and workers_module.WORKER_WORTH_BYTES == 100_000_000
+    assert worth(2, 2, 100_000_000) and not worth(2, 2, 99_999_999) and not worth(16, 1, 10**9)  # bytes: any cores
+    assert not worth(2, many, many * mb) and not worth(3, many, many * mb)  # one or two workers: not for small files
+    assert worth(4, many, many * mb) and not worth(4, many - 1, (many - 1) * mb)
+    assert not worth(16, many + 10, many * mb, sure_traces=many - 1) and worth(16, many + 10, many * mb, sure_traces=many)
 
 
 def test_the_script_knows_every_analyze_option_that_takes_a_value():

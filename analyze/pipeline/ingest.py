@@ -31,7 +31,7 @@ from steplens.analyze.contract import issue_reasons, reuse, schema
 from steplens.analyze.contract.manifest import RunManifest, fact_problem
 from steplens.analyze.importers.base import Importer, ParsedTrace, conform
 from steplens.analyze.importers.json_events import NotATrace
-from steplens.analyze.pipeline.workers import WORKER_WORTH_BYTES, WORKER_WORTH_FILES, Workers, estimated_json_bytes
+from steplens.analyze.pipeline.workers import Workers, estimated_json_bytes, worth_workers
 
 # Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
@@ -871,7 +871,7 @@ def _parse_all(to_parse, scratch: Path, workers: Workers, progress) -> list[Sour
             progress(source)
 
     pending = sorted(to_parse, key=lambda item: item[1].size)
-    worth = workers.available or _estimated_json_bytes(to_parse) >= WORKER_WORTH_BYTES or len(pending) >= WORKER_WORTH_FILES
+    worth = workers.available or worth_workers(workers.jobs, len(pending), _estimated_json_bytes(to_parse))
     if workers.jobs == 1 or len(pending) <= 1 or not worth:
         for path, source in pending:
             done(_parse_source(str(path), source, str(scratch)))

@@ -107,10 +107,20 @@ def _start_worker(parent_pid: int) -> None:
 # faster than one process, at twice its memory)
 # (STEPLENS_WORKER_WORTH_BYTES overrides it, e.g. to force workers on small test inputs).
 WORKER_WORTH_BYTES = int(os.environ.get("STEPLENS_WORKER_WORTH_BYTES", 100_000_000))
-# ... or this many trace files, however small: each costs about 0.065 s of fixed work (a 1 MB dlrm_kineto
-# rank, tests/benchmarks/stage_split.py), so 32 of them are 2 s in one process. 32 of those ranks (29 MB):
-# 4.1-5.0 s in one process, 3.1-3.2 s with a worker on 2 cores.
+# ... or this many trace files, however small, given cores for FILES_WORKERS_MIN workers or more: each
+# file costs about 0.065 s of fixed work (a 1 MB dlrm_kineto rank, tests/benchmarks/stage_split.py), so 32
+# are 2 s in one process. With one worker (2 cores) it does not pay: 32 of those ranks (bench_ingest
+# dlrm-32r, 29 MB) took 3.6 s and 285 MiB in one process, 2.7 s and 482 MiB with a worker, where HTA
+# takes 3.7 s and 339 MiB; each further worker divides the parse again for the same memory each.
 WORKER_WORTH_FILES = 32
+FILES_WORKERS_MIN = 3
+
+
+def worth_workers(jobs: int, files: int, json_bytes: int, sure_traces: int | None = None) -> bool:
+    """Whether parsing `files` traces of `json_bytes` of JSON in all is worth starting workers;
+    `sure_traces`: how many of them count towards WORKER_WORTH_FILES (all by default)."""
+    traces = files if sure_traces is None else sure_traces
+    return files >= 2 and (json_bytes >= WORKER_WORTH_BYTES or (jobs - 1 >= FILES_WORKERS_MIN and traces >= WORKER_WORTH_FILES))
 # A file counts towards WORKER_WORTH_FILES before discovery only from this size: a run folder's small
 # .json files (ds_config.json, comms dumps, autotuning experiments, manifests) are not traces.
 TRACE_GUESS_MIN_BYTES = 256 << 10
@@ -138,7 +148,7 @@ def estimated_json_bytes(name: str, size: int) -> int:
 def start_early_for(run_dir: Path, jobs: int) -> None:
     """Start workers now when run_dir holds traces enough to parse on them: two or more .json or
     .json.gz files (hidden folders left out, as discovery does) of WORKER_WORTH_BYTES of JSON in all, or
-    WORKER_WORTH_FILES of them of TRACE_GUESS_MIN_BYTES or more.
+    WORKER_WORTH_FILES of them of TRACE_GUESS_MIN_BYTES or more (worth_workers).
     A guess made before discovery: workers no Workers takes are stopped with the run (stop_early)."""
     if jobs < 2:
         return
@@ -153,11 +163,11 @@ def start_early_for(run_dir: Path, jobs: int) -> None:
                     size = estimated_json_bytes(path, os.stat(path).st_size)
                     total += size
                     large += size >= TRACE_GUESS_MIN_BYTES
-            if files > jobs and (total >= WORKER_WORTH_BYTES or large >= WORKER_WORTH_FILES):  # enough to decide
+            if files > jobs and worth_workers(jobs, files, total, large):  # enough to decide: the rest is not walked
                 break
     except OSError:
         return
-    if files >= 2 and (total >= WORKER_WORTH_BYTES or large >= WORKER_WORTH_FILES):
+    if worth_workers(jobs, files, total, large):
         size = min(files - 1, jobs - 1)
         start_early(size)
         # This process parses beside them: polars threads for the cores they leave (it is imported after this).
