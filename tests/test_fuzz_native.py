@@ -56,31 +56,41 @@ def _cases(path: Path) -> list[tuple[int, int]]:
     return random.Random(path.name).sample(spans, min(TOKENS_PER_FILE, len(spans)))
 
 
+def _failures(tmp_path: Path, root: Path, path: Path, variants) -> list[str]:
+    """Each (name, bytes) variant of `path` through the importer that claims it, with the file's own folder
+    beside it (companions: a sibling ds_config.json, an experiment's files): what raised, or broke the
+    contract (a table off its schema, an undeclared issue reason)."""
+    relative = path.relative_to(root)
+    copied = tmp_path / relative
+    shutil.copytree(path.parent, copied.parent, ignore=shutil.ignore_patterns("*.gz", "*.pt.trace.json"))
+    failures = []
+    for name, damaged in variants:
+        copied.chmod(0o644)
+        copied.write_bytes(damaged)
+        importer = importers.claimant(copied)
+        if importer is None:  # the damage made it another kind of file (a collector manifest no longer one)
+            continue
+        try:
+            got = importer.parse(copied, str(relative))
+            for table, frame in got.tables.items():
+                assert conform(frame, table).schema == frame.schema, table
+            for severity, reason, count, detail in got.issues:
+                issue_reasons.check(severity, reason)
+                assert isinstance(count, int) and count > 0 and isinstance(detail, str)
+        except BaseException as e:  # noqa: BLE001 (a Rust panic inside polars is a BaseException)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            failures.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+    return failures
+
+
 @pytest.mark.skipif(not FILES, reason="no native artifacts beside the checkout")
 @pytest.mark.parametrize("kind,root,path", FILES, ids=[kind for kind, _, _ in FILES])
 def test_hostile_values_never_make_an_importer_raise(tmp_path, kind, root, path):
     data = path.read_bytes()
-    relative = path.relative_to(root)
-    copied = tmp_path / relative
-    # The file's own folder comes along: companions (a sibling ds_config.json, an experiment's files).
-    shutil.copytree(path.parent, copied.parent, ignore=shutil.ignore_patterns("*.gz", "*.pt.trace.json"))
-    failures = []
-    for start, end in _cases(path):
-        for value in HOSTILE:
-            copied.chmod(0o644)
-            copied.write_bytes(data[:start] + value + data[end:])
-            importer = importers.claimant(copied)
-            if importer is None:  # the damage made it another kind of file (a collector manifest no longer one)
-                continue
-            try:
-                got = importer.parse(copied, str(relative))
-                for table, frame in got.tables.items():
-                    assert conform(frame, table).schema == frame.schema, table
-                for severity, reason, count, detail in got.issues:
-                    issue_reasons.check(severity, reason)
-                    assert isinstance(count, int) and count > 0 and isinstance(detail, str)
-            except Exception as e:  # noqa: BLE001 (each failure is collected and shown)
-                failures.append(f"{data[start:end]!r} -> {value[:12]!r}...: {type(e).__name__}: {str(e)[:200]}")
+    variants = [(f"{data[start:end]!r} -> {value[:12]!r}", data[:start] + value + data[end:])
+                for start, end in _cases(path) for value in HOSTILE]
+    failures = _failures(tmp_path, root, path, variants)
     assert not failures, "\n".join(failures)
 
 
@@ -174,29 +184,8 @@ STRUCTURAL = FILES + [("collector_part_" + part.parent.name, ROOTS[1], part) for
 @pytest.mark.skipif(not STRUCTURAL, reason="no native artifacts beside the checkout")
 @pytest.mark.parametrize("kind,root,path", STRUCTURAL, ids=[kind for kind, _, _ in STRUCTURAL])
 def test_structural_damage_never_makes_an_importer_raise(tmp_path, kind, root, path):
-    data = path.read_bytes()
-    relative = path.relative_to(root)
-    copied = tmp_path / relative
-    shutil.copytree(path.parent, copied.parent, ignore=shutil.ignore_patterns("*.gz", "*.pt.trace.json"))
     damage = _parquet_damage if path.name.endswith(".parquet") else _structural
-    failures = []
-    for name, damaged in damage(data, path.name):
-        copied.chmod(0o644)
-        copied.write_bytes(damaged)
-        importer = importers.claimant(copied)
-        if importer is None:
-            continue
-        try:
-            got = importer.parse(copied, str(relative))
-            for table, frame in got.tables.items():
-                assert conform(frame, table).schema == frame.schema, table
-            for severity, reason, count, detail in got.issues:
-                issue_reasons.check(severity, reason)
-                assert isinstance(count, int) and count > 0 and isinstance(detail, str)
-        except BaseException as e:  # noqa: BLE001 (a Rust panic inside polars is a BaseException)
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            failures.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+    failures = _failures(tmp_path, root, path, damage(path.read_bytes(), path.name))
     assert not failures, "\n".join(failures)
 
 
