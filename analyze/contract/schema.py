@@ -31,6 +31,14 @@ DEFAULT_OUT_DIR = ".steplens"
 # Largest rank or world size taken from an input; beyond it the value is not a rank (the largest
 # jobs run on ~10^5 GPUs) and an int64 table or a per-rank figure would overflow.
 MAX_RANK = 1 << 24
+# What an int64 / uint64 column holds: a value beyond is damage (stored as null and counted), never wrapped.
+INT64_RANGE = (-(1 << 63), (1 << 63) - 1)
+UINT64_RANGE = (0, (1 << 64) - 1)
+
+
+def holds_int64(value) -> bool:
+    """An int (not a bool, not 2.0) that an int64 column holds."""
+    return type(value) is int and INT64_RANGE[0] <= value <= INT64_RANGE[1]
 
 # Event kinds. Device-side kinds are the only ones that count as GPU activity, even when a CPU
 # event carries a `stream` arg (Triton launchers do).

@@ -46,7 +46,6 @@ DEFAULT_METRIC = "throughput"  # DeepSpeed's default autotuning metric
 # metrics.json keys -> autotune_experiments float columns.
 METRIC_FIELDS = {"latency": "latency_us", "throughput": "throughput", "FLOPS_per_gpu": "flops_per_gpu", "fwd": "fwd_us",
                  "bwd": "bwd_us", "step": "step_us"}
-INT64 = (-(2**63), 2**63 - 1)
 RANKS = (0, schema.MAX_RANK - 1)
 # summary.txt's closing line (autotuner.py print_tuning_results): the time as str(timedelta), e.g.
 # '0:02:33.223603' or '1 day, 2:03:04'.
@@ -82,7 +81,7 @@ def _object(parent: dict, key: str, where: str, problems: list[str]) -> dict:
     return {}
 
 
-def _whole(value, what: str, problems: list[str], bounds: tuple[int, int] = INT64) -> int | None:
+def _whole(value, what: str, problems: list[str], bounds: tuple[int, int] = schema.INT64_RANGE) -> int | None:
     """A whole number within bounds (an int64 column); None for anything else, with a problem when present."""
     if value is None or (type(value) is int and bounds[0] <= value <= bounds[1]):
         return value

@@ -69,7 +69,7 @@ def conform(frame: pl.DataFrame | list[dict], table: str, issues: list | None = 
     )
 
 
-_INT_RANGES = {pl.Int64: (-(1 << 63), (1 << 63) - 1), pl.UInt64: (0, (1 << 64) - 1)}
+_INT_RANGES = {pl.Int64: schema.INT64_RANGE, pl.UInt64: schema.UINT64_RANGE}
 
 
 def _fits(value, dtype) -> bool:

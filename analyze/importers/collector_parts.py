@@ -29,7 +29,6 @@ RUN_FACTS = ("world_size", "zero_stage", "dtype", "dp_world_size", "micro_batch"
 # The per-rank manifest keys kept under collector_rank<r>, and the type each must have (job_end reads them).
 RANK_STATE = {"status": str, "host": dict, "started_ns": int, "updated_ns": int, "steps_completed": int,
               "last_flushed_step": int, "flushes": int, "rows_written": dict, "disabled": dict}
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def claims(path: Path) -> bool:
@@ -74,7 +73,7 @@ def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
 
 def _is_a(value, kind: type) -> bool:
     if kind is int:  # an int64 column's whole number, not true/false
-        return type(value) is int and INT64_MIN <= value <= INT64_MAX
+        return schema.holds_int64(value)
     return isinstance(value, kind)
 
 
@@ -152,4 +151,4 @@ def _parse_manifest(path: Path, rel: str) -> Imported:
         issues.append(["warning", "bad_fact", len(damaged),
                        f"collector manifest of rank {rank}: {damaged} of the wrong type or out of range; left out"])
     rows = [{"rank": rank, "source": rel, "run_index": 0, "status": run_status, "detail": detail}]
-    return Imported(tables={"run_status": conform(rows, "run_status")}, issues=issues, facts=facts)
+    return Imported(tables={"run_status": conform(rows, "run_status", issues)}, issues=issues, facts=facts)

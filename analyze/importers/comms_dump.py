@@ -254,11 +254,11 @@ def parse_raw(path: Path, rel: str) -> Imported:
     if world_size is None and rows:
         issues.append(["warning", "no_world_size", len(rows),
                        f"world size unknown (no log_summary_dict_rank{rank}.json metadata); no nccl_bytes/bandwidth"])
-    tables = {"comms_calls": with_bandwidth(conform(rows, "comms_calls"))} if rows else {}
+    tables = {"comms_calls": with_bandwidth(conform(rows, "comms_calls", issues))} if rows else {}
     if summary is not None:
         srows = summary_rows(summary, meta.get("rank", rank), summary_rel, None if cumulative is None else not cumulative, issues)
         if srows:
-            tables["comms_summary"] = conform(srows, "comms_summary")
+            tables["comms_summary"] = conform(srows, "comms_summary", issues)
     facts = {"world_size": world_size} if world_size else {}
     return Imported(tables=tables, issues=issues, facts=facts)
 
@@ -286,7 +286,7 @@ def parse_summary(path: Path, rel: str) -> Imported:
                        ("without the raw dict or verbose lines it cannot be told whether latencies are running totals "
                        "(DeepSpeed >= 0.18.3); trusted left null")])
     world_size = meta.get("world_size")
-    return Imported(tables={"comms_summary": conform(rows, "comms_summary")} if rows else {}, issues=issues,
+    return Imported(tables={"comms_summary": conform(rows, "comms_summary", issues)} if rows else {}, issues=issues,
                     facts={"world_size": world_size} if world_size else {})
 
 

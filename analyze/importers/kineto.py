@@ -194,7 +194,7 @@ def _cast_exactly(array: pa.Array, dtype) -> pa.Array | None:
 
 
 def _int_column_slowly(values: list, dtype) -> tuple[pa.Array, int, str]:
-    lo, hi = (0, 2**64 - 1) if dtype == pa.uint64() else (-(2**63), 2**63 - 1)
+    lo, hi = schema.UINT64_RANGE if dtype == pa.uint64() else schema.INT64_RANGE
     out = [v if type(v) is int and lo <= v <= hi else None for v in values]
     bad, example = 0, ""
     for i in [i for i, v in enumerate(values) if out[i] is None and v is not None]:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import polars as pl
 
+from steplens.analyze.contract import schema
 from steplens.analyze.importers.base import Imported, conform, peek
 
 MONITOR_RANK = 0  # DeepSpeed's MonitorMaster writes on rank 0 only
 SHOWN_LINES = 5  # line numbers quoted in an issue
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Why a point of a TensorBoard or W&B file is skipped or loses its time (the `bad_monitor_point` issue).
 POINT_DAMAGE = {
     "value": "the value is not one number a float64 holds; skipped",
@@ -35,9 +35,8 @@ def _result() -> Imported:
     return Imported()
 
 
-def _frame(rows: list[dict]) -> dict[str, pl.DataFrame]:
-
-    return {"scalars": conform(rows, "scalars")} if rows else {}
+def _frame(rows: list[dict], issues: list) -> dict[str, pl.DataFrame]:
+    return {"scalars": conform(rows, "scalars", issues)} if rows else {}
 
 
 def _wall_ns(seconds) -> int | None:
@@ -48,7 +47,7 @@ def _wall_ns(seconds) -> int | None:
         ns = seconds * 1e9
     except OverflowError:  # an integer beyond float64
         return None
-    return round(ns) if INT64_MIN <= ns <= INT64_MAX else None  # NaN fails the comparison too
+    return round(ns) if schema.INT64_RANGE[0] <= ns <= schema.INT64_RANGE[1] else None  # NaN fails the comparison too
 
 
 def _damage_issues(source: str, damaged: Counter) -> list[list]:
@@ -105,7 +104,7 @@ def parse_csv_monitor(path: Path, source: str) -> Imported:
             if len(fields) != 2:
                 raise ValueError(line)
             global_samples, value = int(fields[0]), float(fields[1])  # float() keeps nan and inf
-            if not INT64_MIN <= global_samples <= INT64_MAX:
+            if not schema.holds_int64(global_samples):
                 raise ValueError(line)
         except ValueError:
             bad_lines.append(number)
@@ -130,7 +129,7 @@ def parse_csv_monitor(path: Path, source: str) -> Imported:
                                f"or still being written; skipped, {len(rows)} points kept")])
     if not rows and not bad_lines and not cut.strip():
         result.issues.append(["info", "no_data", 1, f"{source}: csv_monitor file with no points"])
-    result.tables = _frame(rows)
+    result.tables = _frame(rows, result.issues)
     return result
 
 
@@ -203,7 +202,7 @@ def parse_tensorboard(path: Path, source: str) -> Imported:
         result.issues.append(["info", "non_scalar_summaries", sum(skipped.values()),
                               f"{source}: non-scalar summaries not read (tags {sorted(skipped)[:SHOWN_LINES]})"])
     result.issues.extend(_damage_issues(source, damaged))
-    result.tables = _frame(rows)
+    result.tables = _frame(rows, result.issues)
     return result
 
 
@@ -390,7 +389,7 @@ def parse_wandb(path: Path, source: str) -> Imported:
         result.issues.append(["info", "non_numeric_history", len(non_numeric),
                               f"{source}: non-numeric history keys not read: {sorted(non_numeric)[:SHOWN_LINES]}"])
     result.issues.extend(_damage_issues(source, damaged))
-    result.tables = _frame(rows)
+    result.tables = _frame(rows, result.issues)
     return result
 
 
@@ -405,7 +404,7 @@ def _history_rows(buf: bytes, source: str, non_numeric: set, damaged: Counter) -
         elif number == HISTORY_STEP:
             step = dict(proto_fields(value)).get(STEP_NUM, 0)  # proto3: a zero num is not written
     step = items.get("_step", step)
-    step_ok = step is None or (type(step) is int and INT64_MIN <= step <= INT64_MAX)
+    step_ok = step is None or schema.holds_int64(step)
     timestamp = items.get("_timestamp")
     wall_ns = _wall_ns(timestamp)
     rows = []

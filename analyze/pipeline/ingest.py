@@ -327,10 +327,10 @@ def _record_trace_facts(source: Source, parsed: ParsedTrace) -> None:
 
 # Metadata strings kept in run.json are cut to this many characters (versions, names, backends).
 _META_TEXT_CHARS = 200
-_INT64 = (-(2**63), 2**63 - 1)
 
 
-def _checked(mapping: dict, key: str, problems: list[str], kinds, bounds: tuple[int, int] = _INT64, prefix: str = ""):
+def _checked(mapping: dict, key: str, problems: list[str], kinds, bounds: tuple[int, int] = schema.INT64_RANGE,
+             prefix: str = ""):
     """mapping[key] when it is one of `kinds` (an int within `bounds`, a string cut to
     _META_TEXT_CHARS, a dict), else None with the reason added to `problems`. Absent is None."""
     value = mapping.get(key)
