@@ -438,8 +438,3 @@ def steplens_entry() -> None:
     if sys.argv[1:2] == ["analyze"]:
         keep_pandas_out_of_pyarrow()
     _guarded(steplens, sys.argv[1:], prog_name="steplens")
-
-
-def steplens_main() -> None:
-    """The `steplens` script."""
-    cli_rerun.exit_without_teardown(steplens_entry)

@@ -158,6 +158,16 @@ def main() -> None:
     exit_without_teardown(analyze_entry)
 
 
+def steplens_main() -> None:
+    """The `steplens` script (every subcommand), set up as `analyze` is before polars is imported."""
+    from steplens.analyze.pipeline import workers
+
+    workers.return_polars_freed_pages()
+    from steplens.analyze import cli
+
+    exit_without_teardown(cli.steplens_entry)
+
+
 def analyze_entry() -> None:
     """`analyze`: a re-run with nothing changed answered here, anything else by the full
     command (cli.py)."""
@@ -167,6 +177,7 @@ def analyze_entry() -> None:
     compile_own_modules()
     from steplens.analyze.pipeline import workers
 
+    workers.return_polars_freed_pages()
     if (early := _run_dir_and_jobs(sys.argv[1:])) is not None:
         workers.start_early_for(*early)  # they import while this process does
     try:

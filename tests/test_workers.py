@@ -285,3 +285,36 @@ def test_the_json_a_gzip_trace_holds_is_read_from_its_trailer(tmp_path):
     plain.write_bytes(text)
     assert workers_module.estimated_json_bytes(str(plain), len(text)) == len(text)
     assert workers_module.estimated_json_bytes("s3://bucket/rank0.json.gz", 100) == 100 * workers_module.GZIP_RATIO
+
+
+# Both scripts, cut short after their set-up: what polars' allocator is told, and whether polars was loaded before.
+ALLOCATOR_PROBE = """import os, sys
+from steplens.analyze import cli_rerun
+cli_rerun.exit_without_teardown = lambda entry: entry()
+sys.argv = [sys.argv[0], '--help']
+try:
+    cli_rerun.{script}()
+except SystemExit:
+    pass
+print(os.environ.get('_RJEM_MALLOC_CONF'))
+"""
+
+
+@pytest.mark.parametrize("script", ["main", "steplens_main"])
+@pytest.mark.parametrize("users", [None, "dirty_decay_ms:5000"])
+def test_the_scripts_have_polars_return_freed_pages_unless_the_user_configured_its_allocator(script, users):
+    env = {k: v for k, v in os.environ.items() if k != "_RJEM_MALLOC_CONF"}
+    if users is not None:
+        env["_RJEM_MALLOC_CONF"] = users
+    done = subprocess.run([sys.executable, "-c", ALLOCATOR_PROBE.format(script=script)], env=env,
+                          capture_output=True, text=True, check=True)
+    # polars puts its own defaults first; jemalloc takes the last value of each setting
+    assert done.stdout.splitlines()[-1].endswith("," + (users or workers_module.POLARS_ALLOCATOR_CONF))
+
+
+def test_a_library_user_process_that_loaded_polars_is_left_as_it_is(monkeypatch):
+    import polars  # noqa: F401 - loaded, as in any process that imports steplens as a library
+
+    monkeypatch.delenv("_RJEM_MALLOC_CONF", raising=False)
+    workers_module.return_polars_freed_pages()
+    assert "_RJEM_MALLOC_CONF" not in os.environ
