@@ -184,8 +184,9 @@ def gpu_idle_lines(f: dict) -> list[str]:
     idle = f.get("gpu_idle") or {}
     if idle.get("idle_share") is None:
         return []
+    cause = f"; main cause {IDLE_CAUSE_WORDS[idle['main_cause']]}" if idle.get("main_cause") in IDLE_CAUSE_WORDS else ""
     return [f"GPU idle: {idle['idle_share']:.1%} of the profiled time (first to last device activity of each window, no "
-            f"stream busy); main cause {IDLE_CAUSE_WORDS.get(idle.get('main_cause'), 'none')}."]
+            f"stream busy){cause}."]
 
 
 def collective_lines(f: dict) -> list[str]:

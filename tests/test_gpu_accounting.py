@@ -70,6 +70,24 @@ def test_overlapping_steps_idle_only_when_no_stream_is_busy(tmp_path):
     assert own_stream["idle_ns"] == 270_000
 
 
+def test_idle_under_one_percent_names_no_cause(tmp_path):
+    """Back-to-back kernels (seen in real rocprofiler-sdk traces): 10 kernels of 100 us launched long before,
+    each starting 0.5 us after the last ends: 4.5 us idle in a 1004.5 us span (0.45%), all of it "other"
+    (queued, no sync). Idle that small has no cause worth naming; the headline gives the share alone."""
+    events = [_step(1, 0, 2000)] + [_launch(5 + i, i) for i in range(10)]
+    events += [_kernel(100 + i * 100.5, 100, i, stream=7) for i in range(10)]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    out, findings, _ = _analyse(tmp_path / "run")
+    window = _table(out, "gpu_idle").filter((pl.col("stream") == -1) & pl.col("step").is_null()).row(0, named=True)
+    assert (window["span_ns"], window["idle_ns"], window["other_ns"]) == (1_004_500, 4_500, 4_500)
+    assert findings["gpu_idle"]["idle_share"] == pytest.approx(4.5 / 1004.5)
+    assert findings["gpu_idle"]["main_cause"] is None
+    result = CliRunner().invoke(analyze, [str(tmp_path / "run"), "--out", str(tmp_path / "out"), "-q"])
+    text = " ".join(result.output.split())
+    assert "GPU idle: 0.4% of the profiled time (first to last device activity of each window, no stream busy)." in text
+    assert "main cause" not in text
+
+
 def test_trace_without_steps_gets_every_analysis_that_needs_no_steps(tmp_path):
     """Old-API / unscheduled traces have no ProfilerStep: idle, launches, kernels and collectives all
     come out. Kernels 0-100 us, 150-200 us and an all-reduce 120-140 us on a second stream: 170 us busy

@@ -317,6 +317,44 @@ def test_module_time_and_flops_from_a_hand_built_trace(tmp_path):
     assert below["Model_0/Linear_0"]["training_fraction_of_peak"] is None
 
 
+def test_a_module_whose_flops_cover_little_of_its_time_gets_no_rate(tmp_path):
+    """A compiled module (seen in a real xDiT Flux trace): its GEMMs run under "Torch-Compiled Region", which has no
+    FLOPs formula, and its only modeled op is a copy (0 FLOPs). Its FLOPs over its time would read 0% of peak."""
+    trace = _module_trace(tmp_path / "run" / "rank0.pt.trace.json")
+    events = json.loads(trace.read_text())
+    copy = {"Input Dims": [[64, 128], [64, 128], []], "Input type": [BF16, BF16, "Scalar"], "Concrete Inputs": ["", "", "False"]}
+    events["traceEvents"] += [
+        _x("nn.Module: Wrapper_0", "python_function", 590, 110),  # the root, which the ranking leaves out
+        _x("nn.Module: Compiled_0", "python_function", 600, 90),
+        _x("aten::copy_", "cpu_op", 605, 5, **{"External id": 21, **copy}),
+        _x("cudaLaunchKernel", "cuda_runtime", 606, 2, **{"External id": 21, "correlation": 21}),
+        _x("copy_kernel", "kernel", 1200, 2, pid=0, tid=7, device=0, stream=7, correlation=21),
+        _x("Torch-Compiled Region: 0/0", "cpu_op", 620, 60, **{"External id": 22}),
+        _x("cudaLaunchKernel", "cuda_runtime", 625, 2, **{"External id": 22, "correlation": 22}),
+        _x("Cijk_gemm_kernel", "kernel", 1210, 40, pid=0, tid=7, device=0, stream=7, correlation=22)]
+    trace.write_text(json.dumps(events))
+    out = tmp_path / "out"
+    analyse(trace.parent, out, jobs=1)
+    row = pl.read_parquet(out / "module_perf").filter(pl.col("module") == "Wrapper_0/Compiled_0").row(0, named=True)
+    assert (row["device_ns"], row["modeled_device_ns"], row["flops"], row["achieved_tflops"]) == (42_000, 2_000, 0.0, None)
+    # Linear_1: its one mm launched all of its 30 us
+    linear = pl.read_parquet(out / "module_perf").filter(pl.col("module") == "Model_0/Block_0/Linear_1").row(0, named=True)
+    assert linear["modeled_device_ns"] == linear["device_ns"] == 30_000 and linear["achieved_tflops"] is not None
+    below = {m["module"]: m for m in json.loads((out / "findings.json").read_text())["roofline"]["modules_below_peak"]}
+    compiled = below["Wrapper_0/Compiled_0"]
+    assert compiled["fraction_of_peak"] is None and compiled["training_fraction_of_peak"] is None
+    assert compiled["modeled_share"] == pytest.approx(2 / 42)
+    from click.testing import CliRunner
+    from steplens.analyze.cli import analyze
+
+    result = CliRunner().invoke(analyze, [str(trace.parent), "--out", str(tmp_path / "out2"), "-q"])
+    text = " ".join(result.output.split())
+    assert "Module furthest below peak: Model_0/Block_0" in text and "Compiled_0, 0.0%" not in text
+    from steplens.reports import html
+    page = html.render(out)  # the report says how much of its time has known FLOPs (2 of 42 us), rounded down
+    assert "4% of it" in page and "100% of it" in page
+
+
 def test_report_and_summary_show_the_roofline_with_names_escaped(tmp_path):
     trace = _module_trace(tmp_path / "run" / "rank0.pt.trace.json")
     trace.write_text(trace.read_text().replace("nn.Module: Block_0", "nn.Module: <script>alert(1)</script>_0"))

@@ -215,16 +215,23 @@ def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
     ).sort("rank", "activities", "launch_api", descending=[False, True, False])  # a total order: the same rows, the same order
 
 
+# Idle under 1% of the profiled time is what launch jitter and clock rounding alone leave (back-to-back kernels
+# a nanosecond apart): it has no cause worth naming.
+MAIN_CAUSE_MIN_IDLE_SHARE = 0.01
+
+
 def idle_finding(idle: pl.DataFrame) -> dict:
-    """Device idle share over the whole profiled windows (the whole-window rows of gpu_idle)."""
+    """Device idle share over the whole profiled windows (the whole-window rows of gpu_idle); its main cause
+    where the idle is at least MAIN_CAUSE_MIN_IDLE_SHARE of them."""
     windows = idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_null())
     if windows.is_empty():
         return {"idle_share": None, "note": "no device activity in the traces (CPU-only or no kernels)"}
     totals = windows.select(pl.col("span_ns", "idle_ns", "host_bound_ns", "sync_ns", "other_ns").sum()).row(0, named=True)
     causes = {c: totals[f"{c}_ns"] for c in CAUSES}
+    share = totals["idle_ns"] / totals["span_ns"] if totals["span_ns"] else None
     return {
-        "idle_share": totals["idle_ns"] / totals["span_ns"] if totals["span_ns"] else None,
-        "main_cause": max(causes, key=causes.get) if totals["idle_ns"] else None,
+        "idle_share": share,
+        "main_cause": max(causes, key=causes.get) if share is not None and share >= MAIN_CAUSE_MIN_IDLE_SHARE else None,
         **{f"{c}_ns": v for c, v in causes.items()},
         "definition": "time no stream of the device was busy (every step's work and work launched before the window "
                       "included), over the span from the first to the last device activity of each profiler window; "

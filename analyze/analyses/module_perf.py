@@ -31,8 +31,8 @@ from steplens.analyze.analyses.op_perf import THREAD, Roof, launch_points, windo
 MODULE_PREFIX = "nn.Module: "
 MODULE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid", "step"]
 COLUMNS = {"rank": pl.Int64, "step": pl.Int64, "module": pl.String, "module_class": pl.String, "depth": pl.Int64,
-           "calls": pl.Int64, "device_ns": pl.Int64, "flops": pl.Float64, "achieved_tflops": pl.Float64,
-           "backward_device_ns": pl.Int64}
+           "calls": pl.Int64, "device_ns": pl.Int64, "modeled_device_ns": pl.Int64, "flops": pl.Float64,
+           "achieved_tflops": pl.Float64, "backward_device_ns": pl.Int64}
 MFU_COLUMNS = {"rank": pl.Int64, "step": pl.Int64, "module": pl.String, "module_class": pl.String,
                "profile_path": pl.String, "calls": pl.Int64, "forward_flops": pl.Float64, "device_ns": pl.Int64,
                "achieved_tflops": pl.Float64, "peak_tflops": pl.Float64, "mfu": pl.Float64, "definition": pl.String,
@@ -75,20 +75,34 @@ def module_perf(modules: pl.DataFrame, ops: pl.DataFrame, perf: pl.DataFrame, la
         return pl.DataFrame(schema=COLUMNS)
     mods = _with_paths(mods).with_columns(lo_ns=pl.col("ts_ns"), hi_ns=pl.col("ts_ns") + pl.col("dur_ns"))
     counted = (ops.select("source", "event_id", *THREAD[1:], at_ns="ts_ns")
-               .join(perf.filter(~pl.col("nested") & pl.col("flops").is_not_null()).select("source", "event_id", "flops"),
+               .join(perf.filter(~pl.col("nested") & pl.col("flops").is_not_null()).select("source", "event_id", "flops", "device_ns"),
                      on=["source", "event_id"]))
     mods = mods.with_columns(device_ns=window_sums(mods, launch_points(launched), "work_ns").round().cast(pl.Int64),
+                             modeled_device_ns=window_sums(mods, counted, "device_ns").round().cast(pl.Int64),
                              flops=window_sums(mods, counted, "flops"), has_flops=window_sums(
                                  mods, counted.with_columns(one=pl.lit(1.0)), "one") > 0,
                              backward_device_ns=window_sums(mods, backward if backward is not None else pl.DataFrame(),
                                                             "backward_ns").round().cast(pl.Int64))
     per_step = mods.group_by("rank", "step", "module").agg(
         pl.col("module_class", "depth").first(), calls=pl.len(), device_ns=pl.col("device_ns").sum(),
-        backward_device_ns=pl.col("backward_device_ns").sum(),
+        modeled_device_ns=pl.col("modeled_device_ns").sum(), backward_device_ns=pl.col("backward_device_ns").sum(),
         flops=pl.when(pl.col("has_flops").any()).then(pl.col("flops").sum()))
-    return per_step.with_columns(
-        achieved_tflops=pl.when(pl.col("device_ns") > 0).then(pl.col("flops") / pl.col("device_ns") / 1e3)
-    ).select(list(COLUMNS)).cast(COLUMNS).sort("rank", "step", "module")
+    return per_step.with_columns(achieved_tflops=achieved_tflops("flops", "device_ns", "modeled_device_ns")
+                                 ).select(list(COLUMNS)).cast(COLUMNS).sort("rank", "step", "module")
+
+
+# A module's FLOPs are those of its modeled ops; the rest of its device time (a torch.compile region's
+# kernels, an op with no FLOPs formula) has unknown FLOPs, so FLOPs over all its device time is a rate only
+# when the modeled ops launched nearly all of it: with 90% of the time covered, the true fraction of peak is
+# at most 10 points above the one shown. Below that, no rate (N/A), rather than a module of compiled GEMMs
+# shown at 0% of peak because its only modeled ops were copies.
+MIN_MODELED_SHARE = 0.9
+
+
+def achieved_tflops(flops: str, device_ns: str, modeled_device_ns: str) -> pl.Expr:
+    """FLOPs over device time in TFLOP/s, where the modeled ops launched at least MIN_MODELED_SHARE of it."""
+    covered = pl.col(modeled_device_ns) >= MIN_MODELED_SHARE * pl.col(device_ns)
+    return pl.when((pl.col(device_ns) > 0) & covered).then(pl.col(flops) / pl.col(device_ns) / 1e3)
 
 
 def _with_paths(mods: pl.DataFrame) -> pl.DataFrame:

@@ -11,6 +11,8 @@ Input sets (each a folder of symlinks to the trace files only, under --cache):
   mtia_single  : .../mtia_trace_single_rank (1 rank, 87 MB raw: the heaviest trace of the corpus)
   dlrm-32r     : 4 copies of each dlrm_kineto rank, distributedInfo relabelled to ranks 0..31 of 32
                  (many small real ranks: each file's fixed cost dominates)
+  small_single : .../ns_resolution_trace (1 real V100 rank, 15 MB raw: one small trace, where start-up,
+                 the report's figures and the imports' memory dominate)
 --quick: 4 ranks x 10 MB generated, trace_diff only, 1 run (smoke test).
 Each set, end to end, whole processes from a cold start (interpreter start-up and imports count):
 steplens `analyze RUN_DIR` (ingest + analyses + report) against HTA `TraceAnalysis(trace_dir=...)` +
@@ -303,6 +305,7 @@ def main() -> int:
         sets.append(("mtia_single", link_set(cache / "sets" / "mtia_single",
                                              trace_files(CORPUS / "mtia_trace_single_rank"))))
         sets.append(("dlrm-32r", link_set(cache / "sets" / "dlrm-32r", trace_files(relabelled_set(cache, trace_files(DLRM), 4)))))
+        sets.append(("small_single", link_set(cache / "sets" / "small_single", trace_files(CORPUS / "ns_resolution_trace"))))
 
     if wanted is not None:
         sets = [(name, d) for name, d in sets if name in wanted]
