@@ -14,7 +14,7 @@ OP_COLUMNS = {"name": "op", "shapes": "shapes", "dtype": "dtype", "calls": "call
               "achieved_tflops": "TFLOP/s", "achieved_tbps": "TB/s", "intensity": "FLOPs/byte", "bound": "bound",
               "fraction_of_peak": "of peak"}
 MODULE_COLUMNS = {"module": "module", "module_class": "class", "profile_path": "profile path", "device_ns": "forward device time",
-                  "modeled_share": "FLOPs known for", "achieved_tflops": "TFLOP/s", "fraction_of_peak": "of peak", "backward_device_ns": "backward device time",
+                  "unknown_flops_share": "unknown FLOPs", "achieved_tflops": "TFLOP/s", "fraction_of_peak": "of peak", "backward_device_ns": "backward device time",
                   "training_fraction_of_peak": "of peak, fwd+bwd", "flag": "flag"}
 
 
@@ -25,8 +25,8 @@ def _cell(name: str, value) -> str:
         return f"{value / 1e6:.3f} ms"
     if name in ("fraction_of_peak", "training_fraction_of_peak"):
         return f"{value:.1%}"
-    if name == "modeled_share":  # whole percent, rounded down: 89.9% must not read as the 90% that gives a rate
-        return "under 1% of it" if 0 < value < 0.01 else f"{math.floor(value * 100)}% of it"
+    if name == "unknown_flops_share":  # whole percent, rounded up: 10.1% must not read as the 10% that still gives a rate
+        return f"{math.ceil(value * 100)}% of it" if value > 0 else ""
     if name == "shapes":
         return shapes_text(value)
     if isinstance(value, float):

@@ -65,6 +65,8 @@ def device_timeline(inputs: Inputs) -> Output:
         pl.concat([links["src_event_id"], links["dst_event_id"]]).unique().implode())) if not modules.is_empty() \
         else pl.DataFrame()
     gaps = launch.idle_gaps(launched, runtime)
+    heavy = launched.join(work.filter(pl.col("category").is_in(module_perf.FLOPS_HEAVY_FAMILIES)).select("source", "event_id"),
+                          on=["source", "event_id"], how="semi") if not modules.is_empty() else launched.clear()
     # record_param_comms (NCCL builds) or the c10d ops themselves (gloo/CPU runs record no comms args)
     cpu_comm_ops = cpu.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()
                               | pl.col("name").str.starts_with("c10d::")).group_by("rank").agg(ops=pl.len())
@@ -83,7 +85,7 @@ def device_timeline(inputs: Inputs) -> Output:
         "_op_totals": op_perf.op_totals(perf),
         "_family_time": op_perf.family_time(cpu, launched),
         "_module_rows": module_perf.module_perf(modules, ops, perf, launched,
-                                               module_perf.backward_points(links, linked, launched)),
+                                               module_perf.backward_points(links, linked, launched), heavy),
     })
 
 

@@ -31,7 +31,7 @@ from steplens.analyze.analyses.op_perf import THREAD, Roof, launch_points, windo
 MODULE_PREFIX = "nn.Module: "
 MODULE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid", "step"]
 COLUMNS = {"rank": pl.Int64, "step": pl.Int64, "module": pl.String, "module_class": pl.String, "depth": pl.Int64,
-           "calls": pl.Int64, "device_ns": pl.Int64, "modeled_device_ns": pl.Int64, "flops": pl.Float64,
+           "calls": pl.Int64, "device_ns": pl.Int64, "unknown_flops_device_ns": pl.Int64, "flops": pl.Float64,
            "achieved_tflops": pl.Float64, "backward_device_ns": pl.Int64}
 MFU_COLUMNS = {"rank": pl.Int64, "step": pl.Int64, "module": pl.String, "module_class": pl.String,
                "profile_path": pl.String, "calls": pl.Int64, "forward_flops": pl.Float64, "device_ns": pl.Int64,
@@ -66,43 +66,51 @@ def backward_points(links: pl.DataFrame, linked: pl.DataFrame, launched: pl.Data
 
 
 def module_perf(modules: pl.DataFrame, ops: pl.DataFrame, perf: pl.DataFrame, launched: pl.DataFrame,
-                backward: pl.DataFrame | None = None) -> pl.DataFrame:
+                backward: pl.DataFrame | None = None, heavy: pl.DataFrame | None = None) -> pl.DataFrame:
     """Per rank, step and module path: forward device time and FLOPs, and backward device time.
     `modules` are CPU events (MODULE_COLUMNS plus rank), `ops` op_perf's input, `perf` its output,
-    `launched` kernel_launches, `backward` backward_points' table."""
+    `launched` kernel_launches, `backward` backward_points' table, `heavy` the rows of `launched` whose
+    kernels are of a FLOPS_HEAVY_FAMILIES family."""
     mods = modules.filter(pl.col("name").str.starts_with(MODULE_PREFIX) & pl.col("dur_ns").is_not_null()).drop_nulls(THREAD)
     if mods.is_empty():
         return pl.DataFrame(schema=COLUMNS)
     mods = _with_paths(mods).with_columns(lo_ns=pl.col("ts_ns"), hi_ns=pl.col("ts_ns") + pl.col("dur_ns"))
-    counted = (ops.select("source", "event_id", *THREAD[1:], at_ns="ts_ns")
-               .join(perf.filter(~pl.col("nested") & pl.col("flops").is_not_null()).select("source", "event_id", "flops", "device_ns"),
+    counted = (ops.select("source", "event_id", *THREAD[1:], at_ns="ts_ns", lo_ns="ts_ns", hi_ns=pl.col("ts_ns") + pl.col("dur_ns"))
+               .join(perf.filter(~pl.col("nested") & pl.col("flops").is_not_null()).select("source", "event_id", "flops"),
                      on=["source", "event_id"]))
+    heavy_points = launch_points(heavy if heavy is not None else launched.clear())
+    counted = counted.with_columns(heavy_ns=window_sums(counted, heavy_points, "work_ns"))
     mods = mods.with_columns(device_ns=window_sums(mods, launch_points(launched), "work_ns").round().cast(pl.Int64),
-                             modeled_device_ns=window_sums(mods, counted, "device_ns").round().cast(pl.Int64),
+                             # (never below 0: two modeled ops that overlap without nesting on a thread count a launch twice)
+                             unknown_flops_device_ns=(window_sums(mods, heavy_points, "work_ns")
+                                                      - window_sums(mods, counted, "heavy_ns")).clip(0).round().cast(pl.Int64),
                              flops=window_sums(mods, counted, "flops"), has_flops=window_sums(
                                  mods, counted.with_columns(one=pl.lit(1.0)), "one") > 0,
                              backward_device_ns=window_sums(mods, backward if backward is not None else pl.DataFrame(),
                                                             "backward_ns").round().cast(pl.Int64))
     per_step = mods.group_by("rank", "step", "module").agg(
         pl.col("module_class", "depth").first(), calls=pl.len(), device_ns=pl.col("device_ns").sum(),
-        modeled_device_ns=pl.col("modeled_device_ns").sum(), backward_device_ns=pl.col("backward_device_ns").sum(),
+        unknown_flops_device_ns=pl.col("unknown_flops_device_ns").sum(), backward_device_ns=pl.col("backward_device_ns").sum(),
         flops=pl.when(pl.col("has_flops").any()).then(pl.col("flops").sum()))
-    return per_step.with_columns(achieved_tflops=achieved_tflops("flops", "device_ns", "modeled_device_ns")
+    return per_step.with_columns(achieved_tflops=achieved_tflops("flops", "device_ns", "unknown_flops_device_ns")
                                  ).select(list(COLUMNS)).cast(COLUMNS).sort("rank", "step", "module")
 
 
-# A module's FLOPs are those of its modeled ops; the rest of its device time (a torch.compile region's
-# kernels, an op with no FLOPs formula) has unknown FLOPs, so FLOPs over all its device time is a rate only
-# when the modeled ops launched nearly all of it: with 90% of the time covered, the true fraction of peak is
-# at most 10 points above the one shown. Below that, no rate (N/A), rather than a module of compiled GEMMs
-# shown at 0% of peak because its only modeled ops were copies.
-MIN_MODELED_SHARE = 0.9
+# The kernel families that carry a model's FLOPs (kernel_families.FAMILIES; "triton": Inductor templates whose
+# name does not say matmul). A module's FLOPs are those of its ops with a FLOPs formula: an op without one
+# (layer_norm, batch_norm, an activation) adds memory-bound time of negligible FLOPs, and FLOPs over all the
+# module's time stays a fair rate; a GEMM, convolution or attention kernel launched outside every modeled op
+# (a torch.compile region, a custom extension) has unknown and large FLOPs.
+FLOPS_HEAVY_FAMILIES = ("gemm", "conv", "attention", "triton")
+# Above this share of a module's device time in such kernels, its FLOPs rate is not given (N/A rather than a
+# module of compiled GEMMs shown at 0% of peak because its only modeled ops were copies).
+MAX_UNKNOWN_FLOPS_SHARE = 0.1
 
 
-def achieved_tflops(flops: str, device_ns: str, modeled_device_ns: str) -> pl.Expr:
-    """FLOPs over device time in TFLOP/s, where the modeled ops launched at least MIN_MODELED_SHARE of it."""
-    covered = pl.col(modeled_device_ns) >= MIN_MODELED_SHARE * pl.col(device_ns)
-    return pl.when((pl.col(device_ns) > 0) & covered).then(pl.col(flops) / pl.col(device_ns) / 1e3)
+def achieved_tflops(flops: str, device_ns: str, unknown_flops_device_ns: str) -> pl.Expr:
+    """FLOPs over device time in TFLOP/s, where at most MAX_UNKNOWN_FLOPS_SHARE of that time has unknown FLOPs."""
+    known = pl.col(unknown_flops_device_ns) <= MAX_UNKNOWN_FLOPS_SHARE * pl.col(device_ns)
+    return pl.when((pl.col(device_ns) > 0) & known).then(pl.col(flops) / pl.col(device_ns) / 1e3)
 
 
 def _with_paths(mods: pl.DataFrame) -> pl.DataFrame:

@@ -11,8 +11,9 @@ TOP_MODULES = 10
 MODULE_FRACTION_DEFINITION = ("achieved TFLOP/s of the module's forward (FLOPs of its modeled ops, or the collector's "
                               "FLOPs profile where it joins) over the dense peak of the run's dtype; training: forward + "
                               "backward (backward = 2 x forward FLOPs) over forward + backward device time; none where "
-                              f"ops with a FLOPs formula launched less than {module_perf.MIN_MODELED_SHARE:.0%} of the "
-                              "module's forward device time (the rest has unknown FLOPs)")
+                              f"more than {module_perf.MAX_UNKNOWN_FLOPS_SHARE:.0%} of the module's forward device time is "
+                              "GEMM, convolution, attention or Triton-template kernels launched outside every op with a "
+                              "FLOPs formula (a torch.compile region: unknown FLOPs)")
 
 
 def roofline_finding(op_totals: pl.DataFrame, modules: pl.DataFrame, module_mfu: pl.DataFrame, roof: op_perf.Roof,
@@ -46,20 +47,20 @@ def _modules_below_peak(modules: pl.DataFrame, module_mfu: pl.DataFrame, peak: f
         joined = module_mfu.group_by("module", "module_class", "profile_path").agg(
             device_ns=pl.col("device_ns").sum(), flops=pl.col("forward_flops").sum(), flag=pl.col("flag").first(),
             backward_device_ns=pl.col("backward_device_ns").sum(), source=pl.lit("collector_flops_profile"),
-            modeled_device_ns=pl.col("device_ns").sum())  # the profile's FLOPs are the whole module's
+            unknown_flops_device_ns=pl.lit(0, pl.Int64))  # the profile's FLOPs are the whole module's
     else:
         joined = modules.filter(pl.col("depth") > 0).group_by("module", "module_class").agg(
             device_ns=pl.col("device_ns").sum(), flops=pl.when(pl.col("flops").is_not_null().any()).then(pl.col("flops").sum()),
-            modeled_device_ns=pl.col("modeled_device_ns").sum(), profile_path=pl.lit(None, pl.String), flag=pl.lit(None, pl.String),
+            unknown_flops_device_ns=pl.col("unknown_flops_device_ns").sum(), profile_path=pl.lit(None, pl.String), flag=pl.lit(None, pl.String),
             backward_device_ns=pl.col("backward_device_ns").sum(), source=pl.lit("op_shapes"))
     busiest = joined.filter(pl.col("device_ns") > 0).sort("device_ns", "module", descending=[True, False]).head(TOP_MODULES)
-    achieved = module_perf.achieved_tflops("flops", "device_ns", "modeled_device_ns")
+    achieved = module_perf.achieved_tflops("flops", "device_ns", "unknown_flops_device_ns")
     # Training: forward + backward (2 x forward FLOPs) over forward + backward time, where backward time was linked.
     both_ns = pl.col("device_ns") + pl.col("backward_device_ns")
     training = pl.when((pl.col("backward_device_ns") > 0) & achieved.is_not_null()).then(3 * pl.col("flops") / both_ns / 1e3)
     trusted = pl.col("flag").is_null()
     rated = busiest.with_columns(
-        achieved_tflops=achieved, modeled_share=pl.col("modeled_device_ns") / pl.col("device_ns"),
+        achieved_tflops=achieved, unknown_flops_share=pl.col("unknown_flops_device_ns") / pl.col("device_ns"),
         fraction_of_peak=pl.lit(None, pl.Float64) if not peak else pl.when(trusted).then(achieved * 1e12 / peak),
         training_fraction_of_peak=pl.lit(None, pl.Float64) if not peak else pl.when(trusted).then(training * 1e12 / peak))
     return rated.sort("fraction_of_peak", "device_ns", descending=[False, True], nulls_last=True).to_dicts()

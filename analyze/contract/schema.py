@@ -456,10 +456,11 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "rank": "Rank.", "step": "ProfilerStep.", "module": "Path of nn.Module events (with_stack), e.g. GPT_0/Block_1/Linear_4.",
         "module_class": "Module class.", "depth": "Nesting depth (0: outermost module).", "calls": "Forward calls in the step.",
         "device_ns": "Device work launched inside the module's forward (submodules included).",
-        "modeled_device_ns": "The part of device_ns launched under the ops whose FLOPs are modeled (those flops counts).",
+        "unknown_flops_device_ns": "The part of device_ns in GEMM, convolution, attention or Triton-template kernels launched "
+                                   "under no op with a FLOPs formula (a torch.compile region): FLOPs flops does not count.",
         "flops": "FLOPs of the modeled ops inside it (op_perf, outer ops only); null when none has a model.",
-        "achieved_tflops": "flops / device_ns, TFLOP/s (forward only); null where modeled_device_ns is under 90% of "
-                           "device_ns (the rest of the time has unknown FLOPs).",
+        "achieved_tflops": "flops / device_ns, TFLOP/s (forward only); null where unknown_flops_device_ns is over 10% "
+                           "of device_ns.",
         "backward_device_ns": "Device work under the backward nodes (fwdbwd flows) of the forward ops inside the module.",
     },
     "module_mfu": {
@@ -644,7 +645,7 @@ ANALYSIS_TYPES: dict[str, dict[str, pa.DataType]] = {
         "achieved_tflops": _FLOAT, "achieved_tbps": _FLOAT, "intensity": _FLOAT, "bound": _STR,
         "fraction_of_peak": _FLOAT, "nested": _BOOL},
     "module_perf": {"rank": _INT, "step": _INT, "module": _STR, "module_class": _STR, "depth": _INT, "calls": _INT,
-        "device_ns": _INT, "modeled_device_ns": _INT, "flops": _FLOAT, "achieved_tflops": _FLOAT, "backward_device_ns": _INT},
+        "device_ns": _INT, "unknown_flops_device_ns": _INT, "flops": _FLOAT, "achieved_tflops": _FLOAT, "backward_device_ns": _INT},
     "module_mfu": {"rank": _INT, "step": _INT, "module": _STR, "module_class": _STR, "profile_path": _STR,
         "calls": _INT, "forward_flops": _FLOAT, "device_ns": _INT, "achieved_tflops": _FLOAT, "peak_tflops": _FLOAT,
         "mfu": _FLOAT, "definition": _STR, "flag": _STR, "backward_device_ns": _INT, "training_flops": _FLOAT,
