@@ -183,3 +183,29 @@ def test_ds_config_nested_too_deep_is_not_read(tmp_path):
     damaged, whole = _damaged_profile(tmp_path, {}, ds_config=f'{{"zero_optimization": {{"stage": 2}}, "a": {deep}}}')
     assert whole.facts["zero_stage"] == 2 and "zero_stage" not in damaged.facts
     assert damaged.tables["flops_profile"].equals(whole.tables["flops_profile"])
+
+
+# The summary as DeepSpeed printed it in May 2021 (its flops_profiler README at 4544b7d2f): the FLOPs count's line
+# carries a formula too, and "parallel" is misspelt.
+SUMMARY_2021 = """-------------------------- DeepSpeed Flops Profiler --------------------------
+Profile Summary at step 10:
+world size:                                                   1
+data parallel size:                                           1
+model paralel size:                                           1
+batch size per GPU:                                           80
+params per gpu:                                               336.23 M
+fwd MACs per GPU:                                             3139.93 G
+fwd flops per GPU = 2 * fwd MACs per GPU:                     6279.86 G
+fwd flops of model = fwd flops per GPU * mp_size:             6279.86 G
+fwd latency:                                                  76.67 ms
+fwd FLOPS per GPU = fwd flops per GPU / fwd latency:          81.9 TFLOPS
+"""
+
+
+def test_a_flops_count_is_never_taken_for_a_rate_whatever_formula_its_line_prints():
+    facts = flops_text.parse_lines(SUMMARY_2021.splitlines(), "flops.txt").facts
+    assert facts["fwd_flops_per_gpu"] == 6279.86e9  # the count: "flops", whatever follows " = "
+    assert facts["fwd_flops_per_second_per_gpu"] == 81.9e12  # the rate: "FLOPS"
+    assert facts["model_parallel_size"] == 1 and facts["fwd_latency_s"] == pytest.approx(0.07667)
+    current = flops_text.parse(_need(BERT), BERT.name).facts  # today's form: the count's line has no formula
+    assert (current["fwd_flops_per_gpu"], current["fwd_flops_per_second_per_gpu"]) == (6279.86e9, 81.9e12)

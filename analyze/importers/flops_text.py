@@ -45,6 +45,7 @@ BOGUS_ROOT_SECONDS = 1e6
 BOGUS_ROOT_RATIO = 100  # root latency over this multiple of the summary's fwd latency
 SUMMARY_FACTS = {  # summary label (lower case, before any " = ") -> fact key
     "world size": "world_size", "data parallel size": "data_parallel_size", "model parallel size": "model_parallel_size",
+    "model paralel size": "model_parallel_size",  # DeepSpeed's own spelling until 2021
     "batch size per gpu": "batch_size_per_gpu", "params per gpu": "params_per_gpu", "fwd macs per gpu": "fwd_macs_per_gpu",
     "fwd flops per gpu": "fwd_flops_per_gpu", "fwd latency": "fwd_latency_s", "bwd latency": "bwd_latency_s",
     "step latency": "step_latency_s", "iter latency": "iter_latency_s", "samples/second": "samples_per_second",
@@ -140,10 +141,11 @@ def _summary(lines: list[str], issues: list) -> tuple[dict, int | None]:
         in_summary = in_summary and "Aggregated Profile" not in line
         if not in_summary or not (item := SUMMARY_ITEM.match(line)):
             continue
-        label = item[1].lower()
-        if " = " in label:  # "fwd flops per gpu = ..." names the rate; "params of model = ..." repeats a count
-            head = label.split(" = ")[0]
-            label = f"{head} (rate)" if head == "fwd flops per gpu" else head
+        # The profiler writes counts as "flops" and rates as "FLOPS" (its Notations say so); a formula after " = "
+        # is no sign of either: 2021's "fwd flops per GPU = 2 * fwd MACs per GPU" is the count,
+        # "fwd FLOPS per GPU = fwd flops per GPU / fwd latency" the rate.
+        head = item[1].split(" = ")[0]
+        label = head.lower() + (" (rate)" if "FLOPS" in head and head.lower() == "fwd flops per gpu" else "")
         key = SUMMARY_FACTS.get(label)
         if key and key not in facts and (value := number(item[2])):
             try:
