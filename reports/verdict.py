@@ -58,7 +58,8 @@ def alarm_lines(f: dict, limit: int = 3) -> list[str]:
 EXCLUSION_WORDS = {"warm_up": "warm-up", "flops_profiler": "FLOPs profiler", "profiler_warmup": "profiler warm-up",
                    "profiler_window": "profiler window", "profiler_export": "trace export",
                    "checkpoint_save": "checkpoint save", "overflow_skipped": "skipped on fp16 overflow",
-                   "incomplete": "incomplete"}
+                   "incomplete": "incomplete", "negative_duration": "ends before it starts",
+                   "longer_than_run": "longer than the run", "no_time": "no time measured"}
 SOURCE_WORDS = {"train_steps": "the collector's train_steps", "log": "the logs", "profiler_steps": "the profiled steps"}
 
 

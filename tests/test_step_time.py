@@ -204,6 +204,31 @@ def test_logs_only_run_takes_step_time_from_the_timer_lines(ds_steady_run, tmp_p
     assert any(line.startswith("Step time:") and "from the logs" in line for line in lines)
 
 
+# Five steps of a Megatron-DeepSpeed log (its layout as a 2024 AuroraGPT run printed it): the fourth is the step
+# DeepSpeed's FLOPs profiler profiled, whose timers it left at 0 beside a negative bwd_inner.
+PROFILED_STEP_LOG = "\n".join(
+    f"[2024-04-19 13:{27 + i}:45,504] [INFO] [logging.py:96:log_dist] [Rank 0] time (ms) | fwd: {fwd} | bwd: {bwd} | "
+    f"bwd_inner: {inner} | bwd_allreduce: 2681.72 | step: {opt}"
+    for i, (fwd, bwd, inner, opt) in enumerate([("9695.89", "48449.69", "45767.63", "150.45"),
+                                                ("9288.04", "47613.76", "44920.55", "155.70"),
+                                                ("9294.96", "47634.93", "44940.23", "152.73"),
+                                                ("0.00", "0.00", "-298701.19", "0.00"),
+                                                ("9280.10", "47610.20", "44918.02", "155.00")])) + "\n"
+
+
+def test_a_step_whose_timers_read_0_or_below_0_is_left_out(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train.log").write_text(PROFILED_STEP_LOG)
+    findings, lines = analyse(tmp_path / "run", tmp_path / "out")
+    table = pl.read_parquet(tmp_path / "out" / "step_time")
+    assert table.select("step", "step_time_ns", "reason").rows() == [
+        (0, 58_296_030_000, None), (1, 57_057_500_000, None), (2, 57_082_620_000, None),
+        (3, 0, "negative_duration,no_time"), (4, 57_045_300_000, None)]
+    block = findings["step_time"]  # the median of the 4 measured steps: (57 057.50 + 57 082.62) / 2 ms
+    assert (block["steps"], block["total_steps"], block["median_ns"]) == (4, 5, 57_070_060_000)
+    assert any("left out: ends before it starts step 3; no time measured step 3" in line for line in lines)
+
+
 def test_skipped_and_incomplete_steps_hand_computed():
     """fp16 overflow and a step a rank never finished, on a hand-made train_steps table."""
     rows = []

@@ -34,7 +34,10 @@ Excluded steps, each named in ``reason`` (several joined by ","):
   optimizer steps done when the save began, from the DeepSpeed/Megatron log lines or the collector's
   wrapped ``save_checkpoint``). The save runs between steps: the ranks enter that step's first
   collective as each finishes saving, and a log interval that holds it holds the save.
-* ``negative_duration``: the step (or one of its micro steps) ends before it starts: clock trouble.
+* ``negative_duration``: the step (or one of its micro steps, or one of its timers) ends before it
+  starts: clock trouble.
+* ``no_time``: the step's time is 0: nothing was measured (DeepSpeed's FLOPs profiler leaves the
+  timers of the step it profiles at 0).
 * ``longer_than_run``: the step is longer than the run's span (first step start to last step end, or
   first to last log line): a unit error or clock trouble. Both also become an `inputs_disagree`
   finding (analyze/analyses/sanity.py).
@@ -127,9 +130,13 @@ def _from_timers(timers: pl.DataFrame) -> pl.DataFrame:
     # One global line per step and rank; a step printed twice (runs appended to one log) keeps its last line.
     per_line = main.group_by("rank", "step", "line").agg(dur_ns=(pl.col("ms").sum() * 1e6).round().cast(pl.Int64))
     per_rank = per_line.sort("line").group_by("rank", "step").agg(pl.col("dur_ns").last())
+    # Any timer of the step below 0 (a bwd_inner of -298701 ms beside fwd, bwd and step of 0 in a real
+    # Megatron-DeepSpeed log, micro-step timers included): its clock went wrong
+    negative = timers.filter(pl.col("step").is_not_null() & (pl.col("ms") < 0))["step"].unique().implode()
     return per_rank.group_by("step").agg(
         step_time_ns=pl.col("dur_ns").max(), slowest_rank=pl.col("rank").sort_by("dur_ns", "rank").last(),
-        ranks=pl.col("rank").n_unique().cast(pl.Int64)).with_columns(incomplete=pl.col("ranks") < pl.col("ranks").max())
+        ranks=pl.col("rank").n_unique().cast(pl.Int64)).with_columns(
+        incomplete=pl.col("ranks") < pl.col("ranks").max(), negative=pl.col("step").is_in(negative))
 
 
 def _from_scalars(scalars: pl.DataFrame, facts: dict) -> tuple[pl.DataFrame, str]:
@@ -285,6 +292,7 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
     frame = frame.join(reasons, on="step", how="left").with_columns(
         reason=pl.concat_str(
             pl.when(pl.col("negative").fill_null(False)).then(pl.lit("negative_duration")),
+            pl.when(pl.col("step_time_ns") == 0).then(pl.lit("no_time")),
             pl.when(pl.col("too_long").fill_null(False)).then(pl.lit("longer_than_run")),
             pl.when(pl.col("incomplete").fill_null(False)).then(pl.lit("incomplete")),
             pl.when(pl.col("skipped").fill_null(False)).then(pl.lit("overflow_skipped")),

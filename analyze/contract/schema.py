@@ -491,7 +491,7 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "skipped": "The optimizer skipped the step (fp16 overflow).", "loss_scale": "fp16 loss scale after the step.",
         "excluded": "Left out of the run's step-time summary.",
         "reason": "Why: warm_up, flops_profiler, profiler_warmup, profiler_window, profiler_export, checkpoint_save, "
-                  "overflow_skipped, incomplete (comma-separated).",
+                  "overflow_skipped, incomplete, negative_duration, longer_than_run, no_time (comma-separated).",
         "definition": "The step-time definition of the source, in words.",
     },
     "autotune_ranking": {
