@@ -447,3 +447,20 @@ def test_config_json_nested_too_deep_costs_its_line(tmp_path):
     assert "ds_config" not in imported.facts and "train_micro_batch_size_per_gpu" not in imported.facts
     assert imported.tables["step_timers"]["ms"].to_list() == [724.02, 1000.93, 970.99, 29.88, 202.78]
     assert [count for count, _ in _counted(imported, "garbled_lines")] == [1]
+
+
+def test_throughput_intervals_that_hold_a_checkpoint_save_give_no_batch_estimate(tmp_path):
+    """8 samples a step at 100 samples/s: 0.16 s between throughput lines two steps apart, 1.16 s where a save
+    of 1 s ran between them. Two of the three intervals hold a save: their median would say 58 samples (56)."""
+    throughput = "[2026-11-29 13:00:{}] [INFO] [timer.py:264:stop] epoch=0/micro_step={}/global_step={}, " \
+                 "RunningAvgSamplesPerSec=100.0, CurrSamplesPerSec=100.0, MemAllocated=0.85GB, MaxMemAllocated=0.85GB"
+    save = "[2026-11-29 13:00:{}] [INFO] [torch_checkpoint_engine.py:21:save] [Torch] Checkpoint global_step{} is about to be saved!"
+    imported = _damaged_log(tmp_path, [
+        "[2026-11-29 12:59:52,453] [INFO] [config.py:664:print_user_config]   json = {",
+        '    "train_micro_batch_size_per_gpu": 4',
+        "}",
+        throughput.format("00,000", 2, 2), throughput.format("00,160", 4, 4), save.format("00,161", 4),
+        throughput.format("01,320", 6, 6), save.format("01,321", 6), throughput.format("02,480", 8, 8)])
+    assert imported.facts["checkpoint_steps"] == [4, 6]
+    assert imported.facts["train_batch_size"] == 8  # from the one clean interval: 100 x 0.16 / 2
+    assert "median 8.0 over 1 intervals" in imported.facts["train_batch_size_origin"]

@@ -716,9 +716,11 @@ def _batch_facts(state: LogState, issues: list) -> None:
     """train_batch_size and seq_len where the log states them (a config dump, Megatron's arguments),
     else train_batch_size from the throughput lines: CurrSamplesPerSec (train_batch_size / that
     step's time) x the wall time between two throughput lines / the optimizer steps between them,
-    median over the run, rounded to a multiple of the per-device batch the command line states (a
-    batch is micro batch x accumulation x data-parallel ranks). Without a stated per-device batch
-    the estimate is too rough to count samples with, and the batch stays unknown."""
+    median over the run's intervals that hold no checkpoint save (a save's seconds are no step's: with
+    a save every logging interval they made a real HelloDeepSpeed log's 8 samples 16), rounded to a
+    multiple of the per-device batch the command line states (a batch is micro batch x accumulation x
+    data-parallel ranks). Without a stated per-device batch the estimate is too rough to count
+    samples with, and the batch stays unknown."""
     facts, args = state.facts, state.facts.get("megatron_args") or {}
     for fact, arg in (("train_batch_size", "global_batch_size"), ("seq_len", "seq_length")):
         if isinstance(args.get(arg), int) and not isinstance(args[arg], bool):
@@ -727,8 +729,10 @@ def _batch_facts(state: LogState, issues: list) -> None:
         return
     rates = [r for r in state.scalars if r["name"] == "CurrSamplesPerSec" and r["step"] is not None
              and r["wall_ns"] is not None and r["value"] > 0]
+    saves = set().union(*(run.checkpoint_steps for run in state.runs))  # a save's time is no step's
     estimates = [_batch_estimate(before, now) for before, now in zip(rates, rates[1:])
-                 if now["rank"] == before["rank"] and now["step"] > before["step"]]
+                 if now["rank"] == before["rank"] and now["step"] > before["step"]
+                 and not any(before["step"] <= save <= now["step"] for save in saves)]
     estimates = [e for e in estimates if e is not None and math.isfinite(e)]  # an inf rate tells no batch
     unit = facts.get("train_micro_batch_size_per_gpu") or facts.get("cmd_micro_batch")
     if not estimates:
