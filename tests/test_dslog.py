@@ -464,3 +464,23 @@ def test_throughput_intervals_that_hold_a_checkpoint_save_give_no_batch_estimate
     assert imported.facts["checkpoint_steps"] == [4, 6]
     assert imported.facts["train_batch_size"] == 8  # from the one clean interval: 100 x 0.16 / 2
     assert "median 8.0 over 1 intervals" in imported.facts["train_batch_size_origin"]
+
+
+def test_timer_lines_of_older_deepspeed_releases_are_read(tmp_path):
+    """DeepSpeed before 0.9 wrote "[Rank 0] rank=0 time (ms) | ..." (names forward, backward, ...), 0.3 printed
+    "rank=0 time (ms) | ..." without the logger's prefix (from real logs pasted in DeepSpeed's issues)."""
+    imported = _damaged_log(tmp_path, [
+        "[2023-02-25 17:42:38,677] [INFO] [logging.py:75:log_dist] [Rank 1] rank=1 time (ms) | forward_microstep: 100.54 | "
+        "backward_microstep: 237.41",
+        "[2023-02-25 17:42:38,678] [INFO] [logging.py:75:log_dist] [Rank 1] rank=1 time (ms) | forward: 100.60 | "
+        "backward: 237.50 | step: 4.70",
+        "rank=0 time (ms) | optimizer_gradients: 51.24 | optimizer_step: 937.01 | optimizer_allgather: 64.85",
+        "rank=0 time (ms) | forward: 90.00 | backward: 200.00 | step: 1053.10"], name="train.log")
+    timers = imported.tables["step_timers"]
+    assert timers.select("rank", "step", "scope", "timer", "ms").rows() == [
+        (1, 0, "micro", "forward_microstep", 100.54), (1, 0, "micro", "backward_microstep", 237.41),
+        (1, 0, "global", "forward", 100.60), (1, 0, "global", "backward", 237.50), (1, 0, "global", "step", 4.70),
+        (0, 0, "optimizer", "optimizer_gradients", 51.24), (0, 0, "optimizer", "optimizer_step", 937.01),
+        (0, 0, "optimizer", "optimizer_allgather", 64.85),
+        (0, 0, "global", "forward", 90.00), (0, 0, "global", "backward", 200.00), (0, 0, "global", "step", 1053.10)]
+    assert not _counted(imported, "garbled_lines")

@@ -82,8 +82,9 @@ RANK_PREFIX = re.compile(r"\[Rank (-?\d+)\]")
 TORCH_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
-# deepspeed/utils/timer.py SynchronizedWallClockTimer.log: "time (ms) | name: 1.23 | name: 4.56".
-TIMER_LINE = re.compile(r"\[Rank (-?\d+)\] time \(ms\) \| (.*)$")
+# deepspeed/utils/timer.py SynchronizedWallClockTimer.log: "[Rank 0] time (ms) | name: 1.23 | name: 4.56"; before
+# 0.9 "[Rank 0] rank=0 time (ms) | ...", and in 0.3 (print, not the logger) "rank=0 time (ms) | ...".
+TIMER_LINE = re.compile(r"(?:\[Rank (-?\d+)\] (?:rank=-?\d+ )?|(?<![\w\]=])rank=(-?\d+) )time \(ms\) \| (.*)$")
 TIMER_ITEM = re.compile(rf"^\s*([\w.\-/]+): ({NUM})\s*$")
 # deepspeed/runtime/engine.py EngineTimers: global timers (one line per optimizer step).
 GLOBAL_TIMERS = {"fwd", "bwd", "bwd_inner", "bwd_allreduce", "step",
@@ -372,9 +373,9 @@ def _note_last_line(state: LogState, line: str, i: int) -> None:
 
 
 def _timer(state: LogState, m: re.Match, i: int) -> None:
-    rank = int(m[1])
+    rank = int(m[1] if m[1] is not None else m[2])
     items = []
-    for part in m[2].split("|"):
+    for part in m[3].split("|"):
         if item := TIMER_ITEM.match(part):
             items.append((item[1], float(item[2])))
         elif part.strip():
