@@ -484,3 +484,15 @@ def test_timer_lines_of_older_deepspeed_releases_are_read(tmp_path):
         (0, 0, "optimizer", "optimizer_allgather", 64.85),
         (0, 0, "global", "forward", 90.00), (0, 0, "global", "backward", 200.00), (0, 0, "global", "step", 1053.10)]
     assert not _counted(imported, "garbled_lines")
+
+
+def test_a_launchers_prefix_before_each_line_is_not_interleaving(tmp_path):
+    """pdsh (DeepSpeed's multi-node launcher) writes "host: " before each line, mpirun --tag-output "[1,0]<stdout>:",
+    a job runner "stdout: " (a real DeepSpeed 0.7.7 log in its issue 2629): those lines are whole; a stamp after
+    other text is still two writers on one line."""
+    timer = "[2022-12-20 08:26:26,101] [INFO] [logging.py:68:log_dist] [Rank 0] time (ms) | fwd: 10.00 | bwd: 20.00 | step: 5.00"
+    imported = _damaged_log(tmp_path, [
+        "worker-1: " + timer, "[1,0]<stdout>:" + timer, "stdout: " + timer, "worker-1: stdout: " + timer,
+        "CurrSamplesPerSec=12.3" + timer, "stdout: epoch 3 done " + timer], name="train.log")
+    assert [count for count, _ in _counted(imported, "garbled_lines")] == [2]  # the last two lines
+    assert imported.tables["step_timers"].filter(pl.col("timer") == "fwd").height == 6  # every whole item kept

@@ -295,10 +295,17 @@ def _ts_ns(state: LogState, line: str, i: int) -> int | None:
     return int(stamp.timestamp()) * 1_000_000_000 + int(m[2]) * 1_000_000
 
 
+# What a launcher writes before each line of a process's output: pdsh "worker-1: " (DeepSpeed's multi-node
+# launcher), mpirun --tag-output "[1,0]<stdout>:", a job runner's "stdout: "; up to three of them.
+LAUNCHER_PREFIX = re.compile(r"^(?:[^\s:]{1,64}:\s?){1,3}")
+
+
 def _is_garbled(line: str) -> bool:
-    # A logger timestamp or ds_report key that is not alone at the start means two writers shared the line.
+    # A logger timestamp or ds_report key that is not alone at the start (after a launcher's prefix) means two
+    # writers shared the line.
     stamps = [m.start() for m in LOG_STAMP.finditer(line)]
-    misplaced = len(stamps) > 1 or (stamps and stamps[0] > 0)
+    prefix = LAUNCHER_PREFIX.match(line)
+    misplaced = len(stamps) > 1 or (stamps and stamps[0] > (prefix.end() if prefix else 0))
     report_keys = REPORT_KEY.findall(line)
     mixed_report = bool(report_keys) and not (len(report_keys) == 1 and REPORT_ROW.match(line))
     return "\ufffd" in line or "\x00" in line or misplaced or mixed_report or line.count("[Rank ") > 1
