@@ -209,3 +209,15 @@ def test_a_flops_count_is_never_taken_for_a_rate_whatever_formula_its_line_print
     assert facts["model_parallel_size"] == 1 and facts["fwd_latency_s"] == pytest.approx(0.07667)
     current = flops_text.parse(_need(BERT), BERT.name).facts  # today's form: the count's line has no formula
     assert (current["fwd_flops_per_gpu"], current["fwd_flops_per_second_per_gpu"]) == (6279.86e9, 81.9e12)
+
+
+def test_a_negative_latency_or_rate_is_left_out_with_an_issue():
+    """The summary of a profiled step whose timers went wrong (a real Megatron-DeepSpeed run, 2024)."""
+    lines = SUMMARY_2021.replace("fwd latency:                                                  76.67 ms",
+                                 "bwd latency:                                                  -2.9601e+08 us\n"
+                                 "samples/second:                                               -0.5").splitlines()
+    imported = flops_text.parse_lines(lines, "flops.txt")
+    assert "bwd_latency_s" not in imported.facts and "samples_per_second" not in imported.facts
+    assert sorted(detail for _, reason, _, detail in imported.issues if reason == "bad_fact") == [
+        "bwd_latency_s: -2.9601e+08 us is below 0; left out", "samples_per_second: -0.5 is below 0; left out"]
+    assert imported.facts["fwd_flops_per_gpu"] == 6279.86e9  # the rest of the summary stands

@@ -32,7 +32,7 @@ from steplens.analyze.importers.base import Imported, conform, peek
 HEADER = "-- DeepSpeed Flops Profiler --"
 # number_to_string / params_to_string prefixes (profiler.py), B = 1e9 in params_to_string.
 PREFIX = {"T": 1e12, "G": 1e9, "B": 1e9, "M": 1e6, "K": 1e3, "": 1.0, "m": 1e-3, "u": 1e-6}
-VALUE = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?)\s*([TGBMKmu]?)(MACs|FLOPS|s)?\s*$")
+VALUE = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?)(?:[eE]([-+]?\d{1,3}))?\s*([TGBMKmu]?)(MACs|FLOPS|s)?\s*$")
 SUMMARY_ITEM = re.compile(r"^([A-Za-z][^:]*?):\s+(\S.*?)\s*$")
 STEP = re.compile(r"Profile Summary at step (\d+)")
 STATS = (r"(?P<params>[\d.]+ ?[TGBMK]?)(?: =|,) [\d.]+% Params, (?P<macs>[\d.]+ ?[TGMK]?)MACs(?: =|,) [\d.]+% MACs, "
@@ -57,14 +57,15 @@ INTEGER_FACTS = ("world_size", "data_parallel_size", "model_parallel_size", "bat
 
 
 def number(text: str) -> tuple[float, float] | None:
-    """'12.58 MMACs' -> (12580000.0, 5000.0): the value and its rounding (half the last printed digit)."""
+    """'12.58 MMACs' -> (12580000.0, 5000.0): the value and its rounding (half the last printed digit);
+    '-2.9601e+08 us' (how Python prints a large float) -> (-296.01, 0.005)."""
     match = VALUE.match(text)
     if not match:
         return None
-    digits, prefix = match[1], match[2]
-    decimals = len(digits.split(".")[1]) if "." in digits else 0
+    digits, exponent, prefix = match[1], int(match[2] or 0), match[3]
+    decimals = (len(digits.split(".")[1]) if "." in digits else 0) - exponent
     scale = PREFIX[prefix]
-    return float(digits) * scale, 0.5 * 10 ** -decimals * scale
+    return float(digits) * 10**exponent * scale, 0.5 * 10.0**-decimals * scale
 
 
 def claims(path: Path) -> bool:
@@ -147,7 +148,11 @@ def _summary(lines: list[str], issues: list) -> tuple[dict, int | None]:
         head = item[1].split(" = ")[0]
         label = head.lower() + (" (rate)" if "FLOPS" in head and head.lower() == "fwd flops per gpu" else "")
         key = SUMMARY_FACTS.get(label)
-        if key and key not in facts and (value := number(item[2])):
+        if key and key not in facts and (value := number(item[2])) and value[0] < 0:
+            # A count, a latency or a rate below 0 is no measurement: DeepSpeed's profiler printed a bwd latency of
+            # -2.9601e+08 us and -0.5 samples/second when the step's timers went wrong (a real Megatron-DeepSpeed log)
+            issues.append(["warning", "bad_fact", 1, f"{key}: {item[2]} is below 0; left out"])
+        elif key and key not in facts and (value := number(item[2])):
             try:
                 facts[key] = int(value[0]) if key in INTEGER_FACTS else value[0]
             except OverflowError:  # more digits than a float holds: inf is no count
