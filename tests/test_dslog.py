@@ -496,3 +496,24 @@ def test_a_launchers_prefix_before_each_line_is_not_interleaving(tmp_path):
         "CurrSamplesPerSec=12.3" + timer, "stdout: epoch 3 done " + timer], name="train.log")
     assert [count for count, _ in _counted(imported, "garbled_lines")] == [2]  # the last two lines
     assert imported.tables["step_timers"].filter(pl.col("timer") == "fwd").height == 6  # every whole item kept
+
+
+def test_a_debug_mode_summary_keeps_each_rows_caller(tmp_path):
+    """The comms logger in debug mode names the caller in the op column (its tutorial's example): two all_reduce
+    rows of one size from two callers stay two rows told apart."""
+    row = "                    {:<20}{:<20}{:<20}{:<20}{:<20}{}"
+    imported = _damaged_log(tmp_path, [
+        "Comm. Op            Message Size        Count               Total Latency(ms)   Avg Latency(ms)     "
+        "tput_avg (Gbps)     busbw_avg (Gbps)",
+        "all_reduce | [Caller Func: has_overflow]", row.format("4.0 B", 20, "156.43", "7.82", "0.00", "0.00"),
+        "all_reduce | [Caller Func: _model_parallel_all_reduce]", row.format("4.0 B", 20, "5895.90", "294.80", "0.00", "0.00"),
+        "broadcast", row.format("98.25 MB", 1, "8540.60", "8540.60", "0.19", "0.18")], name="train.log")
+    summary = imported.tables["comms_summary"]
+    assert summary.select("op", "caller", "msg_bytes", "count", "total_latency_ms").rows() == [
+        ("all_reduce", "has_overflow", 4, 20, 156.43), ("all_reduce", "_model_parallel_all_reduce", 4, 20, 5895.90),
+        ("broadcast", None, 103_022_592, 1, 8540.60)]  # 98.25 x 2**20 bytes
+    from steplens.analyze.importers import comms_dump
+
+    stats = {"msg_size_bytes": 4, "count": 20, "total_latency_ms": 156.43, "avg_latency_ms": 7.82, "busbw_avg_gbps": 0.0}
+    rows = comms_dump.summary_rows({"summary": {"all_reduce | [Caller Func: has_overflow]": {"4": stats}}}, 0, "d.json", None, [])
+    assert [(r["op"], r["caller"], r["count"]) for r in rows] == [("all_reduce", "has_overflow", 20)]  # log_summary(return_dict=True)

@@ -208,6 +208,7 @@ COMMS_SUMMARY, COMMS_SUMMARY_DOC = _table(
     ("rank", pa.int64(), "Rank whose summary it is."),
     ("source", pa.string(), "Input file (log_summary text or dict)."),
     ("op", pa.string(), "DeepSpeed comm op."),
+    ("caller", pa.string(), "The calling function, where the logger's debug mode records it (`op | [Caller Func: f]`)."),
     ("msg_bytes", pa.int64(), "Message size as DeepSpeed records it."),
     ("count", pa.int64(), "Calls."),
     ("total_latency_ms", pa.float64(), "As printed (a sum of running totals on DeepSpeed >= 0.18.3: wrong)."),

@@ -180,14 +180,14 @@ def summary_rows(doc: dict, rank: int | None, source: str, trusted: bool | None,
         return []
     rows, bad = [], 0
     for record, sizes in summary.items():
-        op, _ = split_record_name(record)
+        op, caller = split_record_name(record)
         for size, stats in (sizes.items() if isinstance(sizes, dict) else []):
             try:
                 msg_bytes = _msg_bytes(stats.get("msg_size_bytes", size))
                 if msg_bytes is None:
                     raise ValueError(size)
                 rows.append({
-                    "rank": rank, "source": source, "op": op, "msg_bytes": msg_bytes,
+                    "rank": rank, "source": source, "op": op, "caller": caller, "msg_bytes": msg_bytes,
                     "count": _count(stats["count"]), "total_latency_ms": _number(stats["total_latency_ms"]),
                     "avg_latency_ms": _number(stats["avg_latency_ms"]),
                     "busbw_gbps": _number(stats["busbw_avg_gbps"]), "trusted": trusted,

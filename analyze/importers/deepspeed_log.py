@@ -516,13 +516,13 @@ def _summary_table(state: LogState, lines: list[str], i: int) -> int:
         line = lines[i]
         if row := SUMMARY_ROW.match(line):
             if record is not None:
-                op, _ = comms_dump.split_record_name(record)
+                op, caller = comms_dump.split_record_name(record)
                 msg_bytes = comms_dump.size_from_text(row[1])
                 if msg_bytes is None:  # a size too large for a row
                     state.garbled.add(i)
                 try:
                     state.summary.append({
-                        "rank": rank, "source": state.rel, "op": op, "msg_bytes": msg_bytes,
+                        "rank": rank, "source": state.rel, "op": op, "caller": caller, "msg_bytes": msg_bytes,
                         "count": int(row[2]), "total_latency_ms": float(row[3]), "avg_latency_ms": float(row[4]),
                         "busbw_gbps": float(row[6]), "run_index": state.run.index,
                     })
