@@ -517,3 +517,21 @@ def test_a_debug_mode_summary_keeps_each_rows_caller(tmp_path):
     stats = {"msg_size_bytes": 4, "count": 20, "total_latency_ms": 156.43, "avg_latency_ms": 7.82, "busbw_avg_gbps": 0.0}
     rows = comms_dump.summary_rows({"summary": {"all_reduce | [Caller Func: has_overflow]": {"4": stats}}}, 0, "d.json", None, [])
     assert [(r["op"], r["caller"], r["count"]) for r in rows] == [("all_reduce", "has_overflow", 20)]  # log_summary(return_dict=True)
+
+
+def test_timer_lines_of_a_log_that_begins_mid_run_are_numbered_as_its_step_lines(tmp_path):
+    """A log that starts after step 2 (rotated, or pasted from an issue): DeepSpeed prints step=N, the throughput
+    line, then step N's timers (engine.step). The timers take their steps from the step=N lines (0-based N - 1),
+    the ones printed before the first such line included, so timers and scalars agree."""
+    stamp = "[2024-04-19 13:{:02d}:45,504] [INFO] [logging.py:96:log_dist] [Rank 0] "
+    timer = stamp + "time (ms) | fwd: {} | bwd: 20.00 | step: 5.00"
+    step = stamp + "step={}, skipped=0, lr=[{}], mom=[(0.9, 0.999)]"
+    imported = _damaged_log(tmp_path, [
+        timer.format(1, "11.00"),  # step 2 of the run (0-based 1): its step=2 line is not in the log
+        step.format(2, 3, "6e-06"), timer.format(2, "12.00"),
+        step.format(3, 4, "8e-06"), timer.format(3, "13.00"),
+        timer.format(4, "14.00")], name="train.log")  # no step=5 line: numbered on from the last one
+    fwd = imported.tables["step_timers"].filter(pl.col("timer") == "fwd")
+    assert fwd.select("step", "ms").rows() == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 14.0)]
+    lr = imported.tables["scalars"].filter(pl.col("name") == "lr")
+    assert lr.select("step", "value").rows() == [(2, 6e-06), (3, 8e-06)]  # the steps of the timers after them

@@ -178,6 +178,8 @@ class Run:
     signal: str | None = None
     exceptions: list = field(default_factory=list)  # (rank, last exception line)
     steps_done: dict = field(default_factory=dict)  # rank -> optimizer steps closed by a global timer line
+    last_timer_step: dict = field(default_factory=dict)  # rank -> the step of its last global timer line
+    unsynced_timers: dict = field(default_factory=dict)  # rank -> state.timers rows numbered since the last step=N line
     checkpoint_steps: set = field(default_factory=set)  # optimizer steps done when a checkpoint save began
     last_lines: dict = field(default_factory=dict)  # rank -> its last line: line number, text, latest time seen
     comms: dict = field(default_factory=dict)  # rank -> list of comms row dicts (latency still as logged)
@@ -399,10 +401,33 @@ def _timer(state: LogState, m: re.Match, i: int) -> None:
     run = state.run
     run.has_records = True
     step = run.steps_done.get(rank, 0)
+    run.unsynced_timers.setdefault(rank, []).extend(range(len(state.timers), len(state.timers) + len(items)))
     state.timers.extend({"rank": rank, "source": state.rel, "step": step, "line": i + 1, "scope": scope,
                          "timer": name, "ms": ms} for name, ms in items)
     if scope == "global" and names & GLOBAL_TIMERS:
         run.steps_done[rank] = step + 1
+        run.last_timer_step[rank] = step
+
+
+def _sync_timer_steps(state: LogState, rank: int, steps_done: int) -> None:
+    """Timer lines carry no step: they are numbered by position, which holds only for a log that starts at
+    the run's first step. DeepSpeed prints "step=N" (N optimizer steps done) before step N's own timer lines
+    (engine.step: _take_model_step, then timers.log), so at each step=N line the next global timer line is
+    0-based step N - 1, and the timers numbered since the last such line move by the difference (a log that
+    begins mid-run, rotated or pasted, then numbers its timers as its step=N lines do)."""
+    run = state.run
+    if steps_done < 1:
+        return
+    # (its timers already printed before this line: it closed step N - 1, the next one is N)
+    expected = steps_done if run.last_timer_step.get(rank) == steps_done - 1 else steps_done - 1
+    shift = expected - run.steps_done.get(rank, 0)
+    rows = run.unsynced_timers.pop(rank, [])
+    if shift and all(state.timers[r]["step"] + shift >= 0 for r in rows):
+        for r in rows:
+            state.timers[r]["step"] += shift
+        if rank in run.last_timer_step:
+            run.last_timer_step[rank] += shift
+    run.steps_done[rank] = expected
 
 
 def _comm(state: LogState, m: re.Match, line: str, i: int) -> None:
@@ -437,6 +462,7 @@ def _scalar(state: LogState, rank: int, name: str, value: float, steps_done: int
 def _step(state: LogState, m: re.Match, i: int) -> None:
     line = m.string
     rank, steps_done = int(m[1]), int(m[2])
+    _sync_timer_steps(state, rank, steps_done)
     _scalar(state, rank, "skipped_steps", float(m[3]), steps_done, line)
     lrs = [x.strip() for x in m[4].split(",") if x.strip()]
     if lrs:
