@@ -75,7 +75,8 @@ def module_perf(modules: pl.DataFrame, ops: pl.DataFrame, perf: pl.DataFrame, la
     if mods.is_empty():
         return pl.DataFrame(schema=COLUMNS)
     mods = _with_paths(mods).with_columns(lo_ns=pl.col("ts_ns"), hi_ns=pl.col("ts_ns") + pl.col("dur_ns"))
-    counted = (ops.select("source", "event_id", *THREAD[1:], at_ns="ts_ns", lo_ns="ts_ns", hi_ns=pl.col("ts_ns") + pl.col("dur_ns"))
+    counted = (ops.select("source", "event_id", *THREAD[1:], at_ns="ts_ns", lo_ns="ts_ns",
+                          hi_ns=pl.col("ts_ns") + pl.col("dur_ns").fill_null(0))  # as op_perf times an op without dur
                .join(perf.filter(~pl.col("nested") & pl.col("flops").is_not_null()).select("source", "event_id", "flops"),
                      on=["source", "event_id"]))
     heavy_points = launch_points(heavy if heavy is not None else launched.clear())
