@@ -32,7 +32,9 @@ def test_the_killed_rank_is_named(ds_killed_run, tmp_path):
     end = findings["job_end"]
     assert end["status"] == "killed" and end["first_stalled_rank"] == killed
     manifests = {r: json.loads((ds_killed_run / "collector" / "manifest" / f"rank{r}.json").read_text()) for r in (0, 1)}
-    assert manifests[killed]["status"] == "running" and manifests[1 - killed]["status"] == "failed"
+    # The killed rank's manifest never closed. The other one closed either way the race goes: "failed" when its
+    # collective with the dead rank raised first, "terminated" when the launcher's SIGTERM came first (seen in CI).
+    assert manifests[killed]["status"] == "running" and manifests[1 - killed]["status"] in ("failed", "terminated")
     last_steps: dict[int, int] = {}
     for part in (ds_killed_run / "collector" / "train_steps").glob("*.parquet"):
         for row in pq.read_table(part).to_pylist():
