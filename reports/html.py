@@ -118,8 +118,9 @@ def key_numbers(run: Run) -> list[tuple[str, str]]:
     f, m = run.findings, run.manifest
     numbers = []
     devices = m.get("environment", {}).get("device_names") or []
+    # "none" without traces of any rank, as the terminal says: a bare "0" read as rank 0
     numbers.append(("ranks", f"{len(m.get('ranks', []))} of world size {m['world_size']}" if m.get("world_size")
-                    else str(len(m.get("ranks", [])))))
+                    else str(len(m["ranks"])) if m.get("ranks") else "none"))
     if devices:
         numbers.append(("device", ", ".join(devices)))
     step = f.get("step_time") or {}

@@ -372,3 +372,15 @@ def test_a_damaged_run_fact_is_left_out_with_an_issue(tmp_path, damage):
     issues = [i for s in sources if s["path"] == "collector/manifest/rank0.json" for i in s["issues"]]
     assert [(i[1], f"'{damage[0]}'" in i[3]) for i in issues if i[1] == "bad_fact"] == [("bad_fact", True)]
     assert json.loads((tmp_path / "out" / "findings.json").read_text())["step_time"]["median_ns"] > 0
+
+
+def test_a_log_that_names_no_rank_shows_none_not_rank_0(tmp_path):
+    """Megatron prints its iteration lines without a rank (a real GWDA_lib log): the report's ranks are "none", as
+    the terminal says, not a "0" that reads as rank 0. Step time: 1996.1 and 429.4 ms, median 1212.75 ms."""
+    line = ("iteration {:>8}/   30000 | current time: 1706860208.35 | consumed samples: {:>12} | elapsed time per "
+            "iteration (ms): {} | learning rate: 0.000E+00 | global batch size:    16 | loss scale: 4294967296.0 |")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train.log").write_text(line.format(1, 16, "1996.1") + "\n" + line.format(2, 32, "429.4") + "\n")
+    findings, lines = analyse(tmp_path / "run", tmp_path / "out")
+    assert findings["step_time"]["median_ns"] == 1_212_750_000
+    assert "ranks **none**" in (tmp_path / "out" / "summary.md").read_text()
