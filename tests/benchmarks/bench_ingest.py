@@ -22,7 +22,9 @@ its four core analyses (tests/benchmarks/hta_load.py), alternating (steplens, ht
 Then, per set, where steplens's time goes: seconds per stage of one
 file (tests/benchmarks/stage_split.py: gunzip, JSON decode, column building, normalisation,
 step/launch linking, Parquet write), MB/s, and the ratio to the decode-only limit (gunzip + msgspec
-scanning the same bytes). Then the analyses' share of ingest time, an unchanged re-run against a
+scanning the same bytes), and the floor of this design: imports, the decode-only limit over --jobs cores,
+the Parquet write and the report, with HTA's seconds over it (tests/benchmarks/floor.py). Then the
+analyses' share of ingest time, an unchanged re-run against a
 fresh one, and steplens alone on 1, 2, 4, 8 rank subsets of the generated set: peak RSS should stay
 flat (<= --jobs files in flight).
 Standard library + psutil only in this process. Nothing is written outside --cache and tempfile's
@@ -226,6 +228,25 @@ def bench_set(name, d, hta_py, runs, jobs, counts):
     print(f"   end to end: HTA seconds / steplens seconds = {s_hta / s_sl:.1f}x (target >= 10)")
     print(f"   peak RSS: steplens / HTA = {med(sl, 'peak_rss_mb') / med(hta, 'peak_rss_mb'):.2f} (target <= 1)\n",
           flush=True)
+    return s_sl, s_hta
+
+
+def floor(name: str, d: Path, seconds: tuple[float, float], jobs: int, runs: int) -> None:
+    """What is left of `analyze` on this set when its parsing and analyses cost nothing
+    (tests/benchmarks/floor.py), and the end-to-end ratio to HTA that no parser could beat."""
+    s_sl, s_hta = seconds
+    with tempfile.TemporaryDirectory(prefix="steplens-bench-out-") as tmp:
+        out = os.path.join(tmp, "out")
+        subprocess.run([str(ANALYZE), str(d), "--out", out, "-q", "--jobs", str(jobs)], capture_output=True)
+        done = subprocess.run([sys.executable, str(HERE / "floor.py"), "--jobs", str(jobs), "--runs", str(runs), str(d), out],
+                              check=True, capture_output=True, text=True)
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"== {name}: the floor of this design (column building, normalisation, linking and analyses at no cost;"
+          f" --jobs {jobs}, median of {runs})")
+    print(f"   imports {r['imports_s']:.2f} + decode-only limit {r['decode_s']:.2f} + Parquet write {r['parquet_s']:.2f}"
+          f" + report {r['report_s']:.2f} = {r['floor_s']:.2f} s")
+    print(f"   HTA {s_hta:.2f} s / floor = {s_hta / r['floor_s']:.1f}x: the most any parser could reach here; "
+          f"steplens's {s_sl:.2f} s is {s_sl / r['floor_s']:.1f}x its floor\n", flush=True)
 
 
 STAGES = (("gunzip", "gunzip"), ("decode", "JSON decode"), ("columns", "column building"),
@@ -312,11 +333,13 @@ def main() -> int:
     counts_path = cache / "counts.json"
     counts = json.loads(counts_path.read_text()) if counts_path.exists() else {}
     print(f"steplens: {ANALYZE}\nHTA python: {hta_py}\ncache: {cache}\n", flush=True)
+    seconds = {}
     for name, d in sets:
-        bench_set(name, d, hta_py, runs, args.jobs, counts)
+        seconds[name] = bench_set(name, d, hta_py, runs, args.jobs, counts)
         counts_path.write_text(json.dumps(counts, indent=1))
     for name, d in sets:
         stage_split(name, trace_files(d), runs)
+        floor(name, d, seconds[name], args.jobs, runs)
 
     ingest_s, analyses_s, report_s, report_bytes = time_analyses(sets[0][1], args.jobs, runs)
     print(f"== analyses on {sets[0][0]} (reading Parquet): {analyses_s:.2f} s = {analyses_s / ingest_s:.1%} of its ingest "
