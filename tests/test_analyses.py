@@ -6,7 +6,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from steplens.analyze.analyses import comms, mfu
+from steplens.analyze.analyses import comms, mfu, runner
 from steplens.analyze.cli import analyze
 from steplens.analyze.pipeline.ingest import ingest
 from steplens.analyze.pipeline import analyse
@@ -172,6 +172,26 @@ def test_unknown_device_gives_no_mfu_and_says_how():
     assert peak is None and "no bf16 peak" in problem
     peak, _ = mfu.peak_for("AMD Radeon Graphics", "bf16", peak_tflops=100)
     assert peak.flops == 100e12
+
+
+def test_a_run_whose_traces_hold_no_gpu_work_is_told_it_ran_on_cpus():
+    """DeepSpeed's cpu accelerator: traces without device properties, kernels or copies. The MFU note
+    says so, not that a GPU's name is missing; without traces it says none name the device."""
+    def manifest(*kind_counts):
+        return {"sources": [{"path": "log.txt"}] + [{"path": f"r{i}.json", "kind_counts": c} for i, c in enumerate(kind_counts)]}
+
+    cpu_run = manifest({"cpu_op": 10, "python_function": 5}, {"cpu_op": 7})
+    gpu_run = manifest({"cpu_op": 10}, {"cpu_op": 7, "kernel": 3})
+    assert (runner._device_activity(cpu_run), runner._device_activity(gpu_run)) == (False, True)
+    assert runner._device_activity(manifest()) is None
+    _, problem = mfu.peak_for(None, "bf16", device_activity=False)
+    assert "no GPU work" in problem and "CPU run" in problem and "--peak-tflops" in problem
+    _, problem = mfu.peak_for(None, "bf16", device_activity=True)
+    assert problem.startswith("no device name in the traces")
+    _, problem = mfu.peak_for(None, "bf16", device_activity=None)
+    assert "no profiler traces" in problem
+    peak, problem = mfu.peak_for(None, "bf16", peak_tflops=2.5, device_activity=False)
+    assert peak.flops == 2.5e12 and problem == ""
 
 
 def test_mfu_arithmetic_exact():

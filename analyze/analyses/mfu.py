@@ -109,12 +109,20 @@ class Peak:
 
 
 def peak_for(device_name: str | None, dtype: str, num_sms: int | None = None,
-             peak_tflops: float | None = None) -> tuple[Peak | None, str]:
-    """The peak to divide by, or None with a message saying why and how to supply one."""
+             peak_tflops: float | None = None, device_activity: bool | None = None) -> tuple[Peak | None, str]:
+    """The peak to divide by, or None with a message saying why and how to supply one.
+
+    `device_activity`: whether the run's traces hold any device work (kernels, copies), None without
+    traces; a run whose traces hold none ran on CPUs (DeepSpeed's cpu accelerator), where a GPU's
+    peak means nothing."""
     if peak_tflops:
-        return Peak(peak_tflops * 1e12, f"{peak_tflops:g} TFLOP/s per GPU (given with --peak-tflops)"), ""
+        return Peak(peak_tflops * 1e12, f"{peak_tflops:g} TFLOP/s per device (given with --peak-tflops)"), ""
     if not device_name:
-        return None, "no device name in the traces; pass --peak-tflops (dense, per GPU) to compute MFU"
+        if device_activity is False:
+            return None, ("the traces hold no GPU work (no kernels or copies: a CPU run); MFU is against the "
+                          "device's peak: pass --peak-tflops (dense, per device) to compute it")
+        where = "in the traces" if device_activity else "(no profiler traces or collector manifest name it)"
+        return None, f"no device name {where}; pass --peak-tflops (dense, per GPU) to compute MFU"
     key = match_device(device_name, num_sms)
     if key is None:
         return None, f"unknown device {device_name!r}; pass --peak-tflops (dense, per GPU) to compute MFU"

@@ -70,6 +70,14 @@ def _write(out_dir: Path, table: str, frame: pl.DataFrame, spec, part: str = "pa
     return frame
 
 
+def _device_activity(manifest: dict) -> bool | None:
+    """Whether the run's traces hold any device work; None when it has no traces."""
+    counts = [s["kind_counts"] for s in manifest.get("sources", []) if isinstance(s, dict) and s.get("kind_counts")]
+    if not counts:
+        return None
+    return any(c.get(kind, 0) for c in counts for kind in schema.DEVICE_KINDS)
+
+
 def rank_analyses(out_dir: Path, facts: dict, options: Options, ranks: list[int], context: RunContext,
                   batch: tuple[int, ...]) -> dict[str, list[pl.DataFrame]]:
     """The per-rank analyses of one batch of ranks: its per-rank parts written to out_dir, the frames to
@@ -127,7 +135,7 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     if facts.get("world_size") is None and manifest.get("world_size"):  # traces alone give it (distributedInfo)
         facts = {**facts, "world_size": manifest["world_size"]}
     device_name, num_sms = _device(manifest)
-    peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops)
+    peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops, _device_activity(manifest))
     context = RunContext(device_name, num_sms, mfu.match_device(device_name, num_sms) if device_name else None,
                          op_perf.device_roof(device_name, num_sms), peak, peak_problem,
                          manifest.get("world_size") or len(ranks))
