@@ -165,6 +165,27 @@ def test_megatron_log_killed_with_iteration_scalars():
     assert garbled and garbled[0][2] > 0
 
 
+@pytest.mark.parametrize("keep", ["using_world_size_line", "arguments_block"])
+def test_megatron_log_without_the_launchers_lines_takes_its_world_size_from_megatron(tmp_path, keep):
+    """The same real log, as a job launched without deepspeed's launcher prints it: no dist_world_size
+    and no DeepSpeed config dump. Megatron's own start-up lines give the world size (8: line 168
+    "using world size: 8, ..." and line 367 "  world_size ...... 8"), so its iteration lines, printed
+    by the last rank, are rank 7, not rank-less."""
+    lines = _need(MEGATRON).read_text().splitlines()
+    megatron_line = "using world size:" if keep == "arguments_block" else "  world_size ......................................"
+
+    def dropped(line: str) -> bool:
+        return "dist_world_size=" in line or "[config.py" in line and "world_size" in line or line.startswith(megatron_line)
+
+    log = tmp_path / "megatron.log"
+    log.write_text("\n".join(line for line in lines if not dropped(line)) + "\n")
+    imported = _parse(log)
+    assert imported.facts["world_size"] == 8
+    iterations = len(re.findall(r"(?m)^ iteration\s+\d+/", log.read_text()))
+    ranks = imported.tables["scalars"].filter(pl.col("name") == "lm loss")["rank"]
+    assert ranks.to_list() == [7] * iterations
+
+
 def test_concatenated_runs_counted_with_their_status():
     path = _need(CONCATENATED)
     text = path.read_text()

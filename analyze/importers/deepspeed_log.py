@@ -144,6 +144,8 @@ FLOPS_HEADER = "-- DeepSpeed Flops Profiler --"
 # The default tag is global_step{engine.global_steps}: the optimizer steps done when the save began.
 CHECKPOINT_LINE = re.compile(r"\[Torch\] Checkpoint (\S+) is about to be saved!|Saving model checkpoint: (.*)$")
 CHECKPOINT_TAG_STEP = re.compile(r"global_step(\d+)")
+# megatron/arguments.py (validate_args) prints it once, from rank 0; "data-parallel size" since 2023.
+MEGATRON_WORLD = re.compile(r"using world size: (\d{1,9}), data-parallel[- ]size: \d+")
 MEGATRON_CHECKPOINT = re.compile(r"saving checkpoint at iteration\s+(\d+) to ")
 # Megatron's resolved arguments (arguments.py _print_args): "  name ....... value" between these lines.
 MEGATRON_ARGS_START = re.compile(r"^-+ arguments -+$")
@@ -609,6 +611,8 @@ def _megatron_args(state: LogState, lines: list[str], i: int) -> int:
         if (m := MEGATRON_ARG.match(lines[i])) and m[1] in MEGATRON_SHAPE_ARGS:
             args[m[1]] = _arg_value(m[2])  # a value cut by another rank's write is garbled text, not a number
         i += 1
+    if type(args.get("world_size")) is int and args["world_size"] > 0:
+        state.facts.setdefault("world_size", args["world_size"])
     return i + 1
 
 
@@ -649,6 +653,8 @@ def _launcher_or_status(state: LogState, line: str, i: int) -> None:
         facts["world_size"] = int(m[1])
     elif m := DIST_WORLD_SIZE.search(line):
         facts["world_size"] = int(m[1])
+    elif m := MEGATRON_WORLD.search(line):  # a Megatron log without the launcher's lines
+        facts.setdefault("world_size", int(m[1]))
     elif (m := NUM_LOCAL_PROCS.search(line)) and "[launch.py" in line:
         state.run.local_procs = int(m[1])
     elif m := NCCL_VERSION.search(line):
