@@ -487,6 +487,19 @@ def test_throughput_intervals_that_hold_a_checkpoint_save_give_no_batch_estimate
     assert "median 8.0 over 1 intervals" in imported.facts["train_batch_size_origin"]
 
 
+def test_throughput_lines_of_older_deepspeed_releases_are_read(tmp_path):
+    """Older ThroughputTimers printed the running average as plain SamplesPerSec, with or without the
+    memory figures; the second number is a micro-step count, so no optimizer step is given."""
+    imported = _damaged_log(tmp_path, [
+        "[2020-06-01 10:00:01,000] [INFO] [timer.py:158:stop] 0/10, SamplesPerSec=38.71",
+        "[2020-06-01 10:00:02,000] [INFO] [timer.py:158:stop] 0/20, SamplesPerSec=39.5, MemAllocated=1.25GB, "
+        "MaxMemAllocated=2.5GB",
+    ])
+    rows = imported.tables["scalars"].sort("name", "value").select("name", "value", "step").rows()
+    assert rows == [("MaxMemAllocated_GB", 2.5, None), ("MemAllocated_GB", 1.25, None),
+                    ("RunningAvgSamplesPerSec", 38.71, None), ("RunningAvgSamplesPerSec", 39.5, None)]
+
+
 def test_timer_lines_of_older_deepspeed_releases_are_read(tmp_path):
     """DeepSpeed before 0.9 wrote "[Rank 0] rank=0 time (ms) | ..." (names forward, backward, ...), 0.3 printed
     "rank=0 time (ms) | ..." without the logger's prefix (from real logs pasted in DeepSpeed's issues)."""

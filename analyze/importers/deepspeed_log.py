@@ -94,9 +94,11 @@ OPTIMIZER_TIMERS = {"overflow_check", "compute_norm", "unscale_and_clip", "basic
                     "init_optimizer_state"}
 
 STEP_LINE = re.compile(r"\[Rank (-?\d+)\] step=(\d+), skipped=(\d+), lr=\[([^\]]*)\]")
+# Older DeepSpeed releases printed the same running average (ThroughputTimer.avg_samples_per_sec) as
+# "<epoch>/<micro_step>, SamplesPerSec=<avg>", some with the memory figures after it.
 THROUGHPUT_LINE = re.compile(
-    rf"(?:epoch=\d+/micro_step=\d+/global_step=(\d+)|\b\d+/(\d+)), RunningAvgSamplesPerSec=({NUM}), "
-    rf"CurrSamplesPerSec=({NUM})(?:, MemAllocated=({NUM})GB, MaxMemAllocated=({NUM})GB)?")
+    rf"(?:epoch=\d+/micro_step=\d+/global_step=(\d+)|\b\d+/(\d+)), (?:RunningAvgSamplesPerSec=({NUM}), "
+    rf"CurrSamplesPerSec=({NUM})|SamplesPerSec=({NUM}))(?:, MemAllocated=({NUM})GB, MaxMemAllocated=({NUM})GB)?")
 # runtime/utils.py see_memory_usage: the message line, then "MA x GB Max_MA x GB CA x GB Max_CA x GB", each
 # bytes / (1024 * 1024 * 1024) rounded to 2 decimals (Max_CA to a whole number); printed on rank 0 only.
 SIZE = r"\d{1,12}(?:\.\d{1,20})?"  # a memory figure as printed (no sign, exponent or nan)
@@ -479,8 +481,8 @@ def _throughput(state: LogState, m: re.Match, line: str) -> None:
     steps_done = int(m[1] or m[2])
     # Before 0.8 the line began "<epoch>/<micro_step>": a micro-step count, not optimizer steps.
     steps = steps_done if m[1] else None
-    for name, value in (("RunningAvgSamplesPerSec", m[3]), ("CurrSamplesPerSec", m[4]),
-                        ("MemAllocated_GB", m[5]), ("MaxMemAllocated_GB", m[6])):
+    for name, value in (("RunningAvgSamplesPerSec", m[3] or m[5]), ("CurrSamplesPerSec", m[4]),
+                        ("MemAllocated_GB", m[6]), ("MaxMemAllocated_GB", m[7])):
         if value is not None:
             _scalar(state, rank, name, float(value), steps, line)
 
