@@ -214,7 +214,8 @@ def op_line(op: dict, note: str | None = None) -> str:
     """One op of the roofline: name, shapes, calls, device time, where it sits against the roof."""
     where = (f"{op['bound']}-bound, {op['fraction_of_peak']:.1%} of peak" if op.get("fraction_of_peak") is not None
              else note or "no roofline")
-    return f"{op['name']} ({shapes_text(op['shapes'])}) x{op['calls']}: {op['device_ns'] / 1e6:.3f} ms, {where}"
+    over = f" over {op['ranks']} ranks" if (op.get("ranks") or 1) > 1 else ""  # calls and time are summed over them
+    return f"{op['name']} ({shapes_text(op['shapes'])}) x{op['calls']}{over}: {op['device_ns'] / 1e6:.3f} ms, {where}"
 
 
 def module_line(module: dict) -> str:
