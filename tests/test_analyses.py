@@ -225,6 +225,21 @@ def test_profiler_flops_numerator(tmp_path):
     assert row["numerator"] == "profiler_flops" and row["metric"] == "HFU"
 
 
+def test_ranks_on_two_device_models_get_no_one_peak_and_are_told_so(tmp_path):
+    """trace_diff's two ranks ran on an A100 and a V100: 'no device name in the traces' was wrong."""
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "pid": 1, "tid": 1, "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10, "dur": 100, "args": {"flops": 4.0e11}},
+    ]
+    for rank, name in ((0, "NVIDIA A100-SXM4-80GB"), (1, "NVIDIA H100 80GB HBM3")):
+        write_trace(tmp_path / "run" / f"rank{rank}.json", events, deviceProperties=[{"id": 0, "name": name}],
+                    distributedInfo={"rank": rank, "world_size": 2, "backend": "nccl"})
+    findings = analyse(tmp_path / "run", jobs=1)[1]
+    mixed = "the traces name 2 device models ('NVIDIA A100-SXM4-80GB', 'NVIDIA H100 80GB HBM3'), so the run has no one peak"
+    assert findings["mfu"]["note"] == f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
+    assert findings["roofline"]["note"] == f"no roofline: {mixed}"
+
+
 @pytest.mark.skipif(not CORPUS.is_dir(), reason="shared corpus not found")
 @pytest.mark.parametrize("folder", [
     "HolisticTraceAnalysis/cpu_only", "HolisticTraceAnalysis/distributed_info_unavailable", "HolisticTraceAnalysis/trace_compare",

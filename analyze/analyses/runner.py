@@ -70,6 +70,15 @@ def _write(out_dir: Path, table: str, frame: pl.DataFrame, spec, part: str = "pa
     return frame
 
 
+def _mixed_devices(manifest: dict) -> str | None:
+    """Why a run whose traces name several device models has no one peak (None when they name one or none)."""
+    names = manifest.get("environment", {}).get("device_names") or []
+    if len(names) < 2:
+        return None
+    shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"the traces name {len(names)} device models ({shown}), so the run has no one peak"
+
+
 def _device_activity(manifest: dict) -> bool | None:
     """Whether the run's traces hold any device work; None when it has no traces."""
     counts = [s["kind_counts"] for s in manifest.get("sources", []) if isinstance(s, dict) and s.get("kind_counts")]
@@ -136,9 +145,13 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
         facts = {**facts, "world_size": manifest["world_size"]}
     device_name, num_sms = _device(manifest)
     peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops, _device_activity(manifest))
+    roof = op_perf.device_roof(device_name, num_sms)
+    if mixed := _mixed_devices(manifest):
+        roof = op_perf.Roof(problem=f"no roofline: {mixed}")
+        if peak is None:
+            peak_problem = f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
     context = RunContext(device_name, num_sms, mfu.match_device(device_name, num_sms) if device_name else None,
-                         op_perf.device_roof(device_name, num_sms), peak, peak_problem,
-                         manifest.get("world_size") or len(ranks))
+                         roof, peak, peak_problem, manifest.get("world_size") or len(ranks))
     ordered = registry.ordered(ANALYSES)
     for analysis in ordered:
         for table in analysis.writes:
