@@ -221,3 +221,33 @@ def test_a_negative_latency_or_rate_is_left_out_with_an_issue():
     assert sorted(detail for _, reason, _, detail in imported.issues if reason == "bad_fact") == [
         "bwd_latency_s: -2.9601e+08 us is below 0; left out", "samples_per_second: -0.5 is below 0; left out"]
     assert imported.facts["fwd_flops_per_gpu"] == 6279.86e9  # the rest of the summary stands
+
+
+# DeepSpeed 0.5-0.9 printed params in thousands as " k" (params_to_string); the layout of the FLOPs
+# profiler tutorial's Megatron GPT-2 output, cut to one layer.
+TREE_2021 = """-------------------------- DeepSpeed Flops Profiler --------------------------
+Profile Summary at step 10:
+world size:                                                   1
+params per gpu:                                               1.29 M
+
+------------------------------ Detailed Profile per GPU ------------------------------
+GPT2Model(
+  1.29 M, 100.00% Params, 41271.95 GMACs, 100.00% MACs, 1.84 s, 100.00% latency, 44.78 TFLOPS,
+  (0): ParallelTransformerLayerPart1(
+    49.15 k, 3.80% Params, 1099.65 GMACs, 2.66% MACs, 23.5 ms, 1.27% latency, 93.6 TFLOPS,
+    (input_layernorm): FusedLayerNorm(16.38 k, 1.27% Params, 0 MACs, 0.00% MACs, 128.75 us, 0.01% latency, 0.0 FLOPS, torch.Size([8192]), eps=1e-05, elementwise_affine=True)
+    (query_key_value): ColumnParallelLinear(24.58 k, 1.90% Params, 824.63 GMACs, 2.00% MACs, 8.93 ms, 0.48% latency, 184.7 TFLOPS, )
+    (attention_dropout): Dropout(0, 0.00% Params, 0 MACs, 0.00% MACs, 79.63 us, 0.00% latency, 0.0 FLOPS, p=0.1, inplace=False)
+  )
+)
+------------------------------------------------------------------------------
+"""
+
+
+def test_params_printed_in_lowercase_thousands_are_read():
+    rows = {r["path"]: r for r in flops_text.parse_lines(TREE_2021.splitlines(), "flops.txt").tables["flops_profile"].to_dicts()}
+    expected = {"": (1_290_000, 41_271_950_000_000, 1_840_000_000), "0": (49_150, 1_099_650_000_000, 23_500_000),
+                "0.input_layernorm": (16_380, 0, 128_750), "0.query_key_value": (24_580, 824_630_000_000, 8_930_000),
+                "0.attention_dropout": (0, 0, 79_630)}
+    assert {path: (r["params"], r["macs_total"], r["duration_ns"]) for path, r in rows.items()} == expected
+    assert flops_text.number("16.38 k") == pytest.approx((16380.0, 5.0))

@@ -30,12 +30,13 @@ from pathlib import Path
 from steplens.analyze.importers.base import Imported, conform, peek
 
 HEADER = "-- DeepSpeed Flops Profiler --"
-# number_to_string / params_to_string prefixes (profiler.py), B = 1e9 in params_to_string.
-PREFIX = {"T": 1e12, "G": 1e9, "B": 1e9, "M": 1e6, "K": 1e3, "": 1.0, "m": 1e-3, "u": 1e-6}
-VALUE = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?)(?:[eE]([-+]?\d{1,3}))?\s*([TGBMKmu]?)(MACs|FLOPS|s)?\s*$")
+# number_to_string / params_to_string prefixes (profiler.py), B = 1e9 in params_to_string; params_to_string
+# printed thousands as " k" in DeepSpeed 0.5-0.9.
+PREFIX = {"T": 1e12, "G": 1e9, "B": 1e9, "M": 1e6, "K": 1e3, "k": 1e3, "": 1.0, "m": 1e-3, "u": 1e-6}
+VALUE = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?)(?:[eE]([-+]?\d{1,3}))?\s*([TGBMKkmu]?)(MACs|FLOPS|s)?\s*$")
 SUMMARY_ITEM = re.compile(r"^([A-Za-z][^:]*?):\s+(\S.*?)\s*$")
 STEP = re.compile(r"Profile Summary at step (\d+)")
-STATS = (r"(?P<params>[\d.]+ ?[TGBMK]?)(?: =|,) [\d.]+% Params, (?P<macs>[\d.]+ ?[TGMK]?)MACs(?: =|,) [\d.]+% MACs, "
+STATS = (r"(?P<params>[\d.]+ ?[TGBMKk]?)(?: =|,) [\d.]+% Params, (?P<macs>[\d.]+ ?[TGMK]?)MACs(?: =|,) [\d.]+% MACs, "
          r"(?P<lat>[\d.]+ ?[TGMKmu]?)s(?: =|,) [\d.]+% latency, (?P<rate>[\d.]+ ?[TGMKmu]?)FLOPS")
 STATS_LINE = re.compile(rf"^\s*{STATS}")
 MODULE_OPEN = re.compile(r"^(?P<indent>\s*)(?:\((?P<name>[^)]+)\): )?(?:\d+ x )?(?P<cls>[A-Za-z_][\w.]*)\((?P<rest>.*)$")
