@@ -569,3 +569,26 @@ def test_timer_lines_of_a_log_that_begins_mid_run_are_numbered_as_its_step_lines
     assert fwd.select("step", "ms").rows() == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 14.0)]
     lr = imported.tables["scalars"].filter(pl.col("name") == "lr")
     assert lr.select("step", "value").rows() == [(2, 6e-06), (3, 8e-06)]  # the steps of the timers after them
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_line_numbers_are_the_files_though_a_progress_bar_redraws_in_place(tmp_path, newline):
+    """tqdm redraws its bar with a bare carriage return: a terminal shows each draw on the same line, an
+    editor and grep count newlines only. Line numbers are the editor's (a real DeepSpeed-Chat log said
+    1805 for its line 1012); the record after the bar's last draw is still read."""
+    bar = "\r".join(f"Epoch 1: {p:3d}%|{'#' * (p // 10):<10}| {p // 10}/10" for p in (10, 20, 30))
+    lines = [
+        "[2024-01-01 00:00:00,000] [INFO] [logging.py:96:log_dist] [Rank 0] rank=0 time (ms) | forward: 10.00 | "
+        "backward: 20.00 | step: 5.00",
+        bar + "\r[2024-01-01 00:00:01,000] [INFO] [logging.py:96:log_dist] [Rank 0] rank=0 time (ms) | forward: 11.00 | "
+        "backward: 21.00 | step: 6.00",
+        bar,
+        "[2024-01-01 00:00:02,000] [INFO] [logging.py:96:log_dist] [Rank 0] step=2, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]",
+    ]
+    path = tmp_path / "train.log"
+    path.write_bytes(newline.join(lines).encode() + newline.encode())
+    imported = _parse(path)
+    timers = imported.tables["step_timers"]
+    assert timers.filter(pl.col("timer") == "forward").select("step", "line", "ms").rows() == [(0, 1, 10.0), (1, 2, 11.0)]
+    assert imported.facts["log_last_line_rank0"]["line"] == 4
+    assert path.read_bytes().split(b"\n")[3].startswith(lines[3].encode())  # grep's line 4

@@ -202,6 +202,10 @@ class LogState:
     flops_blocks: list = field(default_factory=list)  # lines of each FLOPs profile printed into the log
     line_index: int = 0  # the line being read
     memory: list = field(default_factory=list)  # memory_usage rows
+    line_numbers: list = field(default_factory=list)  # index of a line read -> its line number in the file
+
+    def line_number(self, i: int) -> int:
+        return self.line_numbers[i] if i < len(self.line_numbers) else i + 1
 
     @property
     def run(self) -> Run:
@@ -218,6 +222,27 @@ def claims(path: Path) -> bool:
                 or re.search(r"(?m)^\s*iteration\s+\d+/\s*\d+ \|.*elapsed time per iteration", head))
 
 
+def split_lines(text: str) -> tuple[list[str], list[int]]:
+    """The lines a log's records are read from, and each one's line number in the file. A bare carriage
+    return (a progress bar redrawn in place: tqdm) also ends a line, as a terminal shows it, but the
+    number is the file's line, as an editor and grep count them (newlines only)."""
+    lines, numbers = [], []
+    rows = text.split("\n")
+    if rows and rows[-1] == "":
+        rows.pop()
+    for number, row in enumerate(rows, start=1):
+        if "\r" not in row:
+            lines.append(row)
+            numbers.append(number)
+            continue
+        parts = row.split("\r")
+        if parts[-1] == "":  # the \r of a \r\n line end
+            parts.pop()
+        lines.extend(parts)
+        numbers.extend([number] * len(parts))
+    return lines, numbers
+
+
 def parse(path: Path, rel: str, run_index: int | None = None) -> Imported:
     """The file's records; with run_index, only those of that run of a file holding several appended
     (`run_spans`), as if it were alone in the file (line numbers stay the file's)."""
@@ -232,7 +257,7 @@ def parse(path: Path, rel: str, run_index: int | None = None) -> Imported:
     name_rank = RANK_IN_NAME.search(path.name)
     state = LogState(rel=rel, file_rank=int(name_rank[1]) if name_rank else None)
     state.runs.append(Run(index=0))
-    lines = text.splitlines()
+    lines, state.line_numbers = split_lines(text)
     _read_lines(state, lines, 0, len(lines))
     at_end = True  # the part read ends the file
     if run_index is not None:
@@ -241,10 +266,11 @@ def parse(path: Path, rel: str, run_index: int | None = None) -> Imported:
         if not 0 <= run_index < len(spans):
             return Imported(issues=[["error", "no_such_run", 1, f"the file holds {len(spans)} run(s), not run {run_index}"]])
         first, end = spans[run_index]
-        state = LogState(rel=rel, file_rank=state.file_rank)
+        state = LogState(rel=rel, file_rank=state.file_rank, line_numbers=state.line_numbers)
         state.runs.append(Run(index=run_index, first_line=first))
         _read_lines(state, lines, first, end)
-        state.facts["log_run"] = {"index": run_index, "runs_in_file": len(spans), "first_line": first + 1, "last_line": end}
+        state.facts["log_run"] = {"index": run_index, "runs_in_file": len(spans), "first_line": state.line_number(first),
+                                  "last_line": state.line_number(end - 1)}
     if not data.endswith(b"\n") and at_end:
         issues.append(["info", "no_final_newline", 1, "the last line has no newline (cut off or still being written)"])
     return _build(state, issues)
@@ -276,9 +302,9 @@ def run_spans(path: Path) -> list[tuple[int, int]]:
     name_rank = RANK_IN_NAME.search(path.name)
     state = LogState(rel=path.name, file_rank=int(name_rank[1]) if name_rank else None)
     state.runs.append(Run(index=0))
-    lines = text.splitlines()
+    lines, state.line_numbers = split_lines(text)
     _read_lines(state, lines, 0, len(lines))
-    return [(first + 1, end) for first, end in _spans(state, len(lines))]
+    return [(state.line_number(first), state.line_number(end - 1)) for first, end in _spans(state, len(lines))]
 
 
 def _rank(state: LogState, line: str, prefix: re.Match | None = None) -> int:
@@ -380,7 +406,7 @@ def _note_last_line(state: LogState, line: str, i: int) -> None:
     else:
         return
     last = state.run.last_lines.setdefault(rank, {"stamped": None})
-    last["line"], last["text"], last["own_stamp"] = i + 1, line.strip()[:LAST_LINE_CHARS], bool(TIMESTAMP.match(line))
+    last["line"], last["text"], last["own_stamp"] = state.line_number(i), line.strip()[:LAST_LINE_CHARS], bool(TIMESTAMP.match(line))
     if last["own_stamp"]:
         last["stamped"] = (line, i)  # parsed once, at the end
 
@@ -406,7 +432,7 @@ def _timer(state: LogState, m: re.Match, i: int) -> None:
     run.has_records = True
     step = run.steps_done.get(rank, 0)
     run.unsynced_timers.setdefault(rank, []).extend(range(len(state.timers), len(state.timers) + len(items)))
-    state.timers.extend({"rank": rank, "source": state.rel, "step": step, "line": i + 1, "scope": scope,
+    state.timers.extend({"rank": rank, "source": state.rel, "step": step, "line": state.line_number(i), "scope": scope,
                          "timer": name, "ms": ms} for name, ms in items)
     if scope == "global" and names & GLOBAL_TIMERS:
         run.steps_done[rank] = step + 1
@@ -443,7 +469,7 @@ def _comm(state: LogState, m: re.Match, line: str, i: int) -> None:
     state.run.has_records = True
     state.run.comms.setdefault(rank, []).append({
         "record": m[1].strip(), "rank": rank, "source": state.rel, "ts_ns": _ts_ns(state, line, i), "op": op,
-        "caller": caller, "msg_bytes": msg_bytes, "logged_ms": float(m[2]), "line": i + 1,
+        "caller": caller, "msg_bytes": msg_bytes, "logged_ms": float(m[2]), "line": state.line_number(i),
     })
 
 
@@ -521,7 +547,7 @@ def _see_memory_usage(state: LogState, m: re.Match, lines: list[str], i: int) ->
     allocated, max_allocated, reserved, max_reserved = (round(float(value) * GIB) for value in m.groups())
     state.run.has_records = True
     state.memory.append({
-        "rank": _rank(state, line), "source": state.rel, "line": i + 1, "origin": "see_memory_usage", "message": message,
+        "rank": _rank(state, line), "source": state.rel, "line": state.line_number(i), "origin": "see_memory_usage", "message": message,
         "allocated_bytes": allocated, "max_allocated_bytes": max_allocated, "reserved_bytes": reserved,
         "max_reserved_bytes": max_reserved, "resolution_bytes": SEE_MEMORY_RESOLUTION_BYTES, "wall_ns": _ts_ns(state, line, i),
     })
@@ -531,7 +557,7 @@ def _megatron_memory(state: LogState, m: re.Match, i: int) -> None:
     allocated, max_allocated, reserved, max_reserved = (round(float(value) * MIB) for value in m.groups()[3:])
     state.run.has_records = True
     state.memory.append({
-        "rank": int(m[1]), "source": state.rel, "line": i + 1, "origin": "megatron_report_memory", "message": m[2],
+        "rank": int(m[1]), "source": state.rel, "line": state.line_number(i), "origin": "megatron_report_memory", "message": m[2],
         "step": int(m[3]) - 1, "allocated_bytes": allocated, "max_allocated_bytes": max_allocated,
         "reserved_bytes": reserved, "max_reserved_bytes": max_reserved, "resolution_bytes": 0,
         "wall_ns": _ts_ns(state, m.string, i),
@@ -859,9 +885,9 @@ def _build(state: LogState, issues: list) -> Imported:
             tables["flops_profile"] = pl.concat([tables.get("flops_profile", embedded.tables["flops_profile"].clear()),
                                                  embedded.tables["flops_profile"]])
         facts.setdefault("flops_profiler", embedded.facts)
-    if state.garbled:  # counted last: reading the last lines' time stamps can add some
-        issues.append(["info", "garbled_lines", len(state.garbled),
-                       (f"{len(state.garbled)} lines hold interleaved writes from several processes, undecodable bytes "
+    if garbled := len({state.line_number(i) for i in state.garbled}):  # counted last: the last lines' stamps can add some
+        issues.append(["info", "garbled_lines", garbled,
+                       (f"{garbled} lines hold interleaved writes from several processes, undecodable bytes "
                         "or damaged values (an impossible date, a number too long to read); records in them that did "
                         "not parse whole were skipped, damaged values in kept records are null")])
     if not tables and not facts:
