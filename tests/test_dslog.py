@@ -592,3 +592,17 @@ def test_line_numbers_are_the_files_though_a_progress_bar_redraws_in_place(tmp_p
     assert timers.filter(pl.col("timer") == "forward").select("step", "line", "ms").rows() == [(0, 1, 10.0), (1, 2, 11.0)]
     assert imported.facts["log_last_line_rank0"]["line"] == 4
     assert path.read_bytes().split(b"\n")[3].startswith(lines[3].encode())  # grep's line 4
+
+
+def test_verbose_comms_lines_of_deepspeed_0_7_to_0_11_are_read(tmp_path):
+    """Those releases wrote "algbw (Gbps): {:.2f} " then " | busbw ...": two spaces before the bar (lines from
+    DeepSpeed's comms-logging docs); they were dropped without an issue."""
+    imported = _damaged_log(tmp_path, [
+        "[2022-06-26 01:39:55,722] [INFO] [logging.py:69:log_dist] [Rank 0] rank=0 | comm op: reduce_scatter_tensor | "
+        "time (ms): 9.46 | msg size: 678.86 MB | algbw (Gbps): 1204.52  | busbw (Gbps): 1129.23",
+        "[2022-06-26 01:39:56,470] [INFO] [logging.py:69:log_dist] [Rank 0] rank=0 | comm op: all_gather_into_tensor | "
+        "time (ms): 0.11 | msg size: 6.0 MB | algbw (Gbps): 954.41  | busbw (Gbps): 894.76"])
+    calls = imported.tables["comms_calls"]
+    assert calls.select("rank", "op", "latency_ns").rows() == [
+        (0, "reduce_scatter_tensor", 9_460_000), (0, "all_gather_into_tensor", 110_000)]
+    assert calls["msg_bytes"].to_list() == [int(678.86 * 1024**2), 6 * 1024**2]  # DeepSpeed's convert_size: powers of 1024

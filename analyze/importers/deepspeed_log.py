@@ -113,8 +113,10 @@ MEGATRON_MEMORY = re.compile(rf"\[Rank (\d+)\] (\(after (\d+) iterations\)) memo
 MIB = 1024**2
 MEGATRON_LINE = re.compile(r"^\s*iteration\s+(\d+)\s*/\s*(\d+)\s*\|(.*)$")
 MEGATRON_ITEM = re.compile(rf"^\s*([A-Za-z][\w \-/()]*?)\s*:\s*({NUM})\s*$")
+# DeepSpeed 0.7-0.11 wrote two spaces before "| busbw": the separators are any spacing around "|".
 COMM_LINE = re.compile(
-    rf"comm op: (.+?) \| time \(ms\): ({NUM}) \| msg size: ([^|]+?) \| algbw \(Gbps\): ({NUM}) \| busbw \(Gbps\): ({NUM})")
+    rf"comm op: (.+?)\s*\|\s*time \(ms\):\s*({NUM})\s*\|\s*msg size:\s*([^|]+?)\s*\|\s*algbw \(Gbps\):\s*({NUM})\s*\|\s*"
+    rf"busbw \(Gbps\):\s*({NUM})")
 SUMMARY_HEADER = re.compile(r"^Comm\. Op\s+Message Size\s+Count\s+Total Latency\(ms\)\s+Avg Latency\(ms\)")
 SUMMARY_ROW = re.compile(rf"^\s+(\d+(?:\.\d+)? ?[KMGTP]?B)\s+(\d+)\s+({NUM})\s+({NUM})\s+({NUM})\s+({NUM})\s*$")
 SUMMARY_OP = re.compile(r"^([A-Za-z_][\w]*(?: \| \[Caller Func: .*\])?)\s*$")
