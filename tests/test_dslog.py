@@ -606,3 +606,28 @@ def test_verbose_comms_lines_of_deepspeed_0_7_to_0_11_are_read(tmp_path):
     assert calls.select("rank", "op", "latency_ns").rows() == [
         (0, "reduce_scatter_tensor", 9_460_000), (0, "all_gather_into_tensor", 110_000)]
     assert calls["msg_bytes"].to_list() == [int(678.86 * 1024**2), 6 * 1024**2]  # DeepSpeed's convert_size: powers of 1024
+
+
+@pytest.mark.parametrize("megatron", ["1.1", "2.x"])
+def test_deepspeeds_config_world_size_is_the_data_parallel_size_not_the_jobs(tmp_path, megatron):
+    """Megatron-DeepSpeed on 64 GPUs with model parallelism: DeepSpeed's config print says world_size 16 (its
+    data-parallel group), Megatron says 64 (lines of real 2021 Megatron-DeepSpeed logs). Megatron-LM before 2.0
+    printed its iteration line from rank 0, from 2.0 on from the last rank (print_rank_last)."""
+    world_line = ("using world size: 64 and model-parallel size: 4 " if megatron == "1.1" else
+                  "using world size: 64, data-parallel-size: 16, tensor-model-parallel size: 4, pipeline-model-parallel size: 1 ")
+    imported = _damaged_log(tmp_path, [
+        world_line,
+        "[2021-05-25 22:30:04,196] [INFO] [config.py:752:print]   world_size ................... 16",
+        " iteration        1/    1000 | elapsed time per iteration (ms): 121899.8 | learning rate: 1.875E-05 | "
+        "lm loss: 1.252221E+01 | loss scale: 1024.0 | number of skipped iterations:   0 | number of nan iterations:   0 |",
+    ], name="megatron.out")
+    assert (imported.facts["world_size"], imported.facts["dp_world_size"]) == (64, 16)
+    scalars = imported.tables["scalars"].filter(pl.col("name") == "elapsed time per iteration (ms)")
+    assert scalars.select("rank", "step", "value").rows() == [(0 if megatron == "1.1" else 63, 0, 121899.8)]
+
+
+def test_deepspeeds_config_world_size_stands_where_nothing_else_gives_one(tmp_path):
+    imported = _damaged_log(tmp_path, [
+        "[2021-05-25 22:30:04,196] [INFO] [config.py:752:print]   world_size ................... 16",
+        "[2021-05-25 22:30:05,000] [INFO] [logging.py:60:log_dist] [Rank 0] step=1, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]"])
+    assert (imported.facts["world_size"], imported.facts["dp_world_size"]) == (16, 16)

@@ -68,9 +68,15 @@ from pathlib import Path
 import polars as pl
 
 from steplens.analyze.importers import comms_dump, flops_text
-from steplens.analyze.importers.base import Imported, conform, peek
+from steplens.analyze.importers.base import Imported, conform
 
 PEEK_BYTES = 64 << 10
+# How far into a file `claims` looks for a first record: a job's preamble (a `set -x` trace, an environment
+# dump, NCCL's INFO lines) can run for hundreds of kB before DeepSpeed's or Megatron's first line (a real
+# Megatron-DeepSpeed log: 246 kB). Files that hold none are read this far, a MiB at a time.
+SNIFF_LIMIT_BYTES = 16 << 20
+SNIFF_BLOCK_BYTES = 1 << 20
+MAX_CARRIED_CHARS = 64 << 10
 SUFFIXES = (".log", ".txt", ".out")
 
 NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf)"
@@ -111,6 +117,7 @@ SEE_MEMORY_RESOLUTION_BYTES = round(0.01 * GIB)
 MEGATRON_MEMORY = re.compile(rf"\[Rank (\d+)\] (\(after (\d+) iterations\)) memory \(MB\) \| allocated: ({SIZE}) \| "
                              rf"max allocated: ({SIZE}) \| reserved: ({SIZE}) \| max reserved: ({SIZE})")
 MIB = 1024**2
+MEGATRON_ITERATION = re.compile(r"(?m)^\s*iteration\s+\d+/\s*\d+ \|.*elapsed time per iteration")
 MEGATRON_LINE = re.compile(r"^\s*iteration\s+(\d+)\s*/\s*(\d+)\s*\|(.*)$")
 MEGATRON_ITEM = re.compile(rf"^\s*([A-Za-z][\w \-/()]*?)\s*:\s*({NUM})\s*$")
 # DeepSpeed 0.7-0.11 wrote two spaces before "| busbw": the separators are any spacing around "|".
@@ -148,8 +155,10 @@ FLOPS_HEADER = "-- DeepSpeed Flops Profiler --"
 # The default tag is global_step{engine.global_steps}: the optimizer steps done when the save began.
 CHECKPOINT_LINE = re.compile(r"\[Torch\] Checkpoint (\S+) is about to be saved!|Saving model checkpoint: (.*)$")
 CHECKPOINT_TAG_STEP = re.compile(r"global_step(\d+)")
-# megatron/arguments.py (validate_args) prints it once, from rank 0; "data-parallel size" since 2023.
-MEGATRON_WORLD = re.compile(r"using world size: (\d{1,9}), data-parallel[- ]size: \d+")
+# megatron/arguments.py prints it once, from rank 0: "using world size: N, data-parallel-size: ..." since
+# Megatron-LM 2.0 ("data-parallel size" since 2023), "using world size: N and model-parallel size: M" before
+# it, when training_log printed the iteration line from rank 0 (print_rank_0), not from the last rank.
+MEGATRON_WORLD = re.compile(r"using world size: (\d{1,9})(?:, data-parallel[- ]size: \d+| and model-parallel size: \d+)")
 MEGATRON_CHECKPOINT = re.compile(r"saving checkpoint at iteration\s+(\d+) to ")
 # Megatron's resolved arguments (arguments.py _print_args): "  name ....... value" between these lines.
 MEGATRON_ARGS_START = re.compile(r"^-+ arguments -+$")
@@ -205,6 +214,7 @@ class LogState:
     line_index: int = 0  # the line being read
     memory: list = field(default_factory=list)  # memory_usage rows
     line_numbers: list = field(default_factory=list)  # index of a line read -> its line number in the file
+    megatron_prints_from_rank0: bool = False  # a Megatron-LM before 2.0: its iteration lines are rank 0's
 
     def line_number(self, i: int) -> int:
         return self.line_numbers[i] if i < len(self.line_numbers) else i + 1
@@ -219,9 +229,23 @@ def claims(path: Path) -> bool:
     if not path.name.endswith(SUFFIXES) or (path.name == "output.log" and path.parent.name == "files"
                                             and "run-" in path.parent.parent.name):
         return False
-    head = peek(path, PEEK_BYTES).decode("utf-8", "replace")
-    return bool(LOGGER_LINE.search(head) or TIMER_LINE.search(head) or SUMMARY_HEADER.search(head)
-                or re.search(r"(?m)^\s*iteration\s+\d+/\s*\d+ \|.*elapsed time per iteration", head))
+    try:
+        with open(path, "rb") as f:
+            carried, read = "", 0
+            while read < SNIFF_LIMIT_BYTES and (block := f.read(PEEK_BYTES if read == 0 else SNIFF_BLOCK_BYTES)):
+                read += len(block)
+                text = carried + block.decode("utf-8", "replace")
+                if _has_a_record(text):
+                    return True
+                carried = text[text.rfind("\n") + 1:][-MAX_CARRIED_CHARS:]  # the line the block's end cut
+    except OSError:
+        return False
+    return False
+
+
+def _has_a_record(text: str) -> bool:
+    return bool(LOGGER_LINE.search(text) or TIMER_LINE.search(text) or SUMMARY_HEADER.search(text)
+                or MEGATRON_ITERATION.search(text))
 
 
 def split_lines(text: str) -> tuple[list[str], list[int]]:
@@ -517,8 +541,9 @@ def _throughput(state: LogState, m: re.Match, line: str) -> None:
 
 def _megatron(state: LogState, m: re.Match, line: str) -> None:
     # megatron/training.py training_log prints with print_rank_last: rank world_size - 1.
-    world_size = state.facts.get("world_size")
-    rank = state.file_rank if state.file_rank is not None else (world_size - 1 if world_size else None)
+    world_size = state.facts.get("world_size") or state.facts.get("dp_world_size")
+    last_rank = 0 if state.megatron_prints_from_rank0 else (world_size - 1 if world_size else None)
+    rank = state.file_rank if state.file_rank is not None else last_rank
     fields = {}
     for part in m[3].split("|"):
         if item := MEGATRON_ITEM.match(part):
@@ -683,8 +708,9 @@ def _launcher_or_status(state: LogState, line: str, i: int) -> None:
         facts["world_size"] = int(m[1])
     elif m := DIST_WORLD_SIZE.search(line):
         facts["world_size"] = int(m[1])
-    elif m := MEGATRON_WORLD.search(line):  # a Megatron log without the launcher's lines
+    elif m := MEGATRON_WORLD.search(line):  # the job's world size (the launcher's, when it printed one, is the same)
         facts.setdefault("world_size", int(m[1]))
+        state.megatron_prints_from_rank0 = "model-parallel size" in m[0]
     elif (m := NUM_LOCAL_PROCS.search(line)) and "[launch.py" in line:
         state.run.local_procs = int(m[1])
     elif m := NCCL_VERSION.search(line):
@@ -695,8 +721,12 @@ def _launcher_or_status(state: LogState, line: str, i: int) -> None:
         facts.setdefault(f"{m[1].replace(' ', '_')}_version", m[2])
     elif m := CONFIG_ITEM.search(line):
         key, value = m[1], m[2].strip()
-        if key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "world_size") and value.isdigit():
+        if key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps") and value.isdigit():
             facts[key] = int(value)
+        elif key == "world_size" and value.isdigit():
+            # DeepSpeedConfig's world_size is the data-parallel group's size (mpu given): the job's under
+            # no model parallelism only, so it is the world size only where nothing else states one.
+            facts["dp_world_size"] = int(value)
     elif m := CHECKPOINT_LINE.search(line):
         if step := CHECKPOINT_TAG_STEP.search(m[1] or m[2]):
             state.run.checkpoint_steps.add(int(step[1]))
@@ -843,6 +873,8 @@ def _fill_global_samples(state: LogState) -> None:
 
 def _build(state: LogState, issues: list) -> Imported:
     tables: dict[str, pl.DataFrame] = {}
+    if "world_size" not in state.facts and "dp_world_size" in state.facts:  # no launcher or Megatron line said it
+        state.facts["world_size"] = state.facts["dp_world_size"]
     # conform(..., issues): a value its column cannot hold (a 20-digit rank, a year-9999 stamp in ns) is null, counted.
     if state.timers:
         tables["step_timers"] = conform(state.timers, "step_timers", issues)
