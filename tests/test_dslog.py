@@ -631,3 +631,18 @@ def test_deepspeeds_config_world_size_stands_where_nothing_else_gives_one(tmp_pa
         "[2021-05-25 22:30:04,196] [INFO] [config.py:752:print]   world_size ................... 16",
         "[2021-05-25 22:30:05,000] [INFO] [logging.py:60:log_dist] [Rank 0] step=1, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]"])
     assert (imported.facts["world_size"], imported.facts["dp_world_size"]) == (16, 16)
+
+
+def test_a_log_whose_first_record_follows_a_long_preamble_is_read(tmp_path):
+    """A real Megatron-DeepSpeed job log began with 246 kB of `set -x` trace before DeepSpeed's first line,
+    and was reported as nothing steplens reads."""
+    preamble = "".join(f"+ export VAR_{i}=/some/long/path/to/a/module/{i}\n" for i in range(6000))
+    assert len(preamble) > 250_000
+    record = "[2021-05-27 21:32:10,180] [INFO] [logging.py:60:log_dist] [Rank 0] step=1, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]\n"
+    log = tmp_path / "job-1999616.out"
+    log.write_text(preamble + record)
+    assert deepspeed_log.claims(log)
+    assert _parse(log).tables["scalars"].filter(pl.col("name") == "lr")["value"].to_list() == [0.001]
+    far = tmp_path / "notes.txt"
+    far.write_text(preamble * 60 + record)  # a record past the 16 MiB looked into is not looked for
+    assert far.stat().st_size > deepspeed_log.SNIFF_LIMIT_BYTES and not deepspeed_log.claims(far)
