@@ -251,3 +251,31 @@ def test_params_printed_in_lowercase_thousands_are_read():
                 "0.attention_dropout": (0, 0, 79_630)}
     assert {path: (r["params"], r["macs_total"], r["duration_ns"]) for path, r in rows.items()} == expected
     assert flops_text.number("16.38 k") == pytest.approx((16380.0, 5.0))
+
+
+# DeepSpeed 0.3's layout: "Summary of forward pass:" with its own labels, the tree under "Detailed Profile".
+PROFILE_2020 = """-------------------------- DeepSpeed Flops Profiler --------------------------
+Summary of forward pass:
+Profile step:                   3
+Number of parameters:           12.5 k
+Number of multiply-accumulate operations (MACs):   20.0 M
+Number of floating point operations ( = 2 * MACs):   40.0 M
+Latency:                        4.0 ms
+Floating point operations per second(FLOPS):   10.0 GFLOPS
+
+------------------------------ Detailed Profile ------------------------------
+Net(
+  12.5 k, 100.00% Params, 20.0 MMACs, 100.00% MACs, 4.0 ms, 100.00% latency, 10.0 GFLOPS,
+  (fc): Linear(12.5 k, 100.00% Params, 20.0 MMACs, 100.00% MACs, 3.0 ms, 75.00% latency, 13.33 GFLOPS, in_features=100, out_features=125, bias=False)
+)
+"""
+
+
+def test_the_2020_layout_is_read():
+    imported = flops_text.parse_lines(PROFILE_2020.splitlines(), "flops_profile.txt")
+    assert imported.facts == pytest.approx({"profile_step": 3, "params_per_gpu": 12_500, "fwd_macs_per_gpu": 20e6,
+                                            "fwd_flops_per_gpu": 40e6, "fwd_latency_s": 0.004,
+                                            "fwd_flops_per_second_per_gpu": 10e9})
+    assert type(imported.facts["profile_step"]) is int and not imported.issues
+    rows = imported.tables["flops_profile"].select("path", "params", "macs_total", "duration_ns", "profile_step").rows()
+    assert rows == [("", 12_500, 20_000_000, 4_000_000, 3), ("fc", 12_500, 20_000_000, 3_000_000, 3)]

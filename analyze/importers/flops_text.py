@@ -51,10 +51,17 @@ SUMMARY_FACTS = {  # summary label (lower case, before any " = ") -> fact key
     "fwd flops per gpu": "fwd_flops_per_gpu", "fwd latency": "fwd_latency_s", "bwd latency": "bwd_latency_s",
     "step latency": "step_latency_s", "iter latency": "iter_latency_s", "samples/second": "samples_per_second",
     "fwd flops per gpu (rate)": "fwd_flops_per_second_per_gpu", "flops per gpu": "flops_per_second_per_gpu",
+    # DeepSpeed 0.3's "Summary of forward pass:" (one process's forward; labels cut at " = " as above)
+    "profile step": "profile_step", "number of parameters": "params_per_gpu",
+    "number of multiply-accumulate operations (macs)": "fwd_macs_per_gpu",
+    "number of floating point operations (": "fwd_flops_per_gpu", "latency": "fwd_latency_s",
+    "floating point operations per second(flops)": "fwd_flops_per_second_per_gpu",
 }
+# The detailed tree's banner: "Detailed Profile per GPU" since DeepSpeed 0.4, "Detailed Profile" in 0.3.
+DETAILED_BANNER = re.compile(r"-{3,} Detailed Profile(?: per GPU)? -{3,}")
 
 
-INTEGER_FACTS = ("world_size", "data_parallel_size", "model_parallel_size", "batch_size_per_gpu")
+INTEGER_FACTS = ("world_size", "data_parallel_size", "model_parallel_size", "batch_size_per_gpu", "profile_step")
 
 
 def number(text: str) -> tuple[float, float] | None:
@@ -132,7 +139,7 @@ def parse_lines(lines: list[str], rel: str, context: dict | None = None) -> Impo
 def _summary(lines: list[str], issues: list) -> tuple[dict, int | None]:
     facts, in_summary = {}, True
     for i, line in enumerate(lines):
-        if "Detailed Profile per GPU" in line:
+        if DETAILED_BANNER.search(line):
             return facts, i + 1
         if step := STEP.search(line):
             try:
