@@ -646,3 +646,25 @@ def test_a_log_whose_first_record_follows_a_long_preamble_is_read(tmp_path):
     far = tmp_path / "notes.txt"
     far.write_text(preamble * 60 + record)  # a record past the 16 MiB looked into is not looked for
     assert far.stat().st_size > deepspeed_log.SNIFF_LIMIT_BYTES and not deepspeed_log.claims(far)
+
+
+def test_two_engines_in_one_log_are_two_series(tmp_path):
+    """DeepSpeed-Chat's RLHF step trains an actor and a critic in one process: each engine prints step=N (lines of
+    a real log). The second line of a step is the second engine's; the throughput line after the actor's step
+    line is the actor's; the batch size is not inferred from throughput (generation time sits between lines)."""
+    step = "[2023-04-18 08:48:{}] [INFO] [logging.py:96:log_dist] [Rank 0] step={}, skipped={}, lr=[{}, {}], mom=[(0.9, 0.95)]"
+    throughput = ("[2023-04-18 08:48:{}] [INFO] [timer.py:199:stop] epoch=0/micro_step={}/global_step={}, "
+                  "RunningAvgSamplesPerSec=86.0, CurrSamplesPerSec={}, MemAllocated=10.77GB, MaxMemAllocated=20.55GB")
+    imported = _damaged_log(tmp_path, [
+        "[2023-04-18 08:48:00,000] [INFO] [launch.py:100:main] cmd = deepspeed main.py --per_device_training_batch_size 4",
+        step.format("36,035", 10, 4, 5.79e-07, 5.79e-07), throughput.format("36,058", 10, 10, 78.9),
+        step.format("36,251", 10, 3, 3.5e-07, 3.5e-07),
+        step.format("52,035", 20, 4, 6.0e-07, 6.0e-07), throughput.format("52,058", 20, 20, 80.1),
+        step.format("52,251", 20, 3, 4.0e-07, 4.0e-07)], name="rlhf.log")
+    series = {name: frame.sort("step").select("step", "value").rows()
+              for (name,), frame in imported.tables["scalars"].group_by("name")}
+    assert series["lr"] == [(9, 5.79e-07), (19, 6.0e-07)] and series["engine1/lr"] == [(9, 3.5e-07), (19, 4.0e-07)]
+    assert series["skipped_steps"] == [(9, 4.0), (19, 4.0)] and series["engine1/skipped_steps"] == [(9, 3.0), (19, 3.0)]
+    assert series["CurrSamplesPerSec"] == [(9, 78.9), (19, 80.1)] and "engine1/CurrSamplesPerSec" not in series
+    assert [(n, "engine1/<name>" in detail) for _, reason, n, detail in imported.issues if reason == "several_engines"] == [(2, True)]
+    assert "train_batch_size" not in imported.facts

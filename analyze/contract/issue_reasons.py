@@ -83,6 +83,8 @@ _DECLARED = (
     IssueReason("train_batch_size_unknown", ("info",), "Throughput lines imply a batch size no line states."),
     IssueReason("train_batch_size_inferred", ("info",), "train_batch_size inferred from other lines of the log."),
     IssueReason("several_runs", ("info",), "Several runs appended to one log file."),
+    IssueReason("several_engines", ("info",), "Several DeepSpeed engines print step lines in one log (DeepSpeed-Chat's "
+                                              "actor and critic): the second engine's scalars are named engine1/<name>."),
     IssueReason("no_records", ("info",), "DeepSpeed markers but no timer, step, comms or status lines."),
     # Comms-logger dumps (importers/comms_dump.py)
     IssueReason("bad_json", ("error",), "A comms dump that is not readable JSON; nothing read."),

@@ -198,6 +198,8 @@ class Run:
     checkpoint_steps: set = field(default_factory=set)  # optimizer steps done when a checkpoint save began
     last_lines: dict = field(default_factory=dict)  # rank -> its last line: line number, text, latest time seen
     comms: dict = field(default_factory=dict)  # rank -> list of comms row dicts (latency still as logged)
+    step_lines: dict = field(default_factory=dict)  # (rank, steps done) -> step=N lines seen: one per engine
+    engine: dict = field(default_factory=dict)  # rank -> the engine whose step line came last
 
 
 @dataclass
@@ -215,6 +217,7 @@ class LogState:
     memory: list = field(default_factory=list)  # memory_usage rows
     line_numbers: list = field(default_factory=list)  # index of a line read -> its line number in the file
     megatron_prints_from_rank0: bool = False  # a Megatron-LM before 2.0: its iteration lines are rank 0's
+    engines: int = 0  # DeepSpeed engines printing step lines (DeepSpeed-Chat's RLHF step: actor and critic)
 
     def line_number(self, i: int) -> int:
         return self.line_numbers[i] if i < len(self.line_numbers) else i + 1
@@ -518,14 +521,25 @@ def _scalar(state: LogState, rank: int, name: str, value: float, steps_done: int
 def _step(state: LogState, m: re.Match, i: int) -> None:
     line = m.string
     rank, steps_done = int(m[1]), int(m[2])
-    _sync_timer_steps(state, rank, steps_done)
-    _scalar(state, rank, "skipped_steps", float(m[3]), steps_done, line)
+    # Several engines in one process (DeepSpeed-Chat's actor and critic) each print step=N: the k-th line of a
+    # step is engine k's, and its scalars are engine<k>/<name>, not a second value of the first engine's.
+    engine = state.run.step_lines.get((rank, steps_done), 0)
+    state.run.step_lines[(rank, steps_done)] = engine + 1
+    state.run.engine[rank] = engine
+    state.engines = max(state.engines, engine + 1)
+    if engine == 0:
+        _sync_timer_steps(state, rank, steps_done)
+    _scalar(state, rank, _engine_name(engine, "skipped_steps"), float(m[3]), steps_done, line)
     lrs = [x.strip() for x in m[4].split(",") if x.strip()]
     if lrs:
         try:
-            _scalar(state, rank, "lr", float(lrs[0]), steps_done, line)
+            _scalar(state, rank, _engine_name(engine, "lr"), float(lrs[0]), steps_done, line)
         except ValueError:
             state.garbled.add(i)
+
+
+def _engine_name(engine: int, name: str) -> str:
+    return f"engine{engine}/{name}" if engine else name
 
 
 def _throughput(state: LogState, m: re.Match, line: str) -> None:
@@ -533,10 +547,11 @@ def _throughput(state: LogState, m: re.Match, line: str) -> None:
     steps_done = int(m[1] or m[2])
     # Before 0.8 the line began "<epoch>/<micro_step>": a micro-step count, not optimizer steps.
     steps = steps_done if m[1] else None
+    engine = state.run.engine.get(rank, 0)  # printed right after its engine's step line
     for name, value in (("RunningAvgSamplesPerSec", m[3] or m[5]), ("CurrSamplesPerSec", m[4]),
                         ("MemAllocated_GB", m[6]), ("MaxMemAllocated_GB", m[7])):
         if value is not None:
-            _scalar(state, rank, name, float(value), steps, line)
+            _scalar(state, rank, _engine_name(engine, name), float(value), steps, line)
 
 
 def _megatron(state: LogState, m: re.Match, line: str) -> None:
@@ -827,6 +842,8 @@ def _batch_facts(state: LogState, issues: list) -> None:
             facts.setdefault(fact, args[arg])
     if isinstance(facts.get("train_batch_size"), int):
         return
+    if state.engines > 1:  # the time between one engine's throughput lines holds the others' steps too
+        return
     rates = [r for r in state.scalars if r["name"] == "CurrSamplesPerSec" and r["step"] is not None
              and r["wall_ns"] is not None and r["value"] > 0]
     saves = set().union(*(run.checkpoint_steps for run in state.runs))  # a save's time is no step's
@@ -919,6 +936,12 @@ def _build(state: LogState, issues: list) -> Imported:
             tables["flops_profile"] = pl.concat([tables.get("flops_profile", embedded.tables["flops_profile"].clear()),
                                                  embedded.tables["flops_profile"]])
         facts.setdefault("flops_profiler", embedded.facts)
+    if state.engines > 1:
+        issues.append(["info", "several_engines", state.engines,
+                       f"{state.engines} DeepSpeed engines print step lines in this log (DeepSpeed-Chat's actor and critic, "
+                       "say); told apart by their order within each step, the second engine's scalars are named "
+                       "engine1/<name>, a third's engine2/<name> (the first's keep their names); no batch size is "
+                       "inferred from throughput"])
     if garbled := len({state.line_number(i) for i in state.garbled}):  # counted last: the last lines' stamps can add some
         issues.append(["info", "garbled_lines", garbled,
                        (f"{garbled} lines hold interleaved writes from several processes, undecodable bytes "
