@@ -668,3 +668,20 @@ def test_two_engines_in_one_log_are_two_series(tmp_path):
     assert series["CurrSamplesPerSec"] == [(9, 78.9), (19, 80.1)] and "engine1/CurrSamplesPerSec" not in series
     assert [(n, "engine1/<name>" in detail) for _, reason, n, detail in imported.issues if reason == "several_engines"] == [(2, True)]
     assert "train_batch_size" not in imported.facts
+
+
+def test_megatron_timer_lines_are_interval_means_on_the_iteration_before_them(tmp_path):
+    """Megatron's training_log prints the iteration line, then "time (ms) | ..." (no rank prefix) with each timer
+    divided by the logging interval (lines of a real Megatron-DeepSpeed MoE log). They are not DeepSpeed's global
+    timers: forward + backward here is no step time."""
+    imported = _damaged_log(tmp_path, [
+        "using world size: 8, data-parallel-size: 8, tensor-model-parallel size: 1, pipeline-model-parallel size: 1 ",
+        " iteration       10/    1000 | consumed samples:         2560 | elapsed time per iteration (ms): 1001.5 |",
+        "time (ms) | forward-compute: 340.72 | backward-compute: 176.25 | optimizer: 313.71 | batch-generator: 42.49",
+        " iteration       20/    1000 | consumed samples:         5120 | elapsed time per iteration (ms): 990.0 |",
+        "time (ms) | forward: 35255.98 | backward: 90266.11 | batch generator: 1.50"], name="megatron.log")
+    timers = imported.tables["step_timers"].select("rank", "step", "scope", "timer", "ms").rows()
+    assert timers == [(7, 9, "megatron_interval", "forward-compute", 340.72), (7, 9, "megatron_interval", "backward-compute", 176.25),
+                      (7, 9, "megatron_interval", "optimizer", 313.71), (7, 9, "megatron_interval", "batch-generator", 42.49),
+                      (7, 19, "megatron_interval", "forward", 35255.98), (7, 19, "megatron_interval", "backward", 90266.11),
+                      (7, 19, "megatron_interval", "batch generator", 1.5)]

@@ -168,7 +168,9 @@ STEP_TIMERS, STEP_TIMERS_DOC = _table(
     ("source", pa.string(), "Writer or input file."),
     ("step", pa.int64(), "Optimizer step (null when a log gives no step for the line)."),
     ("line", pa.int64(), "Order of the timer line/record within the source (joins the timers of one print)."),
-    ("scope", pa.string(), "global (per optimizer step, summed over micro steps), micro (one micro step) or optimizer."),
+    ("scope", pa.string(), "global (per optimizer step, summed over micro steps), micro (one micro step), optimizer, or "
+                            "megatron_interval (Megatron's timers: the mean per iteration over the logging interval that "
+                            "ends at the row's step)."),
     ("timer", pa.string(), "DeepSpeed timer name: fwd, bwd, bwd_inner, bwd_allreduce, step, fwd_microstep, optimizer_step, ..."),
     ("ms", pa.float64(), "Host wall milliseconds, as DeepSpeed's wall_clock_breakdown reports them."),
 )

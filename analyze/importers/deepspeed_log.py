@@ -92,6 +92,9 @@ RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 # 0.9 "[Rank 0] rank=0 time (ms) | ...", and in 0.3 (print, not the logger) "rank=0 time (ms) | ...".
 TIMER_LINE = re.compile(r"(?:\[Rank (-?\d+)\] (?:rank=-?\d+ )?|(?<![\w\]=])rank=(-?\d+) )time \(ms\) \| (.*)$")
 TIMER_ITEM = re.compile(rf"^\s*([\w.\-/]+): ({NUM})\s*$")
+# Megatron's Timers.log in training_log: "time (ms) | forward-compute: 340.72 | ...", with no rank prefix,
+# after the interval's iteration line, each timer normalised by the logging interval: a mean per iteration.
+MEGATRON_TIMER_LINE = re.compile(r"^\s*time \(ms\) \| (.*)$")
 # deepspeed/runtime/engine.py EngineTimers: global timers (one line per optimizer step).
 GLOBAL_TIMERS = {"fwd", "bwd", "bwd_inner", "bwd_allreduce", "step",
                  "forward", "backward", "backward_inner", "backward_allreduce"}  # names before 0.9
@@ -218,6 +221,7 @@ class LogState:
     line_numbers: list = field(default_factory=list)  # index of a line read -> its line number in the file
     megatron_prints_from_rank0: bool = False  # a Megatron-LM before 2.0: its iteration lines are rank 0's
     engines: int = 0  # DeepSpeed engines printing step lines (DeepSpeed-Chat's RLHF step: actor and critic)
+    megatron_step: int | None = None  # the step of the last Megatron iteration line
 
     def line_number(self, i: int) -> int:
         return self.line_numbers[i] if i < len(self.line_numbers) else i + 1
@@ -402,6 +406,8 @@ def _read_line(state: LogState, lines: list[str], i: int) -> int:
         _throughput(state, m, line)
     elif m := MEGATRON_LINE.match(line):
         _megatron(state, m, line)
+    elif m := MEGATRON_TIMER_LINE.match(line):
+        _megatron_timers(state, m, i)
     elif m := SEE_MEMORY_USAGE.search(line):
         _see_memory_usage(state, m, lines, i)
     elif m := MEGATRON_MEMORY.search(line):
@@ -554,11 +560,30 @@ def _throughput(state: LogState, m: re.Match, line: str) -> None:
             _scalar(state, rank, _engine_name(engine, name), float(value), steps, line)
 
 
-def _megatron(state: LogState, m: re.Match, line: str) -> None:
-    # megatron/training.py training_log prints with print_rank_last: rank world_size - 1.
+def _megatron_rank(state: LogState) -> int | None:
+    """megatron/training.py training_log prints with print_rank_last (rank world_size - 1); before 2.0 with
+    print_rank_0."""
     world_size = state.facts.get("world_size") or state.facts.get("dp_world_size")
     last_rank = 0 if state.megatron_prints_from_rank0 else (world_size - 1 if world_size else None)
-    rank = state.file_rank if state.file_rank is not None else last_rank
+    return state.file_rank if state.file_rank is not None else last_rank
+
+
+def _megatron_timers(state: LogState, m: re.Match, i: int) -> None:
+    """Scope megatron_interval, on the step of the iteration line before it (null before any)."""
+    items = []
+    for part in m[1].split("|"):
+        if item := MEGATRON_ITEM.match(part):
+            items.append((item[1].strip(), float(item[2])))
+        elif part.strip():
+            state.garbled.add(i)
+    state.run.has_records = True
+    state.timers.extend({"rank": _megatron_rank(state), "source": state.rel, "step": state.megatron_step,
+                         "line": state.line_number(i), "scope": "megatron_interval", "timer": name, "ms": ms}
+                        for name, ms in items)
+
+
+def _megatron(state: LogState, m: re.Match, line: str) -> None:
+    rank = _megatron_rank(state)
     fields = {}
     for part in m[3].split("|"):
         if item := MEGATRON_ITEM.match(part):
@@ -566,6 +591,7 @@ def _megatron(state: LogState, m: re.Match, line: str) -> None:
     samples = _whole(fields.pop("consumed samples", None))
     tokens = _whole(fields.pop("consumed tokens", None))
     steps_done = int(m[1])
+    state.megatron_step = steps_done - 1 if steps_done else None
     for name, value in fields.items():
         _scalar(state, rank, name, value, steps_done, line, samples=samples, tokens=tokens)
 
