@@ -134,17 +134,26 @@ def last_log_line_lines(f: dict, limit: int = 4) -> list[str]:
     return lines
 
 
+def step_name(step: int, summary: dict, aside: str = ", {}") -> str:
+    """'step 2109', and for a step from the logs the number they print for it (in `aside`): steps are 0-based,
+    and a log prints each one when it is done ("iteration 2110", "global_step=2110")."""
+    label = summary.get("log_step_label")
+    if label is None or step is None:
+        return f"step {step}"
+    return f"step {step}" + aside.format(f"the log's {label}{'' if label.endswith('=') else ' '}{step + 1}")
+
+
 def step_lines(f: dict) -> list[str]:
     """Step time over the run, the slowest step when it stands out, and where the profiled steps sit."""
     lines = []
     summary = f.get("step_time") or {}
     source = SOURCE_WORDS.get(summary.get("source"), summary.get("source"))
     if summary.get("steps") == 1:
-        line = (f"Step time: {ms(summary['max_ns'])} (step {summary['max_step']}, the only one of "
+        line = (f"Step time: {ms(summary['max_ns'])} ({step_name(summary['max_step'], summary)}, the only one of "
                 f"{summary['total_steps']} kept), from {source}")
     elif summary.get("steps"):
         line = (f"Step time: median {ms(summary['median_ns'])}, p90 {ms(summary['p90_ns'])}, max {ms(summary['max_ns'])} "
-                f"(step {summary['max_step']}) over {summary['steps']} of {summary['total_steps']} "
+                f"({step_name(summary['max_step'], summary)}) over {summary['steps']} of {summary['total_steps']} "
                 + ("logged iterations, each the mean of its logging interval" if summary.get("interval_means") else "steps")
                 + f", from {source}")
     if summary.get("steps"):
@@ -156,7 +165,7 @@ def step_lines(f: dict) -> list[str]:
     elif summary.get("source"):
         lines.append(f"Step time: none of the {summary['total_steps']} steps is typical ({summary.get('note')}).")
     if slow := f.get("slowest_step"):
-        lines.append(f"Slowest step: step {slow['step']}" + (f" on rank {slow['rank']}" if slow.get("rank") is not None else "")
+        lines.append(f"Slowest step: {step_name(slow['step'], summary, ' ({})')}" + (f" on rank {slow['rank']}" if slow.get("rank") is not None else "")
                      + f", {ms(slow['dur_ns'])} against a median of {ms(slow['median_step_ns'])}, beyond the run's "
                      f"step-to-step noise (above {ms(slow['noise_bound_ns'])}).")
     overflow = f.get("fp16_overflow") or {}

@@ -70,6 +70,10 @@ LISTED_STEPS = 50  # excluded steps listed per reason in findings.json (the tabl
 
 GLOBAL_TIMERS = ({"fwd", "forward"}, {"bwd", "backward"}, {"step"})  # names before DeepSpeed 0.9 in the first set
 MEGATRON_ITERATION = "elapsed time per iteration (ms)"
+# How a log prints 0-based step s of each log source: after s + 1 steps are done, as "iteration s+1" (Megatron),
+# "global_step=s+1" (the throughput line) or "step=s+1" (the step line, printed before step s's timer line).
+LOG_STEP_LABELS = {"log_megatron": "iteration", "log_throughput": "global_step=", "log_timers": "step=",
+                   "log_train_steps": "step="}
 DEFINITIONS = {
     "collector": "collector train_steps: per optimizer step, the slowest rank's sum of its micro steps "
                  "(forward start to the end of engine.step())",
@@ -331,6 +335,7 @@ def step_time_summary(table: pl.DataFrame) -> dict:
         "excluded_steps": excluded,
         # Megatron logs one mean per logging interval: each value stands for several steps.
         "interval_means": table["definition"][0] == DEFINITIONS["log_megatron"],
+        "log_step_label": LOG_STEP_LABELS.get(next((k for k, d in DEFINITIONS.items() if d == table["definition"][0]), "")),
     }
     if not values:
         summary["note"] = "every step was excluded (see excluded_steps)"
