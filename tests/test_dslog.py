@@ -685,3 +685,16 @@ def test_megatron_timer_lines_are_interval_means_on_the_iteration_before_them(tm
                       (7, 9, "megatron_interval", "optimizer", 313.71), (7, 9, "megatron_interval", "batch-generator", 42.49),
                       (7, 19, "megatron_interval", "forward", 35255.98), (7, 19, "megatron_interval", "backward", 90266.11),
                       (7, 19, "megatron_interval", "batch generator", 1.5)]
+
+
+def test_the_throughput_lines_memory_figures_are_memory_usage_rows(tmp_path):
+    """MemAllocated / MaxMemAllocated: the allocator's bytes / 1024**3 to 2 decimals; the running peak gives the
+    run's peak memory where no see_memory_usage line does (a real DeepSpeed-Chat DPO log: 8.61 GB)."""
+    throughput = ("[2025-01-02 15:50:0{}] [INFO] [timer.py:264:stop] epoch=0/micro_step={}/global_step={}, "
+                  "RunningAvgSamplesPerSec=46.5, CurrSamplesPerSec=46.6, MemAllocated={}GB, MaxMemAllocated={}GB")
+    imported = _damaged_log(tmp_path, [throughput.format("4,232", 20, 10, "5.25", "8.61"),
+                                       throughput.format("5,232", 40, 20, "5.3", "8.61")])
+    rows = imported.tables["memory_usage"].select("rank", "step", "origin", "allocated_bytes", "max_allocated_bytes",
+                                                  "reserved_bytes", "resolution_bytes", "line").rows()
+    assert rows == [(0, 9, "deepspeed_throughput", round(5.25 * 2**30), round(8.61 * 2**30), None, round(0.01 * 2**30), 1),
+                    (0, 19, "deepspeed_throughput", round(5.3 * 2**30), round(8.61 * 2**30), None, round(0.01 * 2**30), 2)]

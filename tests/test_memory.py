@@ -14,6 +14,7 @@ import pytest
 
 from conftest import write_trace
 from steplens.analyze import pipeline
+from steplens.analyze.analyses import memory
 
 QWEN_TRACE = "TraceLens/h100/Qwen_Qwen1.5-0.5B-Chat__1016005.json.gz"
 MEGATRON_LOG = ("Megatron-DeepSpeed/random_ltd_gpt3_baseline/"
@@ -60,7 +61,14 @@ def test_log_lines_give_the_figures_as_printed(corpus, tmp_path):
     line 2739 '[Rank 0] (after 10 iterations) memory (MB) | allocated: 1674.31005859375 | max allocated:
     7176.13916015625 | reserved: 8774.0 | max reserved: 8774.0'."""
     out_dir, findings = _analysed(_linked(tmp_path, corpus / MEGATRON_LOG), tmp_path)
-    usage = pl.read_parquet(out_dir / "memory_usage").sort("line")
+    everything = pl.read_parquet(out_dir / "memory_usage").sort("line")
+    # The throughput lines' MemAllocated / MaxMemAllocated (GB = 2**30, 2 decimals), read off the file by regex.
+    text = (corpus / MEGATRON_LOG).read_text().split("\n")
+    throughput = [(number, round(float(a) * GIB), round(float(m) * GIB)) for number, line in enumerate(text, start=1)
+                  for a, m in re.findall(r"MemAllocated=([\d.]+)GB, MaxMemAllocated=([\d.]+)GB", line)]
+    assert len(throughput) > 40 and everything.filter(pl.col("origin") == "deepspeed_throughput").select(
+        "line", "allocated_bytes", "max_allocated_bytes").rows() == throughput
+    usage = everything.filter(pl.col("origin") != "deepspeed_throughput")
     assert usage.select("line", "origin", "message", "step").rows() == [
         (1106, "see_memory_usage", "Before Building Model", None),
         (1109, "see_memory_usage", "After Building Model", None),
@@ -72,8 +80,11 @@ def test_log_lines_give_the_figures_as_printed(corpus, tmp_path):
     assert (megatron["allocated_bytes"], megatron["max_allocated_bytes"], megatron["reserved_bytes"]) == (
         round(1674.31005859375 * MIB), round(7176.13916015625 * MIB), 8774 * MIB)
     peak = findings["memory"]["peak_by_rank"]
-    assert peak == [{"rank": 0, "peak_allocated_bytes": round(7176.13916015625 * MIB), "step": 9,
-                     "source": "megatron_report_memory", "peak_reserved_bytes": 8774 * MIB}]
+    # Megatron reported once (after 10 iterations); the throughput lines show the running peak rising to 7.15 GiB
+    # later (DeepSpeed 0.7's "0/N" lines give no optimizer step).
+    assert max(m for _, _, m in throughput) == round(7.15 * GIB) > round(7176.13916015625 * MIB)
+    assert peak == [{"rank": 0, "peak_allocated_bytes": round(7.15 * GIB), "step": None,
+                     "source": "deepspeed_throughput", "peak_reserved_bytes": 8774 * MIB}]
     by_step = pl.read_parquet(out_dir / "memory_by_step")
     # see_memory_usage's reserved peak: CA 0.25 GiB is larger than the whole-GiB Max_CA printed as 0.
     assert by_step.filter(pl.col("label") == "After Building Model")["peak_reserved_bytes"].to_list() == [round(0.25 * GIB)]
@@ -184,6 +195,18 @@ def test_a_deepspeed_cpu_job_says_no_device_memory(ds_steady_run, tmp_path):
     assert pl.read_parquet(out_dir / "memory_by_step").is_empty()
 
 
+def test_an_exact_figure_is_the_peak_over_a_rounded_one_as_large_within_its_rounding():
+    """Megatron's exact 7176.14 MiB (7.0079 GiB) against a throughput line's MaxMemAllocated=7.01GB: the same
+    peak, printed rounded up."""
+    rows = pl.DataFrame({"rank": [0, 0, 0], "step": [9, 9, 3], "source": ["deepspeed_throughput", "megatron_report_memory",
+                                                                          "see_memory_usage"],
+                         "peak_allocated_bytes": [round(7.01 * GIB), round(7176.13916015625 * MIB), round(2.0 * GIB)],
+                         "resolution_bytes": [round(0.01 * GIB), 0, round(0.01 * GIB)]})
+    assert memory._peak_row(rows)["source"] == "megatron_report_memory"
+    higher = rows.with_columns(peak_allocated_bytes=pl.Series([round(7.02 * GIB), round(7176.13916015625 * MIB), 0]))
+    assert memory._peak_row(higher)["source"] == "deepspeed_throughput"  # 7.02 GiB: above the exact one by more than 0.01
+
+
 def test_analyze_shows_the_memory_section(tmp_path):
     _memory_trace(tmp_path / "run" / "rank0.pt.trace.json", [1000.0, 1500.0] + [1600 + 8 * k for k in range(8)])
     done = subprocess.run([sys.executable, "-m", "steplens.analyze", str(tmp_path / "run"), "--out", str(tmp_path / "o")],
@@ -217,3 +240,21 @@ def test_sentences_stay_few_however_many_ranks():
     assert lines[0].startswith("Peak memory: 16.00 GiB allocated, 20.00 GiB reserved on rank 6 (step 5, from collector)")
     assert "the lowest of the 64 ranks peaks at 10.00 GiB" in lines[0]
     assert lines[1].startswith("Memory grows on rank(s) 3, 9: up to 10.00 MiB per step on rank 9")
+
+
+def test_growth_is_judged_on_the_throughput_lines_when_megatron_reported_once(tmp_path):
+    """Megatron reports memory once (after the first logging interval); DeepSpeed's throughput line carries
+    the running peak at every print: 1 GiB more each print, beyond the 0.01 GiB rounding."""
+    lines = ["[2024-01-01 00:00:00,000] [INFO] [logging.py:96:log_dist] [Rank 0] (after 10 iterations) memory (MB) | "
+             "allocated: 1024.0 | max allocated: 2048.0 | reserved: 4096.0 | max reserved: 4096.0"]
+    for k in range(1, 11):
+        lines.append(f"[2024-01-01 00:00:{k:02d},000] [INFO] [timer.py:264:stop] epoch=0/micro_step={10 * k}/global_step="
+                     f"{10 * k}, RunningAvgSamplesPerSec=50.0, CurrSamplesPerSec=50.0, MemAllocated=1.0GB, "
+                     f"MaxMemAllocated={2 + k}.0GB")
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "train.log").write_text("\n".join(lines) + "\n")
+    _, findings = _analysed(folder, tmp_path)
+    [judged] = findings["memory"]["growth"]
+    assert (judged["source"], judged["growing"], judged["first_step"], judged["last_step"]) == ("deepspeed_throughput", True, 29, 99)
+    assert judged["slope_bytes_per_step"] == pytest.approx(GIB / 10)  # 1 GiB every 10 steps

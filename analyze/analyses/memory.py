@@ -9,10 +9,13 @@ Three sources, each row saying which:
   collector never resets the peak, so a step's figure is the running peak up to that step (unless the
   job resets it: DeepSpeed's see_memory_usage does).
 * logs: DeepSpeed's see_memory_usage lines (peak since the previous call, which resets it; figures
-  rounded to 0.01 GiB) and Megatron's report_memory line (running peak after N iterations).
+  rounded to 0.01 GiB), its throughput line's MemAllocated / MaxMemAllocated (running peak at each
+  steps_per_print step, 0.01 GiB, no reserved figure) and Megatron's report_memory line (running peak
+  after N iterations).
 
-Growth is judged on one series per rank (the collector's, else the trace's, else the logs'), after
-the warm-up steps: the Theil-Sen slope of the peak over the steps, against the scatter around it.
+Growth is judged on one series per rank (the collector's, else the trace's, else the logs': the first
+with enough steps), after the warm-up steps: the Theil-Sen slope of the peak over the steps, against
+the scatter around it.
 An out-of-memory end is read from the run_status errors (the last exception of a failed run).
 """
 
@@ -33,7 +36,7 @@ MEMORY_BY_STEP = schema.table_spec(
     ("rank", pa.int64(), "Rank."),
     ("step", pa.int64(), "Optimizer step (ProfilerStep#N for traces); null: outside any step, or not said."),
     ("source", pa.string(), "trace ([memory] events) | collector (train_steps) | see_memory_usage | "
-                            "megatron_report_memory (log lines)."),
+                            "deepspeed_throughput | megatron_report_memory (log lines)."),
     ("label", pa.string(), "Where in the run, for log figures (see_memory_usage's message, e.g. After Building Model)."),
     ("peak_allocated_bytes", pa.int64(), "Largest allocated device memory: trace, the largest Total Allocated in the "
                                          "step; collector, max_memory_allocated at the step's end; logs, Max_MA."),
@@ -41,11 +44,12 @@ MEMORY_BY_STEP = schema.table_spec(
     ("peak_scope", pa.string(), "step (the peak within the step) | since_start (the process's running peak up to the "
                                 "step) | since_last_report (see_memory_usage: since its previous call)."),
     ("samples", pa.int64(), "[memory] events, train_steps rows or log lines behind the row."),
-    ("resolution_bytes", pa.int64(), "Rounding of the figures: 0 exact; 0.01 GiB for see_memory_usage."),
+    ("resolution_bytes", pa.int64(), "Rounding of the figures: 0 exact; 0.01 GiB for see_memory_usage and "
+                                     "deepspeed_throughput."),
 )
 
 # Series preferred for judging growth, best first: the collector sees every step, a trace a window.
-SERIES_ORDER = ("collector", "trace", "megatron_report_memory", "see_memory_usage")
+SERIES_ORDER = ("collector", "trace", "megatron_report_memory", "deepspeed_throughput", "see_memory_usage")
 # The first steps allocate the optimizer states and fill the caching allocator: not growth.
 WARM_UP_STEPS = 2
 MIN_GROWTH_STEPS = 4  # steps left after the warm-up to judge growth on
@@ -162,10 +166,21 @@ def out_of_memory(inputs: Inputs) -> dict | None:
     }
 
 
+def _host_run(inputs: Inputs, train_steps: pl.DataFrame) -> bool:
+    """A run on DeepSpeed's cpu accelerator, whose throughput line's MemAllocated is host memory: the log says
+    so, or the traces hold no device work, or the collector recorded no device."""
+    context = inputs.context
+    return (inputs.facts.get("ds_accelerator") == "cpu" or (context is not None and context.device_activity is False)
+            or (not train_steps.is_empty() and train_steps["max_allocated_bytes"].is_null().all()))
+
+
 def memory(inputs: Inputs) -> Output:
     train_steps = inputs.table("train_steps")
+    logged = _log_rows(inputs)
+    if _host_run(inputs, train_steps):
+        logged = logged.filter(pl.col("source") != "deepspeed_throughput")
     rows = pl.concat([frame.select(MEMORY_BY_STEP[0].names) for frame in
-                      (_trace_rows(inputs), _collector_rows(train_steps), _log_rows(inputs))], how="vertical_relaxed")
+                      (_trace_rows(inputs), _collector_rows(train_steps), logged)], how="vertical_relaxed")
     rows = rows.sort("rank", "source", "step", nulls_last=True)
     oom = out_of_memory(inputs)
     if rows.is_empty() and oom is None and train_steps.is_empty():
@@ -174,12 +189,13 @@ def memory(inputs: Inputs) -> Output:
         {"rank": r["rank"], "peak_allocated_bytes": r["peak_allocated_bytes"], "step": r["step"], "source": r["source"],
          "peak_reserved_bytes": rank_rows["peak_reserved_bytes"].max()}
         for rank_rows in rows.partition_by("rank", maintain_order=True)
-        for r in [rank_rows.sort("peak_allocated_bytes", descending=True, nulls_last=True).row(0, named=True)]
+        for r in [_peak_row(rank_rows)]
     ]
     growths = []
     for rank_rows in rows.partition_by("rank", maintain_order=True):
-        source = next(s for s in SERIES_ORDER if s in rank_rows["source"].to_list())
-        if judged := growth(rank_rows.filter(pl.col("source") == source)):
+        # the best series with enough steps (Megatron reports memory once; the throughput line every print)
+        present = [s for s in SERIES_ORDER if s in rank_rows["source"].to_list()]
+        if judged := next(filter(None, (growth(rank_rows.filter(pl.col("source") == s)) for s in present)), None):
             growths.append(judged)
     finding = {
         "sources": sorted(rows["source"].unique().to_list()),
@@ -188,6 +204,17 @@ def memory(inputs: Inputs) -> Output:
         "peak_by_rank": peaks, "growth": growths, "out_of_memory": oom,
     }
     return Output(tables={"memory_by_step": rows}, finding=finding)
+
+
+def _peak_row(rank_rows: pl.DataFrame) -> dict:
+    """The row of a rank's peak: the largest, unless a more exact figure is as large within the larger one's
+    rounding (Megatron's exact 7176.14 MiB against the throughput line's 7.01 GiB, which rounds 7.0079 up)."""
+    ordered = rank_rows.sort("peak_allocated_bytes", descending=True, nulls_last=True)
+    top = ordered.row(0, named=True)
+    if top["peak_allocated_bytes"] is None:
+        return top
+    near = ordered.filter(pl.col("peak_allocated_bytes") >= top["peak_allocated_bytes"] - top["resolution_bytes"])
+    return near.sort("resolution_bytes", "peak_allocated_bytes", descending=[False, True]).row(0, named=True)
 
 
 def size_text(num_bytes: float) -> str:

@@ -45,6 +45,7 @@ class RunContext:
     peak: mfu.Peak | None
     peak_problem: str | None
     world_size: int
+    device_activity: bool | None = None  # whether the traces hold device work; None without traces
 
 
 def _device(manifest: dict) -> tuple[str | None, int | None]:
@@ -144,14 +145,15 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     if facts.get("world_size") is None and manifest.get("world_size"):  # traces alone give it (distributedInfo)
         facts = {**facts, "world_size": manifest["world_size"]}
     device_name, num_sms = _device(manifest)
-    peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops, _device_activity(manifest))
+    device_activity = _device_activity(manifest)
+    peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops, device_activity)
     roof = op_perf.device_roof(device_name, num_sms)
     if mixed := _mixed_devices(manifest):
         roof = op_perf.Roof(problem=f"no roofline: {mixed}")
         if peak is None:
             peak_problem = f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
     context = RunContext(device_name, num_sms, mfu.match_device(device_name, num_sms) if device_name else None,
-                         roof, peak, peak_problem, manifest.get("world_size") or len(ranks))
+                         roof, peak, peak_problem, manifest.get("world_size") or len(ranks), device_activity)
     ordered = registry.ordered(ANALYSES)
     for analysis in ordered:
         for table in analysis.writes:

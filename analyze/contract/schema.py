@@ -270,16 +270,18 @@ MEMORY_USAGE, MEMORY_USAGE_DOC = _table(
     ("rank", pa.int64(), "Rank that printed it (see_memory_usage prints on rank 0 only)."),
     ("source", pa.string(), "Input file."),
     ("line", pa.int64(), "Line number of the figures in the file."),
-    ("origin", pa.string(), "see_memory_usage (DeepSpeed runtime/utils.py) | megatron_report_memory (Megatron's report_memory)."),
+    ("origin", pa.string(), "see_memory_usage (DeepSpeed runtime/utils.py) | deepspeed_throughput (its throughput line's "
+                            "MemAllocated / MaxMemAllocated) | megatron_report_memory (Megatron's report_memory)."),
     ("message", pa.string(), "Where it was printed: see_memory_usage's message line (e.g. After Building Model), or "
                              "Megatron's '(after N iterations)'."),
-    ("step", pa.int64(), "Optimizer step when the line says it (Megatron: after N iterations -> N - 1), else null."),
+    ("step", pa.int64(), "Optimizer step when the line says it (Megatron: after N iterations -> N - 1; throughput: "
+                         "global_step=N -> N - 1), else null."),
     ("allocated_bytes", pa.int64(), "Allocated device memory then (MA; Megatron 'allocated')."),
     ("max_allocated_bytes", pa.int64(), "Peak allocated since the previous reset (Max_MA; see_memory_usage resets it after printing)."),
-    ("reserved_bytes", pa.int64(), "Reserved (cached) device memory (CA; Megatron 'reserved')."),
+    ("reserved_bytes", pa.int64(), "Reserved (cached) device memory (CA; Megatron 'reserved'; null from a throughput line)."),
     ("max_reserved_bytes", pa.int64(), "Peak reserved (Max_CA, which DeepSpeed prints rounded to whole GiB; Megatron 'max reserved')."),
-    ("resolution_bytes", pa.int64(), "Rounding of the printed allocated/reserved figures: 0.01 GiB for see_memory_usage, "
-                                     "0 for Megatron's exact MiB."),
+    ("resolution_bytes", pa.int64(), "Rounding of the printed allocated/reserved figures: 0.01 GiB for see_memory_usage "
+                                     "and the throughput line, 0 for Megatron's exact MiB."),
     ("wall_ns", pa.int64(), "Time of the log line, ns since epoch (read as UTC), when stamped."),
 )
 

@@ -134,6 +134,7 @@ SUMMARY_OP = re.compile(r"^([A-Za-z_][\w]*(?: \| \[Caller Func: .*\])?)\s*$")
 RUNNER_CMD = re.compile(r"\[runner\.py:\d+:main\] cmd = ")
 WORLD_INFO = re.compile(r"\[launch\.py:\d+:main\] WORLD INFO DICT: (\{.*\})")
 MPI_RANK0 = re.compile(r"mpi_discovery\] Discovered MPI settings of world_rank=0, .*world_size=(\d+)")
+DS_ACCELERATOR = re.compile(r"\[real_accelerator\.py:\d+:\w+\] Setting ds_accelerator to (\w+)")
 DIST_WORLD_SIZE = re.compile(r"\[launch\.py:\d+:main\] dist_world_size=(\d+)")
 NUM_LOCAL_PROCS = re.compile(r"num_local_procs=(\d+)")
 NCCL_VERSION = re.compile(r"NCCL_VERSION=(\S+)")
@@ -558,6 +559,15 @@ def _throughput(state: LogState, m: re.Match, line: str) -> None:
                         ("MemAllocated_GB", m[6]), ("MaxMemAllocated_GB", m[7])):
         if value is not None:
             _scalar(state, rank, _engine_name(engine, name), float(value), steps, line)
+    if m[6] is not None and engine == 0:
+        # The device allocator's figures / 1024**3 rounded to 2 decimals (utils/timer.py): max_memory_allocated is
+        # the process's running peak (since its last reset: see_memory_usage resets it).
+        state.memory.append({
+            "rank": rank, "source": state.rel, "line": state.line_number(state.line_index), "origin": "deepspeed_throughput",
+            "message": None, "step": steps - 1 if steps else None, "allocated_bytes": round(float(m[6]) * GIB),
+            "max_allocated_bytes": round(float(m[7]) * GIB), "reserved_bytes": None, "max_reserved_bytes": None,
+            "resolution_bytes": SEE_MEMORY_RESOLUTION_BYTES, "wall_ns": _ts_ns(state, line, state.line_index),
+        })
 
 
 def _megatron_rank(state: LogState) -> int | None:
@@ -754,6 +764,8 @@ def _launcher_or_status(state: LogState, line: str, i: int) -> None:
         state.megatron_prints_from_rank0 = "model-parallel size" in m[0]
     elif (m := NUM_LOCAL_PROCS.search(line)) and "[launch.py" in line:
         state.run.local_procs = int(m[1])
+    elif m := DS_ACCELERATOR.search(line):
+        facts["ds_accelerator"] = m[1]
     elif m := NCCL_VERSION.search(line):
         facts.setdefault("nccl_version", m[1])
     elif m := DS_VERSION.search(line):
