@@ -258,3 +258,19 @@ def test_growth_is_judged_on_the_throughput_lines_when_megatron_reported_once(tm
     [judged] = findings["memory"]["growth"]
     assert (judged["source"], judged["growing"], judged["first_step"], judged["last_step"]) == ("deepspeed_throughput", True, 29, 99)
     assert judged["slope_bytes_per_step"] == pytest.approx(GIB / 10)  # 1 GiB every 10 steps
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "cuda"])
+def test_a_cpu_accelerators_throughput_memory_is_host_memory_and_left_out(tmp_path, accelerator):
+    """DeepSpeed's cpu accelerator answers memory_allocated() with the host process's memory: not device memory."""
+    lines = [f"[2024-01-01 00:00:00,000] [INFO] [real_accelerator.py:203:get_accelerator] Setting ds_accelerator to "
+             f"{accelerator} (auto detect)"]
+    lines += [f"[2024-01-01 00:00:0{k},000] [INFO] [timer.py:264:stop] epoch=0/micro_step={k}/global_step={k}, "
+              f"RunningAvgSamplesPerSec=50.0, CurrSamplesPerSec=50.0, MemAllocated=0.45GB, MaxMemAllocated=0.85GB"
+              for k in range(1, 4)]
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "train.log").write_text("\n".join(lines) + "\n")
+    _, findings = _analysed(folder, tmp_path)
+    recorded = findings["memory"]["device_memory_recorded"] if findings.get("memory") else False
+    assert recorded is (accelerator == "cuda")
