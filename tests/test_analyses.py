@@ -160,6 +160,8 @@ def test_generic_nccl_kernel_without_args_is_still_communication(tmp_path):
     ("Tesla V100-SXM2-32GB", 80, "v100-sxm"), ("Tesla V100-PCIE-16GB", 80, "v100-pcie"), ("NVIDIA L4", 58, "l4"),
     ("NVIDIA A10G", 80, "a10g"), ("NVIDIA L40S", 142, None), ("AMD Radeon Graphics", None, None),
     ("Quadro GP100", 56, None), ("NVIDIA H100", None, None),
+    # Grace Hopper and Grace Blackwell superchips are not their names' H200 / B200 (other memory, other clocks)
+    ("NVIDIA GH200 480GB", 132, None), ("NVIDIA GB200", 148, None), ("NVIDIA H200", 132, "h200-sxm"),
 ])
 def test_device_matching_is_explicit(name, sms, key):
     assert mfu.match_device(name, sms) == key

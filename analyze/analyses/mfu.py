@@ -89,15 +89,19 @@ DEVICE_RULES: list[tuple[str, str, int | None]] = [
     ("v100s-pcie", r"V100S", None),
     ("v100-pcie", r"V100.*PCIE", None),
     ("v100-sxm", r"V100.*SXM", None),
-    ("l4", r"(^|\s)L4($|\s)", None),
+    ("l4", r"L4($|\s)", None),
     ("a10g", r"A10G", None),
 ]
+
+
+# A model token starts a word: "NVIDIA GH200 480GB" (Grace Hopper) is no H200, "NVIDIA GB200" no B200.
+MODEL_START = r"(?<![A-Za-z0-9])"
 
 
 def match_device(name: str, num_sms: int | None = None) -> str | None:
     """Peak-table key for a device name (as in Kineto's deviceProperties), or None."""
     for key, pattern, sms in DEVICE_RULES:
-        if re.search(pattern, name, re.IGNORECASE) and (sms is None or sms == num_sms):
+        if re.search(MODEL_START + pattern, name, re.IGNORECASE) and (sms is None or sms == num_sms):
             return key
     return None
 
