@@ -259,6 +259,8 @@ def _noise_bound(values: pl.Series) -> float | None:
 
 
 def _warm_up(frame: pl.DataFrame) -> set[int]:
+    """The leading steps above the noise bound of every step not left out for another reason (the warm-up
+    steps among them), at most half of those steps."""
     candidates = frame.filter(pl.col("reason").is_null()).sort("step")
     bound = _noise_bound(candidates["step_time_ns"])
     if bound is None:
