@@ -192,6 +192,8 @@ IDLE_CAUSE_WORDS = {"host_bound": "host-bound: the GPU waited for the CPU to lau
 
 def gpu_idle_lines(f: dict) -> list[str]:
     idle = f.get("gpu_idle") or {}
+    if idle.get("runtime_calls_without_device_work"):
+        return [f"GPU idle: not measured: {idle['note']}."]
     if idle.get("idle_share") is None:
         return []
     cause = f"; main cause {IDLE_CAUSE_WORDS[idle['main_cause']]}" if idle.get("main_cause") in IDLE_CAUSE_WORDS else ""
@@ -200,6 +202,8 @@ def gpu_idle_lines(f: dict) -> list[str]:
 
 
 def collective_lines(f: dict) -> list[str]:
+    if (f.get("gpu_idle") or {}).get("runtime_calls_without_device_work"):
+        return []  # no device work recorded: no collective kernels to find either (the GPU idle line says so)
     if top := f.get("most_exposed_collective"):
         bandwidth = f" at a median busbw of {top['busbw_gbps']:.1f} GB/s" if top.get("busbw_gbps") is not None else ""
         message = f" of {size(top['bytes'])}" if top.get("bytes") is not None else " (message size not in the traces)"

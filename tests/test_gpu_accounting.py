@@ -217,3 +217,25 @@ def test_windows_of_one_process_share_a_rank_without_error(tmp_path):
     windows = _table(out, "gpu_idle").filter(pl.col("step").is_null())
     assert windows.height == 2 and sorted(windows["source"].to_list()) == ["w1_rank0.json", "w2_rank0.json"]
     assert json.loads((out / "findings.json").read_text())["gpu_idle"]["idle_share"] == 0
+
+
+@pytest.mark.parametrize("launches", [0, 5])
+def test_launches_without_recorded_device_work_say_the_gpu_was_not_measured(tmp_path, launches):
+    """A real 2023 A100 trace held 268 launch calls and not one kernel (the profiler ran without its CUDA
+    activities): the headline said nothing about the GPU and 'no collectives in the traces'."""
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0, "dur": 1000},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10, "dur": 500}]
+    events += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": 20 + 10 * k, "dur": 5,
+                "args": {"correlation": k + 1}} for k in range(launches)]
+    events += [{"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "pid": 1, "tid": 1, "ts": 300, "dur": 5,
+                "args": {"correlation": 99}}] if launches else []
+    write_trace(tmp_path / "run" / "rank0.pt.trace.json", events)
+    result = CliRunner().invoke(analyze, [str(tmp_path / "run"), "--out", str(tmp_path / "out")])
+    findings = json.loads((tmp_path / "out" / "findings.json").read_text())
+    text = " ".join(result.output.split())
+    if launches:
+        assert findings["gpu_idle"]["runtime_calls_without_device_work"] == launches + 1  # 5 runtime + 1 driver call
+        assert "GPU idle: not measured: the traces hold 6 CUDA/HIP runtime and driver calls" in text
+        assert "no collectives in the traces" not in text
+    else:
+        assert "runtime_calls_without_device_work" not in findings["gpu_idle"] and "GPU idle" not in text

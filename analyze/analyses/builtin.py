@@ -115,7 +115,8 @@ def _idle(inputs: Inputs) -> Output:
         return Output(findings={"traces": NO_TRACES})
     sync_points = inputs.table("_sync_points")
     return Output(tables={"sync_points": sync_points.sort("idle_caused_ns", descending=True).head(launch.SYNC_POINTS)},
-                  findings={"gpu_idle": launch.idle_finding(inputs.table("gpu_idle"))})
+                  findings={"gpu_idle": launch.idle_finding(inputs.table("gpu_idle"),
+                                                            inputs.context.runtime_calls if inputs.context else 0)})
 
 
 def _top_kernels(inputs: Inputs) -> Output:

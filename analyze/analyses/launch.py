@@ -220,10 +220,16 @@ def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
 MAIN_CAUSE_MIN_IDLE_SHARE = 0.01
 
 
-def idle_finding(idle: pl.DataFrame) -> dict:
+def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0) -> dict:
     """Device idle share over the whole profiled windows (the whole-window rows of gpu_idle); its main cause
-    where the idle is at least MAIN_CAUSE_MIN_IDLE_SHARE of them."""
+    where the idle is at least MAIN_CAUSE_MIN_IDLE_SHARE of them. `runtime_calls`: the traces' CUDA/HIP
+    runtime and driver calls, which say a GPU was used where no device activity was recorded."""
     windows = idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_null())
+    if windows.is_empty() and runtime_calls:
+        return {"idle_share": None, "runtime_calls_without_device_work": runtime_calls,
+                "note": f"the traces hold {runtime_calls:,} CUDA/HIP runtime and driver calls (launches among them) but no kernel, "
+                        "copy or memset: the profiler recorded the launches, not the GPU's work (ProfilerActivity.CUDA "
+                        "off, or CUPTI lost its records), so GPU idle, kernels and collectives cannot be measured"}
     if windows.is_empty():
         return {"idle_share": None, "note": "no device activity in the traces (CPU-only or no kernels)"}
     totals = windows.select(pl.col("span_ns", "idle_ns", "host_bound_ns", "sync_ns", "other_ns").sum()).row(0, named=True)

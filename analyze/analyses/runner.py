@@ -46,6 +46,7 @@ class RunContext:
     peak_problem: str | None
     world_size: int
     device_activity: bool | None = None  # whether the traces hold device work; None without traces
+    runtime_calls: int = 0  # CUDA/HIP runtime and driver calls in the traces (launches among them)
 
 
 def _device(manifest: dict) -> tuple[str | None, int | None]:
@@ -78,6 +79,11 @@ def _mixed_devices(manifest: dict) -> str | None:
         return None
     shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return f"the traces name {len(names)} device models ({shown}), so the run has no one peak"
+
+
+def _kind_count(manifest: dict, kind: str) -> int:
+    return sum(s["kind_counts"].get(kind, 0) for s in manifest.get("sources", [])
+               if isinstance(s, dict) and isinstance(s.get("kind_counts"), dict))
 
 
 def _device_activity(manifest: dict) -> bool | None:
@@ -153,7 +159,8 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
         if peak is None:
             peak_problem = f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
     context = RunContext(device_name, num_sms, mfu.match_device(device_name, num_sms) if device_name else None,
-                         roof, peak, peak_problem, manifest.get("world_size") or len(ranks), device_activity)
+                         roof, peak, peak_problem, manifest.get("world_size") or len(ranks), device_activity,
+                         _kind_count(manifest, "cuda_runtime") + _kind_count(manifest, "cuda_driver"))
     ordered = registry.ordered(ANALYSES)
     for analysis in ordered:
         for table in analysis.writes:
