@@ -49,7 +49,7 @@ def report_blocks(finding: dict | None) -> list[tuple[str, object]]:
     if finding.get("note"):
         blocks.append(("text", finding["note"] + "."))
     if finding.get("top_ops"):
-        blocks.append(("text", "Top ops by device time and their place on the roofline (" + finding["top_ops_definition"] + "):"))
+        blocks.append(("text", "Top modeled ops by device time and their place on the roofline (" + finding["top_ops_definition"] + "):"))
         if finding.get("roof"):
             blocks.append(("figure", ("roofline_scatter", finding["top_ops"], finding["roof"])))
             blocks.append(("text", "Roofs: " + finding["roof"]["label"] + "."))
@@ -65,10 +65,10 @@ def report_blocks(finding: dict | None) -> list[tuple[str, object]]:
 
 
 def summary_lines(finding: dict | None, escape) -> list[str]:
-    """Lines for summary.md: the three busiest ops and the three modules furthest below peak."""
+    """Lines for summary.md: the three busiest modeled ops and the three modules furthest below peak."""
     if not finding or not (finding.get("top_ops") or finding.get("modules_below_peak")):
         return []
-    lines = ["**Roofline** (top ops by device time" + ("" if finding.get("roof") else "; " + escape(finding.get("note") or "")) + ")", ""]
+    lines = ["**Roofline** (top modeled ops by device time" + ("" if finding.get("roof") else "; " + escape(finding.get("note") or "")) + ")", ""]
     lines += [f"- {escape(op_line(op))}" for op in finding.get("top_ops", [])[:3]]
     below = [m for m in finding.get("modules_below_peak", []) if m.get("fraction_of_peak") is not None][:3]
     lines += [f"- module {escape(module_line(m))}" for m in below]

@@ -237,11 +237,11 @@ def module_line(module: dict) -> str:
 
 
 def roofline_lines(f: dict) -> list[str]:
-    """The busiest op and the module furthest below peak."""
+    """The busiest modeled op and the module furthest below peak."""
     finding = f.get("roofline") or {}
     lines = []
     if top := (finding.get("top_ops") or [None])[0]:
-        lines.append(f"Busiest op: {op_line(top, finding.get('note'))}.")
+        lines.append(f"Busiest modeled op: {op_line(top, finding.get('note'))}.")
     if rated := [m for m in finding.get("modules_below_peak") or [] if m.get("fraction_of_peak") is not None]:
         lines.append(f"Module furthest below peak: {module_line(rated[0])}.")
     return lines

@@ -375,7 +375,7 @@ def test_report_and_summary_show_the_roofline_with_names_escaped(tmp_path):
     analyse(trace.parent, out, jobs=1)
     from steplens.reports import html, markdown
     page = html.render(out)
-    assert "Top ops by device time" in page and "roof bf16: 989.5 TFLOP/s, 3.35 TB/s" in page  # the scatter's roof
+    assert "Top modeled ops by device time" in page and "roof bf16: 989.5 TFLOP/s, 3.35 TB/s" in page  # the scatter's roof
     assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;_0" in page
     summary = markdown.render(out)
     assert "**Roofline**" in summary and "aten::mm" in summary and "<script>" not in summary
@@ -390,7 +390,7 @@ def test_terminal_names_the_busiest_op_and_the_module_furthest_below_peak(tmp_pa
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())  # lines are wrapped at the terminal width
     # 4 mm calls, 10 + 30 + 6 + 4 us; peak bf16 989.5 TFLOP/s over 3.35 TB/s
-    assert "Busiest op: aten::mm (64x128, 128x32) x4: 0.050 ms, memory-bound" in text
+    assert "Busiest modeled op: aten::mm (64x128, 128x32) x4: 0.050 ms, memory-bound" in text
     assert "Module furthest below peak: Model_0/Block_0" in text
 
 

@@ -27,8 +27,10 @@ def roofline_finding(op_totals: pl.DataFrame, modules: pl.DataFrame, module_mfu:
         "top_ops": top.select("name", "family", "shapes", "dtype", "calls", "ranks", "device_ns", "flops", "bytes",
                               "achieved_tflops", "achieved_tbps", "intensity", "bound", "fraction_of_peak").to_dicts()
         if not top.is_empty() else [],
-        "top_ops_definition": "ops not nested in another op with a FLOPs/bytes model, grouped by name, shapes and dtype, "
-                              "summed over ranks; device time = device work launched under the op (nested ops included)",
+        "top_ops_definition": "ops with a FLOPs/bytes model (ops without one, such as cuDNN's convolution backward "
+                              "before PyTorch 1.11, are not ranked) not nested in another such op, grouped by name, "
+                              "shapes and dtype, summed over ranks; device time = device work launched under the op "
+                              "(nested ops included)",
         "modules_below_peak": _modules_below_peak(modules, module_mfu, roof.flops.get(dtype)),
         "modules_definition": MODULE_FRACTION_DEFINITION + f" ({dtype})",
         "time_by_op_family": _family_shares(family_time),
