@@ -232,6 +232,10 @@ def test_ranks_on_two_device_models_get_no_one_peak_and_are_told_so(tmp_path):
     events = [
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "pid": 1, "tid": 1, "ts": 0, "dur": 1000},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10, "dur": 100, "args": {"flops": 4.0e11}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": 20, "dur": 5,
+         "args": {"correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": "sm80_gemm", "pid": 0, "tid": 7, "ts": 30, "dur": 50,
+         "args": {"correlation": 1, "stream": 7, "device": 0}},
     ]
     for rank, name in ((0, "NVIDIA A100-SXM4-80GB"), (1, "NVIDIA H100 80GB HBM3")):
         write_trace(tmp_path / "run" / f"rank{rank}.json", events, deviceProperties=[{"id": 0, "name": name}],
@@ -415,3 +419,16 @@ def test_launch_summary_orders_launch_apis_with_equal_counts_the_same_whatever_t
         summary = launch.launch_summary(frame[order])
         assert summary["launch_api"].to_list() == ["cudaLaunchKernel", "cudaMemcpyAsync"]
         assert summary.filter(pl.col("launch_api") == "cudaLaunchKernel")["queue_ns_median"].item() == 0  # clipped at 0
+
+
+def test_the_roofline_note_says_why_there_is_none_without_traces_or_without_gpu_work(tmp_path):
+    """A log-only run said 'no device name in the traces: no memory roof', which blames a device name."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "train.log").write_text("[2024-01-01 00:00:00,000] [INFO] [logging.py:96:log_dist] [Rank 0] step=1, skipped=0, "
+                                    "lr=[0.001], mom=[(0.9, 0.999)]\n")
+    assert analyse(logs, jobs=1)[1]["roofline"]["note"] == "no roofline: no profiler traces"
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "pid": 1, "tid": 1, "ts": 0, "dur": 1000},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10, "dur": 100}]
+    write_trace(tmp_path / "cpu" / "t.json", events)
+    assert analyse(tmp_path / "cpu", jobs=1)[1]["roofline"]["note"] == "no roofline: the traces hold no GPU work"

@@ -153,11 +153,15 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     device_name, num_sms = _device(manifest)
     device_activity = _device_activity(manifest)
     peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops, device_activity)
-    roof = op_perf.device_roof(device_name, num_sms)
-    if mixed := _mixed_devices(manifest):
+    roof, mixed = op_perf.device_roof(device_name, num_sms), _mixed_devices(manifest)
+    if device_activity is None:  # the ops and their device time come from the traces
+        roof = op_perf.Roof(problem="no roofline: no profiler traces")
+    elif device_activity is False:
+        roof = op_perf.Roof(problem="no roofline: the traces hold no GPU work")
+    elif mixed:
         roof = op_perf.Roof(problem=f"no roofline: {mixed}")
-        if peak is None:
-            peak_problem = f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
+    if mixed and peak is None:
+        peak_problem = f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
     context = RunContext(device_name, num_sms, mfu.match_device(device_name, num_sms) if device_name else None,
                          roof, peak, peak_problem, manifest.get("world_size") or len(ranks), device_activity,
                          _kind_count(manifest, "cuda_runtime") + _kind_count(manifest, "cuda_driver"))
