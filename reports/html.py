@@ -260,11 +260,14 @@ def _kernels_section(run: Run) -> dict:
     return section
 
 
+def _sentence(note: str) -> str:
+    return note[0].upper() + note[1:] + ("" if note.endswith(".") else ".")
+
+
 def _collectives_section(run: Run) -> dict:
     summary, sites, logged = run.table("collective_summary"), run.table("collective_call_sites"), run.table("comms_log_stats")
     if summary.is_empty() and logged.is_empty():
-        note = run.findings.get("comms_note") or "No collectives recorded."
-        return Section("Collectives", "collectives", empty=note[0].upper() + note[1:] + ("" if note.endswith(".") else "."))
+        return Section("Collectives", "collectives", empty=_sentence(run.findings.get("comms_note") or "No collectives recorded."))
     section = Section("Collectives", "collectives")
     if not summary.is_empty():
         if summary["busbw_median_gbps"].is_not_null().any():
@@ -500,9 +503,11 @@ def render(out_dir: Path, drawer=draw) -> str:
     if not run.manifest.get("trace_ranks"):  # one line for every picture that needs traces
         sections = [Section("Where one step's time went", "time", empty=_no_traces(run)), _steps_section(run)]
         sections += [s for s in [_collectives_section(run)] if s.get("empty") is None]  # logged comms
-    elif run.table("kernel_launches", ["queue_ns"]).is_empty():  # CPU-only traces: no device pictures
-        sections = [Section("Where one step's time went", "time", empty=NO_DEVICE_WORK), _steps_section(run),
-                    _collectives_section(run)]
+    elif run.table("kernel_launches", ["queue_ns"]).is_empty():  # no device work recorded: no device pictures
+        unrecorded = (run.findings.get("gpu_idle") or {}).get("runtime_calls_without_device_work")
+        empty = _sentence(run.findings["gpu_idle"]["note"]) if unrecorded else NO_DEVICE_WORK
+        sections = [Section("Where one step's time went", "time", empty=empty), _steps_section(run)]
+        sections += [] if unrecorded else [_collectives_section(run)]  # no collective kernels could be seen
     else:
         sections = [_time_section(run), _steps_section(run), _cpu_gpu_section(run), _kernels_section(run),
                     _collectives_section(run)]

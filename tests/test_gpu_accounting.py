@@ -237,5 +237,8 @@ def test_launches_without_recorded_device_work_say_the_gpu_was_not_measured(tmp_
         assert findings["gpu_idle"]["runtime_calls_without_device_work"] == launches + 1  # 5 runtime + 1 driver call
         assert "GPU idle: not measured: the traces hold 6 CUDA/HIP runtime and driver calls" in text
         assert "no collectives in the traces" not in text
+        page = (tmp_path / "out" / "report.html").read_text()
+        assert "The traces hold 6 CUDA/HIP runtime and driver calls" in page and "a CPU-only run" not in page
+        assert ">Collectives</h2>" not in page
     else:
         assert "runtime_calls_without_device_work" not in findings["gpu_idle"] and "GPU idle" not in text
