@@ -384,3 +384,30 @@ def test_a_log_that_names_no_rank_shows_none_not_rank_0(tmp_path):
     findings, lines = analyse(tmp_path / "run", tmp_path / "out")
     assert findings["step_time"]["median_ns"] == 1_212_750_000
     assert "ranks **none**" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_deepspeeds_pipeline_engine_lines_give_interval_mean_step_times(tmp_path):
+    """runtime/pipe/engine.py prints "steps: N loss: L iter time (s): T samples/sec: S" from global rank 0 every
+    steps_per_print steps, T the mean over the interval (lines in its format, values chosen by hand)."""
+    from click.testing import CliRunner
+    from steplens.analyze.cli import analyze
+
+    times = [0.912, 0.501, 0.498, 0.503, 0.760, 0.499]  # the first interval holds start-up
+    lines = [f"steps: {10 * (k + 1)} loss: {2.5 - 0.1 * k:.4f} iter time (s): {t:.3f} samples/sec: {32 / t:.3f}"
+             for k, t in enumerate(times)]
+    lines.insert(3, "steps: 40 loss: 2.2000 moe_loss: 0.0100 iter time (s): 0.502 samples/sec: 63.745")  # extra losses
+    del lines[4]
+    times[3] = 0.502
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(analyze, [str(run), "--out", str(tmp_path / "out"), "-q"])
+    assert result.exit_code in (0, 1), result.output
+    table = pl.read_parquet(tmp_path / "out" / "step_time")
+    assert table.sort("step").select("step", "step_time_ns").rows() == [(10 * (k + 1) - 1, round(t * 1e9)) for k, t in enumerate(times)]
+    findings = json.loads((tmp_path / "out" / "findings.json").read_text())["step_time"]
+    kept = sorted(times[1:])  # the first interval (0.912 s) is warm-up: above median + max(3.5 MAD/0.6745, 5%)
+    assert findings["steps"] == 5 and findings["median_ns"] == round(statistics.median(kept) * 1e9)
+    assert findings["interval_means"] and "pipeline engine" in findings["definition"]
+    text = " ".join(result.output.split())
+    assert "(step 49, the log's steps: 50)" in text  # 0.760 s, the slowest kept

@@ -34,7 +34,8 @@ class StepSamples:
 
 # Which input table each step_time definition comes from: dropped to fall back to the next source.
 _INPUT_OF_DEFINITION = {"collector": "train_steps", "log_train_steps": "train_steps", "log_timers": "step_timers",
-                        "log_throughput": "scalars", "log_megatron": "scalars", "profiler_steps": "profiler_steps"}
+                        "log_throughput": "scalars", "log_megatron": "scalars", "log_pipeline": "scalars",
+                        "profiler_steps": "profiler_steps"}
 
 
 def step_samples(run) -> list[StepSamples]:

@@ -70,10 +70,11 @@ LISTED_STEPS = 50  # excluded steps listed per reason in findings.json (the tabl
 
 GLOBAL_TIMERS = ({"fwd", "forward"}, {"bwd", "backward"}, {"step"})  # names before DeepSpeed 0.9 in the first set
 MEGATRON_ITERATION = "elapsed time per iteration (ms)"
+PIPELINE_ITERATION = "iter time (s)"  # DeepSpeed's pipeline engine
 # How a log prints 0-based step s of each log source: after s + 1 steps are done, as "iteration s+1" (Megatron),
 # "global_step=s+1" (the throughput line) or "step=s+1" (the step line, printed before step s's timer line).
 LOG_STEP_LABELS = {"log_megatron": "iteration", "log_throughput": "global_step=", "log_timers": "step=",
-                   "log_train_steps": "step="}
+                   "log_train_steps": "step=", "log_pipeline": "steps:"}
 DEFINITIONS = {
     "collector": "collector train_steps: per optimizer step, the slowest rank's sum of its micro steps "
                  "(forward start to the end of engine.step())",
@@ -82,6 +83,7 @@ DEFINITIONS = {
     "log_throughput": "DeepSpeed throughput line: train_batch_size / CurrSamplesPerSec (rank 0's fwd-to-step time "
                       "of that step), every steps_per_print steps",
     "log_megatron": "Megatron 'elapsed time per iteration': mean iteration time over each logging interval",
+    "log_pipeline": "DeepSpeed pipeline engine 'iter time (s)': mean iteration time over each steps_per_print interval",
     "profiler_steps": "ProfilerStep#N windows in the traces, slowest rank (every one ran the profiler)",
 }
 COLUMNS = {
@@ -160,6 +162,11 @@ def _from_scalars(scalars: pl.DataFrame, facts: dict) -> tuple[pl.DataFrame, str
         return iteration.group_by("step").agg(
             step_time_ns=(pl.col("value") * 1e6).round().cast(pl.Int64).max(), slowest_rank=pl.col("rank").first(),
             ranks=pl.col("rank").n_unique().cast(pl.Int64)), "log_megatron"
+    iteration = logged.filter(pl.col("name") == PIPELINE_ITERATION)
+    if not iteration.is_empty():
+        return iteration.group_by("step").agg(
+            step_time_ns=(pl.col("value") * 1e9).round().cast(pl.Int64).max(), slowest_rank=pl.col("rank").first(),
+            ranks=pl.col("rank").n_unique().cast(pl.Int64)), "log_pipeline"
     return pl.DataFrame(), ""
 
 
@@ -336,7 +343,7 @@ def step_time_summary(table: pl.DataFrame) -> dict:
         "max_step": kept.sort("step_time_ns", "step", descending=[True, False])["step"][0] if values else None,
         "excluded_steps": excluded,
         # Megatron logs one mean per logging interval: each value stands for several steps.
-        "interval_means": table["definition"][0] == DEFINITIONS["log_megatron"],
+        "interval_means": table["definition"][0] in (DEFINITIONS["log_megatron"], DEFINITIONS["log_pipeline"]),
         "log_step_label": LOG_STEP_LABELS.get(next((k for k, d in DEFINITIONS.items() if d == table["definition"][0]), "")),
     }
     if not values:

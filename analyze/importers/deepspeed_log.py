@@ -30,6 +30,7 @@ Steps. `step` is the 0-based optimizer step everywhere, as in `train_steps`:
   train_batch_size.
 * Megatron-DeepSpeed `iteration N/ M | consumed samples: ... | ...`: step = N - 1,
   global_samples / global_tokens = its consumed samples / tokens.
+* the pipeline engine's `steps: N loss: L ... iter time (s): T samples/sec: S`: step = N - 1.
 
 Comms. Verbose comms-logger lines (`comm op: <record> | time (ms): ... | msg size: ...`, rank 0,
 log_level info) become comms_calls; on DeepSpeed >= 0.18.3 the times are running totals per record
@@ -108,6 +109,9 @@ STEP_LINE = re.compile(r"\[Rank (-?\d+)\] step=(\d+), skipped=(\d+), lr=\[([^\]]
 THROUGHPUT_LINE = re.compile(
     rf"(?:epoch=\d+/micro_step=\d+/global_step=(\d+)|\b\d+/(\d+)), (?:RunningAvgSamplesPerSec=({NUM}), "
     rf"CurrSamplesPerSec=({NUM})|SamplesPerSec=({NUM}))(?:, MemAllocated=({NUM})GB, MaxMemAllocated=({NUM})GB)?")
+# runtime/pipe/engine.py train_batch, printed by global rank 0 every steps_per_print steps: "steps: N loss: L
+# [other losses: v ...] iter time (s): T samples/sec: S", T the mean over the steps since the last print.
+PIPELINE_LINE = re.compile(rf"(?:^|\s)steps: (\d+) loss: ({NUM}) (?:.*? )?iter time \(s\): ({NUM}) samples/sec: ({NUM})")
 # runtime/utils.py see_memory_usage: the message line, then "MA x GB Max_MA x GB CA x GB Max_CA x GB", each
 # bytes / (1024 * 1024 * 1024) rounded to 2 decimals (Max_CA to a whole number); printed on rank 0 only.
 SIZE = r"\d{1,12}(?:\.\d{1,20})?"  # a memory figure as printed (no sign, exponent or nan)
@@ -256,10 +260,11 @@ def claims(path: Path) -> bool:
 
 def _has_a_record(text: str) -> bool:
     return bool(LOGGER_LINE.search(text) or TIMER_LINE.search(text) or SUMMARY_HEADER.search(text)
-                or MEGATRON_ITERATION.search(text))
+                or MEGATRON_ITERATION.search(text) or PIPELINE_LINE.search(text))
 
 
-RECORD_MARKERS = (b"] [", b"time (ms)", b"iteration")  # in every line _has_a_record finds past the file's start
+# in every line _has_a_record finds past the file's start
+RECORD_MARKERS = (b"] [", b"time (ms)", b"iteration", b"iter time (s)")
 
 
 def split_lines(text: str) -> tuple[list[str], list[int]]:
@@ -411,6 +416,8 @@ def _read_line(state: LogState, lines: list[str], i: int) -> int:
         _step(state, m, i)
     elif m := THROUGHPUT_LINE.search(line):
         _throughput(state, m, line)
+    elif m := PIPELINE_LINE.search(line):
+        _pipeline(state, m, line)
     elif m := MEGATRON_LINE.match(line):
         _megatron(state, m, line)
     elif m := MEGATRON_TIMER_LINE.match(line):
@@ -549,6 +556,12 @@ def _step(state: LogState, m: re.Match, i: int) -> None:
             _scalar(state, rank, _engine_name(engine, "lr"), float(lrs[0]), steps_done, line)
         except ValueError:
             state.garbled.add(i)
+
+
+def _pipeline(state: LogState, m: re.Match, line: str) -> None:
+    rank, steps_done = _rank(state, line), int(m[1])
+    for name, value in (("loss", m[2]), ("iter time (s)", m[3]), ("samples/sec", m[4])):
+        _scalar(state, rank, name, float(value), steps_done, line)
 
 
 def _engine_name(engine: int, name: str) -> str:
