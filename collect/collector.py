@@ -26,7 +26,7 @@ from pathlib import Path
 
 from steplens.analyze.contract import alarm_rules, layout
 
-from . import environment
+from . import environment, model_shape
 from .comms import CommsRecorder, with_bandwidth
 from .parts import PartWriter
 
@@ -61,6 +61,12 @@ class Settings:
     profile: dict | None = None  # torch.profiler schedule: skip_first, wait, warmup, active, repeat (>= 1)
     profile_with_stack: bool = False
     profile_with_modules: bool = False  # module hierarchy in the profiler window (with_modules)
+    # Release CUPTI after each profiler window (PyTorch's TEARDOWN_CUPTI=1); None: yes, unless the job sets
+    # TEARDOWN_CUPTI itself or uses CUDA graphs. Left attached, CUPTI slowed every later step of a real
+    # H200 ZeRO-3 job by ~45% (pytorch/pytorch#144455).
+    cupti_teardown: bool | None = None
+    model_layers: int | None = None  # the model's transformer layers and hidden size, for the analytic MFU
+    model_hidden: int | None = None  # numerator, where the model's config or structure does not give them
     comms: bool = True  # one record per deepspeed.comm call
     comms_synchronize: bool = True  # wait for async / device-queued ops so the latency covers the transfer
     scalars_all_ranks: bool = False  # scalars from every rank, not only rank 0
@@ -109,6 +115,7 @@ class Collector:
         self.flops_step = settings.flops_step
         self.profiler = None
         self.profiler_steps_left = 0
+        self.profiler_facts: dict = {}  # what the collector did about the profiler's own cost (manifest "profiler")
         self.comms = None
         self.restore: list[tuple[object, str, object]] = []  # (owner, attribute, value before) for close
         self.started_ns = time.time_ns()
@@ -202,6 +209,38 @@ class Collector:
 
     # --- windows and flushes ----------------------------------------------------------------------
 
+    def uses_cuda_graphs(self) -> str | None:
+        """Why the job may replay CUDA graphs (CUPTI teardown then crashes on re-init, PyTorch's FIXME in
+        torch/profiler/profiler.py), or None."""
+        inductor = sys.modules.get("torch._inductor.config")
+        if inductor is not None and getattr(getattr(inductor, "triton", None), "cudagraphs", False):
+            return "torch.compile with CUDA graphs (inductor triton.cudagraphs)"
+        return None
+
+    def release_cupti(self) -> None:
+        """Arrange for Kineto to release CUPTI after each window: it reads TEARDOWN_CUPTI at every teardown.
+        torch.compile(mode="reduce-overhead") sets TEARDOWN_CUPTI=0 itself (CUDA graphs), which is kept."""
+        import torch
+
+        if not torch.cuda.is_available():
+            self.profiler_facts = {"cupti_teardown": None, "cupti_teardown_by": "no CUDA device: no CUPTI"}
+            return
+        graphs = self.uses_cuda_graphs()
+        if "TEARDOWN_CUPTI" in os.environ:
+            decided = (os.environ["TEARDOWN_CUPTI"] == "1", "the job's environment (TEARDOWN_CUPTI)")
+        elif self.settings.cupti_teardown is not None:
+            decided = (self.settings.cupti_teardown, "the collector's cupti_teardown setting")
+        elif graphs:
+            decided = (False, f"left attached: the job uses CUDA graphs ({graphs}), which crash on CUPTI re-init")
+        else:
+            decided = (True, "the collector (TEARDOWN_CUPTI=1)")
+        if decided[0] and "TEARDOWN_CUPTI" not in os.environ:
+            os.environ["TEARDOWN_CUPTI"] = "1"
+        self.profiler_facts = {"cupti_teardown": decided[0], "cupti_teardown_by": decided[1], "cuda_graphs": graphs}
+        if not decided[0]:
+            log.warning("steplens collector: CUPTI stays attached after the profiler windows (%s): later steps may "
+                        "run slower; analyze measures it (profiler_after_effect)", decided[1])
+
     def start_profiler(self) -> None:
         import torch
         import torch.profiler as tp
@@ -210,6 +249,7 @@ class Collector:
         activities = [tp.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(tp.ProfilerActivity.CUDA)
+        self.release_cupti()
         traces = self.run_dir / "traces"
         traces.mkdir(parents=True, exist_ok=True)
         self.profiler = tp.profile(
@@ -276,7 +316,7 @@ class Collector:
             "flushes": self.writer.seq, "rows_written": dict(self.writer.rows_written),
             "dropped_rows": dict(self.writer.dropped_rows), "rejected_values": dict(self.rejected_values),
             "disabled": dict(self.disabled), "flags": self.flags, "host": self.host, "run": self.run_facts,
-            "alarms": None if self.alarms is None else self.alarms.summary(),
+            "alarms": None if self.alarms is None else self.alarms.summary(), "profiler": self.profiler_facts,
         }
 
     def write_manifest(self) -> None:
@@ -406,6 +446,8 @@ class EngineCollector(Collector):
             "micro_batch": e.train_micro_batch_size_per_gpu(), "grad_accum": e.gradient_accumulation_steps(),
             "train_batch_size": e.train_batch_size(), "seq_len": self.settings.seq_len,
             "param_count": sum(getattr(p, "ds_numel", p.numel()) for p in e.module.parameters()),
+            "model_shape": self.guard("manifest", model_shape.describe, e.module, self.settings.model_layers,
+                                      self.settings.model_hidden),
             "ds_config": config, "wall_clock_breakdown": bool(e.wall_clock_breakdown()),
         }
 
@@ -577,6 +619,8 @@ class TorchCollector(Collector):
     def attach(self) -> None:
         self.run_facts_extra = {
             "param_count": sum(p.numel() for p in self.model.parameters()), "seq_len": self.settings.seq_len,
+            "model_shape": self.guard("manifest", model_shape.describe, self.model, self.settings.model_layers,
+                                      self.settings.model_hidden),
             "train_batch_size": self.settings.samples_per_step,
         }
         self.handles = [

@@ -389,24 +389,23 @@ def _overlap(a: Source, b: Source) -> bool:
 
 
 def _reject_duplicate_ranks(sources: list[Source]) -> None:
-    """Two traces of one rank that cover the same time (overlapping time spans, byte-identical copies,
-    the same ProfilerStep numbers, or the same baseTimeNanoseconds) are never merged: the later one is
-    an error and skipped. Profiler windows of one process share a rank but neither time nor steps."""
+    """Two traces of one rank that cover the same time (overlapping time spans, byte-identical copies or
+    the same ProfilerStep numbers) are never merged: the later one is an error and skipped. Profiler
+    windows of one process (torch.profiler's repeat >= 2: one file per window, each with the process's
+    baseTimeNanoseconds) share a rank and a base time, but neither host-clock time nor steps: all kept."""
     kept: dict[int, list[Source]] = {}
     for s in sources:
         if s.rank is None or s.status not in ("ingested", "reused") or s.kind not in importers.TRACE_KINDS:
             continue
-        base = s.trace_meta.get("base_time_ns")
         twin = next((k for k in kept.get(s.rank, []) if (k.size, k.hash_prefix) == (s.size, s.hash_prefix)
-                     or _overlap(k, s) or set(k.steps) & set(s.steps)
-                     or (base and k.trace_meta.get("base_time_ns") == base)), None)
+                     or _overlap(k, s) or set(k.steps) & set(s.steps)), None)
         if twin is None:
             kept.setdefault(s.rank, []).append(s)
             continue
         s.status = "error"
         s.issues.append(["error", "duplicate_rank", 1,
-                         f"claims rank {s.rank} for the same time as {twin.path} (overlapping time, identical file, the same "
-                         "profiler steps or the same start time); skipped, not merged into that rank"])
+                         f"claims rank {s.rank} for the same time as {twin.path} (overlapping time, identical file or the "
+                         "same profiler steps); skipped, not merged into that rank"])
 
 
 # ---------------------------------------------------------------------------------------------

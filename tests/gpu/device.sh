@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
-# On the device machine (the device tool's `run`, from the repo root, with carry [".whl"]): install the
-# carried wheels beside the image's torch, run the two jobs of tests/gpu/gpu_check.py, pack them into $OUT.
-# Back here: python tests/gpu/gpu_check.py check <files_at>.
+# The GPU jobs of tests/gpu/gpu_check.py on a machine with one CUDA GPU, torch and (as wheels in .whl/, from
+# `gpu_check.py prepare`) DeepSpeed and what the machine lacks; their output packed into OUT_DIR (default $OUT).
+# Then, on any machine with steplens installed: python tests/gpu/gpu_check.py check OUT_DIR.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+out_dir="${1:-${OUT:?give an output folder}}"
+mkdir -p "$out_dir"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 # steplens as a package without installing it: the repo's folders under the names pyproject maps them to.
 mkdir -p /tmp/pkg/steplens
 for part in analyze collect reports; do ln -sfn "$PWD/$part" "/tmp/pkg/steplens/$part"; done
-export PYTHONPATH=/tmp/site:/tmp/pkg:$PWD
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/pkg:$PWD
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, torch.cuda.get_device_name(0), 'deepspeed', deepspeed.__version__)"
-python3 tests/gpu/gpu_check.py job /tmp/gpu_run
-tar czf - -C /tmp gpu_run/job gpu_run/overhead/script | split -b 15m - "$OUT/gpu_run.tgz.part-"
-ls -l "$OUT"
+# Bounded, so that what the jobs wrote is packed even when they run long.
+timeout "${STEPLENS_GPU_JOBS_S:-480}" python3 tests/gpu/gpu_check.py job /tmp/gpu_run || echo "jobs ended with status $?"
+du -sh /tmp/gpu_run/*/traces 2>/dev/null || true
+python3 - "$out_dir" <<'PY'
+import sys
+sys.path.insert(0, "tests/gpu")
+from pathlib import Path
+from gpu_check import pack
+pack(Path("/tmp/gpu_run"), Path(sys.argv[1]))
+PY
+ls -l "$out_dir"

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,11 +47,38 @@ GPU_JOB = ("--zero_stage", "2", "--bf16", "--steps", "30", "--model", "32768,102
 GPU_OVERHEAD = ("--zero_stage", "2", "--bf16", "--steps", str(8 * BLOCK), "--model", "32768,1024,16,8",
                 "--seq_len", "1024", "--micro_batch", "8", "--dist_backend", "nccl", "--flush_every", "10",
                 "--flops_step", "-1", "--profile_window", "off", "--collector_ab", str(BLOCK))
+# Issue 35: a ZeRO-3 job with two profiler windows (stacks and modules), a FLOPs step and a checkpoint, run with
+# the collector's CUPTI handling (its default) and without it (cupti_teardown off): the steps after the windows
+# against those before. Windows at steps 12 and 15 (exports 13 and 16), checkpoint after step 35.
+Z3_JOB = ("--zero_stage", "3", "--bf16", "--steps", "50", "--model", "32768,1024,16,8", "--seq_len", "1024",
+          "--micro_batch", "8", "--dist_backend", "nccl", "--flush_every", "10", "--flops_step", "5",
+          "--profile_skip_first", "10", "--profile_window", "1,1,1,2", "--profile_modules", "--profile_stack",
+          "--save_checkpoint_at", "35", "--comms_logger", "summary", "--log_level", "info")
+Z3_BLOCKS = 8  # the ZeRO-3 overhead runs: Z3_BLOCKS blocks of BLOCK steps, collector on and off in turn
+Z3_OVERHEAD = ("--zero_stage", "3", "--bf16", "--steps", str(Z3_BLOCKS * BLOCK), "--model", "32768,1024,16,8",
+               "--seq_len", "1024", "--micro_batch", "8", "--dist_backend", "nccl", "--flush_every", "10",
+               "--flops_step", "-1", "--profile_window", "off", "--collector_ab", str(BLOCK))
+# name -> (switches, what it is)
+GPU_JOBS = {
+    "job": (GPU_JOB, "ZeRO-2, one window"),
+    "overhead": (GPU_OVERHEAD, "ZeRO-2, collector on/off in blocks"),
+    "z3_released": (Z3_JOB, "ZeRO-3, two windows, the collector's CUPTI handling"),
+    "z3_attached": (Z3_JOB + ("--cupti_teardown", "off"), "ZeRO-3, two windows, CUPTI left attached"),
+    "z3_overhead": (Z3_OVERHEAD, "ZeRO-3, collector on/off in blocks, synchronizing comms timers"),
+    "z3_overhead_nosync": (Z3_OVERHEAD + ("--comms_synchronize", "off"), "the same, comms timers not synchronizing"),
+}
 # The dry run: the same switches on CPU, small and short.
 CPU_JOB = ("--zero_stage", "2", "--steps", "6", "--flush_every", "3", "--flops_step", "2", "--profile_skip_first",
            "2", "--profile_window", "1,1,1,1", "--profile_modules", "--comms_logger", "summary", "--log_level", "info")
 CPU_OVERHEAD = ("--zero_stage", "2", "--steps", "8", "--flush_every", "2", "--flops_step", "-1", "--profile_window",
                 "off", "--collector_ab", "2")
+CPU_Z3 = ("--zero_stage", "3", "--steps", "14", "--flush_every", "3", "--flops_step", "1", "--profile_skip_first", "2",
+          "--profile_window", "1,1,1,2", "--profile_modules", "--profile_stack", "--save_checkpoint_at", "10",
+          "--comms_logger", "summary", "--log_level", "info")
+CPU_Z3_OVERHEAD = ("--zero_stage", "3", "--steps", "8", "--flush_every", "2", "--flops_step", "-1", "--profile_window",
+                   "off", "--collector_ab", "2")
+CPU_JOBS = {"job": CPU_JOB, "overhead": CPU_OVERHEAD, "z3_released": CPU_Z3, "z3_attached": CPU_Z3 + ("--cupti_teardown", "off"),
+            "z3_overhead": CPU_Z3_OVERHEAD, "z3_overhead_nosync": CPU_Z3_OVERHEAD + ("--comms_synchronize", "off")}
 
 
 def prepare() -> None:
@@ -108,30 +136,57 @@ def overhead(run: Path, block: int) -> dict:
             "median_off_ms": statistics.median(m for on, m in medians if not on)}
 
 
+# What comes back: everything but checkpoints, in two archives so that the small one (collector parts, logs, step
+# records) returns even when the ZeRO-3 jobs' traces (with stacks) exceed what a transfer takes.
+ARCHIVES = {"gpu_run": lambda name: "/checkpoints" not in name and not ("/z3_" in name and "/traces" in name),
+            "gpu_traces": lambda name: "/z3_" in name and "/traces" in name}
+
+
 def pack(run: Path, out: Path, part_bytes: int = 15 * 2**20) -> None:
-    """As device.sh does: job/ and overhead/script/ in one gzipped tar, split into parts of at most 15 MiB."""
-    out.mkdir(parents=True)
-    archive = out.parent / "gpu_run.tgz"
-    with tarfile.open(archive, "w:gz") as tar:
-        tar.add(run / "job", "gpu_run/job")
-        tar.add(run / "overhead" / "script", "gpu_run/overhead/script")
-    data = archive.read_bytes()
-    for index, start in enumerate(range(0, len(data), part_bytes)):
-        (out / f"gpu_run.tgz.part-a{chr(ord('a') + index)}").write_bytes(data[start:start + part_bytes])
+    """As device.sh does: the job folders in two gzipped tars, each split into parts of at most 15 MiB."""
+    out.mkdir(parents=True, exist_ok=True)
+    for archive_name, wanted in ARCHIVES.items():
+        archive = out.parent / f"{archive_name}.tgz"
+        with tarfile.open(archive, "w:gz") as tar:
+            for path in sorted(run.rglob("*")):
+                name = "gpu_run/" + path.relative_to(run).as_posix()
+                if path.is_file() and wanted(name):
+                    tar.add(path, name)
+        data = archive.read_bytes()
+        for index, start in enumerate(range(0, len(data), part_bytes)):
+            (out / f"{archive_name}.tgz.part-a{chr(ord('a') + index)}").write_bytes(data[start:start + part_bytes])
 
 
 def unpack(folder: Path) -> Path:
-    """The parts under `folder` (read-only, as fetched) joined and extracted into a new folder: its gpu_run/."""
-    parts = sorted(folder.rglob("gpu_run.tgz.part-*"))
-    if not parts:
-        raise SystemExit(f"no gpu_run.tgz.part-* under {folder}")
+    """The parts under `folder` (read-only, as fetched) joined per archive and extracted into a new folder: its
+    gpu_run/. A run packed before the traces had their own archive has only gpu_run.tgz."""
     root = Path(tempfile.mkdtemp(prefix="steplens_gpu_run_"))
-    with open(root / "gpu_run.tgz", "wb") as archive:
-        for part in parts:
-            archive.write(part.read_bytes())
-    with tarfile.open(root / "gpu_run.tgz") as tar:
-        tar.extractall(root, filter="data")
+    for archive_name in ARCHIVES:
+        parts = sorted(folder.rglob(f"{archive_name}.tgz.part-*"))
+        if not parts:
+            continue
+        with open(root / f"{archive_name}.tgz", "wb") as archive:
+            for part in parts:
+                archive.write(part.read_bytes())
+        with tarfile.open(root / f"{archive_name}.tgz") as tar:
+            tar.extractall(root, filter="data")
+    if not (root / "gpu_run").is_dir():
+        raise SystemExit(f"no gpu_run.tgz.part-* under {folder}")
     return root / "gpu_run"
+
+
+def script_regimes(run: Path, first_window: int, last_window: int, skip: set[int]) -> dict:
+    """The job script's own step times (script/rank0.json, no steplens code): median before the first window
+    (from step 3) and after the last window's export step, `skip` left out; their ratio."""
+    steps = json.loads((run / "script" / "rank0.json").read_text())["steps"]
+    ms = {s["step"]: (s["end_ns"] - s["start_ns"]) / 1e6 for s in steps}
+    before = [t for step, t in ms.items() if 3 <= step < first_window - 1 and step not in skip]
+    after = [t for step, t in ms.items() if step > last_window + 1 and step not in skip]
+    if not before or not after:
+        return {"ratio": None}
+    return {"before_ms": statistics.median(before), "after_ms": statistics.median(after),
+            "ratio": statistics.median(after) / statistics.median(before), "steps_before": len(before),
+            "steps_after": len(after)}
 
 
 def check(root: Path, gpu: bool) -> dict:
@@ -192,16 +247,24 @@ def main() -> None:
     if args.command == "prepare":
         return prepare()
     if args.command == "job":  # on the device machine
-        root = Path(args.folder)
-        run_job(root / "job", GPU_JOB, gpu=True)
-        run_job(root / "overhead", GPU_OVERHEAD, gpu=True)
+        root, summary = Path(args.folder), {}
+        for name, (switches, what) in GPU_JOBS.items():
+            started = time.monotonic()
+            run_job(root / name, switches, gpu=True)
+            summary[name] = {"what": what, "seconds": round(time.monotonic() - started, 1)}
+            if name.startswith("z3_overhead") or name == "overhead":
+                summary[name].update(overhead(root / name, BLOCK))
+            elif name.startswith("z3_"):  # windows at 12 and 15, FLOPs step 5, checkpoint save before step 36
+                summary[name].update(script_regimes(root / name, 12, 15, {5, 36}))
+            print(name, json.dumps(summary[name]), flush=True)
+        (root / "summary.json").write_text(json.dumps(summary, indent=1))
         return None
     if args.command == "check":
         results = check(unpack(Path(args.folder)), gpu=True)
     elif args.dry_run:
         root = Path(tempfile.mkdtemp(prefix="steplens_gpu_dry_run_"))
-        run_job(root / "gpu_run" / "job", CPU_JOB, gpu=False)
-        run_job(root / "gpu_run" / "overhead", CPU_OVERHEAD, gpu=False)
+        for name, switches in CPU_JOBS.items():
+            run_job(root / "gpu_run" / name, switches, gpu=False)
         pack(root / "gpu_run", root / "out")  # and back, as a device run comes back
         results = check(unpack(root / "out"), gpu=False)
     else:

@@ -111,6 +111,11 @@ def parse_args() -> argparse.Namespace:
     collector.add_argument("--profile_skip_first", type=int, default=2, help="Steps before the first profiler window.")
     collector.add_argument("--profile_modules", action="store_true",
                            help="Profiler window with module hierarchy (with_modules) as well as shapes.")
+    collector.add_argument("--profile_stack", action="store_true", help="Profiler window with Python stacks (with_stack).")
+    collector.add_argument("--comms_synchronize", choices=["on", "off"], default="on",
+                           help="The collector's comms_synchronize setting.")
+    collector.add_argument("--cupti_teardown", choices=["auto", "on", "off"], default="auto",
+                           help="The collector's cupti_teardown setting (auto: its default).")
     collector.add_argument("--scalars_all_ranks", action="store_true", help="Collector scalars on every rank, not only rank 0.")
     collector.add_argument("--collector_run_dir", default=None, help="Collector run_dir, when not --out_dir.")
     collector.add_argument("--alarms", default=None, metavar="JSON",
@@ -140,6 +145,8 @@ def parse_args() -> argparse.Namespace:
                        help="engine.save_checkpoint(out_dir/checkpoints) after this optimizer step.")
     tests.add_argument("--slow_rank", type=int, default=None, help="This rank sleeps --slow_ms in every step ...")
     tests.add_argument("--slow_ms", type=float, default=0.0, help="... before its forward (a straggler).")
+    tests.add_argument("--slow_all_from", type=int, default=None, metavar="STEP",
+                       help="Every rank sleeps --slow_ms before its forward from this step on (a run that slows down).")
     tests.add_argument("--collector_ab", type=int, default=None, metavar="BLOCK",
                        help="Benchmark: attach the collector for BLOCK steps, close it for BLOCK steps, and so on "
                             "(script/rank<r>.json says which steps ran with it).")
@@ -181,7 +188,11 @@ def ds_config(args: argparse.Namespace, out_dir: Path) -> dict:
                        "repeat": repeat}
         config["steplens"] = {"run_dir": args.collector_run_dir or str(out_dir), "flush_every": args.flush_every, "seq_len": args.seq_len,
                               "flops_step": None if args.flops_step < 0 else args.flops_step, "profile": profile,
-                              "scalars_all_ranks": args.scalars_all_ranks, "profile_with_modules": args.profile_modules}
+                              "scalars_all_ranks": args.scalars_all_ranks, "profile_with_modules": args.profile_modules,
+                              "profile_with_stack": args.profile_stack,
+                              "comms_synchronize": args.comms_synchronize == "on"}
+        if args.cupti_teardown != "auto":
+            config["steplens"]["cupti_teardown"] = args.cupti_teardown == "on"
         if args.alarms is not None:
             config["steplens"]["alarms"] = json.loads(args.alarms)
         if args.pushgateway:
@@ -250,7 +261,7 @@ def main() -> None:
         start = time.time_ns()
         for _ in range(args.gas):
             tokens = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=generator).to(engine.device)
-            if args.slow_rank == rank:
+            if args.slow_rank == rank or (args.slow_all_from is not None and step >= args.slow_all_from):
                 time.sleep(args.slow_ms / 1e3)
             loss = engine(tokens)
             if args.nan_loss_at is not None and step >= args.nan_loss_at:
