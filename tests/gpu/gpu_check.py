@@ -54,7 +54,7 @@ Z3_JOB = ("--zero_stage", "3", "--bf16", "--steps", "50", "--model", "32768,1024
           "--micro_batch", "8", "--dist_backend", "nccl", "--flush_every", "10", "--flops_step", "5",
           "--profile_skip_first", "10", "--profile_window", "1,1,1,2", "--profile_modules", "--profile_stack",
           "--save_checkpoint_at", "35", "--comms_logger", "summary", "--log_level", "info")
-Z3_BLOCKS = 8  # the ZeRO-3 overhead runs: Z3_BLOCKS blocks of BLOCK steps, collector on and off in turn
+Z3_BLOCKS = int(os.environ.get("STEPLENS_GPU_Z3_BLOCKS", 8))  # the ZeRO-3 overhead runs: Z3_BLOCKS blocks of BLOCK steps, collector on and off in turn
 Z3_OVERHEAD = ("--zero_stage", "3", "--bf16", "--steps", str(Z3_BLOCKS * BLOCK), "--model", "32768,1024,16,8",
                "--seq_len", "1024", "--micro_batch", "8", "--dist_backend", "nccl", "--flush_every", "10",
                "--flops_step", "-1", "--profile_window", "off", "--collector_ab", str(BLOCK))
@@ -66,6 +66,7 @@ GPU_JOBS = {
     "z3_attached": (Z3_JOB + ("--cupti_teardown", "off"), "ZeRO-3, two windows, CUPTI left attached"),
     "z3_overhead": (Z3_OVERHEAD, "ZeRO-3, collector on/off in blocks, synchronizing comms timers"),
     "z3_overhead_nosync": (Z3_OVERHEAD + ("--comms_synchronize", "off"), "the same, comms timers not synchronizing"),
+    "z3_overhead_nocomms": (Z3_OVERHEAD + ("--collector_comms", "off"), "the same, no comms records"),
 }
 # The dry run: the same switches on CPU, small and short.
 CPU_JOB = ("--zero_stage", "2", "--steps", "6", "--flush_every", "3", "--flops_step", "2", "--profile_skip_first",
@@ -248,7 +249,10 @@ def main() -> None:
         return prepare()
     if args.command == "job":  # on the device machine
         root, summary = Path(args.folder), {}
+        only = os.environ.get("STEPLENS_GPU_ONLY")  # e.g. "z3_overhead,z3_overhead_nosync": a rerun of some jobs
         for name, (switches, what) in GPU_JOBS.items():
+            if only and name not in only.split(","):
+                continue
             started = time.monotonic()
             run_job(root / name, switches, gpu=True)
             summary[name] = {"what": what, "seconds": round(time.monotonic() - started, 1)}

@@ -114,6 +114,8 @@ def parse_args() -> argparse.Namespace:
     collector.add_argument("--profile_stack", action="store_true", help="Profiler window with Python stacks (with_stack).")
     collector.add_argument("--comms_synchronize", choices=["on", "off"], default="on",
                            help="The collector's comms_synchronize setting.")
+    collector.add_argument("--collector_comms", choices=["on", "off"], default="on",
+                           help="The collector's comms setting (one record per deepspeed.comm call).")
     collector.add_argument("--cupti_teardown", choices=["auto", "on", "off"], default="auto",
                            help="The collector's cupti_teardown setting (auto: its default).")
     collector.add_argument("--scalars_all_ranks", action="store_true", help="Collector scalars on every rank, not only rank 0.")
@@ -190,7 +192,7 @@ def ds_config(args: argparse.Namespace, out_dir: Path) -> dict:
                               "flops_step": None if args.flops_step < 0 else args.flops_step, "profile": profile,
                               "scalars_all_ranks": args.scalars_all_ranks, "profile_with_modules": args.profile_modules,
                               "profile_with_stack": args.profile_stack,
-                              "comms_synchronize": args.comms_synchronize == "on"}
+                              "comms_synchronize": args.comms_synchronize == "on", "comms": args.collector_comms == "on"}
         if args.cupti_teardown != "auto":
             config["steplens"]["cupti_teardown"] = args.cupti_teardown == "on"
         if args.alarms is not None:
