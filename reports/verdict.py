@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from steplens.analyze.analyses import REGISTERED
+from steplens.analyze.analyses import REGISTERED, profiler_effect
 from steplens.reports.text import shapes_text
 
 from .data import Run, ms, size
@@ -198,7 +198,7 @@ def gpu_idle_lines(f: dict) -> list[str]:
         return []
     cause = f"; main cause {IDLE_CAUSE_WORDS[idle['main_cause']]}" if idle.get("main_cause") in IDLE_CAUSE_WORDS else ""
     return [f"GPU idle: {idle['idle_share']:.1%} of the profiled time (first to last device activity of each window, no "
-            f"stream busy){cause}."]
+            f"stream busy){cause}{profiler_effect.window_note(f.get('profiler_after_effect'))}."]
 
 
 def collective_lines(f: dict) -> list[str]:
@@ -209,7 +209,7 @@ def collective_lines(f: dict) -> list[str]:
         message = f" of {size(top['bytes'])}" if top.get("bytes") is not None else " (message size not in the traces)"
         on_rank = f" on rank {top['rank']}" if top.get("rank") is not None else ""
         return [f"Most exposed communication: {top['op']}{message}, {ms(top['exposed_ns'])} not hidden behind compute"
-                f"{on_rank} over {top['calls']} calls{bandwidth}."]
+                f"{on_rank} over {top['calls']} calls{bandwidth}{profiler_effect.window_note(f.get('profiler_after_effect'))}."]
     return [f"Collectives: {f['comms_note']}."] if f.get("comms_note") else []
 
 
@@ -255,13 +255,19 @@ def input_problem_lines(f: dict) -> list[str]:
 
 def registered_lines(f: dict) -> list[str]:
     """The sentences of the registered analyses (each phrases its own finding)."""
-    return [line for analysis in REGISTERED if analysis.name in f for line in analysis.phrase(f[analysis.name])]
+    return [line for analysis in REGISTERED if analysis.name in f and analysis.name not in EARLY
+            for line in analysis.phrase(f[analysis.name])]
+
+
+# Registered findings said next to the step time they qualify, not after the others.
+EARLY = {profiler_effect.ANALYSIS.name: profiler_effect.after_effect_lines}
 
 
 def finding_lines(f: dict) -> list[str]:
     """Every finding as sentences, most important first. The terminal prints them all; summary.md and
     report.html show the first MAX_FINDINGS. Each sentence is written here once."""
     lines = (job_end_lines(f, with_status=True) + last_log_line_lines(f) + disagreement_lines(f) + step_lines(f)
+             + [line for name, phrase in EARLY.items() if f.get(name) for line in phrase(f[name])]
              + straggler_lines(f, limit=3) + gpu_idle_lines(f) + collective_lines(f)
              + mfu_lines(f) + roofline_lines(f) + ([f"{f['traces']}."] if f.get("traces") else [])
              + [line[0].upper() + line[1:] + ("" if line.endswith(".") else ".") for line in telemetry_lines(f)]

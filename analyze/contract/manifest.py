@@ -72,7 +72,7 @@ class RunManifest:
 # of another type is left out of the run's facts, with an issue on the file that gave it, rather than
 # failing an analysis. Counts are whole numbers up to 2**53 (JSON's exact integers); steps up to 2**31 - 1.
 OBJECT_FACTS = ("ds_config", "settings", "collector_flags", "environment", "git", "wandb", "megatron_args",
-                "autotune_summary", "autotune_model_info")
+                "autotune_summary", "autotune_model_info", "model_shape", "collector_profiler")
 POSITIVE_COUNT_FACTS = ("world_size", "dp_world_size", "train_batch_size", "gradient_accumulation_steps", "micro_batch",
                         "grad_accum", "seq_len", "sequence_length", "train_micro_batch_size_per_gpu",
                         "data_parallel_size", "model_parallel_size", "batch_size_per_gpu")

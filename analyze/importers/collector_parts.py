@@ -25,7 +25,7 @@ from steplens.analyze.importers.kineto import preview
 # Run facts every rank's manifest gives alike; the rest is per rank, under collector_rank<r>.
 RUN_FACTS = ("world_size", "zero_stage", "dtype", "dp_world_size", "micro_batch", "grad_accum", "train_batch_size",
              "seq_len", "param_count", "ds_config", "wall_clock_breakdown", "environment", "git", "settings",
-             "checkpoint_steps")
+             "checkpoint_steps", "model_shape")
 # The per-rank manifest keys kept under collector_rank<r>, and the type each must have (job_end reads them).
 RANK_STATE = {"status": str, "host": dict, "started_ns": int, "updated_ns": int, "steps_completed": int,
               "last_flushed_step": int, "flushes": int, "rows_written": dict, "disabled": dict}
@@ -121,6 +121,8 @@ def _parse_manifest(path: Path, rel: str) -> Imported:
         run = {}
     facts = {key: run[key] for key in RUN_FACTS if key in run}
     facts["collector_flags"] = doc.get("flags") or {}
+    if isinstance(doc.get("profiler"), dict) and doc["profiler"]:  # what it did about the profiler's cost (CUPTI)
+        facts["collector_profiler"] = doc["profiler"]
     facts[f"collector_rank{rank}"] = state
     status, last, steps = state["status"], state["last_flushed_step"], state["steps_completed"]
     if status == "completed":
