@@ -17,10 +17,15 @@ def telemetry_lines(f: dict) -> list[str]:
     lines = []
     if logged := f.get("logged_comms"):
         busbw = logged["median_busbw_gbps"]
-        lines.append(f"logged comms: {logged['op']} of {logged['nccl_bytes']:,} B costs most, {ms(logged['total_latency_ns'])} over "
-                     f"{logged['calls']} calls (median {ms(logged['median_latency_ns'])}"
-                     + (f", busbw {busbw:.2f} GB/s" if busbw is not None else "")
-                     + f"; latencies {logged['latency_origin']}; synchronizing timers: per-op cost, not throughput)")
+        if logged.get("no_op"):
+            lines.append(f"logged comms: every call was within a group of one rank ({logged['op']} of "
+                         f"{logged['nccl_bytes']:,} B: {ms(logged['total_latency_ns'])} over {logged['calls']} calls): nothing "
+                         "crossed a link, no bus bandwidth; the synchronizing timers measured the wait for queued device work")
+        else:
+            lines.append(f"logged comms: {logged['op']} of {logged['nccl_bytes']:,} B costs most, "
+                         f"{ms(logged['total_latency_ns'])} over {logged['calls']} calls (median {ms(logged['median_latency_ns'])}"
+                         + (f", busbw {busbw:.2f} GB/s" if busbw is not None else "")
+                         + f"; latencies {logged['latency_origin']}; synchronizing timers: per-op cost, not throughput)")
     if alarms := f.get("monitor_alarms"):
         lines.append("monitor alarms: " + ", ".join(f"{kind} x{n}" for kind, n in alarms.items()) + " (table monitor_alarms)")
     for space in f.get("autotune", []):

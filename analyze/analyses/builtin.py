@@ -107,7 +107,8 @@ def _collectives(inputs: Inputs) -> Output:
     calls = inputs.table("_collective_calls")
     cpu_comm_ops = inputs.table("_cpu_comm_ops")["ops"].sum()
     return Output(tables={"collectives": calls, "collective_instances": comms.instances(calls, inputs.table("clock_offsets"))},
-                  findings=comms.exposed_comm_finding(calls, cpu_comm_ops))
+                  findings=comms.exposed_comm_finding(calls, cpu_comm_ops, inputs.context.backend,
+                                                      inputs.context.world_size))
 
 
 def _idle(inputs: Inputs) -> Output:

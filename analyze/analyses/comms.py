@@ -175,13 +175,26 @@ def _empty() -> pl.DataFrame:
     })
 
 
-def exposed_comm_finding(calls: pl.DataFrame, cpu_comm_ops: int) -> dict:
+def cpu_only_note(cpu_comm_ops: int, backend: str | None, world_size: int | None) -> str:
+    """What a run whose traces hold collective calls but no communication kernels communicated with, as recorded."""
+    if not cpu_comm_ops:
+        return "no collectives in the traces"
+    calls = f"{cpu_comm_ops} collective op(s) on the CPU side (record_param_comms or c10d::*) and no communication kernels"
+    if world_size == 1:
+        return f"{calls}: world size 1{f' ({backend})' if backend else ''}, nothing to exchange"
+    if backend is None:
+        return f"communication without NCCL/RCCL kernels: {calls} (gloo or CPU collectives)"
+    if backend.lower() in ("nccl", "rccl"):
+        return f"{calls} in the traces, although the backend is {backend} (its kernels were not recorded)"
+    return f"{calls}: {backend} collectives run on the CPU"
+
+
+def exposed_comm_finding(calls: pl.DataFrame, cpu_comm_ops: int, backend: str | None = None,
+                         world_size: int | None = None) -> dict:
     """Exposed communication of the rank with the most (summing over ranks could exceed the run's wall
-    time); without communication kernels, what the CPU side shows."""
+    time); without communication kernels, what the CPU side shows, with the backend as the traces record it."""
     if calls.is_empty():
-        return {"most_exposed_collective": None,
-                "comms_note": f"communication without NCCL/RCCL kernels: {cpu_comm_ops} CPU collective ops (gloo or CPU "
-                              "collectives: record_param_comms or c10d::*)" if cpu_comm_ops else "no collectives in the traces"}
+        return {"most_exposed_collective": None, "comms_note": cpu_only_note(cpu_comm_ops, backend, world_size)}
     per_rank = calls.group_by("rank").agg(exposed_ns=pl.col("exposed_ns").sum()).sort("exposed_ns", "rank", descending=[True, False])
     worst_rank = per_rank.row(0, named=True)
     worst = (calls.filter(pl.col("rank") == worst_rank["rank"])

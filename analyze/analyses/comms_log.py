@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import polars as pl
 
+# A call within a group of one rank moves nothing: its latency is the synchronizing timer waiting for the device work
+# queued before it. Such calls have no bus bandwidth and rank after every real one.
+NO_OP = pl.col("group_size").fill_null(2) <= 1
 CAVEAT = ("timed by DeepSpeed's comms logger, which synchronizes around every op: latency includes waiting "
           "for the slowest rank and nothing overlaps; not free-running throughput")
 
@@ -41,12 +44,12 @@ def comms_log_stats(comms_calls: pl.DataFrame) -> pl.DataFrame:
         p90_latency_ns=pl.col("latency_ns").quantile(0.9, "linear").round().cast(pl.Int64),
         total_latency_ns=pl.col("latency_ns").sum(),
         median_algbw_gbps=pl.col("algbw_gbps").median(),
-        median_busbw_gbps=pl.col("busbw_gbps").median(),
+        median_busbw_gbps=pl.col("busbw_gbps").filter(~NO_OP).median(),  # rows written before the rule carry 0
         latency_origin=pl.col("latency_origin").unique().sort().str.join(","),
         synchronized=pl.col("synchronized").any(),
     )
     caveat = pl.when(pl.col("synchronized")).then(pl.lit(CAVEAT)).otherwise(pl.lit(None, pl.String))
-    return stats.with_columns(caveat=caveat).sort("total_latency_ns", descending=True).select(
+    return stats.with_columns(caveat=caveat).sort(NO_OP, pl.col("total_latency_ns"), descending=[False, True]).select(
         "op", "msg_bytes", "nccl_bytes", "group_size", "calls", "ranks", "median_latency_ns", "p90_latency_ns",
         "total_latency_ns", "median_algbw_gbps", "median_busbw_gbps", "latency_origin", "synchronized", "caveat",
     )
@@ -56,6 +59,7 @@ def costliest_finding(stats: pl.DataFrame) -> dict:
     """The logged collective and size that cost the most time."""
     if stats.is_empty():
         return {}
-    top = stats.sort("total_latency_ns", descending=True).row(0, named=True)
-    return {"logged_comms": {k: top[k] for k in ("op", "nccl_bytes", "calls", "median_latency_ns", "total_latency_ns",
-                                                  "median_busbw_gbps", "latency_origin")}}
+    top = stats.sort(NO_OP, pl.col("total_latency_ns"), descending=[False, True]).row(0, named=True)
+    return {"logged_comms": {**{k: top[k] for k in ("op", "nccl_bytes", "calls", "median_latency_ns", "total_latency_ns",
+                                                     "median_busbw_gbps", "latency_origin", "group_size")},
+                             "no_op": (top["group_size"] or 2) <= 1}}

@@ -47,6 +47,7 @@ class RunContext:
     world_size: int
     device_activity: bool | None = None  # whether the traces hold device work; None without traces
     runtime_calls: int = 0  # CUDA/HIP runtime and driver calls in the traces (launches among them)
+    backend: str | None = None  # the process group backend the traces record (distributedInfo.backend)
 
 
 def _device(manifest: dict) -> tuple[str | None, int | None]:
@@ -164,7 +165,8 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
         peak_problem = f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
     context = RunContext(device_name, num_sms, mfu.match_device(device_name, num_sms) if device_name else None,
                          roof, peak, peak_problem, manifest.get("world_size") or len(ranks), device_activity,
-                         _kind_count(manifest, "cuda_runtime") + _kind_count(manifest, "cuda_driver"))
+                         _kind_count(manifest, "cuda_runtime") + _kind_count(manifest, "cuda_driver"),
+                         ", ".join(manifest.get("environment", {}).get("backend") or []) or None)
     ordered = registry.ordered(ANALYSES)
     for analysis in ordered:
         for table in analysis.writes:
