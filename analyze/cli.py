@@ -103,9 +103,12 @@ also be a single trace file, analysed as a one-rank run into .steplens-FILE/ bes
               help="Compute dtype whose dense peak MFU divides by.")
 @click.option("--peak-tflops", type=float, default=None,
               help="Dense peak TFLOP/s per GPU, overriding the device table (needed for devices it does not know).")
-@click.option("--params", type=float, default=None, help="Model shape for the PaLM MFU numerator: non-embedding parameters N.")
+@click.option("--params", type=float, default=None,
+              help="Model shape for the analytic (PaLM) MFU numerator: non-embedding parameters N. Each shape value "
+                   "not given comes from the collector's manifest where it recorded one.")
 @click.option("--layers", type=int, default=None, help="Model shape: transformer layers L.")
-@click.option("--heads", type=int, default=None, help="Model shape: attention heads H.")
+@click.option("--hidden", type=int, default=None, help="Model shape: hidden size d (or --heads and --head-dim).")
+@click.option("--heads", type=int, default=None, help="Model shape: attention heads H (hidden = H x head dim).")
 @click.option("--head-dim", type=int, default=None, help="Model shape: head dimension Q.")
 @click.option("--seq-len", type=int, default=None, help="Model shape: sequence length T.")
 @click.option("--tokens-per-step", type=int, default=None, help="Global tokens per optimizer step (all ranks).")
@@ -117,18 +120,21 @@ also be a single trace file, analysed as a one-rank run into .steplens-FILE/ bes
 @click.option("--kernel-categories", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="CSV with columns category,pattern (regex on kernel names), checked before the built-in patterns.")
 def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, ingest_only: bool, dtype: str,
-            peak_tflops: float | None, params, layers, heads, head_dim, seq_len, tokens_per_step, recompute: bool,
+            peak_tflops: float | None, params, layers, hidden, heads, head_dim, seq_len, tokens_per_step, recompute: bool,
             grad_norm_threshold: float | None, fmt: str, kernel_categories: Path | None, scheduler: str | None) -> None:
     use_system_allocator()
     console = Console(stderr=False, highlight=False)
     if not remote.is_url(run_dir) and not run_dir.exists():
         fail(f"{safe_text(run_dir)}: no such file or folder")
-    shape_values = (params, layers, heads, head_dim, seq_len, tokens_per_step)
-    if any(v is not None for v in shape_values) and not all(v is not None for v in shape_values):
-        fail("the PaLM numerator needs all of --params --layers --heads --head-dim --seq-len --tokens-per-step")
+    if (heads is None) != (head_dim is None):
+        fail("--heads and --head-dim go together (hidden = heads x head dim); or give --hidden")
+    if hidden is not None and heads is not None and hidden != heads * head_dim:
+        fail(f"--hidden {hidden} is not --heads x --head-dim ({heads * head_dim})")
+    shape = {"params": params, "layers": layers, "hidden": hidden or (heads * head_dim if heads else None),
+             "seq_len": seq_len, "tokens_per_step": tokens_per_step}
     options = runner.Options(
         dtype=dtype, peak_tflops=peak_tflops, recompute=recompute, grad_norm_threshold=grad_norm_threshold,
-        shape=mfu.ModelShape(*shape_values) if all(v is not None for v in shape_values) else None,
+        shape={k: v for k, v in shape.items() if v is not None} or None,
         kernel_categories=kernels.load_categories(kernel_categories) if kernel_categories else list(kernels.KERNEL_CATEGORIES),
     )
     runs, out_of = _runs_to_analyse(run_dir, out_dir)

@@ -218,14 +218,30 @@ def collective_lines(f: dict) -> list[str]:
     return [f"Collectives: {f['comms_note']}."] if f.get("comms_note") else []
 
 
+NUMERATOR_WORDS = {"palm": "the analytic count", "megatron_args": "Megatron's count", "trace_shapes": "the traces' op shapes",
+                   "collector_flops_profile": "the collector's FLOPs profile", "profiler_flops": "torch.profiler with_flops"}
+
+
 def mfu_lines(f: dict) -> list[str]:
+    """One headline figure with its numerator named, the other numerators beside it; where they disagree."""
     utilization = f.get("mfu")
-    if isinstance(utilization, list):
-        return [f"{row['metric']}: {row['utilization']:.1%} (median over steps). Numerator: {row['definition']}. "
-                f"Peak: {row['peak']}." for row in utilization]
     if isinstance(utilization, dict) and utilization.get("note"):
         return [f"MFU: not computed: {utilization['note']}."]
-    return []
+    if not isinstance(utilization, list) or not utilization:
+        return []
+    head, *others = utilization
+    beside = "; ".join(f"{r['metric']} {r['utilization']:.1%} from {NUMERATOR_WORDS.get(r['numerator'], r['numerator'])}"
+                       for r in others)
+    lines = [f"{head['metric']}: {head['utilization']:.1%} (median over steps) from "
+             f"{NUMERATOR_WORDS.get(head['numerator'], head['numerator'])}{f'; beside it {beside}' if beside else ''}. "
+             f"Numerator: {head['definition']}. Peak: {head['peak']}."]
+    for pair in f.get("mfu_numerators_disagree") or []:
+        a, b = (NUMERATOR_WORDS.get(n, n) for n in pair["numerators"])
+        lines.append(f"MFU numerators disagree: {b} gives {pair['ratio']:.2f}x the FLOPs per step of {a} "
+                     "(executed FLOPs count recomputation; an analytic count misses what the model does beyond its formula).")
+    if f.get("mfu_refused"):
+        lines.append(f"MFU: one numerator left out: {f['mfu_refused']}.")
+    return lines
 
 
 def op_line(op: dict, note: str | None = None) -> str:

@@ -81,6 +81,9 @@ def device_timeline(inputs: Inputs) -> Output:
         "_kernel_totals": kernels.kernel_totals(work),
         "_gpu_spans": steps.gpu_spans(work),
         "_step_flops": mfu.step_flops(cpu),
+        # executed FLOPs from shapes per rank and profiled step: the outermost ops with a FLOPs formula
+        "_trace_step_flops": perf.filter(~pl.col("nested") & pl.col("flops").is_not_null() & pl.col("step").is_not_null())
+        .group_by("rank", "step").agg(flops=pl.col("flops").sum()),
         "_cpu_comm_ops": cpu_comm_ops,
         "_op_totals": op_perf.op_totals(perf),
         "_family_time": op_perf.family_time(cpu, launched),
@@ -152,14 +155,21 @@ def _mfu(inputs: Inputs) -> Output:
     context, facts = inputs.context, inputs.facts
     world_size = context.world_size or facts.get("world_size") or 1
     rows = [mfu.profiler_hfu(inputs.table("step_times"), inputs.table("_step_flops"), context.peak)] if inputs.ranks else []
+    shape, origin, _ = mfu.resolve_shape(inputs.options.shape, facts)
+    trace_flops = mfu.trace_flops_per_step(inputs.table("_trace_step_flops"), world_size) if inputs.ranks else None
     run_rows, problem = mfu.step_time_mfu(inputs.table("step_time"), inputs.table("flops_profile"), facts, context.peak,
-                                          world_size, inputs.options.shape, inputs.options.recompute)
+                                          world_size, shape, inputs.options.recompute, origin, trace_flops)
     log_rows, log_problem = log_mfu.megatron_mfu(inputs.table("step_time"), facts, context.peak, world_size)
     # a logs-only Megatron run: the shape from its arguments
     found = [r for r in rows + [run_rows, log_rows] if not r.is_empty()]
     table = pl.concat(found, how="diagonal_relaxed") if found else pl.DataFrame()
-    return Output(tables={"mfu": table},
-                  findings={"mfu": mfu.mfu_finding(table, problem or log_problem or context.peak_problem)})
+    finding = mfu.mfu_finding(table, problem or log_problem or context.peak_problem)
+    findings = {"mfu": finding}
+    if isinstance(finding, list) and (disagree := mfu.numerators_disagree(finding)):
+        findings["mfu_numerators_disagree"] = disagree
+    if isinstance(finding, list) and problem:  # a numerator refused beside those computed
+        findings["mfu_refused"] = problem
+    return Output(tables={"mfu": table}, findings=findings)
 
 
 def _module_perf(inputs: Inputs) -> Output:
@@ -230,7 +240,7 @@ ANALYSES = [
              declared("kernel_launches", "op_perf", "gpu_idle", "launch_summary", "kernel_categories"), device_timeline,
              per_rank=True, parts=("kernel_launches", "op_perf"),
              passes=("_collective_calls", "_sync_points", "_kernel_totals", "_gpu_spans", "_step_flops", "_cpu_comm_ops",
-                     "_op_totals", "_family_time", "_module_rows")),
+                     "_trace_step_flops", "_op_totals", "_family_time", "_module_rows")),
     Analysis("steps", "Steps and stragglers", ("_collective_calls", "_gpu_spans", "steps"),
              declared("clock_offsets", "step_times", "step_stats"), _steps),
     Analysis("collectives", "Collectives", ("_collective_calls", "_cpu_comm_ops", "clock_offsets"),
@@ -242,7 +252,8 @@ ANALYSES = [
              declared("step_breakdown", "step_timeline"), _step_breakdown),
     Analysis("step_time", "Step time over the run", ("train_steps", "step_timers", "scalars", "steps", "flops_profile"),
              declared("step_time"), _step_time),
-    Analysis("mfu", "FLOPs and MFU", ("step_times", "_step_flops", "step_time", "flops_profile"), declared("mfu"), _mfu),
+    Analysis("mfu", "FLOPs and MFU", ("step_times", "_step_flops", "_trace_step_flops", "step_time", "flops_profile"),
+             declared("mfu"), _mfu),
     Analysis("module_perf", "Modules", ("_module_rows", "flops_profile"), declared("module_perf", "module_mfu"),
              _module_perf),
     Analysis("roofline", "Roofline", ("_op_totals", "_family_time", "module_perf", "module_mfu"), {}, _roofline),

@@ -153,24 +153,51 @@ def peak_bandwidth(device_name: str | None, num_sms: int | None = None) -> tuple
 
 @dataclass
 class ModelShape:
-    """For the PaLM numerator (Chowdhery et al. 2022, App. B): 6N + 12·L·H·Q·T FLOPs per token."""
+    """For the PaLM numerator (Chowdhery et al. 2022, App. B): 6N + 12·L·d·T FLOPs per token (their 12·L·H·Q·T
+    with H·Q = d, the hidden size)."""
 
     params: float  # N, non-embedding parameters
     layers: int  # L
-    heads: int  # H
-    head_dim: int  # Q
+    hidden: int  # d = heads x head dim
     seq_len: int  # T
     tokens_per_step: int  # global tokens per optimizer step
 
     def flops_per_step(self, recompute: bool = False) -> float:
-        per_token = 6 * self.params + 12 * self.layers * self.heads * self.head_dim * self.seq_len
-        # Full activation recompute runs the forward (a third of 6N + 12LHQT) once more.
+        per_token = 6 * self.params + 12 * self.layers * self.hidden * self.seq_len
+        # Full activation recompute runs the forward (a third of 6N + 12LdT) once more.
         return per_token * (4 / 3 if recompute else 1) * self.tokens_per_step
 
 
-PALM_DEFINITION = "PaLM model FLOPs: (6N + 12*L*H*Q*T) per token x tokens per step (attention not causal-halved)"
+SHAPE_FIELDS = ("params", "layers", "hidden", "seq_len", "tokens_per_step")
+
+
+def resolve_shape(given: dict | None, facts: dict) -> tuple[ModelShape | None, str, str]:
+    """The analytic numerator's shape: each value from the command line (`given`), else the run's facts (the
+    collector's model_shape, seq_len, train_batch_size). Returns (shape or None, where it came from, what is missing)."""
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    recorded = facts.get("model_shape") if isinstance(facts.get("model_shape"), dict) else {}
+    seq_len = facts.get("seq_len") or facts.get("sequence_length")
+    batch = facts.get("train_batch_size")
+    from_facts = {"params": recorded.get("non_embedding_params"), "layers": recorded.get("layers"),
+                  "hidden": recorded.get("hidden"), "seq_len": seq_len,
+                  "tokens_per_step": batch * seq_len if type(batch) is int and type(seq_len) is int else None}
+    values = {k: given.get(k, from_facts[k]) for k in SHAPE_FIELDS}
+    missing = [k for k in SHAPE_FIELDS if not (isinstance(values[k], (int, float)) and values[k] > 0)]
+    if missing:
+        return None, "", ", ".join(missing)
+    origin = ("the command line" if set(given) >= set(SHAPE_FIELDS) else
+              f"the collector's manifest (layers and hidden size from the {recorded.get('shape_from')}, parameters counted in the job)"
+              if not given else "the command line and the collector's manifest")
+    return ModelShape(**{k: values[k] for k in SHAPE_FIELDS}), origin, ""
+
+
+PALM_DEFINITION = ("analytic model FLOPs (PaLM): (6N + 12*L*d*T) per token x tokens per step, N the non-embedding "
+                   "parameters (attention not causal-halved)")
 PROFILER_DEFINITION = ("FLOPs counted by torch.profiler(with_flops=True) on the ops it knows (matmul, conv, "
                        "elementwise) in the step, forward and backward as executed: hardware FLOPs")
+TRACE_DEFINITION = ("FLOPs from the traces' op shapes (analyze/analyses/op_model.py): the outermost modelled ops of each "
+                    "profiled step, forward and backward as executed (recomputation counted), mean over the traced ranks "
+                    "x GPUs, median over the profiled steps")
 
 
 def step_flops(cpu: pl.DataFrame) -> pl.DataFrame:
@@ -180,47 +207,88 @@ def step_flops(cpu: pl.DataFrame) -> pl.DataFrame:
 
 
 COLLECTOR_DEFINITION = ("3 x the forward FLOPs DeepSpeed's FLOPs profiler counted for one micro batch on rank 0 "
-                        "(forward + backward = 3 forward, no recompute), x micro batches per step x data-parallel ranks")
+                        "(forward + backward = 3 forward, no recompute; under ZeRO-3 its doubled Linear FLOPs halved), "
+                        "x micro batches per step x data-parallel ranks")
 STEP_TIME_NOTE = "; step time: the run's step_time table, steps the summary keeps (warm-up and instrumented steps left out)"
 COLUMNS = {"step": pl.Int64, "rank": pl.Int64, "metric": pl.String, "numerator": pl.String, "flops": pl.Float64,
            "step_time_ns": pl.Int64, "gpus": pl.Int64, "peak_flops": pl.Float64, "utilization": pl.Float64,
            "definition": pl.String, "peak": pl.String}
 
 
+ZERO3_LINEAR_RATIO = (1.9, 2.0)  # ZeRO-3: a Linear's MACs over params x tokens (2x, the bias's share below)
+SINGLE_LINEAR_RATIO = (0.95, 1.0)
+
+
+def _zero3_corrected(exact: pl.DataFrame, facts: dict) -> tuple[float | None, str]:
+    """The profile's total under ZeRO-3 with the double-counted Linear FLOPs halved, when every Linear shows the
+    doubling exactly (MACs = 2 x its parameters x the micro batch's tokens, the bias aside); else None and why."""
+    tokens = (facts.get("micro_batch") or 0) * (facts.get("seq_len") or 0)
+    linear = exact.filter(pl.col("module_class") == "Linear")
+    if not tokens or linear.is_empty():
+        return None, ("the FLOPs profile was taken under ZeRO-3, which counts Linear FLOPs twice, and the micro batch's "
+                      "tokens are unknown, so the double count cannot be checked: no MFU from it")
+    ratio = linear["macs_total"] / (linear["params"] * tokens)
+    if ((ratio > ZERO3_LINEAR_RATIO[0]) & (ratio <= ZERO3_LINEAR_RATIO[1])).all():
+        root = exact.filter(pl.col("depth") == 0)["flops_total"].max()
+        return float(root) - float(linear["flops_total"].sum()) / 2, ""
+    if ((ratio > SINGLE_LINEAR_RATIO[0]) & (ratio <= SINGLE_LINEAR_RATIO[1])).all():  # a DeepSpeed that counts once
+        return float(exact.filter(pl.col("depth") == 0)["flops_total"].max()), ""
+    return None, ("the FLOPs profile was taken under ZeRO-3, which counts Linear FLOPs twice, and not every Linear "
+                  "shows exactly twice its work: no MFU from it")
+
+
 def _collector_flops(flops_profile: pl.DataFrame, facts: dict, world_size: int) -> tuple[float | None, str]:
-    """FLOPs per optimizer step from the collector's exact profile, or None and why not."""
-    exact = flops_profile.filter(pl.col("exact").fill_null(False) & (pl.col("depth") == 0)) \
+    """FLOPs per optimizer step from the collector's exact profile (under ZeRO-3 corrected where exact), or None and why not."""
+    exact = flops_profile.filter(pl.col("exact").fill_null(False) & pl.col("source").str.starts_with("collector")) \
         if not flops_profile.is_empty() else flops_profile
-    if exact.is_empty():
+    if exact.is_empty() or exact.filter(pl.col("depth") == 0).is_empty():
         return None, ""
     if "flops_zero3_double_counting" in (facts.get("collector_flags") or {}):
-        return None, "the FLOPs profile was taken under ZeRO-3, which counts Linear FLOPs twice: no MFU from it"
+        forward, problem = _zero3_corrected(exact, facts)
+        if forward is None:
+            return None, problem
+    else:
+        forward = float(exact.filter(pl.col("depth") == 0)["flops_total"].max())
     micro = facts.get("gradient_accumulation_steps") or facts.get("grad_accum") or 1
     data_parallel = facts.get("dp_world_size") or world_size
-    return 3 * float(exact["flops_total"].max()) * micro * data_parallel, ""
+    return 3 * forward * micro * data_parallel, ""
+
+
+def trace_flops_per_step(step_flops: pl.DataFrame, gpus: int) -> float | None:
+    """The traces' executed FLOPs of one optimizer step (`_trace_step_flops`: rank, step, flops): per profiled
+    step the mean over the traced ranks x gpus, then the median over the profiled steps."""
+    if step_flops.is_empty():
+        return None
+    per_step = step_flops.group_by("step").agg(flops=pl.col("flops").mean() * gpus)
+    return float(per_step["flops"].median())
 
 
 def step_time_mfu(step_time: pl.DataFrame, flops_profile: pl.DataFrame, facts: dict, peak: Peak | None, world_size: int,
-                  shape: ModelShape | None = None, recompute: bool = False) -> tuple[pl.DataFrame, str]:
-    """MFU (and HFU with recompute) per step over the run, on the one step-time definition (analyze/analyses/step_time.py).
+                  shape: ModelShape | None = None, recompute: bool = False, shape_origin: str = "",
+                  trace_flops: float | None = None) -> tuple[pl.DataFrame, str]:
+    """MFU (and HFU) per step over the run, on the one step-time definition (analyze/analyses/step_time.py).
 
-    Numerators: the PaLM formula when the model shape is given; the collector's exact FLOPs profile
-    (matmuls as 2 x MACs plus the other functional ops, one micro batch, x3 for the backward pass).
-    Only the steps the step-time summary keeps count. Returns the rows and, when a numerator was
-    refused, why."""
+    Numerators: the analytic (PaLM) count when the model shape is known; the collector's exact FLOPs profile
+    (matmuls as 2 x MACs plus the other functional ops, one micro batch, x3 for the backward pass); the traces'
+    FLOPs from op shapes, executed work (recomputation included): HFU beside another numerator, else the MFU.
+    Only the steps the step-time summary keeps count. Returns the rows and, when a numerator was refused, why."""
     collector_flops, problem = _collector_flops(flops_profile, facts, world_size)
     kept = step_time.filter(~pl.col("excluded") & (pl.col("step_time_ns") > 0)) if not step_time.is_empty() else step_time
     if peak is None or kept.is_empty():
         return pl.DataFrame(schema=COLUMNS), problem
     variants = []
     if shape is not None:
-        variants.append(("MFU", "palm", shape.flops_per_step(), PALM_DEFINITION))
+        origin = f"; shape from {shape_origin}" if shape_origin else ""
+        variants.append(("MFU", "palm", shape.flops_per_step(), PALM_DEFINITION + origin))
         if recompute:
-            variants.append(("HFU", "palm", shape.flops_per_step(recompute=True), PALM_DEFINITION + " + one forward recompute"))
+            variants.append(("HFU", "palm", shape.flops_per_step(recompute=True),
+                             PALM_DEFINITION + " + one forward recompute" + origin))
     if collector_flops is not None:
         variants.append(("MFU", "collector_flops_profile", collector_flops, COLLECTOR_DEFINITION))
+    if trace_flops:
+        variants.append(("HFU" if variants else "MFU", "trace_shapes", trace_flops, TRACE_DEFINITION))
     frames = [kept.select(
-        "step", rank=pl.lit(None, pl.Int64), metric=pl.lit(metric), numerator=pl.lit(numerator), flops=pl.lit(flops),
+        "step", rank=pl.lit(None, pl.Int64), metric=pl.lit(metric), numerator=pl.lit(numerator), flops=pl.lit(float(flops)),
         step_time_ns="step_time_ns", gpus=pl.lit(world_size, pl.Int64), peak_flops=pl.lit(peak.flops),
         utilization=flops / (pl.col("step_time_ns") * 1e-9 * world_size * peak.flops),
         definition=pl.lit(definition + STEP_TIME_NOTE), peak=pl.lit(peak.label))
@@ -241,11 +309,27 @@ def profiler_hfu(step_times: pl.DataFrame, counted_flops: pl.DataFrame, peak: Pe
         definition=pl.lit(PROFILER_DEFINITION), peak=pl.lit(peak.label)).cast(COLUMNS).sort("step", "rank")
 
 
+NUMERATOR_ORDER = ("palm", "megatron_args", "collector_flops_profile", "trace_shapes", "profiler_flops")
+DISAGREE = 0.15  # two numerators of one step further apart than this (relative to the smaller) are named
+
+
 def mfu_finding(table: pl.DataFrame, problem: str | None) -> list[dict] | dict:
-    """Median utilization per metric and numerator, or why there is none."""
+    """Median utilization per metric and numerator, the headline first (model FLOPs before executed FLOPs, the
+    analytic count before the profile before the traces), or why there is none."""
     if table.is_empty():
-        return {"note": problem or "no FLOPs numerator: give the model shape (--params ...), profile with_flops=True, "
-                                   "or let the collector take a FLOPs profile"}
+        return {"note": problem or "no FLOPs numerator: give the model shape (--params --layers --hidden), record op "
+                                   "shapes (torch.profiler record_shapes=True), or let the collector take a FLOPs profile"}
     summary = table.group_by("metric", "numerator", "definition", "peak").agg(
-        utilization=pl.col("utilization").median()).sort("metric", "numerator", descending=[True, False])
-    return summary.to_dicts()
+        utilization=pl.col("utilization").median(), flops_per_step=pl.col("flops").median())
+    order = {name: i for i, name in enumerate(NUMERATOR_ORDER)}
+    return sorted(summary.to_dicts(), key=lambda r: (r["metric"] != "MFU", order.get(r["numerator"], len(order)),
+                                                     r["definition"]))
+
+
+def numerators_disagree(rows: list[dict]) -> list[dict]:
+    """Pairs of step-time numerators (one row each, run-level) whose FLOPs per step differ by more than DISAGREE."""
+    per_step = {r["numerator"]: r["flops_per_step"] for r in rows if r.get("flops_per_step") and r["numerator"] != "profiler_flops"}
+    names = sorted(per_step, key=lambda n: NUMERATOR_ORDER.index(n) if n in NUMERATOR_ORDER else 99)
+    return [{"numerators": [a, b], "flops_per_step": [per_step[a], per_step[b]], "ratio": per_step[b] / per_step[a]}
+            for i, a in enumerate(names) for b in names[i + 1:]
+            if abs(per_step[a] - per_step[b]) > DISAGREE * min(per_step[a], per_step[b])]

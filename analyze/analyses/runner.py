@@ -28,7 +28,7 @@ ANALYSES: list[Analysis] = builtin.ANALYSES + REGISTERED
 class Options:
     dtype: str = "bf16"
     peak_tflops: float | None = None
-    shape: mfu.ModelShape | None = None
+    shape: dict | None = None  # the model's shape as given on the command line (mfu.SHAPE_FIELDS), any part
     recompute: bool = False
     kernel_categories: list = field(default_factory=lambda: list(kernels.KERNEL_CATEGORIES))
     grad_norm_threshold: float | None = None
