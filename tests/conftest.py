@@ -66,6 +66,23 @@ def ds_instrumented_run(tmp_path_factory) -> Path:
                     "--profile_skip_first", str(job["skip_first"]), "--profile_window", ",".join(map(str, job["window"])))
 
 
+# Issue 35: ZeRO-3, two profiler windows (repeat 2: steps 9 and 12, exports 10 and 13) with stacks and modules, a
+# FLOPs step, a checkpoint after step 19, and every rank 250 ms slower per step from step 14 on (a known slow-down
+# after the windows, as CUPTI left attached causes on a GPU).
+REALRUN_TWO_WINDOWS = {"steps": 24, "flops_step": 3, "skip_first": 7, "window": (1, 1, 1, 2), "checkpoint": 19,
+                       "slow_from": 14, "slow_ms": 250.0}
+
+
+@pytest.fixture(scope="session")
+def ds_two_windows_run(tmp_path_factory) -> Path:
+    job = REALRUN_TWO_WINDOWS
+    return _realrun(tmp_path_factory, "two_windows", "--zero_stage", "3", "--steps", str(job["steps"]),
+                    "--flops_step", str(job["flops_step"]), "--profile_skip_first", str(job["skip_first"]),
+                    "--profile_window", ",".join(map(str, job["window"])), "--profile_modules", "--profile_stack",
+                    "--save_checkpoint_at", str(job["checkpoint"]), "--slow_all_from", str(job["slow_from"]),
+                    "--slow_ms", str(job["slow_ms"]))
+
+
 # Repeated jobs for `trials` and `compare`: TRIAL_REPEATS runs of each micro batch size, the collector
 # configured the README's way (ds_config "steplens" block with its own run_dir per run), no profiler
 # window and no FLOPs profile, so every step after the warm-up is a plain step.

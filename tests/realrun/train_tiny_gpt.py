@@ -148,7 +148,7 @@ def parse_args() -> argparse.Namespace:
     tests.add_argument("--slow_rank", type=int, default=None, help="This rank sleeps --slow_ms in every step ...")
     tests.add_argument("--slow_ms", type=float, default=0.0, help="... before its forward (a straggler).")
     tests.add_argument("--slow_all_from", type=int, default=None, metavar="STEP",
-                       help="Every rank sleeps --slow_ms before its forward from this step on (a run that slows down).")
+                       help="Every rank sleeps --slow_ms between forward and backward from this step on (a run that slows down).")
     tests.add_argument("--collector_ab", type=int, default=None, metavar="BLOCK",
                        help="Benchmark: attach the collector for BLOCK steps, close it for BLOCK steps, and so on "
                             "(script/rank<r>.json says which steps ran with it).")
@@ -263,9 +263,11 @@ def main() -> None:
         start = time.time_ns()
         for _ in range(args.gas):
             tokens = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=generator).to(engine.device)
-            if args.slow_rank == rank or (args.slow_all_from is not None and step >= args.slow_all_from):
+            if args.slow_rank == rank:
                 time.sleep(args.slow_ms / 1e3)
             loss = engine(tokens)
+            if args.slow_all_from is not None and step >= args.slow_all_from:
+                time.sleep(args.slow_ms / 1e3)  # inside the step as the collector times it (forward to step())
             if args.nan_loss_at is not None and step >= args.nan_loss_at:
                 loss = loss * math.nan
             engine.backward(loss * 1000 if step == args.grad_spike_at else loss)
