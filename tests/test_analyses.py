@@ -197,7 +197,7 @@ def test_a_run_whose_traces_hold_no_gpu_work_is_told_it_ran_on_cpus():
 
 
 def test_mfu_arithmetic_exact():
-    shape = mfu.ModelShape(params=1e9, layers=24, heads=16, head_dim=128, seq_len=2048, tokens_per_step=1_048_576)
+    shape = mfu.ModelShape(params=1e9, layers=24, hidden=16 * 128, seq_len=2048, tokens_per_step=1_048_576)
     per_token = 6e9 + 12 * 24 * 16 * 128 * 2048
     assert shape.flops_per_step() == per_token * 1_048_576
     # One kept step of 2 s; the excluded (warm-up) step of 9 s does not count.
@@ -208,7 +208,7 @@ def test_mfu_arithmetic_exact():
     rows = {r["metric"]: r for r in table.to_dicts()}
     assert rows["MFU"]["utilization"] == pytest.approx(per_token * 1_048_576 / (2.0 * 8 * 989.5e12), rel=1e-12)
     assert rows["HFU"]["utilization"] == pytest.approx(rows["MFU"]["utilization"] * 4 / 3, rel=1e-12)
-    assert "6N + 12*L*H*Q*T" in rows["MFU"]["definition"] and "989.5 TFLOP/s dense bf16" in rows["MFU"]["peak"]
+    assert "6N + 12*L*d*T" in rows["MFU"]["definition"] and "989.5 TFLOP/s dense bf16" in rows["MFU"]["peak"]
 
 
 def test_profiler_flops_numerator(tmp_path):
@@ -268,9 +268,13 @@ def test_cli_reports_mfu_with_definition(tmp_path):
     result = CliRunner().invoke(analyze, [str(tmp_path / "run"), "-q", "--params", "1e9", "--layers", "2", "--heads", "4",
                                           "--head-dim", "64", "--seq-len", "128", "--tokens-per-step", "4096"])
     assert result.exit_code == 0, result.output
-    assert "MFU:" in result.output and "6N + 12*L*H*Q*T" in result.output and "989.5 TFLOP/s dense bf16" in result.output
-    partial = CliRunner().invoke(analyze, [str(tmp_path / "run"), "-q", "--params", "1e9"])
-    assert partial.exit_code == 2 and "needs all of" in partial.output
+    assert "MFU:" in result.output and "6N + 12*L*d*T" in result.output and "989.5 TFLOP/s dense bf16" in result.output
+    # a part of the shape: the rest would come from the run's facts; this run has none, so the MFU says what is missing
+    partial = CliRunner().invoke(analyze, [str(tmp_path / "run"), "-q", "--params", "1e9", "--out", str(tmp_path / "p")])
+    note = json.loads((tmp_path / "p" / "findings.json").read_text())["mfu"]
+    assert partial.exit_code == 0 and "lacks layers, hidden, seq_len, tokens_per_step" in json.dumps(note)
+    lone = CliRunner().invoke(analyze, [str(tmp_path / "run"), "-q", "--heads", "4"])
+    assert lone.exit_code == 2 and "--heads and --head-dim go together" in lone.output
 
 
 def test_analysis_tables_match_the_contract(analysed):

@@ -111,7 +111,7 @@ def _collectives(inputs: Inputs) -> Output:
     cpu_comm_ops = inputs.table("_cpu_comm_ops")["ops"].sum()
     return Output(tables={"collectives": calls, "collective_instances": comms.instances(calls, inputs.table("clock_offsets"))},
                   findings=comms.exposed_comm_finding(calls, cpu_comm_ops, inputs.context.backend,
-                                                      inputs.context.world_size))
+                                                      inputs.facts.get("world_size")))
 
 
 def _idle(inputs: Inputs) -> Output:
@@ -155,7 +155,11 @@ def _mfu(inputs: Inputs) -> Output:
     context, facts = inputs.context, inputs.facts
     world_size = context.world_size or facts.get("world_size") or 1
     rows = [mfu.profiler_hfu(inputs.table("step_times"), inputs.table("_step_flops"), context.peak)] if inputs.ranks else []
-    shape, origin, _ = mfu.resolve_shape(inputs.options.shape, facts)
+    shape, origin, missing = mfu.resolve_shape(inputs.options.shape, facts)
+    if inputs.options.shape and shape is None:  # the user asked for the analytic count: say what it lacks
+        missing = f"the analytic numerator lacks {missing}: give them (--params --layers --hidden --seq-len --tokens-per-step)"
+    else:
+        missing = ""
     trace_flops = mfu.trace_flops_per_step(inputs.table("_trace_step_flops"), world_size) if inputs.ranks else None
     run_rows, problem = mfu.step_time_mfu(inputs.table("step_time"), inputs.table("flops_profile"), facts, context.peak,
                                           world_size, shape, inputs.options.recompute, origin, trace_flops)
@@ -163,12 +167,12 @@ def _mfu(inputs: Inputs) -> Output:
     # a logs-only Megatron run: the shape from its arguments
     found = [r for r in rows + [run_rows, log_rows] if not r.is_empty()]
     table = pl.concat(found, how="diagonal_relaxed") if found else pl.DataFrame()
-    finding = mfu.mfu_finding(table, problem or log_problem or context.peak_problem)
+    finding = mfu.mfu_finding(table, problem or log_problem or context.peak_problem or missing)
     findings = {"mfu": finding}
     if isinstance(finding, list) and (disagree := mfu.numerators_disagree(finding)):
         findings["mfu_numerators_disagree"] = disagree
-    if isinstance(finding, list) and problem:  # a numerator refused beside those computed
-        findings["mfu_refused"] = problem
+    if isinstance(finding, list) and (problem or missing):  # a numerator refused beside those computed
+        findings["mfu_refused"] = "; ".join(p for p in (problem, missing) if p)
     return Output(tables={"mfu": table}, findings=findings)
 
 

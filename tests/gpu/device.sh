@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU jobs of tests/gpu/gpu_check.py on a machine with one CUDA GPU, torch and (as wheels in .whl/, from
-# `gpu_check.py prepare`) DeepSpeed and what the machine lacks; their output packed into OUT_DIR (default $OUT).
-# Then, on any machine with steplens installed: python tests/gpu/gpu_check.py check OUT_DIR.
+# The GPU jobs of tests/gpu/gpu_check.py on a machine with one CUDA GPU and torch (DeepSpeed and the packages
+# the machine lacks may sit as wheels in .whl/, from `gpu_check.py prepare`), their output packed into OUT_DIR.
+# Then, anywhere steplens is installed: python tests/gpu/gpu_check.py check OUT_DIR. See tests/gpu/README.md.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
-out_dir="${1:-${OUT:?give an output folder}}"
+out_dir="${1:?usage: bash tests/gpu/device.sh OUT_DIR}"
 mkdir -p "$out_dir"
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

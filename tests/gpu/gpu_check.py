@@ -1,20 +1,26 @@
-"""The prepared check on a real GPU (issue 18): the CUDA paths of the collector and `analyze` on one job.
+"""The prepared check on a real GPU: the CUDA paths of the collector and `analyze` (tests/gpu/README.md).
 
-A single-GPU DeepSpeed job (tests/realrun/train_tiny_gpt.py: a small GPT, bf16, ZeRO-2, 30 steps, one bounded
-profiler window with shapes and modules, the collector's FLOPs step, DeepSpeed's comms logger, the collector
-with its default alarms), then the same job with the collector attached and closed in blocks (its overhead).
-The device machine runs only the jobs; `analyze` and the checks run here:
+Jobs (tests/realrun/train_tiny_gpt.py, one process on one GPU): a small GPT, bf16, ZeRO-2, 30 steps, one
+bounded profiler window with shapes and modules, the collector's FLOPs step, DeepSpeed's comms logger, the
+collector with its default alarms (`job`); the same with the collector attached and closed in blocks
+(`overhead`); a ZeRO-3 job with two profiler windows (stacks and modules), a FLOPs step and a checkpoint, once
+with the collector's CUPTI handling (`z3_released`) and once without (`z3_attached`); ZeRO-3 overhead runs
+with and without synchronizing comms timers and comms records. The GPU machine runs only the jobs;
+`analyze` and the checks run anywhere:
 
-    python tests/gpu/gpu_check.py prepare          # here, once: wheels the device image lacks -> .whl/
-    run(command="bash tests/gpu/device.sh", carry=[".whl"], timeout_s=540)    # the device tool
-    python tests/gpu/gpu_check.py check DIR        # here: DIR = the run's files_at; prints a JSON verdict
+    python tests/gpu/gpu_check.py prepare          # once, with network: wheels a GPU machine may lack -> .whl/
+    bash tests/gpu/device.sh OUT_DIR               # on the GPU machine, from the repository root
+    python tests/gpu/gpu_check.py check OUT_DIR    # anywhere steplens is installed: prints a JSON verdict
     python tests/gpu/gpu_check.py --dry-run        # no GPU: the same jobs on CPU (small, fp32) and every
                                                    # check that does not need CUDA
 
 Checks: CUDA kernels linked to their launches, GEMM and attention kernel families, MFU against the matched
-device peak (0 < MFU < 100%), per-op roofline rows (when this analyze has the op_perf table), the devices in
-the collector's manifest, the collector completed with its alarms on, and the collector's overhead (median
-over neighbouring blocks of on / off step time; target <= 1.02).
+device peak (0 < MFU < 100%), per-op roofline rows, the devices in the collector's manifest, the collector
+completed with its alarms on, the collector's overhead (median over neighbouring blocks of on / off step time;
+target <= 1.02); on the ZeRO-3 jobs: both windows of the process kept, MFU from the analytic count, the
+corrected ZeRO-3 profile and the traces' shapes, the after-effect measured (released <= 1.02, attached
+reported with its cause when the job's own clock shows it), the CUPTI handling in the manifest, and no bus
+bandwidth at world size 1.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "tests" / "realrun" / "train_tiny_gpt.py"
 WHEELS = REPO / ".whl"
 DEEPSPEED = "0.19.8"
-# The device image (KINDS.md) has torch, pyarrow, numpy, psutil, ninja, py-cpuinfo, einops, msgpack, tqdm,
+# A bare CUDA image with torch (the one this was run on) has pyarrow, numpy, psutil, ninja, py-cpuinfo, einops, msgpack, tqdm,
 # nvidia-ml-py and prometheus-client, but not these (deepspeed itself is a source package: built here).
 DEVICE_WHEELS = ("hjson", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "polars",
                  "polars-runtime-32")
@@ -87,7 +93,7 @@ def prepare() -> None:
     WHEELS.mkdir(exist_ok=True)
     exclude = REPO / subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], cwd=REPO, check=True,
                                     capture_output=True, text=True).stdout.strip()
-    if not exclude.exists() or "/.whl/" not in exclude.read_text():  # the wheels travel with `carry`, never in a commit
+    if not exclude.exists() or "/.whl/" not in exclude.read_text():  # the wheels are copied with the tree, never committed
         exclude.parent.mkdir(parents=True, exist_ok=True)
         with open(exclude, "a") as f:
             f.write("/.whl/\n")
@@ -236,6 +242,51 @@ def check(root: Path, gpu: bool) -> dict:
     cost = overhead(root / "overhead", BLOCK if gpu else 2)
     verdict("collector_overhead", cost["ratio"] is not None and (cost["ratio"] <= 1.02 or not gpu), cost)
     results["findings_mfu"] = findings.get("mfu")
+    for name in ("z3_released", "z3_attached"):
+        if (root / name).is_dir():
+            results.update(check_zero3(root / name, name, gpu))
+    for name in ("z3_overhead", "z3_overhead_nosync", "z3_overhead_nocomms"):
+        if (root / name / "script").is_dir():
+            cost = overhead(root / name, BLOCK if gpu else 2)
+            results[f"{name}_ratio"] = {"status": "ok" if cost["ratio"] is not None and (cost["ratio"] <= 1.02 or not gpu)
+                                        else "failed", "detail": cost}
+    return results
+
+
+def check_zero3(job: Path, name: str, gpu: bool) -> dict:
+    """Issue 35's items on one ZeRO-3 job with two windows: each is ok, failed or skipped, with the figures."""
+    import polars as pl
+    from steplens.analyze.analyses import runner
+    from steplens.analyze.pipeline import ingest
+
+    results: dict = {}
+    result = ingest.ingest(job, out_dir=job.parent / f".{name}_out", jobs=1)
+    findings = runner.run(result.out_dir, runner.Options(dtype="bf16" if gpu else "fp32"))
+
+    def verdict(check: str, ok: bool, detail) -> None:
+        results[f"{name}_{check}"] = {"status": "ok" if ok else "failed", "detail": detail}
+
+    traces = [s for s in result.sources if s.path.startswith("traces/")]
+    verdict("windows_kept", len(traces) == 2 and all(s.status == "ingested" for s in traces),
+            {s.path: s.status for s in traces})
+    numerators = {r["numerator"]: round(r["utilization"], 4) for r in findings.get("mfu") or [] if isinstance(r, dict)}
+    verdict("mfu_numerators", {"palm", "collector_flops_profile", "trace_shapes"} <= set(numerators) or not gpu,
+            {"numerators": numerators, "disagree": findings.get("mfu_numerators_disagree")})
+    effect = findings.get("profiler_after_effect") or {}
+    own = script_regimes(job, *((12, 15) if gpu else (4, 7)), {5, 36} if gpu else {1, 11})
+    manifest = json.loads((job / "collector" / "manifest" / "rank0.json").read_text())
+    released = (manifest.get("profiler") or {}).get("cupti_teardown")
+    if name == "z3_released":
+        verdict("after_effect", effect.get("ratio") is not None and (effect["ratio"] <= 1.02 or not gpu),
+                {"analyze": effect, "script": own})
+        verdict("cupti_released", released is True or not gpu, manifest.get("profiler"))
+    else:
+        slowed = (own.get("ratio") or 0) > 1.05
+        verdict("after_effect_reported", not slowed or bool(effect.get("beyond_noise")), {"analyze": effect, "script": own})
+        verdict("cupti_attached", released is False or not gpu, manifest.get("profiler"))
+    stats = pl.read_parquet(result.out_dir / "comms_log_stats")
+    verdict("no_busbw_at_world_size_1", stats.is_empty() or stats["median_busbw_gbps"].null_count() == stats.height,
+            stats.select("op", "group_size", "median_busbw_gbps").head(5).to_dicts())
     return results
 
 
