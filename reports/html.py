@@ -133,10 +133,15 @@ def key_numbers(run: Run) -> list[tuple[str, str]]:
     idle = f.get("gpu_idle") or {}
     if idle.get("idle_share") is not None:
         numbers.append(("GPU idle", f"{idle['idle_share']:.1%}"))
-    if isinstance(f.get("mfu"), list):
-        for row in f["mfu"]:
-            numbers.append((row["metric"], f"{row['utilization']:.1%}"))
+    if isinstance(f.get("mfu"), list) and f["mfu"]:  # the headline figure; the verdict gives the others beside it
+        head = f["mfu"][0]
+        numbers.append((f"{head['metric']} ({NUMERATOR_TILES.get(head['numerator'], head['numerator'])})",
+                        f"{head['utilization']:.1%}"))
     return numbers
+
+
+NUMERATOR_TILES = {"palm": "analytic", "megatron_args": "Megatron", "collector_flops_profile": "FLOPs profile",
+                   "trace_shapes": "op shapes", "profiler_flops": "with_flops"}
 
 
 STEP_TILES = {"train_steps": "collector", "log": "logs", "profiler_steps": "profiled steps"}
