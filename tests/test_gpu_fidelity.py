@@ -261,3 +261,42 @@ def test_model_shape_of_a_small_transformer_is_the_hand_count():
     assert shape == {"param_count": 3 * block + 256 + (128 * 512 + 512) + 512 * 128 + 65 * 128,
                      "embedding_params": 512 * 128 + 65 * 128, "non_embedding_params": 3 * block + 256 + 128 * 512 + 512,
                      "layers": 3, "hidden": 128, "shape_from": "model structure"}
+
+
+def _step_table(times_ms: dict[int, float], reasons: dict[int, str], source: str = "train_steps"):
+    import polars as pl
+
+    return pl.DataFrame({"step": list(times_ms), "source": source,
+                         "step_time_ns": [round(t * 1e6) for t in times_ms.values()],
+                         "excluded": [s in reasons for s in times_ms], "reason": [reasons.get(s) for s in times_ms]},
+                        schema_overrides={"reason": pl.String})
+
+
+@pytest.mark.parametrize("after_ms, released, words", [
+    (150.0, False, "slower after the profiler windows"), (150.0, True, "so the profiler is not the likely cause"),
+    (80.0, False, "faster after the profiler windows"), (100.0, False, "none beyond the step-to-step noise")])
+def test_after_effect_sentences_follow_the_figures(after_ms, released, words):
+    from steplens.analyze.analyses import profiler_effect
+
+    jitter = [0.0, 1.0, -1.0, 0.5, -0.5]
+    times = {s: 100.0 + jitter[s % 5] + s / 100 for s in range(10)} | {10: 300.0, 11: 120.0} | \
+        {s: after_ms + jitter[s % 5] + s / 100 for s in range(12, 20)}
+    reasons = {0: "warm_up", 9: "profiler_warmup", 10: "profiler_window", 11: "profiler_export"}
+    finding = profiler_effect.after_effect(_step_table(times, reasons), {"collector_profiler": {"cupti_teardown": released}})
+    before, after = [times[s] for s in range(1, 9)], [times[s] for s in range(12, 20)]
+    assert (finding["first_window_step"], finding["last_window_step"]) == (9, 10)
+    assert finding["before_median_ns"] == round(statistics.median(before) * 1e6)
+    assert finding["after_median_ns"] == round(statistics.median(after) * 1e6)
+    assert finding["window_ratio_max"] == pytest.approx(300.0 / statistics.median(before + after))
+    assert words in " ".join(profiler_effect.after_effect_lines(finding))
+
+
+def test_after_effect_needs_a_whole_run_record_and_enough_steps():
+    from steplens.analyze.analyses import profiler_effect
+
+    reasons = {1: "profiler_window"}
+    assert profiler_effect.after_effect(_step_table({0: 1.0, 1: 2.0, 2: 1.0}, {}, "profiler_steps"), {}) is None
+    assert profiler_effect.after_effect(_step_table({0: 1.0, 1: 1.0}, {}), {}) is None  # no window: nothing to say
+    finding = profiler_effect.after_effect(_step_table({0: 1.0, 1: 2.0, 2: 1.0, 3: 1.0}, reasons), {})
+    assert finding["beyond_noise"] is None and (finding["steps_before"], finding["steps_after"]) == (1, 2)
+    assert "not judged" in profiler_effect.after_effect_lines(finding)[0]
