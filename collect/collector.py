@@ -34,6 +34,7 @@ log = logging.getLogger("steplens.collect")
 
 TABLES = ("train_steps", "step_timers", "scalars", "comms_calls", "flops_profile", "alarms")
 SOURCE = "collector"
+ATTACHED_ATTRIBUTE = "_steplens_collector"  # set on the engine or model while a collector is attached
 _ABSENT = object()
 
 
@@ -48,6 +49,17 @@ def as_number(value) -> float | None:
         return math.inf if value > 0 else -math.inf
     except Exception:  # TypeError, ValueError, a tensor of several elements (RuntimeError), a broken __float__
         return None
+
+
+def _is_name(name) -> bool:
+    """A scalar name the Parquet parts can hold: text that encodes as UTF-8 (no lone surrogate)."""
+    if not isinstance(name, str):
+        return False
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +136,7 @@ class Collector:
         self.stop_requested = False  # an alarm asked the job to stop (stop_training); the job decides
         self.last_step_end: float | None = None  # time.monotonic() at the end of the last optimizer step
         self.samples_at_last_step: int | None = None
+        self.owner_pid = os.getpid()  # a forked child inherits this object but not its writer thread
 
     # --- safety -------------------------------------------------------------------------------
 
@@ -168,13 +181,16 @@ class Collector:
         return self.rank == 0 or self.settings.scalars_all_ranks
 
     def add_scalar(self, name: str, value, step: int | None, samples: int | None) -> None:
-        """One point; a value that is not a number at all costs this point only (counted by name)."""
+        """One point; a value that is not a number at all, or a name that is not text, costs this point only
+        (counted by name: the scalars table and the alarms key their series by a string)."""
         number = as_number(value)
-        if number is None:
-            key = str(name)
+        if number is None or not _is_name(name):
+            # Counted under the name, or under its type: bad names (log(step, x) in a loop) must not grow the manifest.
+            key = name if _is_name(name) else f"<name of type {type(name).__name__}>"
             if key not in self.rejected_values:
-                log.warning("steplens collector: %s = %.80r is not a number; such points are dropped and counted "
-                            "in the manifest (rejected_values)", key, value)
+                what = "not a number" if _is_name(name) else "logged under a name that is not UTF-8 text"
+                log.warning("steplens collector: %.80s = %.80r is %s; such points are dropped and counted "
+                            "in the manifest (rejected_values)", key, value, what)
             self.rejected_values[key] = self.rejected_values.get(key, 0) + 1
             return
         self.writer.add("scalars", {
@@ -335,7 +351,7 @@ class Collector:
         """Flush and mark the manifest `terminated`, then what the previous handler does (the default: die
         by SIGTERM, as the job would have without us)."""
         previous = self.sigterm_previous or signal.SIG_DFL
-        if not self.terminating and not self.closed:  # a second SIGTERM during our flush is not run twice
+        if not self.terminating and not self.closed and os.getpid() == self.owner_pid:  # a second SIGTERM during our flush is not run twice
             self.terminating = True
             self.status = "terminated"
             self.guard("writer", self.flush, False)
@@ -379,6 +395,8 @@ class Collector:
         self.guard("manifest", self.write_manifest)  # the final status, even when the last flush failed
 
     def close_at_exit(self) -> None:
+        if os.getpid() != self.owner_pid:  # a forked child exiting: the parent's collector is not its to close
+            return
         self.close(status="completed" if self.status == "running" else self.status)
 
 
@@ -662,6 +680,12 @@ def attach(target, config: dict | None = None, optimizer=None, on_alarm=None, **
     """
     collector = None
     try:
+        if isinstance(attached := vars(target).get(ATTACHED_ATTRIBUTE) if hasattr(target, "__dict__") else None,
+                      Collector) and not attached.closed:
+            # Two collectors on one engine would write the same part names and manifest.
+            log.warning("steplens collector: already attached to this %s; the first collector is returned "
+                        "(its settings stay)", type(target).__name__)
+            return attached
         is_engine = hasattr(target, "is_gradient_accumulation_boundary") and hasattr(target, "global_steps")
         if config is None and is_engine:
             ds_config = getattr(target._config, "_param_dict", None) or {}
@@ -675,6 +699,7 @@ def attach(target, config: dict | None = None, optimizer=None, on_alarm=None, **
             collector = TorchCollector(target, optimizer, parsed)
         collector.on_alarm = on_alarm
         collector.attach()
+        collector.wrap(target, ATTACHED_ATTRIBUTE, collector)  # taken off again by close()
         return collector
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
@@ -682,5 +707,7 @@ def attach(target, config: dict | None = None, optimizer=None, on_alarm=None, **
             collector.closed = True
             with contextlib.suppress(Exception):
                 collector.unhook()
-        log.error("steplens collector: not attached (%s); the job goes on without it", reason, exc_info=True)
+        # One line in the job's log (the README's promise); the traceback only for those who ask (DEBUG).
+        log.error("steplens collector: not attached (%s); the job goes on without it", reason)
+        log.debug("steplens collector: why attach failed", exc_info=True)
         return InactiveCollector(reason)
