@@ -547,3 +547,105 @@ def test_zeros_where_the_file_was_cut(tmp_path, traces):
 def test_a_byte_order_mark_is_not_damage(tmp_path, traces):
     parsed = _parse_text(tmp_path, "\ufeff" + traces["rank1"].text)
     assert _kept(parsed) == expected_events(traces["rank1"]) and parsed.issues == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Collector parts (issue 37): ranks past the limit, parts that decode to far more than their size
+
+INGEST_PROBE = """
+import sys
+from pathlib import Path
+from steplens.analyze.pipeline import ingest
+
+def peak_mb():  # VmHWM starts afresh at exec (getrusage's maxrss would carry pytest's over)
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM"))
+    return int(line.split()[1]) / 1024
+
+before = peak_mb()
+result = ingest.ingest(Path(sys.argv[1]), jobs=1)
+print(result.out_dir, peak_mb() - before)
+"""
+
+
+def _collector_part(run: Path, table: str, name: str, columns: dict, repeat: int = 1) -> None:
+    """A part written with pyarrow (no steplens code), `repeat` row groups of the same rows."""
+    from steplens.analyze.contract import schema
+
+    folder = run / "collector" / table
+    folder.mkdir(parents=True, exist_ok=True)
+    arrow_schema = schema.TABLES[table][0]
+    rows = len(next(iter(columns.values())))
+    import pyarrow as pa
+
+    block = pa.table({f.name: pa.array(columns.get(f.name, [None] * rows), f.type) for f in arrow_schema},
+                     schema=arrow_schema)
+    with pq.ParquetWriter(folder / name, arrow_schema, compression="zstd") as writer:
+        for _ in range(repeat):
+            writer.write_table(block)
+
+
+def _ingest_probe(run: Path) -> tuple[Path, float]:
+    proc = subprocess.run([sys.executable, "-c", INGEST_PROBE, str(run)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    out_dir, grown_mb = proc.stdout.split()
+    return Path(out_dir), float(grown_mb)
+
+
+def _issues(out_dir: Path) -> Counter:
+    """Issue counts per reason, over every file."""
+    counts = Counter()
+    for row in pq.read_table(out_dir / "ingest_issues").to_pylist():
+        counts[row["reason"]] += row["count"]
+    return counts
+
+
+def test_a_collector_rank_past_the_limit_costs_its_rows_only(tmp_path):
+    """Rows of rank 2**40 (and a part named rank 2**40): skipped and counted; analyze exits 1, rows lost (it
+    exited 5, out of memory building the report's rank range); the good points of rank 0 all survive."""
+    run = tmp_path / "run"
+    good = [float(v) / 4 for v in range(10)]
+    _collector_part(run, "scalars", "rank0-00000.parquet", {
+        "rank": [0] * 10, "source": ["collector"] * 10, "name": ["train/loss"] * 10, "step": list(range(10)),
+        "value": good})
+    _collector_part(run, "scalars", "rank0-00001.parquet", {
+        "rank": [0, 2**40, 2**40, -1], "source": ["collector"] * 4, "name": ["train/loss", "x", "x", "x"],
+        "step": [10, 11, 12, 13], "value": [9.0, 1.0, 1.0, 1.0]})
+    _collector_part(run, "scalars", f"rank{2**40}-00000.parquet", {
+        "rank": [2**40], "source": ["collector"], "name": ["y"], "step": [0], "value": [1.0]})
+    proc = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run), "-q"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    out_dir = run / ".steplens"
+    scalars = pq.read_table(out_dir / "scalars").to_pylist()
+    assert sorted((r["step"], r["value"]) for r in scalars) == list(zip(range(10), good)) + [(10, 9.0)]
+    issues = _issues(out_dir)
+    assert issues["collector_part_rank"] == 3 + 1  # three rows, one part
+    assert json.loads((out_dir / "run.json").read_text())["ranks"] == [0]
+    assert (out_dir / "report.html").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak memory from /proc")
+def test_a_collector_part_that_decodes_to_millions_of_rows_is_bounded(tmp_path):
+    """A part of a few hundred kB holding 8 M identical rows (what a run-length encoder makes of them): read up
+    to the bound, the rest counted as skipped; memory stays bounded; the good part beside it survives."""
+    from steplens.analyze.importers import collector_parts
+
+    run = tmp_path / "run"
+    _collector_part(run, "scalars", "rank0-00000.parquet", {
+        "rank": [0] * 5, "source": ["collector"] * 5, "name": ["train/loss"] * 5, "step": list(range(5)),
+        "value": [1.0, 2.0, 3.0, 4.0, 5.0]})
+    rows_per_group, groups = 500_000, 16
+    _collector_part(run, "train_steps", "rank0-00001.parquet", {
+        "rank": [0] * rows_per_group, "source": ["collector"] * rows_per_group, "step": [7] * rows_per_group,
+        "micro_step": [7] * rows_per_group, "dur_ns": [1000] * rows_per_group}, repeat=groups)
+    part_bytes = (run / "collector" / "train_steps" / "rank0-00001.parquet").stat().st_size
+    assert part_bytes < 1 << 20
+    out_dir, grown_mb = _ingest_probe(run)
+    assert grown_mb < 450, grown_mb  # measured: 290 MB; 8 M rows took 1.6 GB before the bound
+    steps = pq.read_table(out_dir / "train_steps", columns=["step"])
+    assert steps.num_rows == collector_parts.MAX_PART_ROWS
+    assert _issues(out_dir)["collector_part_too_large"] == 1
+    detail = next(r["detail"] for r in pq.read_table(out_dir / "ingest_issues").to_pylist()
+                  if r["reason"] == "collector_part_too_large")
+    assert f"{rows_per_group * groups - collector_parts.MAX_PART_ROWS} of its {rows_per_group * groups} rows" in detail
+    assert pq.read_table(out_dir / "scalars")["value"].to_pylist() == [1.0, 2.0, 3.0, 4.0, 5.0]

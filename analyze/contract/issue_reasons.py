@@ -69,6 +69,10 @@ _DECLARED = (
     # Collector parts (importers/collector_parts.py)
     IssueReason("collector_part_unreadable", ("error",), "A collector part cannot be read; its rows are lost."),
     IssueReason("collector_part_columns", ("error",), "A collector part with other columns than its table; skipped."),
+    IssueReason("collector_part_rank", ("error",), "Collector rows (or a part's file name) of a rank past the rank "
+                "limit the traces are held to; skipped."),
+    IssueReason("collector_part_too_large", ("error",), "A collector part that decodes to more rows or bytes than a "
+                "part is read for; the rows past the bound are skipped."),
     IssueReason("collector_rank_mismatch", ("warning",), "A collector part's file name and rows name different ranks."),
     IssueReason("not_a_collector_manifest", ("warning",), "A file in collector/manifest/ that is not a collector manifest."),
     IssueReason("collector_missing_tail", ("error",), "A rank's collector did not finish; rows after its last flush are missing."),
