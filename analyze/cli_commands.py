@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from steplens.analyze.cli_render import EXIT_REGRESSION, analyse_and_report, fail
+from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, analyse_and_report, fail
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline.ingest import IngestError, publish, staged
@@ -57,10 +57,13 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
 
     if not find_runs(runs_dir):
         fail(f"{runs_dir}: no steplens runs (no run.json) under this folder; run `analyze` first")
+    skipped: list[tuple[str, str]] = []
     try:
-        result = run_query(runs_dir, query)
+        result = run_query(runs_dir, query, skipped)
     except QueryError as e:
         fail(str(e))
+    for run, why in skipped:
+        click.echo(f"warning: {safe_text(run)}: damaged run.json ({safe_text(why)}); this run is left out", err=True)
     if fmt == "csv":
         click.echo(result.write_csv(), nl=False)
     elif fmt == "json":
@@ -68,6 +71,8 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
     else:
         with pl_config():
             click.echo(result)
+    if skipped:
+        sys.exit(EXIT_PARTIAL)
 
 
 def pl_config():

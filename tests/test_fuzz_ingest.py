@@ -649,3 +649,33 @@ def test_a_collector_part_that_decodes_to_millions_of_rows_is_bounded(tmp_path):
                   if r["reason"] == "collector_part_too_large")
     assert f"{rows_per_group * groups - collector_parts.MAX_PART_ROWS} of its {rows_per_group * groups} rows" in detail
     assert pq.read_table(out_dir / "scalars")["value"].to_pylist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged results (issue 37)
+
+
+@pytest.mark.parametrize("damage", [{"ranks": 5}, {"world_size": "8"}, {"environment": []},
+                                    {"environment": {"device_names": "H100"}}, {"facts": [1]}, {"run_name": {"a": 1}}])
+def test_sql_leaves_out_a_run_whose_run_json_is_damaged(tmp_path, damage):
+    """Two analysed runs, one run.json damaged by hand: the damaged run is named and left out (exit 1), the
+    other still answers with both its ranks (as generated)."""
+    from synthetic import generate_run
+
+    from steplens.analyze.cli import steplens
+    from steplens.analyze.pipeline import ingest
+
+    runs = tmp_path / "runs"
+    for name in ("good", "bad"):
+        generate_run(runs / name, ranks=2, steps=3, kernels_per_step=20, seed=3, write_truth=False)
+        ingest.ingest(runs / name, jobs=1)
+    manifest_path = runs / "bad" / ".steplens" / "run.json"
+    manifest_path.write_text(json.dumps({**json.loads(manifest_path.read_text()), **damage}))
+    done = CliRunner().invoke(steplens, ["sql", str(runs), "SELECT run_id, count(DISTINCT rank) AS n FROM "
+                                         "trace_events GROUP BY run_id", "--format", "json"])
+    assert done.exit_code == 1, done.output
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    good_id = json.loads((runs / "good" / ".steplens" / "run.json").read_text())["run_id"]
+    assert [(r["run_id"], r["n"]) for r in rows] == [(good_id, 2)]
+    (warning,) = done.stderr.splitlines()
+    assert str(runs / "bad" / ".steplens") in warning and next(iter(damage)) in warning
