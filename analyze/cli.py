@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
 import json
 import os
 import secrets
@@ -221,13 +222,28 @@ def _unranked_traces_apart(run: RunFolder, error: IngestError, out_dir: Path | N
     for source in unranked:
         trace = run.path / source.path
         if out_dir:
-            out = _under(out_dir, trace.name)
+            out = _under(out_dir, _out_name(trace.name))
         elif trace in run.found.remote:  # beside the trace in its store
             out = f"{run.found.remote[trace].url.rsplit('/', 1)[0]}/{schema.DEFAULT_OUT_DIR}-{trace.name}"
         else:
-            out = trace.parent / f"{schema.DEFAULT_OUT_DIR}-{trace.name}"
+            out = trace.parent / _out_name(f"{schema.DEFAULT_OUT_DIR}-{trace.name}")
         apart.append((RunFolder(run.path, subset(run.found, lambda p, trace=trace: p == trace), name=source.path), out))
     return apart
+
+
+# A file name's limit on Linux and macOS (NAME_MAX) less what staging and publishing add to an output folder's name
+# (".NAME.tmp-PID", ".NAME.old-PID", PIDs up to 7 digits): a longer output name could not be staged.
+MAX_OUT_NAME_BYTES = 255 - len("..tmp-") - 7
+
+
+def _out_name(name: str) -> str:
+    """An output folder's name derived from an input's: the name itself when it fits, else its start and a hash
+    of the whole (two long names sharing a start stay apart)."""
+    if len(name.encode(errors="surrogateescape")) <= MAX_OUT_NAME_BYTES:
+        return name
+    digest = hashlib.sha256(name.encode(errors="surrogateescape")).hexdigest()[:12]
+    start = name.encode(errors="surrogateescape")[:MAX_OUT_NAME_BYTES - len(digest) - 1]
+    return f"{start.decode(errors='ignore')}-{digest}"
 
 
 def _run_name(run: RunFolder, run_dir: Path | str) -> str:
@@ -258,7 +274,7 @@ def _runs_to_analyse(run_dir: Path, out_dir: Path | None):
 
         return runs, remote_out_of
     if run_dir.is_file():
-        out = out_dir or run_dir.parent / f"{schema.DEFAULT_OUT_DIR}-{run_dir.name}"
+        out = out_dir or run_dir.parent / _out_name(f"{schema.DEFAULT_OUT_DIR}-{run_dir.name}")
         return split_appended_logs([RunFolder(run_dir.parent, classify([run_dir]))]), lambda run: _apart(out, run)
     if not run_dir.is_dir():
         fail(f"{safe_text(run_dir)}: not a file or folder steplens can read")

@@ -679,3 +679,18 @@ def test_sql_leaves_out_a_run_whose_run_json_is_damaged(tmp_path, damage):
     assert [(r["run_id"], r["n"]) for r in rows] == [(good_id, 2)]
     (warning,) = done.stderr.splitlines()
     assert str(runs / "bad" / ".steplens") in warning and next(iter(damage)) in warning
+
+
+@pytest.mark.parametrize("stem", ["r" * 230, "é" * 118])  # 230 and 236 bytes before .json
+def test_a_single_trace_with_a_long_name_is_analysed(tmp_path, traces, stem):
+    """analyze FILE writes .steplens-FILE beside it: a name near the 255-byte limit made the staging name too long
+    ("File name too long", exit 4). Now a short name is derived (its start and a hash); every event is kept."""
+    trace = tmp_path / f"{stem}.json"
+    trace.write_text(traces["rank1"].text)
+    result = CliRunner().invoke(analyze, [str(trace), "-q", "-j", "1", "--ingest-only"])
+    assert result.exit_code == 0, result.output
+    (out,) = [p for p in tmp_path.iterdir() if p.name.startswith(".steplens-")]
+    assert len(out.name.encode()) <= 255 - len("..tmp-") - 7 and out.name.startswith(".steplens-" + stem[:50])
+    table = pq.read_table(out / "trace_events", columns=["name", "ts_ns"]).to_pydict()
+    assert Counter(zip(table["name"], table["ts_ns"])) == expected_events(traces["rank1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([trace.name, out.name])  # no staging debris
