@@ -694,3 +694,28 @@ def test_a_single_trace_with_a_long_name_is_analysed(tmp_path, traces, stem):
     table = pq.read_table(out / "trace_events", columns=["name", "ts_ns"]).to_pydict()
     assert Counter(zip(table["name"], table["ts_ns"])) == expected_events(traces["rank1"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([trace.name, out.name])  # no staging debris
+
+
+def test_export_trace_into_the_default_place_does_not_block_the_next_analyze(tmp_path):
+    """The README's snippet: analyze RUN, export-trace RUN (RUN/.steplens/merged_trace.json), analyze RUN again. It
+    refused ("holds files steplens did not write"); now the export is listed as an entry of the result."""
+    from synthetic import generate_run
+
+    from steplens.analyze.cli import steplens
+
+    run = tmp_path / "run"
+    generate_run(run, ranks=2, steps=3, kernels_per_step=20, seed=4, write_truth=False)
+    assert CliRunner().invoke(analyze, [str(run), "-q", "-j", "1"]).exit_code == 0
+    exported = CliRunner().invoke(steplens, ["export-trace", str(run)])
+    assert exported.exit_code == 0, exported.output
+    merged = run / ".steplens" / "merged_trace.json"
+    assert merged.is_file()
+    again = CliRunner().invoke(analyze, [str(run), "-q", "-j", "1"])
+    assert again.exit_code == 0, again.output
+    (run / "rank-1.pt.trace.json.gz").touch()  # a changed input: a new result replaces the old one whole
+    os.utime(run / "rank-1.pt.trace.json.gz", ns=(1, 1))
+    changed = CliRunner().invoke(analyze, [str(run), "-q", "-j", "1"])
+    assert changed.exit_code == 0, changed.output
+    manifest = json.loads((run / ".steplens" / "run.json").read_text())
+    assert sorted(manifest["trace_ranks"]) == [0, 1]
+    assert sorted(os.listdir(run)) == [".steplens", "rank-0.pt.trace.json.gz", "rank-1.pt.trace.json.gz"]
