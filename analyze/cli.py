@@ -150,7 +150,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
             fail(safe_text(e), EXIT_UNWRITABLE)
         except IngestError as e:
             if not (apart := _unranked_traces_apart(run, e, out_dir)):
-                fail(safe_text(e))
+                fail(safe_text(_as_given(e, run, run_dir)))
             click.echo(f"{safe_text(run_dir)}: {len(apart)} traces with no rank, from different processes: "
                        "separate runs, each analysed on its own:")
             sys.exit(_analyse_each(run_dir, apart, jobs, options, ingest_only, client=client))
@@ -244,6 +244,21 @@ def _out_name(name: str) -> str:
     digest = hashlib.sha256(name.encode(errors="surrogateescape")).hexdigest()[:12]
     start = name.encode(errors="surrogateescape")[:MAX_OUT_NAME_BYTES - len(digest) - 1]
     return f"{start.decode(errors='ignore')}-{digest}"
+
+
+def _as_given(error: IngestError, run: RunFolder, run_dir: Path | str) -> str:
+    """Why nothing could be ingested, naming what the user gave: the file (not the folder it is in), the URL (not
+    its local mirror)."""
+    message = str(error)
+    if type(error) is not IngestError:  # an unsafe --out, a store's answer: they name what they are about
+        return message
+    if run.found.origin:
+        return message.replace(str(run.path), run.found.origin)
+    if isinstance(run_dir, Path) and run_dir.is_file():
+        details = [issue[3] for source in error.sources for issue in source.issues]
+        return f"{run_dir}: " + (details[0] if details else
+                                 "not a file steplens reads (a profiler trace, collector output or DeepSpeed artifact)")
+    return message
 
 
 def _run_name(run: RunFolder, run_dir: Path | str) -> str:

@@ -719,3 +719,21 @@ def test_export_trace_into_the_default_place_does_not_block_the_next_analyze(tmp
     manifest = json.loads((run / ".steplens" / "run.json").read_text())
     assert sorted(manifest["trace_ranks"]) == [0, 1]
     assert sorted(os.listdir(run)) == [".steplens", "rank-0.pt.trace.json.gz", "rank-1.pt.trace.json.gz"]
+
+
+def test_a_file_that_is_not_read_is_named_as_given(tmp_path, traces):
+    """`analyze notatrace.txt` said "`.`: nothing steplens reads here"; `analyze hg/truth.json` said "hg: nothing
+    usable among 1 file(s)" though hg holds a good trace. Each names the file given, and the good trace beside it is
+    neither read nor harmed."""
+    (tmp_path / "notatrace.txt").write_text("hello\n")
+    hg = tmp_path / "hg"
+    hg.mkdir()
+    (hg / "truth.json").write_text('{"a": 1}')
+    (hg / "rank1.json").write_text(traces["rank1"].text)
+    for given, why in ((tmp_path / "notatrace.txt", "not a file steplens reads"),
+                       (hg / "truth.json", "not a trace: a JSON object with no traceEvents array")):
+        result = CliRunner().invoke(analyze, [str(given), "-q", "-j", "1"])
+        assert result.exit_code == 2
+        assert result.output.startswith(f"error: {given}: {why}"), result.output
+    assert sorted(p.name for p in hg.iterdir()) == ["rank1.json", "truth.json"]
+    assert CliRunner().invoke(analyze, [str(hg / "rank1.json"), "-q", "-j", "1", "--ingest-only"]).exit_code == 0
