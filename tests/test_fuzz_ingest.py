@@ -737,3 +737,36 @@ def test_a_file_that_is_not_read_is_named_as_given(tmp_path, traces):
         assert result.output.startswith(f"error: {given}: {why}"), result.output
     assert sorted(p.name for p in hg.iterdir()) == ["rank1.json", "truth.json"]
     assert CliRunner().invoke(analyze, [str(hg / "rank1.json"), "-q", "-j", "1", "--ingest-only"]).exit_code == 0
+
+
+def test_linked_folders_are_named_and_a_linked_output_is_refused(tmp_path, traces):
+    """A sub-folder that is a symbolic link is not followed, and is now named (run.json, the issues, and the message of
+    a run holding nothing else, which said '0 other file(s)'). A .steplens that is a link was replaced, leaving the
+    link behind as ..steplens.old-PID: it is refused, and nothing is touched."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "rank0.json").write_text(traces["rank0"].text)
+    only_links = tmp_path / "only_links"
+    only_links.mkdir()
+    (only_links / "traces").symlink_to(elsewhere)
+    result = CliRunner().invoke(analyze, [str(only_links), "-q", "-j", "1"])
+    assert result.exit_code == 2 and "linked folders not followed: traces" in result.output, result.output
+
+    run = two_rank_run(tmp_path, traces, traces["rank1"].text)
+    (run / "more").symlink_to(elsewhere)
+    outcome = run_analyze(run, "--ingest-only")
+    assert outcome.exit_code == 0
+    (linked,) = [s for s in outcome.manifest["sources"] if s["path"] == "more"]
+    assert linked["status"] == "ignored" and linked["issues"][0][1] == "linked_folder"
+    assert [i["reason"] for i in outcome.issues] == ["linked_folder"]
+    assert outcome.events[0] == expected_events(traces["rank0"]) and outcome.events[1] == expected_events(traces["rank1"])
+
+    kept = tmp_path / "kept"
+    (run / ".steplens").rename(kept)
+    (run / ".steplens").symlink_to(kept)
+    before = sorted(os.listdir(kept))
+    (run / "rank1.json").write_text(traces["rank1"].text)  # a change: a new result would be published
+    result = CliRunner().invoke(analyze, [str(run), "-q", "-j", "1", "--ingest-only"])
+    assert result.exit_code == 2 and "is a symbolic link" in result.output, result.output
+    assert sorted(os.listdir(run)) == [".steplens", "more", "rank0.json", "rank1.json"]  # no .old- or .tmp- debris
+    assert (run / ".steplens").is_symlink() and sorted(os.listdir(kept)) == before

@@ -24,6 +24,8 @@ class IssueReason:
 _DECLARED = (
     # Files and folders (pipeline/ingest.py)
     IssueReason("special_file", ("warning",), "A FIFO, device or socket: skipped without opening it."),
+    IssueReason("linked_folder", ("warning",), "A symbolic link to a folder: not followed (it may lead out of the "
+                "run or loop), named in run.json."),
     IssueReason("unreadable", ("error",), "The file cannot be read (permissions, I/O error)."),
     IssueReason("empty_file", ("error", "warning"), "The file is empty (a log: warning, nothing expected was lost)."),
     IssueReason("not_a_trace", ("info",), "A .json/.gz file that is not a profiler trace; ignored."),
