@@ -770,3 +770,32 @@ def test_linked_folders_are_named_and_a_linked_output_is_refused(tmp_path, trace
     assert result.exit_code == 2 and "is a symbolic link" in result.output, result.output
     assert sorted(os.listdir(run)) == [".steplens", "more", "rank0.json", "rank1.json"]  # no .old- or .tmp- debris
     assert (run / ".steplens").is_symlink() and sorted(os.listdir(kept)) == before
+
+
+def test_a_bad_byte_in_a_kernel_name_costs_only_that_character(tmp_path, traces):
+    """A byte that is not UTF-8, a lone high and a lone low surrogate escape in three kernels' names: each event was
+    dropped with its GPU time (a whole window of them when the fast decoder gave up); now each is kept, the bad
+    character replaced by U+FFFD, and counted (repaired_text)."""
+    t = traces["rank1"]
+    kernels = [i for i, e in enumerate(t.events) if e.get("cat") == "kernel"]
+    a, b, c = kernels[len(kernels) // 4], kernels[len(kernels) // 2], kernels[3 * len(kernels) // 4]
+    text = set_value(t, c, "name", '"low\\udc00end"')
+    text = set_value(_read(text), b, "name", '"high\\ud800end"')
+    text = set_value(_read(text), a, "name", '"byteMARKend"')
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "rank0.json").write_text(traces["rank0"].text)
+    (run / "rank1.json").write_bytes(text.encode().replace(b"MARK", b"\xff"))
+    outcome = run_analyze(run)
+    assert outcome.exit_code == 0, outcome.output
+    want = expected_events(t, {a, b, c})
+    want.update((name, int(Decimal(t.events[i]["ts"]) * 1000) + t.base_ns)
+                for name, i in (("byte\ufffdend", a), ("high\ufffdend", b), ("low\ufffdend", c)))
+    assert outcome.events[1] == want  # every event, the three repaired ones included
+    (issue,) = [i for i in outcome.issues if i["reason"] == "repaired_text"]
+    assert issue["count"] == 3 and issue["severity"] == "warning"
+    durations = pq.read_table(outcome.out_dir / "trace_events", columns=["name", "dur_ns", "kind"]).to_pylist()
+    gpu_ns = sum(r["dur_ns"] for r in durations if r["kind"] == "kernel")
+    want_ns = sum(int(Decimal(e["dur"]) * 1000) for e in t.events if e.get("cat") == "kernel")
+    want_ns += sum(int(Decimal(e["dur"]) * 1000) for e in traces["rank0"].events if e.get("cat") == "kernel")
+    assert gpu_ns == want_ns

@@ -48,6 +48,8 @@ _DECLARED = (
     # JSON decoding (importers/json_events.py)
     IssueReason("truncated", ("error", "warning"), "The file is cut short; what came before the cut is kept."),
     IssueReason("malformed_event", ("warning",), "Events that are not valid JSON or have an unexpected shape; skipped."),
+    IssueReason("repaired_text", ("warning",), "Events whose strings held bytes that are not UTF-8 or a lone "
+                "surrogate escape: kept, each bad character replaced by U+FFFD."),
     IssueReason("nesting_too_deep", ("warning",), "Events or metadata nested deeper than the decoder allows; skipped."),
     IssueReason("oversized_event", ("warning",), "Events larger than the decoder's limit (an unterminated string?); skipped."),
     IssueReason("oversized_metadata", ("warning",), "The text after traceEvents is too large and not valid JSON; not read."),
