@@ -799,3 +799,59 @@ def test_a_bad_byte_in_a_kernel_name_costs_only_that_character(tmp_path, traces)
     want_ns = sum(int(Decimal(e["dur"]) * 1000) for e in t.events if e.get("cat") == "kernel")
     want_ns += sum(int(Decimal(e["dur"]) * 1000) for e in traces["rank0"].events if e.get("cat") == "kernel")
     assert gpu_ns == want_ns
+
+
+# ---------------------------------------------------------------------------------------------
+# Logs (issue 37): one endless line, a crash's zero bytes; memory follows what is kept
+
+LOG_PROBE = """
+import sys, time
+from pathlib import Path
+from steplens.analyze.importers import deepspeed_log
+
+def peak_mb():  # VmHWM starts afresh at exec
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM"))
+    return int(line.split()[1]) / 1024
+
+before, started = peak_mb(), time.perf_counter()
+imported = deepspeed_log.parse(Path(sys.argv[1]), "x.log")
+lr = sorted(imported.tables["scalars"].filter(name="lr")["value"].to_list())
+issues = {i[1]: i[2] for i in imported.issues}
+print(peak_mb() - before, time.perf_counter() - started, lr, issues)
+"""
+
+
+def _log_lines(first: int, last: int) -> bytes:
+    return "".join(f"[2026-11-29 12:59:{s:02d},493] [INFO] [logging.py:123:log_dist] [Rank 0] step={s}, skipped=0, "
+                   f"lr=[0.{s}], mom=[(0.9, 0.999)]\n" for s in range(first, last + 1)).encode()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak memory from /proc")
+@pytest.mark.parametrize("hostile", ["long_line", "zeros"])
+def test_a_log_with_an_endless_line_or_a_crash_tail_is_read_in_bounded_memory(tmp_path, hostile):
+    """A 200 MB line between good lines (it took 1 GB and minutes of regex scanning), and 1 GB of zero bytes after a
+    real start (a crash or preallocation: it kept growing past 4 GB). Both are read in bounded memory, the damage
+    counted, every good line's lr kept."""
+    import ast
+
+    log = tmp_path / "train.log"
+    with open(log, "wb") as f:
+        f.write(_log_lines(1, 5))
+        if hostile == "long_line":
+            f.write(b"[Rank 0] tensor(" + b"1.0, " * (40 << 20) + b")\n")
+            f.write(_log_lines(6, 9))
+    if hostile == "zeros":
+        with open(log, "r+b") as f:
+            f.truncate(log.stat().st_size + (1 << 30))  # a hole: reads as zeros, takes no disk
+    proc = subprocess.run([sys.executable, "-c", LOG_PROBE, str(log)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    grown_mb, seconds, rest = proc.stdout.split(maxsplit=2)
+    lr_text, issues_text = rest.rsplit("] ", 1)
+    lr, issues = ast.literal_eval(lr_text + "]"), ast.literal_eval(issues_text)
+    assert float(grown_mb) < 150, grown_mb
+    if hostile == "long_line":
+        assert lr == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+        assert issues == {"long_lines": 1}
+    else:
+        assert lr == [0.1, 0.2, 0.3, 0.4, 0.5]
+        assert issues == {"zero_padding": 1 << 30}

@@ -54,7 +54,8 @@ _DECLARED = (
     IssueReason("oversized_event", ("warning",), "Events larger than the decoder's limit (an unterminated string?); skipped."),
     IssueReason("oversized_metadata", ("warning",), "The text after traceEvents is too large and not valid JSON; not read."),
     IssueReason("trailing_garbage", ("warning",), "Bytes after the end of the JSON document or gzip stream; ignored."),
-    IssueReason("zero_padding", ("info",), "Zero bytes after the end of the document (a preallocated file); ignored."),
+    IssueReason("zero_padding", ("info",), "Zero bytes after the end of the document (a preallocated file), or in a "
+                "log (a crash); ignored."),
     # Kineto events (importers/kineto.py, trace/semantics.py)
     IssueReason("absolute_ts_with_base", ("info",), "ts already absolute: baseTimeNanoseconds not added."),
     IssueReason("bad_base_time", ("warning",), "baseTimeNanoseconds is not a plausible time; ignored."),
@@ -84,6 +85,8 @@ _DECLARED = (
     IssueReason("collector_values_rejected", ("warning",), "log() values that were not numbers were dropped in the job."),
     IssueReason("collector_part_disabled", ("warning",), "A part of the collector's recording was disabled after an error."),
     # DeepSpeed and Megatron logs (importers/deepspeed_log.py)
+    IssueReason("long_lines", ("warning",), "Log lines longer than the reader's limit (1 MiB): cut there, the rest of "
+                "each not read."),
     IssueReason("no_final_newline", ("info",), "The last line has no newline (cut off or still being written)."),
     IssueReason("garbled_lines", ("info", "error"), "Lines of interleaved writes or undecodable bytes (a csv_monitor file: "
                                                     "lines lost, error)."),
