@@ -855,3 +855,24 @@ def test_a_log_with_an_endless_line_or_a_crash_tail_is_read_in_bounded_memory(tm
     else:
         assert lr == [0.1, 0.2, 0.3, 0.4, 0.5]
         assert issues == {"zero_padding": 1 << 30}
+
+
+def test_a_key_given_twice_is_read_last_value_wins_and_counted(tmp_path, traces):
+    """Three kernels given `"ph": "i"` and a later `ts` after their own: every field is read with its last value (the
+    stdlib's json, which keeps the last, is the ground truth), the other events untouched, the three counted."""
+    t = traces["rank1"]
+    kernels = [i for i, e in enumerate(t.events) if e.get("cat") == "kernel"]
+    chosen = [kernels[len(kernels) // 4], kernels[len(kernels) // 2], kernels[3 * len(kernels) // 4]]
+    text = t.text
+    for i in sorted(chosen, reverse=True):  # from the end: the earlier spans stay where they are
+        start, end = t.spans[i]
+        later_ts = Decimal(t.events[i]["ts"]) + 1
+        text = text[:end - 1] + f', "ph": "i", "ts": {later_ts}}}' + text[end:]
+    mutated = _read(text)
+    assert [mutated.events[i]["ph"] for i in chosen] == ["i"] * 3  # the stdlib: the last value
+    run = two_rank_run(tmp_path, traces, text)
+    outcome = run_analyze(run)
+    assert outcome.exit_code == 0, outcome.output
+    assert outcome.events[1] == expected_events(mutated)
+    (issue,) = [i for i in outcome.issues if i["reason"] == "duplicate_keys"]
+    assert issue["count"] == 3

@@ -48,6 +48,8 @@ _DECLARED = (
     # JSON decoding (importers/json_events.py)
     IssueReason("truncated", ("error", "warning"), "The file is cut short; what came before the cut is kept."),
     IssueReason("malformed_event", ("warning",), "Events that are not valid JSON or have an unexpected shape; skipped."),
+    IssueReason("duplicate_keys", ("warning",), "Trace events giving a key twice: read with the last value of each key "
+                "(JSON's usual rule)."),
     IssueReason("repaired_text", ("warning",), "Events whose strings held bytes that are not UTF-8 or a lone "
                 "surrogate escape: kept, each bad character replaced by U+FFFD."),
     IssueReason("nesting_too_deep", ("warning",), "Events or metadata nested deeper than the decoder allows; skipped."),

@@ -11,6 +11,7 @@ MAX_EVENT_BYTES is skipped and counted, and decoding resumes at the next event; 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import zlib
@@ -225,6 +226,7 @@ class EventReader:
         self.stream = stream
         self._many, self._one = _decoders(event_type)
         self._fast = _decoders(fast_type)[0] if fast_type is not None else None
+        self._keys = [f'"{f.encode_name}"'.encode() for f in msgspec.structs.fields(event_type)]  # top-level keys read
         self.blocks = stream.blocks()
         self.buf = b""
         self.eof = False
@@ -308,6 +310,8 @@ class EventReader:
                 return
             limit = len(self.buf) if self.eof else min(len(self.buf), want)
             events, consumed, ended = self._decode_prefix(limit)
+            if self._fast is None and events:
+                self._count_duplicate_keys(self.buf[:consumed], len(events))
             self.buf = self.buf[consumed:]
             if events:
                 yield events
@@ -376,6 +380,23 @@ class EventReader:
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 pass
         return self._decode_one_by_one([], 0, limit)
+
+    def _count_duplicate_keys(self, window: bytes, events: int) -> None:
+        """Count the events of a window that give a key twice. The decoder takes the last value of a key, for every
+        key (JSON's usual rule); the fast form refuses an event whose second `ph` differs, so such windows come here.
+        A key that occurs no more often than there are events cannot be given twice in one: those windows cost one
+        count per key, and only the others are looked at event by event."""
+        if all(window.count(key) <= events for key in self._keys):
+            return
+        try:
+            raws = _RAW_LIST.decode(b"".join((b"[", window, b"]")))
+        except (msgspec.DecodeError, RecursionError):  # damaged events in the window: their own issues say so
+            return
+        for raw in raws:
+            text = bytes(raw)
+            if any(text.count(key) > 1 for key in self._keys) and _gives_a_key_twice(text):
+                entry = self.repaired.setdefault("duplicate_keys", [0, f"{text[:120]!r}"])
+                entry[0] += 1
 
     def _decode_each(self, candidate: bytes) -> list:
         events = []
@@ -602,7 +623,23 @@ def _metadata_by_key(doc: bytes) -> dict:
     return found
 
 
+def _gives_a_key_twice(event: bytes) -> bool:
+    """Whether the event object (not the objects inside it) holds one key twice."""
+    repeated = []
+
+    def pairs(items: list) -> dict:
+        repeated.append(len({key for key, _ in items}) < len(items))
+        return dict(items)
+
+    try:
+        json.loads(event, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return False
+    return bool(repeated) and repeated[-1]  # the outermost object is completed last
+
+
 _REPAIRED = {
+    "duplicate_keys": "events giving a key twice were read with the last value of each key (JSON's usual rule)",
     "repaired_text": "events whose strings held bytes that are not UTF-8 or a lone UTF-16 surrogate escape were kept, "
                      "each bad character replaced by U+FFFD",
 }
