@@ -400,8 +400,11 @@ def _missing_ranks_warning(result: IngestResult) -> str | None:
     world_size = result.manifest.get("world_size")
     traced = result.manifest.get("trace_ranks") or []
     if traced and isinstance(world_size, int) and 0 < world_size <= schema.MAX_RANK and len(traced) < world_size:
-        missing = sorted(set(range(world_size)) - set(traced))
-        return (f"warning: traces of {len(traced)} of {world_size} ranks; no trace for rank(s) {ranges(missing)} "
+        # The gaps between traced ranks, never a set over range(world_size) (a trace may claim 2**24 ranks).
+        bounds = [-1, *sorted({rank for rank in traced if 0 <= rank < world_size}), world_size]
+        gaps = [(low + 1, high - 1) for low, high in zip(bounds, bounds[1:]) if high - low > 1]
+        missing = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in gaps)
+        return (f"warning: traces of {len(traced)} of {world_size} ranks; no trace for rank(s) {missing} "
                 "(profiled on some ranks only, or lost: see the issues)")
     return None
 

@@ -876,3 +876,33 @@ def test_a_key_given_twice_is_read_last_value_wins_and_counted(tmp_path, traces)
     assert outcome.events[1] == expected_events(mutated)
     (issue,) = [i for i in outcome.issues if i["reason"] == "duplicate_keys"]
     assert issue["count"] == 3
+
+
+# analyze in a fresh child of a fresh process: RUSAGE_CHILDREN's peak is then analyze's own (in pytest it would be
+# the largest of every child the session has waited for).
+ANALYZE_PEAK = """
+import resource, subprocess, sys
+done = subprocess.run([sys.executable, "-m", "steplens.analyze", *sys.argv[1:]])
+print(f"peak_mb={resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}", file=sys.stderr)
+sys.exit(done.returncode)
+"""
+
+
+def test_a_world_size_of_two_to_the_24_costs_no_memory(tmp_path, traces):
+    """Traces of ranks 0 and 1 claiming 2**24 ranks (the largest world size accepted): the warning names the missing
+    ranks as one range, built from the gaps (a set over range(world_size) took analyze to 2.3 GB)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for rank in (0, 1):
+        text = traces[f"rank{rank}"].text.replace('"world_size": 128', f'"world_size": {2**24}', 1)
+        (run / f"rank{rank}.json").write_text(text)
+    done = subprocess.run([sys.executable, "-c", ANALYZE_PEAK, str(run), "-q", "-j", "1", "--ingest-only"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"traces of 2 of {2**24} ranks; no trace for rank(s) 2-{2**24 - 1} (" in done.stderr
+    peak_mb = float(done.stderr.rsplit("peak_mb=", 1)[1])
+    assert peak_mb < 500, peak_mb  # measured: 210 MB; 2.3 GB before
+    events = pq.read_table(run / ".steplens" / "trace_events", columns=["name", "ts_ns", "rank"]).to_pylist()
+    for rank in (0, 1):
+        got = Counter((e["name"], e["ts_ns"]) for e in events if e["rank"] == rank)
+        assert got == expected_events(traces[f"rank{rank}"])
