@@ -5,7 +5,8 @@ Safety: every hook runs inside `guard(part, ...)`. An exception there is logged 
 (recorded in the manifest) and never reaches the training loop; the wrapped engine call always runs. `attach`
 itself never raises: a collector that cannot start (a read-only run folder, bad settings) logs why once and
 returns an `InactiveCollector`, whose calls do nothing. A failed writer drops (and counts) rows instead of
-buffering them; a `log()` value that is not a number is dropped and counted, NaN and inf are kept. On SIGTERM
+buffering them; a `log()` value that is not a number, or a name that is not text, is dropped and counted (NaN and
+inf are kept). A second `attach` on one engine or model returns the collector already attached. On SIGTERM
 (how schedulers stop jobs) the collector flushes, marks the manifest `terminated` and then does what the
 handler it replaced would have done.
 """
@@ -22,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from steplens.analyze.contract import alarm_rules, layout
@@ -34,7 +36,9 @@ log = logging.getLogger("steplens.collect")
 
 TABLES = ("train_steps", "step_timers", "scalars", "comms_calls", "flops_profile", "alarms")
 SOURCE = "collector"
-ATTACHED_ATTRIBUTE = "_steplens_collector"  # set on the engine or model while a collector is attached
+# The collector attached to each engine or model, while it is. Not an attribute of theirs: copy.deepcopy(model) (an
+# EMA copy) would try to copy the collector's threads and locks.
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ABSENT = object()
 
 
@@ -351,7 +355,8 @@ class Collector:
         """Flush and mark the manifest `terminated`, then what the previous handler does (the default: die
         by SIGTERM, as the job would have without us)."""
         previous = self.sigterm_previous or signal.SIG_DFL
-        if not self.terminating and not self.closed and os.getpid() == self.owner_pid:  # a second SIGTERM during our flush is not run twice
+        # A second SIGTERM during our flush is not run twice; a forked child's is not ours to handle.
+        if not self.terminating and not self.closed and os.getpid() == self.owner_pid:
             self.terminating = True
             self.status = "terminated"
             self.guard("writer", self.flush, False)
@@ -377,6 +382,8 @@ class Collector:
         self.restore.clear()
         self.guard("sigterm", self.restore_sigterm)
         atexit.unregister(self.close_at_exit)
+        for target in [target for target, collector in _ATTACHED.items() if collector is self]:
+            del _ATTACHED[target]  # (the entry would keep the model alive)
         if self.alarms is not None:
             self.alarms.stop.set()  # the watchdog: a job that has stopped stepping is not a hang
 
@@ -653,6 +660,13 @@ class TorchCollector(Collector):
         super().unhook()
 
 
+def _attached_to(target) -> Collector | None:
+    try:
+        return _ATTACHED.get(target)
+    except TypeError:  # not weakly referenceable, or unhashable
+        return None
+
+
 class InactiveCollector:
     """What `attach` returns when the collector could not start: the same calls, doing nothing."""
 
@@ -680,8 +694,7 @@ def attach(target, config: dict | None = None, optimizer=None, on_alarm=None, **
     """
     collector = None
     try:
-        if isinstance(attached := vars(target).get(ATTACHED_ATTRIBUTE) if hasattr(target, "__dict__") else None,
-                      Collector) and not attached.closed:
+        if (attached := _attached_to(target)) is not None and not attached.closed:
             # Two collectors on one engine would write the same part names and manifest.
             log.warning("steplens collector: already attached to this %s; the first collector is returned "
                         "(its settings stay)", type(target).__name__)
@@ -699,7 +712,8 @@ def attach(target, config: dict | None = None, optimizer=None, on_alarm=None, **
             collector = TorchCollector(target, optimizer, parsed)
         collector.on_alarm = on_alarm
         collector.attach()
-        collector.wrap(target, ATTACHED_ATTRIBUTE, collector)  # taken off again by close()
+        with contextlib.suppress(TypeError):  # a target that takes no weak reference is not remembered
+            _ATTACHED[target] = collector
         return collector
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"

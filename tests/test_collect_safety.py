@@ -321,3 +321,14 @@ def test_a_second_attach_returns_the_first_collector(tmp_path, caplog):
     third = attach(model, optimizer=optimizer, run_dir=str(tmp_path / "again"))
     assert third is not first and third.status == "running"
     third.close()
+
+
+def test_a_model_with_a_collector_can_still_be_deep_copied(tmp_path):
+    """An EMA copy (copy.deepcopy(model)) after attach: the collector is not part of the model."""
+    import copy
+
+    model, optimizer = tiny_model()
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path))
+    ema = copy.deepcopy(model)
+    assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), model.parameters()))
+    collector.close()
