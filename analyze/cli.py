@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
 import json
 import os
 import secrets
@@ -155,7 +156,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
             fail(safe_text(e), EXIT_UNWRITABLE)
         except IngestError as e:
             if not (apart := _unranked_traces_apart(run, e, out_dir)):
-                fail(safe_text(e))
+                fail(safe_text(_as_given(e, run, run_dir)))
             click.echo(f"{safe_text(run_dir)}: {len(apart)} traces with no rank, from different processes: "
                        "separate runs, each analysed on its own:")
             sys.exit(_analyse_each(run_dir, apart, jobs, options, ingest_only, client=client))
@@ -227,13 +228,43 @@ def _unranked_traces_apart(run: RunFolder, error: IngestError, out_dir: Path | N
     for source in unranked:
         trace = run.path / source.path
         if out_dir:
-            out = _under(out_dir, trace.name)
+            out = _under(out_dir, _out_name(trace.name))
         elif trace in run.found.remote:  # beside the trace in its store
             out = f"{run.found.remote[trace].url.rsplit('/', 1)[0]}/{schema.DEFAULT_OUT_DIR}-{trace.name}"
         else:
-            out = trace.parent / f"{schema.DEFAULT_OUT_DIR}-{trace.name}"
+            out = trace.parent / _out_name(f"{schema.DEFAULT_OUT_DIR}-{trace.name}")
         apart.append((RunFolder(run.path, subset(run.found, lambda p, trace=trace: p == trace), name=source.path), out))
     return apart
+
+
+# A file name's limit on Linux and macOS (NAME_MAX) less what staging and publishing add to an output folder's name
+# (".NAME.tmp-PID", ".NAME.old-PID", PIDs up to 7 digits): a longer output name could not be staged.
+MAX_OUT_NAME_BYTES = 255 - len("..tmp-") - 7
+
+
+def _out_name(name: str) -> str:
+    """An output folder's name derived from an input's: the name itself when it fits, else its start and a hash
+    of the whole (two long names sharing a start stay apart)."""
+    if len(name.encode(errors="surrogateescape")) <= MAX_OUT_NAME_BYTES:
+        return name
+    digest = hashlib.sha256(name.encode(errors="surrogateescape")).hexdigest()[:12]
+    start = name.encode(errors="surrogateescape")[:MAX_OUT_NAME_BYTES - len(digest) - 1]
+    return f"{start.decode(errors='ignore')}-{digest}"
+
+
+def _as_given(error: IngestError, run: RunFolder, run_dir: Path | str) -> str:
+    """Why nothing could be ingested, naming what the user gave: the file (not the folder it is in), the URL (not
+    its local mirror)."""
+    message = str(error)
+    if type(error) is not IngestError:  # an unsafe --out, a store's answer: they name what they are about
+        return message
+    if run.found.origin:
+        return message.replace(str(run.path), run.found.origin)
+    if isinstance(run_dir, Path) and run_dir.is_file():
+        details = [issue[3] for source in error.sources for issue in source.issues]
+        return f"{run_dir}: " + (details[0] if details else
+                                 "not a file steplens reads (a profiler trace, collector output or DeepSpeed artifact)")
+    return message
 
 
 def _run_name(run: RunFolder, run_dir: Path | str) -> str:
@@ -264,7 +295,7 @@ def _runs_to_analyse(run_dir: Path, out_dir: Path | None):
 
         return runs, remote_out_of
     if run_dir.is_file():
-        out = out_dir or run_dir.parent / f"{schema.DEFAULT_OUT_DIR}-{run_dir.name}"
+        out = out_dir or run_dir.parent / _out_name(f"{schema.DEFAULT_OUT_DIR}-{run_dir.name}")
         return split_appended_logs([RunFolder(run_dir.parent, classify([run_dir]))]), lambda run: _apart(out, run)
     if not run_dir.is_dir():
         fail(f"{safe_text(run_dir)}: not a file or folder steplens can read")
@@ -375,8 +406,11 @@ def _missing_ranks_warning(result: IngestResult) -> str | None:
     world_size = result.manifest.get("world_size")
     traced = result.manifest.get("trace_ranks") or []
     if traced and isinstance(world_size, int) and 0 < world_size <= schema.MAX_RANK and len(traced) < world_size:
-        missing = sorted(set(range(world_size)) - set(traced))
-        return (f"warning: traces of {len(traced)} of {world_size} ranks; no trace for rank(s) {ranges(missing)} "
+        # The gaps between traced ranks, never a set over range(world_size) (a trace may claim 2**24 ranks).
+        bounds = [-1, *sorted({rank for rank in traced if 0 <= rank < world_size}), world_size]
+        gaps = [(low + 1, high - 1) for low, high in zip(bounds, bounds[1:]) if high - low > 1]
+        missing = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in gaps)
+        return (f"warning: traces of {len(traced)} of {world_size} ranks; no trace for rank(s) {missing} "
                 "(profiled on some ranks only, or lost: see the issues)")
     return None
 

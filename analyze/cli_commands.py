@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from steplens.analyze.cli_render import EXIT_REGRESSION, analyse_and_report, fail
+from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, analyse_and_report, fail
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline.ingest import IngestError, publish, staged
@@ -57,10 +57,13 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
 
     if not find_runs(runs_dir):
         fail(f"{runs_dir}: no steplens runs (no run.json) under this folder; run `analyze` first")
+    skipped: list[tuple[str, str]] = []
     try:
-        result = run_query(runs_dir, query)
+        result = run_query(runs_dir, query, skipped)
     except QueryError as e:
         fail(str(e))
+    for run, why in skipped:
+        click.echo(f"warning: {safe_text(run)}: damaged run.json ({safe_text(why)}); this run is left out", err=True)
     if fmt == "csv":
         click.echo(result.write_csv(), nl=False)
     elif fmt == "json":
@@ -68,6 +71,8 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
     else:
         with pl_config():
             click.echo(result)
+    if skipped:
+        sys.exit(EXIT_PARTIAL)
 
 
 def pl_config():
@@ -120,10 +125,31 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
     counts = export_trace(out_dir, out_path, _step_range(steps))
     if not counts["events"]:
         fail(f"{run_dir}: no events to export" + (f" in steps {steps}" if steps else ""))
+    if not remote.is_url(run_dir) and out_path.resolve().parent == out_dir.resolve():
+        _list_as_output(out_dir, out_path.name)
     click.echo(f"{out_path}: {counts['events']:,} events and {counts['flows']:,} launch flows from "
                f"{counts['ranks']} rank(s); {counts['partial_overlaps']:,} slices overlap without nesting")
 
 
+
+
+def _list_as_output(out_dir: Path, name: str) -> None:
+    """An export written into the output folder is one of its entries (run.json's output_entries): the next
+    `analyze` replaces it with the rest of the result instead of refusing a folder with a file it did not write."""
+    import json
+    import os
+
+    from steplens.analyze.contract import reuse
+
+    manifest = reuse.read_manifest(out_dir)
+    entries = manifest.get("output_entries")
+    if not isinstance(entries, list) or name in entries:
+        return
+    manifest["output_entries"] = sorted([*entries, name])
+    path = out_dir / schema.MANIFEST_FILE
+    tmp = path.with_name(f".{path.name}.export-tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, path)
 
 
 def _is_export(path: Path) -> bool:

@@ -5,7 +5,8 @@ Safety: every hook runs inside `guard(part, ...)`. An exception there is logged 
 (recorded in the manifest) and never reaches the training loop; the wrapped engine call always runs. `attach`
 itself never raises: a collector that cannot start (a read-only run folder, bad settings) logs why once and
 returns an `InactiveCollector`, whose calls do nothing. A failed writer drops (and counts) rows instead of
-buffering them; a `log()` value that is not a number is dropped and counted, NaN and inf are kept. On SIGTERM
+buffering them; a `log()` value that is not a number, or a name that is not text, is dropped and counted (NaN and
+inf are kept). A second `attach` on one engine or model returns the collector already attached. On SIGTERM
 (how schedulers stop jobs) the collector flushes, marks the manifest `terminated` and then does what the
 handler it replaced would have done.
 """
@@ -22,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from steplens.analyze.contract import alarm_rules, layout
@@ -34,6 +36,9 @@ log = logging.getLogger("steplens.collect")
 
 TABLES = ("train_steps", "step_timers", "scalars", "comms_calls", "flops_profile", "alarms")
 SOURCE = "collector"
+# The collector attached to each engine or model, while it is. Not an attribute of theirs: copy.deepcopy(model) (an
+# EMA copy) would try to copy the collector's threads and locks.
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ABSENT = object()
 
 
@@ -48,6 +53,17 @@ def as_number(value) -> float | None:
         return math.inf if value > 0 else -math.inf
     except Exception:  # TypeError, ValueError, a tensor of several elements (RuntimeError), a broken __float__
         return None
+
+
+def _is_name(name) -> bool:
+    """A scalar name the Parquet parts can hold: text that encodes as UTF-8 (no lone surrogate)."""
+    if not isinstance(name, str):
+        return False
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +147,7 @@ class Collector:
         self.stop_requested = False  # an alarm asked the job to stop (stop_training); the job decides
         self.last_step_end: float | None = None  # time.monotonic() at the end of the last optimizer step
         self.samples_at_last_step: int | None = None
+        self.owner_pid = os.getpid()  # a forked child inherits this object but not its writer thread
 
     # --- safety -------------------------------------------------------------------------------
 
@@ -175,13 +192,16 @@ class Collector:
         return self.rank == 0 or self.settings.scalars_all_ranks
 
     def add_scalar(self, name: str, value, step: int | None, samples: int | None) -> None:
-        """One point; a value that is not a number at all costs this point only (counted by name)."""
+        """One point; a value that is not a number at all, or a name that is not text, costs this point only
+        (counted by name: the scalars table and the alarms key their series by a string)."""
         number = as_number(value)
-        if number is None:
-            key = str(name)
+        if number is None or not _is_name(name):
+            # Counted under the name, or under its type: bad names (log(step, x) in a loop) must not grow the manifest.
+            key = name if _is_name(name) else f"<name of type {type(name).__name__}>"
             if key not in self.rejected_values:
-                log.warning("steplens collector: %s = %.80r is not a number; such points are dropped and counted "
-                            "in the manifest (rejected_values)", key, value)
+                what = "not a number" if _is_name(name) else "logged under a name that is not UTF-8 text"
+                log.warning("steplens collector: %.80s = %.80r is %s; such points are dropped and counted "
+                            "in the manifest (rejected_values)", key, value, what)
             self.rejected_values[key] = self.rejected_values.get(key, 0) + 1
             return
         self.writer.add("scalars", {
@@ -375,7 +395,8 @@ class Collector:
         """Flush and mark the manifest `terminated`, then what the previous handler does (the default: die
         by SIGTERM, as the job would have without us)."""
         previous = self.sigterm_previous or signal.SIG_DFL
-        if not self.terminating and not self.closed:  # a second SIGTERM during our flush is not run twice
+        # A second SIGTERM during our flush is not run twice; a forked child's is not ours to handle.
+        if not self.terminating and not self.closed and os.getpid() == self.owner_pid:
             self.terminating = True
             self.status = "terminated"
             self.guard("writer", self.flush, False)
@@ -401,6 +422,8 @@ class Collector:
         self.restore.clear()
         self.guard("sigterm", self.restore_sigterm)
         atexit.unregister(self.close_at_exit)
+        for target in [target for target, collector in _ATTACHED.items() if collector is self]:
+            del _ATTACHED[target]  # (the entry would keep the model alive)
         if self.alarms is not None:
             self.alarms.stop.set()  # the watchdog: a job that has stopped stepping is not a hang
 
@@ -419,6 +442,8 @@ class Collector:
         self.guard("manifest", self.write_manifest)  # the final status, even when the last flush failed
 
     def close_at_exit(self) -> None:
+        if os.getpid() != self.owner_pid:  # a forked child exiting: the parent's collector is not its to close
+            return
         self.close(status="completed" if self.status == "running" else self.status)
 
 
@@ -679,6 +704,13 @@ class TorchCollector(Collector):
         super().unhook()
 
 
+def _attached_to(target) -> Collector | None:
+    try:
+        return _ATTACHED.get(target)
+    except TypeError:  # not weakly referenceable, or unhashable
+        return None
+
+
 class InactiveCollector:
     """What `attach` returns when the collector could not start: the same calls, doing nothing."""
 
@@ -706,6 +738,11 @@ def attach(target, config: dict | None = None, optimizer=None, on_alarm=None, **
     """
     collector = None
     try:
+        if (attached := _attached_to(target)) is not None and not attached.closed:
+            # Two collectors on one engine would write the same part names and manifest.
+            log.warning("steplens collector: already attached to this %s; the first collector is returned "
+                        "(its settings stay)", type(target).__name__)
+            return attached
         is_engine = hasattr(target, "is_gradient_accumulation_boundary") and hasattr(target, "global_steps")
         if config is None and is_engine:
             ds_config = getattr(target._config, "_param_dict", None) or {}
@@ -719,6 +756,8 @@ def attach(target, config: dict | None = None, optimizer=None, on_alarm=None, **
             collector = TorchCollector(target, optimizer, parsed)
         collector.on_alarm = on_alarm
         collector.attach()
+        with contextlib.suppress(TypeError):  # a target that takes no weak reference is not remembered
+            _ATTACHED[target] = collector
         return collector
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
@@ -726,5 +765,7 @@ def attach(target, config: dict | None = None, optimizer=None, on_alarm=None, **
             collector.closed = True
             with contextlib.suppress(Exception):
                 collector.unhook()
-        log.error("steplens collector: not attached (%s); the job goes on without it", reason, exc_info=True)
+        # One line in the job's log (the README's promise); the traceback only for those who ask (DEBUG).
+        log.error("steplens collector: not attached (%s); the job goes on without it", reason)
+        log.debug("steplens collector: why attach failed", exc_info=True)
         return InactiveCollector(reason)

@@ -486,8 +486,9 @@ def _manifest_section(run: Run) -> dict:
 def _span(values: list[int]) -> str:
     if not values:
         return ""
-    return f"{values[0]}–{values[-1]}" if values == list(range(values[0], values[-1] + 1)) and len(values) > 2 \
-        else ", ".join(map(str, values))
+    # Consecutive checked pairwise: a range built over values[0]..values[-1] would be as long as the span.
+    consecutive = all(later - earlier == 1 for earlier, later in zip(values, values[1:]))
+    return f"{values[0]}–{values[-1]}" if consecutive and len(values) > 2 else ", ".join(map(str, values))
 
 
 def _issues_section(run: Run) -> dict:

@@ -225,3 +225,110 @@ def test_a_job_that_ignores_sigterm_keeps_ignoring_it(tmp_path):
         collector.close()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# --- names that are not names (issue 37) -------------------------------------------------------------------
+
+
+def test_a_bad_scalar_name_costs_that_point_only(tmp_path, capfd):
+    """log(("a",), x), log(None, x), log(3, x) and a name with a lone surrogate: each point is dropped and counted,
+    the good train/loss points of every step survive, the writer and the alarms stay on, and no traceback."""
+    model, optimizer = tiny_model()
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), flush_every=2)
+    losses = []
+    for step in range(6):
+        losses.append(train_step(model, optimizer))
+        collector.log("train/loss", losses[-1])
+        collector.log(("a",), 1.0)
+        collector.log(None if step % 2 else 3, 2.0)
+        collector.log("bad\ud800name", 3.0)
+    collector.log("train/loss", math.nan)  # the non-finite-loss alarm still watches
+    collector.close()
+    doc = manifest(tmp_path)
+    assert doc["disabled"] == {} and doc["alarms"] is not None
+    assert doc["rejected_values"] == {"<name of type tuple>": 6, "<name of type NoneType>": 3,
+                                      "<name of type int>": 3, "<name of type str>": 6}
+    result = ingest.ingest(tmp_path, jobs=1)
+    scalars = pl.read_parquet(result.out_dir / "scalars").sort("wall_ns", maintain_order=True)
+    got = scalars.filter(pl.col("name") == "train/loss")["value"].to_list()
+    assert got[:-1] == losses and math.isnan(got[-1])
+    assert set(scalars["name"]) == {"train/loss"}
+    alarms = pl.read_parquet(tmp_path / "collector" / "alarms")
+    assert alarms["rule"].to_list() == ["nonfinite"]
+    (issue,) = pl.read_parquet(result.out_dir / "ingest_issues").filter(
+        pl.col("reason") == "collector_values_rejected").rows(named=True)
+    assert issue["count"] == 18
+    assert "Traceback" not in capfd.readouterr().err
+
+
+# --- collector edges (issue 37) ---------------------------------------------------------------------------
+
+
+def test_a_run_dir_that_is_a_file_is_one_line(tmp_path):
+    """Logged in a fresh interpreter (the job's log as it would read): one line, no traceback."""
+    import subprocess
+
+    in_the_way = tmp_path / "run"
+    in_the_way.write_text("a file, not a folder")
+    script = ("import logging, torch; logging.basicConfig(); from steplens.collect import attach\n"
+              "m = torch.nn.Linear(2, 2); c = attach(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), "
+              f"run_dir={str(in_the_way)!r}); print(type(c).__name__)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "InactiveCollector"
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "not attached" in lines[0] and str(in_the_way) in lines[0], done.stderr
+    assert in_the_way.read_text() == "a file, not a folder"
+
+
+def test_a_forked_child_that_exits_does_not_wait_for_the_parents_writer(tmp_path):
+    import time
+
+    model, optimizer = tiny_model()
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), flush_every=1)
+    train_step(model, optimizer)
+    release = threading.Event()
+    collector.writer.last = collector.writer.worker.submit(release.wait)  # the parent's writer is busy
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child exits the way a script does: atexit handlers run
+        import atexit
+
+        atexit._run_exitfuncs()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    child_s = time.monotonic() - started
+    release.set()
+    collector.close()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert child_s < 5  # the writer's WAIT_S is 10 s
+    assert manifest(tmp_path)["status"] == "completed" and manifest(tmp_path)["steps_completed"] == 1
+
+
+def test_a_second_attach_returns_the_first_collector(tmp_path, caplog):
+    model, optimizer = tiny_model()
+    first = attach(model, optimizer=optimizer, run_dir=str(tmp_path), flush_every=1)
+    second = attach(model, optimizer=optimizer, run_dir=str(tmp_path / "other"), flush_every=1)
+    assert second is first
+    assert [r.levelname for r in caplog.records if "already attached" in r.getMessage()] == ["WARNING"]
+    for _ in range(3):
+        train_step(model, optimizer)
+    first.close()
+    assert not (tmp_path / "other").exists()
+    steps = pl.read_parquet(tmp_path / "collector" / "train_steps")
+    assert steps["step"].to_list() == [0, 1, 2]  # one row per step: one collector's hooks
+    # Closed, it is off the model: a new attach starts a new collector.
+    third = attach(model, optimizer=optimizer, run_dir=str(tmp_path / "again"))
+    assert third is not first and third.status == "running"
+    third.close()
+
+
+def test_a_model_with_a_collector_can_still_be_deep_copied(tmp_path):
+    """An EMA copy (copy.deepcopy(model)) after attach: the collector is not part of the model."""
+    import copy
+
+    model, optimizer = tiny_model()
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path))
+    ema = copy.deepcopy(model)
+    assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), model.parameters()))
+    collector.close()

@@ -147,7 +147,8 @@ def test_readme_documents_every_run_json_key():
 
 ANALYZER = Path(__file__).resolve().parents[1] / "analyze"
 # Reasons the importers pass as variables (the keys of a table of checks), not as literals.
-REASONS_FROM_TABLES = {"importers/json_events.py": {"malformed_event", "nesting_too_deep", "oversized_event"},
+REASONS_FROM_TABLES = {"importers/json_events.py": {"malformed_event", "nesting_too_deep", "oversized_event",
+                                                        "repaired_text", "duplicate_keys"},
                        "importers/kineto.py": {"missing_timestamp", "bad_timestamp", "bad_duration"}}
 
 

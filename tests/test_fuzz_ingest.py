@@ -547,3 +547,362 @@ def test_zeros_where_the_file_was_cut(tmp_path, traces):
 def test_a_byte_order_mark_is_not_damage(tmp_path, traces):
     parsed = _parse_text(tmp_path, "\ufeff" + traces["rank1"].text)
     assert _kept(parsed) == expected_events(traces["rank1"]) and parsed.issues == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Collector parts (issue 37): ranks past the limit, parts that decode to far more than their size
+
+INGEST_PROBE = """
+import sys
+from pathlib import Path
+from steplens.analyze.pipeline import ingest
+
+def peak_mb():  # VmHWM starts afresh at exec (getrusage's maxrss would carry pytest's over)
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM"))
+    return int(line.split()[1]) / 1024
+
+before = peak_mb()
+result = ingest.ingest(Path(sys.argv[1]), jobs=1)
+print(result.out_dir, peak_mb() - before)
+"""
+
+
+def _collector_part(run: Path, table: str, name: str, columns: dict, repeat: int = 1) -> None:
+    """A part written with pyarrow (no steplens code), `repeat` row groups of the same rows."""
+    from steplens.analyze.contract import schema
+
+    folder = run / "collector" / table
+    folder.mkdir(parents=True, exist_ok=True)
+    arrow_schema = schema.TABLES[table][0]
+    rows = len(next(iter(columns.values())))
+    import pyarrow as pa
+
+    block = pa.table({f.name: pa.array(columns.get(f.name, [None] * rows), f.type) for f in arrow_schema},
+                     schema=arrow_schema)
+    with pq.ParquetWriter(folder / name, arrow_schema, compression="zstd") as writer:
+        for _ in range(repeat):
+            writer.write_table(block)
+
+
+def _ingest_probe(run: Path) -> tuple[Path, float]:
+    proc = subprocess.run([sys.executable, "-c", INGEST_PROBE, str(run)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    out_dir, grown_mb = proc.stdout.split()
+    return Path(out_dir), float(grown_mb)
+
+
+def _issues(out_dir: Path) -> Counter:
+    """Issue counts per reason, over every file."""
+    counts = Counter()
+    for row in pq.read_table(out_dir / "ingest_issues").to_pylist():
+        counts[row["reason"]] += row["count"]
+    return counts
+
+
+def test_a_collector_rank_past_the_limit_costs_its_rows_only(tmp_path):
+    """Rows of rank 2**40 (and a part named rank 2**40): skipped and counted; analyze exits 1, rows lost (it
+    exited 5, out of memory building the report's rank range); the good points of rank 0 all survive."""
+    run = tmp_path / "run"
+    good = [float(v) / 4 for v in range(10)]
+    _collector_part(run, "scalars", "rank0-00000.parquet", {
+        "rank": [0] * 10, "source": ["collector"] * 10, "name": ["train/loss"] * 10, "step": list(range(10)),
+        "value": good})
+    _collector_part(run, "scalars", "rank0-00001.parquet", {
+        "rank": [0, 2**40, 2**40, -1], "source": ["collector"] * 4, "name": ["train/loss", "x", "x", "x"],
+        "step": [10, 11, 12, 13], "value": [9.0, 1.0, 1.0, 1.0]})
+    _collector_part(run, "scalars", f"rank{2**40}-00000.parquet", {
+        "rank": [2**40], "source": ["collector"], "name": ["y"], "step": [0], "value": [1.0]})
+    proc = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run), "-q"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    out_dir = run / ".steplens"
+    scalars = pq.read_table(out_dir / "scalars").to_pylist()
+    assert sorted((r["step"], r["value"]) for r in scalars) == list(zip(range(10), good)) + [(10, 9.0)]
+    issues = _issues(out_dir)
+    assert issues["collector_part_rank"] == 3 + 1  # three rows, one part
+    assert json.loads((out_dir / "run.json").read_text())["ranks"] == [0]
+    assert (out_dir / "report.html").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak memory from /proc")
+def test_a_collector_part_that_decodes_to_millions_of_rows_is_bounded(tmp_path):
+    """A part of a few hundred kB holding 8 M identical rows (what a run-length encoder makes of them): read up
+    to the bound, the rest counted as skipped; memory stays bounded; the good part beside it survives."""
+    from steplens.analyze.importers import collector_parts
+
+    run = tmp_path / "run"
+    _collector_part(run, "scalars", "rank0-00000.parquet", {
+        "rank": [0] * 5, "source": ["collector"] * 5, "name": ["train/loss"] * 5, "step": list(range(5)),
+        "value": [1.0, 2.0, 3.0, 4.0, 5.0]})
+    rows_per_group, groups = 500_000, 16
+    _collector_part(run, "train_steps", "rank0-00001.parquet", {
+        "rank": [0] * rows_per_group, "source": ["collector"] * rows_per_group, "step": [7] * rows_per_group,
+        "micro_step": [7] * rows_per_group, "dur_ns": [1000] * rows_per_group}, repeat=groups)
+    part_bytes = (run / "collector" / "train_steps" / "rank0-00001.parquet").stat().st_size
+    assert part_bytes < 1 << 20
+    out_dir, grown_mb = _ingest_probe(run)
+    assert grown_mb < 450, grown_mb  # measured: 290 MB; 8 M rows took 1.6 GB before the bound
+    steps = pq.read_table(out_dir / "train_steps", columns=["step"])
+    assert steps.num_rows == collector_parts.MAX_PART_ROWS
+    assert _issues(out_dir)["collector_part_too_large"] == 1
+    detail = next(r["detail"] for r in pq.read_table(out_dir / "ingest_issues").to_pylist()
+                  if r["reason"] == "collector_part_too_large")
+    assert f"{rows_per_group * groups - collector_parts.MAX_PART_ROWS} of its {rows_per_group * groups} rows" in detail
+    assert pq.read_table(out_dir / "scalars")["value"].to_pylist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged results (issue 37)
+
+
+@pytest.mark.parametrize("damage", [{"ranks": 5}, {"world_size": "8"}, {"environment": []},
+                                    {"environment": {"device_names": "H100"}}, {"facts": [1]}, {"run_name": {"a": 1}}])
+def test_sql_leaves_out_a_run_whose_run_json_is_damaged(tmp_path, damage):
+    """Two analysed runs, one run.json damaged by hand: the damaged run is named and left out (exit 1), the
+    other still answers with both its ranks (as generated)."""
+    from synthetic import generate_run
+
+    from steplens.analyze.cli import steplens
+    from steplens.analyze.pipeline import ingest
+
+    runs = tmp_path / "runs"
+    for name in ("good", "bad"):
+        generate_run(runs / name, ranks=2, steps=3, kernels_per_step=20, seed=3, write_truth=False)
+        ingest.ingest(runs / name, jobs=1)
+    manifest_path = runs / "bad" / ".steplens" / "run.json"
+    manifest_path.write_text(json.dumps({**json.loads(manifest_path.read_text()), **damage}))
+    done = CliRunner().invoke(steplens, ["sql", str(runs), "SELECT run_id, count(DISTINCT rank) AS n FROM "
+                                         "trace_events GROUP BY run_id", "--format", "json"])
+    assert done.exit_code == 1, done.output
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    good_id = json.loads((runs / "good" / ".steplens" / "run.json").read_text())["run_id"]
+    assert [(r["run_id"], r["n"]) for r in rows] == [(good_id, 2)]
+    (warning,) = done.stderr.splitlines()
+    assert str(runs / "bad" / ".steplens") in warning and next(iter(damage)) in warning
+
+
+@pytest.mark.parametrize("stem", ["r" * 230, "é" * 118])  # 230 and 236 bytes before .json
+def test_a_single_trace_with_a_long_name_is_analysed(tmp_path, traces, stem):
+    """analyze FILE writes .steplens-FILE beside it: a name near the 255-byte limit made the staging name too long
+    ("File name too long", exit 4). Now a short name is derived (its start and a hash); every event is kept."""
+    trace = tmp_path / f"{stem}.json"
+    trace.write_text(traces["rank1"].text)
+    result = CliRunner().invoke(analyze, [str(trace), "-q", "-j", "1", "--ingest-only"])
+    assert result.exit_code == 0, result.output
+    (out,) = [p for p in tmp_path.iterdir() if p.name.startswith(".steplens-")]
+    assert len(out.name.encode()) <= 255 - len("..tmp-") - 7 and out.name.startswith(".steplens-" + stem[:50])
+    table = pq.read_table(out / "trace_events", columns=["name", "ts_ns"]).to_pydict()
+    assert Counter(zip(table["name"], table["ts_ns"])) == expected_events(traces["rank1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([trace.name, out.name])  # no staging debris
+
+
+def test_export_trace_into_the_default_place_does_not_block_the_next_analyze(tmp_path):
+    """The README's snippet: analyze RUN, export-trace RUN (RUN/.steplens/merged_trace.json), analyze RUN again. It
+    refused ("holds files steplens did not write"); now the export is listed as an entry of the result."""
+    from synthetic import generate_run
+
+    from steplens.analyze.cli import steplens
+
+    run = tmp_path / "run"
+    generate_run(run, ranks=2, steps=3, kernels_per_step=20, seed=4, write_truth=False)
+    assert CliRunner().invoke(analyze, [str(run), "-q", "-j", "1"]).exit_code == 0
+    exported = CliRunner().invoke(steplens, ["export-trace", str(run)])
+    assert exported.exit_code == 0, exported.output
+    merged = run / ".steplens" / "merged_trace.json"
+    assert merged.is_file()
+    again = CliRunner().invoke(analyze, [str(run), "-q", "-j", "1"])
+    assert again.exit_code == 0, again.output
+    (run / "rank-1.pt.trace.json.gz").touch()  # a changed input: a new result replaces the old one whole
+    os.utime(run / "rank-1.pt.trace.json.gz", ns=(1, 1))
+    changed = CliRunner().invoke(analyze, [str(run), "-q", "-j", "1"])
+    assert changed.exit_code == 0, changed.output
+    manifest = json.loads((run / ".steplens" / "run.json").read_text())
+    assert sorted(manifest["trace_ranks"]) == [0, 1]
+    assert sorted(os.listdir(run)) == [".steplens", "rank-0.pt.trace.json.gz", "rank-1.pt.trace.json.gz"]
+
+
+def test_a_file_that_is_not_read_is_named_as_given(tmp_path, traces):
+    """`analyze notatrace.txt` said "`.`: nothing steplens reads here"; `analyze hg/truth.json` said "hg: nothing
+    usable among 1 file(s)" though hg holds a good trace. Each names the file given, and the good trace beside it is
+    neither read nor harmed."""
+    (tmp_path / "notatrace.txt").write_text("hello\n")
+    hg = tmp_path / "hg"
+    hg.mkdir()
+    (hg / "truth.json").write_text('{"a": 1}')
+    (hg / "rank1.json").write_text(traces["rank1"].text)
+    for given, why in ((tmp_path / "notatrace.txt", "not a file steplens reads"),
+                       (hg / "truth.json", "not a trace: a JSON object with no traceEvents array")):
+        result = CliRunner().invoke(analyze, [str(given), "-q", "-j", "1"])
+        assert result.exit_code == 2
+        assert result.output.startswith(f"error: {given}: {why}"), result.output
+    assert sorted(p.name for p in hg.iterdir()) == ["rank1.json", "truth.json"]
+    assert CliRunner().invoke(analyze, [str(hg / "rank1.json"), "-q", "-j", "1", "--ingest-only"]).exit_code == 0
+
+
+def test_linked_folders_are_named_and_a_linked_output_is_refused(tmp_path, traces):
+    """A sub-folder that is a symbolic link is not followed, and is now named (run.json, the issues, and the message of
+    a run holding nothing else, which said '0 other file(s)'). A .steplens that is a link was replaced, leaving the
+    link behind as ..steplens.old-PID: it is refused, and nothing is touched."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "rank0.json").write_text(traces["rank0"].text)
+    only_links = tmp_path / "only_links"
+    only_links.mkdir()
+    (only_links / "traces").symlink_to(elsewhere)
+    result = CliRunner().invoke(analyze, [str(only_links), "-q", "-j", "1"])
+    assert result.exit_code == 2 and "linked folders not followed: traces" in result.output, result.output
+
+    run = two_rank_run(tmp_path, traces, traces["rank1"].text)
+    (run / "more").symlink_to(elsewhere)
+    outcome = run_analyze(run, "--ingest-only")
+    assert outcome.exit_code == 0
+    (linked,) = [s for s in outcome.manifest["sources"] if s["path"] == "more"]
+    assert linked["status"] == "ignored" and linked["issues"][0][1] == "linked_folder"
+    assert [i["reason"] for i in outcome.issues] == ["linked_folder"]
+    assert outcome.events[0] == expected_events(traces["rank0"]) and outcome.events[1] == expected_events(traces["rank1"])
+
+    kept = tmp_path / "kept"
+    (run / ".steplens").rename(kept)
+    (run / ".steplens").symlink_to(kept)
+    before = sorted(os.listdir(kept))
+    (run / "rank1.json").write_text(traces["rank1"].text)  # a change: a new result would be published
+    result = CliRunner().invoke(analyze, [str(run), "-q", "-j", "1", "--ingest-only"])
+    assert result.exit_code == 2 and "is a symbolic link" in result.output, result.output
+    assert sorted(os.listdir(run)) == [".steplens", "more", "rank0.json", "rank1.json"]  # no .old- or .tmp- debris
+    assert (run / ".steplens").is_symlink() and sorted(os.listdir(kept)) == before
+
+
+def test_a_bad_byte_in_a_kernel_name_costs_only_that_character(tmp_path, traces):
+    """A byte that is not UTF-8, a lone high and a lone low surrogate escape in three kernels' names: each event was
+    dropped with its GPU time (a whole window of them when the fast decoder gave up); now each is kept, the bad
+    character replaced by U+FFFD, and counted (repaired_text)."""
+    t = traces["rank1"]
+    kernels = [i for i, e in enumerate(t.events) if e.get("cat") == "kernel"]
+    a, b, c = kernels[len(kernels) // 4], kernels[len(kernels) // 2], kernels[3 * len(kernels) // 4]
+    text = set_value(t, c, "name", '"low\\udc00end"')
+    text = set_value(_read(text), b, "name", '"high\\ud800end"')
+    text = set_value(_read(text), a, "name", '"byteMARKend"')
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "rank0.json").write_text(traces["rank0"].text)
+    (run / "rank1.json").write_bytes(text.encode().replace(b"MARK", b"\xff"))
+    outcome = run_analyze(run)
+    assert outcome.exit_code == 0, outcome.output
+    want = expected_events(t, {a, b, c})
+    want.update((name, int(Decimal(t.events[i]["ts"]) * 1000) + t.base_ns)
+                for name, i in (("byte\ufffdend", a), ("high\ufffdend", b), ("low\ufffdend", c)))
+    assert outcome.events[1] == want  # every event, the three repaired ones included
+    (issue,) = [i for i in outcome.issues if i["reason"] == "repaired_text"]
+    assert issue["count"] == 3 and issue["severity"] == "warning"
+    durations = pq.read_table(outcome.out_dir / "trace_events", columns=["name", "dur_ns", "kind"]).to_pylist()
+    gpu_ns = sum(r["dur_ns"] for r in durations if r["kind"] == "kernel")
+    want_ns = sum(int(Decimal(e["dur"]) * 1000) for e in t.events if e.get("cat") == "kernel")
+    want_ns += sum(int(Decimal(e["dur"]) * 1000) for e in traces["rank0"].events if e.get("cat") == "kernel")
+    assert gpu_ns == want_ns
+
+
+# ---------------------------------------------------------------------------------------------
+# Logs (issue 37): one endless line, a crash's zero bytes; memory follows what is kept
+
+LOG_PROBE = """
+import sys, time
+from pathlib import Path
+from steplens.analyze.importers import deepspeed_log
+
+def peak_mb():  # VmHWM starts afresh at exec
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM"))
+    return int(line.split()[1]) / 1024
+
+before, started = peak_mb(), time.perf_counter()
+imported = deepspeed_log.parse(Path(sys.argv[1]), "x.log")
+lr = sorted(imported.tables["scalars"].filter(name="lr")["value"].to_list())
+issues = {i[1]: i[2] for i in imported.issues}
+print(peak_mb() - before, time.perf_counter() - started, lr, issues)
+"""
+
+
+def _log_lines(first: int, last: int) -> bytes:
+    return "".join(f"[2026-11-29 12:59:{s:02d},493] [INFO] [logging.py:123:log_dist] [Rank 0] step={s}, skipped=0, "
+                   f"lr=[0.{s}], mom=[(0.9, 0.999)]\n" for s in range(first, last + 1)).encode()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak memory from /proc")
+@pytest.mark.parametrize("hostile", ["long_line", "zeros"])
+def test_a_log_with_an_endless_line_or_a_crash_tail_is_read_in_bounded_memory(tmp_path, hostile):
+    """A 200 MB line between good lines (it took 1 GB and minutes of regex scanning), and 1 GB of zero bytes after a
+    real start (a crash or preallocation: it kept growing past 4 GB). Both are read in bounded memory, the damage
+    counted, every good line's lr kept."""
+    import ast
+
+    log = tmp_path / "train.log"
+    with open(log, "wb") as f:
+        f.write(_log_lines(1, 5))
+        if hostile == "long_line":
+            f.write(b"[Rank 0] tensor(" + b"1.0, " * (40 << 20) + b")\n")
+            f.write(_log_lines(6, 9))
+    if hostile == "zeros":
+        with open(log, "r+b") as f:
+            f.truncate(log.stat().st_size + (1 << 30))  # a hole: reads as zeros, takes no disk
+    proc = subprocess.run([sys.executable, "-c", LOG_PROBE, str(log)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    grown_mb, seconds, rest = proc.stdout.split(maxsplit=2)
+    lr_text, issues_text = rest.rsplit("] ", 1)
+    lr, issues = ast.literal_eval(lr_text + "]"), ast.literal_eval(issues_text)
+    assert float(grown_mb) < 150, grown_mb
+    if hostile == "long_line":
+        assert lr == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+        assert issues == {"long_lines": 1}
+    else:
+        assert lr == [0.1, 0.2, 0.3, 0.4, 0.5]
+        assert issues == {"zero_padding": 1 << 30}
+
+
+def test_a_key_given_twice_is_read_last_value_wins_and_counted(tmp_path, traces):
+    """Three kernels given `"ph": "i"` and a later `ts` after their own: every field is read with its last value (the
+    stdlib's json, which keeps the last, is the ground truth), the other events untouched, the three counted."""
+    t = traces["rank1"]
+    kernels = [i for i, e in enumerate(t.events) if e.get("cat") == "kernel"]
+    chosen = [kernels[len(kernels) // 4], kernels[len(kernels) // 2], kernels[3 * len(kernels) // 4]]
+    text = t.text
+    for i in sorted(chosen, reverse=True):  # from the end: the earlier spans stay where they are
+        start, end = t.spans[i]
+        later_ts = Decimal(t.events[i]["ts"]) + 1
+        text = text[:end - 1] + f', "ph": "i", "ts": {later_ts}}}' + text[end:]
+    mutated = _read(text)
+    assert [mutated.events[i]["ph"] for i in chosen] == ["i"] * 3  # the stdlib: the last value
+    run = two_rank_run(tmp_path, traces, text)
+    outcome = run_analyze(run)
+    assert outcome.exit_code == 0, outcome.output
+    assert outcome.events[1] == expected_events(mutated)
+    (issue,) = [i for i in outcome.issues if i["reason"] == "duplicate_keys"]
+    assert issue["count"] == 3
+
+
+# analyze in a fresh child of a fresh process: RUSAGE_CHILDREN's peak is then analyze's own (in pytest it would be
+# the largest of every child the session has waited for).
+ANALYZE_PEAK = """
+import resource, subprocess, sys
+done = subprocess.run([sys.executable, "-m", "steplens.analyze", *sys.argv[1:]])
+print(f"peak_mb={resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}", file=sys.stderr)
+sys.exit(done.returncode)
+"""
+
+
+def test_a_world_size_of_two_to_the_24_costs_no_memory(tmp_path, traces):
+    """Traces of ranks 0 and 1 claiming 2**24 ranks (the largest world size accepted): the warning names the missing
+    ranks as one range, built from the gaps (a set over range(world_size) took analyze to 2.3 GB)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for rank in (0, 1):
+        text = traces[f"rank{rank}"].text.replace('"world_size": 128', f'"world_size": {2**24}', 1)
+        (run / f"rank{rank}.json").write_text(text)
+    done = subprocess.run([sys.executable, "-c", ANALYZE_PEAK, str(run), "-q", "-j", "1", "--ingest-only"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"traces of 2 of {2**24} ranks; no trace for rank(s) 2-{2**24 - 1} (" in done.stderr
+    peak_mb = float(done.stderr.rsplit("peak_mb=", 1)[1])
+    assert peak_mb < 500, peak_mb  # measured: 210 MB; 2.3 GB before
+    events = pq.read_table(run / ".steplens" / "trace_events", columns=["name", "ts_ns", "rank"]).to_pylist()
+    for rank in (0, 1):
+        got = Counter((e["name"], e["ts_ns"]) for e in events if e["rank"] == rank)
+        assert got == expected_events(traces[f"rank{rank}"])

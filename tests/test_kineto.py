@@ -155,9 +155,9 @@ def test_integer_texts_are_read_exactly_and_damaged_ones_are_counted(tmp_path):
 
 @pytest.mark.parametrize("indent", [None, 1])
 def test_bytes_that_are_not_utf8_cost_only_their_event_or_value(tmp_path, indent):
-    """A JSON text must be UTF-8. A 0xFF byte in a name makes its event malformed (skipped, counted);
-    in a ts kept as raw text, that ts is null (event dropped, counted); in Input Dims, that value is
-    null (counted). Each once lost the whole file. Compact and indented files take different paths."""
+    """A JSON text must be UTF-8. A 0xFF byte in a name is replaced by U+FFFD, the event kept (counted: it was
+    skipped, issue 37); in a ts kept as raw text, that ts is null (event dropped, counted); in Input Dims, that
+    value is null (counted). Each once lost the whole file. Compact and indented files take different paths."""
     events = [{"ph": "X", "cat": "cpu_op", "name": f"op{i}", "pid": 1, "tid": 1, "ts": 10 + i, "dur": 1,
                "args": {"Input Dims": [[i], ["d"]]}} for i in range(6)]
     text = json.dumps({"traceEvents": events}, indent=indent).encode()
@@ -166,12 +166,12 @@ def test_bytes_that_are_not_utf8_cost_only_their_event_or_value(tmp_path, indent
     assert damaged.count(b"\xff") == 3
     parsed = parse_trace(write_bytes(tmp_path / "t.json", damaged), "t.json")
     events_read = parsed.events.sort("ts_ns")
-    assert events_read["name"].to_list() == ["op0", "op3", "op4", "op5"]  # op1 malformed, op2 without ts
-    assert events_read["ts_ns"].to_list() == [10_000, 13_000, 14_000, 15_000]
+    assert events_read["name"].to_list() == ["op0", "op\ufffd1", "op3", "op4", "op5"]  # op2 without ts
+    assert events_read["ts_ns"].to_list() == [10_000, 11_000, 13_000, 14_000, 15_000]
     dims = [json.loads(text) if text else None for text in events_read["input_dims"]]
-    assert dims == [None, [[3], ["d"]], [[4], ["d"]], [[5], ["d"]]]
+    assert dims == [None, [[1], ["d"]], [[3], ["d"]], [[4], ["d"]], [[5], ["d"]]]
     counted = {(i.reason, i.count, i.detail.split()[0]) for i in parsed.issues}
-    assert counted == {("malformed_event", 1, "events"), ("unrepresentable_value", 1, "'ts'"),
+    assert counted == {("repaired_text", 1, "events"), ("unrepresentable_value", 1, "'ts'"),
                        ("missing_timestamp", 1, "complete,"), ("unrepresentable_value", 1, "'Input")}
 
 

@@ -195,3 +195,13 @@ def test_several_runs_under_one_url_are_split_as_a_local_folder_is(store, tmp_pa
     for job in ("job-a", "job-b"):
         _, folder = fetch_committed(fs, f"{BUCKET}/multi/jobs/{job}/{schema.DEFAULT_OUT_DIR}", tmp_path / "beside" / job)
         assert_same_tables(output_tables(runs / job / schema.DEFAULT_OUT_DIR), output_tables(folder))
+
+
+def test_a_prefix_that_does_not_exist_is_named_as_given(store, tmp_path):
+    """It said '/tmp/steplens-mirror-.../exp: not a folder', a local temporary folder the user never gave."""
+    _, env = store
+    url = f"s3://{BUCKET}/no/such/exp"
+    done = steplens("analyze", url, "--out", tmp_path / "o", env=env)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"error: {url}: no objects under this prefix (is the bucket or path mistyped?)"
+    assert not (tmp_path / "o").exists()

@@ -24,6 +24,8 @@ class IssueReason:
 _DECLARED = (
     # Files and folders (pipeline/ingest.py)
     IssueReason("special_file", ("warning",), "A FIFO, device or socket: skipped without opening it."),
+    IssueReason("linked_folder", ("warning",), "A symbolic link to a folder: not followed (it may lead out of the "
+                "run or loop), named in run.json."),
     IssueReason("unreadable", ("error",), "The file cannot be read (permissions, I/O error)."),
     IssueReason("empty_file", ("error", "warning"), "The file is empty (a log: warning, nothing expected was lost)."),
     IssueReason("not_a_trace", ("info",), "A .json/.gz file that is not a profiler trace; ignored."),
@@ -46,11 +48,16 @@ _DECLARED = (
     # JSON decoding (importers/json_events.py)
     IssueReason("truncated", ("error", "warning"), "The file is cut short; what came before the cut is kept."),
     IssueReason("malformed_event", ("warning",), "Events that are not valid JSON or have an unexpected shape; skipped."),
+    IssueReason("duplicate_keys", ("warning",), "Trace events giving a key twice: read with the last value of each key "
+                "(JSON's usual rule)."),
+    IssueReason("repaired_text", ("warning",), "Events whose strings held bytes that are not UTF-8 or a lone "
+                "surrogate escape: kept, each bad character replaced by U+FFFD."),
     IssueReason("nesting_too_deep", ("warning",), "Events or metadata nested deeper than the decoder allows; skipped."),
     IssueReason("oversized_event", ("warning",), "Events larger than the decoder's limit (an unterminated string?); skipped."),
     IssueReason("oversized_metadata", ("warning",), "The text after traceEvents is too large and not valid JSON; not read."),
     IssueReason("trailing_garbage", ("warning",), "Bytes after the end of the JSON document or gzip stream; ignored."),
-    IssueReason("zero_padding", ("info",), "Zero bytes after the end of the document (a preallocated file); ignored."),
+    IssueReason("zero_padding", ("info",), "Zero bytes after the end of the document (a preallocated file), or in a "
+                "log (a crash); ignored."),
     # Kineto events (importers/kineto.py, trace/semantics.py)
     IssueReason("absolute_ts_with_base", ("info",), "ts already absolute: baseTimeNanoseconds not added."),
     IssueReason("bad_base_time", ("warning",), "baseTimeNanoseconds is not a plausible time; ignored."),
@@ -69,6 +76,10 @@ _DECLARED = (
     # Collector parts (importers/collector_parts.py)
     IssueReason("collector_part_unreadable", ("error",), "A collector part cannot be read; its rows are lost."),
     IssueReason("collector_part_columns", ("error",), "A collector part with other columns than its table; skipped."),
+    IssueReason("collector_part_rank", ("error",), "Collector rows (or a part's file name) of a rank past the rank "
+                "limit the traces are held to; skipped."),
+    IssueReason("collector_part_too_large", ("error",), "A collector part that decodes to more rows or bytes than a "
+                "part is read for; the rows past the bound are skipped."),
     IssueReason("collector_rank_mismatch", ("warning",), "A collector part's file name and rows name different ranks."),
     IssueReason("not_a_collector_manifest", ("warning",), "A file in collector/manifest/ that is not a collector manifest."),
     IssueReason("collector_missing_tail", ("error",), "A rank's collector did not finish; rows after its last flush are missing."),
@@ -76,6 +87,8 @@ _DECLARED = (
     IssueReason("collector_values_rejected", ("warning",), "log() values that were not numbers were dropped in the job."),
     IssueReason("collector_part_disabled", ("warning",), "A part of the collector's recording was disabled after an error."),
     # DeepSpeed and Megatron logs (importers/deepspeed_log.py)
+    IssueReason("long_lines", ("warning",), "Log lines longer than the reader's limit (1 MiB): cut there, the rest of "
+                "each not read."),
     IssueReason("no_final_newline", ("info",), "The last line has no newline (cut off or still being written)."),
     IssueReason("garbled_lines", ("info", "error"), "Lines of interleaved writes or undecodable bytes (a csv_monitor file: "
                                                     "lines lost, error)."),

@@ -26,6 +26,12 @@ from steplens.analyze.importers.kineto import preview
 RUN_FACTS = ("world_size", "zero_stage", "dtype", "dp_world_size", "micro_batch", "grad_accum", "train_batch_size",
              "seq_len", "param_count", "ds_config", "wall_clock_breakdown", "environment", "git", "settings",
              "checkpoint_steps", "model_shape")
+# Bounds of one part as read (_read_bounded). The collector writes a part per table per flush (flush_every=50
+# steps by default): a real part holds up to a few 10k rows (comms_calls of a large job); 1 M rows of the widest
+# table (comms_calls) take about 300 MB as frames.
+MAX_PART_ROWS = 1_000_000
+MAX_PART_BYTES = 256 << 20
+READ_BATCH_ROWS = 16_384
 # The per-rank manifest keys kept under collector_rank<r>, and the type each must have (job_end reads them).
 RANK_STATE = {"status": str, "host": dict, "started_ns": int, "updated_ns": int, "steps_completed": int,
               "last_flushed_step": int, "flushes": int, "rows_written": dict, "disabled": dict}
@@ -41,12 +47,37 @@ def parse(path: Path, rel: str) -> Imported:
     return _parse_part(path, rel, part) if part is not None else _parse_manifest(path, rel)
 
 
+def _read_bounded(path: Path) -> tuple[pa.Table, str | None]:
+    """The part's rows, at most MAX_PART_ROWS of them and MAX_PART_BYTES decoded, read batch by batch: a part
+    of a few kB can decode to millions of rows (run-length encoding) or gigabytes (a dictionary of long
+    strings), and memory must not follow. Returns the rows kept and, when some were not, what was left."""
+    with pq.ParquetFile(path) as parquet:
+        total = parquet.metadata.num_rows
+        batches, rows, nbytes = [], 0, 0
+        for batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS):
+            batch = batch.slice(0, MAX_PART_ROWS - rows)
+            batches.append(batch)
+            rows += batch.num_rows
+            nbytes += batch.nbytes
+            if rows >= MAX_PART_ROWS or nbytes >= MAX_PART_BYTES:
+                break
+        arrow = pa.Table.from_batches(batches, schema=parquet.schema_arrow)
+    if rows < total:
+        return arrow, (f"{total - rows} of its {total} rows skipped: a collector part holds at most {MAX_PART_ROWS} "
+                       f"rows and {MAX_PART_BYTES >> 20} MB decoded (the collector writes one part per flush)")
+    return arrow, None
+
+
 def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
 
     table, rank = part.table, part.rank
+    if rank >= schema.MAX_RANK:
+        return Imported(issues=[["error", "collector_part_rank", 1,
+                                 f"collector part {rel}: rank {rank} in its name is past the rank limit "
+                                 f"({schema.MAX_RANK}); skipped"]])
     expected = schema.TABLES[table][0]
     try:
-        arrow = pq.read_table(path)
+        arrow, skipped = _read_bounded(path)
         names = arrow.schema.names  # a damaged footer can name a column in bytes that are not UTF-8
     except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
         return Imported(issues=[["error", "collector_part_unreadable", 1,
@@ -65,6 +96,16 @@ def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
     # Columns are only ever added: a part from an older collector lacks the newest ones, read as null.
     frame = conform(pl.from_arrow(arrow), table).with_columns(source=pl.lit(rel))
     issues = []
+    if skipped is not None:
+        issues.append(["error", "collector_part_too_large", 1, f"collector part {rel}: {skipped}"])
+    # Ranks past the limit the traces are held to are not ranks (a rank column of 2**40 would make every
+    # per-rank range in the analyses and the report that large).
+    in_range = pl.col("rank").is_between(0, schema.MAX_RANK - 1).fill_null(True)  # a null rank stays null
+    if (outside := frame.filter(~in_range)).height:
+        issues.append(["error", "collector_part_rank", outside.height,
+                       f"collector part {rel}: {outside.height} row(s) of a rank outside 0..{schema.MAX_RANK - 1} "
+                       f"(e.g. {outside['rank'][0]}); skipped"])
+        frame = frame.filter(in_range)
     # An alarm's rank is the rank it is about (a straggler), not the writer's.
     if table != "alarms" and (ranks := frame["rank"].unique().to_list()) != [rank] and frame.height:
         issues.append(["warning", "collector_rank_mismatch", 1, f"{rel}: file name says rank {rank}, rows say {ranks}"])

@@ -11,6 +11,7 @@ MAX_EVENT_BYTES is skipped and counted, and decoding resumes at the next event; 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import zlib
@@ -225,6 +226,7 @@ class EventReader:
         self.stream = stream
         self._many, self._one = _decoders(event_type)
         self._fast = _decoders(fast_type)[0] if fast_type is not None else None
+        self._keys = [f'"{f.encode_name}"'.encode() for f in msgspec.structs.fields(event_type)]  # top-level keys read
         self.blocks = stream.blocks()
         self.buf = b""
         self.eof = False
@@ -233,6 +235,7 @@ class EventReader:
         self.trailer_dropped = 0  # bytes after that, not kept
         self.trailer_dropped_junk = False  # whether any of them is more than zero padding or blanks
         self.skipped: dict[str, list] = {}  # reason -> [events, first example]
+        self.repaired: dict[str, list] = {}  # reason -> [events kept after a repair, first example]
         self.truncated: str | None = None  # why the events array never closed
 
     def _fill(self, want: int) -> None:
@@ -307,6 +310,8 @@ class EventReader:
                 return
             limit = len(self.buf) if self.eof else min(len(self.buf), want)
             events, consumed, ended = self._decode_prefix(limit)
+            if self._fast is None and events:
+                self._count_duplicate_keys(self.buf[:consumed], len(events))
             self.buf = self.buf[consumed:]
             if events:
                 yield events
@@ -376,14 +381,48 @@ class EventReader:
                 pass
         return self._decode_one_by_one([], 0, limit)
 
+    def _count_duplicate_keys(self, window: bytes, events: int) -> None:
+        """Count the events of a window that give a key twice. The decoder takes the last value of a key, for every
+        key (JSON's usual rule); the fast form refuses an event whose second `ph` differs, so such windows come here.
+        A key that occurs no more often than there are events cannot be given twice in one: those windows cost one
+        count per key, and only the others are looked at event by event."""
+        if all(window.count(key) <= events for key in self._keys):
+            return
+        try:
+            raws = _RAW_LIST.decode(b"".join((b"[", window, b"]")))
+        except (msgspec.DecodeError, RecursionError):  # damaged events in the window: their own issues say so
+            return
+        for raw in raws:
+            text = bytes(raw)
+            if any(text.count(key) > 1 for key in self._keys) and _gives_a_key_twice(text):
+                entry = self.repaired.setdefault("duplicate_keys", [0, f"{text[:120]!r}"])
+                entry[0] += 1
+
     def _decode_each(self, candidate: bytes) -> list:
         events = []
         for raw in _RAW_LIST.decode(candidate):
             try:
                 events.append(self._one.decode(raw))
             except msgspec.DecodeError as e:  # a wrong shape, or bytes that are not UTF-8 (ValidationError included)
-                self._skip("malformed_event", f"{e}: {bytes(raw)[:120]!r}")
+                if (event := self._decode_repaired(bytes(raw))) is not None:
+                    events.append(event)
+                else:
+                    self._skip("malformed_event", f"{e}: {bytes(raw)[:120]!r}")
         return events
+
+    def _decode_repaired(self, raw: bytes) -> Any:
+        """The event, its text repaired (bytes that are not UTF-8 and lone surrogate escapes become U+FFFD), or
+        None when it needs more than that: one bad byte in a kernel's name must not cost the kernel."""
+        repaired = _repair_text(raw)
+        if repaired is None:
+            return None
+        try:
+            event = self._one.decode(repaired)
+        except (msgspec.DecodeError, RecursionError):
+            return None
+        entry = self.repaired.setdefault("repaired_text", [0, f"{raw[:120]!r}"])
+        entry[0] += 1
+        return event
 
     def _decode_one_by_one(self, events: list, pos: int, limit: int) -> tuple[list, int, bool]:
         """Decode events starting before `limit` one at a time, skipping damaged ones."""
@@ -422,6 +461,9 @@ class EventReader:
                 end = pos + offset - 1
             elif not self.eof and pos + offset + _NEAR_END >= len(view):
                 return None
+            elif (boundary := _EVENT_END.search(self.buf, pos + offset - 1)) is not None and (
+                    event := self._decode_repaired(bytes(view[pos:boundary.start() + 1]))) is not None:
+                return boundary.start() + 1, event  # a lone surrogate escape, replaced
             else:
                 return self._resync(pos, pos + offset - 1, "malformed_event", f"{e}: {bytes(view[pos:pos + 120])!r}")
         except RecursionError:
@@ -429,6 +471,8 @@ class EventReader:
         try:
             return end, self._one.decode(view[pos:end])
         except msgspec.DecodeError as e:  # a wrong shape, or bytes that are not UTF-8 (ValidationError included)
+            if (event := self._decode_repaired(bytes(view[pos:end]))) is not None:
+                return end, event
             self._skip("malformed_event", f"{e}: {bytes(view[pos:pos + 120])!r}")
         except RecursionError:
             self._skip("nesting_too_deep", f"{bytes(view[pos:pos + 120])!r}")
@@ -522,8 +566,9 @@ class EventReader:
             issues.append(Issue("error", "truncated", 1, f"{why}; kept every complete event before the cut"))
         if self.stream.trailing_bytes:
             _report_trailing(b"", self.stream.trailing_bytes, not self.stream.trailing_zeros, "the gzip data", issues)
-        for reason, (n, example) in sorted(self.skipped.items()):
-            issues.append(Issue("warning", reason, n, f"{_SKIPPED[reason]}; decoding resumed at the next event, e.g. {example}"))
+        for reason, (n, example) in sorted(self.skipped.items()) + sorted(self.repaired.items()):
+            what = f"{_SKIPPED[reason]}; decoding resumed at the next event" if reason in _SKIPPED else _REPAIRED[reason]
+            issues.append(Issue("warning", reason, n, f"{what}, e.g. {example}"))
 
     def _report_after_document(self, text: bytes, issues: list[Issue]) -> None:
         _report_trailing(text, self.trailer_dropped, self.trailer_dropped_junk, "the JSON document", issues)
@@ -576,6 +621,42 @@ def _metadata_by_key(doc: bytes) -> dict:
         except RecursionError:
             continue
     return found
+
+
+def _gives_a_key_twice(event: bytes) -> bool:
+    """Whether the event object (not the objects inside it) holds one key twice."""
+    repeated = []
+
+    def pairs(items: list) -> dict:
+        repeated.append(len({key for key, _ in items}) < len(items))
+        return dict(items)
+
+    try:
+        json.loads(event, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return False
+    return bool(repeated) and repeated[-1]  # the outermost object is completed last
+
+
+_REPAIRED = {
+    "duplicate_keys": "events giving a key twice were read with the last value of each key (JSON's usual rule)",
+    "repaired_text": "events whose strings held bytes that are not UTF-8 or a lone UTF-16 surrogate escape were kept, "
+                     "each bad character replaced by U+FFFD",
+}
+# A \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or the latter not preceded by the former: JSON
+# allows them (RFC 8259 section 8.2 calls the result unpredictable) but they are no text, and decoders refuse them.
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def _repair_text(raw: bytes) -> bytes | None:
+    """raw with lone surrogate escapes and bytes that are not UTF-8 replaced by U+FFFD; None when it has neither."""
+    fixed = _LONE_SURROGATE.sub(rb"\\ufffd", raw)
+    try:
+        fixed.decode()
+    except UnicodeDecodeError:
+        fixed = fixed.decode(errors="replace").encode()
+    return fixed if fixed != raw else None
 
 
 _SKIPPED = {

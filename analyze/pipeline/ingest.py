@@ -128,12 +128,17 @@ class Discovered:
 
 def discover(run_dir: Path, out_dir: Path) -> Discovered:
     """Every file under run_dir, skipping hidden files and folders and the output folder."""
-    files = []
+    files, linked = [], []
     out_dir = out_dir.resolve()
     for root, dirs, names in os.walk(run_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (Path(root) / d).resolve() != out_dir)
+        # A linked folder is not followed (it can lead out of the run, or in a loop), and is named for it.
+        linked += [(Path(root) / d, ["warning", "linked_folder", 1, "a symbolic link to a folder: not followed"])
+                   for d in dirs if (Path(root) / d).is_symlink()]
         files.extend(Path(root) / name for name in sorted(names) if not name.startswith("."))
-    return classify(files)
+    found = classify(files)
+    found.special += linked
+    return found
 
 
 def classify(files: list[Path]) -> Discovered:
@@ -433,6 +438,9 @@ def _foreign_entries(folder: Path) -> list[str]:
 
 def check_output_folder(run_dir: Path, out_dir: Path) -> None:
     """Refuse an output folder whose replacement would lose anything that is not steplens's own output."""
+    if Path(out_dir).is_symlink():  # replacing it would rename the link and leave it behind
+        raise UnsafeOutput(f"{out_dir} is a symbolic link: steplens replaces its output folder whole and does not "
+                           "follow or replace a link; remove it, or give the folder it points to with --out")
     run, out = Path(run_dir).resolve(), Path(out_dir).resolve()
     if out == run or run.is_relative_to(out):
         raise UnsafeOutput(f"--out {out_dir} holds the inputs ({run_dir}): the output folder is replaced on every "
@@ -670,8 +678,10 @@ def staged(
     if found is None:
         found = classify(list(files)) if files is not None else discover(run_dir, out_dir)
     if not found.traces and not found.native:
+        links = [os.path.relpath(path, run_dir) for path, issue in found.special if issue[1] == "linked_folder"]
+        not_followed = f"; linked folders not followed: {', '.join(links)}" if links else ""
         raise IngestError(f"{run_dir}: nothing steplens reads here (no traces, collector output or DeepSpeed artifacts"
-                          f"; {len(found.unknown)} other file(s))")
+                          f"; {len(found.unknown)} other file(s){not_followed})")
     staging = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     try:
         try:

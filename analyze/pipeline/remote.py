@@ -212,6 +212,8 @@ def discover(url: str) -> tuple[Path, Discovered]:
             raise storage_error(file.url, e) from e
         os.utime(local, ns=(file.mtime_ns, file.mtime_ns))
         remote[local] = file
+    if not remote:  # else the message would name the (empty) local mirror
+        raise IngestError(f"{url}: no objects under this prefix (is the bucket or path mistyped?)")
     found = classify(list(remote))
     for path, _, companions in found.native:  # read whole by their importers: small, downloaded
         for local in [path, *companions]:

@@ -56,11 +56,28 @@ def find_runs(root: Path | str) -> list[Path] | list[str]:
     found = []
     for manifest in sorted(Path(root).rglob(schema.MANIFEST_FILE)):
         try:
-            if "schema_version" in json.loads(manifest.read_text()):
-                found.append(manifest.parent)
-        except (OSError, ValueError):
+            doc = json.loads(manifest.read_bytes())
+        except (OSError, ValueError, RecursionError):
             continue
+        if isinstance(doc, dict) and "schema_version" in doc:
+            found.append(manifest.parent)
     return found
+
+
+# The run.json fields the `runs` view reads, and the type each must have (null aside).
+_RUN_FIELDS = {"run_name": str, "world_size": int, "ranks": list, "environment": dict, "created_by": str, "facts": dict}
+
+
+def damage(manifest) -> str | None:
+    """What makes a run.json unusable for the `runs` view (a field of the wrong type), or None."""
+    if not isinstance(manifest, dict):
+        return f"run.json holds {type(manifest).__name__}, not an object"
+    wrong = [key for key, kind in _RUN_FIELDS.items() if manifest.get(key) is not None and (
+        not isinstance(manifest[key], kind) or (kind is int and isinstance(manifest[key], bool)))]
+    devices = (manifest.get("environment") or {}).get("device_names") if "environment" not in wrong else None
+    if devices is not None and not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
+        wrong.append("environment.device_names")
+    return f"{', '.join(wrong)} of the wrong type" if wrong else None
 
 
 def _quote(text: str) -> str:
@@ -75,18 +92,33 @@ def _part_files(run: Path, table: str, partitioned: bool) -> list[str]:
     return [glob.escape(str(f)) for f in files]
 
 
-def connect(root: Path) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with a view per table over every run under root."""
+def _local_runs(root: Path, skipped: list[tuple[str, str]]) -> list[tuple[Path, dict]]:
+    runs = []
+    for run in find_runs(root):
+        try:
+            runs.append((run, json.loads((run / schema.MANIFEST_FILE).read_bytes())))
+        except (OSError, ValueError, RecursionError) as e:  # changed since find_runs read it
+            skipped.append((str(run), f"run.json cannot be read ({type(e).__name__})"))
+    return runs
+
+
+def connect(root: Path, skipped: list[tuple[str, str]] | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with a view per table over every run under root. A run whose run.json is
+    damaged is left out and added to `skipped` as (run, why): the other runs still answer."""
     import duckdb  # here, not at import: `analyze` imports this module for its help text only
 
+    skipped = [] if skipped is None else skipped
     con = duckdb.connect()
     if remote.is_url(root):  # DuckDB reads the objects through the store's fsspec filesystem, offline too
         runs = remote.committed_runs(str(root))
         con.register_filesystem(remote.filesystem(str(root))[0])
     else:
-        runs = [(run, json.loads((run / schema.MANIFEST_FILE).read_text())) for run in find_runs(root)]
+        runs = _local_runs(root, skipped)
     rows, parts, seen_ids = [], {}, set()
     for run, manifest in runs:
+        if why := damage(manifest):
+            skipped.append((str(run), why))
+            continue
         run_id = str(manifest.get("run_id") or run)
         if run_id in seen_ids:  # a copied output folder: still a run of its own
             run_id = f"{run_id}-{hashlib.sha256(str(run if isinstance(run, str) else run.resolve()).encode()).hexdigest()[:6]}"
@@ -126,14 +158,15 @@ def _fact(value, dtype):
     return str(value)
 
 
-def query(root: Path, sql: str) -> pl.DataFrame:
-    """Run one SELECT over every run under root; the result as a polars DataFrame."""
+def query(root: Path, sql: str, skipped: list[tuple[str, str]] | None = None) -> pl.DataFrame:
+    """Run one SELECT over every run under root; the result as a polars DataFrame. Runs left out (a damaged
+    run.json) are added to `skipped` as (run, why)."""
     import duckdb
 
     statements = duckdb.extract_statements(sql)
     if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
         raise QueryError("only a single SELECT (or WITH ... SELECT) statement is accepted")
-    con = connect(root)
+    con = connect(root, skipped)
     try:
         return con.sql(sql).pl()
     except duckdb.Error as e:
