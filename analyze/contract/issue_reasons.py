@@ -26,7 +26,8 @@ _DECLARED = (
     IssueReason("special_file", ("warning",), "A FIFO, device or socket: skipped without opening it."),
     IssueReason("unreadable", ("error",), "The file cannot be read (permissions, I/O error)."),
     IssueReason("empty_file", ("error", "warning"), "The file is empty (a log: warning, nothing expected was lost)."),
-    IssueReason("not_a_trace", ("info",), "A .json/.gz file that is not a profiler trace; ignored."),
+    IssueReason("not_a_trace", ("info",), "A .json/.gz file that is not a profiler trace, a SQLite file that is not an "
+                "Nsight Systems export, or an nsys report to export first; ignored."),
     IssueReason("damaged_trace", ("error",), "A .json file with nothing usable (not JSON, or cut before its events)."),
     IssueReason("parse_failed", ("error",), "The trace parser failed on the file."),
     IssueReason("worker_lost", ("error",), "analyze --scheduler: every Dask worker that parsed the file died; not used."),
@@ -66,6 +67,11 @@ _DECLARED = (
     IssueReason("flow_without_end", ("info",), "Flow starts whose end is outside the trace window."),
     IssueReason("flow_unbound", ("info",), "Flow pairs whose start or end matches no slice; not linked."),
     IssueReason("orphan_device_activity", ("warning",), "Device activities whose launch is not in the trace (no step)."),
+    # Nsight Systems exports (importers/nsys.py)
+    IssueReason("nsys_schema_gap", ("info",), "Tables or columns this Nsight Systems export version lacks; what they "
+                                              "would give is absent."),
+    IssueReason("several_processes", ("warning",), "An nsys export holding several processes with CUDA work: one is "
+                                                   "read as the rank, the others left out."),
     # Collector parts (importers/collector_parts.py)
     IssueReason("collector_part_unreadable", ("error",), "A collector part cannot be read; its rows are lost."),
     IssueReason("collector_part_columns", ("error",), "A collector part with other columns than its table; skipped."),
