@@ -44,7 +44,7 @@ def claimant(path: Path) -> Importer | None:
 # that turns out not to be a trace is reported by the parser (not_a_trace), not guessed from its name.
 TRACE_IMPORTERS: list[TraceImporter] = [
     TraceImporter("kineto", lambda path: path.name.endswith((".json", ".gz")), kineto.parse_trace),
-    TraceImporter("nsys", nsys.claims, nsys.parse),  # Nsight Systems SQLite exports (and reports to export)
+    TraceImporter("nsys", nsys.claims, nsys.parse, settings=lambda: nsys.step_range().pattern),  # Nsight Systems SQLite exports (and reports to export)
 ]
 TRACE_KINDS = frozenset(importer.name for importer in TRACE_IMPORTERS)
 

@@ -129,3 +129,6 @@ class TraceImporter:
     name: str  # the source kind recorded in run.json
     claims: Callable[[Path], bool]  # cheap: the path, and at most a peek at the first bytes
     parse: Callable[[Path, str], ParsedTrace]  # (absolute path, path relative to the run folder); runs in a worker
+    # What else its result depends on (an option, such as nsys's step-range pattern): parts parsed under
+    # other settings are not reused.
+    settings: Callable[[], str] = lambda: ""

@@ -292,7 +292,8 @@ def _link_nccl_sizes(events: pl.DataFrame) -> pl.DataFrame:
     launches = events.filter(pl.col("kind").is_in(semantics.LAUNCH_KINDS) & pl.col("correlation").is_not_null()).select(
         "pid", "tid", "ts_ns", "correlation").sort("ts_ns")
     enclosing = ranges.select("pid", "tid", range_start="ts_ns", range_end="end_ns", collective="name", size="in_nelems").sort("range_start")
-    linked = launches.join_asof(enclosing, left_on="ts_ns", right_on="range_start", by=["pid", "tid"], strategy="backward")
+    linked = launches.join_asof(enclosing, left_on="ts_ns", right_on="range_start", by=["pid", "tid"], strategy="backward",
+                               check_sortedness=False)  # both sorted by time above
     linked = linked.filter(pl.col("ts_ns") < pl.col("range_end")).select("correlation", "collective", "size")
     work = pl.col("kind") == "kernel"
     events = events.join(linked, on="correlation", how="left", suffix="_nccl")

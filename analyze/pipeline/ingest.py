@@ -221,7 +221,7 @@ def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
     except NotATrace as e:
         if e.damaged:  # a .json file that is not JSON, or a trace cut before its events: a lost input
             source.status = "error"
-            source.issues.append(["error", "damaged_trace", 1, f"a .json file with nothing usable: {e}"])
+            source.issues.append(["error", "damaged_trace", 1, f"a trace file with nothing usable: {e}"])
         else:
             source.status = "ignored"
             source.issues.append(["info", "not_a_trace", 1, f"not a trace: {e}"])
@@ -785,6 +785,8 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, worke
             source = (found.remote[path].source(os.path.relpath(path, run_dir)) if path in found.remote
                       else _describe(path, run_dir, companions))
             source.kind = importer.name if importer else importers.trace_claimant(path).name
+            if importer is None and (settings := importers.trace_claimant(path).settings()):
+                source.hash_prefix = hashlib.sha256(f"{source.hash_prefix}:{settings}".encode()).hexdigest()[:16]
         except OSError as e:
             source = Source(path=os.path.relpath(path, run_dir), size=0, mtime_ns=0, hash_prefix="", status="error",
                             kind=importer.name if importer else importers.trace_claimant(path).name)
