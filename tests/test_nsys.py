@@ -384,3 +384,22 @@ def test_nsys_export_flag_runs_the_export_command(tmp_path, monkeypatch):
                                                        str(run / "r.nsys-rep")]
     manifest = json.loads((run / ".steplens" / "run.json").read_text())
     assert {s["path"]: s["status"] for s in manifest["sources"]} == {"r.sqlite": "ingested"}
+
+
+def test_export_trace_writes_an_nsys_run_for_perfetto(tmp_path):
+    from steplens.analyze.cli import steplens
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _build_export(run / "report_rank0.sqlite")
+    assert CliRunner().invoke(analyze, [str(run), "-q", "--jobs", "1"]).exit_code == 0
+    out = tmp_path / "merged.json"
+    result = CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    kernels = sorted((e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel")
+    # ts in µs from the first exported event (the step range at 1000 ns), as the export writes them
+    assert kernels == [(0.3, 1.0), (1.6, 2.0), (4.3, 1.0)]
+    starts = sorted(e["ts"] for e in events if e.get("ph") == "s")
+    assert starts == [0.1, 1.45, 4.1, 5.5]  # the four launch calls, linked to their device work
