@@ -139,7 +139,8 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
             fail(f"--step-range {safe_text(step_range)}: not a regular expression ({safe_text(e)})")
         if pattern.groups < 1:
             fail(f"--step-range {safe_text(step_range)}: needs a group capturing the step number, e.g. 'iteration (\\d+)'")
-        os.environ[nsys.STEP_RANGE_ENV] = step_range  # read by the nsys importer, in this process and the workers
+    # Read by the nsys importer, in this process and the workers it spawns (empty: its default)
+    os.environ[nsys.STEP_RANGE_ENV] = step_range or ""
     if nsys_export and not remote.is_url(run_dir):
         for report, outcome in nsys.export_reports(run_dir if run_dir.is_dir() else run_dir.parent):
             click.echo(f"{safe_text(report)}: {safe_text(outcome)}")

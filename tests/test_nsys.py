@@ -289,7 +289,7 @@ def test_step_range_option_names_other_ranges(tmp_path, monkeypatch):
 
 
 def test_step_range_flag_reparses_and_rejects_a_pattern_without_a_group(tmp_path, monkeypatch):
-    monkeypatch.delenv(nsys.STEP_RANGE_ENV, raising=False)
+    monkeypatch.setenv(nsys.STEP_RANGE_ENV, "")  # restored after the test: the CLI sets it for its workers
     run = tmp_path / "run"
     run.mkdir()
     _build_export(run / "a.sqlite", step_names=("fwd-bwd 10", "fwd-bwd 11"))
@@ -324,12 +324,39 @@ def test_unclosed_nvtx_ranges_are_counted(tmp_path):
     assert parsed.events.filter(pl.col("name") == "open")["dur_ns"].to_list() == [None]
 
 
-def test_several_processes_keep_the_busiest(tmp_path):
-    parsed = nsys.parse(_build_export(tmp_path / "a.sqlite", second_process=True), "a")
-    (issue,) = [i for i in parsed.issues if i.reason == "several_processes"]
-    assert issue.severity == "warning"
-    assert set(parsed.events.filter(pl.col("kind") == "cuda_runtime")["pid"].to_list()) == {PID}
-    assert parsed.events.filter(pl.col("kind") == "kernel").height == 3
+def test_several_processes_are_one_rank_each(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    export = _build_export(run / "node0.sqlite", second_process=True)
+    db = sqlite3.connect(export)  # the launcher (torchrun): an NVTX range, no CUDA work
+    db.execute("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid) VALUES (0, 99999, 59, 'launch', ?)",
+               (_global_id(99, 99),))
+    db.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET deviceId = 1 WHERE globalPid = ?", (_global_id(PID),))
+    db.execute("UPDATE CUPTI_ACTIVITY_KIND_MEMCPY SET deviceId = 1 WHERE globalPid = ?", (_global_id(PID),))
+    db.commit()
+    db.close()
+    ingest(run, jobs=1)
+    manifest = json.loads((run / ".steplens" / "run.json").read_text())
+    ranks = {s["rank"]: s for s in manifest["sources"]}
+    # ranks in the order of the GPU each process used: PID + 100 ran on GPU 0, PID on GPU 1
+    assert {r: (s["unit"], s["rank_origin"], s["status"]) for r, s in ranks.items()} == {
+        0: (f"process {PID + 100}", "process in file", "ingested"), 1: (f"process {PID}", "process in file", "ingested")}
+    events = _table(run / ".steplens", "trace_events")
+    runtime_pids = dict(events.filter(pl.col("kind") == "cuda_runtime").group_by("rank").agg(pl.col("pid").unique()).iter_rows())
+    assert runtime_pids == {0: [PID + 100], 1: [PID]}
+    # each rank's own kernels, times and steps: the second process runs 10 ns later
+    kernels = events.filter(pl.col("kind") == "kernel").sort("rank", "ts_ns")
+    assert kernels.select("rank", "ts_ns", "step", "device").rows() == [
+        (0, SESSION_START_NS + 1310, 1, 0), (0, SESSION_START_NS + 2610, 1, 0), (0, SESSION_START_NS + 5310, 2, 0),
+        (1, SESSION_START_NS + 1300, 1, 1), (1, SESSION_START_NS + 2600, 1, 1), (1, SESSION_START_NS + 5300, 2, 1)]
+    assert _table(run / ".steplens", "flows").group_by("rank").len().sort("rank").rows() == [(0, 4), (1, 4)]
+    assert not events.filter(pl.col("name") == "launch").height  # the launcher's range belongs to no rank
+    issues = _table(run / ".steplens", "ingest_issues")
+    assert sorted(issues.filter(pl.col("reason") == "rank_from_process")["rank"].to_list()) == [0, 1]
+    # A re-run reuses both ranks' parts
+    again = ingest(run, jobs=1)
+    assert (again.parsed, again.reused) == (0, 2)
+    assert {s["rank"]: s["unit"] for s in again.manifest["sources"]} == {0: f"process {PID + 100}", 1: f"process {PID}"}
 
 
 def test_not_an_nsys_database_and_reports_are_listed(tmp_path):

@@ -40,6 +40,8 @@ _DECLARED = (
                 "or out of range (contract/manifest.py fact_problem); left out of the run's facts."),
     # Ranks (pipeline/ingest.py)
     IssueReason("rank_from_filename", ("warning",), "No distributedInfo.rank: the rank is taken from the file name."),
+    IssueReason("rank_from_process", ("warning",), "A file of several processes (an nsys export): one rank per process, "
+                                                   "in file then process order."),
     IssueReason("rank_assumed", ("warning",), "No rank in the trace or its name: treated as rank 0, the only trace."),
     IssueReason("rank_unknown", ("error",), "The rank of a trace cannot be told; the trace is not used."),
     IssueReason("duplicate_rank", ("error",), "Two traces claim one rank for the same time; the later is not used."),
@@ -70,8 +72,8 @@ _DECLARED = (
     # Nsight Systems exports (importers/nsys.py)
     IssueReason("nsys_schema_gap", ("info",), "Tables or columns this Nsight Systems export version lacks; what they "
                                               "would give is absent."),
-    IssueReason("several_processes", ("warning",), "An nsys export holding several processes with CUDA work: one is "
-                                                   "read as the rank, the others left out."),
+    IssueReason("several_processes", ("info",), "Events of processes without CUDA work in an nsys export (a launcher's "
+                                                "NVTX ranges): no rank holds them; not read."),
     # Collector parts (importers/collector_parts.py)
     IssueReason("collector_part_unreadable", ("error",), "A collector part cannot be read; its rows are lost."),
     IssueReason("collector_part_columns", ("error",), "A collector part with other columns than its table; skipped."),

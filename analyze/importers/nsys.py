@@ -364,9 +364,10 @@ def _export_facts(export: _Export) -> dict[str, str]:
 # Entry point
 
 
-def parse(path: Path, source: str) -> ParsedTrace:
-    """One nsys SQLite export -> one rank's trace tables. Raises NotATrace for a report that needs
-    exporting or a SQLite database that is not an nsys export."""
+def parse(path: Path, source: str) -> ParsedTrace | list[ParsedTrace]:
+    """One nsys SQLite export -> one rank's trace tables, or one per process when it holds several
+    processes with CUDA work. Raises NotATrace for a report that needs exporting or a SQLite database
+    that is not an nsys export."""
     path = Path(path)
     if path.name.lower().endswith(REPORT_SUFFIXES):
         raise NotATrace("an Nsight Systems report, which steplens reads once exported to SQLite: run "
@@ -383,7 +384,7 @@ def parse(path: Path, source: str) -> ParsedTrace:
         export.close()
 
 
-def _parse_export(export: _Export, source: str) -> ParsedTrace:
+def _parse_export(export: _Export, source: str) -> ParsedTrace | list[ParsedTrace]:
     if not any(t in export.tables for t in NSYS_MARKERS):
         shown = ", ".join(sorted(export.tables)[:8]) or "none"
         raise NotATrace(f"a SQLite database that is not an Nsight Systems export (its tables: {shown})")
@@ -397,23 +398,44 @@ def _parse_export(export: _Export, source: str) -> ParsedTrace:
     for column, dtype in _EVENT_SCHEMA.items():
         if column not in events.columns:
             events = events.with_columns(pl.lit(None, dtype).alias(column))
-    events = _one_process(events, issues)
-    events = _link_nccl_sizes(events)
     unnamed = events.filter(pl.col("name").is_null()).height
     if unnamed:
         issues.append(Issue("warning", "unrepresentable_value", unnamed, "events whose name id is not in StringIds; kept unnamed"))
     negative = events.filter(pl.col("end_ns") < pl.col("ts_ns")).height
     if negative:
         issues.append(Issue("warning", "negative_duration", negative, "events whose end is before their start, kept as written"))
+    if export.missing:
+        issues.append(Issue("info", "nsys_schema_gap", len(export.missing),
+                            f"tables or columns this export lacks (Nsight Systems {_export_facts(export).get('EXPORT_PRODUCT_VERSION', '?')}): "
+                            + "; ".join(export.missing)[:400]))
+    facts = _export_facts(export)
+    metadata = {
+        "baseTimeNanoseconds": base_ns or None,
+        "deviceProperties": _devices(export),
+        "schemaVersion": facts.get("EXPORT_SCHEMA_VERSION"),
+        "nsysVersion": facts.get("EXPORT_PRODUCT_VERSION"),
+    }
+    processes = _processes(events, issues)
+    if len(processes) <= 1:
+        # One process: the environment nsys captured for the process it launched is this rank's
+        metadata["distributedInfo"] = _distributed_info(_capture_environment(export))
+        return _rank_trace(events, base_ns, source, metadata, issues)
+    traces = []
+    for process, frame in processes:
+        trace = _rank_trace(frame, base_ns, source, dict(metadata), list(issues))
+        trace.unit = f"process {process}"
+        traces.append(trace)
+    return traces
+
+
+def _rank_trace(events: pl.DataFrame, base_ns: int, source: str, metadata: dict, issues: list[Issue]) -> ParsedTrace:
+    """One process's events -> its trace tables, through the same semantics as a Kineto trace's."""
+    events = _link_nccl_sizes(events)
     events = events.with_columns(
         dur_ns=pl.col("end_ns") - pl.col("ts_ns"), ts_ns=pl.col("ts_ns") + base_ns,
         stream=pl.when(pl.col("kind").is_in(schema.DEVICE_KINDS)).then("stream"),
         device=pl.when(pl.col("kind").is_in(schema.DEVICE_KINDS)).then("device"),
     ).sort("ts_ns", maintain_order=True).with_row_index("event_id").with_columns(pl.col("event_id").cast(pl.Int64))
-    if export.missing:
-        issues.append(Issue("info", "nsys_schema_gap", len(export.missing),
-                            f"tables or columns this export lacks (Nsight Systems {_export_facts(export).get('EXPORT_PRODUCT_VERSION', '?')}): "
-                            + "; ".join(export.missing)[:400]))
     endpoints = pl.DataFrame(schema={"ph": pl.String, "cat": pl.String, "pid": pl.Int64, "tid": pl.Int64, "ts_ns": pl.Int64,
                                      "flow_id": pl.Int64})
     events, steps, flows = semantics.apply(events, endpoints, issues, step_range())
@@ -421,29 +443,23 @@ def _parse_export(export: _Export, source: str) -> ParsedTrace:
                             pl.col(c) if c in events.columns else pl.lit(None).alias(c) for c in schema.TRACE_EVENTS.names])
     steps = steps.select(pl.lit(source).alias("source"), pl.all())
     flows = flows.select(pl.lit(source).alias("source"), pl.all())
-    facts = _export_facts(export)
-    metadata = {
-        "baseTimeNanoseconds": base_ns or None,
-        "deviceProperties": _devices(export),
-        "distributedInfo": _distributed_info(_capture_environment(export)),
-        "schemaVersion": facts.get("EXPORT_SCHEMA_VERSION"),
-        "nsysVersion": facts.get("EXPORT_PRODUCT_VERSION"),
-    }
     return ParsedTrace(events, flows, steps, metadata, issues, 0, {})
 
 
-def _one_process(events: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
-    """A rank is one process: of several processes with CUDA work, the one with the most device time is
-    kept and the others are named (export one report per rank, e.g. nsys profile -o report_rank%q{RANK})."""
-    work = events.filter(pl.col("kind").is_in(list(semantics.WORK_KINDS + semantics.LAUNCH_KINDS)) & pl.col("process").is_not_null())
-    busy = work.group_by("process").agg(busy=(pl.col("end_ns") - pl.col("ts_ns")).filter(
-        pl.col("kind").is_in(list(semantics.WORK_KINDS))).sum(), calls=pl.len()).sort(["busy", "calls", "process"], descending=[True, True, False])
-    if busy.height <= 1:
-        return events
-    kept = busy["process"][0]
-    others = busy["process"].to_list()[1:]
-    dropped = events.filter(pl.col("process") != kept).height
-    issues.append(Issue("warning", "several_processes", dropped,
-                        f"the export holds {busy.height} processes with CUDA work; process {kept} (the most device time) "
-                        f"is read as this rank and the events of processes {others[:8]} are left out"))
-    return events.filter((pl.col("process") == kept) | pl.col("process").is_null())
+def _processes(events: pl.DataFrame, issues: list[Issue]) -> list[tuple[int, pl.DataFrame]]:
+    """The processes with CUDA work (device work or CUDA API calls), each with its events, ordered by
+    the lowest GPU each ran work on (torchrun and DeepSpeed give local rank N the GPU N), then by pid.
+    Events of other processes (a launcher's NVTX ranges) belong to no rank and are counted."""
+    cuda = pl.col("kind").is_in(list(semantics.WORK_KINDS + semantics.LAUNCH_KINDS))
+    order = (events.filter(cuda & pl.col("process").is_not_null()).group_by("process")
+             .agg(gpu=pl.col("device").filter(pl.col("kind").is_in(list(semantics.WORK_KINDS))).min())
+             .sort(["gpu", "process"], nulls_last=True))
+    if order.height <= 1:
+        return [(order["process"][0] if order.height else None, events)]
+    processes = order["process"].to_list()
+    rest = events.filter(~pl.col("process").is_in(processes) | pl.col("process").is_null())
+    if rest.height:
+        issues.append(Issue("info", "several_processes", rest.height,
+                            f"events of processes without CUDA work (e.g. pid {rest['process'].drop_nulls().head(1).to_list()}), "
+                            "which no rank holds; not read"))
+    return [(process, events.filter(pl.col("process") == process)) for process in processes]
