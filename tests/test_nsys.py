@@ -430,3 +430,31 @@ def test_export_trace_writes_an_nsys_run_for_perfetto(tmp_path):
     assert kernels == [(0.3, 1.0), (1.6, 2.0), (4.3, 1.0)]
     starts = sorted(e["ts"] for e in events if e.get("ph") == "s")
     assert starts == [0.1, 1.45, 4.1, 5.5]  # the four launch calls, linked to their device work
+
+
+def test_a_cluster_parse_of_several_processes_gives_the_local_tables(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    distributed = pytest.importorskip("distributed")
+    run = tmp_path / "run"
+    run.mkdir()
+    _build_export(run / "node0.sqlite", second_process=True)
+
+    def analyze_to(out: Path, *extra: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run), "--out", str(out), "-q", "--ingest-only",
+                               *extra], capture_output=True, text=True, timeout=300, env=dict(os.environ))
+        assert done.returncode == 0, done.stderr
+
+    def tables(out: Path) -> dict[int, pl.DataFrame]:
+        events = _table(out, "trace_events").drop("source")
+        return {rank: events.filter(pl.col("rank") == rank).sort("event_id") for rank in (0, 1)}
+
+    analyze_to(tmp_path / "single", "-j", "1")
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                  dashboard_address=None) as local:
+        analyze_to(tmp_path / "clustered", "--scheduler", local.scheduler_address)
+    single, clustered = tables(tmp_path / "single"), tables(tmp_path / "clustered")
+    # per process: 3 kernels, 5 API calls, a memcpy, a sync, 2 step ranges, the NCCL range and a mark
+    assert all(single[rank].height == 14 and single[rank].equals(clustered[rank]) for rank in (0, 1))
