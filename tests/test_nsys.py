@@ -150,11 +150,12 @@ def _global_id(pid: int, tid: int = 0) -> int:
 
 
 def _build_export(path: Path, *, env: dict | None = None, second_process: bool = False, old_schema: bool = False,
-                  nccl_payload: bool = True, step_names=("iteration 1", "iteration 2")) -> Path:
+                  nccl_payload: bool = True, step_names=("iteration 1", "iteration 2"), collective: str = "AllReduce") -> Path:
     db = sqlite3.connect(path)
-    strings = ["gemm_kernel(float*)", "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
-               "cudaLaunchKernel_v7000", "cudaLaunchKernelExC_v11060", "cudaStreamSynchronize_v3020",
-               "cudaMemcpyAsync_v3020", "cuLaunchKernel", "gemm_kernel", "ncclDevKernel_AllReduce_Sum_f32_RING_LL"]
+    nccl_kernel = f"ncclDevKernel_{collective}_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    strings = ["gemm_kernel(float*)", nccl_kernel, "cudaLaunchKernel_v7000", "cudaLaunchKernelExC_v11060",
+               "cudaStreamSynchronize_v3020", "cudaMemcpyAsync_v3020", "cuLaunchKernel", "gemm_kernel",
+               nccl_kernel.split("(")[0]]
     sid = {s: i for i, s in enumerate(strings)}
     db.execute("CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT NOT NULL)")
     db.executemany("INSERT INTO StringIds VALUES (?, ?)", list(enumerate(strings)))
@@ -206,9 +207,9 @@ def _build_export(path: Path, *, env: dict | None = None, second_process: bool =
         call(1100, 1200, 1, "cudaLaunchKernel_v7000")
         kernel(1300, 2300, 7, 1, "gemm_kernel(float*)")
         payload = json.dumps({nsys.NCCL_SIZE_KEY: 1 << 20}) if nccl_payload else None
-        nvtx(2400, 2600, 59, "ncclAllReduce", domain=1, payload=payload)
+        nvtx(2400, 2600, 59, f"nccl{collective}", domain=1, payload=payload)
         call(2450, 2500, 2, "cudaLaunchKernelExC_v11060")
-        kernel(2600, 4600, 13, 2, "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)")
+        kernel(2600, 4600, 13, 2, nccl_kernel)
         call(5100, 5200, 3, "cuLaunchKernel", event_class=1)
         kernel(5300, 6300, 7, 3, "gemm_kernel(float*)")
         call(6000, 6400, 4, "cudaStreamSynchronize_v3020")
@@ -263,6 +264,21 @@ def test_nccl_payload_gives_the_collective_its_bytes(tmp_path):
     manifest = json.loads((run / ".steplens" / "run.json").read_text())
     (source,) = manifest["sources"]
     assert (source["rank"], source["rank_origin"]) == (1, "file name")
+
+
+@pytest.mark.parametrize("collective, op, total_bytes, factor", [
+    ("AllReduce", "allreduce", 1 << 20, 2 * 3 / 4),  # nccl-tests: S = the buffer; busbw = algbw * 2(n-1)/n
+    ("ReduceScatter", "reducescatter", 4 << 20, 3 / 4),  # NCCL's payload is recvcount's bytes: S = n times it
+    ("AllGather", "allgather", 4 << 20, 3 / 4),  # sendcount's bytes: S = n times it
+])
+def test_nccl_sizes_follow_nccl_tests_definitions(tmp_path, collective, op, total_bytes, factor):
+    run = tmp_path / "run"
+    run.mkdir()
+    _build_export(run / "profile.sqlite", env={"RANK": "0", "WORLD_SIZE": "4"}, collective=collective)
+    assert CliRunner().invoke(analyze, [str(run), "-q", "--jobs", "1"]).exit_code == 0
+    row = _table(run / ".steplens", "collectives").row(0, named=True)
+    assert (row["op"], row["bytes"]) == (op, total_bytes)
+    assert row["busbw_gbps"] == pytest.approx(total_bytes / 2000 * factor)  # bytes/ns = GB/s over the kernel's 2000 ns
 
 
 def test_nccl_kernel_without_payload_has_unknown_size(tmp_path):

@@ -172,7 +172,8 @@ class _Export:
 _EVENT_SCHEMA = {
     "ts_ns": pl.Int64, "end_ns": pl.Int64, "ph": pl.String, "kind": pl.String, "cat": pl.String, "name": pl.String,
     "pid": pl.Int64, "tid": pl.Int64, "stream": pl.Int64, "device": pl.Int64, "correlation": pl.Int64,
-    "bytes": pl.Int64, "process": pl.Int64, "collective": pl.String, "in_nelems": pl.Int64, "dtype": pl.String,
+    "bytes": pl.Int64, "process": pl.Int64, "collective": pl.String, "in_nelems": pl.Int64, "out_nelems": pl.Int64,
+    "dtype": pl.String,
 }
 
 
@@ -296,10 +297,13 @@ def _link_nccl_sizes(events: pl.DataFrame) -> pl.DataFrame:
                                check_sortedness=False)  # both sorted by time above
     linked = linked.filter(pl.col("ts_ns") < pl.col("range_end")).select("correlation", "collective", "size")
     work = pl.col("kind") == "kernel"
+    # NCCL's size is per rank: ReduceScatter's the output's (recvcount), the others' the input's
+    output_sized = pl.col("collective_nccl").str.contains("(?i)reduce_?scatter").fill_null(False)
     events = events.join(linked, on="correlation", how="left", suffix="_nccl")
     return events.with_columns(
         collective=pl.when(work).then(pl.col("collective_nccl").str.replace(r"^nccl", "")).otherwise(pl.col("collective")),
-        in_nelems=pl.when(work).then(pl.col("size")).otherwise(pl.col("in_nelems")),
+        in_nelems=pl.when(work & ~output_sized).then(pl.col("size")).otherwise(pl.when(~work).then(pl.col("in_nelems"))),
+        out_nelems=pl.when(work & output_sized).then(pl.col("size")),
         dtype=pl.when(work & pl.col("size").is_not_null()).then(pl.lit("Byte")).otherwise(pl.col("dtype")),
     ).drop("collective_nccl", "size")
 
