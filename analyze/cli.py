@@ -56,7 +56,8 @@ from steplens.reports.verdict import finding_lines
 ANALYZE_HELP = f"""Turn what a training job left in RUN_DIR into queryable Parquet tables, analyses and a report.
 
 RUN_DIR is searched recursively (hidden folders skipped) for: per-rank PyTorch-profiler traces
-(.json or .json.gz, as tensorboard_trace_handler or export_chrome_trace wrote them); the steplens
+(.json or .json.gz, as tensorboard_trace_handler or export_chrome_trace wrote them); Nsight Systems
+SQLite exports (.sqlite, from nsys export --type sqlite); the steplens
 collector's output; and native DeepSpeed artifacts (job logs, FLOPs-profiler text, comms-logger
 dumps, csv_monitor, TensorBoard event files, W&B offline runs, autotuning results). Files it does
 not read are listed in run.json as ignored. The inputs are never modified.
