@@ -474,3 +474,31 @@ def test_a_cluster_parse_of_several_processes_gives_the_local_tables(tmp_path):
     single, clustered = tables(tmp_path / "single"), tables(tmp_path / "clustered")
     # per process: 3 kernels, 5 API calls, a memcpy, a sync, 2 step ranges, the NCCL range and a mark
     assert all(single[rank].height == 14 and single[rank].equals(clustered[rank]) for rank in (0, 1))
+
+
+def test_values_of_the_wrong_type_and_damaged_files_are_counted_not_fatal(tmp_path):
+    export = _build_export(tmp_path / "a.sqlite")
+    db = sqlite3.connect(export)
+    db.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET start = 'soon' WHERE correlationId = 1")
+    db.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = 6300.5 WHERE correlationId = 3")
+    db.commit()
+    db.close()
+    parsed = nsys.parse(export, "a")
+    issues = {i.reason: i for i in parsed.issues}
+    assert issues["unrepresentable_value"].count == 2
+    assert "CUPTI_ACTIVITY_KIND_KERNEL.start (1)" in issues["unrepresentable_value"].detail
+    assert issues["bad_timestamp"].count == 1 and issues["missing_duration"].count == 1
+    kernels = parsed.events.filter(pl.col("kind") == "kernel").sort("ts_ns")
+    assert kernels.select("ts_ns", "dur_ns").rows() == [(SESSION_START_NS + 2600, 2000), (SESSION_START_NS + 5300, None)]
+    # A file cut short is a damaged input, named, not a traceback
+    run = tmp_path / "run"
+    run.mkdir()
+    data = DLPROF.read_bytes()
+    (run / "cut.sqlite").write_bytes(data[: len(data) // 3])
+    _build_export(run / "good.sqlite")
+    ingest(run, jobs=1)
+    manifest = json.loads((run / ".steplens" / "run.json").read_text())
+    by_path = {s["path"]: s for s in manifest["sources"]}
+    assert by_path["good.sqlite"]["status"] == "ingested"
+    assert by_path["cut.sqlite"]["status"] == "error"
+    assert by_path["cut.sqlite"]["issues"][0][1] == "damaged_trace"

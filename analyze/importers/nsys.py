@@ -47,6 +47,8 @@ SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite 3 da
 SQLITE_SUFFIXES = (".sqlite", ".sqlite3")
 REPORT_SUFFIXES = (".nsys-rep", ".qdrep")  # .qdrep: Nsight Systems before 2021.4
 
+# The text columns read; every other column read holds integers (ns, ids, counts, enum values).
+TEXT_COLUMNS = {"text", "jsonText", "name"}
 # Tables whose presence tells an nsys export from any other SQLite database.
 NSYS_MARKERS = ("StringIds", "TARGET_INFO_SESSION_START_TIME", "CUPTI_ACTIVITY_KIND_KERNEL", "NVTX_EVENTS",
                 "CUPTI_ACTIVITY_KIND_RUNTIME")
@@ -138,6 +140,7 @@ class _Export:
         self.tables = {name: [row[1] for row in self.db.execute(f'PRAGMA table_info("{name}")')]
                        for (name,) in self.db.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")}
         self.missing: list[str] = []
+        self.mistyped: dict[str, int] = {}  # table.column -> values not of the column's type
 
     def has(self, table: str, *columns: str) -> bool:
         return table in self.tables and all(c in self.tables[table] for c in columns)
@@ -154,7 +157,17 @@ class _Export:
             return []
         if note_missing and (gaps := [c for c in columns.values() if c not in have]):
             self.missing.append(f"{table} without {', '.join(gaps)}")
-        select = ", ".join(f'"{c}"' if c in have else "NULL" for c in columns.values())
+        present = [c for c in columns.values() if c in have]
+        # A value of another type than the column's (text in a time, a float id) is null, and counted
+        wanted = {c: "text" if c in TEXT_COLUMNS else "integer" for c in present}
+        if present:
+            mistyped = ", ".join(f"SUM(typeof(\"{c}\") NOT IN ('{t}', 'null'))" for c, t in wanted.items())
+            counts = self.db.execute(f'SELECT {mistyped} FROM "{table}"').fetchone()
+            for column, n in zip(present, counts):
+                if n:
+                    self.mistyped[f"{table}.{column}"] = n
+        select = ", ".join(f"CASE WHEN typeof(\"{c}\") = '{wanted[c]}' THEN \"{c}\" END" if c in have else "NULL"
+                           for c in columns.values())
         return self.db.execute(f'SELECT {select} FROM "{table}"').fetchall()
 
     def enum(self, table: str, fallback: dict[int, str]) -> dict[int, str]:
@@ -258,10 +271,6 @@ def _nvtx(export: _Export, names: dict[int, str], issues: list[Issue]) -> pl.Dat
         list(names), list(names.values()), default=None, return_dtype=pl.String)))
     domains = nvtx.filter(pl.col("type") == NVTX_DOMAIN_CREATE).select("domain", domain_name="name").unique("domain")
     shown = nvtx.filter(pl.col("type").is_in([*NVTX_RANGE_TYPES, NVTX_MARK]))
-    unclosed = shown.filter(pl.col("type").is_in(NVTX_RANGE_TYPES) & pl.col("end_ns").is_null()).height
-    if unclosed:
-        issues.append(Issue("warning", "missing_duration", unclosed,
-                            "NVTX ranges without an end (still open when the capture stopped); kept with a null duration"))
     shown = shown.join(domains, on="domain", how="left").with_columns(
         cat=pl.coalesce("domain_name", pl.lit("NVTX")),
         ph=pl.when(pl.col("type") == NVTX_MARK).then(pl.lit("i")).otherwise(pl.lit("X")),
@@ -402,6 +411,19 @@ def _parse_export(export: _Export, source: str) -> ParsedTrace | list[ParsedTrac
     for column, dtype in _EVENT_SCHEMA.items():
         if column not in events.columns:
             events = events.with_columns(pl.lit(None, dtype).alias(column))
+    if export.mistyped:
+        shown = ", ".join(f"{column} ({n})" for column, n in export.mistyped.items())
+        issues.append(Issue("warning", "unrepresentable_value", sum(export.mistyped.values()),
+                            f"values not of their column's type, read as null: {shown}"[:400]))
+    untimed = events.filter(pl.col("ts_ns").is_null()).height
+    if untimed:
+        issues.append(Issue("warning", "bad_timestamp", untimed, "rows without an integer start; dropped"))
+        events = events.filter(pl.col("ts_ns").is_not_null())
+    open_ended = events.filter((pl.col("ph") == "X") & pl.col("end_ns").is_null()).group_by("kind").len()
+    for kind, n in open_ended.iter_rows():
+        what = ("NVTX ranges without an end (still open when the capture stopped)" if kind == "user_annotation"
+                else f"{kind} rows without an integer end")
+        issues.append(Issue("warning", "missing_duration", n, f"{what}; kept with a null duration"))
     unnamed = events.filter(pl.col("name").is_null()).height
     if unnamed:
         issues.append(Issue("warning", "unrepresentable_value", unnamed, "events whose name id is not in StringIds; kept unnamed"))
