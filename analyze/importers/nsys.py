@@ -145,9 +145,10 @@ class _Export:
     def has(self, table: str, *columns: str) -> bool:
         return table in self.tables and all(c in self.tables[table] for c in columns)
 
-    def rows(self, table: str, columns: dict[str, str], required: tuple[str, ...], note_missing: bool = True) -> list[tuple]:
-        """SELECT the columns (alias -> column) the table has, the absent ones as NULL; nothing, with the
-        gap noted, when the table or a `required` column is absent."""
+    def rows(self, table: str, columns: dict[str, str], required: tuple[str, ...], alternatives: tuple[str, ...] = ()) -> list[tuple]:
+        """SELECT the columns (alias -> column) the table has, the absent ones as NULL (and noted); nothing,
+        with the gap noted, when the table or a `required` column is absent. Of `alternatives` (one
+        version's column for another's), only the absence of all is a gap."""
         if table not in self.tables:
             return []
         have = self.tables[table]
@@ -155,7 +156,10 @@ class _Export:
         if absent:
             self.missing.append(f"{table} without {', '.join(absent)} (not read)")
             return []
-        if note_missing and (gaps := [c for c in columns.values() if c not in have]):
+        gaps = [c for c in columns.values() if c not in have and c not in alternatives]
+        if alternatives and not any(c in have for c in alternatives):
+            gaps.append(" or ".join(alternatives))
+        if gaps:
             self.missing.append(f"{table} without {', '.join(gaps)}")
         present = [c for c in columns.values() if c in have]
         # A value of another type than the column's (text in a time, a float id) is null, and counted
@@ -203,7 +207,7 @@ def _device_work(export: _Export, names: dict[int, str]) -> pl.DataFrame:
     kernel_rows = export.rows("CUPTI_ACTIVITY_KIND_KERNEL", {
         "start": "start", "end": "end", "device": "deviceId", "stream": "streamId", "correlation": "correlationId",
         "process": "globalPid", "demangled": "demangledName", "short": "shortName", "mangled": "mangledName"},
-        required=("start", "end"), note_missing=False)
+        required=("start", "end"), alternatives=("demangledName", "shortName", "mangledName"))
     kernels = pl.DataFrame(kernel_rows, orient="row", schema={
         "ts_ns": pl.Int64, "end_ns": pl.Int64, "device": pl.Int64, "stream": pl.Int64, "correlation": pl.Int64,
         "process": pl.Int64, "demangled": pl.Int64, "short": pl.Int64, "mangled": pl.Int64})
@@ -261,7 +265,8 @@ def _nvtx(export: _Export, names: dict[int, str], issues: list[Issue]) -> pl.Dat
     """NVTX ranges as annotations (category = domain), marks as instants; NCCL's ranges keep their message size."""
     rows = export.rows("NVTX_EVENTS", {
         "start": "start", "end": "end", "type": "eventType", "text": "text", "text_id": "textId", "thread": "globalTid",
-        "domain": "domainId", "json": "jsonText", "json_id": "jsonTextId"}, required=("start", "eventType"), note_missing=False)
+        "domain": "domainId", "json": "jsonText", "json_id": "jsonTextId"}, required=("start", "eventType"),
+        alternatives=("text", "textId"))
     nvtx = pl.DataFrame(rows, orient="row", schema={
         "ts_ns": pl.Int64, "end_ns": pl.Int64, "type": pl.Int64, "text": pl.String, "text_id": pl.Int64, "thread": pl.Int64,
         "domain": pl.Int64, "json": pl.String, "json_id": pl.Int64})
@@ -403,8 +408,8 @@ def _parse_export(export: _Export, source: str) -> ParsedTrace | list[ParsedTrac
         raise NotATrace(f"a SQLite database that is not an Nsight Systems export (its tables: {shown})")
     issues: list[Issue] = []
     names = export.strings()
-    if not names:
-        export.missing.append("StringIds (names unknown)")
+    if not names and not export.has("StringIds", "id", "value"):
+        export.missing.append(("StringIds without value" if "StringIds" in export.tables else "no StringIds") + " (names unknown)")
     base_ns = _session_start_ns(export, issues)
     parts = [_device_work(export, names), _api_calls(export, names), _nvtx(export, names, issues)]
     events = pl.concat([p for p in parts if p.height], how="diagonal_relaxed") if any(p.height for p in parts) else parts[0]
