@@ -328,6 +328,21 @@ def test_an_older_schema_is_read_and_its_gaps_counted(tmp_path):
     assert len(gaps) == 1 and "CUPTI_ACTIVITY_KIND_RUNTIME without eventClass" in gaps[0].detail
 
 
+def test_nvtx_domains_and_categories_name_the_category(tmp_path):
+    export = _build_export(tmp_path / "a.sqlite")
+    db = sqlite3.connect(export)
+    thread = _global_id(PID, PID + 1)
+    db.execute("INSERT INTO NVTX_EVENTS (start, eventType, text, category, domainId) VALUES (0, 33, 'optimizer', 5, 0)")
+    db.execute("INSERT INTO NVTX_EVENTS (start, end, eventType, text, category, globalTid, domainId) "
+               "VALUES (7000, 7100, 59, 'adam', 5, ?, 0), (7200, 7300, 60, 'allreduce wait', 5, ?, 1)", (thread, thread))
+    db.commit()
+    db.close()
+    cats = dict(nsys.parse(export, "a").events.filter(pl.col("kind") == "user_annotation").select("name", "cat").iter_rows())
+    # category 5 is named in the default domain only; the NCCL domain's range keeps its domain alone
+    assert cats == {"iteration 1": "NVTX", "iteration 2": "NVTX", "ncclAllReduce": "NCCL", "adam": "NVTX:optimizer",
+                    "allreduce wait": "NCCL", "checkpoint": "NVTX"}
+
+
 def test_unclosed_nvtx_ranges_are_counted(tmp_path):
     export = _build_export(tmp_path / "a.sqlite")
     db = sqlite3.connect(export)
@@ -510,7 +525,7 @@ READ_COLUMNS = {
     "CUPTI_ACTIVITY_KIND_RUNTIME": ("start", "end", "globalTid", "correlationId", "nameId", "eventClass"),
     "CUPTI_ACTIVITY_KIND_MEMCPY": ("start", "end", "deviceId", "streamId", "correlationId", "globalPid", "bytes", "copyKind"),
     "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION": ("start", "end", "deviceId", "streamId", "correlationId", "globalPid", "syncType"),
-    "NVTX_EVENTS": ("start", "end", "eventType", "globalTid", "domainId", "jsonText", "jsonTextId"),
+    "NVTX_EVENTS": ("start", "end", "eventType", "globalTid", "domainId", "category", "jsonText", "jsonTextId"),
     "StringIds": ("value",),
 }
 

@@ -55,6 +55,7 @@ NSYS_MARKERS = ("StringIds", "TARGET_INFO_SESSION_START_TIME", "CUPTI_ACTIVITY_K
 
 # ENUM_NSYS_EVENT_TYPE ids (the same in every export that has the table; older ones lack it).
 NVTX_MARK, NVTX_PUSH_POP, NVTX_START_END, NVTX_DOMAIN_CREATE, NVTX_CATEGORY = 34, 59, 60, 75, 33
+# NVTX_EVENTS rows of the default domain have domainId 0 (or NULL in some exports)
 NVTX_RANGE_TYPES = (NVTX_PUSH_POP, NVTX_START_END)
 DRIVER_EVENT_CLASS = 1  # ENUM_NSYS_EVENT_CLASS TRACE_PROCESS_EVENT_CUDA_DRIVER
 # ENUM_CUPTI_SYNC_TYPE labels, for exports without the enum table.
@@ -240,8 +241,10 @@ def _device_work(export: _Export, names: dict[int, str]) -> pl.DataFrame:
     syncs = syncs.with_columns(name=pl.col("pid").replace_strict(list(sync_types), list(sync_types.values()),
                                                                  default="Unknown", return_dtype=pl.String))
     work = pl.concat([kernels, copies.drop("pid"), sets, syncs.drop("pid")], how="diagonal_relaxed")
-    # Device rows as Kineto lays them out: pid = device, tid = stream
-    return work.with_columns(pid="device", tid="stream", process=_process_of(pl.col("process")))
+    # Device rows as Kineto lays them out: pid = device, tid = stream. CUPTI's correlation ids start at 1:
+    # 0 is no launch (a unified-memory migration)
+    return work.with_columns(pid="device", tid="stream", process=_process_of(pl.col("process")),
+                             correlation=pl.when(pl.col("correlation") != 0).then("correlation"))
 
 
 def _api_calls(export: _Export, names: dict[int, str]) -> pl.DataFrame:
@@ -262,31 +265,40 @@ def _api_calls(export: _Export, names: dict[int, str]) -> pl.DataFrame:
 
 
 def _nvtx(export: _Export, names: dict[int, str], issues: list[Issue]) -> pl.DataFrame:
-    """NVTX ranges as annotations (category = domain), marks as instants; NCCL's ranges keep their message size."""
+    """NVTX ranges as annotations, marks as instants; the category (`cat`) is the domain, and the NVTX
+    category after a colon when the range has a named one (Domain:Category). NCCL's ranges keep
+    their message size."""
     rows = export.rows("NVTX_EVENTS", {
         "start": "start", "end": "end", "type": "eventType", "text": "text", "text_id": "textId", "thread": "globalTid",
-        "domain": "domainId", "json": "jsonText", "json_id": "jsonTextId"}, required=("start", "eventType"),
-        alternatives=("text", "textId"))
+        "domain": "domainId", "category": "category", "json": "jsonText", "json_id": "jsonTextId"},
+        required=("start", "eventType"), alternatives=("text", "textId"))
     nvtx = pl.DataFrame(rows, orient="row", schema={
         "ts_ns": pl.Int64, "end_ns": pl.Int64, "type": pl.Int64, "text": pl.String, "text_id": pl.Int64, "thread": pl.Int64,
-        "domain": pl.Int64, "json": pl.String, "json_id": pl.Int64})
-    text = pl.coalesce("text", pl.col("text_id").replace_strict(list(names), list(names.values()), default=None,
-                                                                return_dtype=pl.String))
-    nvtx = nvtx.with_columns(name=text, payload=pl.coalesce("json", pl.col("json_id").replace_strict(
-        list(names), list(names.values()), default=None, return_dtype=pl.String)))
+        "domain": pl.Int64, "category": pl.Int64, "json": pl.String, "json_id": pl.Int64})
+
+    def string(column: str) -> pl.Expr:
+        return pl.col(column).replace_strict(list(names), list(names.values()), default=None, return_dtype=pl.String)
+
+    nvtx = nvtx.with_columns(name=pl.coalesce("text", string("text_id")), payload=pl.coalesce("json", string("json_id")),
+                             domain=pl.col("domain").fill_null(0))
     domains = nvtx.filter(pl.col("type") == NVTX_DOMAIN_CREATE).select("domain", domain_name="name").unique("domain")
-    shown = nvtx.filter(pl.col("type").is_in([*NVTX_RANGE_TYPES, NVTX_MARK]))
-    shown = shown.join(domains, on="domain", how="left").with_columns(
-        cat=pl.coalesce("domain_name", pl.lit("NVTX")),
+    categories = nvtx.filter(pl.col("type") == NVTX_CATEGORY).select("domain", "category", category_name="name").unique(
+        ["domain", "category"])
+    shown = nvtx.filter(pl.col("type").is_in([*NVTX_RANGE_TYPES, NVTX_MARK])).with_row_index("row")
+    shown = shown.join(domains, on="domain", how="left").join(categories, on=["domain", "category"], how="left")
+    domain = pl.coalesce("domain_name", pl.lit("NVTX"))
+    shown = shown.with_columns(
+        cat=pl.when(pl.col("category_name").is_not_null()).then(pl.format("{}:{}", domain, "category_name")).otherwise(domain),
         ph=pl.when(pl.col("type") == NVTX_MARK).then(pl.lit("i")).otherwise(pl.lit("X")),
         end_ns=pl.when(pl.col("type") == NVTX_MARK).then(None).otherwise(pl.col("end_ns")),
         kind=pl.lit("user_annotation"), pid=_process_of(pl.col("thread")), tid=pl.col("thread") % (1 << 24),
+        nccl=(domain == NCCL_DOMAIN) & pl.col("payload").is_not_null(),
     ).with_columns(process="pid")
-    nccl = shown.filter((pl.col("cat") == NCCL_DOMAIN) & pl.col("payload").is_not_null())
-    sizes = [_message_bytes(text) for text in nccl["payload"].to_list()]
-    shown = shown.join(nccl.select("ts_ns", "thread", "name").with_columns(in_nelems=pl.Series(sizes, dtype=pl.Int64)),
-                       on=["ts_ns", "thread", "name"], how="left")
-    return shown.drop("type", "text", "text_id", "domain", "json", "json_id", "payload", "domain_name")
+    nccl = shown.filter("nccl")
+    sizes = pl.Series("in_nelems", [_message_bytes(text) for text in nccl["payload"].to_list()], dtype=pl.Int64)
+    shown = shown.join(nccl.select("row", sizes), on="row", how="left")
+    return shown.drop("row", "type", "text", "text_id", "domain", "category", "json", "json_id", "payload", "domain_name",
+                      "category_name", "nccl")
 
 
 def _message_bytes(payload: str) -> int | None:
@@ -301,7 +313,8 @@ def _message_bytes(payload: str) -> int | None:
 def _link_nccl_sizes(events: pl.DataFrame) -> pl.DataFrame:
     """NCCL's NVTX range on the host encloses the launch of its kernel: the kernel takes the range's
     collective name and message size (as bytes: dtype Byte, so the comms analysis's bytes = nelems)."""
-    ranges = events.filter((pl.col("cat") == NCCL_DOMAIN) & (pl.col("kind") == "user_annotation") & pl.col("end_ns").is_not_null())
+    in_nccl_domain = pl.col("cat").str.split(":").list.first() == NCCL_DOMAIN
+    ranges = events.filter(in_nccl_domain & (pl.col("kind") == "user_annotation") & pl.col("end_ns").is_not_null())
     if ranges.is_empty():
         return events
     launches = events.filter(pl.col("kind").is_in(semantics.LAUNCH_KINDS) & pl.col("correlation").is_not_null()).select(
