@@ -5,9 +5,10 @@ This module knows the export's tables; what the events mean (step windows, launc
 trace.semantics, applied last, as for Kineto. The file is opened read-only through the standard
 library's sqlite3 and never written.
 
-Mapping (table and column names as NVIDIA documents them in "Nsight Systems: SQLite Schema Reference",
-2021.1 to 2025.x; the exports of those years differ, so each table and column is read only when
-present, and what is missing is counted as an ingest issue):
+Mapping (table and column names as NVIDIA documents them in "Nsight Systems: SQLite Export Schema
+Reference"; the exports of different years differ, so each table and column is read only when present,
+and what is missing is counted as an ingest issue, nsys_schema_gap; checked on real exports of
+2022.1, 2022.2 and 2025.3, tests/fixtures/nsys):
 
 - CUPTI_ACTIVITY_KIND_KERNEL -> kind `kernel` (demangledName, else shortName, else mangledName,
   through StringIds); pid = deviceId, tid = streamId, as Kineto lays out device rows;
@@ -16,8 +17,9 @@ present, and what is missing is counted as an ingest issue):
   TRACE_PROCESS_EVENT_CUDA_DRIVER); the `_v3020`-style callback-version suffix is cut so names read
   as the API's (cudaLaunchKernel, cudaStreamSynchronize), as Kineto writes them;
 - CUPTI_ACTIVITY_KIND_SYNCHRONIZATION -> category `cuda_sync` (kind `other`), named by ENUM_CUPTI_SYNC_TYPE;
-- NVTX_EVENTS push/pop and start/end ranges -> `user_annotation` (category = domain name), marks -> instants;
-- TARGET_INFO_GPU (+ TARGET_INFO_CUDA_DEVICE) -> deviceProperties for the peak table;
+- NVTX_EVENTS push/pop and start/end ranges -> `user_annotation` (category = domain name, and the
+  NVTX category's), marks -> instants; NCCL's ranges give their kernels a collective and its bytes;
+- TARGET_INFO_GPU -> deviceProperties (name, SMs, memory, clock) for the peak table;
 - globalTid -> pid = (globalTid >> 24) & 0xFFFFFF, tid = globalTid & 0xFFFFFF (the schema reference's
   decoding of a serialized GlobalId).
 
@@ -55,7 +57,6 @@ NSYS_MARKERS = ("StringIds", "TARGET_INFO_SESSION_START_TIME", "CUPTI_ACTIVITY_K
 
 # ENUM_NSYS_EVENT_TYPE ids (the same in every export that has the table; older ones lack it).
 NVTX_MARK, NVTX_PUSH_POP, NVTX_START_END, NVTX_DOMAIN_CREATE, NVTX_CATEGORY = 34, 59, 60, 75, 33
-# NVTX_EVENTS rows of the default domain have domainId 0 (or NULL in some exports)
 NVTX_RANGE_TYPES = (NVTX_PUSH_POP, NVTX_START_END)
 DRIVER_EVENT_CLASS = 1  # ENUM_NSYS_EVENT_CLASS TRACE_PROCESS_EVENT_CUDA_DRIVER
 # ENUM_CUPTI_SYNC_TYPE labels, for exports without the enum table.
@@ -178,10 +179,13 @@ class _Export:
     def enum(self, table: str, fallback: dict[int, str]) -> dict[int, str]:
         if not self.has(table, "id", "label"):
             return dict(fallback)
-        return {**fallback, **dict(self.db.execute(f'SELECT id, label FROM "{table}"').fetchall())}
+        return {**fallback, **dict(self.db.execute(
+            f"""SELECT id, label FROM "{table}" WHERE typeof(id) = 'integer' AND typeof(label) = 'text'""").fetchall())}
 
     def strings(self) -> dict[int, str]:
-        return dict(self.db.execute("SELECT id, value FROM StringIds").fetchall()) if self.has("StringIds", "id", "value") else {}
+        if not self.has("StringIds", "id", "value"):
+            return {}
+        return dict(self.db.execute("SELECT id, value FROM StringIds WHERE typeof(id) = 'integer' AND typeof(value) = 'text'"))
 
     def close(self) -> None:
         self.db.close()
@@ -280,7 +284,7 @@ def _nvtx(export: _Export, names: dict[int, str], issues: list[Issue]) -> pl.Dat
         return pl.col(column).replace_strict(list(names), list(names.values()), default=None, return_dtype=pl.String)
 
     nvtx = nvtx.with_columns(name=pl.coalesce("text", string("text_id")), payload=pl.coalesce("json", string("json_id")),
-                             domain=pl.col("domain").fill_null(0))
+                             domain=pl.col("domain").fill_null(0))  # the default domain: 0, or NULL in some exports
     domains = nvtx.filter(pl.col("type") == NVTX_DOMAIN_CREATE).select("domain", domain_name="name").unique("domain")
     categories = nvtx.filter(pl.col("type") == NVTX_CATEGORY).select("domain", "category", category_name="name").unique(
         ["domain", "category"])
