@@ -196,6 +196,7 @@ _EVENT_SCHEMA = {
     "pid": pl.Int64, "tid": pl.Int64, "stream": pl.Int64, "device": pl.Int64, "correlation": pl.Int64,
     "bytes": pl.Int64, "process": pl.Int64, "collective": pl.String, "in_nelems": pl.Int64, "out_nelems": pl.Int64,
     "dtype": pl.String,
+    "code": pl.Int64,  # an enum value (copyKind, syncType), named and then dropped
 }
 
 
@@ -227,10 +228,10 @@ def _device_work(export: _Export, names: dict[int, str]) -> pl.DataFrame:
     copy_kinds = export.enum("ENUM_CUDA_MEMCPY_OPER", MEMCPY_KINDS)
     copies = _frame(export.rows("CUPTI_ACTIVITY_KIND_MEMCPY", {
         "start": "start", "end": "end", "device": "deviceId", "stream": "streamId", "correlation": "correlationId",
-        "process": "globalPid", "bytes": "bytes", "name": "copyKind"}, required=("start", "end")),
-        ["ts_ns", "end_ns", "device", "stream", "correlation", "process", "bytes", "pid"],  # pid holds copyKind here
+        "process": "globalPid", "bytes": "bytes", "code": "copyKind"}, required=("start", "end")),
+        ["ts_ns", "end_ns", "device", "stream", "correlation", "process", "bytes", "code"],
         ph="X", kind="gpu_memcpy", cat="gpu_memcpy")
-    copies = copies.with_columns(name=pl.format("Memcpy {}", pl.col("pid").replace_strict(
+    copies = copies.with_columns(name=pl.format("Memcpy {}", pl.col("code").replace_strict(
         list(copy_kinds), list(copy_kinds.values()), default="Unknown", return_dtype=pl.String)))
     sets = _frame(export.rows("CUPTI_ACTIVITY_KIND_MEMSET", {
         "start": "start", "end": "end", "device": "deviceId", "stream": "streamId", "correlation": "correlationId",
@@ -240,11 +241,11 @@ def _device_work(export: _Export, names: dict[int, str]) -> pl.DataFrame:
     sync_types = export.enum("ENUM_CUPTI_SYNC_TYPE", SYNC_TYPES)
     syncs = _frame(export.rows("CUPTI_ACTIVITY_KIND_SYNCHRONIZATION", {
         "start": "start", "end": "end", "device": "deviceId", "stream": "streamId", "correlation": "correlationId",
-        "process": "globalPid", "type": "syncType"}, required=("start", "end")),
-        ["ts_ns", "end_ns", "device", "stream", "correlation", "process", "pid"], ph="X", kind="other", cat="cuda_sync")
-    syncs = syncs.with_columns(name=pl.col("pid").replace_strict(list(sync_types), list(sync_types.values()),
+        "process": "globalPid", "code": "syncType"}, required=("start", "end")),
+        ["ts_ns", "end_ns", "device", "stream", "correlation", "process", "code"], ph="X", kind="other", cat="cuda_sync")
+    syncs = syncs.with_columns(name=pl.col("code").replace_strict(list(sync_types), list(sync_types.values()),
                                                                  default="Unknown", return_dtype=pl.String))
-    work = pl.concat([kernels, copies.drop("pid"), sets, syncs.drop("pid")], how="diagonal_relaxed")
+    work = pl.concat([kernels, copies.drop("code"), sets, syncs.drop("code")], how="diagonal_relaxed")
     # Device rows as Kineto lays them out: pid = device, tid = stream. CUPTI's correlation ids start at 1:
     # 0 is no launch (a unified-memory migration)
     return work.with_columns(pid="device", tid="stream", process=_process_of(pl.col("process")),
