@@ -836,7 +836,7 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, worke
             sources.pop()
             for old, unit in zip(olds, restored):
                 unit.issues = [i for i in unit.issues if isinstance(i, list) and len(i) == 4
-                               and i[1] not in _RUN_LEVEL_REASONS]
+                              and i[1] not in _RUN_LEVEL_REASONS]
                 unit.status = "reused"
                 unit.rank = None if unit.kind in importers.TRACE_KINDS else unit.rank
                 sources.append(unit)
