@@ -7,6 +7,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import secrets
 import signal
 import sys
@@ -26,6 +27,7 @@ from rich.progress import (
 )
 
 from steplens.analyze import importers
+from steplens.analyze.importers import nsys
 from steplens.analyze.analyses import kernels, mfu, runner
 from steplens.analyze import cli_rerun
 from steplens.analyze.contract import reuse, schema
@@ -55,7 +57,8 @@ from steplens.reports.verdict import finding_lines
 ANALYZE_HELP = f"""Turn what a training job left in RUN_DIR into queryable Parquet tables, analyses and a report.
 
 RUN_DIR is searched recursively (hidden folders skipped) for: per-rank PyTorch-profiler traces
-(.json or .json.gz, as tensorboard_trace_handler or export_chrome_trace wrote them); the steplens
+(.json or .json.gz, as tensorboard_trace_handler or export_chrome_trace wrote them); Nsight Systems
+SQLite exports (.sqlite, from nsys export --type sqlite); the steplens
 collector's output; and native DeepSpeed artifacts (job logs, FLOPs-profiler text, comms-logger
 dumps, csv_monitor, TensorBoard event files, W&B offline runs, autotuning results). Files it does
 not read are listed in run.json as ignored. The inputs are never modified.
@@ -120,13 +123,32 @@ also be a single trace file, analysed as a one-rank run into .steplens-FILE/ bes
               help="text: terminal tables; md: print summary.md (markdown for a PR comment) instead.")
 @click.option("--kernel-categories", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="CSV with columns category,pattern (regex on kernel names), checked before the built-in patterns.")
+@click.option("--step-range", default=None, metavar="REGEX",
+              help="Nsight Systems exports: the NVTX ranges that are steps, the step number in the first group "
+                   "(default: ProfilerStep#N, 'iteration N', 'step N'). Without step ranges the whole window is analysed.")
+@click.option("--nsys-export", is_flag=True,
+              help="Run `nsys export --type sqlite` (nsys must be on the PATH) for each .nsys-rep in RUN_DIR without a "
+                   ".sqlite beside it, writing that .sqlite, before reading the folder. Never done without this flag.")
 def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, ingest_only: bool, dtype: str,
             peak_tflops: float | None, params, layers, hidden, heads, head_dim, seq_len, tokens_per_step, recompute: bool,
-            grad_norm_threshold: float | None, fmt: str, kernel_categories: Path | None, scheduler: str | None) -> None:
+            grad_norm_threshold: float | None, fmt: str, kernel_categories: Path | None, scheduler: str | None,
+            step_range: str | None, nsys_export: bool) -> None:
     use_system_allocator()
     console = Console(stderr=False, highlight=False)
     if not remote.is_url(run_dir) and not run_dir.exists():
         fail(f"{safe_text(run_dir)}: no such file or folder")
+    if step_range is not None:
+        try:
+            pattern = re.compile(step_range)
+        except re.error as e:
+            fail(f"--step-range {safe_text(step_range)}: not a regular expression ({safe_text(e)})")
+        if pattern.groups < 1:
+            fail(f"--step-range {safe_text(step_range)}: needs a group capturing the step number, e.g. 'iteration (\\d+)'")
+    # Read by the nsys importer, in this process and the workers it spawns (empty: its default)
+    os.environ[nsys.STEP_RANGE_ENV] = step_range or ""
+    if nsys_export and not remote.is_url(run_dir):
+        for report, outcome in nsys.export_reports(run_dir if run_dir.is_dir() else run_dir.parent):
+            click.echo(f"{safe_text(report)}: {safe_text(outcome)}")
     if (heads is None) != (head_dim is None):
         fail("--heads and --head-dim go together (hidden = heads x head dim); or give --hidden")
     if hidden is not None and heads is not None and hidden != heads * head_dim:
@@ -329,7 +351,7 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
     A local result made from the same inputs, options and code is reused as it is. With `rerun_key`
     (contract/reuse.listing_key of the command's RUN_DIR) the result records how a re-run is answered."""
     findings: dict = {}
-    key = None if remote.is_url(out) else input_key(run.path, run.found, repr((options, ingest_only)))
+    key = None if remote.is_url(out) else input_key(run.path, run.found, repr((options, ingest_only, nsys.step_range().pattern)))
     if (previous := unchanged(out, key)) is not None:
         return previous, {} if ingest_only else json.loads((out / "findings.json").read_text())
     total = 0

@@ -191,7 +191,7 @@ def analyze_entry() -> None:
 # The analyze command's options that take a value (test_workers checks them against cli.analyze).
 VALUE_OPTIONS = {"--out", "--scheduler", "--jobs", "-j", "--dtype", "--peak-tflops", "--params", "--layers", "--heads",
                  "--head-dim", "--seq-len", "--tokens-per-step", "--grad-norm-threshold", "--format",
-                 "--kernel-categories"}
+                 "--kernel-categories", "--step-range"}
 
 
 def _run_dir_and_jobs(argv: list[str]) -> tuple[Path, int] | None:
@@ -203,7 +203,8 @@ def _run_dir_and_jobs(argv: list[str]) -> tuple[Path, int] | None:
     while args:
         arg = args.pop(0)
         name, _, value = arg.partition("=")
-        if arg in ("--help", "--scheduler") or name == "--scheduler":
+        # --step-range reaches the workers through their environment, set once the options are read
+        if arg in ("--help", "--scheduler") or name in ("--scheduler", "--step-range"):
             return None
         if name in VALUE_OPTIONS:
             value = value if "=" in arg else (args.pop(0) if args else "")

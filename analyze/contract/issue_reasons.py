@@ -28,7 +28,8 @@ _DECLARED = (
                 "run or loop), named in run.json."),
     IssueReason("unreadable", ("error",), "The file cannot be read (permissions, I/O error)."),
     IssueReason("empty_file", ("error", "warning"), "The file is empty (a log: warning, nothing expected was lost)."),
-    IssueReason("not_a_trace", ("info",), "A .json/.gz file that is not a profiler trace; ignored."),
+    IssueReason("not_a_trace", ("info",), "A .json/.gz file that is not a profiler trace, a SQLite file that is not an "
+                "Nsight Systems export, or an nsys report to export first; ignored."),
     IssueReason("damaged_trace", ("error",), "A .json file with nothing usable (not JSON, or cut before its events)."),
     IssueReason("parse_failed", ("error",), "The trace parser failed on the file."),
     IssueReason("worker_lost", ("error",), "analyze --scheduler: every Dask worker that parsed the file died; not used."),
@@ -41,6 +42,8 @@ _DECLARED = (
                 "or out of range (contract/manifest.py fact_problem); left out of the run's facts."),
     # Ranks (pipeline/ingest.py)
     IssueReason("rank_from_filename", ("warning",), "No distributedInfo.rank: the rank is taken from the file name."),
+    IssueReason("rank_from_process", ("warning",), "A file of several processes (an nsys export): one rank per process, "
+                                                   "in file then process order."),
     IssueReason("rank_assumed", ("warning",), "No rank in the trace or its name: treated as rank 0, the only trace."),
     IssueReason("rank_unknown", ("error",), "The rank of a trace cannot be told; the trace is not used."),
     IssueReason("duplicate_rank", ("error",), "Two traces claim one rank for the same time; the later is not used."),
@@ -73,6 +76,11 @@ _DECLARED = (
     IssueReason("flow_without_end", ("info",), "Flow starts whose end is outside the trace window."),
     IssueReason("flow_unbound", ("info",), "Flow pairs whose start or end matches no slice; not linked."),
     IssueReason("orphan_device_activity", ("warning",), "Device activities whose launch is not in the trace (no step)."),
+    # Nsight Systems exports (importers/nsys.py)
+    IssueReason("nsys_schema_gap", ("info",), "Tables or columns this Nsight Systems export version lacks; what they "
+                                              "would give is absent."),
+    IssueReason("several_processes", ("info",), "Events of processes without CUDA work in an nsys export (a launcher's "
+                                                "NVTX ranges): no rank holds them; not read."),
     # Collector parts (importers/collector_parts.py)
     IssueReason("collector_part_unreadable", ("error",), "A collector part cannot be read; its rows are lost."),
     IssueReason("collector_part_columns", ("error",), "A collector part with other columns than its table; skipped."),

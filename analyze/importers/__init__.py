@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from steplens.analyze.importers import autotune_results, collector_parts, comms_dump, deepspeed_log, flops_text, monitor_scalars
-from steplens.analyze.importers import kineto
+from steplens.analyze.importers import kineto, nsys
 from steplens.analyze.importers.base import Importer, TraceImporter
 
 # Order is priority: specific file names before generic suffixes.
@@ -44,6 +44,7 @@ def claimant(path: Path) -> Importer | None:
 # that turns out not to be a trace is reported by the parser (not_a_trace), not guessed from its name.
 TRACE_IMPORTERS: list[TraceImporter] = [
     TraceImporter("kineto", lambda path: path.name.endswith((".json", ".gz")), kineto.parse_trace),
+    TraceImporter("nsys", nsys.claims, nsys.parse, settings=lambda: nsys.step_range().pattern),  # Nsight Systems SQLite exports (and reports to export)
 ]
 TRACE_KINDS = frozenset(importer.name for importer in TRACE_IMPORTERS)
 

@@ -122,10 +122,17 @@ class ParsedTrace:
     issues: list[Issue] = field(default_factory=list)
     raw_bytes: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)  # seconds per parse stage, for the benchmark
+    # Which part of its file this trace is, when the file holds several ranks (an nsys export of several
+    # processes: `parse` then returns one ParsedTrace per process, each with its unit, in rank order).
+    unit: str = ""
 
 
 @dataclass(frozen=True)
 class TraceImporter:
     name: str  # the source kind recorded in run.json
     claims: Callable[[Path], bool]  # cheap: the path, and at most a peek at the first bytes
-    parse: Callable[[Path, str], ParsedTrace]  # (absolute path, path relative to the run folder); runs in a worker
+    # (absolute path, path relative to the run folder); runs in a worker. A file of several ranks gives a list.
+    parse: Callable[[Path, str], ParsedTrace | list[ParsedTrace]]
+    # What else its result depends on (an option, such as nsys's step-range pattern): parts parsed under
+    # other settings are not reused.
+    settings: Callable[[], str] = lambda: ""

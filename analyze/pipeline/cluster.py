@@ -68,6 +68,8 @@ def _likely_rank(source: Source) -> int:
     traces decide otherwise, `analyze` uploads the parts again under the right rank."""
     if source.trace_rank is not None:
         return source.trace_rank
+    if source.unit_index is not None:  # a process of a file of several ranks
+        return source.unit_index
     named = RANK_IN_NAME.search(Path(source.path).name)
     return int(named.group(1)) if named else 0
 
@@ -81,10 +83,14 @@ def _parse_to_store_task(location: str, source: Source, parts_url: str) -> tuple
         parsed = _parse_source(location, source, scratch)
         if parsed.status != "ingested":
             return parsed, {}
-        rank = _likely_rank(parsed)
-        return parsed, remote.put_files(parts_url, {
-            f"{schema.part_dir(table, rank)}/part-{parsed.part_id}.parquet": Path(scratch, parsed.part_id, f"{table}.parquet")
-            for table in PARSED_TABLES})
+        return parsed, remote.put_files(parts_url, {  # a file of several ranks: every unit's parts
+            f"{schema.part_dir(table, _likely_rank(unit))}/part-{unit.part_id}.parquet": Path(scratch, unit.part_id, f"{table}.parquet")
+            for unit in (parsed, *parsed.units) if unit.status == "ingested" for table in PARSED_TABLES})
+
+
+def _part_id(relative: str) -> str:
+    """The part id in an uploaded part's path (TABLE/rank=R/part-ID.parquet)."""
+    return Path(relative).name.removeprefix("part-").removesuffix(".parquet")
 
 
 def parse_all(client, to_parse: list, scratch: Path, progress, store: remote.Generation | None = None) -> list[Source]:
@@ -110,7 +116,7 @@ def parse_all(client, to_parse: list, scratch: Path, progress, store: remote.Gen
                 parsed, uploaded = future.result() if store else (future.result(), {})
                 if uploaded:  # here too: the cross-rank analyses and the report read them
                     store.uploaded.update(uploaded)
-                    remote.get_files(store.prefix, {relative: scratch / parsed.part_id / f"{relative.split('/')[0]}.parquet"
+                    remote.get_files(store.prefix, {relative: scratch / _part_id(relative) / f"{relative.split('/')[0]}.parquet"
                                                     for relative in uploaded})
             except KilledWorker as e:
                 source.status = "error"

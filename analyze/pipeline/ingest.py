@@ -17,7 +17,7 @@ import shutil
 import stat
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -74,7 +74,7 @@ class Source:
     ranks: list = field(default_factory=list)  # ranks in its rows (non-Kineto sources)
     facts: dict = field(default_factory=dict)  # run facts it gave (versions, config, ...)
     rank: int | None = None
-    rank_origin: str | None = None  # distributedInfo | file name | only trace
+    rank_origin: str | None = None  # distributedInfo | file name | only trace | process in file
     part_id: str = ""
     events: int = 0
     raw_bytes: int = 0
@@ -86,6 +86,12 @@ class Source:
     trace_meta: dict = field(default_factory=dict)
     issues: list = field(default_factory=list)  # [severity, reason, count, detail]
     seconds: float = 0.0
+    # A file of several ranks (an nsys export of several processes) is one source per rank: `unit` says
+    # which part (process 1234), `unit_index` its place in the file; the parse returns the first with
+    # the others in `units` (never in run.json: each is a source of its own there).
+    unit: str = ""
+    unit_index: int | None = None
+    units: list = field(default_factory=list)
 
     def fingerprint(self) -> tuple:
         return (self.path, self.size, self.mtime_ns, self.hash_prefix)
@@ -226,7 +232,7 @@ def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
     except NotATrace as e:
         if e.damaged:  # a .json file that is not JSON, or a trace cut before its events: a lost input
             source.status = "error"
-            source.issues.append(["error", "damaged_trace", 1, f"a .json file with nothing usable: {e}"])
+            source.issues.append(["error", "damaged_trace", 1, f"a trace file with nothing usable: {e}"])
         else:
             source.status = "ignored"
             source.issues.append(["info", "not_a_trace", 1, f"not a trace: {e}"])
@@ -239,6 +245,16 @@ def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
         source.status = "error"
         source.issues.append(["error", "parse_failed", 1, f"the trace parser failed: {type(e).__name__}: {str(e)[:300]!r}"])
         return source
+    if isinstance(parsed, list):  # a file of several ranks: one source each, read with the first
+        units = [_write_parsed(part, replace(source, issues=list(source.issues), unit=part.unit, unit_index=i,
+                                             part_id=hashlib.sha256(f"{source.part_id}:{part.unit}".encode()).hexdigest()[:16]),
+                               scratch, started) for i, part in enumerate(parsed)]
+        units[0].units = units[1:]
+        return units[0]
+    return _write_parsed(parsed, source, scratch, started)
+
+
+def _write_parsed(parsed: ParsedTrace, source: Source, scratch: str, started: float) -> Source:
     if parsed.events.is_empty():
         source.status = "error"
         source.issues.extend([i.severity, i.reason, i.count, i.detail] for i in parsed.issues)
@@ -364,12 +380,15 @@ def _assign_ranks(sources: list[Source]) -> None:
             continue
         if s.trace_rank is not None:
             s.rank, s.rank_origin = s.trace_rank, "distributedInfo"
+        elif s.unit_index is not None:
+            continue  # a file of several ranks: below, once the other files' ranks are known
         elif m := RANK_IN_NAME.search(Path(s.path).name):
             s.rank, s.rank_origin = int(m.group(1)), "file name"
             s.issues.append(["warning", "rank_from_filename", 1,
                              f"no distributedInfo.rank in the trace; rank {s.rank} taken from the file name"])
         else:
             unresolved.append(s)
+    _ranks_by_process(sources)
     _reject_duplicate_ranks(sources)
     if not unresolved:
         return
@@ -386,6 +405,22 @@ def _assign_ranks(sources: list[Source]) -> None:
         s.issues.append(["error", "rank_unknown", 1,
                          "cannot tell which rank this trace is: no distributedInfo.rank and no 'rank<N>' in the "
                          "file name (rename it, e.g. rank-3.json.gz, to include it)"])
+
+
+def _ranks_by_process(sources: list[Source]) -> None:
+    """One rank per process of the files that hold several ranks: in file-path order, then each file's
+    own order (importers give their units in rank order), after the ranks other traces name."""
+    units = sorted((s for s in sources if s.unit_index is not None and s.rank is None and s.status in ("ingested", "reused")
+                    and s.kind in importers.TRACE_KINDS), key=lambda s: (s.path, s.unit_index))
+    taken = {s.rank for s in sources if s.rank is not None and s.kind in importers.TRACE_KINDS}
+    rank = 0
+    for s in units:
+        while rank in taken:
+            rank += 1
+        s.rank, s.rank_origin = rank, "process in file"
+        taken.add(rank)
+        s.issues.append(["warning", "rank_from_process", 1, f"one rank per process: {s.unit} (number {s.unit_index + 1} of "
+                         f"its file, in the order its importer gives) is treated as rank {rank}"])
 
 
 def _overlap(a: Source, b: Source) -> bool:
@@ -784,7 +819,7 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, worke
     for old in _previous_manifest(out_dir).get("sources", []):
         key = tuple(old.get(k) for k in ("path", "size", "mtime_ns", "hash_prefix")) if isinstance(old, dict) else ()
         if key and all(isinstance(v, (str, int)) for v in key) and old.get("status") in ("ingested", "reused"):
-            previous[key] = old
+            previous.setdefault(key, []).append(old)  # a file of several ranks was several sources
 
     sources, to_parse, reused, native = [], [], [], []
     sources += [_unopened_source(path, run_dir, issue) for path, issue in found.special]
@@ -794,6 +829,8 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, worke
             source = (found.remote[path].source(os.path.relpath(path, run_dir)) if path in found.remote
                       else _describe(path, run_dir, companions))
             source.kind = importer.name if importer else importers.trace_claimant(path).name
+            if importer is None and (settings := importers.trace_claimant(path).settings()):
+                source.hash_prefix = hashlib.sha256(f"{source.hash_prefix}:{settings}".encode()).hexdigest()[:16]
         except OSError as e:
             source = Source(path=os.path.relpath(path, run_dir), size=0, mtime_ns=0, hash_prefix="", status="error",
                             kind=importer.name if importer else importers.trace_claimant(path).name)
@@ -804,14 +841,15 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, worke
         if source.size == 0:
             source.status = "error"
             source.issues.append(["error", "empty_file", 1, "empty file"])
-        elif (old := previous.get(source.fingerprint())) is not None and (restored := _reusable(old, out_dir)):
-            old_rank = old["rank"]
-            restored.issues = [i for i in restored.issues if isinstance(i, list) and len(i) == 4
-                               and i[1] not in _RUN_LEVEL_REASONS]
-            restored.status = "reused"
-            restored.rank = None if restored.kind in importers.TRACE_KINDS else restored.rank
-            sources[-1] = restored
-            reused.append((restored, old_rank))
+        elif (olds := previous.get(source.fingerprint())) and None not in (restored := [_reusable(old, out_dir) for old in olds]):
+            sources.pop()
+            for old, unit in zip(olds, restored):
+                unit.issues = [i for i in unit.issues if isinstance(i, list) and len(i) == 4
+                              and i[1] not in _RUN_LEVEL_REASONS]
+                unit.status = "reused"
+                unit.rank = None if unit.kind in importers.TRACE_KINDS else unit.rank
+                sources.append(unit)
+                reused.append((unit, old["rank"]))
         elif importer is not None:
             native.append(_parse_native(path, source, importer, scratch))
             if progress:
@@ -825,8 +863,12 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, worke
         parsed = cluster.parse_all(client, to_parse, scratch, progress, store) + native
     else:
         parsed = _parse_all(to_parse, scratch, workers, progress) + native
-    by_path = {s.path: s for s in parsed}
-    sources = [by_path.get(s.path, s) for s in sources]
+    parsed = [unit for s in parsed for unit in (s, *s.units)]
+    by_path: dict[str, list[Source]] = {}
+    for s in parsed:
+        s.units = []
+        by_path.setdefault(s.path, []).append(s)
+    sources = [unit for s in sources for unit in by_path.get(s.path, [s])]
     _assign_ranks(sources)
 
     for s in sources:
@@ -857,7 +899,8 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, worke
 
 
 # Issues that depend on the other files of the run, so they are recomputed on every ingest.
-_RUN_LEVEL_REASONS = {"rank_from_filename", "rank_assumed", "rank_unknown", "world_size_mismatch", "bad_fact"}
+_RUN_LEVEL_REASONS = {"rank_from_filename", "rank_from_process", "rank_assumed", "rank_unknown", "world_size_mismatch",
+                      "bad_fact"}
 
 
 def _estimated_json_bytes(to_parse) -> int:

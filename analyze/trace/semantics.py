@@ -44,13 +44,14 @@ FLOW_LINK_SCHEMA = {
 }
 
 
-def apply(events: pl.DataFrame, endpoints: pl.DataFrame,
-          issues: list[Issue]) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+def apply(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue],
+          step_name: re.Pattern = STEP_NAME) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """(events with `is_launch`, `step` and `launch_event_id`, steps, flow links); what does not
-    hold together (orphan device work, unpaired flows, damaged step numbers) is added to `issues`."""
+    hold together (orphan device work, unpaired flows, damaged step numbers) is added to `issues`.
+    `step_name` matches the host ranges that are steps, the step number in its first group."""
     events = events.with_columns(
         is_launch=pl.col("kind").is_in(LAUNCH_KINDS) & pl.col("name").str.contains(LAUNCH_API.pattern))
-    steps = step_windows(events, issues)
+    steps = step_windows(events, issues, step_name)
     events = assign_steps(events, steps)
     flows = links(events, endpoints, issues)
     launched_by = flows.filter(pl.col("flow_type") == "launch").unique("dst_event_id", keep="first").select(
@@ -59,13 +60,16 @@ def apply(events: pl.DataFrame, endpoints: pl.DataFrame,
     return events, steps, flows
 
 
-def step_windows(events: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
-    """One row per `ProfilerStep#N` host annotation: step, start_ns, end_ns, dur_ns, pid, tid."""
+def step_windows(events: pl.DataFrame, issues: list[Issue], step_name: re.Pattern = STEP_NAME) -> pl.DataFrame:
+    """One row per host annotation named as a step (`ProfilerStep#N` unless `step_name` says otherwise):
+    step, start_ns, end_ns, dur_ns, pid, tid."""
+    # A literal prefix first: the regex then runs only on the few names that start like a step
+    prefix = pl.col("name").str.starts_with("ProfilerStep#") if step_name is STEP_NAME else pl.col("name").str.contains(step_name.pattern)
     marked = events.filter(
-        pl.col("name").str.starts_with("ProfilerStep#")
+        prefix
         & pl.col("dur_ns").is_not_null()
         & ~pl.col("kind").is_in(schema.DEVICE_KINDS)
-    ).with_columns(digits=pl.col("name").str.extract(STEP_NAME.pattern))
+    ).with_columns(digits=pl.col("name").str.extract(step_name.pattern))
     number = pl.col("digits").cast(pl.Int64, strict=False)
     damaged = marked.filter(pl.col("digits").is_not_null() & ~number.is_between(0, MAX_STEP).fill_null(False))
     if damaged.height:
