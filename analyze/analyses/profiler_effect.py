@@ -87,7 +87,7 @@ def after_effect_lines(finding: dict) -> list[str]:
     where = f"window, step {first}" if first == last else f"windows, steps {first}-{last}"
     if finding["ratio"] is None or finding["beyond_noise"] is None:
         return [f"Profiler after-effect: not judged: {finding['steps_before']} kept step(s) before the profiler "
-                f"{where} and {finding['steps_after']} after it; {MIN_STEPS} on each side are needed."]
+                f"{where}, and {finding['steps_after']} after them; {MIN_STEPS} on each side are needed."]
     figures = (f"median {_ms(finding['after_median_ns'])} over {finding['steps_after']} steps after the profiler "
                f"{where}, against {_ms(finding['before_median_ns'])} over {finding['steps_before']} before")
     if not finding["beyond_noise"]:

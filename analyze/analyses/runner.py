@@ -54,10 +54,11 @@ def _device(manifest: dict) -> tuple[str | None, int | None]:
     """The run's GPU model. Kineto lists every GPU of the node; a mixed node has no single peak."""
     env = manifest.get("environment", {})
     names, sms = env.get("device_names") or [], env.get("device_sms") or []
-    if not names:  # no trace names one: the devices the collector saw in the job (its manifest's host block)
+    if not names and not manifest.get("trace_ranks"):  # no traces: the GPUs the collector saw (its manifest's host block)
         hosts = [v.get("host") for k, v in manifest.get("facts", {}).items() if k.startswith("collector_rank")
                  and isinstance(v, dict) and isinstance(v.get("host"), dict)]
-        names = sorted({d for h in hosts if isinstance(h.get("devices"), list) for d in h["devices"] if isinstance(d, str)})
+        names = sorted({d for h in hosts if isinstance(h.get("devices"), list) for d in h["devices"]
+                        if isinstance(d, str) and not d.lower().startswith("cpu")})
     if len(names) != 1:
         return None, None
     return names[0], sms[0] if len(sms) == 1 else None
