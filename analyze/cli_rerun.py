@@ -191,7 +191,7 @@ def analyze_entry() -> None:
 # The analyze command's options that take a value (test_workers checks them against cli.analyze).
 VALUE_OPTIONS = {"--out", "--scheduler", "--jobs", "-j", "--dtype", "--peak-tflops", "--params", "--layers", "--heads",
                  "--head-dim", "--seq-len", "--tokens-per-step", "--grad-norm-threshold", "--format",
-                 "--kernel-categories", "--step-range"}
+                 "--kernel-categories", "--step-range", "--hidden"}
 
 
 def _run_dir_and_jobs(argv: list[str]) -> tuple[Path, int] | None:

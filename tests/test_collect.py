@@ -450,11 +450,21 @@ def test_a_second_writer_adds_parts_after_the_existing_ones(tmp_path):
     assert [pq.read_table(p)["value"].to_pylist() for p in parts] == [[1.0], [2.0]]
 
 
-def test_no_mfu_from_a_zero3_flops_profile(ingested):
-    """ZeRO-3 profiles count Linear FLOPs twice: the collector flags it and analyze refuses the numerator."""
+def test_a_zero3_flops_profile_has_its_linear_flops_halved(ingested):
+    """ZeRO-3 profiles count Linear FLOPs twice: the collector flags it and analyze halves every Linear's FLOPs,
+    since each shows exactly twice its work (MACs = 2 x params x tokens, the bias aside)."""
+    import json
+
     from steplens.analyze.analyses import runner
 
-    findings = runner.run(ingested["z3"].out_dir, runner.Options(peak_tflops=1.0))
-    rows = pl.read_parquet(ingested["z3"].out_dir / "mfu")
-    assert rows.filter(pl.col("numerator") == "collector_flops_profile").is_empty()
-    assert "ZeRO-3" in findings["mfu"]["note"]
+    out = ingested["z3"].out_dir
+    runner.run(out, runner.Options(peak_tflops=1.0))
+    facts = json.loads((out / "run.json").read_text())["facts"]
+    assert "flops_zero3_double_counting" in facts["collector_flags"]
+    profile = pl.read_parquet(out / "flops_profile")
+    tokens = facts["micro_batch"] * facts["seq_len"]
+    linear = profile.filter(pl.col("module_class") == "Linear")
+    assert ((linear["macs_total"] / (linear["params"] * tokens)) > 1.9).all()
+    forward = profile.filter(pl.col("depth") == 0)["flops_total"][0] - linear["flops_total"].sum() / 2
+    rows = pl.read_parquet(out / "mfu").filter(pl.col("numerator") == "collector_flops_profile")
+    assert rows["flops"].unique().to_list() == [3 * forward * facts["grad_accum"] * facts["dp_world_size"]]
