@@ -298,7 +298,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "prepare":
         return prepare()
-    if args.command == "job":  # on the device machine
+    if args.command == "job":  # on the GPU machine
         root, summary = Path(args.folder), {}
         only = os.environ.get("STEPLENS_GPU_ONLY")  # e.g. "z3_overhead,z3_overhead_nosync": a rerun of some jobs
         for name, (switches, what) in GPU_JOBS.items():
