@@ -155,11 +155,10 @@ def _mfu(inputs: Inputs) -> Output:
     context, facts = inputs.context, inputs.facts
     world_size = context.world_size or facts.get("world_size") or 1
     rows = [mfu.profiler_hfu(inputs.table("step_times"), inputs.table("_step_flops"), context.peak)] if inputs.ranks else []
-    shape, origin, missing = mfu.resolve_shape(inputs.options.shape, facts)
-    if inputs.options.shape and shape is None:  # the user asked for the analytic count: say what it lacks
-        missing = f"the analytic numerator lacks {missing}: give them (--params --layers --hidden --seq-len --tokens-per-step)"
-    else:
-        missing = ""
+    shape, origin, lacking = mfu.resolve_shape(inputs.options.shape, facts)
+    # the user asked for the analytic count and it cannot be completed: say what it lacks
+    missing = (f"the analytic numerator lacks {lacking}: give them (--params --layers --hidden --seq-len --tokens-per-step)"
+               if inputs.options.shape and shape is None else "")
     trace_flops = mfu.trace_flops_per_step(inputs.table("_trace_step_flops"), world_size) if inputs.ranks else None
     run_rows, problem = mfu.step_time_mfu(inputs.table("step_time"), inputs.table("flops_profile"), facts, context.peak,
                                           world_size, shape, inputs.options.recompute, origin, trace_flops)
