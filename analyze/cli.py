@@ -50,9 +50,9 @@ from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
 from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
                                          EXIT_REGRESSION, EXIT_STATUS_HELP, EXIT_UNWRITABLE, Terminated, analyse_and_report,
-                                         fail, import_figures, print_summary, ranges, summary_lines)
+                                         fail, import_figures, ranges, summary_lines)
 from steplens.reports.text import safe_text
-from steplens.reports.verdict import finding_lines
+from steplens.reports.verdict import finding_lines, first_screen
 
 ANALYZE_HELP = f"""Turn what a training job left in RUN_DIR into queryable Parquet tables, analyses and a report.
 
@@ -185,12 +185,15 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         if fmt == "md" and findings:
             click.echo((result.out_dir / "summary.md").read_text(), nl=False)
         else:
-            if not quiet:
-                print_summary(console, result, findings.get("analysis_seconds"))
+            summary = [] if quiet else summary_lines(result, findings.get("analysis_seconds"))
             if findings:
                 rendered = (f"rendered in {findings['report_seconds']:.2f}s" if "report_seconds" in findings
                             else "unchanged")
-                cli_rerun.print_findings_and_report(console, finding_lines(findings), result.out_dir, rendered)
+                cli_rerun.print_result(console, summary, screen_lines(findings), finding_lines(findings), result.out_dir,
+                                       rendered)
+            else:  # --ingest-only: what was read
+                for text, indent in summary:
+                    cli_rerun.say(console, text, indent)
         _warn_missing_ranks(result)
         sys.exit(_status(result))
     click.echo(f"{safe_text(run_dir)} holds {len(runs)} runs; each is analysed on its own:")
@@ -403,6 +406,11 @@ def _rank_mapper(client, store=None):
     return cluster.rank_mapper(client, store)
 
 
+def screen_lines(findings: dict) -> list[str]:
+    """The report's first screen, as the terminal prints it (without the links)."""
+    return [text for text, _section in first_screen(findings)]
+
+
 def _status(result: IngestResult) -> int:
     """0 when every input was used; partial when a file, or a rank in it, was lost."""
     lost = result.failed or any(i[0] == "error" for s in result.sources for i in s.issues)
@@ -415,8 +423,8 @@ def _rerun_record(key: str, stage) -> dict:
     reused = reused_result(Path(token), stage.manifest)
     # As a re-run reads them: from findings.json (its JSON round trip can turn a value into its text).
     findings = json.loads((stage.folder / "findings.json").read_text())
-    return cli_rerun.record(key, token, summary_lines(reused), finding_lines(findings), _missing_ranks_warning(reused),
-                            _status(reused))
+    return cli_rerun.record(key, token, summary_lines(reused), screen_lines(findings), finding_lines(findings),
+                            _missing_ranks_warning(reused), _status(reused))
 
 
 def _warn_missing_ranks(result: IngestResult) -> None:

@@ -9,13 +9,11 @@ from collections import Counter
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from steplens.analyze import importers
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline.ingest import IngestResult, Source
-from steplens.analyze.cli_rerun import say
 
 # Exit status, one meaning each, for every command (documented in --help and the README).
 EXIT_PARTIAL = 1  # results written, but some inputs could not be used (see the issues)
@@ -47,14 +45,8 @@ class Terminated(BaseException):
     not a KeyboardInterrupt, which click would answer with a line of its own."""
 
 
-def print_summary(console: Console, result: IngestResult, analysis_seconds: float | None = None) -> None:
-    """What was read: one line per fact, wrapped to the console (80 columns when piped), no tables."""
-    for text, indent in summary_lines(result, analysis_seconds):
-        say(console, text, indent)
-
-
 def summary_lines(result: IngestResult, analysis_seconds: float | None = None) -> list[tuple[str, int]]:
-    """print_summary's lines, unwrapped: (text, indent)."""
+    """What was read, one fact per line, unwrapped (text, indent): cli_rerun.say wraps them to the console."""
     lines: list[tuple[str, int]] = []
     m = result.manifest
     used = [s for s in result.sources if s.rank is not None and s.kind in importers.TRACE_KINDS]

@@ -38,8 +38,20 @@ def say(console, text: str, indent: int = 2) -> None:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-def print_findings_and_report(console, finding_texts: list[str], out_dir: Path, rendered: str) -> None:
-    """The findings, in the sentences the report uses, then where the report and summary.md are."""
+HEADER_LINES = 2  # summary_lines' first two: what was read into where, and how long it took
+
+
+def print_result(console, summary: list[tuple[str, int]], verdict: list[str], finding_texts: list[str], out_dir: Path,
+                 rendered: str) -> None:
+    """What the run answered, first screen first: where the output went, the verdict (the report's first
+    screen), what was read, every finding in the report's sentences, where the report and summary.md are."""
+    for text, indent in summary[:HEADER_LINES]:
+        say(console, text, indent)
+    console.print("[bold]verdict[/]")
+    for text in verdict:
+        say(console, text)
+    for text, indent in summary[HEADER_LINES:]:
+        say(console, text, indent)
     console.print("[bold]findings[/]")
     for text in finding_texts:
         say(console, text)
@@ -47,12 +59,12 @@ def print_findings_and_report(console, finding_texts: list[str], out_dir: Path, 
                   f"{safe_text(out_dir / 'summary.md')}", markup=False, highlight=False, soft_wrap=True)
 
 
-def record(key: str, out_token: str, summary: list[tuple[str, int]], findings: list[str], warning: str | None,
-           status: int) -> dict:
+def record(key: str, out_token: str, summary: list[tuple[str, int]], verdict: list[str], findings: list[str],
+           warning: str | None, status: int) -> dict:
     """run.json `rerun`: the key, and what a re-run prints; `out_token` stands for the output folder as
     the re-run names it."""
-    return {"key": key, "out_token": out_token, "summary": summary, "findings": findings, "warning": warning,
-            "status": status}
+    return {"key": key, "out_token": out_token, "summary": summary, "verdict": verdict, "findings": findings,
+            "warning": warning, "status": status}
 
 
 def _arguments(argv: list[str]) -> tuple[Path, Path, bool] | None:
@@ -96,18 +108,17 @@ def answer(argv: list[str]) -> int | None:
         summary = [] if quiet else [(text.replace(recorded["out_token"], str(out_dir)), int(indent))
                                     for text, indent in recorded["summary"]]
         findings, warning, status = list(recorded["findings"]), recorded["warning"], int(recorded["status"])
+        verdict = list(recorded["verdict"])
     except (TypeError, ValueError, KeyError, AttributeError):  # not a recording this code wrote
         return None
     if not (all(isinstance(text, str) and 0 <= indent <= MAX_INDENT for text, indent in summary)
-            and all(isinstance(text, str) for text in findings) and isinstance(warning, (str, type(None)))
+            and all(isinstance(text, str) for text in findings + verdict) and isinstance(warning, (str, type(None)))
             and status in RECORDED_STATUSES):
         return None
     from rich.console import Console  # as the full command prints: same width, same styles
 
     console = Console(stderr=False, highlight=False)
-    for text, indent in summary:
-        say(console, text, indent)
-    print_findings_and_report(console, findings, out_dir, "unchanged")
+    print_result(console, summary, verdict, findings, out_dir, "unchanged")
     if warning:
         print(warning, file=sys.stderr)
     return status

@@ -25,7 +25,7 @@ from steplens.analyze.analyses import REGISTERED
 
 from . import roofline
 from .data import Run, kernel_labels, load, ms, size, text_value, write_atomic
-from .verdict import verdict
+from .verdict import first_screen, verdict
 
 TEMPLATES = jinja2.Environment(
     loader=jinja2.PackageLoader("steplens.reports", "templates"),
@@ -521,8 +521,15 @@ def render(out_dir: Path, drawer=draw) -> str:
     sections += [s for s in [_status_section(run)] if s] + _extra_analyses(run) + _registered_sections(run)
     sections += [s for s in [_comparability_section(run)] if s] + [_manifest_section(run), _issues_section(run)]
     return TEMPLATES.get_template("report.html.j2").render(
-        run=run, title=f"steplens report: {run.name}", verdict=verdict(run), numbers=key_numbers(run),
-        sections=_drawn(sections, drawer), caveats=run.findings.get("caveats", []))
+        run=run, title=f"steplens report: {run.name}", first_screen=_first_screen(run, sections), verdict=verdict(run),
+        numbers=key_numbers(run), sections=_drawn(sections, drawer), caveats=run.findings.get("caveats", []))
+
+
+def _first_screen(run: Run, sections: list[dict]) -> list[tuple[str, str]]:
+    """The verdict's first screen, each line linked to its section, or to the detailed sentences when the
+    report has no such section."""
+    shown = {section["id"] for section in sections if not section.get("empty")}
+    return [(text, anchor if anchor in shown else "details") for text, anchor in first_screen(run.findings)]
 
 
 def render_compare(result: dict) -> str:

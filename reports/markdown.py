@@ -17,7 +17,7 @@ from steplens.reports.text import safe_text
 from . import roofline
 from .data import kernel_labels, load, ms, size, write_atomic
 from .html import SUMMARY_FILE, key_numbers
-from .verdict import verdict
+from .verdict import first_screen, verdict
 
 MD_SPECIAL = re.compile(r"([\\`*_\[\]|<>#])")
 TOP_ROWS = 5
@@ -44,7 +44,9 @@ def render(out_dir: Path) -> str:
     run = load(out_dir)
     lines = [f"### steplens: {escape(run.name)}", "",
              " · ".join(f"{escape(key)} **{escape(value)}**" for key, value in key_numbers(run)), ""]
-    lines += [f"- {escape(line)}" for line in verdict(run)] + [""]
+    lines += [f"- **{escape(text)}**" for text, _section in first_screen(run.findings)] + [""]
+    lines += ["<details><summary>In detail</summary>", ""] + [f"- {escape(line)}" for line in verdict(run)]
+    lines += ["", "</details>", ""]
     breakdown, timeline = run.table("step_breakdown"), run.table("step_timeline")
     if not breakdown.is_empty() and not timeline.is_empty():
         step = timeline["step"][0]

@@ -37,3 +37,10 @@ def shapes_text(shapes: object) -> str:
         return safe_text(json.dumps(arg))
 
     return ", ".join(one(arg) for arg in dims)
+
+
+def tensor_shapes_text(shapes: object) -> str:
+    """Only the tensor arguments of `shapes_text` (`8x16, 16`), for a sentence: the `-` of scalars and 0-d
+    tensors say nothing there."""
+    text = shapes_text(shapes)
+    return ", ".join(part for part in text.split(", ") if part != "-") or "no tensor inputs"

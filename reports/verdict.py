@@ -5,11 +5,12 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from steplens.analyze.analyses import REGISTERED, profiler_effect
-from steplens.reports.text import shapes_text
+from steplens.reports.text import tensor_shapes_text
 
 from .data import Run, ms, size
 
 MAX_FINDINGS = 10
+MIN_OP_SHARE = 0.01  # a busiest op below 1% of the steps' device time says nothing worth a reviewer's line
 
 
 def telemetry_lines(f: dict) -> list[str]:
@@ -213,8 +214,10 @@ def collective_lines(f: dict) -> list[str]:
         bandwidth = f" at a median busbw of {top['busbw_gbps']:.1f} GB/s" if top.get("busbw_gbps") is not None else ""
         message = f" of {size(top['bytes'])}" if top.get("bytes") is not None else " (message size not in the traces)"
         on_rank = f" on rank {top['rank']}" if top.get("rank") is not None else ""
+        ranks = f" on {top['ranks']} ranks" if (top.get("ranks") or 1) > 1 else ""
         return [f"Most exposed communication: {top['op']}{message}, {ms(top['exposed_ns'])} not hidden behind compute"
-                f"{on_rank} over {top['calls']} calls{bandwidth}{profiler_effect.window_note(f.get('profiler_after_effect'))}."]
+                f"{on_rank} (its most exposed rank), {top['calls']} calls{ranks}{bandwidth}"
+                f"{profiler_effect.window_note(f.get('profiler_after_effect'))}."]
     return [f"Collectives: {f['comms_note']}."] if f.get("comms_note") else []
 
 
@@ -245,11 +248,11 @@ def mfu_lines(f: dict) -> list[str]:
 
 
 def op_line(op: dict, note: str | None = None) -> str:
-    """One op of the roofline: name, shapes, calls, device time, where it sits against the roof."""
+    """One op of the roofline: name, tensor shapes, calls, device time, where it sits against the roof."""
     where = (f"{op['bound']}-bound, {op['fraction_of_peak']:.1%} of peak" if op.get("fraction_of_peak") is not None
              else note or "no roofline")
     over = f" over {op['ranks']} ranks" if (op.get("ranks") or 1) > 1 else ""  # calls and time are summed over them
-    return f"{op['name']} ({shapes_text(op['shapes'])}) x{op['calls']}{over}: {op['device_ns'] / 1e6:.3f} ms, {where}"
+    return f"{op['name']} ({tensor_shapes_text(op['shapes'])}) x{op['calls']}{over}: {op['device_ns'] / 1e6:.3f} ms, {where}"
 
 
 def module_line(module: dict) -> str:
@@ -261,8 +264,11 @@ def roofline_lines(f: dict) -> list[str]:
     """The busiest modeled op and the module furthest below peak."""
     finding = f.get("roofline") or {}
     lines = []
-    if top := (finding.get("top_ops") or [None])[0]:
-        lines.append(f"Busiest modeled op: {op_line(top, finding.get('note'))}.")
+    top = (finding.get("top_ops") or [None])[0]
+    if top and (top.get("step_share") is None or top["step_share"] >= MIN_OP_SHARE):
+        share = (f"; {top['step_share']:.1%} of the profiled steps' device time" if top.get("step_share") is not None
+                 else "")
+        lines.append(f"Busiest modeled op: {op_line(top, finding.get('note'))}{share}.")
     if rated := [m for m in finding.get("modules_below_peak") or [] if m.get("fraction_of_peak") is not None]:
         lines.append(f"Module furthest below peak: {module_line(rated[0])}.")
     return lines
@@ -299,3 +305,91 @@ def finding_lines(f: dict) -> list[str]:
 
 def verdict(run: Run) -> list[str]:
     return finding_lines(run.findings)[:MAX_FINDINGS]
+
+
+# The first screen: at most FIRST_SCREEN lines, each (text, the report section that details it).
+FIRST_SCREEN = 6
+MAX_PROBLEMS = 3
+EXPOSED_WORTH_NAMING = 0.05  # exposed communication below 5% of the step is not the first thing to fix
+STEP_SOURCE_WORDS = {"train_steps": "collector", "log": "logs", "profiler_steps": "profiled steps"}
+NUMERATOR_SHORT = {"palm": "analytic count", "megatron_args": "Megatron's count", "trace_shapes": "trace op shapes",
+                   "collector_flops_profile": "FLOPs profile", "profiler_flops": "profiler FLOPs"}
+
+
+def share(value: float) -> str:
+    """A share with the digits it needs: 75%, 9.4%, 0.4%."""
+    return "0%" if value == 0 else f"{value:.0%}" if value >= 0.095 else f"{value:.1%}"
+
+
+def first_clause(text: str) -> str:
+    """The part of a sentence before its first ';' or '(', for a one-line summary of it."""
+    for mark in ("; ", " ("):
+        text = text.split(mark, 1)[0]
+    return text.rstrip(".:")
+
+
+def time_headline(f: dict) -> str | None:
+    split = f.get("time_split")
+    if not split:
+        return None
+    cause = f" ({split['main_idle_cause'].replace('_', '-')})" if split.get("main_idle_cause") else ""
+    effect = f.get("profiler_after_effect") or {}
+    slowed = f" (profiler-slowed {effect['window_ratio_max']:.1f}x)" if effect.get("window_slowed") else ""
+    return (f"Inside profiled steps{slowed} (device span {ms(split['median_step_span_ns'])}): compute "
+            f"{share(split['compute_share'])}, exposed comms {share(split['exposed_comm_share'])}, idle "
+            f"{share(split['idle_share'])}{cause}")
+
+
+def step_headline(f: dict) -> str | None:
+    summary = f.get("step_time") or {}
+    source = STEP_SOURCE_WORDS.get(summary.get("source"), summary.get("source"))
+    if summary.get("steps") and summary.get("median_ns") is not None and summary["steps"] > 1:
+        return (f"Steps: median {ms(summary['median_ns'])}, p90 {ms(summary['p90_ns'])} over {summary['steps']} of "
+                f"{summary['total_steps']} ({source})")
+    if summary.get("steps"):
+        return f"Steps: too few typical steps to summarise ({summary['steps']} of {summary['total_steps']} kept, {source})"
+    return None
+
+
+def problem_headlines(f: dict) -> list[tuple[str, str]]:
+    """What is wrong, most serious first: how the job ended, figures that cannot be true, the registered
+    analyses' problems, stragglers, exposed communication worth naming, fp16 overflow, alarms, lost input."""
+    problems = [(first_clause(line), "status") for line in job_end_lines(f, with_status=True)[:1]]
+    problems += [(f"Inputs disagree: {first_clause(d['detail'])}", "details") for d in f.get("inputs_disagree", [])[:1]]
+    problems += [(text, analysis.name.replace("_", "-")) for analysis in REGISTERED  # its section's id
+                 if isinstance(f.get(analysis.name), dict) and (text := analysis.headline(f[analysis.name]))]
+    problems += [(f"Straggler: rank {s['rank']} in step {s['step']}", "steps") for s in f.get("stragglers", [])[:1]]
+    split, top = f.get("time_split") or {}, f.get("most_exposed_collective")
+    if top and split.get("exposed_comm_share", 0) >= EXPOSED_WORTH_NAMING:
+        problems.append((f"Exposed comms: {top['op']} costs most, {ms(top['exposed_ns'])} on rank {top['rank']}",
+                         "collectives"))
+    if (f.get("fp16_overflow") or {}).get("frequent"):
+        overflow = f["fp16_overflow"]
+        problems.append((f"fp16 overflow skipped {overflow['skipped_steps']} of {overflow['steps']} steps", "details"))
+    if alarms := f.get("monitor_alarms"):
+        problems.append(("Alarms: " + ", ".join(f"{kind} x{n}" for kind, n in alarms.items()), "monitor"))
+    if errors := f.get("ingest_errors"):
+        problems.append((f"{errors} input problem(s) lost data", "issues"))
+    return problems[:MAX_PROBLEMS]
+
+
+def mfu_headline(f: dict) -> str | None:
+    utilization = f.get("mfu")
+    if isinstance(utilization, dict) and utilization.get("note"):
+        return f"MFU: not computed: {first_clause(utilization['note']).split(': ')[0]}"
+    if not isinstance(utilization, list) or not utilization:
+        return None
+    head = utilization[0]
+    return (f"{head['metric']}: {head['utilization']:.1%} ({NUMERATOR_SHORT.get(head['numerator'], head['numerator'])}; "
+            f"peak {first_clause(head['peak'])})")
+
+
+def first_screen(f: dict) -> list[tuple[str, str]]:
+    """At most FIRST_SCREEN lines, each with the id of the report section that holds its details ("details":
+    the verdict's full sentences): where the time went, the step time, what is wrong, the MFU."""
+    lines = [(text, anchor) for text, anchor in ((time_headline(f), "time"), (step_headline(f), "steps")) if text]
+    lines += problem_headlines(f)
+    if mfu := mfu_headline(f):
+        lines.append((mfu, "mfu"))
+    return lines[:FIRST_SCREEN] or [("Nothing stands out: no step boundaries, device activity or collectives to judge.",
+                                     "details")]

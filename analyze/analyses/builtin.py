@@ -131,9 +131,10 @@ def _step_breakdown(inputs: Inputs) -> Output:
     if not inputs.ranks:
         return Output()
     launches = pl.scan_parquet(inputs.out_dir / "kernel_launches")
-    return Output(tables=step_breakdown.step_breakdown_tables(
+    tables = step_breakdown.step_breakdown_tables(
         lambda rank: launches.filter(pl.col("rank") == rank).select(step_breakdown.LAUNCH_COLUMNS).collect(), inputs.ranks,
-        inputs.table("collectives"), inputs.table("gpu_idle"), inputs.table("step_stats"), inputs.table("clock_offsets")))
+        inputs.table("collectives"), inputs.table("gpu_idle"), inputs.table("step_stats"), inputs.table("clock_offsets"))
+    return Output(tables=tables, findings={"time_split": step_breakdown.time_split(tables["step_breakdown"])})
 
 
 def _step_time(inputs: Inputs) -> Output:
@@ -185,7 +186,8 @@ def _roofline(inputs: Inputs) -> Output:
     ranked = bool(inputs.ranks)
     return Output(findings={"roofline": roofline.roofline_finding(
         inputs.table("_op_totals") if ranked else pl.DataFrame(), inputs.table("module_perf"), inputs.table("module_mfu"),
-        inputs.context.roof, inputs.options.dtype, inputs.table("_family_time") if ranked else pl.DataFrame())})
+        inputs.context.roof, inputs.options.dtype, inputs.table("_family_time") if ranked else pl.DataFrame(),
+        inputs.table("step_breakdown")["span_ns"].sum() if ranked else 0)})
 
 
 def _summaries(inputs: Inputs) -> Output:
@@ -259,7 +261,8 @@ ANALYSES = [
              declared("mfu"), _mfu),
     Analysis("module_perf", "Modules", ("_module_rows", "flops_profile"), declared("module_perf", "module_mfu"),
              _module_perf),
-    Analysis("roofline", "Roofline", ("_op_totals", "_family_time", "module_perf", "module_mfu"), {}, _roofline),
+    Analysis("roofline", "Roofline", ("_op_totals", "_family_time", "module_perf", "module_mfu", "step_breakdown"), {},
+             _roofline),
     Analysis("summaries", "Summaries", ("collectives", "kernel_categories", "scalars"),
              declared("collective_summary", "collective_call_sites", "category_summary", "scalar_series"), _summaries),
     Analysis("monitor", "Monitor alarms", ("scalars",), declared("monitor_alarms", "run_comparability"), _monitor),

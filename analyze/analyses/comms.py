@@ -14,6 +14,7 @@ from steplens.analyze.contract.bus_bandwidth import busbw_factor
 from steplens.analyze.trace import intervals
 from steplens.analyze.analyses.kernels import families, first_match
 from steplens.analyze.analyses.launch import enclosing_op
+from steplens.analyze.analyses.summaries import collective_summary
 
 # c10 ScalarType names (record_param_comms `dtype`) -> bytes per element.
 DTYPE_BYTES = {
@@ -197,12 +198,12 @@ def exposed_comm_finding(calls: pl.DataFrame, cpu_comm_ops: int, backend: str | 
         return {"most_exposed_collective": None, "comms_note": cpu_only_note(cpu_comm_ops, backend, world_size)}
     per_rank = calls.group_by("rank").agg(exposed_ns=pl.col("exposed_ns").sum()).sort("exposed_ns", "rank", descending=[True, False])
     worst_rank = per_rank.row(0, named=True)
-    worst = (calls.filter(pl.col("rank") == worst_rank["rank"])
-             .group_by("op", "bytes").agg(exposed_ns=pl.col("exposed_ns").sum(), calls=pl.len(),
-                                          busbw_gbps=pl.col("busbw_gbps").median())
-             .sort("exposed_ns", "calls", descending=True))
+    # The Collectives table's first row, so the verdict and the table state one figure (summaries.collective_summary)
+    top = collective_summary(calls).row(0, named=True)
     return {
-        "most_exposed_collective": {**worst.row(0, named=True), "rank": worst_rank["rank"]},
+        "most_exposed_collective": {"op": top["op"], "bytes": top["bytes"], "exposed_ns": top["max_rank_exposed_ns"],
+                                    "rank": top["max_exposed_rank"], "calls": top["calls"], "ranks": top["ranks"],
+                                    "busbw_gbps": top["busbw_median_gbps"]},
         "exposed_comm_ns": int(worst_rank["exposed_ns"]),
         "exposed_comm_rank": worst_rank["rank"],
         "exposed_comm_median_rank_ns": int(per_rank["exposed_ns"].median()),

@@ -264,6 +264,17 @@ def memory_lines(finding: dict) -> list[str]:
     return lines
 
 
+def memory_headline(finding: dict) -> str | None:
+    """The first screen's line: an out-of-memory end, else growth beyond the noise."""
+    if oom := finding["out_of_memory"]:
+        who = f" on rank {oom['rank']}" if oom["rank"] is not None else ""
+        return f"Out of {oom['kind']} memory{who}" + (f" in step {oom['step']}" if oom["step"] is not None else "")
+    if growing := [g for g in finding["growth"] if g["growing"]]:
+        worst = max(growing, key=lambda g: g["slope_bytes_per_step"])
+        return f"Memory grows {size_text(worst['slope_bytes_per_step'])} per step on rank {worst['rank']}"
+    return None
+
+
 ANALYSIS = Analysis(
     name="memory",
     title="Memory per rank and step",
@@ -271,4 +282,5 @@ ANALYSIS = Analysis(
     writes={"memory_by_step": MEMORY_BY_STEP},
     compute=memory,
     phrase=memory_lines,
+    headline=memory_headline,
 )

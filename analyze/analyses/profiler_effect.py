@@ -104,6 +104,14 @@ def after_effect_lines(finding: dict) -> list[str]:
             f"step-to-step noise); {cause}. The step time above mixes both regimes."]
 
 
+def after_effect_headline(finding: dict) -> str | None:
+    """The first screen's line: only a slow-down beyond the noise is a problem worth it."""
+    if not finding.get("beyond_noise") or finding["ratio"] < 1:
+        return None
+    blame = "" if finding["cupti_teardown"] else " (CUPTI left attached?)"
+    return f"Profiling slowed the run: steps {finding['ratio']:.2f}x slower after the windows{blame}"
+
+
 ANALYSIS = Analysis(
     name="profiler_after_effect",
     title="The profiler's after-effect",
@@ -111,4 +119,5 @@ ANALYSIS = Analysis(
     writes={},
     compute=lambda inputs: Output(finding=after_effect(inputs.table("step_time"), inputs.facts)),
     phrase=after_effect_lines,
+    headline=after_effect_headline,
 )

@@ -17,16 +17,24 @@ MODULE_FRACTION_DEFINITION = ("achieved TFLOP/s of the module's forward (FLOPs o
 
 
 def roofline_finding(op_totals: pl.DataFrame, modules: pl.DataFrame, module_mfu: pl.DataFrame, roof: op_perf.Roof,
-                     dtype: str, family_time: pl.DataFrame | None = None) -> dict:
-    """Top ops by device time with their roofline position; the modules (of the most device time) furthest below peak."""
+                     dtype: str, family_time: pl.DataFrame | None = None, steps_device_ns: int = 0) -> dict:
+    """Top ops by device time with their roofline position and share of the profiled steps' device time
+    (`steps_device_ns`: step_breakdown's spans summed over ranks and steps); the modules (of the most device time)
+    furthest below peak."""
     top = op_perf.top_ops(op_totals, roof)
+    if not top.is_empty():
+        top = top.with_columns(step_share=pl.col("device_ns") / steps_device_ns if steps_device_ns
+                               else pl.lit(None, pl.Float64))
     finding: dict = {
         "roof": {"label": roof.label, "bandwidth_tbps": roof.bandwidth / 1e12 if roof.bandwidth else None,
                  "peak_tflops": {k: v / 1e12 for k, v in roof.flops.items()}} if roof.bandwidth else None,
         "note": roof.problem or None,
         "top_ops": top.select("name", "family", "shapes", "dtype", "calls", "ranks", "device_ns", "flops", "bytes",
-                              "achieved_tflops", "achieved_tbps", "intensity", "bound", "fraction_of_peak").to_dicts()
+                              "achieved_tflops", "achieved_tbps", "intensity", "bound", "fraction_of_peak",
+                              "step_share").to_dicts()
         if not top.is_empty() else [],
+        "step_share_definition": "the op's device time over the profiled steps' device time (step_breakdown's spans), "
+                                 "both summed over ranks",
         "top_ops_definition": "ops with a FLOPs/bytes model (ops without one, such as cuDNN's convolution backward "
                               "before PyTorch 1.11, are not ranked) not nested in another such op, grouped by name, "
                               "shapes and dtype, summed over ranks; device time = device work launched under the op "

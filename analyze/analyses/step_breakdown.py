@@ -161,3 +161,29 @@ def _difference(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray, b_e: np.ndarr
     if not keep.any():
         return np.empty(0, np.int64), np.empty(0, np.int64)
     return intervals.union(lo[keep], hi[keep])
+
+
+IDLE_CAUSES = ("host_bound", "sync", "other")
+
+
+def time_split(breakdown: pl.DataFrame) -> dict | None:
+    """Where the profiled steps' device time went, over every rank and step of step_breakdown: each
+    activity's share of the summed step spans, the main idle cause, and the median step's span (the
+    longest rank's, per step). None without profiled steps."""
+    if breakdown.is_empty() or not breakdown["span_ns"].sum():
+        return None
+    span = breakdown["span_ns"].sum()
+    idle_by_cause = {cause: int(breakdown[f"{cause}_ns"].fill_null(0).sum()) for cause in IDLE_CAUSES}
+    main_cause = max(IDLE_CAUSES, key=lambda cause: idle_by_cause[cause]) if any(idle_by_cause.values()) else None
+    step_spans = breakdown.group_by("step").agg(pl.col("span_ns").max())["span_ns"]
+    return {
+        "steps": step_spans.len(), "ranks": breakdown["rank"].n_unique(), "span_ns": int(span),
+        "median_step_span_ns": round(step_spans.median()),
+        "compute_share": breakdown["compute_ns"].sum() / span,
+        "exposed_comm_share": breakdown["exposed_comm_ns"].sum() / span,
+        "idle_share": breakdown["idle_ns"].sum() / span,
+        "main_idle_cause": main_cause,
+        "definition": "step_breakdown summed over ranks and profiled steps: each activity's share of the summed step "
+                      "spans (first to last device work launched in the step); median_step_span_ns: the median over "
+                      "steps of the longest rank's span",
+    }

@@ -29,12 +29,18 @@ def summary_tables(collectives: pl.DataFrame, kernel_categories: pl.DataFrame, s
     has = {name: not frame.is_empty() and frame.width > 1 for name, frame in
            (("collectives", collectives), ("categories", kernel_categories), ("scalars", scalars))}
     return {
-        "collective_summary": _per_rank_exposure(collectives, ["op", "bytes"]) if has["collectives"]
+        "collective_summary": collective_summary(collectives) if has["collectives"]
         else pl.DataFrame(schema=COLLECTIVE_SUMMARY),
         "collective_call_sites": _call_sites(collectives) if has["collectives"] else pl.DataFrame(schema=CALL_SITES),
         "category_summary": _categories(kernel_categories) if has["categories"] else pl.DataFrame(schema=CATEGORY_SUMMARY),
         "scalar_series": _series(scalars) if has["scalars"] else pl.DataFrame(schema=SCALAR_SERIES),
     }
+
+
+def collective_summary(calls: pl.DataFrame) -> pl.DataFrame:
+    """Per collective and message size, most exposed first (the verdict's "most exposed communication" is its
+    first row)."""
+    return _per_rank_exposure(calls, ["op", "bytes"])
 
 
 def _exposure(calls: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
