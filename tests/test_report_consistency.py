@@ -1,0 +1,267 @@
+"""The verdict against the tables it comes from. The first screen (at most six lines) says the same thing in
+report.html, summary.md and the terminal; each figure in it and in the verdict's sentences is checked against the
+report's own table or recomputed from the raw inputs (stdlib json/gzip + Decimal, pyarrow for Parquet parts: no
+steplens code), on the bundled samples and the real H200 job in ../shared/gpu-runs."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from decimal import Decimal
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from steplens.reports.verdict import roofline_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+H200_JOB = ROOT.parent / "shared" / "gpu-runs" / "h200_zero2_gpu_check" / "job"
+RUNS = {"synthetic_8rank": ROOT / "sample_runs" / "synthetic_8rank",
+        "deepspeed_cpu_2rank": ROOT / "sample_runs" / "deepspeed_cpu_2rank", "h200": H200_JOB}
+
+
+class _Report(HTMLParser):
+    """The first screen (ul.verdict: its lines without the link text, and each link), the detailed verdict
+    (ul.details), every element id, and each section's tables (h2 id -> [[header, rows]])."""
+
+    def __init__(self):
+        super().__init__()
+        self.first_screen, self.links, self.details, self.ids, self.tables = [], [], [], set(), {}
+        self._list, self._in_link, self._in_li, self._section, self._cell = None, False, False, None, None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if "id" in attrs:
+            self.ids.add(attrs["id"])
+        if tag == "h2":
+            self._section = attrs.get("id")
+        elif tag == "ul" and attrs.get("class") in ("verdict", "details"):
+            self._list = attrs["class"]
+        elif tag == "li" and self._list:
+            self._in_li = True
+            (self.first_screen if self._list == "verdict" else self.details).append("")
+        elif tag == "a" and self._list == "verdict" and self._in_li:
+            self._in_link = True
+            self.links.append(attrs["href"])
+        elif tag == "table":
+            self.tables.setdefault(self._section, []).append([[], []])
+        elif tag == "tr" and self._section in self.tables:
+            self.tables[self._section][-1][1].append([])
+        elif tag in ("td", "th"):
+            self._cell = tag
+
+    def handle_endtag(self, tag):
+        if tag == "ul":
+            self._list = None
+        elif tag == "li":
+            self._in_li = False
+        elif tag == "a":
+            self._in_link = False
+        elif tag in ("td", "th"):
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._in_li and not self._in_link:
+            lines = self.first_screen if self._list == "verdict" else self.details
+            lines[-1] += data
+        if self._cell and self._section in self.tables:
+            header, rows = self.tables[self._section][-1]
+            if self._cell == "th":
+                header.append(data)
+            else:
+                rows[-1].append(data)
+
+
+def _parse(html: str) -> _Report:
+    report = _Report()
+    report.feed(html)
+    report.first_screen = [line.strip() for line in report.first_screen]
+    report.details = [line.strip() for line in report.details]
+    return report
+
+
+def _terminal_verdict(stdout: str) -> list[str]:
+    """The terminal's verdict block, each line with its wrapped continuation joined back."""
+    block = stdout.split("\nverdict\n", 1)[1].split("\n")
+    lines = []
+    for line in block:
+        if line.startswith("    "):
+            lines[-1] += " " + line.strip()
+        elif line.startswith("  "):
+            lines.append(line.strip())
+        else:
+            break
+    return lines
+
+
+@pytest.fixture(scope="module")
+def analysed(tmp_path_factory) -> dict:
+    """name -> (output folder, terminal stdout at 80 columns), for each run that is here."""
+    results = {}
+    for name, source in RUNS.items():
+        if not source.is_dir():
+            continue
+        run = tmp_path_factory.mktemp("consistency") / name
+        shutil.copytree(source, run, ignore=shutil.ignore_patterns(".steplens"))
+        done = subprocess.run([str(BIN / "analyze"), str(run)], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "COLUMNS": "80"})
+        assert done.returncode == 0, done.stderr
+        results[name] = (run / ".steplens", done.stdout)
+    return results
+
+
+def _run(analysed: dict, name: str):
+    if name not in analysed:
+        pytest.skip(f"{RUNS[name]} is not here")
+    out, stdout = analysed[name]
+    return out, stdout, _parse((out / "report.html").read_text())
+
+
+def _share_text(value: float) -> str:
+    """The report's rule for a share: no decimals from 9.5% up, one below, 0% for nothing."""
+    return "0%" if value == 0 else f"{value:.0%}" if value >= 0.095 else f"{value:.1%}"
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_the_first_screen_is_at_most_six_lines_says_the_same_everywhere_and_links_its_details(analysed, name):
+    out, stdout, report = _run(analysed, name)
+    assert 1 <= len(report.first_screen) <= 6
+    assert len(report.links) == len(report.first_screen)
+    for link in report.links:  # every "details" link lands on a section (or the detailed sentences) of this page
+        assert link.startswith("#") and link[1:] in report.ids
+    assert _terminal_verdict(stdout) == report.first_screen
+    summary = (out / "summary.md").read_text()
+    first = summary.split("<details>")[0]
+    bold = [re.sub(r"\\(.)", r"\1", line[4:-2]) for line in first.splitlines() if line.startswith("- **")]
+    assert bold == report.first_screen
+    assert report.details and "<details><summary>In detail</summary>" in summary
+    assert max(len(line) for line in stdout.split("\nfindings\n")[0].splitlines()) <= 80
+
+
+def _raw_trace_split(trace: Path) -> list[dict]:
+    """Per ProfilerStep of one raw trace: span, compute, exposed communication and idle (ns). The span runs from
+    the first start to the last end of the device work whose launch call started inside the step; compute is the
+    part of it covered by non-NCCL device work, exposed communication the part covered by NCCL kernels only."""
+    opener = gzip.open if trace.suffix == ".gz" else open
+    with opener(trace, "rt") as handle:
+        events = [e for e in json.load(handle, parse_float=Decimal)["traceEvents"] if e.get("ph") == "X"]
+    device = [(Decimal(e["ts"]) * 1000, (Decimal(e["ts"]) + Decimal(e["dur"])) * 1000, "nccl" in e["name"].lower(),
+               e.get("args", {}).get("correlation")) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    steps = []
+    for window in (e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")):
+        lo, hi = Decimal(window["ts"]), Decimal(window["ts"]) + Decimal(window["dur"])
+        launched = {e["args"]["correlation"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                    and "correlation" in e.get("args", {}) and lo <= Decimal(e["ts"]) < hi}
+        mine = [(s, e) for s, e, _, corr in device if corr in launched]
+        first, last = min(s for s, _ in mine), max(e for _, e in mine)
+
+        def covered(intervals):
+            total, reach = Decimal(0), first
+            for start, end in sorted(intervals):
+                start, end = max(start, reach), min(end, last)
+                if end > start:
+                    total, reach = total + end - start, end
+            return total
+
+        busy, compute = covered([(s, e) for s, e, _, _ in device]), covered([(s, e) for s, e, comm, _ in device if not comm])
+        steps.append({"step": int(window["name"].split("#")[1]), "span": last - first, "compute": compute,
+                      "exposed": busy - compute, "idle": last - first - busy})
+    return steps
+
+
+def test_where_the_time_went_is_recomputed_from_the_raw_traces(analysed):
+    out, _stdout, report = _run(analysed, "synthetic_8rank")
+    steps = [step for trace in sorted(RUNS["synthetic_8rank"].glob("rank-*.pt.trace.json.gz"))
+             for step in _raw_trace_split(trace)]
+    span = sum(s["span"] for s in steps)
+    shares = {key: float(sum(s[key] for s in steps) / span) for key in ("compute", "exposed", "idle")}
+    longest = {}
+    for s in steps:
+        longest[s["step"]] = max(longest.get(s["step"], 0), s["span"])
+    median_ms = float(statistics.median(longest.values())) / 1e6
+    line = report.first_screen[0]
+    assert line.startswith("Inside profiled steps (device span ")
+    assert f"compute {_share_text(shares['compute'])}, exposed comms {_share_text(shares['exposed'])}, idle " \
+           f"{_share_text(shares['idle'])} (" in line
+    shown_ms = float(re.search(r"device span ([\d.]+) ms", line).group(1))
+    assert abs(shown_ms - median_ms) <= 0.05 + 1e-9  # three significant digits
+
+
+def test_the_collective_sentence_is_the_collectives_tables_first_row(analysed):
+    _out, _stdout, report = _run(analysed, "synthetic_8rank")
+    (header, rows), *_ = report.tables["collectives"]
+    row = dict(zip(header, next(row for row in rows if row)))  # the header's own <tr> holds no cells
+    sentence = next(line for line in report.details if line.startswith("Most exposed communication: "))
+    assert sentence.startswith(f"Most exposed communication: {row['collective']} of {row['size S']}, "
+                               f"{row['exposed, worst rank']} not hidden behind compute on rank {row['worst rank']} "
+                               f"(its most exposed rank), {row['calls (all ranks)']} calls on 8 ranks at a median busbw "
+                               f"of {float(row['median busbw GB/s']):.1f} GB/s")
+    screen = next(line for line in report.first_screen if line.startswith("Exposed comms: "))
+    assert screen == f"Exposed comms: {row['collective']} costs most, {row['exposed, worst rank']} on rank {row['worst rank']}"
+
+
+def _kept_step_times(out: Path) -> list[int]:
+    table = pq.read_table(out / "step_time").to_pylist()
+    return sorted(r["step_time_ns"] for r in table if not r["excluded"] and r["step_time_ns"] is not None)
+
+
+def _ms_text(ns: float) -> str:
+    return f"{ns / 1e6:.3g} ms"
+
+
+def test_the_step_line_is_the_kept_steps_median_and_p90(analysed):
+    checked = 0
+    for name in ("synthetic_8rank", "h200"):
+        if name not in analysed:
+            continue
+        out, _stdout, report = _run(analysed, name)
+        kept = _kept_step_times(out)
+        median = statistics.median(kept)
+        p90 = kept[-(-9 * len(kept) // 10) - 1]  # nearest rank: the ceil(0.9 n)-th smallest
+        line = next(line for line in report.first_screen if line.startswith("Steps: "))
+        assert line.startswith(f"Steps: median {_ms_text(median)}, p90 {_ms_text(p90)} over {len(kept)} of ")
+        checked += 1
+    assert checked
+
+
+def test_the_h200_first_screen_names_the_profilers_cost_and_the_mfu_of_its_table(analysed):
+    """The MFU line is the median over steps of FLOPs / (step time x GPUs x peak), recomputed from the mfu table's
+    own columns for its headline numerator; the profiled step says it ran slowed by the profiler."""
+    out, _stdout, report = _run(analysed, "h200")
+    rows = [r for r in pq.read_table(out / "mfu").to_pylist() if r["metric"] == "MFU"]
+    numerator = rows[0]["numerator"]
+    utilization = statistics.median(r["flops"] / (r["step_time_ns"] / 1e9 * r["gpus"] * r["peak_flops"])
+                                    for r in rows if r["numerator"] == numerator)
+    line = report.first_screen[-1]
+    assert line.startswith(f"MFU: {utilization:.1%} (FLOPs profile; peak 989.5 TFLOP/s dense bf16")
+    assert report.links[-1] == "#mfu"
+    assert report.first_screen[0].startswith("Inside profiled steps (profiler-slowed 1.5x)")
+    assert any(line.startswith("Profiling slowed the run: steps 1.2") for line in report.first_screen)
+
+
+def test_the_busiest_op_names_tensor_inputs_only_and_is_skipped_below_one_percent():
+    op = {"name": "aten::addmm", "shapes": "[[16], [4, 8], [8, 16], [], []]", "calls": 3, "ranks": 1,
+          "device_ns": 2_000_000, "bound": "compute", "fraction_of_peak": 0.5}
+    line = roofline_lines({"roofline": {"top_ops": [{**op, "step_share": 0.02}]}})[0]
+    assert line == ("Busiest modeled op: aten::addmm (16, 4x8, 8x16) x3: 2.000 ms, compute-bound, 50.0% of peak; "
+                    "2.0% of the profiled steps' device time.")
+    assert roofline_lines({"roofline": {"top_ops": [{**op, "step_share": 0.009}]}}) == []
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_the_first_screen_fits_a_1280_by_800_window_in_chromium(analysed, browser, name):
+    out, _stdout, _report = _run(analysed, name)
+    browser.get((out / "report.html").resolve().as_uri())
+    bottom = browser.execute_script("const r = document.querySelector('ul.verdict').getBoundingClientRect();"
+                                    "return r.bottom + window.scrollY;")
+    assert bottom <= 800
+    assert browser.execute_script("return document.documentElement.scrollWidth") <= 1280
