@@ -163,10 +163,14 @@ def _time_section(run: Run) -> dict:
     section.figure("step_breakdown_bars", breakdown.filter(pl.col("step") == step))
     if not timeline.is_empty():
         offsets = run.table("clock_offsets")
+        refused = [] if offsets.is_empty() else offsets.filter(pl.col("method").str.starts_with("refused: "))["rank"].to_list()
+        offsets = offsets.filter(~pl.col("rank").is_in(refused)) if refused else offsets
         aligned = not offsets.is_empty() and offsets["offset_ns"].is_not_null().all() and offsets.height > 1
         clock = ("ranks aligned on collective end times (clock_offsets)" if aligned
                  else "one rank" if offsets.height <= 1 else "ranks NOT aligned (no collectives to match): each on its own clock")
-        section.text(f"The same step over time ({clock}); gaps under 1/1000 of the step are not drawn.")
+        left_out = (f"; rank(s) {', '.join(map(str, refused))} left out: not one job with the others (clock_offsets)"
+                    if refused else "")
+        section.text(f"The same step over time ({clock}{left_out}); gaps under 1/1000 of the step are not drawn.")
         section.figure("step_gantt", timeline)
     return section
 
