@@ -19,7 +19,7 @@ from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declare
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
                   "launch_event_id", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "group_name", "seq"]
-CALL_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid"]
+CALL_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid", "step"]
 CPU_COLUMNS = ["source", "ts_ns", "dur_ns", "kind", "name", "pid", "tid", "step", "collective", "flops"]
 CPU_KINDS = ["cpu_op", "user_annotation", "python_function"]
 RUNTIME_KINDS = ["cuda_runtime", "cuda_driver"]

@@ -428,7 +428,7 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "source": "Profiler window (trace file) the row belongs to.",
     },
     "sync_points": {
-        "rank": "Rank.", "step": "Step.", "name": "Synchronizing call.", "issuing_op": "Innermost CPU op, annotation or frame around it.",
+        "rank": "Rank.", "step": "ProfilerStep the call ran in (its CPU time window).", "name": "Synchronizing call.", "issuing_op": "Innermost CPU op, annotation or frame around it.",
         "ts_ns": "Start of the call.", "dur_ns": "Its duration.", "idle_caused_ns": "Device idle it caused (sync gaps).",
     },
     "kernel_categories": {
