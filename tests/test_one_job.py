@@ -142,3 +142,18 @@ def test_one_rank_claimed_by_traces_of_two_world_sizes_is_not_merged(tmp_path):
     assert manifest["trace_ranks"] == [0]
     detail = next(i[3] for s in manifest["sources"] if s["path"] == "b.json" for i in s["issues"] if i[1] == "duplicate_rank")
     assert detail == "claims rank 0 of world size 4, as a.json does of world size 2: ranks of two jobs; skipped, not merged into that rank"
+
+
+def test_no_straggler_is_named_across_ranks_refused_as_one_job(tmp_path):
+    """A generated run with a true straggler (rank 2 in step 12): named when the ranks are one job, not
+    when step_stats is told they are not."""
+    from steplens.analyze.analyses import steps
+    from synthetic import generate_run
+
+    generate_run(tmp_path / "run", ranks=4, steps=5, seed=3, stragglers=[(2, 12)])
+    truth = json.loads((tmp_path / "run" / "truth.json").read_text())
+    analyse(tmp_path / "run", jobs=1)
+    times = _table(tmp_path / "run" / ".steplens", "step_times")
+    judged = steps.step_stats(times).filter(pl.col("straggler_rank").is_not_null())
+    assert judged.select("straggler_rank", "step").rows() == [(s["rank"], s["step"]) for s in truth["stragglers"]]
+    assert steps.step_stats(times, judge_stragglers=False)["straggler_rank"].null_count() == times["step"].n_unique()
