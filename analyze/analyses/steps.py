@@ -89,7 +89,7 @@ def unalignable(offsets: pl.DataFrame, world_sizes: dict[int, int], steps: pl.Da
             continue
         size, ref_size = world_sizes.get(rank), world_sizes.get(ref)
         if size is not None and ref_size is not None and size != ref_size:
-            refusals[rank] = (f"its trace records world size {size}, rank {ref}'s {ref_size}: ranks of different jobs")
+            refusals[rank] = f"its trace records world size {size}, rank {ref}'s {ref_size}: ranks of different jobs"
         elif offset_ns is not None and rank in step_ns and ref in step_ns:
             step = min(step_ns[rank], step_ns[ref])
             if uncertainty_ns > step:
