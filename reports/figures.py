@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 
 import matplotlib
+import matplotlib.lines
 import matplotlib.patches
 import matplotlib.ticker
 import polars as pl
@@ -43,6 +44,7 @@ def _binary(num_bytes: float) -> str:
 
 
 RASTER_DPI = 150  # for the parts of a figure drawn as an embedded image
+LABELLED_OPS = 3  # roofline points named beside the point; more in a few square inches run into a blob
 
 
 def _subplots(*grid, figsize: tuple[float, float], **options):
@@ -188,6 +190,24 @@ def step_time_series(step_time: pl.DataFrame, profiled: list[int], p90_ns: float
     return _svg(fig)
 
 
+LABEL_CLEARANCE_PT = 4  # space kept between two point names, so that two never read as one
+
+
+def _place_label(ax, name: str, point: tuple[float, float], colour: str, renderer, inside, placed: list) -> bool:
+    """Name a point in its colour, right of it or else left of it, where the name stays inside the axes
+    and clears the names already placed (their boxes in `placed`, to which its box is added); False: nowhere."""
+    pad = LABEL_CLEARANCE_PT * ax.figure.dpi / 72
+    for offset, align in (((3, 2), "left"), ((-3, 2), "right")):
+        label = ax.annotate(name, point, fontsize=7, xytext=offset, textcoords="offset points", ha=align, color=colour)
+        box = label.get_window_extent(renderer).expanded(1, 1).padded(pad)
+        if (box.x0 >= inside.x0 and box.x1 <= inside.x1 and box.y0 >= inside.y0 and box.y1 <= inside.y1
+                and not any(box.overlaps(other) for other in placed)):
+            placed.append(box)
+            return True
+        label.remove()
+    return False
+
+
 OFF_SCALE = 3  # the y axis stops at 3x the run's p90 step time
 MANY_STEPS = 200  # beyond it, a marker per step hides the line
 
@@ -272,24 +292,24 @@ def run_curves(aligned: pl.DataFrame) -> str:
 
 def roofline_scatter(top_ops: list[dict], roof: dict) -> str:
     """Achieved TFLOP/s against FLOPs per byte for the top ops, under the device's roofs (memory slope
-    and the dense peak of each dtype shown)."""
-    points = [op for op in top_ops if op.get("intensity") and op.get("achieved_tflops")]
+    and the dense peak of each dtype shown). Each point is numbered as its op ranks by device time; the
+    LABELLED_OPS busiest are named beside their point when the name clears the names already placed,
+    the others in the legend beside the plot."""
+    points = [(number, op) for number, op in enumerate(top_ops, 1) if op.get("intensity") and op.get("achieved_tflops")]
     fig, ax = _subplots(figsize=(6, 3.4))
-    lo = min([op["intensity"] for op in points] + [0.1]) / 2
-    hi = max([op["intensity"] for op in points] + [1e4]) * 2
+    lo = min([op["intensity"] for _, op in points] + [0.1]) / 2
+    hi = max([op["intensity"] for _, op in points] + [1e4]) * 2
     bandwidth = roof["bandwidth_tbps"]
-    for dtype in sorted({op["dtype"] for op in points if op["dtype"] in roof["peak_tflops"]}):
+    for dtype in sorted({op["dtype"] for _, op in points if op["dtype"] in roof["peak_tflops"]}):
         peak = roof["peak_tflops"][dtype]
         ridge = peak / bandwidth
         ax.plot([lo, ridge, hi], [lo * bandwidth, peak, peak], lw=1, label=f"roof {dtype}: {peak:g} TFLOP/s, {bandwidth:g} TB/s")
     # One colour per op from the colour cycle, as one scatter call per op gave (scatter's cycle is not the lines').
     colours = [f"C{i % 10}" for i in range(len(points))]
-    ax.scatter([op["intensity"] for op in points], [op["achieved_tflops"] for op in points], s=18, c=colours)
-    for op in points:
-        ax.annotate(op["name"].replace("aten::", ""), (op["intensity"], op["achieved_tflops"]), fontsize=7,
-                    xytext=(3, 2), textcoords="offset points")
+    ax.scatter([op["intensity"] for _, op in points], [op["achieved_tflops"] for _, op in points], s=18, c=colours)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.autoscale_view()  # the final limits, so that a label's box measured below is where it is drawn
     # Minor ticks over these many decades are clutter, and drawing them was half the figure's time.
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
@@ -297,5 +317,16 @@ def roofline_scatter(top_ops: list[dict], roof: dict) -> str:
     ax.yaxis.set_major_formatter(PLAIN_NUMBER)
     ax.set_xlabel("intensity (FLOPs per byte moved)")
     ax.set_ylabel("achieved TFLOP/s")
-    ax.legend(frameon=False, fontsize=7)
+    renderer = RendererAgg(*fig.canvas.get_width_height(), fig.dpi)
+    inside = ax.get_window_extent(renderer)
+    placed, unlabelled = [], []
+    for rank, ((number, op), colour) in enumerate(zip(points, colours)):
+        name = f"{number}. {op['name'].removeprefix('aten::')}"
+        if rank < LABELLED_OPS and _place_label(ax, name, (op["intensity"], op["achieved_tflops"]), colour, renderer,
+                                                inside, placed):
+            continue
+        unlabelled.append(matplotlib.lines.Line2D([], [], ls="none", marker="o", ms=4, color=colour, label=name))
+    handles = ax.get_legend_handles_labels()[0] + unlabelled
+    if handles:  # nothing to name: no empty legend (matplotlib warns "No artists with labels")
+        ax.legend(handles=handles, frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _svg(fig)

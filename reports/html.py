@@ -163,10 +163,14 @@ def _time_section(run: Run) -> dict:
     section.figure("step_breakdown_bars", breakdown.filter(pl.col("step") == step))
     if not timeline.is_empty():
         offsets = run.table("clock_offsets")
+        refused = [] if offsets.is_empty() else offsets.filter(pl.col("method").str.starts_with("refused: "))["rank"].to_list()
+        offsets = offsets.filter(~pl.col("rank").is_in(refused)) if refused else offsets
         aligned = not offsets.is_empty() and offsets["offset_ns"].is_not_null().all() and offsets.height > 1
         clock = ("ranks aligned on collective end times (clock_offsets)" if aligned
                  else "one rank" if offsets.height <= 1 else "ranks NOT aligned (no collectives to match): each on its own clock")
-        section.text(f"The same step over time ({clock}); gaps under 1/1000 of the step are not drawn.")
+        left_out = (f"; rank(s) {', '.join(map(str, refused))} left out: not one job with the others (clock_offsets)"
+                    if refused else "")
+        section.text(f"The same step over time ({clock}{left_out}); gaps under 1/1000 of the step are not drawn.")
         section.figure("step_gantt", timeline)
     return section
 
@@ -409,10 +413,58 @@ def _registered_sections(run: Run) -> list[dict]:
             section.text(line)
         for table, (arrow_schema, _docs) in analysis.writes.items():
             frame = run.table(table)
-            if not frame.is_empty():
-                section.table(_rows(frame, {c: (c, _by_unit(c)) for c in arrow_schema.names}, table))
+            if frame.is_empty():
+                continue
+            if table in TABLE_VIEWS:
+                section.text(TABLE_VIEWS[table][0])
+                section.table(TABLE_VIEWS[table][1](frame))
+            else:
+                section.table(_rows(frame, {c: (_header(c), _by_unit(c)) for c in arrow_schema.names}, table))
         sections.append(section)
     return sections
+
+
+UNIT_SUFFIXES = ("_bytes", "_ns")
+
+
+def _header(column: str) -> str:
+    """A column's name as a header: words, without the unit suffix its cells already show."""
+    for suffix in UNIT_SUFFIXES:
+        column = column.removesuffix(suffix)
+    return column.replace("_", " ")
+
+
+MEMORY_KEYS = ("rank", "source", "label", "peak_allocated_bytes", "peak_reserved_bytes", "peak_scope", "resolution_bytes")
+PEAK_SCOPES = {"step": "within the step", "since_start": "since the start", "since_last_report": "since the last report"}
+
+
+def _memory_rows(frame: pl.DataFrame) -> dict:
+    """memory_by_step with the consecutive steps of one rank and source that hold the same figures as one
+    row (a running peak repeats for every step once reached)."""
+    ordered = frame.sort("rank", "source", "step", nulls_last=True)
+    changed = pl.any_horizontal([pl.col(c).ne_missing(pl.col(c).shift(1)) for c in MEMORY_KEYS])
+    runs = ordered.with_columns(run=changed.fill_null(True).cum_sum()).group_by("run", maintain_order=True).agg(
+        *[pl.col(c).first() for c in MEMORY_KEYS], first_step=pl.col("step").first(), last_step=pl.col("step").last(),
+        steps=pl.len(), samples=pl.col("samples").sum())
+    runs = runs.with_columns(step_span=pl.struct("first_step", "last_step", "steps"))
+    return _rows(runs, {
+        "rank": ("rank", str), "step_span": ("steps", _step_span), "source": ("source", _reason),
+        "label": ("where", str), "peak_allocated_bytes": ("peak allocated", size),
+        "peak_reserved_bytes": ("peak reserved", size), "peak_scope": ("peak over", lambda v: PEAK_SCOPES.get(v, _reason(v))),
+        "samples": ("samples", _num), "resolution_bytes": ("rounded to", lambda v: "exact" if v == 0 else size(v))},
+        "memory_by_step")
+
+
+def _step_span(span: dict) -> str:
+    first, last, count = span["first_step"], span["last_step"], span["steps"]
+    if first is None:
+        return "outside any step" if count == 1 else f"outside any step ({count} rows)"
+    return str(first) if count == 1 else f"{first}–{last} ({count} rows)"
+
+
+# Registered tables shown otherwise than column by column: (a line before it, the table).
+TABLE_VIEWS = {"memory_by_step": ("Rows of one rank and source with the same figures over consecutive steps are shown as "
+                                  "one (all rows: the memory_by_step table).", _memory_rows)}
 
 
 def _comparability_section(run: Run) -> dict | None:
@@ -458,7 +510,7 @@ def _manifest_section(run: Run) -> dict:
         ("run id", m.get("run_id")), ("world size", m.get("world_size")), ("ranks", _span(m.get("ranks", []))),
         ("devices", ", ".join(env.get("device_names", [])) or None),
         ("backend", ", ".join(env.get("backend", [])) or None), ("NCCL", ", ".join(env.get("nccl_version", [])) or None),
-        ("CUDA runtime", ", ".join(env.get("cuda_runtime_version", [])) or None),
+        ("CUDA runtime", ", ".join(map(cuda_version, env.get("cuda_runtime_version", []))) or None),
     ]
     shown = {"world_size"}
     for key, value in sorted(facts.items()):
@@ -469,7 +521,7 @@ def _manifest_section(run: Run) -> dict:
         pairs.append((FACT_LABELS.get(key, key.replace("_", " ")), value))
     sources = {}
     for s in m.get("sources", []):
-        sources.setdefault((s.get("kind", "kineto"), s["status"]), []).append(s["path"])
+        sources.setdefault((_input_kind(s), s["status"]), []).append(s["path"])
     table = {"header": ["input kind", "status", "files", "example"],
              "rows": [[kind, status, str(len(paths)), paths[0]] for (kind, status), paths in sorted(sources.items())],
              "more": 0, "table": "run.json sources"}
@@ -481,6 +533,28 @@ def _manifest_section(run: Run) -> dict:
     if "ds_config" in facts:
         section["code"] = json.dumps(facts["ds_config"], indent=1, default=str)
     return section
+
+
+def cuda_version(value: str) -> str:
+    """Kineto records cudaRuntimeGetVersion's integer, 1000 x major + 10 x minor (CUDA Runtime API,
+    cudaRuntimeGetVersion): 13000 is 13.0, 12040 is 12.4. A version already written out stays as it is."""
+    if not value.isdigit():
+        return value
+    number = int(value)
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+# What a file a trace importer looked at and found to be no trace is, by the importer that tried.
+NOT_A_TRACE_KINDS = {"kineto": "JSON, not a trace", "nsys": "SQLite, not an nsys export"}
+
+
+def _input_kind(source: dict) -> str:
+    """The input kind the report lists: a ds_config.json or truth.json is JSON that is not a trace, not a Kineto input."""
+    kind = source.get("kind", "kineto")
+    reasons = {issue[1] for issue in source.get("issues", []) if isinstance(issue, list) and len(issue) == 4}
+    if source.get("status") == "ignored" and "not_a_trace" in reasons:
+        return NOT_A_TRACE_KINDS.get(kind, f"{kind}: not a trace")
+    return kind
 
 
 def _span(values: list[int]) -> str:

@@ -53,7 +53,9 @@ def report_blocks(finding: dict | None) -> list[tuple[str, object]]:
         if finding.get("roof"):
             blocks.append(("figure", ("roofline_scatter", finding["top_ops"], finding["roof"])))
             blocks.append(("text", "Roofs: " + finding["roof"]["label"] + "."))
-        blocks.append(("table", table(finding["top_ops"], OP_COLUMNS, "op_perf")))
+        # Numbered as the roofline's points are (figures.roofline_scatter).
+        numbered = [{"number": number, **op} for number, op in enumerate(finding["top_ops"], 1)]
+        blocks.append(("table", table(numbered, {"number": "#", **OP_COLUMNS}, "op_perf")))
     if families := finding.get("time_by_op_family"):
         blocks.append(("text", "Device time by the family of the innermost op that launched it: " + ", ".join(
             f"{f['family']} {f['share']:.0%} ({f['device_ns'] / 1e6:.3f} ms)" for f in families) + "."))

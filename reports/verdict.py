@@ -86,6 +86,14 @@ def disagreement_lines(f: dict) -> list[str]:
     return [f"Inputs disagree: {d['detail']}; check {d['what_to_check']}." for d in f.get("inputs_disagree", [])]
 
 
+def alignment_lines(f: dict) -> list[str]:
+    """Traces that cannot be ranks of one job (analyze/analyses/steps.py unalignable)."""
+    alignment = f.get("clock_alignment") or {}
+    return [f"Not one job: rank {r['rank']}'s trace is not aligned with rank {alignment['reference_rank']}'s ({r['reason']}); "
+            "its steps are not drawn on one clock with the others and no straggler is named across them."
+            for r in alignment.get("refused", [])]
+
+
 def straggler_lines(f: dict, limit: int = 2) -> list[str]:
     """Stragglers that stand out from the run's noise, each with the test that decided it."""
     lines = []
@@ -293,7 +301,8 @@ EARLY = {profiler_effect.ANALYSIS.name: profiler_effect.after_effect_lines}
 def finding_lines(f: dict) -> list[str]:
     """Every finding as sentences, most important first. The terminal prints them all; summary.md and
     report.html show the first MAX_FINDINGS. Each sentence is written here once."""
-    lines = (job_end_lines(f, with_status=True) + last_log_line_lines(f) + disagreement_lines(f) + step_lines(f)
+    lines = (job_end_lines(f, with_status=True) + last_log_line_lines(f) + disagreement_lines(f) + alignment_lines(f)
+             + step_lines(f)
              + [line for name, phrase in EARLY.items() if f.get(name) for line in phrase(f[name])]
              + straggler_lines(f, limit=3) + gpu_idle_lines(f) + collective_lines(f)
              + mfu_lines(f) + roofline_lines(f) + ([f"{f['traces']}."] if f.get("traces") else [])

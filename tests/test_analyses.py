@@ -103,6 +103,30 @@ def test_sync_points_name_the_issuing_op(analysed):
     assert set(blocking["issuing_op"]) == {"aten::_local_scalar_dense"}
 
 
+def test_sync_points_name_the_step_the_call_ran_in(analysed):
+    """A sync's idle can fall in the next step's device time; the row names the ProfilerStep whose
+    window holds the call itself (read from the raw JSON), as the issuing annotation does."""
+    import gzip
+    from decimal import Decimal
+
+    out, _, _ = analysed
+    points = _table(out, "sync_points")
+    assert points.filter(pl.col("issuing_op").str.starts_with("ProfilerStep#")).height > 0
+    for rank, step, name, issuing, ts_ns in points.select("rank", "step", "name", "issuing_op", "ts_ns").iter_rows():
+        trace = next(p for p in out.parent.iterdir() if p.name.startswith(f"rank-{rank}.") or p.name.startswith(f"rank{rank}."))
+        opener = gzip.open if trace.suffix == ".gz" else open
+        with opener(trace, "rt") as f:
+            doc = json.load(f, parse_float=Decimal)
+        events = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+        base_ns = int(doc.get("baseTimeNanoseconds", 0))  # Kineto's ts count from it when it is there
+        call = next(e for e in events if e["name"] == name and base_ns + Decimal(e["ts"]) * 1000 == ts_ns)
+        windows = [int(e["name"].split("#")[1]) for e in events if e["name"].startswith("ProfilerStep#")
+                   and Decimal(e["ts"]) <= Decimal(call["ts"]) < Decimal(e["ts"]) + Decimal(e["dur"])]
+        assert [step] == windows, (rank, name, ts_ns)
+        if issuing.startswith("ProfilerStep#"):
+            assert issuing == f"ProfilerStep#{step}"
+
+
 def _nccl_trace(tmp_path, nbytes_elems, dur_us, group=8, name="ncclDevKernel_AllReduce_Sum_bf16_RING_LL", coll="allreduce"):
     events = [
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0, "dur": 20000},

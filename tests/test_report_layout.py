@@ -451,3 +451,158 @@ def test_no_library_warnings_on_a_real_8_rank_trace(tmp_path):
     result = _piped("analyze", str(run))
     assert result.returncode == 0 and result.stderr == ""  # no matplotlib "No artists with labels", no polars warnings
     assert not [line for line in _fits_80(result.stdout) if not line.startswith(("report: ", "PR summary: "))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout at 1280x800 (issue 36, item 8): the bundled sample, the real H200 job and 8 real dlrm ranks
+
+
+H200_JOB = CORPUS.parent / "gpu-runs" / "h200_zero2_gpu_check" / "job"
+SGLANG = CORPUS / "TraceLens" / "inference_sglang_decode"
+
+# In the page: its width against the window's, every table word whose letters fall on two lines (a
+# break after a hyphen, slash or dash is a line break, not a broken word), and every pair of SVG text
+# labels whose boxes overlap (within a pixel).
+LAYOUT_PROBE = """
+const out = {scroll_width: document.documentElement.scrollWidth, window_width: window.innerWidth, broken: [], overlapping: []};
+for (const td of document.querySelectorAll('td')) {
+  const walker = document.createTreeWalker(td, NodeFilter.SHOW_TEXT);
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    for (const word of node.data.matchAll(/\\S+/g)) {
+      const range = document.createRange();
+      let top = null;
+      for (let i = 0; i < word[0].length; i++) {
+        range.setStart(node, word.index + i); range.setEnd(node, word.index + i + 1);
+        const box = range.getBoundingClientRect();
+        if (box.width === 0) continue;
+        if (top !== null && box.top > top + 2 && !/[-\\/\\u2013]/.test(word[0][i - 1])) out.broken.push(word[0]);
+        top = box.top;
+      }
+    }
+  }
+}
+for (const svg of document.querySelectorAll('svg')) {
+  const labels = [...svg.querySelectorAll('text')].map(t => [t.textContent, t.getBoundingClientRect()]).filter(l => l[1].width > 0);
+  for (let i = 0; i < labels.length; i++) for (let j = i + 1; j < labels.length; j++) {
+    const [a, p] = labels[i], [b, q] = labels[j];
+    if (p.left < q.right - 1 && q.left < p.right - 1 && p.top < q.bottom - 1 && q.top < p.bottom - 1) out.overlapping.push([a, b]);
+  }
+}
+out.sections = [...document.querySelectorAll('h2')].map(h => h.id);
+return out;
+"""
+
+
+def _copied(source: Path, to: Path) -> Path:
+    """A writable copy of a read-only input folder (analyze writes RUN_DIR/.steplens)."""
+    shutil.copytree(source, to, ignore=shutil.ignore_patterns(".steplens"))
+    for folder, _, _ in os.walk(to):
+        os.chmod(folder, 0o755)
+    return to
+
+
+@pytest.fixture(scope="module")
+def h200(tmp_path_factory) -> Path:
+    if not H200_JOB.is_dir():
+        pytest.skip("../shared/gpu-runs not beside the checkout")
+    return _analyse(_copied(H200_JOB, tmp_path_factory.mktemp("h200") / "job"))
+
+
+def test_reports_fit_1280_columns_with_no_broken_word_or_overlapping_label_in_chromium(browser, dlrm, h200, tmp_path):
+    sample = _analyse(_copied(ROOT / "sample_runs" / "synthetic_8rank", tmp_path / "synthetic_8rank"))
+    browser.set_window_size(1280, 800)
+    try:
+        for out, name, sections in ((sample, "synthetic_8rank", ("memory",)), (h200, "h200_job", ("memory", "status")),
+                                    (dlrm, "dlrm_8_ranks", ())):
+            browser.get((out / "report.html").resolve().as_uri())
+            seen = browser.execute_script(LAYOUT_PROBE)
+            browser.save_screenshot(str(tmp_path / f"{name}-1280x800.png"))
+            assert seen["scroll_width"] <= seen["window_width"], name  # no horizontal scroll
+            assert seen["broken"] == [], name
+            assert seen["overlapping"] == [], name
+            assert set(SECTIONS + sections) <= set(seen["sections"]), name
+    finally:
+        browser.set_window_size(1280, 4000)
+
+
+def test_roofline_names_the_busiest_ops_beside_their_point_and_the_rest_in_a_legend(h200):
+    """The H200 job's ten top ops: at most three named on the plot, clear of each other; every op with a
+    roofline position named exactly once, by its rank in device time (the table's # column)."""
+    from steplens.reports import figures
+
+    finding = json.loads((h200 / "findings.json").read_text())["roofline"]
+    plotted = [f"{n}. {op['name'].removeprefix('aten::')}" for n, op in enumerate(finding["top_ops"], 1)
+               if op.get("intensity") and op.get("achieved_tflops")]
+    assert len(plotted) > figures.LABELLED_OPS
+    svg = figures.roofline_scatter(finding["top_ops"], finding["roof"])
+    texts = re.findall(r"<text[^>]*>([^<]*)</text>", svg)
+    assert sorted(t for t in texts if re.match(r"\d+\. ", t)) == sorted(plotted)  # each once: on the plot or in the legend
+    html = (h200 / "report.html").read_text()
+    mfu = _section(html, "mfu")
+    rows = re.findall(r"<tr><td>(\d+)</td><td>([^<]*)</td>", mfu)
+    assert [(int(n), name) for n, name in rows] == [(n, op["name"]) for n, op in enumerate(finding["top_ops"], 1)][:len(rows)]
+
+
+def test_roofline_without_a_roof_for_its_dtypes_draws_no_empty_legend(tmp_path):
+    """TraceLens's sglang decode trace: int ops only (no roof for their dtype), one with a position."""
+    import warnings
+
+    from steplens.reports import figures
+
+    if not SGLANG.is_dir():
+        pytest.skip(f"shared corpus not found at {CORPUS}")
+    finding = json.loads((_analyse(_copied(SGLANG, tmp_path / "sglang")) / "findings.json").read_text())["roofline"]
+    assert not {op["dtype"] for op in finding["top_ops"]} & set(finding["roof"]["peak_tflops"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found to put in legend"
+        svg = figures.roofline_scatter(finding["top_ops"], finding["roof"])
+    assert 'id="legend_1"' not in svg
+
+
+def test_memory_table_is_readable_and_collapses_repeated_steps(h200):
+    """From the collector's raw train_steps parquet: one row per run of consecutive steps with the same
+    running peaks, human headers, sizes in binary units (3 significant digits)."""
+    import pyarrow.parquet as pq
+
+    raw = sorted((r["step"], r["max_allocated_bytes"], r["max_reserved_bytes"])
+                 for r in pq.read_table(H200_JOB / "collector" / "train_steps").to_pylist())
+    runs = []
+    for step, allocated, reserved in raw:
+        if runs and tuple(runs[-1][2:]) == (allocated, reserved) and runs[-1][1] == step - 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step, allocated, reserved])
+    memory = _section((h200 / "report.html").read_text(), "memory")
+    assert "<th>peak allocated</th>" in memory and "_bytes" not in memory and "peak_scope" not in memory
+    rows = re.findall(r"<tr><td>0</td><td>([^<]*)</td><td>collector</td><td></td><td>([^<]*)</td><td>([^<]*)</td>"
+                      r"<td>since the start</td><td>(\d+)</td><td>exact</td></tr>", memory)
+    assert len(rows) == len(runs)
+
+    def gib(text):
+        number, unit = text.split()
+        assert unit == "GiB"
+        return float(number) * 2**30
+
+    for (steps, allocated, reserved, samples), (first, last, raw_allocated, raw_reserved) in zip(rows, runs):
+        assert steps == (str(first) if first == last else f"{first}–{last} ({last - first + 1} rows)")
+        assert int(samples) == last - first + 1
+        assert gib(allocated) == pytest.approx(raw_allocated, rel=5e-3) and gib(reserved) == pytest.approx(raw_reserved, rel=5e-3)
+
+
+def test_run_section_gives_the_cuda_version_and_calls_non_trace_json_so(h200):
+    """cudaRuntimeGetVersion's 1000 x major + 10 x minor, read from the raw trace; ds_config.json and the
+    job's script/rank0.json are JSON files that are not traces."""
+    import gzip
+
+    from steplens.reports.html import cuda_version
+
+    trace = next((H200_JOB / "traces").glob("*.json.gz"))
+    with gzip.open(trace, "rt") as f:
+        raw = json.load(f)["cuda_runtime_version"]
+    run = _section((h200 / "report.html").read_text(), "run")
+    assert f"<dt>CUDA runtime</dt><dd>{raw // 1000}.{raw % 1000 // 10}</dd>" in run and str(raw) not in run
+    not_traces = ["ds_config.json", "script/rank0.json"]  # the job's JSON files no other importer claims
+    assert all("traceEvents" not in json.loads((H200_JOB / name).read_text()) for name in not_traces)
+    assert f"<td>JSON, not a trace</td><td>ignored</td><td>{len(not_traces)}</td><td>{not_traces[0]}</td>" in run
+    assert "<td>kineto</td><td>ignored</td>" not in run
+    assert (cuda_version("12040"), cuda_version("13000"), cuda_version("12.8.93")) == ("12.4", "13.0", "12.8.93")

@@ -19,7 +19,7 @@ from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declare
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
                   "launch_event_id", "collective", "in_nelems", "out_nelems", "dtype", "group_size", "group_name", "seq"]
-CALL_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid"]
+CALL_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid", "step"]
 CPU_COLUMNS = ["source", "ts_ns", "dur_ns", "kind", "name", "pid", "tid", "step", "collective", "flops"]
 CPU_KINDS = ["cpu_op", "user_annotation", "python_function"]
 RUNTIME_KINDS = ["cuda_runtime", "cuda_driver"]
@@ -96,12 +96,13 @@ def _steps(inputs: Inputs) -> Output:
     if not inputs.ranks:
         return Output()
     calls = inputs.table("_collective_calls")
-    offsets = steps.clock_offsets(calls, inputs.ranks)
-    times = steps.step_times(inputs.table("steps", ["rank", "step", "start_ns", "end_ns"]), inputs.table("_gpu_spans"),
-                             steps.collective_waits(calls), offsets)
-    stats = steps.step_stats(times)
+    profiled = inputs.table("steps", ["rank", "step", "start_ns", "end_ns"])
+    offsets = steps.clock_offsets(calls, inputs.ranks, inputs.context.world_size_of_rank if inputs.context else {}, profiled)
+    times = steps.step_times(profiled, inputs.table("_gpu_spans"), steps.collective_waits(calls), offsets)
+    refused = steps.refused_alignment(offsets)
+    stats = steps.step_stats(times, judge_stragglers=not refused)
     return Output(tables={"clock_offsets": offsets, "step_times": times, "step_stats": stats},
-                  findings=steps.straggler_finding(stats))
+                  findings={**steps.straggler_finding(stats), **refused})
 
 
 def _collectives(inputs: Inputs) -> Output:

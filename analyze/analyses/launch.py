@@ -154,13 +154,14 @@ SYNC_POINTS = 20  # the synchronizing calls kept, worst first
 
 
 def sync_points(gaps: pl.DataFrame, calls: pl.DataFrame, threads: dict, limit: int = SYNC_POINTS) -> pl.DataFrame:
-    """The synchronizing calls that left the GPU idle longest, with the CPU op that issued them."""
+    """The synchronizing calls that left the GPU idle longest, with the CPU op that issued them and the
+    step the call ran in (the idle it caused can fall in the next step's device time)."""
     caused = gaps.filter((pl.col("cause") == "sync") & (pl.col("stream") == ALL_STREAMS)).group_by("rank", "source", "sync_event_id").agg(
-        idle_caused_ns=pl.col("idle_ns").sum(), step=pl.col("step").min())
+        idle_caused_ns=pl.col("idle_ns").sum())
     if caused.is_empty():
         return pl.DataFrame(schema={"rank": pl.Int64, "step": pl.Int64, "name": pl.String, "issuing_op": pl.String,
                                     "ts_ns": pl.Int64, "dur_ns": pl.Int64, "idle_caused_ns": pl.Int64})
-    points = caused.join(calls.select("rank", "source", "event_id", "name", "ts_ns", "dur_ns", "pid", "tid"),
+    points = caused.join(calls.select("rank", "source", "event_id", "step", "name", "ts_ns", "dur_ns", "pid", "tid"),
                          left_on=["rank", "source", "sync_event_id"], right_on=["rank", "source", "event_id"])
     points = points.sort("idle_caused_ns", descending=True).head(limit)
     points = points.with_columns(issuing_op=enclosing_op(points, threads))

@@ -48,6 +48,8 @@ class RunContext:
     device_activity: bool | None = None  # whether the traces hold device work; None without traces
     runtime_calls: int = 0  # CUDA/HIP runtime and driver calls in the traces (launches among them)
     backend: str | None = None  # the process group backend the traces record (distributedInfo.backend)
+    # rank -> the world size its trace records (distributedInfo.world_size); ranks without one are absent
+    world_size_of_rank: dict = field(default_factory=dict)
 
 
 def _device(manifest: dict) -> tuple[str | None, int | None]:
@@ -62,6 +64,12 @@ def _device(manifest: dict) -> tuple[str | None, int | None]:
     if len(names) != 1:
         return None, None
     return names[0], sms[0] if len(sms) == 1 else None
+
+
+def _world_size_of_rank(manifest: dict) -> dict[int, int]:
+    """The world size each rank's trace records (run.json sources: only a trace's has one)."""
+    return {s["rank"]: s["world_size"] for s in manifest.get("sources", []) if isinstance(s, dict)
+            and s.get("rank") is not None and s.get("world_size") and s.get("status") in ("ingested", "reused")}
 
 
 def _write(out_dir: Path, table: str, frame: pl.DataFrame, spec, part: str = "part-0") -> pl.DataFrame:
@@ -171,7 +179,8 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     context = RunContext(device_name, num_sms, mfu.match_device(device_name, num_sms) if device_name else None,
                          roof, peak, peak_problem, manifest.get("world_size") or len(ranks), device_activity,
                          _kind_count(manifest, "cuda_runtime") + _kind_count(manifest, "cuda_driver"),
-                         ", ".join(manifest.get("environment", {}).get("backend") or []) or None)
+                         ", ".join(manifest.get("environment", {}).get("backend") or []) or None,
+                         _world_size_of_rank(manifest))
     ordered = registry.ordered(ANALYSES)
     for analysis in ordered:
         for table in analysis.writes:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import polars as pl
 
+from steplens.analyze.analyses import steps
 from steplens.analyze.trace import intervals
 
 ALL_STREAMS = -1  # gpu_idle's whole-device rows
@@ -48,11 +49,14 @@ def step_breakdown_tables(read_launches: Callable[[int], pl.DataFrame], ranks: l
     comm_ids = collectives.select(*COMM_KEYS).unique().with_columns(is_comm=pl.lit(True))
     offset_of = {} if offsets.is_empty() else dict(  # rank -> offset_ns (null: not aligned, drawn on its own clock)
         offsets.select("rank", pl.col("offset_ns").fill_null(0)).iter_rows())  # rowwise-ok: one row per rank
+    # A trace refused as a rank of this job (steps.unalignable) is not drawn beside the others.
+    refused = set() if offsets.is_empty() else set(
+        offsets.filter(pl.col("method").str.starts_with(steps.REFUSED_PREFIX))["rank"].to_list())
     breakdowns, timelines = [], []
     for rank in ranks:
         lanes = _lanes(_work(read_launches(rank), comm_ids))
         breakdowns += [_breakdown(work, lane) for work, lane in lanes]
-        if slowest is not None:
+        if slowest is not None and rank not in refused:
             timelines += [_timeline(work, lane, slowest, offset_of.get(rank, 0)) for work, lane in lanes]
     breakdowns = [b for b in breakdowns if not b.is_empty()]
     if not breakdowns:

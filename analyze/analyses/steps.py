@@ -40,8 +40,66 @@ MAD_Z_SCALE, OUTLIER_Z = 0.6745, 3.5
 MIN_NOISE_STEPS = 4  # below this a step's wait has too few others to be judged against
 
 
-def clock_offsets(calls: pl.DataFrame, ranks: list[int]) -> pl.DataFrame:
-    """offset_ns per rank: add it to the reference rank's clock to get this rank's (aligned = ts - offset)."""
+def clock_offsets(calls: pl.DataFrame, ranks: list[int], world_sizes: dict[int, int] | None = None,
+                  steps: pl.DataFrame | None = None) -> pl.DataFrame:
+    """offset_ns per rank: add it to the reference rank's clock to get this rank's (aligned = ts - offset).
+    A rank that cannot be one job with the reference rank (`unalignable`) gets no offset and says why."""
+    offsets = _estimated_offsets(calls, ranks)
+    refusals = unalignable(offsets, world_sizes or {}, steps)
+    if not refusals:
+        return offsets
+    refused = pl.DataFrame({"rank": list(refusals), "refusal": list(refusals.values())},
+                           schema={"rank": pl.Int64, "refusal": pl.String})
+    return offsets.join(refused, on="rank", how="left").with_columns(
+        offset_ns=pl.when(pl.col("refusal").is_null()).then(pl.col("offset_ns")),
+        uncertainty_ns=pl.when(pl.col("refusal").is_null()).then(pl.col("uncertainty_ns")),
+        method=pl.coalesce(pl.lit(REFUSED_PREFIX) + pl.col("refusal"), pl.col("method")),
+    ).select(offsets.columns)
+
+
+# The method of a rank whose alignment was refused starts with this; the reason follows.
+REFUSED_PREFIX = "refused: "
+
+
+def unalignable(offsets: pl.DataFrame, world_sizes: dict[int, int], steps: pl.DataFrame | None) -> dict[int, str]:
+    """rank -> why its trace cannot be put on the reference rank's clock as a rank of the same job.
+
+    * World size: torch.distributed gives every rank of a job the same world size, and the profiler
+      records it in distributedInfo (torch/profiler/profiler.py, _get_distributed_info); two traces
+      recording different ones are ranks of different jobs.
+    * Clock: a collective ends at nearly the same moment on every member, so in one job the
+      per-instance end-time differences agree to the collective's end skew (µs on real ranks: 3.5 µs
+      over 8 dlrm V100 ranks) and the offset is known far better than a step. An offset whose
+      uncertainty exceeds the shorter median profiled step of the two ranks matched collectives of
+      different steps or of different jobs: the aligned steps would be fiction. The size of the offset
+      itself is no criterion: ranks on different hosts may count from different boots.
+    Host names are not a criterion: Kineto traces do not record them."""
+    reference = offsets.filter(pl.col("method") == "reference")
+    if reference.is_empty():
+        return {}
+    ref = reference["rank"][0]
+    step_ns = {}
+    if steps is not None and not steps.is_empty():
+        durations = steps.group_by("rank", "step").agg(dur=pl.col("end_ns").max() - pl.col("start_ns").min())
+        medians = durations.group_by("rank").agg(pl.col("dur").median())
+        step_ns = dict(medians.iter_rows())  # rowwise-ok: one row per rank
+    refusals = {}
+    for rank, offset_ns, uncertainty_ns in offsets.select("rank", "offset_ns", "uncertainty_ns").iter_rows():  # rowwise-ok
+        if rank == ref:
+            continue
+        size, ref_size = world_sizes.get(rank), world_sizes.get(ref)
+        if size is not None and ref_size is not None and size != ref_size:
+            refusals[rank] = f"its trace records world size {size}, rank {ref}'s {ref_size}: ranks of different jobs"
+        elif offset_ns is not None and rank in step_ns and ref in step_ns:
+            step = min(step_ns[rank], step_ns[ref])
+            if uncertainty_ns > step:
+                refusals[rank] = (f"offset {offset_ns / 1e9:,.3f} s known only to ± {uncertainty_ns / 1e6:,.1f} ms, more "
+                                  f"than a step ({step / 1e6:,.1f} ms): its collectives do not end with rank {ref}'s, "
+                                  "so they are not one job's")
+    return refusals
+
+
+def _estimated_offsets(calls: pl.DataFrame, ranks: list[int]) -> pl.DataFrame:
     reference = min(ranks) if ranks else 0
     schema = {"rank": pl.Int64, "offset_ns": pl.Int64, "uncertainty_ns": pl.Int64, "matched": pl.Int64,
               "method": pl.String, "reference_rank": pl.Int64}
@@ -107,8 +165,20 @@ def step_times(steps: pl.DataFrame, gpu: pl.DataFrame, waits: pl.DataFrame, offs
     return table
 
 
-def step_stats(times: pl.DataFrame) -> pl.DataFrame:
-    """Per step across ranks: durations, the slowest rank, the straggler and how long others waited."""
+def refused_alignment(offsets: pl.DataFrame) -> dict:
+    """findings.json's `clock_alignment`, when some rank's trace could not be aligned as the same job's."""
+    refused = offsets.filter(pl.col("method").str.starts_with(REFUSED_PREFIX))
+    if refused.is_empty():
+        return {}
+    return {"clock_alignment": {
+        "reference_rank": int(offsets["reference_rank"][0]),
+        "refused": [{"rank": rank, "reason": method[len(REFUSED_PREFIX):]}
+                    for rank, method in refused.select("rank", "method").sort("rank").iter_rows()]}}  # rowwise-ok: per refused rank
+
+
+def step_stats(times: pl.DataFrame, judge_stragglers: bool = True) -> pl.DataFrame:
+    """Per step across ranks: durations, the slowest rank, the straggler and how long others waited.
+    Without `judge_stragglers` (ranks of different jobs: nobody waited for anybody) no straggler is named."""
     has_comm = not times.is_empty() and times["comm_wait_ns"].sum() > 0
     # The last to arrive waits least; without collectives, fall back to the longest CPU step.
     last_rank = (
@@ -135,6 +205,8 @@ def step_stats(times: pl.DataFrame) -> pl.DataFrame:
     lateness = pl.col("median_other_wait_ns") if has_comm else pl.col("spread_ns")
     stats = stats.join(_rank_spread(times, has_comm), on="step", how="left").with_columns(lateness_ns=lateness)
     basis = _straggler_basis(stats.filter(pl.col("ranks") > 1).sort("step"))
+    if not judge_stragglers:
+        basis = basis.with_columns(straggler_basis=pl.lit(None, pl.String))
     stats = stats.join(basis, on="step", how="left")
     return stats.with_columns(straggler_rank=pl.when(pl.col("straggler_basis").is_not_null()).then(pl.col("candidate"))).select(
         "step", "ranks", "min_dur_ns", "median_dur_ns", "max_dur_ns", "spread_ns", "slowest_rank",

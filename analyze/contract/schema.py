@@ -347,7 +347,7 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "offset_ns": "This rank's clock minus the reference rank's (aligned time = ts_ns - offset_ns).",
         "uncertainty_ns": "Half the range of the per-collective estimates.",
         "matched": "Collective instances shared with the reference rank.",
-        "method": "How it was estimated (collective end times, reference, or none).",
+        "method": "How it was estimated (collective end times, reference, or none), or 'refused: ' and why the trace cannot be aligned as a rank of the same job.",
         "reference_rank": "The rank whose clock is the reference (the lowest).",
     },
     "step_times": {
@@ -428,7 +428,7 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "source": "Profiler window (trace file) the row belongs to.",
     },
     "sync_points": {
-        "rank": "Rank.", "step": "Step.", "name": "Synchronizing call.", "issuing_op": "Innermost CPU op, annotation or frame around it.",
+        "rank": "Rank.", "step": "ProfilerStep the call ran in (its CPU time window).", "name": "Synchronizing call.", "issuing_op": "Innermost CPU op, annotation or frame around it.",
         "ts_ns": "Start of the call.", "dur_ns": "Its duration.", "idle_caused_ns": "Device idle it caused (sync gaps).",
     },
     "kernel_categories": {

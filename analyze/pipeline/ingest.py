@@ -432,20 +432,26 @@ def _reject_duplicate_ranks(sources: list[Source]) -> None:
     """Two traces of one rank that cover the same time (overlapping time spans, byte-identical copies or
     the same ProfilerStep numbers) are never merged: the later one is an error and skipped. Profiler
     windows of one process (torch.profiler's repeat >= 2: one file per window, each with the process's
-    baseTimeNanoseconds) share a rank and a base time, but neither host-clock time nor steps: all kept."""
+    baseTimeNanoseconds) share a rank and a base time, but neither host-clock time nor steps: all kept.
+    Two traces of one rank recording different world sizes are two jobs' (one process has one world
+    size): the later one is an error and skipped too."""
     kept: dict[int, list[Source]] = {}
     for s in sources:
         if s.rank is None or s.status not in ("ingested", "reused") or s.kind not in importers.TRACE_KINDS:
             continue
         twin = next((k for k in kept.get(s.rank, []) if (k.size, k.hash_prefix) == (s.size, s.hash_prefix)
                      or _overlap(k, s) or set(k.steps) & set(s.steps)), None)
-        if twin is None:
+        other_job = next((k for k in kept.get(s.rank, []) if k.world_size and s.world_size
+                          and k.world_size != s.world_size), None)
+        if twin is None and other_job is None:
             kept.setdefault(s.rank, []).append(s)
             continue
         s.status = "error"
         s.issues.append(["error", "duplicate_rank", 1,
                          f"claims rank {s.rank} for the same time as {twin.path} (overlapping time, identical file or the "
-                         "same profiler steps); skipped, not merged into that rank"])
+                         "same profiler steps); skipped, not merged into that rank" if twin is not None else
+                         f"claims rank {s.rank} of world size {s.world_size}, as {other_job.path} does of world size "
+                         f"{other_job.world_size}: ranks of two jobs; skipped, not merged into that rank"])
 
 
 # ---------------------------------------------------------------------------------------------
