@@ -365,6 +365,10 @@ def problem_headlines(f: dict) -> list[tuple[str, str]]:
     analyses' problems, stragglers, exposed communication worth naming, fp16 overflow, alarms, lost input."""
     problems = [(first_clause(line), "status") for line in job_end_lines(f, with_status=True)[:1]]
     problems += [(f"Inputs disagree: {first_clause(d['detail'])}", "details") for d in f.get("inputs_disagree", [])[:1]]
+    if refused := (f.get("clock_alignment") or {}).get("refused"):
+        ranks = ", ".join(str(r["rank"]) for r in refused)
+        problems.append((f"Not one job: rank(s) {ranks} not aligned with rank {f['clock_alignment']['reference_rank']}",
+                         "steps"))
     problems += [(text, analysis.name.replace("_", "-")) for analysis in REGISTERED  # its section's id
                  if isinstance(f.get(analysis.name), dict) and (text := analysis.headline(f[analysis.name]))]
     problems += [(f"Straggler: rank {s['rank']} in step {s['step']}", "steps") for s in f.get("stragglers", [])[:1]]

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from steplens.analyze.cli import analyze
 from steplens.analyze.pipeline import analyse
-from steplens.reports.verdict import finding_lines
+from steplens.reports.verdict import finding_lines, first_screen
 
 from conftest import CORPUS, write_trace
 
@@ -78,6 +78,8 @@ def test_an_a100_rank_of_8_and_a_v100_rank_of_2_are_not_aligned_as_one_job(tmp_p
     report = (out / "report.html").read_text()
     assert "rank(s) 3 left out: not one job with the others" in report and "Not one job: rank 3" in report
     assert "Not one job: rank 3" in result.output
+    # and the first screen says so
+    assert ("Not one job: rank(s) 3 not aligned with rank 1", "steps") in first_screen(findings)
 
 
 def test_without_world_sizes_the_clocks_still_tell_two_jobs_apart(tmp_path):
