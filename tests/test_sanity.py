@@ -57,6 +57,11 @@ def test_mfu_above_100_percent_becomes_a_disagreement(tmp_path):
     assert entry["check"] == "mfu_above_100" and math.isclose(entry["value"], median, rel_tol=1e-9)
     assert {e["check"] for e in findings["inputs_disagree"]} == {"mfu_above_100"}
     assert not isinstance(findings["mfu"], list)  # no MFU figure left to print as a result
+    # the table says the same as the finding: the rows keep their inputs, the impossible figure is null, the reason named
+    rows = [r for r in pq.read_table(tmp_path / "out" / "mfu").to_pylist() if r["numerator"] == "collector_flops_profile"]
+    assert rows and all(r["utilization"] is None and r["inputs_disagree"] == entry["detail"] for r in rows)
+    assert math.isclose(statistics.median(r["flops"] / (r["step_time_ns"] * 1e-9 * r["gpus"] * r["peak_flops"])
+                                          for r in rows if r["metric"] == "MFU"), median, rel_tol=1e-9)
     assert f"Inputs disagree: MFU {median:.1%} (numerator collector_flops_profile) is above 100%" in "\n".join(lines)
     assert not any(line.startswith("MFU ") for line in lines)
     assert "Inputs disagree: MFU" in stdout and "MFU: " not in stdout.replace("MFU: not", "")
@@ -93,7 +98,7 @@ def test_bandwidth_above_the_link_is_taken_out():
     """Hand-made findings: 1,200 GB/s on an H100 SXM (900 GB/s of NVLink in both directions together)."""
     findings = {"most_exposed_collective": {"op": "allreduce", "busbw_gbps": 1200.0, "bytes": 1 << 30},
                 "logged_comms": {"op": "all_reduce", "median_busbw_gbps": 300.0}}
-    [entry] = sanity.inputs_disagree(findings, pl.DataFrame(), "h100-sxm")
+    [entry] = sanity.inputs_disagree(findings, pl.DataFrame(), pl.DataFrame(), "h100-sxm")
     assert (entry["check"], entry["value"], entry["bound"]) == ("bandwidth_above_link", 1200.0, 900.0)
     assert findings["most_exposed_collective"]["busbw_gbps"] is None
     assert findings["logged_comms"]["median_busbw_gbps"] == 300.0  # possible: kept

@@ -168,7 +168,8 @@ def _mfu(inputs: Inputs) -> Output:
     # a logs-only Megatron run: the shape from its arguments
     found = [r for r in rows + [run_rows, log_rows] if not r.is_empty()]
     table = pl.concat(found, how="diagonal_relaxed") if found else pl.DataFrame()
-    finding = mfu.mfu_finding(table, problem or log_problem or context.peak_problem or missing)
+    table, finding = sanity.mark_impossible_mfu(
+        table, mfu.mfu_finding(table, problem or log_problem or context.peak_problem or missing))
     findings = {"mfu": finding}
     if isinstance(finding, list) and (disagree := mfu.numerators_disagree(finding)):
         findings["mfu_numerators_disagree"] = disagree
@@ -226,8 +227,10 @@ def _job_end(inputs: Inputs) -> Output:
 
 
 def _sanity(inputs: Inputs) -> Output:
-    """Figures that cannot be true leave the findings they were in (sanity changes them in place)."""
-    disagree = sanity.inputs_disagree(inputs.findings, inputs.table("step_time"), inputs.context.device_key)
+    """Figures that cannot be true, said once (impossible bandwidths leave their findings here; MFU above 100%
+    left the mfu table and finding in _mfu)."""
+    disagree = sanity.inputs_disagree(inputs.findings, inputs.table("step_time"), inputs.table("mfu"),
+                                      inputs.context.device_key)
     return Output(findings={"inputs_disagree": disagree} if disagree else {})
 
 

@@ -4,7 +4,8 @@ disagree, saying what to check.
 Checks (``findings["inputs_disagree"]``, one entry per check that fails):
 
 * ``mfu_above_100``: a median MFU or HFU above 100% (the wrong model shape, the wrong peak or dtype,
-  or a step time that is too short); the figure is taken out of ``findings["mfu"]``.
+  or a step time that is too short); the figure is taken out of ``findings["mfu"]`` and out of the ``mfu``
+  table (null ``utilization``, the reason in ``inputs_disagree``) by the mfu analysis, with this module's rule.
 * ``negative_duration``: a step or micro step that ends before it starts (the host's wall clock was
   stepped back, e.g. by NTP, or the input is damaged).
 * ``step_longer_than_run``: a step longer than the run's own span (a unit error in a log, or clocks).
@@ -53,18 +54,40 @@ CHECK_BANDWIDTH = ("the message size and group size of the collective (nccl_byte
                    "only the time to issue it (latency_origin issue_only), and the device")
 
 
-def _mfu(findings: dict) -> list[dict]:
-    rows = findings.get("mfu")
-    if not isinstance(rows, list):
+def mark_impossible_mfu(table: pl.DataFrame, finding) -> tuple[pl.DataFrame, object]:
+    """The mfu table and finding with every MFU/HFU whose median is above 100% taken out of both alike: the
+    finding drops the figure, the table's rows of that metric and numerator keep their inputs but get a null
+    `utilization` and the reason in `inputs_disagree`, so report.html, summary.md and `steplens sql` agree."""
+    if not table.is_empty():
+        table = table.with_columns(inputs_disagree=pl.lit(None, pl.String))
+    if not isinstance(finding, list):
+        return table, finding
+    impossible = [r for r in finding if r.get("utilization") is not None and r["utilization"] > 1]
+    for r in impossible:
+        bad = (pl.col("metric") == r["metric"]) & (pl.col("numerator") == r["numerator"])
+        table = table.with_columns(utilization=pl.when(bad).then(None).otherwise(pl.col("utilization")),
+                                   inputs_disagree=pl.when(bad).then(pl.lit(_mfu_detail(r))).otherwise("inputs_disagree"))
+    kept = [r for r in finding if r not in impossible]
+    return table, kept or ({"note": "not shown: the only figures were above 100% (see inputs_disagree)"}
+                           if impossible else kept)
+
+
+def _mfu_detail(row: dict) -> str:
+    return f"{row['metric']} {row['utilization']:.1%} (numerator {row['numerator']}) is above 100%: impossible"
+
+
+def _mfu(mfu: pl.DataFrame) -> list[dict]:
+    """One entry per metric and numerator the mfu analysis marked (mark_impossible_mfu), its median recomputed
+    from the inputs the rows keep."""
+    if mfu.is_empty() or "inputs_disagree" not in mfu.columns:
         return []
-    impossible = [r for r in rows if r.get("utilization") is not None and r["utilization"] > 1]
-    if not impossible:
-        return []
-    findings["mfu"] = [r for r in rows if r not in impossible] or {
-        "note": "not shown: the only figures were above 100% (see inputs_disagree)"}
-    return [{"check": "mfu_above_100", "value": r["utilization"], "bound": 1.0,
-             "detail": f"{r['metric']} {r['utilization']:.1%} (numerator {r['numerator']}) is above 100%: impossible",
-             "what_to_check": CHECK_MFU.get(r["numerator"], CHECK_PEAK)} for r in impossible]
+    marked = mfu.filter(pl.col("inputs_disagree").is_not_null())
+    entries = []
+    for (metric, numerator, detail), rows in marked.group_by("metric", "numerator", "inputs_disagree", maintain_order=True):
+        value = (rows["flops"] / (rows["step_time_ns"] * 1e-9 * rows["gpus"] * rows["peak_flops"])).median()
+        entries.append({"check": "mfu_above_100", "value": value, "bound": 1.0, "detail": detail,
+                        "what_to_check": CHECK_MFU.get(numerator, CHECK_PEAK)})
+    return entries
 
 
 def _steps(step_time: pl.DataFrame) -> list[dict]:
@@ -100,6 +123,7 @@ def _bandwidth(findings: dict, device_key: str | None) -> list[dict]:
     return entries
 
 
-def inputs_disagree(findings: dict, step_time: pl.DataFrame, device_key: str | None) -> list[dict]:
-    """The failed checks; impossible figures are removed from `findings` (changed in place)."""
-    return _mfu(findings) + _steps(step_time) + _bandwidth(findings, device_key)
+def inputs_disagree(findings: dict, step_time: pl.DataFrame, mfu: pl.DataFrame, device_key: str | None) -> list[dict]:
+    """The failed checks; impossible bandwidths are removed from `findings` (changed in place), impossible MFU
+    figures were taken out of the mfu table and finding by the mfu analysis (mark_impossible_mfu)."""
+    return _mfu(mfu) + _steps(step_time) + _bandwidth(findings, device_key)

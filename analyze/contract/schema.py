@@ -485,6 +485,7 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "step_time_ns": "Step time divided by.", "gpus": "GPUs.", "peak_flops": "Dense peak per GPU, FLOP/s.",
         "utilization": "flops / (step time x gpus x peak).", "definition": "The numerator's definition.",
         "peak": "The peak, its dtype and source.",
+        "inputs_disagree": "Why the figure cannot be true (its utilization is then null; findings inputs_disagree).",
     },
     "step_time": {
         "step": "Optimizer step, from 0 (ProfilerStep#N when the source is profiler_steps).",
@@ -656,7 +657,8 @@ ANALYSIS_TYPES: dict[str, dict[str, pa.DataType]] = {
         "mfu": _FLOAT, "definition": _STR, "flag": _STR, "backward_device_ns": _INT, "training_flops": _FLOAT,
         "training_mfu": _FLOAT},
     "mfu": {"step": _INT, "rank": _INT, "metric": _STR, "numerator": _STR, "flops": _FLOAT, "step_time_ns": _INT,
-        "gpus": _INT, "peak_flops": _FLOAT, "utilization": _FLOAT, "definition": _STR, "peak": _STR},
+        "gpus": _INT, "peak_flops": _FLOAT, "utilization": _FLOAT, "definition": _STR, "peak": _STR,
+        "inputs_disagree": _STR},
     "step_time": {"step": _INT, "source": _STR, "step_time_ns": _INT, "slowest_rank": _INT, "ranks": _INT,
         "micro_steps": _INT, "start_ns": _INT, "end_ns": _INT, "samples": _INT, "skipped": _BOOL,
         "loss_scale": _FLOAT, "excluded": _BOOL, "reason": _STR, "definition": _STR},
