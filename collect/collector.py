@@ -27,9 +27,10 @@ import weakref
 from pathlib import Path
 
 from steplens.analyze.contract import alarm_rules, layout
+from steplens.analyze.contract.bus_bandwidth import with_bandwidth
 
 from . import environment, model_shape
-from .comms import CommsRecorder, with_bandwidth
+from .comms import CommsRecorder
 from .parts import PartWriter
 
 log = logging.getLogger("steplens.collect")

@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import polars as pl
-from steplens.analyze.contract.bus_bandwidth import busbw_factor
 
 # The functions of deepspeed/comm/comm.py that carry @timed_op (DeepSpeed 0.19.8): the primitive ops.
 # Helpers such as allgather_fn and reduce_scatter_fn call these, so each call is recorded once.
@@ -37,17 +35,6 @@ DEEPSPEED_LOGGER_OPS = frozenset((
 # whose receive the peer posts later), so their latency is the time to issue them.
 P2P_ASYNC_OPS = frozenset(("isend", "irecv", "batch_isend_irecv"))
 
-# DeepSpeed op -> nccl-tests collective (the names contract.bus_bandwidth.busbw_factor knows).
-NCCL_TESTS_OP = {
-    "all_reduce": "allreduce", "inference_all_reduce": "allreduce", "all_reduce_coalesced": "allreduce",
-    "all_gather": "allgather", "all_gather_into_tensor": "allgather", "all_gather_object": "allgather",
-    "reduce_scatter": "reducescatter", "reduce_scatter_tensor": "reducescatter",
-    "all_to_all": "alltoall", "all_to_all_single": "alltoall", "broadcast": "broadcast",
-    "broadcast_object_list": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
-    "send": "sendrecv", "recv": "sendrecv", "isend": "sendrecv", "irecv": "sendrecv", "batch_isend_irecv": "sendrecv",
-}
-# DeepSpeed records the per-rank shard for all-gathers; nccl-tests' S is the whole output (x n).
-SHARD_SIZED_OPS = frozenset(("all_gather", "all_gather_into_tensor"))
 # The argument whose size DeepSpeed records as msg_size, first match (deepspeed/comm/utils.py get_tensor_position).
 MESSAGE_ARGS = ("tensor", "tensors", "input_list", "input_tensor_list", "p2p_op_list")
 
@@ -181,14 +168,3 @@ class CommsRecorder:
             # DeepSpeed's own logger also synchronizes queued device work when it is on.
             "synchronized": waited or (self.device_queued and self.logger.enabled),
         })
-
-
-def with_bandwidth(calls: pl.DataFrame) -> pl.DataFrame:
-    """nccl_bytes, algbw_gbps and busbw_gbps by the nccl-tests definitions (contract.bus_bandwidth)."""
-    msg, size = pl.col("msg_bytes"), pl.col("group_size")
-    calls = calls.with_columns(nccl_bytes=pl.when(pl.col("op").is_in(list(SHARD_SIZED_OPS))).then(msg * size).otherwise(msg))
-    factor = calls.select(
-        op=pl.col("op").replace_strict(NCCL_TESTS_OP, default=None, return_dtype=pl.String), group_size=size,
-    ).select(factor=busbw_factor())["factor"]
-    algbw = pl.when(pl.col("latency_ns") > 0).then(pl.col("nccl_bytes") / pl.col("latency_ns"))  # B/ns = GB/s
-    return calls.with_columns(algbw_gbps=algbw, busbw_gbps=algbw * factor)

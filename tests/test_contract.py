@@ -15,10 +15,9 @@ import pytest
 
 from steplens.analyze.contract import issue_reasons, layout, schema
 from steplens.analyze.pipeline import analyse, ingest
-from steplens.analyze.contract.bus_bandwidth import busbw_factor
+from steplens.analyze.contract.bus_bandwidth import busbw_factor, nccl_tests_op, with_bandwidth
 from steplens.analyze.contract.manifest import RunManifest
 from steplens.analyze.importers import collector_parts
-from steplens.collect.comms import with_bandwidth
 from steplens.collect.parts import PartWriter
 
 
@@ -41,6 +40,33 @@ def test_collector_bandwidth_uses_the_contract_factor():
     assert rows[0] == (4_000_000, pytest.approx(4.0), pytest.approx(3.0))
     # all_reduce of 2 MB in 2 ms over 2 ranks: algbw 1 GB/s, busbw 2 x 1/2 x 1 = 1 GB/s
     assert rows[1] == (2_000_000, pytest.approx(1.0), pytest.approx(1.0))
+
+
+def test_gather_and_scatter_are_sized_as_nccl_tests_does_for_the_collector_and_the_importers_alike():
+    """nccl-tests gather.cu/scatter.cu: S = count x typesize x nranks, busbw = S / t x (n-1)/n. DeepSpeed logs one
+    rank's piece (its `tensor` argument), so a 4-rank gather of 1 MiB pieces in 1 ms moves S = 4 MiB: algbw
+    4.194304 GB/s, busbw 3.145728 GB/s; reduce_scatter's logged input list is already the whole buffer."""
+    calls = pl.DataFrame({"op": ["gather", "scatter", "reduce_scatter", "monitored_barrier"],
+                          "msg_bytes": [2**20, 2**20, 4 * 2**20, 0], "group_size": [4, 4, 4, 4],
+                          "latency_ns": [1_000_000] * 4})
+    rows = with_bandwidth(calls).select("nccl_bytes", "algbw_gbps", "busbw_gbps").rows()
+    assert rows[:3] == [(4 * 2**20, pytest.approx(4.194304), pytest.approx(3.145728))] * 3
+    assert rows[3] == (0, 0.0, None)  # a barrier moves nothing: no bus factor
+    # one rule: the collector writes its comms_calls parts and the log and dump importers read theirs with it
+    from steplens.analyze.importers import comms_dump, deepspeed_log
+    from steplens.collect import collector
+
+    assert collector.with_bandwidth is deepspeed_log.with_bandwidth is comms_dump.with_bandwidth is with_bandwidth
+
+
+@pytest.mark.parametrize(("name", "op"), [
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", "allgather"),
+    ("ncclKernel_ReduceScatter_RING_LL_Sum_float", "reducescatter"), ("all_gather_into_tensor", "allgather"),
+    ("reduce_scatter_tensor", "reducescatter"), ("inference_all_reduce", "allreduce"), ("gather", "gather"),
+    ("scatter", "scatter"), ("all_to_all_single", "alltoall"), ("isend", "sendrecv"), ("reduce", "reduce"),
+    ("broadcast_object_list", "broadcast"), ("monitored_barrier", "barrier"), ("aten::mm", None)])
+def test_collective_names_in_nccl_tests_terms(name, op):
+    assert pl.DataFrame({"op": [name]}).select(nccl_op=nccl_tests_op("op"))["nccl_op"][0] == op
 
 
 def test_collector_layout_paths_are_the_public_ones(tmp_path):

@@ -69,7 +69,7 @@ def test_the_scan_sees_imports():
     """The checks below look at real import statements: a known module's known imports are found."""
     collector = imports(ROOT / "collect" / "collector.py")
     assert {"steplens.analyze.contract", "steplens.collect.parts", "torch"} <= collector
-    assert "steplens.analyze.contract.bus_bandwidth" in imports(ROOT / "collect" / "comms.py")
+    assert "steplens.analyze.contract.bus_bandwidth" in imports(ROOT / "collect" / "collector.py")
 
 
 def test_collect_imports_only_the_contract_from_the_analyzer():
@@ -108,3 +108,31 @@ def test_only_the_cli_imports_the_reports():
     found = {path: names for folder in ("analyze", "collect")
              for path, names in violations(folder, lambda n: within(n, "steplens.reports")).items() if not is_cli(path)}
     assert found == {}
+
+
+SUBPACKAGES = ("contract", "importers", "trace", "pipeline", "analyses", "query")
+
+
+def test_importers_never_import_the_analyses():
+    assert violations("analyze/importers", lambda n: within(n, "steplens.analyze.analyses")) == {}
+
+
+def test_the_pipeline_never_imports_the_cli():
+    assert violations("analyze/pipeline", lambda n: within(n, "steplens.analyze.cli") or n.startswith(
+        "steplens.analyze.cli")) == {}
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """analyze/ sub-package -> the other sub-packages its modules import."""
+    graph = {package: set() for package in SUBPACKAGES}
+    for package in SUBPACKAGES:
+        for names in modules(f"analyze/{package}").values():
+            graph[package] |= {other for other in SUBPACKAGES if other != package
+                               and any(within(n, f"steplens.analyze.{other}") for n in names)}
+    return graph
+
+
+def test_the_analyzer_packages_import_each_other_without_cycles():
+    graph = _package_graph()
+    cycles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if a in graph[b]})
+    assert cycles == []

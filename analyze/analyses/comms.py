@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import polars as pl
 
-from steplens.analyze.contract.bus_bandwidth import busbw_factor
+from steplens.analyze.contract.bus_bandwidth import busbw_factor, nccl_tests_op
 from steplens.analyze.trace import intervals
-from steplens.analyze.analyses.kernels import families, first_match
+from steplens.analyze.analyses.kernels import families
 from steplens.analyze.analyses.launch import enclosing_op
 from steplens.analyze.analyses.summaries import collective_summary
 
@@ -28,24 +28,6 @@ DTYPE_BYTES = {
 LATENCY_BOUND_BYTES = 1 << 20
 
 # Ordered: the first match names the collective (args first, then the kernel name).
-_OPS = [
-    ("reducescatter", r"(?i)reduce_?scatter"),
-    ("allreduce", r"(?i)all_?reduce|cross_device_reduce"),
-    ("allgather", r"(?i)all_?gather"),
-    # DeepEP's dispatch/combine kernels are the two halves of an MoE all-to-all
-    ("alltoall", r"(?i)all_?to_?all|(^|::)(notify_|cached_notify_?)?(dispatch|combine)(_ll)?\b"),
-    ("broadcast", r"(?i)broadcast"),
-    ("sendrecv", r"(?i)send|recv"),
-    ("reduce", r"(?i)reduce"),
-    ("gather", r"(?i)gather"),
-    ("scatter", r"(?i)scatter"),
-    ("barrier", r"(?i)barrier"),
-]
-
-
-def nccl_op(column: str) -> pl.Expr:
-    """A collective's name (NCCL kernel, record_param_comms or DeepSpeed op) in nccl-tests terms."""
-    return first_match(column, _OPS, None)
 
 
 def collective_kernels(events: pl.DataFrame) -> pl.DataFrame:
@@ -54,7 +36,7 @@ def collective_kernels(events: pl.DataFrame) -> pl.DataFrame:
     of kernels.device_work (user patterns included); otherwise the default families are used."""
     # one filter (a filter copies every column it holds): the kind and the family together
     return events.filter((pl.col("kind") == "kernel") & _is_communication(events)).with_columns(
-        op=pl.coalesce(nccl_op("collective"), nccl_op("name"), pl.lit("unknown")))
+        op=pl.coalesce(nccl_tests_op("collective"), nccl_tests_op("name"), pl.lit("unknown")))
 
 
 def _is_communication(events: pl.DataFrame) -> pl.Expr:

@@ -14,6 +14,15 @@ from dataclasses import dataclass
 SEVERITIES = ("info", "warning", "error")
 
 
+@dataclass
+class Issue:
+    """One problem of one input, as the `ingest_issues` table records it (reason: one declared below)."""
+    severity: str
+    reason: str
+    count: int
+    detail: str
+
+
 @dataclass(frozen=True)
 class IssueReason:
     name: str

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from steplens.analyze.importers.json_events import Issue
+from steplens.analyze.contract.issue_reasons import Issue
 
 import polars as pl
 

@@ -29,11 +29,9 @@ import json
 import re
 from pathlib import Path
 
-import polars as pl
 
-from steplens.analyze.analyses.comms import nccl_op
 from steplens.analyze.contract import schema
-from steplens.analyze.contract.bus_bandwidth import busbw_factor
+from steplens.analyze.contract.bus_bandwidth import with_bandwidth
 from steplens.analyze.contract.manifest import MAX_COUNT
 from steplens.analyze.importers.base import Imported, conform, peek
 from steplens.analyze.importers.kineto import preview
@@ -53,10 +51,6 @@ SIZE_KEY = re.compile(r"[0-9]+")  # a msg_size dict key: the int DeepSpeed logge
 MAX_MSG_BYTES = (2**63 - 1) // schema.MAX_RANK
 MAX_LATENCY_MS = 1e12  # ~30 years: any logged latency beyond it is damage, and stays well inside int64 ns
 METADATA_BOUNDS = {"rank": (0, schema.MAX_RANK - 1), "world_size": (1, schema.MAX_RANK)}
-# Ops whose DeepSpeed msg_size is one rank's piece while nccl-tests' S is n pieces (comm/utils.py
-# get_msg_size_from_args takes the `tensor` argument: the shard for all_gather_into_tensor, the
-# local piece for gather/scatter). reduce_scatter's `tensor`/input_list is already the full input.
-PER_RANK_PIECE_OPS = ("allgather", "gather", "scatter")
 
 
 def split_record_name(record: str) -> tuple[str, str | None]:
@@ -121,20 +115,6 @@ def is_running_total(series: list[list[float]]) -> bool | None:
 def per_call(running_totals: list[float]) -> list[float]:
     """Per-call latencies from running totals in call order."""
     return [b - a for a, b in zip([0.0, *running_totals], running_totals)]
-
-
-def with_bandwidth(calls: pl.DataFrame) -> pl.DataFrame:
-    """Fill nccl_bytes, algbw_gbps, busbw_gbps from op, msg_bytes, group_size and latency_ns."""
-    n = pl.col("group_size")
-    frame = calls.with_columns(_ds_op=pl.col("op")).with_columns(op=nccl_op("op"))
-    frame = frame.with_columns(
-        nccl_bytes=pl.when(pl.col("op").is_in(PER_RANK_PIECE_OPS)).then(pl.col("msg_bytes") * n)
-        .otherwise(pl.col("msg_bytes"))
-    ).with_columns(
-        # bytes per ns == GB/s (1e9 B/s), as nccl-tests reports.
-        algbw_gbps=pl.when(pl.col("latency_ns") > 0).then(pl.col("nccl_bytes") / pl.col("latency_ns")),
-    ).with_columns(busbw_gbps=pl.col("algbw_gbps") * busbw_factor())
-    return frame.with_columns(op=pl.col("_ds_op")).drop("_ds_op")
 
 
 def rank_from_name(path: Path) -> int | None:

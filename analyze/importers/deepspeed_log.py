@@ -68,6 +68,7 @@ from pathlib import Path
 
 import polars as pl
 
+from steplens.analyze.contract.bus_bandwidth import with_bandwidth
 from steplens.analyze.importers import comms_dump, flops_text
 from steplens.analyze.importers.base import Imported, conform
 
@@ -999,7 +1000,7 @@ def _build(state: LogState, issues: list) -> Imported:
     if state.scalars:
         tables["scalars"] = conform(state.scalars, "scalars", issues)
     if comms := _comms_rows(state, issues):
-        tables["comms_calls"] = comms_dump.with_bandwidth(conform(comms, "comms_calls", issues))
+        tables["comms_calls"] = with_bandwidth(conform(comms, "comms_calls", issues))
     if state.memory:
         tables["memory_usage"] = conform(state.memory, "memory_usage", issues)
     if state.summary:

@@ -15,11 +15,12 @@ import json
 import os
 import re
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import msgspec
+
+from steplens.analyze.contract.issue_reasons import Issue  # noqa: F401 - importers take it from here too
 from isal import isal_zlib
 
 CHUNK_BYTES = 2 << 20
@@ -40,14 +41,6 @@ class NotATrace(Exception):
     def __init__(self, message: str, damaged: bool = False):
         super().__init__(message)
         self.damaged = damaged
-
-
-@dataclass
-class Issue:
-    severity: str
-    reason: str
-    count: int
-    detail: str
 
 
 @functools.cache

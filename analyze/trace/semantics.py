@@ -16,7 +16,7 @@ import re
 import polars as pl
 
 from steplens.analyze.contract import schema
-from steplens.analyze.importers.json_events import Issue
+from steplens.analyze.contract.issue_reasons import Issue
 
 STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 MAX_STEP = 2**31 - 1  # ProfilerStep numbers; a step counter past 2 billion is damage
