@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, analyse_and_report, fail
+from steplens.analyze.cli_rerun import say
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline.ingest import IngestError, publish, staged
@@ -282,8 +283,8 @@ def trials_command(runs_dir: Path, fmt: str) -> None:
                              + table_lines(columns, rows) + ["", escape(result["ignored_rule"]) + "."]))
         return
     console = Console(highlight=False)
-    console.print(result["verdict"]["detail"], markup=False, soft_wrap=True)
-    console.print(ignored, markup=False, soft_wrap=True)
+    say(console, result["verdict"]["detail"], indent=0)
+    say(console, ignored, indent=0)
     # Narrow enough for an 80-column CI log: the configuration's first run names it (--format json lists every run).
     view = Table(title="configurations (throughput in samples/s, median over trials)", title_justify="left", box=None)
     narrow = ["rank", "configuration", "micro_batch", "trials", "ok_trials", "median", "min", "max"]
@@ -292,7 +293,7 @@ def trials_command(runs_dir: Path, fmt: str) -> None:
     for c in result["configurations"]:
         view.add_row(*(_cell(c[column]) for column in narrow))
     console.print(view, markup=False)
-    console.print(result["ignored_rule"], markup=False, soft_wrap=True)
+    say(console, result["ignored_rule"], indent=0)
 
 
 def _cell(value) -> str:

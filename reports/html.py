@@ -24,7 +24,7 @@ from markupsafe import Markup
 from steplens.analyze.analyses import REGISTERED
 
 from . import roofline
-from .data import Run, kernel_labels, load, ms, size, text_value, write_atomic
+from .data import ALARM_HEADER, Run, alarm_rows, kernel_labels, load, ms, size, text_value, write_atomic
 from .verdict import first_screen, verdict
 
 TEMPLATES = jinja2.Environment(
@@ -364,9 +364,6 @@ def _preferred(names: list[str]) -> list[str]:
 # Analyses of logs, monitors and autotuning: (column, header) pairs a reader needs (the Parquet
 # tables have the rest).
 EXTRA_TABLES = {
-    "monitor_alarms": ("Monitor alarms", [("alarm", "alarm"), ("name", "scalar"), ("global_samples", "global samples"),
-                                          ("step", "step"), ("value", "value"), ("baseline", "baseline"),
-                                          ("score", "score"), ("detail", "detail")]),
     "autotune_verdict": ("Autotuning verdict", [("tuning_space", "tuning space"), ("winner", "winner"),
                                                 ("runner_up", "runner-up"), ("relative_difference", "difference"),
                                                 ("established", "established"), ("trials_needed", "trials needed"),
@@ -380,8 +377,20 @@ EXTRA_TABLES = {
 }
 
 
+def _alarms_section(run: Run) -> dict | None:
+    """Every alarm: in the job, in the replay of the same rules, post hoc over every series (tables
+    alarm_agreement and monitor_alarms)."""
+    rows = alarm_rows(run)
+    if not rows:
+        return None
+    section = Section("Alarms", "alarms")
+    frame = pl.DataFrame(rows, schema=ALARM_HEADER, orient="row", strict=False)
+    section.table(_rows(frame, {c: (c, text_value) for c in ALARM_HEADER}, "alarm_agreement, monitor_alarms"))
+    return section
+
+
 def _extra_analyses(run: Run) -> list[dict]:
-    sections = []
+    sections = [s for s in [_alarms_section(run)] if s]
     for name, (title, columns) in EXTRA_TABLES.items():
         frame = run.table(name)
         if frame.is_empty():

@@ -15,7 +15,7 @@ import polars as pl
 from steplens.reports.text import safe_text
 
 from . import roofline
-from .data import kernel_labels, load, ms, size, write_atomic
+from .data import ALARM_HEADER, alarm_rows, kernel_labels, load, ms, size, text_value, write_atomic
 from .html import SUMMARY_FILE, key_numbers
 from .verdict import first_screen, verdict
 
@@ -71,6 +71,10 @@ def render(out_dir: Path) -> str:
                                ms(r["max_rank_exposed_ns"]), r["max_exposed_rank"],
                                f"{r['busbw_median_gbps']:.1f}" if r["busbw_median_gbps"] is not None else ""]
                               for r in collectives.head(TOP_ROWS).iter_rows(named=True)])
+    if alarms := alarm_rows(run):
+        lines += ["**Alarms**" + (f" (first {TOP_ROWS} of {len(alarms)}; tables alarm_agreement, monitor_alarms)"
+                                  if len(alarms) > TOP_ROWS else ""), ""]
+        lines += table_lines(ALARM_HEADER, [[text_value(cell) for cell in row] for row in alarms[:TOP_ROWS]])
     lines += roofline.summary_lines(run.findings.get("roofline"), escape)
     notes = run.findings.get("caveats", [])
     if notes:

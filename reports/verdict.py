@@ -37,7 +37,10 @@ def telemetry_lines(f: dict) -> list[str]:
     return lines
 
 
-ALARM_ONLY_WORDS = {"only_in_job": "only in the job (rows that never reached the disk, or a hang the watchdog saw)",
+ALARM_ONLY_WORDS = {"only_in_job": "only in the job (rows that never reached the disk, a hang the watchdog saw, or a "
+                                   "job whose steplens judged a rule another way)",
+                    "on_instrumented_steps": "in the job on a step the run instrumented (profiler, FLOPs profile or "
+                                             "checkpoint), which the replay does not judge",
                     "only_post_hoc": "only in the replay (a straggler step the job judged before the other ranks' "
                                      "parts were on disk, or alarms from after the job stopped delivering)"}
 
@@ -55,6 +58,7 @@ def alarm_lines(f: dict, limit: int = 3) -> list[str]:
     lines = [line + ("; " + "; ".join(differ) if differ else "") + "."]
     for alarm in summary.get("listed", [])[:limit]:
         seen = ("in the job and in the replay" if alarm["in_job"] and alarm["post_hoc"]
+                else "in the job only, on an instrumented step" if alarm.get("instrumented")
                 else "in the job only" if alarm["in_job"] else "in the replay only")
         lines.append(f"Alarm {alarm['rule']} ({alarm['severity']}) on {alarm['name']} at step {alarm['step']}, {seen}: "
                      f"{alarm['detail'].rstrip('.')}.")
@@ -157,14 +161,25 @@ def step_name(step: int, summary: dict, aside: str = ", {}") -> str:
     return f"step {step}" + aside.format(f"the log's {label}{'' if label.endswith('=') else ' '}{step + 1}")
 
 
+def _times(excluded: dict) -> str:
+    """' (659 ms)': what the left-out steps took, when the kept ones are too few to say what a step takes."""
+    times = [t for t in excluded.get("step_times_ns") or [] if t is not None]
+    return f" ({', '.join(ms(t) for t in times[:3])})" if times and excluded["count"] <= 3 else ""
+
+
 def step_lines(f: dict) -> list[str]:
     """Step time over the run, the slowest step when it stands out, and where the profiled steps sit."""
     lines = []
     summary = f.get("step_time") or {}
     source = SOURCE_WORDS.get(summary.get("source"), summary.get("source"))
+    few = summary.get("kept_steps")  # too few kept steps, too far apart, for a typical time
     if summary.get("steps") == 1:
         line = (f"Step time: {ms(summary['max_ns'])} ({step_name(summary['max_step'], summary)}, the only one of "
                 f"{summary['total_steps']} kept), from {source}")
+    elif few:
+        line = (f"Step time: too few steps for a typical time: {len(few)} of {summary['total_steps']} kept ("
+                + ", ".join(f"{step_name(k['step'], summary)} {ms(k['step_time_ns'])}" for k in few)
+                + "; no median of steps this unlike), from " + source)
     elif summary.get("steps"):
         line = (f"Step time: median {ms(summary['median_ns'])}, p90 {ms(summary['p90_ns'])}, max {ms(summary['max_ns'])} "
                 f"({step_name(summary['max_step'], summary)}) over {summary['steps']} of {summary['total_steps']} "
@@ -174,7 +189,7 @@ def step_lines(f: dict) -> list[str]:
         if excluded := summary.get("excluded_steps"):
             line += "; left out: " + "; ".join(
                 f"{EXCLUSION_WORDS.get(e['reason'], e['reason'])} {'step' if e['count'] == 1 else 'steps'} "
-                f"{_step_ranges(e['steps'], e['count'])}" for e in excluded)
+                f"{_step_ranges(e['steps'], e['count'])}" + (_times(e) if few else "") for e in excluded)
         lines.append(line + ".")
     elif summary.get("source"):
         lines.append(f"Step time: none of the {summary['total_steps']} steps is typical ({summary.get('note')}).")
@@ -343,8 +358,8 @@ def time_headline(f: dict) -> str | None:
         return None
     cause = f" ({split['main_idle_cause'].replace('_', '-')})" if split.get("main_idle_cause") else ""
     effect = f.get("profiler_after_effect") or {}
-    slowed = f" (profiler-slowed {effect['window_ratio_max']:.1f}x)" if effect.get("window_slowed") else ""
-    return (f"Inside profiled steps{slowed} (device span {ms(split['median_step_span_ns'])}): compute "
+    slowed = f", profiler-slowed {effect['window_ratio_max']:.1f}x" if effect.get("window_slowed") else ""
+    return (f"Inside profiled steps (device span {ms(split['median_step_span_ns'])}{slowed}): compute "
             f"{share(split['compute_share'])}, exposed comms {share(split['exposed_comm_share'])}, idle "
             f"{share(split['idle_share'])}{cause}")
 
@@ -356,7 +371,8 @@ def step_headline(f: dict) -> str | None:
         return (f"Steps: median {ms(summary['median_ns'])}, p90 {ms(summary['p90_ns'])} over {summary['steps']} of "
                 f"{summary['total_steps']} ({source})")
     if summary.get("steps"):
-        return f"Steps: too few typical steps to summarise ({summary['steps']} of {summary['total_steps']} kept, {source})"
+        return (f"Steps: too few for a typical time ({summary['steps']} of {summary['total_steps']} kept, max "
+                f"{ms(summary['max_ns'])}; {source})")
     return None
 
 
@@ -379,8 +395,12 @@ def problem_headlines(f: dict) -> list[tuple[str, str]]:
     if (f.get("fp16_overflow") or {}).get("frequent"):
         overflow = f["fp16_overflow"]
         problems.append((f"fp16 overflow skipped {overflow['skipped_steps']} of {overflow['steps']} steps", "details"))
-    if alarms := f.get("monitor_alarms"):
-        problems.append(("Alarms: " + ", ".join(f"{kind} x{n}" for kind, n in alarms.items()), "monitor"))
+    alarms = dict(f.get("monitor_alarms") or {})
+    for alarm in (f.get("alarms") or {}).get("listed", []):  # the in-job rules replayed on the recorded rows
+        if alarm["post_hoc"]:
+            alarms[alarm["rule"]] = alarms.get(alarm["rule"], 0) + 1
+    if alarms:
+        problems.append(("Alarms: " + ", ".join(f"{kind} x{n}" for kind, n in alarms.items()), "alarms"))
     if errors := f.get("ingest_errors"):
         problems.append((f"{errors} input problem(s) lost data", "issues"))
     return problems[:MAX_PROBLEMS]

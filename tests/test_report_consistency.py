@@ -244,7 +244,7 @@ def test_the_h200_first_screen_names_the_profilers_cost_and_the_mfu_of_its_table
     line = report.first_screen[-1]
     assert line.startswith(f"MFU: {utilization:.1%} (FLOPs profile; peak 989.5 TFLOP/s dense bf16")
     assert report.links[-1] == "#mfu"
-    assert report.first_screen[0].startswith("Inside profiled steps (profiler-slowed 1.5x)")
+    assert report.first_screen[0].startswith("Inside profiled steps (device span 114 ms, profiler-slowed 1.5x)")
     assert any(line.startswith("Profiling slowed the run: steps 1.2") for line in report.first_screen)
 
 

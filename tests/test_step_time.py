@@ -110,7 +110,8 @@ def test_steady_run_step_time_from_train_steps(ds_steady_run, steady):
     block = findings["step_time"]
     assert block["source"] == "train_steps"
     assert {k: block[k] for k in ("steps", "total_steps", "median_ns", "p90_ns", "max_ns")} == expected_summary(times, warm)
-    assert block["excluded_steps"] == ([{"reason": "warm_up", "count": len(warm), "steps": sorted(warm)}] if warm else [])
+    assert block["excluded_steps"] == ([{"reason": "warm_up", "count": len(warm), "steps": sorted(warm),
+                                         "step_times_ns": [times[s] for s in sorted(warm)]}] if warm else [])
     line = next(line for line in lines if line.startswith("Step time:"))
     expected = expected_summary(times, warm)
     assert (f"median {shown(expected['median_ns'])}, p90 {shown(expected['p90_ns'])}, max {shown(expected['max_ns'])}"
@@ -371,18 +372,21 @@ def test_a_damaged_run_fact_is_left_out_with_an_issue(tmp_path, damage):
     sources = json.loads((tmp_path / "out" / "run.json").read_text())["sources"]
     issues = [i for s in sources if s["path"] == "collector/manifest/rank0.json" for i in s["issues"]]
     assert [(i[1], f"'{damage[0]}'" in i[3]) for i in issues if i[1] == "bad_fact"] == [("bad_fact", True)]
-    assert json.loads((tmp_path / "out" / "findings.json").read_text())["step_time"]["median_ns"] > 0
+    summary = json.loads((tmp_path / "out" / "findings.json").read_text())["step_time"]
+    assert summary["steps"] > 0 and summary["max_ns"] > 0  # the damaged fact costs itself only
 
 
 def test_a_log_that_names_no_rank_shows_none_not_rank_0(tmp_path):
     """Megatron prints its iteration lines without a rank (a real GWDA_lib log): the report's ranks are "none", as
-    the terminal says, not a "0" that reads as rank 0. Step time: 1996.1 and 429.4 ms, median 1212.75 ms."""
+    the terminal says, not a "0" that reads as rank 0. Step time: 1996.1 and 429.4 ms: two unlike steps, no median
+    (1212.75 ms would be a time no step had)."""
     line = ("iteration {:>8}/   30000 | current time: 1706860208.35 | consumed samples: {:>12} | elapsed time per "
             "iteration (ms): {} | learning rate: 0.000E+00 | global batch size:    16 | loss scale: 4294967296.0 |")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "train.log").write_text(line.format(1, 16, "1996.1") + "\n" + line.format(2, 32, "429.4") + "\n")
     findings, lines = analyse(tmp_path / "run", tmp_path / "out")
-    assert findings["step_time"]["median_ns"] == 1_212_750_000
+    assert findings["step_time"]["median_ns"] is None
+    assert [k["step_time_ns"] for k in findings["step_time"]["kept_steps"]] == [1_996_100_000, 429_400_000]
     assert "ranks **none**" in (tmp_path / "out" / "summary.md").read_text()
 
 
@@ -411,3 +415,43 @@ def test_deepspeeds_pipeline_engine_lines_give_interval_mean_step_times(tmp_path
     assert findings["interval_means"] and "pipeline engine" in findings["definition"]
     text = " ".join(result.output.split())
     assert "(step 49, the log's steps: 50)" in text  # 0.760 s, the slowest kept
+
+
+def test_two_unlike_kept_steps_give_no_median_and_say_what_is_known(tmp_path):
+    """deepspeed_cpu_2rank keeps steps 0 and 1 (the others ran the FLOPs profiler, the profiler or its export):
+    no median of a warm-up step and a steady one; the sentence gives each kept and left-out step's time,
+    recomputed from the collector's raw parts."""
+    sample = ROOT / "sample_runs" / "deepspeed_cpu_2rank"
+    shutil.copytree(sample, tmp_path / "run", ignore=shutil.ignore_patterns(".steplens"))
+    findings, lines = analyse(tmp_path / "run", tmp_path / "out")
+    times = collector_step_times(sample)
+    summary = findings["step_time"]
+    assert summary["median_ns"] is None and summary["p90_ns"] is None and summary["note"].startswith("too few steps")
+    assert summary["kept_steps"] == [{"step": 0, "step_time_ns": times[0]}, {"step": 1, "step_time_ns": times[1]}]
+    assert abs(times[0] - times[1]) > 0.05 * min(times[0], times[1])
+    line = next(line for line in lines if line.startswith("Step time: "))
+    assert line.startswith(f"Step time: too few steps for a typical time: 2 of {len(times)} kept (step 0 "
+                           f"{shown(times[0])}, step 1 {shown(times[1])}; no median")
+    assert f"FLOPs profiler step 2 ({shown(times[2])})" in line and f"trace export step 5 ({shown(times[5])})" in line
+    screen = verdict.first_screen(findings)
+    assert screen[0] == (f"Steps: too few for a typical time (2 of {len(times)} kept, max {shown(max(times[0], times[1]))}; "
+                         "collector)", "steps")
+
+
+@pytest.mark.parametrize(("values", "typical"), [([100, 105], True), ([100, 106], False), ([100], True), ([], False),
+                                                 ([100, 300, 200], True)])
+def test_a_median_needs_three_steps_or_steps_that_agree(values, typical):
+    assert step_time.has_typical_time(values) is typical
+
+
+def test_trials_says_in_the_runs_terms_why_no_run_was_timed(tmp_path):
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", tmp_path / "runs" / "cpu",
+                    ignore=shutil.ignore_patterns(".steplens"))
+    subprocess.run([*ANALYZE, str(tmp_path / "runs" / "cpu"), "-q"], capture_output=True, check=True)
+    done = subprocess.run([sys.executable, "-m", "steplens.analyze", "trials", str(tmp_path / "runs")],
+                          capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "80"})
+    text = " ".join(done.stdout.split())
+    assert ("no run could be timed: cpu: 2 of 6 steps kept (1 flops_profiler, 1 profiler_warmup, 1 profiler_window, 1 "
+            "profiler_export left out): a trial needs 3 kept steps and its samples per step") in text.lower()
+    assert "no experiment produced metrics" not in text
+    assert max(len(line) for line in done.stdout.splitlines()) <= 80

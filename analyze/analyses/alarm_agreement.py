@@ -7,6 +7,11 @@ comms_calls). An alarm is matched on (rule, name, step). Differences have causes
 that never reached the disk (a killed rank, a failed writer), a straggler step judged in the job only once
 the other ranks' parts were on disk, a watchdog that saw a hang the step times cannot (the job never
 stepped again).
+
+The step rules (slow_step, throughput_drop) skip the steps the run instrumented (profiler windows, FLOPs profile,
+checkpoint saves: step_time.INSTRUMENTATION) in the replay; an in-job alarm of theirs on such a step is marked
+`instrumented` and counted apart, not as a disagreement (a collector that did not skip them raised it on the
+instrument's cost).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from steplens.analyze.contract import alarm_rules
 
 COLUMNS = {"rule": pl.String, "name": pl.String, "step": pl.Int64, "rank": pl.Int64, "severity": pl.String,
            "in_job": pl.Boolean, "post_hoc": pl.Boolean, "value_in_job": pl.Float64, "value_post_hoc": pl.Float64,
-           "detail": pl.String}
+           "detail": pl.String, "instrumented": pl.Boolean}
 
 
 def _collector(frame: pl.DataFrame) -> pl.DataFrame:
@@ -34,7 +39,7 @@ def _by_rank(frame: pl.DataFrame) -> dict[int, list[dict]]:
 
 
 def alarm_agreement(alarms: pl.DataFrame, scalars: pl.DataFrame, train_steps: pl.DataFrame,
-                    comms_calls: pl.DataFrame, facts: dict) -> pl.DataFrame:
+                    comms_calls: pl.DataFrame, facts: dict, instrumented: set[int] = frozenset()) -> pl.DataFrame:
     """One row per alarm raised in the job, by the replay, or both; empty without a collector's settings."""
     settings = facts.get("settings") if isinstance(facts.get("settings"), dict) else None
     if settings is None or "alarms" not in settings:  # no collector, or one from before alarms: nothing to replay
@@ -49,7 +54,8 @@ def alarm_agreement(alarms: pl.DataFrame, scalars: pl.DataFrame, train_steps: pl
     # Parts sort by name in flush order (rank0-00003 before rank0-00004); rows keep their order inside a part.
     own_rows = own.sort("source", maintain_order=True).to_dicts() if not own.is_empty() else []
     steps_rows = _by_rank(steps.sort("rank", "step", "micro_step")) if not steps.is_empty() else {}
-    replayed = alarm_rules.replay(rules, own_rows, steps_rows, _by_rank(comms) if not comms.is_empty() else {})
+    replayed = alarm_rules.replay(rules, own_rows, steps_rows, _by_rank(comms) if not comms.is_empty() else {},
+                                  skip_steps=instrumented)
     in_job = _collector(alarms).to_dicts() if not alarms.is_empty() else []
     rows: dict[tuple, dict] = {}
     for side, found in (("in_job", in_job), ("post_hoc", replayed)):
@@ -57,7 +63,9 @@ def alarm_agreement(alarms: pl.DataFrame, scalars: pl.DataFrame, train_steps: pl
             key = (alarm["rule"], alarm["name"], alarm["step"])
             row = rows.setdefault(key, {"rule": alarm["rule"], "name": alarm["name"], "step": alarm["step"],
                                         "rank": alarm["rank"], "severity": alarm["severity"], "in_job": False,
-                                        "post_hoc": False, "detail": alarm["detail"]})
+                                        "post_hoc": False, "detail": alarm["detail"],
+                                        "instrumented": alarm["rule"] in alarm_rules.STEP_KINDS
+                                        and alarm["step"] in instrumented})
             row[side] = True
             row[f"value_{side}"] = alarm["value"]
     return pl.DataFrame(list(rows.values()), schema=COLUMNS).sort("step", "rule", "name")
@@ -71,11 +79,13 @@ def agreement_summary(table: pl.DataFrame) -> dict:
     """For findings.json: counts of alarms in the job, in the replay, in both; and the first LISTED alarms, most
     severe first, then by step (`listed`: rule, name, step, rank, severity, in_job, post_hoc, value, detail)."""
     both = table.filter(pl.col("in_job") & pl.col("post_hoc")).height
+    judged = ~pl.col("instrumented").fill_null(False)
     listed = (table.with_columns(order=pl.col("severity").replace_strict(SEVERITY_ORDER, default=len(SEVERITY_ORDER)))
               .sort("order", "step", "rule", "name").head(LISTED)
-              .select("rule", "name", "step", "rank", "severity", "in_job", "post_hoc",
+              .select("rule", "name", "step", "rank", "severity", "in_job", "post_hoc", "instrumented",
                       pl.coalesce("value_in_job", "value_post_hoc").alias("value"), "detail"))
     return {"in_job": table.filter("in_job").height, "post_hoc": table.filter("post_hoc").height, "agree": both,
-            "only_in_job": table.filter(pl.col("in_job") & ~pl.col("post_hoc")).height,
+            "only_in_job": table.filter(pl.col("in_job") & ~pl.col("post_hoc") & judged).height,
+            "on_instrumented_steps": table.filter(~judged).height,
             "only_post_hoc": table.filter(~pl.col("in_job") & pl.col("post_hoc")).height,
             "listed": listed.to_dicts()}

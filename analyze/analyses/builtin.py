@@ -198,13 +198,15 @@ def _summaries(inputs: Inputs) -> Output:
 
 
 def _monitor(inputs: Inputs) -> Output:
-    tables = monitor.monitor_tables(inputs.table("scalars"), inputs.facts, inputs.options.grad_norm_threshold)
+    tables = monitor.monitor_tables(inputs.table("scalars"), inputs.facts, inputs.options.grad_norm_threshold,
+                                    step_time.instrumented(inputs.table("step_time")))
     return Output(tables=tables, findings=monitor.alarms_finding(tables["monitor_alarms"]))
 
 
 def _alarm_agreement(inputs: Inputs) -> Output:
     table = alarm_agreement.alarm_agreement(inputs.table("alarms"), inputs.table("scalars"), inputs.table("train_steps"),
-                                            inputs.table("comms_calls"), inputs.facts)
+                                            inputs.table("comms_calls"), inputs.facts,
+                                            step_time.instrumented(inputs.table("step_time")))
     return Output(tables={"alarm_agreement": table},
                   findings={"alarms": alarm_agreement.agreement_summary(table)} if not table.is_empty() else {})
 
@@ -269,8 +271,9 @@ ANALYSES = [
              _roofline),
     Analysis("summaries", "Summaries", ("collectives", "kernel_categories", "scalars"),
              declared("collective_summary", "collective_call_sites", "category_summary", "scalar_series"), _summaries),
-    Analysis("monitor", "Monitor alarms", ("scalars",), declared("monitor_alarms", "run_comparability"), _monitor),
-    Analysis("alarm_agreement", "In-job alarms", ("alarms", "scalars", "train_steps", "comms_calls"),
+    Analysis("monitor", "Monitor alarms", ("scalars", "step_time"), declared("monitor_alarms", "run_comparability"),
+             _monitor),
+    Analysis("alarm_agreement", "In-job alarms", ("alarms", "scalars", "train_steps", "comms_calls", "step_time"),
              declared("alarm_agreement"), _alarm_agreement),
     Analysis("autotune", "Autotuning", ("autotune_experiments",), declared("autotune_ranking", "autotune_verdict"),
              _autotune),

@@ -120,11 +120,11 @@ def post_hoc_rules(facts: dict | None = None, grad_norm_threshold: float | None 
     return rules
 
 
-def series_alarms(rules: list[alarm_rules.Rule], rows: list[dict]) -> list[dict]:
+def series_alarms(rules: list[alarm_rules.Rule], rows: list[dict], skip_steps=frozenset()) -> list[dict]:
     """The rules over one series' points (dicts with name, step, global_samples, value, wall_ns), in order:
     the engine's alarm dicts, as the job would have raised them on the same points, each with the
-    `position` of the point that raised it."""
-    engine = alarm_rules.AlarmEngine(rules)
+    `position` of the point that raised it; the step rules skip `skip_steps`."""
+    engine = alarm_rules.AlarmEngine(rules, skip_steps=skip_steps)
     alarms = []
     for position, row in enumerate(rows):
         alarms += [{**alarm, "position": position} for alarm in
@@ -134,16 +134,19 @@ def series_alarms(rules: list[alarm_rules.Rule], rows: list[dict]) -> list[dict]
 
 
 def monitor_alarms(scalars: pl.DataFrame, facts: dict | None = None, grad_norm_threshold: float | None = None,
-                   rules: list[alarm_rules.Rule] | None = None) -> pl.DataFrame:
+                   rules: list[alarm_rules.Rule] | None = None, instrumented=frozenset()) -> pl.DataFrame:
     """Post-hoc alarms over every tag, from the alarm rules (`post_hoc_rules` unless `rules` is given) fed each
     series in global-sample order: nan_inf, loss_spike, grad_norm_high (above the threshold when one is given,
-    and robust-z spikes), throughput_drop (a rate falls, or a step time rises: slow_step), memory_growth."""
+    and robust-z spikes), throughput_drop (a rate falls, or a step time rises: slow_step), memory_growth.
+    The step rules skip the `instrumented` optimizer steps in the collector's series (whose `step` is the
+    optimizer step; other loggers number their points their own way)."""
     rules = post_hoc_rules(facts, grad_norm_threshold) if rules is None else rules
     series = with_axes(one_origin(scalars), facts or {})
     alarms = []
     for _, frame in series.group_by("name", maintain_order=True):
         rows = frame.sort("global_samples", maintain_order=True).to_dicts()
-        for alarm in series_alarms(rules, rows):
+        skip = instrumented if frame["origin"][0] == "collector" else frozenset()
+        for alarm in series_alarms(rules, rows, skip):
             row = rows[alarm["position"]]
             alarms.append({"alarm": ALARM_OF_RULE[alarm["rule"]], "rule": alarm["rule"], "name": alarm["name"],
                            "origin": row["origin"], "source": row["source"], "global_samples": row["global_samples"],
@@ -180,11 +183,11 @@ def comparability(run_facts: dict[str, dict]) -> pl.DataFrame:
                                       "values": pl.String, "detail": pl.String})
 
 
-def monitor_tables(scalars: pl.DataFrame, facts: dict, grad_norm_threshold: float | None = None
-                   ) -> dict[str, pl.DataFrame]:
+def monitor_tables(scalars: pl.DataFrame, facts: dict, grad_norm_threshold: float | None = None,
+                   instrumented=frozenset()) -> dict[str, pl.DataFrame]:
     """The tables `analyze` writes for one run: monitor_alarms, and run_comparability (for one run:
     which of the fields needed to compare it with others are missing)."""
-    return {"monitor_alarms": monitor_alarms(scalars, facts, grad_norm_threshold),
+    return {"monitor_alarms": monitor_alarms(scalars, facts, grad_norm_threshold, instrumented=instrumented),
             "run_comparability": comparability({"run": facts})}
 
 

@@ -48,13 +48,15 @@ Excluded steps, each named in ``reason`` (several joined by ","):
 
 Summary (``findings.json`` ``step_time``): ``median_ns`` (mean of the middle two for an even count,
 rounded to the ns), ``p90_ns`` (nearest rank: the ceil(0.9 n)-th smallest), ``max_ns`` over the
-steps kept.
+steps kept. With fewer than 3 kept steps that differ by more than 5% there is no median or p90 (no
+step had it): ``note`` says so and ``kept_steps`` lists them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import polars as pl
@@ -318,6 +320,18 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
         [pl.col(c).cast(dtype) for c, dtype in COLUMNS.items()] + ["definition"]).sort("step")
 
 
+# Reasons that mark a step the run instrumented: its time is partly the instrument's (profilers, checkpoint saves).
+INSTRUMENTATION = ("flops_profiler", "profiler_warmup", "profiler_window", "profiler_export", "checkpoint_save")
+
+
+def instrumented(table: pl.DataFrame) -> set[int]:
+    """The steps of a step_time table marked for one of the INSTRUMENTATION reasons."""
+    if table.is_empty():
+        return set()
+    reasons = pl.col("reason").fill_null("").str.split(",")
+    return set(table.filter(pl.any_horizontal(reasons.list.contains(r) for r in INSTRUMENTATION))["step"].to_list())
+
+
 def nearest_rank(values: list[int], share: float) -> int:
     """The ceil(share x n)-th smallest value (nearest-rank percentile)."""
     ordered = sorted(values)
@@ -333,13 +347,15 @@ def step_time_summary(table: pl.DataFrame) -> dict:
     values = kept["step_time_ns"].drop_nulls().to_list()
     excluded = []
     for reason in sorted({r for rs in table["reason"].drop_nulls().to_list() for r in rs.split(",")}):
-        steps = table.filter(pl.col("reason").str.split(",").list.contains(reason))["step"].to_list()
-        excluded.append({"reason": reason, "count": len(steps), "steps": steps[:LISTED_STEPS]})
+        rows = table.filter(pl.col("reason").str.split(",").list.contains(reason))
+        excluded.append({"reason": reason, "count": rows.height, "steps": rows["step"].head(LISTED_STEPS).to_list(),
+                         "step_times_ns": rows["step_time_ns"].head(LISTED_STEPS).to_list()})
     excluded.sort(key=lambda entry: entry["steps"][0])  # in run order
+    typical = has_typical_time(values)
     summary = {
         "source": table["source"][0], "definition": table["definition"][0], "steps": len(values),
-        "total_steps": table.height, "median_ns": round(kept["step_time_ns"].median()) if values else None,
-        "p90_ns": nearest_rank(values, 0.9) if values else None, "max_ns": max(values) if values else None,
+        "total_steps": table.height, "median_ns": round(statistics.median(values)) if typical else None,
+        "p90_ns": nearest_rank(values, 0.9) if typical else None, "max_ns": max(values) if values else None,
         "max_step": kept.sort("step_time_ns", "step", descending=[True, False])["step"][0] if values else None,
         "excluded_steps": excluded,
         # Megatron logs one mean per logging interval: each value stands for several steps.
@@ -348,7 +364,20 @@ def step_time_summary(table: pl.DataFrame) -> dict:
     }
     if not values:
         summary["note"] = "every step was excluded (see excluded_steps)"
+    elif not typical:
+        summary["note"] = (f"too few steps for a typical time: {len(values)} kept, more than {MIN_EXCESS_SHARE:.0%} apart "
+                           f"(a median needs {MIN_STEPS_FOR_NOISE} kept steps, or steps that agree)")
+        summary["kept_steps"] = kept.select("step", "step_time_ns").to_dicts()
     return summary
+
+
+def has_typical_time(values: list[int]) -> bool:
+    """Whether kept step times have a typical value: MIN_STEPS_FOR_NOISE of them, or fewer that agree within the
+    warm-up rule's own floor (MIN_EXCESS_SHARE). The median of a 403 ms warm-up step and an 86 ms step is a time no
+    step had."""
+    if len(values) >= MIN_STEPS_FOR_NOISE:
+        return True
+    return bool(values) and min(values) > 0 and max(values) <= (1 + MIN_EXCESS_SHARE) * min(values)
 
 
 def noise_bound_ns(table: pl.DataFrame) -> float | None:
@@ -405,8 +434,9 @@ def profiled_windows(table: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict 
         windows = windows.join(table.select("step", "step_time_ns"), on="step", how="left")
     else:
         windows = windows.with_columns(step_time_ns=pl.lit(None, pl.Int64))
+    values = kept["step_time_ns"].drop_nulls().to_list()
     return {"steps": windows.sort("step").to_dicts(), "source": source,
-            "run_median_ns": round(kept["step_time_ns"].median()) if kept.height else None}
+            "run_median_ns": round(statistics.median(values)) if has_typical_time(values) else None}
 
 
 OVERFLOW_FREQUENT_SHARE = 0.05  # fp16 overflow skips are a finding from 5% of the steps (and 2 steps) on

@@ -97,13 +97,22 @@ def experiments_from_runs(runs: dict[str, tuple[pl.DataFrame, dict]]) -> tuple[p
             median_ns = kept["step_time_ns"].median()
             row.update(status="ok", latency_us=median_ns / 1e3, throughput=per_step / (median_ns / 1e9))
         else:
-            row.update(status="interrupted", error=f"{kept.height} step(s) kept of {steps.height} timed"
-                                                   + ("" if per_step else ", samples per step unknown")
-                                                   + f": a trial needs {step_time.MIN_STEPS_FOR_NOISE} to be timed")
+            row.update(status="interrupted", error=_untimed(steps, kept.height, bool(per_step)))
         rows.append(row)
     frame = autotune_results.experiment_rows(rows)
     trial = pl.col("experiment").cum_count().over(pl.coalesce("config_json", "experiment")) - 1
     return frame.with_columns(trial=trial.cast(pl.Int64)), ignored
+
+
+def _untimed(steps: pl.DataFrame, kept: int, samples_known: bool) -> str:
+    """Why a run gives no trial, in the run's own terms: its steps kept and why the others were left out."""
+    reasons: dict[str, int] = {}
+    for reason in steps.filter(pl.col("excluded"))["reason"].drop_nulls().to_list() if steps.height else []:
+        for one in reason.split(","):
+            reasons[one] = reasons.get(one, 0) + 1
+    left_out = f" ({', '.join(f'{n} {reason}' for reason, n in reasons.items())} left out)" if reasons else ""
+    return (f"{kept} of {steps.height} steps kept{left_out}" + ("" if samples_known else ", samples per step unknown")
+            + f": a trial needs {step_time.MIN_STEPS_FOR_NOISE} kept steps and its samples per step")
 
 
 def _leaves(settings: dict, prefix: str = "") -> dict:
@@ -130,6 +139,9 @@ def trials(runs: dict[str, tuple[pl.DataFrame, dict]]) -> dict:
     experiments, ignored = experiments_from_runs(runs)
     tables = autotune.autotune_tables(experiments, {})
     verdict = tables["autotune_verdict"].filter(pl.col("tuning_space") == "global").row(0, named=True)
+    if not (experiments["status"] == "ok").any():  # said in the runs' own terms, not the autotuner's
+        verdict["detail"] = "no run could be timed: " + "; ".join(
+            f"{name}: {error}" for name, error in experiments.select("experiment", "error").iter_rows())
     ranking = tables["autotune_ranking"].filter(pl.col("tuning_space") == "global").sort("rank", nulls_last=True)
     work_of = dict(zip(experiments["experiment"], experiments["config_json"]))
     configurations, settings = [], []

@@ -11,7 +11,8 @@ polars.
 Rules (`kind`), what they watch and their `threshold`:
   nonfinite        loss and grad-norm scalars: the value is NaN or +-inf                      (none)
   loss_spike       loss scalars: modified z-score against the trailing `window` finite points  z, 3.5
-  grad_norm_spike  grad-norm scalars: the same robust z against the trailing window           z, 3.5
+                   and a change of at least `min_change` (5%) from their median
+  grad_norm_spike  grad-norm scalars: the same robust z and change against the trailing window z, 3.5
   grad_norm_high   grad-norm scalars: the value is above the threshold                        required
   memory_growth    memory scalars: the value is above the median of the first `window` points by more
                    than the fraction                                                          0.2
@@ -23,6 +24,9 @@ Rules (`kind`), what they watch and their `threshold`:
                    waits for a slow one waits in collectives) above factor x the median of the other
                    ranks' for `recent` consecutive steps                                      1.5
   no_progress      no optimizer step ended for `threshold` seconds (a watchdog in the job; gaps post hoc) 600
+
+slow_step and throughput_drop neither judge nor remember the steps an engine is told to skip (`skip_steps`: steps
+the run instrumented, such as profiler windows and FLOPs-profiled steps, whose time is the instrument's).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ MEMORY = re.compile(r"mem(ory)?|allocated|reserved|rss", re.IGNORECASE)
 # Handle Outliers" (ASQC, 1993), who recommend flagging |z| > 3.5.
 MAD_Z_SCALE = 0.6745
 SPIKE_Z = 3.5
+# A spike must also move the value this much from the trailing median: on a flat series (a loss that changes in
+# its third decimal) the MAD is tiny and a 0.6% step scores z = 3.6 (seen on a real H200 job), which is noise.
+MIN_SPIKE_CHANGE = 0.05
 
 SCALAR_KINDS = ("nonfinite", "loss_spike", "grad_norm_spike", "grad_norm_high", "memory_growth")
 STEP_KINDS = ("slow_step", "throughput_drop")  # from train_steps, and from scalar tags their pattern matches
@@ -80,6 +87,7 @@ class Rule:
     window: int = 50  # trailing points (or steps) a value is judged against
     min_history: int = 8  # fewer points before it: not judged (the first steps are warm-up)
     recent: int = 3  # throughput_drop: steps whose median is compared; straggler: consecutive steps
+    min_change: float = MIN_SPIKE_CHANGE  # loss_spike, grad_norm_spike: least relative change from the median
     severity: str = "warning"
     cooldown_steps: int = 100  # after an alarm, the same rule on the same series is quiet this many steps
     once: bool = False  # at most one alarm per series for the whole job
@@ -98,8 +106,8 @@ class Rule:
             raise ValueError("steplens alarms: grad_norm_high needs a threshold")
         if rule.severity not in SEVERITIES:
             raise ValueError(f"steplens alarms: severity is one of {list(SEVERITIES)}, not {rule.severity!r}")
-        if min(rule.window, rule.recent, rule.min_history + 1) < 1 or rule.cooldown_steps < 0:
-            raise ValueError("steplens alarms: window, recent >= 1; min_history, cooldown_steps >= 0")
+        if min(rule.window, rule.recent, rule.min_history + 1) < 1 or rule.cooldown_steps < 0 or not rule.min_change >= 0:
+            raise ValueError("steplens alarms: window, recent >= 1; min_history, cooldown_steps, min_change >= 0")
         if rule.match is not None:
             re.compile(rule.match)
         return rule
@@ -142,9 +150,10 @@ def _at(step: int | None, samples) -> str:
 class AlarmEngine:
     """Rules evaluated point by point, with per-series trailing state; `fire` applies cooldown and `once`."""
 
-    def __init__(self, rules: list[Rule], rank: int = 0):
+    def __init__(self, rules: list[Rule], rank: int = 0, skip_steps=frozenset()):
         self.rules = rules
         self.rank = rank
+        self.skip_steps = frozenset(skip_steps)  # instrumented steps: the step rules neither judge nor remember them
         self.patterns = [re.compile(r.match) if r.match else None for r in rules]
         self.history: dict[tuple[int, str], deque] = {}
         self.first: dict[tuple[int, str], list] = {}  # memory_growth: the first `window` points
@@ -184,6 +193,8 @@ class AlarmEngine:
             where = (index, name, step, global_samples, wall_ns, position)
             if rule.kind in SCALAR_KINDS:
                 alarms += self._scalar_rule(rule, value, *where)
+            elif step in self.skip_steps:
+                continue
             elif rule.kind == "slow_step" and math.isfinite(value):
                 alarms += self._slow(rule, value, *where)
             elif rule.kind == "throughput_drop" and math.isfinite(value):
@@ -214,10 +225,12 @@ class AlarmEngine:
                         baseline=baseline, score=value / baseline - 1)
         history = self.trailing(index, name)  # loss_spike, grad_norm_spike
         alarms = []
-        if len(history) >= rule.min_history and (z := modified_z(value, list(history))) is not None and z > rule.threshold:
-            median = statistics.median(history)
+        median = statistics.median(history) if history else None
+        if (len(history) >= rule.min_history and (z := modified_z(value, list(history))) is not None and z > rule.threshold
+                and median and abs(value / median - 1) >= rule.min_change):
             alarms = fire(f"{name} = {value:.6g} against a trailing median of {median:.6g} over {len(history)} "
-                          f"points; robust z = {z:.1f} > {rule.threshold:g} (Iglewicz & Hoaglin)", baseline=median, score=z)
+                          f"points ({value / median - 1:+.1%}); robust z = {z:.1f} > {rule.threshold:g} (Iglewicz & "
+                          "Hoaglin)", baseline=median, score=z)
         history.append(value)
         return alarms
 
@@ -246,6 +259,8 @@ class AlarmEngine:
         if global_samples is not None and self.last_samples is not None and step_ns > 0:
             rate = (global_samples - self.last_samples) / (step_ns / 1e9)
         self.last_samples = global_samples
+        if step in self.skip_steps:
+            return alarms
         for index, rule in enumerate(self.rules):
             where = (index, "step_time", step, global_samples, wall_ns, None)
             if rule.kind == "slow_step":
@@ -307,11 +322,11 @@ class AlarmEngine:
 
 
 def replay(rules: list[Rule], scalars: list[dict], steps_by_rank: dict[int, list[dict]],
-           comms_by_rank: dict[int, list[dict]], rank: int = 0) -> list[dict]:
+           comms_by_rank: dict[int, list[dict]], rank: int = 0, skip_steps=frozenset()) -> list[dict]:
     """The rules over recorded rows, as the job evaluated them: `scalars` (rank `rank`'s collector scalars, in
-    the order written), train_steps and comms_calls rows per rank. no_progress is judged on the gaps between
-    consecutive step ends (the watchdog's view of a hang that ended)."""
-    engine = AlarmEngine(rules, rank)
+    the order written), train_steps and comms_calls rows per rank, with the step rules skipping `skip_steps`.
+    no_progress is judged on the gaps between consecutive step ends (the watchdog's view of a hang that ended)."""
+    engine = AlarmEngine(rules, rank, skip_steps)
     alarms = []
     for row in scalars:
         alarms += engine.scalar(row["name"], row["step"], row["global_samples"], row["value"], row["wall_ns"])

@@ -565,6 +565,8 @@ ANALYSIS_TABLES: dict[str, dict[str, str]] = {
         "post_hoc": "Raised by the same rules replayed over the recorded collector rows.",
         "value_in_job": "Value the job saw.", "value_post_hoc": "Value in the replay.",
         "detail": "The alarm in words (the job's, else the replay's).",
+        "instrumented": "A step rule's alarm on a step the run instrumented (profiler, FLOPs profile, checkpoint): "
+                        "the replay skips such steps; not counted as a disagreement.",
     },
     "run_comparability": {
         "field": "world_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size, "
@@ -680,7 +682,7 @@ ANALYSIS_TYPES: dict[str, dict[str, pa.DataType]] = {
         "step": _INT, "value": _FLOAT, "baseline": _FLOAT, "score": _FLOAT, "threshold": _FLOAT, "detail": _STR,
         "rule": _STR},
     "alarm_agreement": {"rule": _STR, "name": _STR, "step": _INT, "rank": _INT, "severity": _STR, "in_job": _BOOL,
-        "post_hoc": _BOOL, "value_in_job": _FLOAT, "value_post_hoc": _FLOAT, "detail": _STR},
+        "post_hoc": _BOOL, "value_in_job": _FLOAT, "value_post_hoc": _FLOAT, "detail": _STR, "instrumented": _BOOL},
     "run_comparability": {"field": _STR, "required": _BOOL, "status": _STR, "values": _STR, "detail": _STR},
     "step_breakdown": {"rank": _INT, "source": _STR, "device": _INT, "step": _INT, "span_ns": _INT,
         "compute_ns": _INT, "exposed_comm_ns": _INT, "idle_ns": _INT, "host_bound_ns": _INT, "sync_ns": _INT,
