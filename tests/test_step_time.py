@@ -448,7 +448,7 @@ def test_trials_says_in_the_runs_terms_why_no_run_was_timed(tmp_path):
     shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", tmp_path / "runs" / "cpu",
                     ignore=shutil.ignore_patterns(".steplens"))
     subprocess.run([*ANALYZE, str(tmp_path / "runs" / "cpu"), "-q"], capture_output=True, check=True)
-    done = subprocess.run([sys.executable, "-m", "steplens.analyze", "trials", str(tmp_path / "runs")],
+    done = subprocess.run([str(Path(sys.executable).parent / "steplens"), "trials", str(tmp_path / "runs")],
                           capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "80"})
     text = " ".join(done.stdout.split())
     assert ("no run could be timed: cpu: 2 of 6 steps kept (1 flops_profiler, 1 profiler_warmup, 1 profiler_window, 1 "
