@@ -429,7 +429,7 @@ def _rerun_record(key: str, stage) -> dict:
 
 def _warn_missing_ranks(result: IngestResult) -> None:
     if warning := _missing_ranks_warning(result):
-        click.echo(warning, err=True)
+        cli_rerun.warn(warning)
 
 
 def _missing_ranks_warning(result: IngestResult) -> str | None:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, analyse_and_report, fail
-from steplens.analyze.cli_rerun import say
+from steplens.analyze.cli_rerun import say, warn
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline.ingest import IngestError, publish, staged
@@ -64,16 +64,37 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
     except QueryError as e:
         fail(str(e))
     for run, why in skipped:
-        click.echo(f"warning: {safe_text(run)}: damaged run.json ({safe_text(why)}); this run is left out", err=True)
+        warn(f"warning: {run}: damaged run.json ({why}); this run is left out")
     if fmt == "csv":
         click.echo(result.write_csv(), nl=False)
     elif fmt == "json":
         click.echo(result.write_ndjson(), nl=False)
     else:
-        with pl_config():
-            click.echo(result)
+        _print_result_table(result)
     if skipped:
         sys.exit(EXIT_PARTIAL)
+
+
+def _print_result_table(result) -> None:
+    """The result as a table when it fits the terminal (80 columns when piped); otherwise one block per row,
+    `column | value`, as psql's expanded display, each value cut into lines under its column."""
+    width = max(Console().width, 40)
+    with pl_config():
+        table = str(result)
+    if max((len(line) for line in table.splitlines()), default=0) <= width:
+        click.echo(table)
+        return
+    names = result.columns
+    pad = min(max(len(name) for name in names), width // 3)
+    for index, row in enumerate(result.iter_rows()):
+        click.echo(f"-[ row {index + 1} ]" + "-" * max(width - len(f"-[ row {index + 1} ]"), 0))
+        for name, value in zip(names, row):
+            text = safe_text("null" if value is None else str(value))
+            room = width - pad - 3  # cut at the width, not between words: the value reads back exactly
+            lines = [text[i:i + room] for i in range(0, len(text), room)] or [""]
+            click.echo(f"{safe_text(name)[:pad]:<{pad}} | {lines[0]}")
+            for more in lines[1:]:
+                click.echo(f"{'':<{pad}} | {more}")
 
 
 def pl_config():
@@ -128,8 +149,8 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
         fail(f"{run_dir}: no events to export" + (f" in steps {steps}" if steps else ""))
     if not remote.is_url(run_dir) and out_path.resolve().parent == out_dir.resolve():
         _list_as_output(out_dir, out_path.name)
-    click.echo(f"{out_path}: {counts['events']:,} events and {counts['flows']:,} launch flows from "
-               f"{counts['ranks']} rank(s); {counts['partial_overlaps']:,} slices overlap without nesting")
+    say(Console(highlight=False), f"{out_path}: {counts['events']:,} events and {counts['flows']:,} launch flows from "
+        f"{counts['ranks']} rank(s); {counts['partial_overlaps']:,} slices overlap without nesting", indent=0)
 
 
 
@@ -169,7 +190,7 @@ def _analysed(run_dir: Path) -> Path:
     for candidate in (run_dir, run_dir / schema.DEFAULT_OUT_DIR):
         if (candidate / schema.MANIFEST_FILE).exists():
             return candidate
-    click.echo(f"analysing {run_dir} first (default options) ...", err=True)
+    warn(f"analysing {run_dir} first (default options) ...")
     try:
         with staged(run_dir) as stage:
             analyse_and_report(stage.folder, runner.Options())

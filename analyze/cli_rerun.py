@@ -41,6 +41,13 @@ def say(console, text: str, indent: int = 2) -> None:
 HEADER_LINES = 2  # summary_lines' first two: what was read into where, and how long it took
 
 
+def warn(text: str) -> None:
+    """A closing warning on stderr, wrapped like the rest (80 columns when piped), continuation indented."""
+    from rich.console import Console
+
+    say(Console(stderr=True, highlight=False), text, indent=0)
+
+
 def print_result(console, summary: list[tuple[str, int]], verdict: list[str], finding_texts: list[str], out_dir: Path,
                  rendered: str) -> None:
     """What the run answered, first screen first: where the output went, the verdict (the report's first
@@ -120,7 +127,7 @@ def answer(argv: list[str]) -> int | None:
     console = Console(stderr=False, highlight=False)
     print_result(console, summary, verdict, findings, out_dir, "unchanged")
     if warning:
-        print(warning, file=sys.stderr)
+        warn(warning)
     return status
 
 
