@@ -239,19 +239,20 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
         console = Console(highlight=False)
         verdict = result["verdict"]
         why = f": {verdict['why']}" if verdict.get("why") else ""
-        console.print(f"{verdict['metric']}: {verdict['verdict']}{why}", markup=False)
+        say(console, f"{verdict['metric']}: {verdict['verdict']}{why}", indent=0)
         if verdict.get("why_metric"):
-            console.print(f"judged on {verdict['metric']}: {verdict['why_metric']}", markup=False)
+            say(console, f"judged on {verdict['metric']}: {verdict['why_metric']}", indent=0)
         for warning in result["warnings"]:
-            console.print(f"warning: {safe_text(warning)}", markup=False)
-        # One line per row, "label: header value, ...": CI logs (piped, 80 columns) wrap it as text, not as table fragments.
+            say(console, f"warning: {warning}", indent=0)
+        # One line per row, "label: header value, ...", wrapped with its continuation indented: CI logs (piped,
+        # 80 columns) read it as text, not as table fragments.
         for table in compare.display_tables(result):
             if table["rows"]:
-                console.print(table["title"], markup=False)
+                say(console, table["title"], indent=0)
                 for label, *cells in table["rows"]:
                     pairs = ", ".join(f"{header} {cell}" for header, cell in zip(table["header"][1:], cells) if cell)
-                    console.print(f"  {safe_text(label)}: {safe_text(pairs)}", markup=False)
-        console.print(f"written: {out_dir / 'compare.html'}, {out_dir / 'compare.md'}", markup=False)
+                    say(console, f"{label}: {pairs}")
+        say(console, f"written: {out_dir / 'compare.html'}, {out_dir / 'compare.md'}", indent=0)
     if fail_pct is not None and comparison.regressed(result, fail_pct):
         sys.exit(EXIT_REGRESSION)
 

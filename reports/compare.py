@@ -3,21 +3,51 @@ for HTML, markdown and the terminal alike. The comparison itself is `steplens.an
 
 from __future__ import annotations
 
+import json
+
 from steplens.analyze.analyses import noise
 
-from .data import ms
+from .data import kernel_labels, ms
+
+
+def _is_duration(name: str) -> bool:
+    return name.endswith("(ns)")  # the metric's unit, as the analysis names it (compare --format json keeps it)
+
+
+def _label(name: str) -> str:
+    """A metric's name for people: its unit is in the value ('1.52 ms'), not in a '(ns)' label."""
+    return name.removesuffix(" (ns)")
 
 
 def _fmt_metric(name: str, value: float | None) -> str:
     if value is None:
         return "n/a"
-    return ms(value) if name.endswith("(ns)") else f"{value:.1%}"
+    return ms(value) if _is_duration(name) else f"{value:.1%}"
 
 
 def _fmt_delta(base: float | None, new: float | None) -> str:
     if base is None or new is None or base == 0:
         return ""
     return f"{new / base - 1:+.1%}"
+
+
+def _fmt_change(name: str, base: float | None, new: float | None) -> str:
+    """A duration's change relative to it; a share's (MFU, idle) in percentage points: 1% -> 4% is +3.0 pp,
+    not +300%."""
+    if _is_duration(name):
+        return _fmt_delta(base, new)
+    return "" if base is None or new is None else f"{(new - base) * 100:+.1f} pp"
+
+
+def _values_text(values_json: str) -> str:
+    """run_comparability's values ({"base": 4, "new": null}) as words: 'base 4, new not recorded'."""
+    try:
+        values = json.loads(values_json)
+    except (TypeError, ValueError):
+        return str(values_json)
+    if not isinstance(values, dict):
+        return str(values_json)
+    return ", ".join(f"{run} {'not recorded' if value is None else value}" for run, value in values.items())
 
 
 def _fmt_value(verdict: dict, value: float | None) -> str:
@@ -52,15 +82,18 @@ def display_tables(result: dict) -> list[dict]:
     tables = [{"title": "Step time and throughput", "note": note, "header": ["metric", "base", "new", "change", "steps"],
                "rows": rows}]
     tables.append({"title": "Efficiency", "note": "", "header": ["metric", "base", "new", "change"],
-                   "rows": [[m["metric"], _fmt_metric(m["metric"], m["base"]), _fmt_metric(m["metric"], m["new"]),
-                             _fmt_delta(m["base"], m["new"])] for m in result["metrics"]]})
+                   "rows": [[_label(m["metric"]), _fmt_metric(m["metric"], m["base"]), _fmt_metric(m["metric"], m["new"]),
+                             _fmt_change(m["metric"], m["base"], m["new"])] for m in result["metrics"]]})
     comparable = result["comparability"]
     tables.append({"title": "What a step is in each run", "note": "", "header": ["field", "status", "values", "detail"],
-                   "rows": [[r["field"], r["status"], r["values"], r["detail"]] for r in comparable.iter_rows(named=True)]})
+                   "rows": [[r["field"], r["status"], _values_text(r["values"]), r["detail"]]
+                            for r in comparable.iter_rows(named=True)]})
     for key, title, label in (("categories", "Kernel categories", "category"), ("kernels", "Top kernels", "name")):
         frame = result[key]
+        names = kernel_labels(frame[label].to_list()) if key == "kernels" and not frame.is_empty() else {}
         rows = [] if frame.is_empty() else [
-            [r[label], ms(r["base_ns"]), ms(r["new_ns"]), ms(r["delta_ns"]), f"{r['delta']:+.1%}" if r["delta"] is not None else "new"]
+            [names.get(r[label], r[label]), ms(r["base_ns"]), ms(r["new_ns"]), ms(r["delta_ns"]),
+             f"{r['delta']:+.1%}" if r["delta"] is not None else "new"]
             for r in frame.iter_rows(named=True)]
         tables.append({"title": title, "note": "GPU time per step and rank, largest changes first.",
                        "header": [label, "base", "new", "delta", "change"], "rows": rows})

@@ -93,7 +93,20 @@ def _work_differs(table: pl.DataFrame) -> list[str]:
     return table.filter(pl.col("field").is_in(WORK_FIELDS) & (pl.col("status") == "different"))["field"].to_list()
 
 
-def _verdict(base, new, pair: tuple[StepSamples, StepSamples] | None, differs: list[str]) -> dict:
+def _work_unrecorded(table: pl.DataFrame) -> list[str]:
+    return table.filter(pl.col("field").is_in(WORK_FIELDS) & (pl.col("status") == "missing"))["field"].to_list()
+
+
+def _same_work(table: pl.DataFrame) -> str:
+    """Why step time is judged: every work field recorded and the same, or the ones not recorded (then assumed)."""
+    if unrecorded := _work_unrecorded(table):
+        return (f"no recorded work field differs, but {', '.join(unrecorded)} are not recorded for every run: a step is "
+                "assumed to be the same work in both runs")
+    return "a step is the same work in both runs (micro batch, gradient accumulation, world size)"
+
+
+def _verdict(base, new, pair: tuple[StepSamples, StepSamples] | None, differs: list[str],
+             same_work: str = "") -> dict:
     """The judged metric: step time when a step is the same work in both runs, throughput otherwise."""
     if pair is None:
         return {"metric": "step time", "unit": "ns", "verdict": "not comparable", "established": None,
@@ -102,7 +115,7 @@ def _verdict(base, new, pair: tuple[StepSamples, StepSamples] | None, differs: l
     base_steps, new_steps = pair
     if not differs:
         return {"metric": "step time", "unit": "ns", "higher_is_better": False, "source": base_steps.source,
-                "why_metric": "a step is the same work in both runs (micro batch, gradient accumulation, world size)",
+                "why_metric": same_work,
                 **noise.two_run_verdict(base_steps.values_ns, new_steps.values_ns, higher_is_better=False)}
     samples = {"base": samples_per_step(base, base_steps), "new": samples_per_step(new, new_steps)}
     seq = {"base": monitor.run_fact(facts(base), "seq_len"), "new": monitor.run_fact(facts(new), "seq_len")}
@@ -110,8 +123,9 @@ def _verdict(base, new, pair: tuple[StepSamples, StepSamples] | None, differs: l
     if any(value is None for value in samples.values()):
         missing = [side for side, value in samples.items() if value is None]
         return {"metric": "throughput", "unit": None, "verdict": "not comparable", "established": None,
-                "why": f"{changed} differ(s), so a step is not the same work, and the samples per step of the {missing} "
-                       "run(s) are not recorded (no global_samples, train_batch_size or batch settings)"}
+                "why": f"{changed} differ(s), so a step is not the same work, and the samples per step of the "
+                       f"{' and '.join(missing)} run{'s are' if len(missing) > 1 else ' is'} not recorded (no "
+                       "global_samples, train_batch_size or batch settings)"}
     tokens = all(seq.values())
     metric, unit = ("tokens/s", "tokens_per_s") if tokens else ("samples/s", "samples_per_s")
     rates = {side: samples[side] * (seq[side] if tokens else 1) / (steps.values_ns / 1e9)
@@ -181,12 +195,38 @@ def compare(base, new) -> dict:
     table = comparability(base, new)
     base_metrics, new_metrics = metrics(base), metrics(new)
     return {
-        "base": base.name, "new": new.name, "verdict": _verdict(base, new, pair, _work_differs(table)),
+        "base": base.name, "new": new.name, "verdict": _verdict(base, new, pair, _work_differs(table), _same_work(table)),
         "step_time": _step_time(pair),
         "metrics": [{"metric": k, "base": base_metrics[k], "new": new_metrics[k]} for k in base_metrics],
         **_kernel_tables(base, new), "comparability": table,
-        "warnings": warnings(table, base, new), "curves": curves(base, new),
+        "warnings": warnings(table, base, new) + source_warnings(base, new, pair), "curves": curves(base, new),
     }
+
+
+SOURCE_WORDS = {"collector": "the collector's train_steps", "profiler_steps": "the profiled ProfilerSteps",
+                "log_train_steps": "train_steps lines in the logs", "log_timers": "the wall_clock_breakdown timers",
+                "log_throughput": "the throughput lines", "log_megatron": "Megatron's iteration times",
+                "log_pipeline": "the pipeline engine's iteration times"}
+
+
+def source_warnings(base, new, pair: tuple[StepSamples, StepSamples] | None) -> list[str]:
+    """When the step-time source both runs share is not a run's own best, what that run's best source says: a
+    traced ProfilerStep runs slower than the steps the collector timed."""
+    if pair is None:
+        return []
+    common = _definition_key(pair[0].source)
+    found = []
+    for side, run in (("base", base), ("new", new)):
+        best = step_samples(run)[0]
+        if best.source != pair[0].source and len(best.values_ns):
+            found.append(f"step times from {SOURCE_WORDS.get(common, common)}, the only source both runs have; the "
+                         f"{side} run's own best, {SOURCE_WORDS.get(_definition_key(best.source), best.source)}, gives "
+                         f"a median of {np.median(best.values_ns) / 1e6:.3g} ms over {len(best.values_ns)} steps.")
+    return found
+
+
+def _definition_key(definition: str) -> str:
+    return next((key for key, text in step_time.DEFINITIONS.items() if text == definition), definition)
 
 
 def comparability(base, new) -> pl.DataFrame:

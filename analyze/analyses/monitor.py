@@ -165,7 +165,7 @@ def comparability(run_facts: dict[str, dict]) -> pl.DataFrame:
         distinct = {json.dumps(v, sort_keys=True) for v in values.values() if v is not None}
         if missing:
             status = "missing"
-            detail = f"not recorded for {missing}"
+            detail = f"not recorded for the {' and '.join(missing)} run{'s' if len(missing) > 1 else ''}"
             if field in REQUIRED_FIELDS:
                 detail += ": runs cannot be shown comparable on this"
         elif len(distinct) > 1:

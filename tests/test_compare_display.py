@@ -1,0 +1,73 @@
+"""`steplens compare` picks its step-time source honestly and labels what it shows: shares change in percentage
+points, durations carry their unit, run facts read as words, kernels by their short names, and no claim that a
+step is the same work when the work is not recorded. On the real H200 job against its own traces alone."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from steplens.reports.compare import _fmt_change, _fmt_metric, _label, _values_text
+
+ROOT = Path(__file__).resolve().parents[1]
+H200_JOB = ROOT.parent / "shared" / "gpu-runs" / "h200_zero2_gpu_check" / "job"
+BIN = Path(sys.executable).parent
+
+
+def test_a_share_changes_in_points_and_a_duration_relative_to_itself():
+    assert _fmt_change("GPU idle share", 0.01, 0.3255) == "+31.6 pp"  # not +3155%
+    assert _fmt_change("MFU (median)", 0.099, 0.063) == "-3.6 pp"
+    name = "exposed communication per step and rank (ns)"
+    assert _label(name) == "exposed communication per step and rank"
+    assert _fmt_metric(name, 1_519_000) == "1.52 ms" and _fmt_change(name, 1_000_000, 1_500_000) == "+50.0%"
+
+
+def test_run_facts_read_as_words():
+    assert _values_text('{"base": null, "new": 1}') == "base not recorded, new 1"
+    assert _values_text('{"base": 8, "new": 8}') == "base 8, new 8"
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    if not H200_JOB.is_dir():
+        pytest.skip(f"{H200_JOB} is not here")
+    root = tmp_path_factory.mktemp("compare")
+    shutil.copytree(H200_JOB, root / "base")
+    (root / "new").mkdir()
+    shutil.copytree(H200_JOB / "traces", root / "new" / "traces")
+    done = subprocess.run([str(BIN / "steplens"), "compare", str(root / "base"), str(root / "new"), "--out",
+                           str(root / "out")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    return root, done.stdout
+
+
+def test_the_collectors_step_time_is_named_when_only_the_profiled_step_is_shared(compared):
+    root, stdout = compared
+    table = pq.read_table(root / "base" / ".steplens" / "step_time").to_pylist()
+    kept = [r["step_time_ns"] for r in table if not r["excluded"]]
+    text = " ".join(stdout.split())
+    assert (f"the base run's own best, the collector's train_steps, gives a median of "
+            f"{statistics.median(kept) / 1e6:.3g} ms over {len(kept)} steps") in text
+    assert "step times from the profiled ProfilerSteps, the only source both runs have" in text
+
+
+def test_no_same_work_claim_when_the_work_is_not_recorded_and_no_raw_json_or_signatures(compared):
+    root, stdout = compared
+    text = " ".join(stdout.split())
+    html = (root / "out" / "compare.html").read_text()
+    for page in (text, html):
+        assert "a step is the same work in both runs (micro batch" not in page
+        assert "are not recorded for every run: a step is assumed to be the same work" in " ".join(page.split())
+        assert '{"base"' not in page and "{&#34;base&#34;" not in page and "(ns)" not in page
+    assert "not recorded for the new run" in text and "['new']" not in text
+    assert "base not recorded" in text or "new not recorded" in text
+    assert "(char*" not in text and "at::native::" not in text  # short kernel names, not C++ signatures
+    assert [line for line in stdout.splitlines() if len(line) > 80 and len(line.split()) > 1] == []
