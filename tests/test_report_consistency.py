@@ -265,3 +265,14 @@ def test_the_first_screen_fits_a_1280_by_800_window_in_chromium(analysed, browse
                                     "return r.bottom + window.scrollY;")
     assert bottom <= 800
     assert browser.execute_script("return document.documentElement.scrollWidth") <= 1280
+
+
+@pytest.mark.parametrize("name", ["synthetic_8rank", "h200"])
+def test_the_gpu_idle_sentence_and_tile_are_the_gpu_idle_tables_whole_windows(analysed, name):
+    out, _stdout, report = _run(analysed, name)
+    rows = [r for r in pq.read_table(out / "gpu_idle").to_pylist() if r["stream"] == -1 and r["step"] is None]
+    idle = sum(r["idle_ns"] for r in rows) / sum(r["span_ns"] for r in rows)
+    sentence = next(line for line in report.details if line.startswith("GPU idle: "))
+    assert sentence.startswith(f"GPU idle: {idle:.1%} of the profiled time")
+    html = (out / "report.html").read_text()
+    assert f"<dt>GPU idle</dt><dd>{idle:.1%}</dd>" in html
