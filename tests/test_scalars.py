@@ -91,8 +91,9 @@ def test_csv_garbled_lines_are_reported_and_skipped(tmp_path):
     path.write_bytes(b"step,lr\n8,0.1\n16,0.2,24,0.3\n\xff\xfe\x00junk\n32,0.4\n")
     result = monitor_scalars.parse_csv_monitor(path, path.name)
     assert result.tables["scalars"]["global_samples"].to_list() == [8, 32]
-    [issue] = result.issues
+    [issue] = [i for i in result.issues if i[1] == "garbled_lines"]
     assert issue[0] == "error" and issue[2] == 2 and "lines [3, 4]" in issue[3] and path.name in issue[3]
+    assert [i[1:3] for i in result.issues if i[1] != "garbled_lines"] == [["zero_padding", 1]]  # the \x00, counted
 
 
 def test_csv_step_beyond_int64_is_a_garbled_line(tmp_path):

@@ -106,6 +106,10 @@ _DECLARED = (
     # DeepSpeed and Megatron logs (importers/deepspeed_log.py)
     IssueReason("long_lines", ("warning",), "Log lines longer than the reader's limit (1 MiB): cut there, the rest of "
                 "each not read."),
+    IssueReason("middle_skipped", ("warning",), "A text input (a log, csv_monitor file, FLOPs profile) over the reader's "
+                "limit (512 MiB): its first and last 256 MiB are read, the bytes between are not."),
+    IssueReason("oversized_file", ("error",), "A JSON input (a comms dump, an autotuning file) over the reader's limit "
+                "(256 MiB): not parsed."),
     IssueReason("no_final_newline", ("info",), "The last line has no newline (cut off or still being written)."),
     IssueReason("garbled_lines", ("info", "error"), "Lines of interleaved writes or undecodable bytes (a csv_monitor file: "
                                                     "lines lost, error)."),

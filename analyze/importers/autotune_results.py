@@ -19,6 +19,7 @@ import polars as pl
 
 from steplens.analyze.contract import schema
 from steplens.analyze.importers.base import Imported, conform, peek
+from steplens.analyze.importers.bounded import load_json, read_text
 from steplens.analyze.importers.kineto import preview
 
 EXPERIMENT_FILES = ("metrics.json", "stderr.log", "stdout.log", "ds_config.json", "cmd.txt", "model_info.json")
@@ -60,7 +61,7 @@ def _imported() -> Imported:
 
 def _read_json(path: Path, problems: list[str]) -> dict | None:
     try:
-        value = json.loads(path.read_text())
+        value = load_json(path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError) as e:
@@ -236,8 +237,9 @@ def _with_problems(result: Imported, source: str, problems: list[str]) -> Import
 
 
 def _read_text(path: Path) -> str | None:
+    """A log of an experiment (stdout, stderr, cmd.txt), bounded like every text input; only its words are used."""
     try:
-        return path.read_bytes().decode("utf-8", errors="replace")
+        return read_text(path, [])
     except OSError:
         return None
 

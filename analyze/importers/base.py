@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from steplens.analyze.contract.issue_reasons import Issue
-
 import polars as pl
 
 from steplens.analyze.contract import schema
+from steplens.analyze.contract.issue_reasons import Issue
 
 
 @dataclass

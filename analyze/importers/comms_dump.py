@@ -25,7 +25,6 @@ input by n again, and used the running totals.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from steplens.analyze.contract import schema
 from steplens.analyze.contract.bus_bandwidth import with_bandwidth
 from steplens.analyze.contract.manifest import MAX_COUNT
 from steplens.analyze.importers.base import Imported, conform, peek
+from steplens.analyze.importers.bounded import TooLarge, load_json
 from steplens.analyze.importers.kineto import preview
 
 RAW_NAME = re.compile(r"comms_dict_raw_rank(\d+)\.json$")
@@ -128,7 +128,10 @@ def _peek_is_json_object(path: Path) -> bool:
 
 def _load(path: Path, issues: list) -> dict | None:
     try:
-        doc = json.loads(path.read_bytes())
+        doc = load_json(path)
+    except TooLarge as e:
+        issues.append(["error", "oversized_file", 1, f"{path.name}: {e}"])
+        return None
     except (OSError, ValueError, RecursionError) as e:
         issues.append(["error", "bad_json", 1, f"{path.name}: not readable JSON ({type(e).__name__}: {e}); nothing read"])
         return None

@@ -70,6 +70,7 @@ import polars as pl
 
 from steplens.analyze.contract.bus_bandwidth import with_bandwidth
 from steplens.analyze.importers import comms_dump, flops_text
+from steplens.analyze.importers.bounded import read_bounded
 from steplens.analyze.importers.base import Imported, conform
 
 PEEK_BYTES = 64 << 10
@@ -80,12 +81,6 @@ SNIFF_LIMIT_BYTES = 16 << 20
 SNIFF_BLOCK_BYTES = 1 << 20
 MAX_CARRIED_CHARS = 64 << 10
 SUFFIXES = (".log", ".txt", ".out")
-# Longest line read (a line, or a segment of a progress bar redrawn with \r): longer ones are cut here. The longest
-# real lines are a ds_config or Megatron's arguments printed on one line (tens of kB); a runaway line (a tensor
-# printed whole, a binary blob) would otherwise cost its size several times over, and minutes of regex scanning.
-MAX_LINE_BYTES = 1 << 20
-READ_BLOCK_BYTES = 4 << 20
-_LINE_END = re.compile(rb"[\r\n]")
 
 NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf)"
 TIMESTAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
@@ -325,43 +320,6 @@ def parse(path: Path, rel: str, run_index: int | None = None) -> Imported:
     if not ends_with_newline and at_end:
         issues.append(["info", "no_final_newline", 1, "the last line has no newline (cut off or still being written)"])
     return _build(state, issues)
-
-
-def read_bounded(path: Path) -> tuple[bytes, list, bool]:
-    """The log's bytes as they are read: zero bytes (what a crash or a preallocated file leaves) left out, and each
-    line cut at MAX_LINE_BYTES; with the issues saying so, and whether the file ends with a newline. Read a block at a
-    time, so memory follows what is kept, never a run of zeros or one endless line."""
-    kept, issues = [], []
-    zero_bytes, cut_lines, line_bytes, cutting, last = 0, 0, 0, False, b""
-    with open(path, "rb") as f:
-        while block := f.read(READ_BLOCK_BYTES):
-            if zeros := block.count(b"\0"):
-                zero_bytes += zeros
-                block = block.translate(None, b"\0")  # (replace() takes 10x as long on a run of zeros)
-            last = block[-1:] or last
-            start = keep_from = 0  # block[keep_from:start] is kept as it is, in one piece
-            for end in [m.end() for m in _LINE_END.finditer(block)] + [len(block)]:
-                ended = end > start and block[end - 1] in b"\r\n"
-                body_bytes = end - start - ended
-                if cutting:  # the rest of a line already cut: only its end is kept
-                    kept.append(block[keep_from:start])
-                    keep_from = end - ended
-                elif line_bytes + body_bytes > MAX_LINE_BYTES:
-                    kept.append(block[keep_from:start + MAX_LINE_BYTES - line_bytes])
-                    keep_from = end - ended
-                    cut_lines += 1
-                    cutting = True
-                line_bytes = 0 if ended else line_bytes + body_bytes
-                cutting = cutting and not ended
-                start = end
-            kept.append(block[keep_from:])
-    if zero_bytes:
-        issues.append(["info", "zero_padding", zero_bytes, f"{zero_bytes} zero bytes (what a crash or a preallocated "
-                                                           "file leaves) were left out"])
-    if cut_lines:
-        issues.append(["warning", "long_lines", cut_lines, f"{cut_lines} line(s) longer than {MAX_LINE_BYTES >> 20} MiB "
-                                                          "were cut there; the rest of each was not read"])
-    return b"".join(kept), issues, last == b"\n"
 
 
 def _read_lines(state: LogState, lines: list[str], start: int, end: int) -> None:

@@ -28,6 +28,7 @@ import re
 from pathlib import Path
 
 from steplens.analyze.importers.base import Imported, conform, peek
+from steplens.analyze.importers.bounded import read_text
 
 HEADER = "-- DeepSpeed Flops Profiler --"
 # number_to_string / params_to_string prefixes (profiler.py), B = 1e9 in params_to_string; params_to_string
@@ -87,8 +88,9 @@ def ds_config_files(path: Path) -> list[Path]:
 
 
 def parse(path: Path, rel: str) -> Imported:
+    read_issues: list = []
     try:
-        text = path.read_bytes().decode("utf-8", "replace")
+        text = read_text(path, read_issues)
     except OSError as e:
         return Imported(issues=[["error", "unreadable", 1, str(e)]])
     context = {}
@@ -101,7 +103,9 @@ def parse(path: Path, rel: str) -> Imported:
         if isinstance(stage, int):
             context["zero_stage"] = stage
             break
-    return parse_lines(text.splitlines(), rel, context)
+    imported = parse_lines(text.splitlines(), rel, context)
+    imported.issues.extend(read_issues)
+    return imported
 
 
 def parse_lines(lines: list[str], rel: str, context: dict | None = None) -> Imported:

@@ -19,6 +19,7 @@ import polars as pl
 
 from steplens.analyze.contract import schema
 from steplens.analyze.importers.base import Imported, conform, peek
+from steplens.analyze.importers.bounded import MAX_LINE_BYTES, read_text
 
 MONITOR_RANK = 0  # DeepSpeed's MonitorMaster writes on rank 0 only
 SHOWN_LINES = 5  # line numbers quoted in an issue
@@ -83,7 +84,7 @@ def csv_tag(file_stem: str, column: str | None) -> str:
 
 def parse_csv_monitor(path: Path, source: str) -> Imported:
     result = _result()
-    text = path.read_bytes().decode("utf-8", errors="replace")
+    text = read_text(path, result.issues)
     rows, bad_lines, headers = [], [], []
     segment, column = 0, None
     lines = text.splitlines()
@@ -101,7 +102,7 @@ def parse_csv_monitor(path: Path, source: str) -> Imported:
             column = column or fields[1]
             continue
         try:
-            if len(fields) != 2:
+            if len(fields) != 2 or len(line) >= MAX_LINE_BYTES:  # a line cut at the reader's limit lost its end
                 raise ValueError(line)
             global_samples, value = int(fields[0]), float(fields[1])  # float() keeps nan and inf
             if not schema.holds_int64(global_samples):
