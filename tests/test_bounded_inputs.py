@@ -103,3 +103,14 @@ def test_a_json_input_over_its_limit_is_not_parsed(tmp_path):
     small.parent.mkdir()
     small.write_text(json.dumps({"all_reduce": {"1024": [1, [0.5], [0.1], [0.1]]}}))
     assert _probe(small, "deepspeed_comms_dict")[1] == {"comms_calls": 1}
+
+
+def test_a_monitor_file_keeps_its_first_points_and_counts_the_rest(tmp_path, monkeypatch):
+    from steplens.analyze.importers import monitor_scalars
+
+    monkeypatch.setattr(monitor_scalars, "MAX_POINTS", 100)
+    csv = tmp_path / "Train_Samples_lr.csv"
+    csv.write_text("step,lr\n" + "".join(f"{8 * s},{s / 1000}\n" for s in range(1, 151)))
+    imported = monitor_scalars.parse_csv_monitor(csv, csv.name)
+    assert imported.tables["scalars"]["global_samples"].to_list() == [8 * s for s in range(1, 101)]
+    assert [i[1:3] for i in imported.issues] == [["points_capped", 50]]

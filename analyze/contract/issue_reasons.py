@@ -109,7 +109,9 @@ _DECLARED = (
     IssueReason("middle_skipped", ("warning",), "A text input (a log, csv_monitor file, FLOPs profile) over the reader's "
                 "limit (512 MiB): its first and last 256 MiB are read, the bytes between are not."),
     IssueReason("oversized_file", ("error",), "A JSON input (a comms dump, an autotuning file) over the reader's limit "
-                "(256 MiB): not parsed."),
+                "(256 MiB), or a W&B log over 512 MiB: not parsed."),
+    IssueReason("points_capped", ("warning",), "A monitor file (csv_monitor, TensorBoard, W&B) of more than a million "
+                "points: the first million kept, the rest counted."),
     IssueReason("no_final_newline", ("info",), "The last line has no newline (cut off or still being written)."),
     IssueReason("garbled_lines", ("info", "error"), "Lines of interleaved writes or undecodable bytes (a csv_monitor file: "
                                                     "lines lost, error)."),

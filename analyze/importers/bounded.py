@@ -4,7 +4,8 @@ files) read a file: with memory bounded whatever its content, every cut counted 
 - Text is read a block at a time: zero bytes (what a crash or a preallocated file leaves) are left out, each line
   is cut at MAX_LINE_BYTES, and of a file over MAX_TEXT_BYTES only the first and the last half of that are read
   (the start holds a job's settings, the end how it ended), the middle counted as skipped.
-- JSON documents are parsed whole (json.loads), so one over MAX_JSON_BYTES is not read at all.
+- JSON documents are parsed whole (json.loads), so one over MAX_JSON_BYTES is not read at all; nor is a W&B log
+  over MAX_BINARY_BYTES.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ MAX_TEXT_BYTES = 512 << 20
 # Largest JSON document parsed: json.loads holds about 5-10x its size as Python objects. DeepSpeed's comms dumps hold
 # a few floats per call (tens of MB for a million calls), autotuning files a few kB.
 MAX_JSON_BYTES = 256 << 20
+# Largest binary log decoded whole (a W&B run-*.wandb file).
+MAX_BINARY_BYTES = 512 << 20
 _LINE_END = re.compile(rb"[\r\n]")
 
 

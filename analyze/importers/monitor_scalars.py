@@ -19,7 +19,7 @@ import polars as pl
 
 from steplens.analyze.contract import schema
 from steplens.analyze.importers.base import Imported, conform, peek
-from steplens.analyze.importers.bounded import MAX_LINE_BYTES, read_text
+from steplens.analyze.importers.bounded import MAX_BINARY_BYTES, MAX_LINE_BYTES, read_text
 
 MONITOR_RANK = 0  # DeepSpeed's MonitorMaster writes on rank 0 only
 SHOWN_LINES = 5  # line numbers quoted in an issue
@@ -31,13 +31,32 @@ POINT_DAMAGE = {
 }
 
 
-def _result() -> Imported:
+# Points kept per monitor file: each costs a few hundred bytes until the file's table is built, so a file of any size
+# stays within a few hundred MB. A series logged every step of a million-step job fits.
+MAX_POINTS = 1_000_000
 
+
+class Points(list):
+    """A file's scalars rows, at most MAX_POINTS of them; the rest are counted, not kept."""
+
+    dropped = 0
+
+    def add(self, row: dict) -> None:
+        if len(self) < MAX_POINTS:
+            self.append(row)
+        else:
+            self.dropped += 1
+
+
+def _result() -> Imported:
     return Imported()
 
 
-def _frame(rows: list[dict], issues: list) -> dict[str, pl.DataFrame]:
-    return {"scalars": conform(rows, "scalars", issues)} if rows else {}
+def _frame(rows: Points, issues: list) -> dict[str, pl.DataFrame]:
+    if rows.dropped:
+        issues.append(["warning", "points_capped", rows.dropped, f"the first {MAX_POINTS:,} points of the file were "
+                                                                f"kept, the {rows.dropped:,} after them were not read"])
+    return {"scalars": conform(list(rows), "scalars", issues)} if rows else {}
 
 
 def _wall_ns(seconds) -> int | None:
@@ -85,7 +104,7 @@ def csv_tag(file_stem: str, column: str | None) -> str:
 def parse_csv_monitor(path: Path, source: str) -> Imported:
     result = _result()
     text = read_text(path, result.issues)
-    rows, bad_lines, headers = [], [], []
+    rows, bad_lines, headers = Points(), [], []
     segment, column = 0, None
     lines = text.splitlines()
     # csv.writer ends every row with a newline: a last line without one was cut (a killed job, a copy taken
@@ -110,7 +129,7 @@ def parse_csv_monitor(path: Path, source: str) -> Imported:
         except ValueError:
             bad_lines.append(number)
             continue
-        rows.append({"rank": MONITOR_RANK, "source": source, "origin": "csv_monitor", "segment": segment,
+        rows.add({"rank": MONITOR_RANK, "source": source, "origin": "csv_monitor", "segment": segment,
                      "global_samples": global_samples, "value": value})
     name = csv_tag(path.stem, column)
     for row in rows:
@@ -165,7 +184,7 @@ def parse_tensorboard(path: Path, source: str) -> Imported:
                 yield record
 
     result = _result()
-    rows, skipped, damaged, undecodable = [], {}, Counter(), 0
+    rows, skipped, damaged, undecodable = Points(), {}, Counter(), 0
     loader = RawRecordCounter(str(path))
     initial_metadata = {}  # dataclass_compat's state: tag -> its first SummaryMetadata
     for record in loader.Load():
@@ -188,7 +207,7 @@ def parse_tensorboard(path: Path, source: str) -> Imported:
                     continue
                 if wall_ns is None:
                     damaged["wall_time"] += 1
-                rows.append({"rank": MONITOR_RANK, "source": source, "origin": "tensorboard", "name": value.tag,
+                rows.add({"rank": MONITOR_RANK, "source": source, "origin": "tensorboard", "name": value.tag,
                              "segment": 0, "global_samples": event.step, "value": number, "wall_ns": wall_ns})
     size = path.stat().st_size
     if loader.bytes_read < size:
@@ -362,13 +381,17 @@ def claims_wandb(path: Path) -> bool:
 
 def parse_wandb(path: Path, source: str) -> Imported:
     result = _result()
+    if (size := path.stat().st_size) > MAX_BINARY_BYTES:  # its records are decoded from the whole file in memory
+        result.issues.append(["error", "oversized_file", 1, f"{source}: {size / 2**20:,.0f} MiB, over the "
+                                                           f"{MAX_BINARY_BYTES >> 20} MiB a W&B log may have; not read"])
+        return result
     data = path.read_bytes()
     if len(data) < WANDB_HEADER.size or WANDB_HEADER.unpack_from(data)[:2] != (WANDB_MAGIC, WANDB_HEADER_MAGIC):
         result.issues.append(["error", "not_a_wandb_log", 1,
                               f"{source}: does not start with the W&B log header (b':W&B' + 0xBEE1); nothing read"])
         return result
     records, problems = wandb_records(data)
-    rows, undecodable, non_numeric, damaged = [], 0, set(), Counter()
+    rows, undecodable, non_numeric, damaged = Points(), 0, set(), Counter()
     for record in records:
         try:
             fields = proto_fields(record)
@@ -376,7 +399,8 @@ def parse_wandb(path: Path, source: str) -> Imported:
                 if number == RECORD_RUN:
                     result.facts["wandb"] = _run_facts(value)
                 elif number == RECORD_HISTORY:
-                    rows.extend(_history_rows(value, source, non_numeric, damaged))
+                    for row in _history_rows(value, source, non_numeric, damaged):
+                        rows.add(row)
         # TypeError, AttributeError: a field of another wire type (a number where bytes belong).
         except (ValueError, IndexError, UnicodeDecodeError, TypeError, AttributeError):
             undecodable += 1
