@@ -400,7 +400,7 @@ def problem_headlines(f: dict) -> list[tuple[str, str]]:
         if alarm["post_hoc"]:
             alarms[alarm["rule"]] = alarms.get(alarm["rule"], 0) + 1
     if alarms:
-        problems.append(("Alarms: " + ", ".join(f"{kind} x{n}" for kind, n in alarms.items()), "alarms"))
+        problems.append(("Alarms: " + ", ".join(f"{kind} x{n}" for kind, n in sorted(alarms.items())), "alarms"))
     if errors := f.get("ingest_errors"):
         problems.append((f"{errors} input problem(s) lost data", "issues"))
     return problems[:MAX_PROBLEMS]

@@ -276,3 +276,35 @@ def test_the_gpu_idle_sentence_and_tile_are_the_gpu_idle_tables_whole_windows(an
     assert sentence.startswith(f"GPU idle: {idle:.1%} of the profiled time")
     html = (out / "report.html").read_text()
     assert f"<dt>GPU idle</dt><dd>{idle:.1%}</dd>" in html
+
+
+def test_the_problem_lines_are_their_tables_rows(analysed):
+    """Straggler: step_stats' straggler; the profiler's after-effect: the step_time table's kept steps after the last
+    window over those before the first; the alarms: alarm_agreement's replayed rows and monitor_alarms."""
+    checked = 0
+    if "synthetic_8rank" in analysed:
+        out, _stdout, report = _run(analysed, "synthetic_8rank")
+        stats = [r for r in pq.read_table(out / "step_stats").to_pylist() if r["straggler_rank"] is not None]
+        worst = max(stats, key=lambda r: (r["others_waited_ns"] or 0))
+        assert f"Straggler: rank {worst['straggler_rank']} in step {worst['step']}" in report.first_screen
+        checked += 1
+    if "h200" in analysed:
+        out, _stdout, report = _run(analysed, "h200")
+        rows = pq.read_table(out / "step_time").to_pylist()
+        traced = [r["step"] for r in rows if r["reason"] and ("profiler_window" in r["reason"]
+                                                               or "profiler_warmup" in r["reason"])]
+        windows = [r["step"] for r in rows if r["reason"] and "profiler_window" in r["reason"]]
+        kept = [r for r in rows if not r["excluded"]]
+        before = statistics.median(r["step_time_ns"] for r in kept if r["step"] < min(traced))
+        after = statistics.median(r["step_time_ns"] for r in kept if r["step"] > max(windows))
+        assert (f"Profiling slowed the run: steps {after / before:.2f}x slower after the windows (CUPTI left attached?)"
+                in report.first_screen)
+        counts: dict[str, int] = {}
+        for r in pq.read_table(out / "alarm_agreement").to_pylist():
+            if r["post_hoc"]:
+                counts[r["rule"]] = counts.get(r["rule"], 0) + 1
+        for r in pq.read_table(out / "monitor_alarms").to_pylist():
+            counts[r["alarm"]] = counts.get(r["alarm"], 0) + 1
+        assert "Alarms: " + ", ".join(f"{k} x{n}" for k, n in sorted(counts.items())) in report.first_screen
+        checked += 1
+    assert checked
