@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import functools
 import hashlib
 import json
 import os
@@ -11,7 +10,6 @@ import re
 import secrets
 import signal
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 import click
@@ -28,7 +26,7 @@ from rich.progress import (
 
 from steplens.analyze import importers
 from steplens.analyze.importers import nsys
-from steplens.analyze.analyses import kernels, mfu, runner
+from steplens.analyze.analyses import kernels, runner
 from steplens.analyze import cli_rerun
 from steplens.analyze.contract import reuse, schema
 
@@ -39,13 +37,11 @@ from steplens.analyze.pipeline.ingest import (
     classify,
     discover,
     input_key,
-    publish,
     reused_result,
-    staged,
-    unchanged,
 )
 from steplens.analyze.pipeline import remote
-from steplens.analyze.pipeline.workers import Workers, keep_pandas_out_of_pyarrow, use_system_allocator
+from steplens.analyze.pipeline import run as pipeline_run
+from steplens.analyze.pipeline.workers import keep_pandas_out_of_pyarrow, use_system_allocator
 from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split_runs, subset
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
 from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
@@ -350,13 +346,10 @@ def _apart(out: Path | str, run: RunFolder) -> Path | str:
 
 def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options, ingest_only: bool,
                  show_progress: bool, client=None, rerun_key: str | None = None) -> tuple[IngestResult, dict]:
-    """Stage, analyse, report and publish one run; an object-store `out` is built locally and committed.
-    A local result made from the same inputs, options and code is reused as it is. With `rerun_key`
-    (contract/reuse.listing_key of the command's RUN_DIR) the result records how a re-run is answered."""
-    findings: dict = {}
+    """One run through the pipeline (pipeline/run.py), with what the command adds: the progress bar, the report
+    (drawn while the workers parse, its imports done while this process would wait) and, with `rerun_key`
+    (contract/reuse.listing_key of the command's RUN_DIR), the record of how a re-run is answered."""
     key = None if remote.is_url(out) else input_key(run.path, run.found, repr((options, ingest_only, nsys.step_range().pattern)))
-    if (previous := unchanged(out, key)) is not None:
-        return previous, {} if ingest_only else json.loads((out / "findings.json").read_text())
     total = 0
     for path in run.found.traces + [path for path, _, _ in run.found.native]:
         try:
@@ -366,44 +359,16 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
     progress = Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                         TextColumn("{task.fields[files]} files"), TimeRemainingColumn(),
                         console=Console(stderr=True), transient=True, disable=not (show_progress and sys.stderr.isatty()))
-    # An object-store --out under --scheduler: the workers write their parts straight into its new generation.
-    store = remote.Generation(out) if client is not None and remote.is_url(out) else None
-    try:
-        with progress, (remote.output_folder(out) if remote.is_url(out) else nullcontext(out)) as local_out:
-            task = progress.add_task("ingest", total=total or None, files=0)
+    with progress:
+        task = progress.add_task("ingest", total=total or None, files=0)
 
-            def advance(source) -> None:
-                progress.update(task, advance=source.size, files=progress.tasks[task].fields["files"] + 1)
+        def advance(source) -> None:
+            progress.update(task, advance=source.size, files=progress.tasks[task].fields["files"] + 1)
 
-            # The parse's worker processes stay up for the per-rank analyses (a cluster's are its own).
-            # While this process would only wait for a worker, it imports the report's figures.
-            workers = Workers(jobs, when_idle=None if ingest_only else import_figures)
-            with workers, staged(run.path, local_out, jobs=jobs, found=run.found, progress=advance, client=client,
-                                 store=store, workers=workers) as stage:
-                if not ingest_only:
-                    if client is not None:
-                        map_ranks, map_figures = _rank_mapper(client, store), None
-                    else:  # the workers stay for the report's figures, importing matplotlib meanwhile
-                        map_ranks, map_figures = functools.partial(workers.map_ranks, then=import_figures), workers.map
-                    findings = analyse_and_report(stage.folder, options, map_ranks=map_ranks, map_figures=map_figures)
-                stage.manifest["input_key"] = key
-                if rerun_key is not None and findings:
-                    stage.manifest["rerun"] = _rerun_record(rerun_key, stage)
-                result = publish(stage)
-            if remote.is_url(out):
-                result.out_dir = remote.commit(local_out, out, store)
-    except BaseException:
-        if store is not None:  # what the workers uploaded is named by no commit: delete it
-            store.abandon()
-        raise
-    return result, findings
-
-
-def _rank_mapper(client, store=None):
-    """The per-rank analyses as tasks on the cluster (--scheduler)."""
-    from steplens.analyze.pipeline import cluster
-
-    return cluster.rank_mapper(client, store)
+        hooks = pipeline_run.Hooks(analyse=analyse_and_report, progress=advance, when_idle=import_figures,
+                                   record=(lambda stage: _rerun_record(rerun_key, stage)) if rerun_key else None)
+        return pipeline_run.run(run.path, out, options, jobs=jobs, ingest_only=ingest_only, reuse_key=key, client=client,
+                                hooks=hooks, found=run.found)
 
 
 def screen_lines(findings: dict) -> list[str]:

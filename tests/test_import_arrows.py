@@ -136,3 +136,8 @@ def test_the_analyzer_packages_import_each_other_without_cycles():
     graph = _package_graph()
     cycles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if a in graph[b]})
     assert cycles == []
+
+
+def test_the_pipeline_never_imports_the_reports():
+    """pipeline/run.py runs a run from discovery to publish; the report is what the CLI adds (Hooks)."""
+    assert violations("analyze/pipeline", lambda n: within(n, "steplens.reports")) == {}

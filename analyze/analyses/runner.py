@@ -211,5 +211,5 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
         findings.update(result.findings)
         if result.finding is not None:
             findings[analysis.name] = result.finding
-    (out_dir / "findings.json").write_text(json.dumps(findings, indent=1, default=str))
+    (out_dir / schema.FINDINGS_FILE).write_text(json.dumps(findings, indent=1, default=str))
     return findings

@@ -27,6 +27,7 @@ import pyarrow as pa
 
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "run.json"
+FINDINGS_FILE = "findings.json"  # the analyses' findings, beside the tables
 DEFAULT_OUT_DIR = ".steplens"
 # Largest rank or world size taken from an input; beyond it the value is not a rank (the largest
 # jobs run on ~10^5 GPUs) and an int64 table or a per-rank figure would overflow.
