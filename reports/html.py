@@ -586,6 +586,29 @@ def _issues_section(run: Run) -> dict:
     return section
 
 
+# Where each section's numbers are computed (the report only renders them), named in the page's source beside the
+# section so that a reader goes from a number to its code in one hop; ARCHITECTURE.md has the same table.
+SECTION_MODULES = {
+    "time": "analyze/analyses/step_breakdown.py", "steps": "analyze/analyses/step_time.py, analyze/analyses/steps.py",
+    "cpu-gpu": "analyze/analyses/launch.py", "kernels": "analyze/analyses/kernels.py",
+    "collectives": "analyze/analyses/comms.py, analyze/analyses/summaries.py, analyze/analyses/comms_log.py",
+    "mfu": "analyze/analyses/mfu.py, analyze/analyses/op_perf.py, analyze/analyses/roofline.py",
+    "monitor": "analyze/analyses/monitor.py", "status": "analyze/analyses/job_end.py",
+    "alarms": "analyze/analyses/alarm_agreement.py, analyze/analyses/monitor.py",
+    "autotune-verdict": "analyze/analyses/autotune.py", "autotune-ranking": "analyze/analyses/autotune.py",
+    "run-comparability": "analyze/analyses/monitor.py", "run": "analyze/pipeline/ingest.py",
+    "issues": "analyze/contract/issue_reasons.py",
+}
+
+
+def section_module(section_id: str) -> str:
+    """The module(s) computing a section's numbers: the table above, or a registered analysis's own module."""
+    if section_id in SECTION_MODULES:
+        return SECTION_MODULES[section_id]
+    analysis = next(a for a in REGISTERED if a.name.replace("_", "-") == section_id)
+    return "analyze/" + analysis.compute.__module__.removeprefix("steplens.analyze.").replace(".", "/") + ".py"
+
+
 def render(out_dir: Path, drawer=draw) -> str:
     """The page; `drawer` (drawings -> their SVGs, in order) draws its figures, here by default."""
     run = load(out_dir)
@@ -605,7 +628,8 @@ def render(out_dir: Path, drawer=draw) -> str:
     sections += [s for s in [_comparability_section(run)] if s] + [_manifest_section(run), _issues_section(run)]
     return TEMPLATES.get_template("report.html.j2").render(
         run=run, title=f"steplens report: {run.name}", first_screen=_first_screen(run, sections), verdict=verdict(run),
-        numbers=key_numbers(run), sections=_drawn(sections, drawer), caveats=run.findings.get("caveats", []))
+        numbers=key_numbers(run), sections=_drawn(sections, drawer), caveats=run.findings.get("caveats", []),
+        module_of=section_module)
 
 
 def _first_screen(run: Run, sections: list[dict]) -> list[tuple[str, str]]:
