@@ -22,6 +22,7 @@ import polars as pl
 from markupsafe import Markup
 
 from steplens.analyze.analyses import REGISTERED
+from steplens.analyze.contract.schema import ALL_STREAMS
 
 from . import roofline
 from .data import ALARM_HEADER, Run, alarm_rows, kernel_labels, load, ms, size, text_value, write_atomic
@@ -234,7 +235,7 @@ def _cpu_gpu_section(run: Run) -> dict:
     section = Section("CPU vs GPU", "cpu-gpu")
     if (launches["queue_ns"] > 0).any():
         section.figure("launch_delay", launches)
-    whole_window = idle.filter((pl.col("stream") == -1) & pl.col("step").is_null())
+    whole_window = idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_null())
     if not whole_window.is_empty():
         section.text("Device idle over the whole traced window, per rank, by cause:")
         section.figure("idle_by_cause", whole_window)

@@ -15,6 +15,7 @@ from steplens.analyze.analyses import (alarm_agreement, autotune, caveats, comms
                                        mfu, module_perf, monitor, op_perf, roofline, sanity, step_breakdown, step_time,
                                        steps, summaries)
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.contract.schema import WORK_KINDS
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
@@ -38,14 +39,14 @@ def _slices(inputs: Inputs) -> dict[str, pl.DataFrame]:
     kind = pl.col("kind")
     cpu_kind = kind.is_in(CPU_KINDS)
     wanted = {
-        "device": (DEVICE_COLUMNS, kind.is_in(launch.WORK_KINDS)),
+        "device": (DEVICE_COLUMNS, kind.is_in(WORK_KINDS)),
         "runtime": (CALL_COLUMNS, kind.is_in(RUNTIME_KINDS)),
         "cpu": (CPU_COLUMNS, cpu_kind),
         "ops": (op_perf.OP_COLUMNS, cpu_kind & pl.col("input_dims").is_not_null()),
         "modules": (module_perf.MODULE_COLUMNS, cpu_kind & pl.col("name").str.starts_with(module_perf.MODULE_PREFIX)),
     }
     columns = list(dict.fromkeys(c for names, _ in wanted.values() for c in names))
-    events = _events(inputs, columns, kind.is_in(launch.WORK_KINDS + RUNTIME_KINDS + CPU_KINDS))
+    events = _events(inputs, columns, kind.is_in([*WORK_KINDS, *RUNTIME_KINDS, *CPU_KINDS]))
     # lazily, so that each filter moves only the columns its slice keeps
     return {name: events.lazy().filter(where).select(["rank"] + names).collect() for name, (names, where) in wanted.items()}
 

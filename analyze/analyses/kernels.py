@@ -14,6 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
+from steplens.analyze.contract.schema import WORK_KINDS
 from steplens.analyze.analyses.kernel_families import FAMILIES, FAMILY_NAMES, base_name
 
 # (category, case-insensitive regex over the base name), in the order they are tried.
@@ -51,7 +52,7 @@ def families(names: pl.Series, patterns: list[tuple[str, str]] = KERNEL_CATEGORI
 
 def device_work(device: pl.DataFrame, patterns=KERNEL_CATEGORIES) -> pl.DataFrame:
     """Kernels, memcpy and memset with their category. Patterns run once per distinct kernel name."""
-    work = device.filter(pl.col("kind").is_in(["kernel", "gpu_memcpy", "gpu_memset"]))
+    work = device.filter(pl.col("kind").is_in(WORK_KINDS))
     names = families(work["name"], patterns)
     by_name = pl.col("name").replace_strict(names["name"], names["category"], default="other")
     return work.with_columns(

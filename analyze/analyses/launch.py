@@ -34,10 +34,10 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from steplens.analyze.contract.schema import ALL_STREAMS, WORK_KINDS
 from steplens.analyze.trace import intervals
 
 SYNC_API = r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^(cuda|hip)Memcpy(To|From)Symbol$|^cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?$"
-WORK_KINDS = ["kernel", "gpu_memcpy", "gpu_memset"]
 
 
 def kernel_launches(device: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
@@ -59,7 +59,6 @@ def kernel_launches(device: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     ).drop("launch_event_id")
 
 
-ALL_STREAMS = -1  # `stream` value of the rows that treat the device as one timeline
 CAUSES = ("host_bound", "sync", "other")
 
 

@@ -30,7 +30,7 @@ import pyarrow as pa
 from steplens.analyze.analyses import job_end
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.contract import schema
-from steplens.analyze.importers.autotune_results import OOM_PATTERN
+from steplens.analyze.contract.failures import DEVICE_OOM, OOM
 
 MEMORY_BY_STEP = schema.table_spec(
     ("rank", pa.int64(), "Rank."),
@@ -60,9 +60,6 @@ MIN_GROWTH_FRACTION = 0.01
 MAD_TO_SD = 1.4826  # normal-consistent MAD scale
 MAX_SLOPE_POINTS = 2000  # Theil-Sen pairs grow as n^2: longer series are thinned evenly
 
-# Out-of-memory errors of the device (PyTorch's CUDA/HIP allocator, cuBLAS's workspace allocation) and
-# the host (OOM_PATTERN's others: MemoryError, std::bad_alloc, Cannot allocate memory).
-DEVICE_OOM = re.compile(r"(CUDA|HIP) out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED", re.IGNORECASE)
 # PyTorch's OOM message (c10/cuda/CUDACachingAllocator.cpp): "Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB
 # total capacity; ...)" or "... GPU 0 has a total capacity of 79.15 GiB of which 1.2 GiB is free".
 TRIED = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) ?([KMGT]i?B|B)\b")
@@ -141,7 +138,7 @@ def _size_bytes(number: str, unit: str) -> int:
 def out_of_memory(inputs: Inputs) -> dict | None:
     """The out-of-memory end, when a run's last error is one: its kind, rank, step and sizes where said."""
     status = inputs.table("run_status")
-    errors = status.filter(pl.col("error").is_not_null() & pl.col("error").str.contains(f"(?i){OOM_PATTERN.pattern}"))
+    errors = status.filter(pl.col("error").is_not_null() & pl.col("error").str.contains(f"(?i){OOM.pattern}"))
     if errors.is_empty():
         return None
     device = errors.filter(pl.col("error").str.contains(f"(?i){DEVICE_OOM.pattern}"))

@@ -23,9 +23,9 @@ import numpy as np
 import polars as pl
 
 from steplens.analyze.analyses import steps
+from steplens.analyze.contract.schema import ALL_STREAMS
 from steplens.analyze.trace import intervals
 
-ALL_STREAMS = -1  # gpu_idle's whole-device rows
 TIMELINE_RESOLUTION = 1000  # segments resolved to 1/1000 of the step's span
 LAUNCH_COLUMNS = ["rank", "source", "event_id", "step", "device", "stream", "ts_ns", "dur_ns"]
 # event_id is unique within (rank, source) and collectives has no source: start and duration tell sources apart.

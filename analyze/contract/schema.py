@@ -22,12 +22,19 @@ Bump SCHEMA_VERSION whenever a table's columns or meaning change; readers refuse
 from __future__ import annotations
 
 import hashlib
+import re
 
 import pyarrow as pa
 
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "run.json"
 FINDINGS_FILE = "findings.json"  # the analyses' findings, beside the tables
+# A rank named in a file name (rank3.json, rank-3.pt.trace.json, worker_rank_3.log): what a file without a recorded
+# rank is taken to be.
+RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+# Device work a launch call enqueues (what counts as the GPU being busy), and every device-side event kind.
+WORK_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+ALL_STREAMS = -1  # gpu_idle's and step_breakdown's rows that treat a device as one timeline (no stream busy = idle)
 DEFAULT_OUT_DIR = ".steplens"
 # Largest rank or world size taken from an input; beyond it the value is not a rank (the largest
 # jobs run on ~10^5 GPUs) and an int64 table or a per-rank figure would overflow.
@@ -56,7 +63,7 @@ KINDS = (
     "memory",
     "other",
 )
-DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
+DEVICE_KINDS = (*WORK_KINDS, "gpu_user_annotation")
 
 
 def table_spec(*columns: tuple[str, pa.DataType, str]) -> tuple[pa.Schema, dict[str, str]]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import polars as pl
 
 from steplens.analyze.contract import schema
+from steplens.analyze.contract.failures import OOM
 from steplens.analyze.importers.base import Imported, conform, peek
 from steplens.analyze.importers.bounded import load_json, read_text
 from steplens.analyze.importers.kineto import preview
@@ -32,10 +33,7 @@ MODEL_PROFILE_EXP = "profile_model_info"  # the model-profiling run, not a candi
 # there are the point of the experiment, not a change of environment.
 TUNED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "zero_optimization")
 
-# Failure classes. DeepSpeed itself only records "the first line containing Error/error/ERROR"
-# (autotuning/utils.py search_error) and has no OOM class.
-OOM_PATTERN = re.compile(r"out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|MemoryError|"
-                         r"Cannot allocate memory|std::bad_alloc", re.IGNORECASE)
+# Failure classes (out of memory: contract/failures.py).
 INTERRUPT_PATTERN = re.compile(r"KeyboardInterrupt|SIGTERM|SIGKILL|SIGINT|^Killed\b|Terminated\b", re.MULTILINE)
 EXCEPTION_LINE = re.compile(r"^\s*([\w.]+(Error|Exception|Interrupt))\b.*$", re.MULTILINE)
 ERROR_WORD = re.compile(r"Error|error|ERROR")  # DeepSpeed's own test (autotuning/utils.py search_error)
@@ -127,8 +125,8 @@ def classify_stderr(text: str | None) -> tuple[str, str | None]:
     if text is None:
         return "not_run", "no stderr.log: the experiment never started"
     exceptions = [m.group(0).strip() for m in EXCEPTION_LINE.finditer(text)]
-    if match := OOM_PATTERN.search(text):
-        line = next((e for e in exceptions if OOM_PATTERN.search(e)), None)
+    if match := OOM.search(text):
+        line = next((e for e in exceptions if OOM.search(e)), None)
         return "oom", line or text[text.rfind("\n", 0, match.start()) + 1:].split("\n", 1)[0].strip()
     if match := INTERRUPT_PATTERN.search(text):
         return "interrupted", exceptions[-1] if exceptions else match.group(0)

@@ -69,6 +69,7 @@ from pathlib import Path
 import polars as pl
 
 from steplens.analyze.contract.bus_bandwidth import with_bandwidth
+from steplens.analyze.contract.schema import RANK_IN_NAME
 from steplens.analyze.importers import comms_dump, flops_text
 from steplens.analyze.importers.bounded import read_bounded
 from steplens.analyze.importers.base import Imported, conform
@@ -89,7 +90,6 @@ LOG_STAMP = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\]")
 LOGGER_LINE = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] \[(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\] \[[\w.]+:\d+:\w+\]")
 RANK_PREFIX = re.compile(r"\[Rank (-?\d+)\]")
 TORCH_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
-RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
 # deepspeed/utils/timer.py SynchronizedWallClockTimer.log: "[Rank 0] time (ms) | name: 1.23 | name: 4.56"; before
 # 0.9 "[Rank 0] rank=0 time (ms) | ...", and in 0.3 (print, not the logger) "rank=0 time (ms) | ...".

@@ -499,9 +499,9 @@ def _processes(events: pl.DataFrame, issues: list[Issue]) -> list[tuple[int, pl.
     """The processes with CUDA work (device work or CUDA API calls), each with its events, ordered by
     the lowest GPU each ran work on (torchrun and DeepSpeed give local rank N the GPU N), then by pid.
     Events of other processes (a launcher's NVTX ranges) belong to no rank and are counted."""
-    cuda = pl.col("kind").is_in(list(semantics.WORK_KINDS + semantics.LAUNCH_KINDS))
+    cuda = pl.col("kind").is_in([*schema.WORK_KINDS, *semantics.LAUNCH_KINDS])
     order = (events.filter(cuda & pl.col("process").is_not_null()).group_by("process")
-             .agg(gpu=pl.col("device").filter(pl.col("kind").is_in(list(semantics.WORK_KINDS))).min())
+             .agg(gpu=pl.col("device").filter(pl.col("kind").is_in(list(schema.WORK_KINDS))).min())
              .sort(["gpu", "process"], nulls_last=True))
     if order.height <= 1:
         return [(order["process"][0] if order.height else None, events)]

@@ -32,7 +32,8 @@ from pathlib import Path
 
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline import remote
-from steplens.analyze.pipeline.ingest import PARSED_TABLES, RANK_IN_NAME, IngestError, Source, _parse_source
+from steplens.analyze.contract.schema import RANK_IN_NAME
+from steplens.analyze.pipeline.ingest import PARSED_TABLES, IngestError, Source, _parse_source
 
 # A child of the worker's own logger, so the line goes where the worker's log goes (its stderr, and
 # the log `Client.get_worker_logs()` returns) without configuring logging on the workers.

@@ -34,7 +34,6 @@ from steplens.analyze.importers.json_events import NotATrace
 from steplens.analyze.pipeline.workers import Workers, estimated_json_bytes, worth_workers
 
 # Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
-RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 HASH_PREFIX_BYTES = reuse.PREFIX_BYTES
 # What a parser or an importer may raise on one bad file: a Rust panic in polars or pyarrow's binding
 # surfaces as pyo3's PanicException, a BaseException that `except Exception` lets through.
@@ -382,7 +381,7 @@ def _assign_ranks(sources: list[Source]) -> None:
             s.rank, s.rank_origin = s.trace_rank, "distributedInfo"
         elif s.unit_index is not None:
             continue  # a file of several ranks: below, once the other files' ranks are known
-        elif m := RANK_IN_NAME.search(Path(s.path).name):
+        elif m := schema.RANK_IN_NAME.search(Path(s.path).name):
             s.rank, s.rank_origin = int(m.group(1)), "file name"
             s.issues.append(["warning", "rank_from_filename", 1,
                              f"no distributedInfo.rank in the trace; rank {s.rank} taken from the file name"])

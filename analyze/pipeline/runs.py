@@ -23,7 +23,8 @@ from pathlib import Path
 from steplens.analyze import importers
 from steplens.analyze.importers import deepspeed_log
 from steplens.analyze.importers.base import Importer, peek
-from steplens.analyze.pipeline.ingest import RANK_IN_NAME, Discovered
+from steplens.analyze.contract.schema import RANK_IN_NAME
+from steplens.analyze.pipeline.ingest import Discovered
 from steplens.analyze.importers.json_events import sniff
 
 MAX_DEPTH = 6  # runs/sweep/config/trial/... deeper than this are analysed where they stand

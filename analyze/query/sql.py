@@ -30,7 +30,7 @@ EXAMPLES = {
                                          "FROM collectives GROUP BY ALL ORDER BY op, bytes, run_id",
     "MFU by run": "SELECT run_id, metric, numerator, median(utilization) AS utilization FROM mfu GROUP BY ALL",
     "GPU idle by cause": "SELECT run_id, sum(host_bound_ns) / 1e6 AS host_bound_ms, sum(sync_ns) / 1e6 AS sync_ms "
-                         "FROM gpu_idle WHERE stream = -1 AND step IS NULL GROUP BY run_id",
+                         f"FROM gpu_idle WHERE stream = {schema.ALL_STREAMS} AND step IS NULL GROUP BY run_id",
     "MFU by code revision and ZeRO stage": "SELECT r.code_revision, r.zero_stage, median(m.utilization) AS mfu "
                                            "FROM mfu m JOIN runs r USING (run_id) WHERE m.metric = 'MFU' GROUP BY ALL",
     "loss against global samples across runs": "SELECT run_id, global_samples, value AS loss FROM scalars "

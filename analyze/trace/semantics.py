@@ -17,12 +17,12 @@ import polars as pl
 
 from steplens.analyze.contract import schema
 from steplens.analyze.contract.issue_reasons import Issue
+from steplens.analyze.contract.schema import WORK_KINDS
 
 STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 MAX_STEP = 2**31 - 1  # ProfilerStep numbers; a step counter past 2 billion is damage
 
 LAUNCH_KINDS = ("cuda_runtime", "cuda_driver")  # host API calls, some of which enqueue device work
-WORK_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")  # device work a launch call enqueues
 # Runtime/driver calls that enqueue device work. Covers every launch API in the corpus
 # (cudaLaunchKernel[ExC], cuLaunchKernel[Ex], cudaGraphLaunch, hipLaunchKernel,
 # hipExtModuleLaunchKernel, hipModuleLaunchKernel, hipGraphLaunch) and async/sync copies and sets.
