@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from steplens.analyze.analyses.mfu import Peak
+from steplens.analyze.analyses.mfu import Peak, utilization
 
 MEGATRON_DEFINITION = ("Megatron-LM model FLOPs per iteration: 6 x tokens x [L(h(d_q + 2 d_kv) + d_q h + E h F_ffn) + h V] "
                        "+ 6 x tokens x L d_q s (causal attention halved; no recompute), from the model shape in the "
@@ -90,6 +90,6 @@ def megatron_mfu(step_time: pl.DataFrame, facts: dict, peak: Peak | None, world_
     frame = kept.select(
         "step", "step_time_ns", rank=pl.lit(None, pl.Int64), metric=pl.lit("MFU"), numerator=pl.lit("megatron_args"),
         flops=pl.lit(flops), gpus=pl.lit(gpus, pl.Int64), peak_flops=pl.lit(peak.flops),
-        utilization=flops / (pl.col("step_time_ns") * 1e-9 * gpus * peak.flops),
+        utilization=utilization(flops, pl.col("step_time_ns"), gpus, peak.flops),
         definition=pl.lit(MEGATRON_DEFINITION), peak=pl.lit(peak.label))
     return frame, ""

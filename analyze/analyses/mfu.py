@@ -290,10 +290,16 @@ def step_time_mfu(step_time: pl.DataFrame, flops_profile: pl.DataFrame, facts: d
     frames = [kept.select(
         "step", rank=pl.lit(None, pl.Int64), metric=pl.lit(metric), numerator=pl.lit(numerator), flops=pl.lit(float(flops)),
         step_time_ns="step_time_ns", gpus=pl.lit(world_size, pl.Int64), peak_flops=pl.lit(peak.flops),
-        utilization=flops / (pl.col("step_time_ns") * 1e-9 * world_size * peak.flops),
+        utilization=utilization(flops, pl.col("step_time_ns"), world_size, peak.flops),
         definition=pl.lit(definition + STEP_TIME_NOTE), peak=pl.lit(peak.label))
         for metric, numerator, flops, definition in variants]
     return (pl.concat(frames).cast(COLUMNS) if frames else pl.DataFrame(schema=COLUMNS)), problem
+
+
+def utilization(flops, step_time_ns, gpus, peak_flops) -> pl.Expr:
+    """The one MFU/HFU ratio: a step's FLOPs / (its time x GPUs x the dense peak per GPU); each argument a column
+    expression or a number."""
+    return flops / (step_time_ns * 1e-9 * gpus * peak_flops)
 
 
 def profiler_hfu(step_times: pl.DataFrame, counted_flops: pl.DataFrame, peak: Peak | None) -> pl.DataFrame:
@@ -305,7 +311,7 @@ def profiler_hfu(step_times: pl.DataFrame, counted_flops: pl.DataFrame, peak: Pe
     return per_rank.filter(pl.col("cpu_dur_ns") > 0).select(
         "step", "rank", metric=pl.lit("HFU"), numerator=pl.lit("profiler_flops"), flops=pl.col("flops").cast(pl.Float64),
         step_time_ns="cpu_dur_ns", gpus=pl.lit(1, pl.Int64), peak_flops=pl.lit(peak.flops),
-        utilization=pl.col("flops") / (pl.col("cpu_dur_ns") * 1e-9 * peak.flops),
+        utilization=utilization(pl.col("flops"), pl.col("cpu_dur_ns"), 1, peak.flops),
         definition=pl.lit(PROFILER_DEFINITION), peak=pl.lit(peak.label)).cast(COLUMNS).sort("step", "rank")
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from steplens.analyze.analyses.mfu import utilization
+
 # Whole interconnect bandwidth per GPU, GB/s, both directions (vendor datasheets).
 LINK_GBPS: dict[str, tuple[float, str]] = {
     "h100-sxm": (900.0, "NVIDIA H100 datasheet: NVLink 900 GB/s"),
@@ -84,7 +86,7 @@ def _mfu(mfu: pl.DataFrame) -> list[dict]:
     marked = mfu.filter(pl.col("inputs_disagree").is_not_null())
     entries = []
     for (metric, numerator, detail), rows in marked.group_by("metric", "numerator", "inputs_disagree", maintain_order=True):
-        value = (rows["flops"] / (rows["step_time_ns"] * 1e-9 * rows["gpus"] * rows["peak_flops"])).median()
+        value = rows.select(utilization(*(pl.col(c) for c in ("flops", "step_time_ns", "gpus", "peak_flops")))).to_series().median()
         entries.append({"check": "mfu_above_100", "value": value, "bound": 1.0, "detail": detail,
                         "what_to_check": CHECK_MFU.get(numerator, CHECK_PEAK)})
     return entries
