@@ -6,7 +6,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from steplens.analyze.analyses import comms, mfu, runner
+from steplens.analyze.analyses import comms, devices, mfu, runner
 from steplens.analyze.cli import analyze
 from steplens.analyze.pipeline.ingest import ingest
 from steplens.analyze.pipeline import analyse
@@ -188,7 +188,7 @@ def test_generic_nccl_kernel_without_args_is_still_communication(tmp_path):
     ("NVIDIA GH200 480GB", 132, None), ("NVIDIA GB200", 148, None), ("NVIDIA H200", 132, "h200-sxm"),
 ])
 def test_device_matching_is_explicit(name, sms, key):
-    assert mfu.match_device(name, sms) == key
+    assert devices.match_device(name, sms) == key
 
 
 def test_unknown_device_gives_no_mfu_and_says_how():

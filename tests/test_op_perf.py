@@ -18,7 +18,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from steplens.analyze.analyses import mfu, op_model, op_perf
+from steplens.analyze.analyses import devices, mfu, op_model, op_perf
 from steplens.analyze.pipeline import analyse
 
 from conftest import CORPUS, write_trace
@@ -136,7 +136,7 @@ def test_unknown_device_has_no_roofline_and_says_why():
     a100 = op_perf.device_roof("NVIDIA A100-PG509-200", 108)
     assert a100.bandwidth is None and "memory variant" in a100.problem
     h100 = op_perf.device_roof("NVIDIA H100 80GB HBM3", 132)
-    assert h100.bandwidth == 3.35e12 and h100.flops["bf16"] == 989.5e12 and f"v{mfu.PEAK_TABLE_VERSION}" in h100.label
+    assert h100.bandwidth == 3.35e12 and h100.flops["bf16"] == 989.5e12 and f"v{devices.PEAK_TABLE_VERSION}" in h100.label
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,101 +10,11 @@ numerator's definition. An unknown device gives no MFU and says how to supply a 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import polars as pl
 
-PEAK_TABLE_VERSION = 2  # 2: memory bandwidth (PEAK_HBM_TBPS) added for the roofline
-
-# Dense peak TFLOP/s per device and dtype. Sources: vendor datasheets (dense = the sparsity figure
-# halved where the sheet quotes sparsity), as collected and cross-checked in
-# ../shared/reference/anchors-mfu-comms-peers.md §1 (Lightning throughput.py, composer
-# speed_monitor.py, torchtitan tools/utils.py, PyTorch inductor device_info.py).
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "h100-sxm": {"bf16": 989.5, "fp16": 989.5, "fp8": 1979.0, "tf32": 494.5, "fp32": 67.0},
-    "h100-pcie": {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "tf32": 378.0, "fp32": 51.2},
-    "h100-nvl": {"bf16": 835.5, "fp16": 835.5, "fp8": 1671.0, "tf32": 417.5, "fp32": 60.0},
-    "h200-sxm": {"bf16": 989.5, "fp16": 989.5, "fp8": 1979.0, "tf32": 494.5, "fp32": 67.0},
-    "h200-nvl": {"bf16": 835.5, "fp16": 835.5, "fp8": 1671.0, "tf32": 417.5, "fp32": 60.0},
-    "b200": {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "tf32": 1125.0, "fp32": 75.0},
-    "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "mi300x": {"bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9, "tf32": 653.7, "fp32": 163.4},
-    "v100-sxm": {"fp16": 125.0, "fp32": 15.7},
-    "v100-pcie": {"fp16": 112.0, "fp32": 14.0},
-    "v100s-pcie": {"fp16": 130.0, "fp32": 16.4},
-    "l4": {"bf16": 121.0, "fp16": 121.0, "fp8": 242.5, "tf32": 60.0, "fp32": 30.3},
-    "a10g": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
-}
-PEAK_SOURCES = {
-    "h100-sxm": "NVIDIA H100 datasheet, SXM5 column (dense)",
-    "h100-pcie": "NVIDIA H100 datasheet, PCIe column (dense)",
-    "h100-nvl": "NVIDIA H100 NVL datasheet (dense = sparse / 2)",
-    "h200-sxm": "NVIDIA H200 datasheet, SXM column (dense; same tensor cores as H100 SXM)",
-    "h200-nvl": "NVIDIA H200 NVL datasheet (dense)",
-    "b200": "NVIDIA DGX B200 / HGX B200 datasheet per GPU (dense = sparse / 2)",
-    "a100": "NVIDIA A100 datasheet (SXM and PCIe equal for tensor rates; dense)",
-    "mi300x": "AMD Instinct MI300X datasheet (dense, not the measured max-achievable figure)",
-    "v100-sxm": "NVIDIA V100 datasheet, SXM2 column (tensor fp16)",
-    "v100-pcie": "NVIDIA V100 datasheet, PCIe column (tensor fp16)",
-    "v100s-pcie": "NVIDIA V100S datasheet (tensor fp16)",
-    "l4": "NVIDIA L4 datasheet (dense = sparse / 2)",
-    "a10g": "NVIDIA A10 datasheet rates, as Lightning uses for A10G (AWS publishes none of its own)",
-}
-
-# Peak memory (HBM) bandwidth per GPU, TB/s (1e12 B/s): the roofline's memory roof. Same datasheets
-# as PEAK_SOURCES. A100 differs by memory variant (40GB: 1.555, 80GB SXM: 2.039, 80GB PCIe: 1.935), so
-# it is matched on the name's memory size (A100_HBM_RULES); a bare "A100" gets no bandwidth.
-PEAK_HBM_TBPS: dict[str, float] = {
-    "h100-sxm": 3.35, "h100-pcie": 2.0, "h100-nvl": 3.9, "h200-sxm": 4.8, "h200-nvl": 4.8, "b200": 8.0,
-    "mi300x": 5.3, "v100-sxm": 0.9, "v100-pcie": 0.9, "v100s-pcie": 1.134, "l4": 0.3, "a10g": 0.6,
-}
-HBM_SOURCES = {
-    "h100-sxm": "NVIDIA H100 datasheet, SXM5: 3.35 TB/s HBM3", "h100-pcie": "NVIDIA H100 datasheet, PCIe: 2 TB/s HBM2e",
-    "h100-nvl": "NVIDIA H100 NVL datasheet: 3.9 TB/s", "h200-sxm": "NVIDIA H200 datasheet, SXM: 4.8 TB/s HBM3e",
-    "h200-nvl": "NVIDIA H200 datasheet, NVL: 4.8 TB/s HBM3e", "b200": "NVIDIA HGX B200 datasheet: 8 TB/s per GPU",
-    "mi300x": "AMD Instinct MI300X datasheet: 5.3 TB/s HBM3", "v100-sxm": "NVIDIA V100 datasheet, SXM2: 900 GB/s",
-    "v100-pcie": "NVIDIA V100 datasheet, PCIe: 900 GB/s", "v100s-pcie": "NVIDIA V100S datasheet: 1134 GB/s",
-    "l4": "NVIDIA L4 datasheet: 300 GB/s GDDR6", "a10g": "NVIDIA A10 datasheet: 600 GB/s GDDR6 (as for FLOPs)",
-}
-A100_HBM_RULES: list[tuple[str, float, str]] = [
-    (r"80GB.*PCIe|PCIe.*80GB", 1.935, "NVIDIA A100 datasheet, 80GB PCIe: 1,935 GB/s"),
-    (r"80GB", 2.039, "NVIDIA A100 datasheet, 80GB SXM: 2,039 GB/s"),
-    (r"40GB", 1.555, "NVIDIA A100 datasheet, 40GB (SXM and PCIe): 1,555 GB/s"),
-]
-
-# (key, name pattern, SM count or None). Checked in order; the SM count separates H100 SXM (132)
-# from PCIe (114) when the name is bare "NVIDIA H100".
-DEVICE_RULES: list[tuple[str, str, int | None]] = [
-    ("h100-nvl", r"H100.*NVL", None),
-    ("h100-pcie", r"H100.*(PCIe|PCIE|HBM2e)", None),
-    ("h100-sxm", r"H100.*(SXM|HBM3)", None),
-    ("h100-sxm", r"H100", 132),
-    ("h100-pcie", r"H100", 114),
-    ("h200-nvl", r"H200.*NVL", None),
-    ("h200-sxm", r"H200", None),
-    ("b200", r"B200", None),
-    ("a100", r"A100", None),
-    ("mi300x", r"MI300X", None),
-    ("v100s-pcie", r"V100S", None),
-    ("v100-pcie", r"V100.*PCIE", None),
-    ("v100-sxm", r"V100.*SXM", None),
-    ("l4", r"L4($|\s)", None),
-    ("a10g", r"A10G", None),
-]
-
-
-# A model token starts a word: "NVIDIA GH200 480GB" (Grace Hopper) is no H200, "NVIDIA GB200" no B200.
-MODEL_START = r"(?<![A-Za-z0-9])"
-
-
-def match_device(name: str, num_sms: int | None = None) -> str | None:
-    """Peak-table key for a device name (as in Kineto's deviceProperties), or None."""
-    for key, pattern, sms in DEVICE_RULES:
-        if re.search(MODEL_START + pattern, name, re.IGNORECASE) and (sms is None or sms == num_sms):
-            return key
-    return None
-
+from steplens.analyze.analyses.devices import DEVICES, match_device
 
 @dataclass
 class Peak:
@@ -130,25 +40,10 @@ def peak_for(device_name: str | None, dtype: str, num_sms: int | None = None,
     key = match_device(device_name, num_sms)
     if key is None:
         return None, f"unknown device {device_name!r}; pass --peak-tflops (dense, per GPU) to compute MFU"
-    tflops = PEAK_TFLOPS[key].get(dtype)
+    tflops = DEVICES[key].peak_tflops.get(dtype)
     if tflops is None:
         return None, f"no {dtype} peak for {key}; pass --peak-tflops or another --dtype"
-    return Peak(tflops * 1e12, f"{tflops:g} TFLOP/s dense {dtype}, {key} ({PEAK_SOURCES[key]})"), ""
-
-
-def peak_bandwidth(device_name: str | None, num_sms: int | None = None) -> tuple[float | None, str]:
-    """Peak memory bandwidth in B/s and its label, or None and why there is no memory roof."""
-    if not device_name:
-        return None, "no device name in the traces: no memory roof"
-    key = match_device(device_name, num_sms)
-    if key == "a100":
-        for pattern, tbps, source in A100_HBM_RULES:
-            if re.search(pattern, device_name, re.IGNORECASE):
-                return tbps * 1e12, f"{tbps:g} TB/s ({source})"
-        return None, f"{device_name!r}: A100 bandwidth depends on the memory variant (40GB / 80GB), which the name does not say"
-    if key is None or key not in PEAK_HBM_TBPS:
-        return None, f"unknown device {device_name!r}: no memory bandwidth in the peak table"
-    return PEAK_HBM_TBPS[key] * 1e12, f"{PEAK_HBM_TBPS[key]:g} TB/s ({HBM_SOURCES[key]})"
+    return Peak(tflops * 1e12, f"{tflops:g} TFLOP/s dense {dtype}, {key} ({DEVICES[key].peak_source})"), ""
 
 
 @dataclass

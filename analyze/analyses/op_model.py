@@ -39,7 +39,7 @@ ELEMENT_BYTES = {
     "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1, "c10::Float8_e4m3fnuz": 1, "c10::Float8_e5m2fnuz": 1,
     "c10::Float8_e8m0fnu": 1, "signed char": 1, "unsigned char": 1, "bool": 1,
 }
-# The dtype names of the peak table (analyze/analyses/mfu.py PEAK_TFLOPS).
+# The dtype names of the peak table (analyze/analyses/devices.py).
 DTYPE_NAMES = {"c10::BFloat16": "bf16", "c10::Half": "fp16", "float": "fp32", "double": "fp64",
                "c10::Float8_e4m3fn": "fp8", "c10::Float8_e5m2": "fp8", "c10::Float8_e4m3fnuz": "fp8",
                "c10::Float8_e5m2fnuz": "fp8"}

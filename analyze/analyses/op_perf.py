@@ -24,7 +24,7 @@ import numpy as np
 import polars as pl
 
 from steplens.analyze.trace import intervals
-from steplens.analyze.analyses import mfu, op_model
+from steplens.analyze.analyses import devices, op_model
 from steplens.analyze.analyses.op_model import family
 
 OP_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid", "step", "external_id", "input_dims",
@@ -48,14 +48,15 @@ class Roof:
 
 
 def device_roof(device_name: str | None, num_sms: int | None = None) -> Roof:
-    """The roofline of the run's device from analyze/analyses/mfu.py's versioned peak tables."""
-    bandwidth, bandwidth_label = mfu.peak_bandwidth(device_name, num_sms)
-    key = mfu.match_device(device_name, num_sms) if device_name else None
+    """The roofline of the run's device from the versioned device table (analyze/analyses/devices.py)."""
+    bandwidth, bandwidth_label = devices.peak_bandwidth(device_name, num_sms)
+    key = devices.match_device(device_name, num_sms) if device_name else None
     if key is None or bandwidth is None:
         problem = bandwidth_label if bandwidth is None else f"unknown device {device_name!r}: no FLOPs peak"
         return Roof(problem=f"no roofline: {problem}")
-    flops = {dtype: tflops * 1e12 for dtype, tflops in mfu.PEAK_TFLOPS[key].items()}
-    label = f"{key}: memory {bandwidth_label}; dense FLOPs {mfu.PEAK_SOURCES[key]} (peak table v{mfu.PEAK_TABLE_VERSION})"
+    flops = {dtype: tflops * 1e12 for dtype, tflops in devices.DEVICES[key].peak_tflops.items()}
+    label = (f"{key}: memory {bandwidth_label}; dense FLOPs {devices.DEVICES[key].peak_source} "
+             f"(peak table v{devices.PEAK_TABLE_VERSION})")
     return Roof(flops=flops, bandwidth=bandwidth, label=label)
 
 

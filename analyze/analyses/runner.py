@@ -17,7 +17,7 @@ from pathlib import Path
 import polars as pl
 import pyarrow.parquet as pq
 
-from steplens.analyze.analyses import REGISTERED, builtin, kernels, mfu, op_perf, registry
+from steplens.analyze.analyses import REGISTERED, builtin, devices, kernels, mfu, op_perf, registry
 from steplens.analyze.analyses.registry import Analysis, Inputs
 from steplens.analyze.contract import schema
 
@@ -176,7 +176,7 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
         roof = op_perf.Roof(problem=f"no roofline: {mixed}")
     if mixed and peak is None:
         peak_problem = f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
-    context = RunContext(device_name, num_sms, mfu.match_device(device_name, num_sms) if device_name else None,
+    context = RunContext(device_name, num_sms, devices.match_device(device_name, num_sms) if device_name else None,
                          roof, peak, peak_problem, manifest.get("world_size") or len(ranks), device_activity,
                          _kind_count(manifest, "cuda_runtime") + _kind_count(manifest, "cuda_driver"),
                          ", ".join(manifest.get("environment", {}).get("backend") or []) or None,

@@ -22,25 +22,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from steplens.analyze.analyses.devices import DEVICES, FASTEST_LINK
 from steplens.analyze.analyses.mfu import utilization
-
-# Whole interconnect bandwidth per GPU, GB/s, both directions (vendor datasheets).
-LINK_GBPS: dict[str, tuple[float, str]] = {
-    "h100-sxm": (900.0, "NVIDIA H100 datasheet: NVLink 900 GB/s"),
-    "h200-sxm": (900.0, "NVIDIA H200 datasheet: NVLink 900 GB/s"),
-    "h100-pcie": (600.0, "NVIDIA H100 PCIe datasheet: NVLink bridge 600 GB/s (PCIe Gen5 128 GB/s)"),
-    "h100-nvl": (600.0, "NVIDIA H100 NVL datasheet: NVLink bridge 600 GB/s"),
-    "h200-nvl": (900.0, "NVIDIA H200 NVL datasheet: NVLink bridge 900 GB/s"),
-    "b200": (1800.0, "NVIDIA B200 datasheet: NVLink 5 1.8 TB/s"),
-    "a100": (600.0, "NVIDIA A100 datasheet: NVLink 600 GB/s"),
-    "mi300x": (896.0, "AMD Instinct MI300X datasheet: 7 Infinity Fabric links x 128 GB/s"),
-    "v100-sxm": (300.0, "NVIDIA V100 datasheet: NVLink 300 GB/s"),
-    "v100-pcie": (32.0, "NVIDIA V100 datasheet: PCIe Gen3 32 GB/s"),
-    "v100s-pcie": (32.0, "NVIDIA V100S datasheet: PCIe Gen3 32 GB/s"),
-    "l4": (64.0, "NVIDIA L4 datasheet: PCIe Gen4 x16 64 GB/s"),
-    "a10g": (64.0, "NVIDIA A10 datasheet: PCIe Gen4 64 GB/s"),
-}
-FASTEST_LINK = max(LINK_GBPS.values())
 
 CHECK_PEAK = "the peak (--peak-tflops is dense, per GPU; --dtype) and the step time's source"
 CHECK_MFU = {  # by numerator
@@ -110,7 +93,7 @@ def _steps(step_time: pl.DataFrame) -> list[dict]:
 
 
 def _bandwidth(findings: dict, device_key: str | None) -> list[dict]:
-    bound, source = LINK_GBPS.get(device_key) if device_key in LINK_GBPS else (
+    bound, source = (DEVICES[device_key].link_gbps, DEVICES[device_key].link_source) if device_key in DEVICES else (
         FASTEST_LINK[0], f"no link known for the device; the fastest in the table ({FASTEST_LINK[1]})")
     entries = []
     for key, field in (("most_exposed_collective", "busbw_gbps"), ("logged_comms", "median_busbw_gbps")):
