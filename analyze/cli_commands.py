@@ -225,9 +225,13 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
 
     from steplens.analyze.analyses import compare as comparison
     from steplens.reports import compare, html, markdown
-    from steplens.reports.data import load, write_atomic
+    from steplens.reports.data import DamagedRun, load, write_atomic
 
-    result = comparison.compare(load(_analysed(base_run)), load(_analysed(new_run)))
+    try:
+        base, new = load(_analysed(base_run)), load(_analysed(new_run))
+    except DamagedRun as e:
+        fail(safe_text(e))
+    result = comparison.compare(base, new)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / "compare.html", html.render_compare(result))
     write_atomic(out_dir / "compare.md", markdown.render_compare(result))
@@ -275,21 +279,31 @@ def trials_command(runs_dir: Path, fmt: str) -> None:
     called only when an exact one-sided Mann-Whitney U test over the trials gives p < 0.05 (which
     needs at least 4 trials per configuration).
     """
-    import json
-
     from steplens.analyze.analyses.trials import trials
-    from steplens.reports.data import load
+    from steplens.reports.data import DamagedRun, load
 
     folders = sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
-    runs = {}
+    runs, damaged = {}, False
     for folder in folders:
-        run = load(_analysed(folder))
+        try:
+            run = load(_analysed(folder))
+        except DamagedRun as e:  # named and left out; the other runs are ranked
+            warn(f"warning: {e}; this run is left out")
+            damaged = True
+            continue
         runs[folder.name] = (run.table("step_time"), {"world_size": run.manifest.get("world_size"),
                                                       **run.manifest.get("facts", {})})
     measured = {name: value for name, value in runs.items() if not value[0].is_empty()}
     if not measured:
         fail(f"{runs_dir}: no run folder with step times (collector train_steps, logs or profiler steps) under it")
-    result = trials(measured)
+    _print_trials(trials(measured), fmt)
+    if damaged:
+        sys.exit(EXIT_PARTIAL)
+
+
+def _print_trials(result: dict, fmt: str) -> None:
+    import json
+
     if fmt == "json":
         click.echo(json.dumps(result, indent=1, default=str))
         return

@@ -13,6 +13,7 @@ from pathlib import Path
 import polars as pl
 
 from steplens.analyze.contract import schema
+from steplens.analyze.contract.manifest import damage
 from steplens.analyze.analyses.kernel_families import base_name
 
 
@@ -49,9 +50,19 @@ def load(out_dir: Path) -> Run:
     manifest_path = out_dir / schema.MANIFEST_FILE
     if not manifest_path.exists():
         raise FileNotFoundError(f"{out_dir}: not an analysed run (no {schema.MANIFEST_FILE}); run `analyze` on it first")
-    findings_path = out_dir / "findings.json"
-    findings = json.loads(findings_path.read_text()) if findings_path.exists() else {}
-    return Run(out_dir, json.loads(manifest_path.read_text()), findings)
+    findings_path = out_dir / schema.FINDINGS_FILE
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+        findings = json.loads(findings_path.read_bytes()) if findings_path.exists() else {}
+    except (ValueError, RecursionError) as e:
+        raise DamagedRun(f"{out_dir}: damaged result ({type(e).__name__} in its JSON); analyse the run again") from None
+    if why := damage(manifest) or (None if isinstance(findings, dict) else "findings.json is not an object"):
+        raise DamagedRun(f"{manifest_path}: damaged ({why}); analyse the run again")
+    return Run(out_dir, manifest, findings)
+
+
+class DamagedRun(ValueError):
+    """A published result whose run.json or findings.json a reader cannot rely on (edited or broken)."""
 
 
 def write_atomic(path: Path, text: str) -> Path:

@@ -71,3 +71,25 @@ def test_no_same_work_claim_when_the_work_is_not_recorded_and_no_raw_json_or_sig
     assert "base not recorded" in text or "new not recorded" in text
     assert "(char*" not in text and "at::native::" not in text  # short kernel names, not C++ signatures
     assert [line for line in stdout.splitlines() if len(line) > 80 and len(line.split()) > 1] == []
+
+
+def test_a_damaged_result_is_named_by_compare_and_left_out_by_trials(tmp_path):
+    """run.json fields of the wrong type (an edit, a broken copy): compare says which file and why in one line
+    (exit 2); trials names the run, leaves it out and ranks the others (exit 1), never an internal error."""
+    import json
+
+    runs = tmp_path / "runs"
+    for name in ("good", "bad"):
+        shutil.copytree(ROOT / "sample_runs" / "synthetic_8rank", runs / name, ignore=shutil.ignore_patterns(".steplens"))
+        assert subprocess.run([str(BIN / "analyze"), str(runs / name), "-q"], capture_output=True).returncode == 0
+    manifest = runs / "bad" / ".steplens" / "run.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "world_size": "eight", "facts": "oops"}))
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run([str(BIN / "steplens"), "compare", str(runs / "good"), str(runs / "bad"), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, env=env)
+    assert done.returncode == 2 and "internal error" not in done.stderr
+    assert done.stderr.strip() == (f"error: {manifest}: damaged (world_size, facts of the wrong type); analyse the "
+                                   "run again")
+    done = subprocess.run([str(BIN / "steplens"), "trials", str(runs)], capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and "internal error" not in done.stderr
+    assert f"warning: {manifest}: damaged" in " ".join(done.stderr.split()) and "good" in done.stdout

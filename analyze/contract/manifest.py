@@ -94,3 +94,20 @@ def fact_problem(key: str, value) -> str | None:
                                           and all(type(s) is int and 0 <= s <= MAX_STEP for s in value)):
         return "not a list of step numbers"
     return None
+
+
+# The run.json fields readers of a published run (the sql `runs` view, compare, trials) rely on, and the type each
+# must have (null aside).
+_RUN_FIELDS = {"run_name": str, "world_size": int, "ranks": list, "environment": dict, "created_by": str, "facts": dict}
+
+
+def damage(manifest) -> str | None:
+    """What makes a published run.json unusable (not an object, or a field of the wrong type), or None."""
+    if not isinstance(manifest, dict):
+        return f"run.json holds {type(manifest).__name__}, not an object"
+    wrong = [key for key, kind in _RUN_FIELDS.items() if manifest.get(key) is not None and (
+        not isinstance(manifest[key], kind) or (kind is int and isinstance(manifest[key], bool)))]
+    devices = (manifest.get("environment") or {}).get("device_names") if "environment" not in wrong else None
+    if devices is not None and not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
+        wrong.append("environment.device_names")
+    return f"{', '.join(wrong)} of the wrong type" if wrong else None

@@ -18,6 +18,7 @@ import polars as pl
 
 from steplens.analyze.analyses import monitor
 from steplens.analyze.contract import schema
+from steplens.analyze.contract.manifest import damage
 from steplens.analyze.pipeline import remote
 
 if TYPE_CHECKING:
@@ -62,22 +63,6 @@ def find_runs(root: Path | str) -> list[Path] | list[str]:
         if isinstance(doc, dict) and "schema_version" in doc:
             found.append(manifest.parent)
     return found
-
-
-# The run.json fields the `runs` view reads, and the type each must have (null aside).
-_RUN_FIELDS = {"run_name": str, "world_size": int, "ranks": list, "environment": dict, "created_by": str, "facts": dict}
-
-
-def damage(manifest) -> str | None:
-    """What makes a run.json unusable for the `runs` view (a field of the wrong type), or None."""
-    if not isinstance(manifest, dict):
-        return f"run.json holds {type(manifest).__name__}, not an object"
-    wrong = [key for key, kind in _RUN_FIELDS.items() if manifest.get(key) is not None and (
-        not isinstance(manifest[key], kind) or (kind is int and isinstance(manifest[key], bool)))]
-    devices = (manifest.get("environment") or {}).get("device_names") if "environment" not in wrong else None
-    if devices is not None and not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
-        wrong.append("environment.device_names")
-    return f"{', '.join(wrong)} of the wrong type" if wrong else None
 
 
 def _quote(text: str) -> str:
