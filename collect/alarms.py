@@ -115,8 +115,13 @@ class Alarms:
 
     def __init__(self, collector, rules: list[alarm_rules.Rule], on_alarm=None):
         self.collector = collector
-        self.engine = alarm_rules.AlarmEngine(rules, collector.rank)
         settings = collector.settings
+        # The steps this collector instruments (its profiler schedule, its FLOPs step): the step rules skip them
+        # (a profiler window's step time is the profiler's); checkpoint saves are added as they happen.
+        instrumented = {step for step, _reason in alarm_rules.profiled_steps(settings.profile)}
+        if collector.flops_step is not None:
+            instrumented.add(collector.flops_step)
+        self.engine = alarm_rules.AlarmEngine(rules, collector.rank, instrumented)
         self.timeout_s = settings.alarm_timeout_s
         self.sinks: list[Sink] = []
         if on_alarm is not None:

@@ -551,7 +551,10 @@ class EngineCollector(Collector):
         return save_recorded
 
     def checkpoint_started(self) -> None:
-        self.run_facts.setdefault("checkpoint_steps", []).append(int(self.engine.global_steps))
+        step = int(self.engine.global_steps)  # the step the save precedes: its time holds the save's wait
+        self.run_facts.setdefault("checkpoint_steps", []).append(step)
+        if self.alarms is not None:
+            self.alarms.engine.skip_steps.add(step)
 
     def wrapped_timer_log(self, timer_log):
         def log_recorded(names, *args, **kwargs):

@@ -88,3 +88,23 @@ def test_the_h200_jobs_noise_alarms_are_not_raised_again(h200):
                   "in the replay only" if row["post_hoc"] and not row["in_job"] else "in the job and the replay")
         assert f"| {step} | {rule.replace('_', chr(92) + '_')} |" in summary and raised in summary
         assert f"<td>{raised}</td>" in html
+
+
+def test_the_collectors_alarms_skip_the_steps_it_instruments():
+    """In the job too: the collector's engine skips its profiler schedule's steps (warm-up, window, export) and its
+    FLOPs step, computed by the one rule the analysis uses (alarm_rules.profiled_steps), and a checkpoint's step as
+    it happens."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("torch")
+    from steplens.collect.alarms import Alarms
+
+    settings = SimpleNamespace(profile={"skip_first": 12, "wait": 1, "warmup": 1, "active": 1, "repeat": 2},
+                               alarm_timeout_s=1.0, pushgateway=None)
+    collector = SimpleNamespace(settings=settings, rank=0, flops_step=5, writer=SimpleNamespace(seq=0))
+    alarms = Alarms(collector, alarm_rules.parse_rules([{"kind": "throughput_drop"}]))
+    # window 1: warm-up 13, active 14, export 15; window 2 (a cycle of 3 later): 16, 17, 18
+    assert alarms.engine.skip_steps == {5, 13, 14, 15, 16, 17, 18}
+    assert alarm_rules.profiled_steps({"skip_first": 12, "wait": 1, "warmup": 1, "active": 1, "repeat": 2}) == [
+        (13, "profiler_warmup"), (14, "profiler_window"), (15, "profiler_export"),
+        (16, "profiler_warmup"), (17, "profiler_window"), (18, "profiler_export")]

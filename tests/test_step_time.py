@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REALRUN_INSTRUMENTED, REALRUN_STEADY_STEPS
 from steplens.analyze.analyses import step_time
+from steplens.analyze.contract import alarm_rules
 from steplens.reports import data, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -353,7 +354,7 @@ def test_damaged_schedule_and_config_values_mark_nothing_and_cost_nothing():
     every_step = {"wait": 0, "warmup": 0, "active": 1}
     assert step_time.instrumented_steps({"settings": {"profile": {**every_step, "repeat": 10**12}}}, empty, empty) == {}
     huge = step_time.instrumented_steps({"settings": {"profile": {**every_step, "repeat": 2**31 - 1}}}, empty, empty)
-    assert len(huge) <= step_time.MAX_SCHEDULE_MARKS + 2 and huge[0] == {"profiler_window"}
+    assert len(huge) <= alarm_rules.MAX_SCHEDULE_MARKS + 2 and huge[0] == {"profiler_window"}
 
 
 @pytest.mark.parametrize("damage", [("ds_config", [1]), ("checkpoint_steps", "abc"), ("world_size", "x")])

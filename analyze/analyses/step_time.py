@@ -61,7 +61,7 @@ from pathlib import Path
 
 import polars as pl
 
-from steplens.analyze.contract import schema
+from steplens.analyze.contract import alarm_rules, schema
 from steplens.analyze.contract.manifest import MAX_STEP
 
 MAD_Z_SCALE = 0.6745  # modified z-score (Iglewicz & Hoaglin 1993): 0.6745 (x - median) / MAD
@@ -200,9 +200,6 @@ def _pick_source(train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: 
     return "", "", pl.DataFrame()
 
 
-# Profiler-schedule steps marked at most (a real schedule marks a handful)
-MAX_SCHEDULE_MARKS = 100_000
-
 
 def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict[int, set[str]]:
     """Optimizer step -> instrumentation that ran in it (flops_profiler, profiler_warmup, profiler_window)."""
@@ -219,23 +216,8 @@ def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps:
     if isinstance(ds_profiler, dict) and ds_profiler.get("enabled"):
         # engine.forward profiles when global_steps == profile_step (DeepSpeed's default 1), rank 0
         mark(ds_profiler.get("profile_step", 1), "flops_profiler")
-    schedule = (facts.get("settings") or {}).get("profile")
-    fields = {"skip_first": 0, "wait": 0, "warmup": 0, "active": 1, "repeat": 1}
-    if isinstance(schedule, dict):
-        fields = {key: schedule.get(key, default) for key, default in fields.items()}
-    if isinstance(schedule, dict) and all(type(v) is int and 0 <= v <= MAX_STEP for v in fields.values()):
-        first, wait, warmup, active = fields["skip_first"], fields["wait"], fields["warmup"], fields["active"]
-        cycle = wait + warmup + active
-        # A damaged schedule (a count of billions) marks at most MAX_SCHEDULE_MARKS steps, not loops over them all
-        repeats = min(fields["repeat"], MAX_SCHEDULE_MARKS // max(cycle, 1) + 1)
-        warmup, active = min(warmup, MAX_SCHEDULE_MARKS), min(active, MAX_SCHEDULE_MARKS)
-        for repeat in range(repeats):
-            start = first + repeat * cycle + wait
-            for step in range(start, start + warmup):
-                mark(step, "profiler_warmup")
-            for step in range(start + warmup, start + warmup + active):
-                mark(step, "profiler_window")
-            mark(start + warmup + active, "profiler_export")
+    for step, reason in alarm_rules.profiled_steps((facts.get("settings") or {}).get("profile")):
+        mark(step, reason)
     if not profiler_steps.is_empty():
         traced = set(profiler_steps["step"].drop_nulls().unique().to_list())
         for step in traced:

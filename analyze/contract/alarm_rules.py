@@ -37,6 +37,8 @@ import re
 import statistics
 from collections import deque
 
+from steplens.analyze.contract.manifest import MAX_STEP
+
 # Which scalar tags are what (DeepSpeed's Train/Samples/* tags and the usual names of other loggers).
 LOSS = re.compile(r"loss(?!_?scale)", re.IGNORECASE)
 GRAD_NORM = re.compile(r"grad[_\- /]?norm", re.IGNORECASE)
@@ -153,7 +155,7 @@ class AlarmEngine:
     def __init__(self, rules: list[Rule], rank: int = 0, skip_steps=frozenset()):
         self.rules = rules
         self.rank = rank
-        self.skip_steps = frozenset(skip_steps)  # instrumented steps: the step rules neither judge nor remember them
+        self.skip_steps = set(skip_steps)  # instrumented steps: the step rules neither judge nor remember them
         self.patterns = [re.compile(r.match) if r.match else None for r in rules]
         self.history: dict[tuple[int, str], deque] = {}
         self.first: dict[tuple[int, str], list] = {}  # memory_growth: the first `window` points
@@ -319,6 +321,33 @@ class AlarmEngine:
                                     f"no optimizer step ended for {silent_s:.0f} s (limit {rule.threshold:g} s) "
                                     f"after step {step}")
         return alarms
+
+
+# Profiler-schedule steps marked at most (a real schedule marks a handful; a damaged one could name billions)
+MAX_SCHEDULE_MARKS = 100_000
+
+
+def profiled_steps(schedule) -> list[tuple[int, str]]:
+    """(optimizer step, profiler_warmup | profiler_window | profiler_export) for the collector's torch.profiler
+    schedule (skip_first, wait, warmup, active, repeat; ProfilerStep#N is optimizer step N): the steps it traces
+    and, after each window, the step in which every rank writes its trace. [] for a schedule that is not one."""
+    fields = {"skip_first": 0, "wait": 0, "warmup": 0, "active": 1, "repeat": 1}
+    if not isinstance(schedule, dict):
+        return []
+    fields = {key: schedule.get(key, default) for key, default in fields.items()}
+    if not all(type(v) is int and 0 <= v <= MAX_STEP for v in fields.values()):
+        return []
+    first, wait, warmup, active = fields["skip_first"], fields["wait"], fields["warmup"], fields["active"]
+    cycle = wait + warmup + active
+    repeats = min(fields["repeat"], MAX_SCHEDULE_MARKS // max(cycle, 1) + 1)
+    warmup, active = min(warmup, MAX_SCHEDULE_MARKS), min(active, MAX_SCHEDULE_MARKS)
+    marks = []
+    for repeat in range(repeats):
+        start = first + repeat * cycle + wait
+        marks += [(step, "profiler_warmup") for step in range(start, start + warmup)]
+        marks += [(step, "profiler_window") for step in range(start + warmup, start + warmup + active)]
+        marks.append((start + warmup + active, "profiler_export"))
+    return marks
 
 
 def replay(rules: list[Rule], scalars: list[dict], steps_by_rank: dict[int, list[dict]],
