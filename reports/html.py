@@ -49,13 +49,24 @@ class Cell(str):
         return cell
 
 
+# A number and its unit stay on one line in a narrow cell ("1.519 ms", not "1.519" over "ms").
+NUMBER_UNIT = re.compile(r"(\d) (ns|µs|ms|s|B|KiB|MiB|GiB|TiB|GB/s|TB/s|TFLOP/s)(?=$|[\s,;)])")
+
+
+def _keep_units(cell):
+    if not isinstance(cell, str) or " " not in cell:
+        return cell
+    kept = NUMBER_UNIT.sub("\\1\u00a0\\2", cell)
+    return Cell(kept, cell.full) if isinstance(cell, Cell) else kept
+
+
 def _rows(frame: pl.DataFrame, columns: dict[str, tuple[str, callable]], table: str, limit: int = TABLE_ROWS) -> dict:
     """A table for the template: header and formatted cells (escaped later by the template), at most
     `limit` rows; the rest are counted and named by their Parquet table."""
     shown = frame.head(limit)
     return {
         "header": [label for label, _ in columns.values()],
-        "rows": [[fmt(row[name]) if row[name] is not None else "" for name, (_, fmt) in columns.items()]
+        "rows": [[_keep_units(fmt(row[name])) if row[name] is not None else "" for name, (_, fmt) in columns.items()]
                  for row in shown.iter_rows(named=True)],
         "more": max(frame.height - limit, 0),
         "table": table,

@@ -370,6 +370,9 @@ def step_headline(f: dict) -> str | None:
     if summary.get("steps") and summary.get("median_ns") is not None and summary["steps"] > 1:
         return (f"Steps: median {ms(summary['median_ns'])}, p90 {ms(summary['p90_ns'])} over {summary['steps']} of "
                 f"{summary['total_steps']} ({source})")
+    if summary.get("steps") == 1:
+        return (f"Step time: {ms(summary['max_ns'])} ({step_name(summary['max_step'], summary)}, the only one kept of "
+                f"{summary['total_steps']}; {source})")
     if summary.get("steps"):
         return (f"Steps: too few for a typical time ({summary['steps']} of {summary['total_steps']} kept, max "
                 f"{ms(summary['max_ns'])}; {source})")

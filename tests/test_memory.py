@@ -221,7 +221,7 @@ def test_analyze_shows_the_memory_section(tmp_path):
     peak = first["peak_allocated_bytes"]
     unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
     shown = f"{peak / scale:.3g}" if peak / scale < 100 else f"{peak / scale:,.0f}"  # three digits, never 1e+03
-    assert f"<td>{shown} {unit}</td>" in html  # the table in units, from its _bytes suffix
+    assert f"<td>{shown}\u00a0{unit}</td>" in html  # the table in units, from its _bytes suffix (no-break space)
     assert "8.00 MiB per step" in (tmp_path / "o" / "summary.md").read_text()
     assert re.search(r"Peak memory: 1\.\d\d GiB allocated, [\d.]+ \w+ reserved on rank 0", " ".join(done.stdout.split()))
 

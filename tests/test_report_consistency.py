@@ -70,6 +70,7 @@ class _Report(HTMLParser):
             self._cell = None
 
     def handle_data(self, data):
+        data = data.replace("\u00a0", " ")  # a table keeps a number and its unit together with a no-break space
         if self._in_li and not self._in_link:
             lines = self.first_screen if self._list == "verdict" else self.details
             lines[-1] += data
@@ -308,3 +309,13 @@ def test_the_problem_lines_are_their_tables_rows(analysed):
         assert "Alarms: " + ", ".join(f"{k} x{n}" for k, n in sorted(counts.items())) in report.first_screen
         checked += 1
     assert checked
+
+
+def test_the_step_line_of_one_kept_step_is_that_step():
+    from steplens.reports.verdict import step_headline
+
+    summary = {"source": "profiler_steps", "steps": 1, "total_steps": 1, "max_ns": 19_912_000, "max_step": 10,
+               "median_ns": 19_912_000}
+    assert step_headline({"step_time": summary}) == "Step time: 19.9 ms (step 10, the only one kept of 1; profiled steps)"
+    two = {**summary, "steps": 2, "total_steps": 6, "median_ns": None, "kept_steps": [{}, {}], "max_ns": 403_000_000}
+    assert step_headline({"step_time": two}) == "Steps: too few for a typical time (2 of 6 kept, max 403 ms; profiled steps)"
