@@ -319,3 +319,38 @@ def test_the_step_line_of_one_kept_step_is_that_step():
     assert step_headline({"step_time": summary}) == "Step time: 19.9 ms (step 10, the only one kept of 1; profiled steps)"
     two = {**summary, "steps": 2, "total_steps": 6, "median_ns": None, "kept_steps": [{}, {}], "max_ns": 403_000_000}
     assert step_headline({"step_time": two}) == "Steps: too few for a typical time (2 of 6 kept, max 403 ms; profiled steps)"
+
+
+def _ms3(ns: float) -> str:
+    """Three significant digits, whole units from 100 up: how the report prints a duration."""
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
+        if ns >= scale:
+            return f"{ns / scale:.3g} {unit}" if ns < 100 * scale else f"{ns / scale:,.0f} {unit}"
+    return f"{ns:.0f} ns"
+
+
+def test_the_other_verdict_sentences_are_their_tables_rows(analysed):
+    """The slowest step against the step_time table's kept steps, the costliest logged collective against
+    comms_log_stats, the peak memory against memory_by_step."""
+    checked = set()
+    for name in analysed:
+        out, _stdout, report = _run(analysed, name)
+        detail = " ".join(report.details)
+        steps = pq.read_table(out / "step_time").to_pylist()
+        kept = [r for r in steps if not r["excluded"] and r["step_time_ns"] is not None]
+        if "Slowest step: " in detail:
+            slow = max(kept, key=lambda r: (r["step_time_ns"], -r["step"]))
+            assert (f"Slowest step: step {slow['step']} on rank {slow['slowest_rank']}, {_ms3(slow['step_time_ns'])} "
+                    f"against a median of {_ms3(round(statistics.median(r['step_time_ns'] for r in kept)))}") in detail
+            checked.add("slowest")
+        if (out / "comms_log_stats").exists() and "Logged comms: " in detail:
+            costliest = max(pq.read_table(out / "comms_log_stats").to_pylist(), key=lambda r: r["total_latency_ns"])
+            assert f"{costliest['op']} of {costliest['nccl_bytes']:,} B" in detail
+            assert f"{_ms3(costliest['total_latency_ns'])} over {costliest['calls']} calls" in detail
+            checked.add("comms")
+        if "Peak memory: " in detail:
+            rows = [r for r in pq.read_table(out / "memory_by_step").to_pylist() if r["peak_allocated_bytes"] is not None]
+            top = max(r["peak_allocated_bytes"] for r in rows)
+            assert f"Peak memory: {top / 2**30:.2f} GiB allocated" in detail
+            checked.add("memory")
+    assert checked == {"slowest", "comms", "memory"} or len(analysed) < 3
