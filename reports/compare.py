@@ -39,6 +39,10 @@ def _fmt_change(name: str, base: float | None, new: float | None) -> str:
     return "" if base is None or new is None else f"{(new - base) * 100:+.1f} pp"
 
 
+def _median_text(ns: float | None) -> str:
+    return ms(ns) if ns is not None else "too few steps"
+
+
 def _values_text(values_json: str) -> str:
     """run_comparability's values ({"base": 4, "new": null}) as words: 'base 4, new not recorded'."""
     try:
@@ -74,8 +78,8 @@ def display_tables(result: dict) -> list[dict]:
         samples = verdict["samples_per_step"]
         rows.append(["samples per optimizer step (median)", f"{samples['base']:,.0f}", f"{samples['new']:,.0f}",
                      _fmt_delta(samples["base"], samples["new"]), ""])
-    if step.get("base_median_ns") is not None:
-        rows.append(["median step time", ms(step["base_median_ns"]), ms(step["new_median_ns"]),
+    if step:
+        rows.append(["median step time", _median_text(step["base_median_ns"]), _median_text(step["new_median_ns"]),
                      _fmt_delta(step["base_median_ns"], step["new_median_ns"]), f"{step['base_steps']} / {step['new_steps']}"])
     why = verdict.get("why_metric")
     note = " ".join(x for x in (f"{why[:1].upper()}{why[1:]}." if why else "", f"Step times: {step['source']}." if step else "") if x)

@@ -93,3 +93,19 @@ def test_a_damaged_result_is_named_by_compare_and_left_out_by_trials(tmp_path):
     done = subprocess.run([str(BIN / "steplens"), "trials", str(runs)], capture_output=True, text=True, env=env)
     assert done.returncode == 1 and "internal error" not in done.stderr
     assert f"warning: {manifest}: damaged" in " ".join(done.stderr.split()) and "good" in done.stdout
+
+
+def test_compare_gives_no_median_of_two_unlike_steps(tmp_path):
+    """deepspeed_cpu_2rank keeps 2 steps 403 ms and 85.6 ms apart: compare shows no median step time for them (step
+    time's rule), as analyze does."""
+    import json
+
+    for side in ("base", "new"):
+        shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", tmp_path / side,
+                        ignore=shutil.ignore_patterns(".steplens"))
+    done = subprocess.run([str(BIN / "steplens"), "compare", str(tmp_path / "base"), str(tmp_path / "new"), "--out",
+                           str(tmp_path / "out"), "--format", "json"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    step = json.loads(done.stdout)["step_time"]
+    assert step["base_steps"] == step["new_steps"] == 2 and step["base_median_ns"] is None is step["new_median_ns"]
+    assert "<td>median step time</td><td>too few steps</td><td>too few steps</td>" in (tmp_path / "out" / "compare.html").read_text()

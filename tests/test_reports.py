@@ -245,8 +245,13 @@ def test_compare_uses_the_step_source_both_runs_have(tmp_path, corpus):
     ds_config = json.loads((tmp_path / "run5" / "ds_config.json").read_text())
     run5 = kept_steps(tmp_path / "run5", {ds_config["flops_profiler"]["profile_step"]})
     assert (result["base_steps"], result["new_steps"]) == (len(sample), len(run5))
-    assert result["base_median_ns"] == pytest.approx(np.median(sample) * 1e6)
-    assert result["new_median_ns"] == pytest.approx(np.median(run5) * 1e6)
+
+    def median_ns(times: list[float]):  # step time's rule: no median of fewer than 3 steps more than 5% apart
+        typical = len(times) >= 3 or (times and max(times) <= 1.05 * min(times))
+        return pytest.approx(np.median(times) * 1e6) if typical else None
+
+    assert result["base_median_ns"] == median_ns(sample)
+    assert result["new_median_ns"] == median_ns(run5)
 
 
 def test_verdict_says_how_a_killed_job_ended(tmp_path, corpus):

@@ -145,8 +145,9 @@ def _step_time(pair: tuple[StepSamples, StepSamples] | None) -> dict:
         return {}
     b, n = pair
     return {"source": b.source, "base_steps": len(b.values_ns), "new_steps": len(n.values_ns),
-            "base_median_ns": float(np.median(b.values_ns)) if len(b.values_ns) else None,
-            "new_median_ns": float(np.median(n.values_ns)) if len(n.values_ns) else None}
+            # step_time's rule: no median of too few steps that disagree (it would be a time no step had)
+            "base_median_ns": float(np.median(b.values_ns)) if step_time.has_typical_time(list(b.values_ns)) else None,
+            "new_median_ns": float(np.median(n.values_ns)) if step_time.has_typical_time(list(n.values_ns)) else None}
 
 
 def metrics(run) -> dict[str, float | None]:
