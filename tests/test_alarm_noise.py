@@ -108,3 +108,20 @@ def test_the_collectors_alarms_skip_the_steps_it_instruments():
     assert alarm_rules.profiled_steps({"skip_first": 12, "wait": 1, "warmup": 1, "active": 1, "repeat": 2}) == [
         (13, "profiler_warmup"), (14, "profiler_window"), (15, "profiler_export"),
         (16, "profiler_warmup"), (17, "profiler_window"), (18, "profiler_export")]
+
+
+def test_a_hostile_series_name_is_escaped_in_the_alarms_listing(tmp_path):
+    """A csv_monitor file whose tag holds markup (the tag comes from the file name): its post-hoc loss_spike is
+    listed in report.html and summary.md with the name escaped, never as markup."""
+    csv = tmp_path / "run" / "csv" / "Train_<img src=x onerror=alert(1)>_loss.csv"
+    csv.parent.mkdir(parents=True)
+    rows = [f"{8 * s},{10.0 + 0.01 * (s % 5)}" for s in range(1, 20)] + ["160,13.0"]  # +30%: a spike
+    csv.write_text("step,loss\n" + "\n".join(rows) + "\n")
+    done = subprocess.run([sys.executable, "-m", "steplens.analyze", str(tmp_path / "run"), "-q"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "run" / ".steplens"
+    html, summary = (out / "report.html").read_text(), (out / "summary.md").read_text()
+    assert "<td>Train/&lt;img src=x onerror=alert(1)&gt;/loss</td>" in html and "<img src=x" not in html
+    assert "| Train/\\<img src=x onerror=alert(1)\\>/loss | post hoc (csv\\_monitor) |" in summary
+    assert "Alarms: loss_spike x1" in done.stdout
