@@ -26,7 +26,7 @@ from steplens.analyze.contract.schema import ALL_STREAMS
 
 from . import roofline
 from .data import ALARM_HEADER, Run, alarm_rows, kernel_labels, load, ms, size, text_value, write_atomic
-from .verdict import first_screen, verdict
+from .verdict import NUMERATOR_SHORT, STEP_SOURCE_WORDS, first_screen, verdict
 
 TEMPLATES = jinja2.Environment(
     loader=jinja2.PackageLoader("steplens.reports", "templates"),
@@ -137,7 +137,7 @@ def key_numbers(run: Run) -> list[tuple[str, str]]:
         numbers.append(("device", ", ".join(devices)))
     step = f.get("step_time") or {}
     if step.get("median_ns") is not None:  # the verdict's first sentence says over which steps
-        numbers.append((f"step time ({STEP_TILES.get(step.get('source'), step.get('source'))})",
+        numbers.append((f"step time ({STEP_SOURCE_WORDS.get(step.get('source'), step.get('source'))})",
                         f"median {ms(step['median_ns'])}, p90 {ms(step.get('p90_ns'))}" if step.get("steps", 0) > 1
                         else ms(step["median_ns"])))
     elif slow := f.get("slowest_step"):
@@ -147,16 +147,11 @@ def key_numbers(run: Run) -> list[tuple[str, str]]:
         numbers.append(("GPU idle", f"{idle['idle_share']:.1%}"))
     if isinstance(f.get("mfu"), list) and f["mfu"]:  # the headline figure; the verdict gives the others beside it
         head = f["mfu"][0]
-        numbers.append((f"{head['metric']} ({NUMERATOR_TILES.get(head['numerator'], head['numerator'])})",
+        numbers.append((f"{head['metric']} ({NUMERATOR_SHORT.get(head['numerator'], head['numerator'])})",
                         f"{head['utilization']:.1%}"))
     return numbers
 
 
-NUMERATOR_TILES = {"palm": "analytic", "megatron_args": "Megatron", "collector_flops_profile": "FLOPs profile",
-                   "trace_shapes": "op shapes", "profiler_flops": "with_flops"}
-
-
-STEP_TILES = {"train_steps": "collector", "log": "logs", "profiler_steps": "profiled steps"}
 MIN_SERIES_STEPS = 3  # fewer steps are a table, not a curve
 STEP_SOURCES = {"train_steps": "the collector (every step)", "log": "the job's logs",
                 "profiler_steps": "the profiled ProfilerSteps"}

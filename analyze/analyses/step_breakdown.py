@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import polars as pl
 
-from steplens.analyze.analyses import steps
+from steplens.analyze.analyses import launch, steps
 from steplens.analyze.contract.schema import ALL_STREAMS
 from steplens.analyze.trace import intervals
 
@@ -167,9 +167,6 @@ def _difference(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray, b_e: np.ndarr
     return intervals.union(lo[keep], hi[keep])
 
 
-IDLE_CAUSES = ("host_bound", "sync", "other")
-
-
 def time_split(breakdown: pl.DataFrame) -> dict | None:
     """Where the profiled steps' device time went, over every rank and step of step_breakdown: each
     activity's share of the summed step spans, the main idle cause, and the median step's span (the
@@ -177,8 +174,8 @@ def time_split(breakdown: pl.DataFrame) -> dict | None:
     if breakdown.is_empty() or not breakdown["span_ns"].sum():
         return None
     span = breakdown["span_ns"].sum()
-    idle_by_cause = {cause: int(breakdown[f"{cause}_ns"].fill_null(0).sum()) for cause in IDLE_CAUSES}
-    main_cause = max(IDLE_CAUSES, key=lambda cause: idle_by_cause[cause]) if any(idle_by_cause.values()) else None
+    idle_by_cause = {cause: int(breakdown[f"{cause}_ns"].fill_null(0).sum()) for cause in launch.CAUSES}
+    main_cause = max(launch.CAUSES, key=lambda cause: idle_by_cause[cause]) if any(idle_by_cause.values()) else None
     step_spans = breakdown.group_by("step").agg(pl.col("span_ns").max())["span_ns"]
     return {
         "steps": step_spans.len(), "ranks": breakdown["rank"].n_unique(), "span_ns": int(span),
