@@ -282,26 +282,30 @@ def test_a_run_dir_that_is_a_file_is_one_line(tmp_path):
 
 
 def test_a_forked_child_that_exits_does_not_wait_for_the_parents_writer(tmp_path):
-    import time
-
+    # Asserted by what the child does, not by a wall-clock bound (fork + exit of a large process is slow on a
+    # loaded machine): at exit the child neither waits on the parent's writer nor closes the parent's collector.
     model, optimizer = tiny_model()
     collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), flush_every=1)
     train_step(model, optimizer)
     release = threading.Event()
     collector.writer.last = collector.writer.worker.submit(release.wait)  # the parent's writer is busy
-    started = time.monotonic()
+    touched = tmp_path / "child_touched_the_parents_collector"
     pid = os.fork()
     if pid == 0:  # the child exits the way a script does: atexit handlers run
         import atexit
 
+        def record(*_args, **_kwargs):
+            touched.write_text("yes")
+
+        collector.writer.wait = record
+        collector.close = record
         atexit._run_exitfuncs()
         os._exit(0)
     _, status = os.waitpid(pid, 0)
-    child_s = time.monotonic() - started
     release.set()
     collector.close()
     assert os.waitstatus_to_exitcode(status) == 0
-    assert child_s < 5  # the writer's WAIT_S is 10 s
+    assert not touched.exists()
     assert manifest(tmp_path)["status"] == "completed" and manifest(tmp_path)["steps_completed"] == 1
 
 
