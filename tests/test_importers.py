@@ -7,7 +7,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from steplens.analyze import importers
+from steplens.analyze.importers import telemetry
 from steplens.analyze.pipeline import ingest
 from steplens.analyze.contract import schema
 from steplens.analyze.importers.base import Imported, Importer, conform
@@ -30,7 +30,7 @@ TOY = Importer(name="toy", claims=lambda p: p.suffix == ".toy", parse=_parse_cou
 
 @pytest.fixture
 def toy_registry(monkeypatch):
-    monkeypatch.setattr(importers, "IMPORTERS", [TOY])
+    monkeypatch.setattr(telemetry, "IMPORTERS", [TOY])
 
 
 def _run(tmp_path: Path, rank: int = 2) -> Path:
@@ -70,7 +70,7 @@ def test_a_failing_importer_costs_its_file_only(tmp_path, monkeypatch, failure):
     def broken(path, rel):
         raise failure("bad line 3")
 
-    monkeypatch.setattr(importers, "IMPORTERS", [Importer("broken", lambda p: p.name == "x.toy", broken), TOY])
+    monkeypatch.setattr(telemetry, "IMPORTERS", [Importer("broken", lambda p: p.name == "x.toy", broken), TOY])
     run = _run(tmp_path)
     (run / "x.toy").write_text("junk")
     result = ingest.ingest(run, jobs=1)

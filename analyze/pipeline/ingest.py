@@ -225,12 +225,12 @@ def _opened(location: str):
     return remote.StreamedObject(location)
 
 
-def read_trace(path, source: str) -> ParsedTrace | list[ParsedTrace]:
-    """One trace file (a local Path, or an object streamed from storage) -> its rank's trace tables, or one
-    per rank for a file of several: its format's importer decodes it, then the trace semantics (steps,
-    launch links, flows) are applied and `source` stamped on every row, the same for every format.
-    Raises NotATrace (not a trace of a known format) or OSError (unreadable)."""
-    decoded = importers.trace_claimant(Path(str(path))).decode(path)
+def read_trace(path, source: str, location: str | None = None) -> ParsedTrace | list[ParsedTrace]:
+    """One trace file (a local Path, or an object streamed from storage, whose URL is `location`) -> its
+    rank's trace tables, or one per rank for a file of several: its format's importer decodes it, then the
+    trace semantics (steps, launch links, flows) are applied and `source` stamped on every row, the same
+    for every format. Raises NotATrace (not a trace of a known format) or OSError (unreadable)."""
+    decoded = importers.trace_claimant(Path(location or path)).decode(path)
     return [_trace_tables(part, source) for part in decoded] if isinstance(decoded, list) else _trace_tables(decoded, source)
 
 
@@ -249,7 +249,7 @@ def _trace_tables(decoded: DecodedTrace, source: str) -> ParsedTrace:
 def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
     started = time.perf_counter()
     try:
-        parsed = read_trace(_opened(abs_path), source.path)
+        parsed = read_trace(_opened(abs_path), source.path, abs_path)
     except NotATrace as e:
         if e.damaged:  # a .json file that is not JSON, or a trace cut before its events: a lost input
             source.status = "error"
