@@ -76,6 +76,7 @@ typedef struct {
     Buf offsets;  /* int32 per row + 1, strings only */
     Buf validity; /* one bit per row */
     Py_ssize_t nulls;
+    int multiline; /* a raw text holding a line break */
 } Column;
 
 typedef struct {
@@ -179,7 +180,8 @@ static int parse_string(Parser *p, Tok *t) {
 
 static inline int is_digit(char c) { return c >= '0' && c <= '9'; }
 
-/* A JSON number, strictly; integers of more than 19 digits and exponents of more than 3 are handed back. */
+/* A JSON number, strictly. Floats msgspec could find out of range (an exponent of 3 digits, an integer part of
+   over 20) are handed back; integers of any length are kept as text (a column reading them checks the range). */
 static int parse_number(Parser *p, Tok *t) {
     const char *s = p->cur;
     int is_float = 0;
@@ -188,7 +190,7 @@ static int parse_number(Parser *p, Tok *t) {
     if (p->cur >= p->end || !is_digit(*p->cur)) return HAND_BACK;
     if (*p->cur == '0') p->cur++;
     else while (p->cur < p->end && is_digit(*p->cur)) p->cur++;
-    if (p->cur - digits > 19) return HAND_BACK;
+    const char *point = p->cur;
     if (p->cur < p->end && *p->cur == '.') {
         is_float = 1;
         p->cur++;
@@ -201,8 +203,9 @@ static int parse_number(Parser *p, Tok *t) {
         if (p->cur < p->end && (*p->cur == '+' || *p->cur == '-')) p->cur++;
         const char *exp = p->cur;
         while (p->cur < p->end && is_digit(*p->cur)) p->cur++;
-        if (p->cur == exp || p->cur - exp > 3) return HAND_BACK;
+        if (p->cur == exp || p->cur - exp > 2) return HAND_BACK;
     }
+    if (is_float && point - digits > 20) return HAND_BACK;
     if (t) {
         t->kind = is_float ? KFLOAT : KINT;
         t->start = s;
@@ -462,7 +465,7 @@ static int str_cell(Column *c, Py_ssize_t row, const Tok *t) {
     return append_string(c, row, t);
 }
 
-/* kineto._raw_column: the value's JSON text as written; multi-line texts are re-encoded there, so handed back. */
+/* kineto._raw_column: the value's JSON text as written (a column with a multi-line text is made compact after). */
 static int raw_cell(Column *c, Py_ssize_t row, const Tok *t) {
     if (t->kind == ABSENT) return append_null(c, row, T_RAW);
     const char *s = t->start, *e = t->end;
@@ -470,7 +473,7 @@ static int raw_cell(Column *c, Py_ssize_t row, const Tok *t) {
         s--;
         e++;
     }
-    if (memchr(s, '\n', (size_t)(e - s)) || memchr(s, '\r', (size_t)(e - s))) return HAND_BACK;
+    if (memchr(s, '\n', (size_t)(e - s)) || memchr(s, '\r', (size_t)(e - s))) c->multiline = 1;
     return append_bytes(c, row, s, (size_t)(e - s), 1);
 }
 
@@ -561,6 +564,56 @@ static int float_cell(Column *c, Py_ssize_t row, const Tok *t) {
     }
     if (!isfinite(v) || v < 0) return HAND_BACK;
     return append_word(c, row, &v);
+}
+
+/* kineto._raw_column re-encodes every text of a column holding a multi-line one (msgspec's decode, then encode):
+   compact JSON. That is the text without blanks outside strings, for texts of lists, strings without escapes and
+   integers; a float, -0, an escape or an object (whose keys a decode would merge) is handed back. */
+static int compact_column(Column *c, Py_ssize_t rows) {
+    Buf out = {0};
+    int32_t start = 0, end;  /* the row's text in the old values (offsets are rewritten as it goes) */
+    if (buf_grow(&out, c->values.len)) return NO_MEMORY;
+    for (Py_ssize_t row = 0; row < rows; row++, start = end) {
+        memcpy(&end, c->offsets.data + 4 * (row + 1), 4);
+        const char *s = c->values.data + start, *e = c->values.data + end;
+        while (s < e) {
+            char ch = *s;
+            if (ch == ' ' || ch == '\n' || ch == '\r' || ch == '\t') {
+                s++;
+            } else if (ch == '"') {
+                const char *close = s + 1;
+                while (*close != '"') {
+                    if (*close == '\\') goto hand_back;
+                    close++;
+                }
+                memcpy(out.data + out.len, s, (size_t)(close + 1 - s));
+                out.len += (size_t)(close + 1 - s);
+                s = close + 1;
+            } else if (ch == '-' || is_digit(ch)) {
+                const char *q = s + 1;
+                while (q < e && (is_digit(*q) || *q == '.' || *q == 'e' || *q == 'E' || *q == '+' || *q == '-')) q++;
+                for (const char *r = s; r < q; r++)
+                    if (*r == '.' || *r == 'e' || *r == 'E') goto hand_back;
+                if (q - s == 2 && s[0] == '-' && s[1] == '0') goto hand_back;
+                memcpy(out.data + out.len, s, (size_t)(q - s));
+                out.len += (size_t)(q - s);
+                s = q;
+            } else if (ch == '{') {
+                goto hand_back;
+            } else {
+                out.data[out.len++] = ch;
+                s++;
+            }
+        }
+        int32_t compact_end = (int32_t)out.len;
+        memcpy(c->offsets.data + 4 * (row + 1), &compact_end, 4);
+    }
+    free(c->values.data);
+    c->values = out;
+    return 0;
+hand_back:
+    free(out.data);
+    return HAND_BACK;
 }
 
 static inline int present(const Tok *t) { return t->kind != ABSENT && t->kind != KNULL; }
@@ -766,6 +819,8 @@ static PyObject *columnize(PyObject *self, PyObject *args) {
     }
     /* Once the fast form is off, a metadata event with damaged args is the Python reader's to skip and count. */
     if (!rc && !w.fast && w.metadata_damage) rc = HAND_BACK;
+    for (int i = 0; i < N_COLUMNS && !rc; i++)
+        if (p.columns[i].multiline) rc = compact_column(&p.columns[i], p.rows);
     Py_END_ALLOW_THREADS
     PyObject *result = NULL;
     if (rc == NO_MEMORY) {

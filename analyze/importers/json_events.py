@@ -11,7 +11,6 @@ MAX_EVENT_BYTES is skipped and counted, and decoding resumes at the next event; 
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import os
 import re
@@ -52,6 +51,7 @@ def _decoders(event_type: type) -> tuple[msgspec.json.Decoder, msgspec.json.Deco
 
 _RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
 _KEYED_LIST = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
+_ENCODER = msgspec.json.Encoder()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,20 +390,16 @@ class EventReader:
         """Count the events of a window (whole events and the commas between them) that give a key twice, any key
         of the event object, whatever its phase. The decoders take the last value of a key (JSON's usual rule).
 
-        The window's colons outside keys and values are one per key given. Decoded as objects of keys and raw
-        values, each key given twice is kept once: when the window's colons are as many as the kept keys and the
-        colons inside them, no event gives a key twice (an escape in a key could spell a colon or another key: such
-        windows, and the others, are looked at event by event)."""
+        Each key given adds a colon outside keys and values. Decoded as objects of keys and raw values, a key given
+        twice is kept once, so the objects encoded again hold fewer colons than the window exactly when some event
+        gives a key twice, unless a `\\u` escape in a key spells a colon: such windows, and the windows with fewer
+        colons, are looked at event by event."""
         array = b"".join((b"[", window, b"]"))
         try:
-            objects = _KEYED_LIST.decode(array)
-        except (msgspec.DecodeError, RecursionError):  # damaged events, or bytes that are not UTF-8: event by event
-            objects = None
-        if objects is not None and b"\\u" not in window:
-            keys = "".join(itertools.chain.from_iterable(objects))
-            values = b"".join(itertools.chain.from_iterable(map(dict.values, objects)))
-            if window.count(b":") == sum(map(len, objects)) + keys.count(":") + values.count(b":"):
+            if b"\\u" not in window and _ENCODER.encode(_KEYED_LIST.decode(array)).count(b":") == window.count(b":"):
                 return
+        except (msgspec.DecodeError, RecursionError):  # damaged events, or bytes that are not UTF-8: event by event
+            pass
         try:
             raws = _RAW_LIST.decode(array)
         except (msgspec.DecodeError, RecursionError):  # damaged events in the window: their own issues say so
