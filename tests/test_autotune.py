@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 from steplens.analyze.analyses import autotune
 from steplens.analyze.importers import autotune_results
-from steplens.analyze import importers
+from steplens.analyze.importers import telemetry
 from steplens.analyze.contract import schema
 from steplens.analyze.analyses import step_time
 from steplens.analyze.analyses import trials as trial_runs
@@ -30,7 +30,7 @@ def import_folder(base: Path) -> tuple[pl.DataFrame, dict, list, set]:
     """What ingest does: offer every file to the importers in order, companions taken with their claimant."""
     frames, facts, issues, taken = [], {}, [], set()
     for path in sorted(p for p in base.rglob("*") if p.is_file()):
-        if path in taken or (importer := importers.claimant(path)) is None:
+        if path in taken or (importer := telemetry.claimant(path)) is None:
             continue
         taken.update([path, *importer.companions(path)])
         if not importer.name.startswith("autotune"):  # the launcher's log etc. are other importers' business
@@ -132,7 +132,7 @@ def test_failed_experiment_classified_from_stderr(tmp_path, stderr, status, erro
     (folder / "exp.json").write_text(json.dumps({"name": folder.name, "ds_config": ds_config, "num_gpus": 8}))
     if stderr is not None:
         (folder / "stderr.log").write_text(stderr)
-    assert importers.claimant(folder / "exp.json").name == "autotune_experiment"
+    assert telemetry.claimant(folder / "exp.json").name == "autotune_experiment"
     row = autotune_results.parse_experiment(folder / "exp.json", "exp.json").tables["autotune_experiments"].row(0, named=True)
     assert row["status"] == status and row["zero_stage"] == 3 and row["micro_batch"] == 9
     if error:
@@ -148,8 +148,8 @@ def test_spec_without_result_folder_is_not_run(tmp_path):
     (exps / "z2_gas1_tmbspg2.json").write_text(json.dumps({**spec, "name": "z2_gas1_tmbspg2"}))
     (tmp_path / "autotuning_results" / "z2_gas1_tmbspg2").mkdir(parents=True)
     (tmp_path / "autotuning_results" / "z2_gas1_tmbspg2" / "exp.json").write_text(json.dumps(spec))
-    assert importers.claimant(exps / "z2_gas1_tmbspg4.json").name == "autotune_experiment"
-    assert importers.claimant(exps / "z2_gas1_tmbspg2.json") is None  # its result folder is read instead
+    assert telemetry.claimant(exps / "z2_gas1_tmbspg4.json").name == "autotune_experiment"
+    assert telemetry.claimant(exps / "z2_gas1_tmbspg2.json") is None  # its result folder is read instead
     row = autotune_results.parse_experiment(exps / "z2_gas1_tmbspg4.json", "spec").tables["autotune_experiments"].row(0, named=True)
     assert row["status"] == "not_run" and row["experiment"] == "z2_gas1_tmbspg4"
 

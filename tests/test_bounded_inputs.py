@@ -47,14 +47,14 @@ def test_a_text_input_over_the_limit_keeps_its_first_and_last_whole_lines(tmp_pa
 PROBE = """
 import sys, time
 from pathlib import Path
-from steplens.analyze import importers
+from steplens.analyze.importers import telemetry
 
 def peak_mb():  # VmHWM starts afresh at exec
     line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM"))
     return int(line.split()[1]) / 1024
 
 path = Path(sys.argv[1])
-importer = next(i for i in importers.IMPORTERS if i.name == sys.argv[2])
+importer = next(i for i in telemetry.IMPORTERS if i.name == sys.argv[2])
 before = peak_mb()
 imported = importer.parse(path, path.name)
 rows = {name: frame.height for name, frame in imported.tables.items()}

@@ -15,7 +15,7 @@ import pytest
 from steplens.analyze.importers import comms_dump
 from steplens.analyze.analyses import comms_log
 from steplens.analyze.importers import deepspeed_log
-from steplens.analyze import importers
+from steplens.analyze.importers import telemetry
 from steplens.analyze.contract import schema
 from steplens.analyze.importers.base import conform
 
@@ -118,12 +118,12 @@ def test_summary_companion_is_untrusted(runs):
 
 def test_claims_and_companions(runs, tmp_path):
     comms = runs / "run1" / "comms"
-    assert importers.claimant(comms / "comms_dict_raw_rank1.json").name == "deepspeed_comms_dict"
-    assert importers.claimant(comms / "log_summary_dict_rank1.json") is None  # its raw dict reads it
-    assert importers.claimant(comms / "log_summary_rank0.txt").name == "deepspeed_log"
+    assert telemetry.claimant(comms / "comms_dict_raw_rank1.json").name == "deepspeed_comms_dict"
+    assert telemetry.claimant(comms / "log_summary_dict_rank1.json") is None  # its raw dict reads it
+    assert telemetry.claimant(comms / "log_summary_rank0.txt").name == "deepspeed_log"
     alone = tmp_path / "log_summary_dict_rank1.json"
     shutil.copy(comms / alone.name, alone)
-    assert importers.claimant(alone).name == "deepspeed_comms_summary_dict"
+    assert telemetry.claimant(alone).name == "deepspeed_comms_summary_dict"
     summary = comms_dump.parse_summary(alone, alone.name)
     assert summary.tables["comms_summary"]["trusted"].null_count() == summary.tables["comms_summary"].height
 

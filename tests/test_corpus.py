@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 
 from steplens.analyze.pipeline.ingest import IngestError, ingest
-from steplens.analyze.importers.kineto import parse_trace
+from steplens.analyze.pipeline.ingest import read_trace
 
 from conftest import CORPUS
 
@@ -74,7 +74,7 @@ def test_corpus_file_ingests_or_is_rejected_with_reason(path, tmp_path):
 @pytest.mark.skipif(not TRACE_FILES, reason="shared corpus not found")
 def test_ns_resolution_trace_keeps_fractional_microseconds():
     path = CORPUS / "HolisticTraceAnalysis/ns_resolution_trace/rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz"
-    events = parse_trace(path, "ns").events
+    events = read_trace(path, "ns").events
     # "ts": 1712195495519689.047 in the file: ns precision kept, and no negative durations made up
     assert events.filter(pl.col("ts_ns") == 1712195495519689047).height >= 1
     assert events.filter(pl.col("dur_ns") < 0).height == 0
@@ -93,7 +93,7 @@ def test_two_windows_of_one_process_are_one_rank(tmp_path):
 @pytest.mark.skipif(not TRACE_FILES, reason="shared corpus not found")
 def test_hip_launches_are_linked(tmp_path):
     path = CORPUS / "TraceLens/mi300/gaunernst_bert-small-uncased__1016001.json.gz"
-    parsed = parse_trace(path, "mi300")
+    parsed = read_trace(path, "mi300")
     launches = parsed.events.filter(pl.col("is_launch"))
     names = set(launches["name"])
     assert {"hipLaunchKernel", "hipExtModuleLaunchKernel", "hipModuleLaunchKernel"} <= names

@@ -12,7 +12,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from steplens.analyze.importers import deepspeed_log, flops_text
-from steplens.analyze import importers
+from steplens.analyze.importers import telemetry
 from steplens.analyze.importers.base import conform
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -52,7 +52,7 @@ def _all_logs() -> list[Path]:
 
 @pytest.mark.parametrize("path", _all_logs(), ids=lambda p: str(p.relative_to(SHARED)))
 def test_every_real_log_is_claimed_and_parses(path):
-    assert importers.claimant(path).name == "deepspeed_log"
+    assert telemetry.claimant(path).name == "deepspeed_log"
     imported = _parse(path)
     assert not [i for i in imported.issues if i[0] == "error"]
     for table, frame in imported.tables.items():

@@ -8,7 +8,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from steplens.analyze.importers import flops_text
-from steplens.analyze import importers
+from steplens.analyze.importers import telemetry
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 RUNS = SHARED / "deepspeed-cpu-runs"
@@ -97,7 +97,7 @@ def test_zero3_double_count_flagged():
 
 def test_bert_large_docs_output():
     path = _need(BERT)
-    assert importers.claimant(path).name == "deepspeed_flops_profile"
+    assert telemetry.claimant(path).name == "deepspeed_flops_profile"
     imported = flops_text.parse(path, path.name)
     rows = {r["path"]: r for r in imported.tables["flops_profile"].iter_rows(named=True)}
     assert imported.facts["profile_step"] == 10 and imported.facts["batch_size_per_gpu"] == 80

@@ -30,7 +30,7 @@ import pytest
 from click.testing import CliRunner
 from isal import isal_zlib
 
-from steplens.analyze.importers import kineto
+from steplens.analyze.pipeline import ingest
 from steplens.analyze.cli import analyze
 
 from conftest import CORPUS
@@ -346,7 +346,7 @@ def test_wrong_type_costs_at_most_its_event(tmp_path, traces, key, raw):
     text = add_arg(t, i, key[5:], raw) if key.startswith("args.") else set_value(t, i, key, raw)
     path = tmp_path / "rank1.json"
     path.write_text(text)
-    parsed = kineto.parse_trace(path, "rank1.json")
+    parsed = ingest.read_trace(path, "rank1.json")
     kept = Counter(zip(parsed.events["name"].to_list(), parsed.events["ts_ns"].to_list()))
     assert not expected_events(t, {i}) - kept
     assert parsed.events.height <= sum(expected_events(t).values())
@@ -447,14 +447,14 @@ STRING_MB, ZEROS_MB = 300, 1024
 MEMORY_PROBE = """
 import sys
 from pathlib import Path
-from steplens.analyze.importers import kineto
+from steplens.analyze.pipeline import ingest
 
 def peak_mb():  # VmHWM starts afresh at exec (getrusage's maxrss would carry pytest's over)
     line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM"))
     return int(line.split()[1]) / 1024
 
 before = peak_mb()
-parsed = kineto.parse_trace(Path(sys.argv[1]), "x")
+parsed = ingest.read_trace(Path(sys.argv[1]), "x")
 print(parsed.events.height, peak_mb() - before, sorted(i.reason for i in parsed.issues))
 """
 
@@ -488,13 +488,13 @@ def test_memory_follows_the_chunk_size_not_the_content(tmp_path, traces):
 # Resynchronisation: what a damaged stretch costs
 
 
-def _parse_text(tmp_path: Path, text: str) -> kineto.ParsedTrace:
+def _parse_text(tmp_path: Path, text: str) -> ingest.ParsedTrace:
     path = tmp_path / "rank1.json"
     path.write_text(text)
-    return kineto.parse_trace(path, path.name)
+    return ingest.read_trace(path, path.name)
 
 
-def _kept(parsed: kineto.ParsedTrace) -> Counter:
+def _kept(parsed: ingest.ParsedTrace) -> Counter:
     return Counter(zip(parsed.events["name"].to_list(), parsed.events["ts_ns"].to_list()))
 
 
@@ -538,7 +538,7 @@ def test_zeros_where_the_file_was_cut(tmp_path, traces):
     path.write_text(t.text[: t.spans[i][0]])
     with open(path, "r+b") as f:
         f.truncate(len(t.text[: t.spans[i][0]].encode()) + (64 << 20))  # more than MAX_EVENT_BYTES of zeros
-    parsed = kineto.parse_trace(path, path.name)
+    parsed = ingest.read_trace(path, path.name)
     assert _kept(parsed) == expected_events(t, set(range(i, len(t.spans))))
     truncated = [i for i in parsed.issues if i.reason == "truncated"]
     assert truncated and f"followed by {64 << 20} zero" in truncated[0].detail

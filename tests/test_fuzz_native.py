@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from steplens.analyze import importers
+from steplens.analyze.importers import telemetry
 from steplens.analyze.contract import issue_reasons
 from steplens.analyze.importers.base import conform
 
@@ -40,7 +40,7 @@ def _one_file_per_kind() -> list[tuple[str, Path, Path]]:
         for path in sorted(root.rglob("*")) if root.is_dir() else []:
             if not path.is_file() or ".steplens" in path.parts or path.name.endswith(".parquet"):
                 continue
-            importer = importers.claimant(path)
+            importer = telemetry.claimant(path)
             size = path.stat().st_size
             if importer is not None and size <= MAX_FILE_BYTES and size > chosen.get(importer.name, (0, None, None))[0]:
                 chosen[importer.name] = (size, root, path)
@@ -67,7 +67,7 @@ def _failures(tmp_path: Path, root: Path, path: Path, variants) -> list[str]:
     for name, damaged in variants:
         copied.chmod(0o644)
         copied.write_bytes(damaged)
-        importer = importers.claimant(copied)
+        importer = telemetry.claimant(copied)
         if importer is None:  # the damage made it another kind of file (a collector manifest no longer one)
             continue
         try:

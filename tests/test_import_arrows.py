@@ -141,3 +141,21 @@ def test_the_analyzer_packages_import_each_other_without_cycles():
 def test_the_pipeline_never_imports_the_reports():
     """pipeline/run.py runs a run from discovery to publish; the report is what the CLI adds (Hooks)."""
     assert violations("analyze/pipeline", lambda n: within(n, "steplens.reports")) == {}
+
+
+def test_importers_only_decode_ingest_applies_the_trace_semantics():
+    """A trace importer returns a DecodedTrace; steps, launch links and the source column are ingest's."""
+    applied = {path for path in modules("analyze/importers")
+               if "semantics.apply(" in (ROOT / path).read_text() or "pl.lit(source)" in (ROOT / path).read_text()}
+    assert applied == set()
+
+
+def test_the_trace_importer_registry_is_read_without_polars():
+    """The early worker start reads TRACE_NAMES before polars is imported; no format module comes with it."""
+    probe = ("import sys; from steplens.analyze.importers import TRACE_NAMES, TRACE_IMPORTERS; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('polars', 'pyarrow', 'msgspec') "
+             "or m.startswith('steplens.analyze.importers.')))")
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

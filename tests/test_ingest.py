@@ -335,16 +335,16 @@ def test_rank_batches_hold_at_most_the_limit_or_one_rank():
 def test_a_panic_in_the_trace_parser_costs_its_file_only(run_dir, monkeypatch):
     """A Rust panic in polars or pyarrow reaches Python as pyo3's PanicException, a BaseException that
     `except Exception` lets through: it once ended the whole analyze with a traceback."""
-    from steplens.analyze import importers
     from steplens.analyze.importers import kineto
-    from steplens.analyze.importers.base import TraceImporter
 
-    def parse(path, rel):
-        if "host_1" in rel:
+    decode = kineto.decode
+
+    def panicking(path):
+        if "host_1" in path.name:
             raise pl.exceptions.PanicException("called `Result::unwrap()` on an `Err` value")
-        return kineto.parse_trace(path, rel)
+        return decode(path)
 
-    monkeypatch.setattr(importers, "TRACE_IMPORTERS", [TraceImporter("kineto", lambda path: True, parse)])
+    monkeypatch.setattr(kineto, "decode", panicking)
     result = ingest(run_dir, jobs=1)
     (failed,) = result.failed
     assert failed.path == "host_1.pt.trace.json.gz"
@@ -376,3 +376,51 @@ def test_an_internal_error_is_one_line_and_status_5(run_dir, tmp_path, monkeypat
     err = capsys.readouterr().err
     assert f"internal error: {failure.__name__}: division by zero in an analysis" in err and "Traceback" not in err
     assert sorted((p.name, p.stat().st_size) for p in run_dir.iterdir()) == before
+
+
+def test_a_new_trace_format_is_one_module_and_one_registration_line(tmp_path, monkeypatch):
+    """A toy format (one line per event: name start_ns end_ns kind) read through the trace model only: its
+    module decodes, its registration names its files, and ingest gives it steps, launch links, the source
+    column, the rank from TraceMeta and the device from its facts, as for a Kineto trace."""
+    import types
+
+    from steplens.analyze import importers
+    from steplens.analyze.contract.traces import DecodedTrace, Device, TraceImporter, TraceMeta
+
+    def decode(path):
+        rows = [line.split() for line in path.read_text().splitlines()]
+        events = pl.DataFrame({
+            "event_id": list(range(len(rows))),
+            "name": [r[0] for r in rows], "ts_ns": [int(r[1]) for r in rows], "dur_ns": [int(r[2]) - int(r[1]) for r in rows],
+            "kind": [r[3] for r in rows], "ph": ["X"] * len(rows),
+            "pid": [0 if r[3] == "kernel" else 100 for r in rows], "tid": [7 if r[3] == "kernel" else 1 for r in rows],
+            "correlation": [int(r[4]) if len(r) > 4 else None for r in rows],
+            "stream": [7 if r[3] == "kernel" else None for r in rows], "device": [0 if r[3] == "kernel" else None for r in rows],
+        }, schema_overrides={"event_id": pl.Int64, "correlation": pl.Int64, "stream": pl.Int64, "device": pl.Int64})
+        endpoints = pl.DataFrame(schema={"ph": pl.String, "cat": pl.String, "pid": pl.Int64, "tid": pl.Int64,
+                                         "ts_ns": pl.Int64, "flow_id": pl.Int64})
+        return DecodedTrace(events, endpoints, TraceMeta(rank=int(path.stem[-1]), world_size=2,
+                                                         devices=[Device(name="NVIDIA H100 80GB HBM3", sm_count=132)]))
+
+    toy = types.ModuleType("steplens.analyze.importers.toy")
+    toy.claims, toy.decode = (lambda path: True), decode
+    monkeypatch.setitem(sys.modules, "steplens.analyze.importers.toy", toy)
+    monkeypatch.setattr(importers, "TRACE_IMPORTERS", [*importers.TRACE_IMPORTERS, TraceImporter("toy", names=(".toy",))])
+    monkeypatch.setattr(importers, "TRACE_KINDS", importers.TRACE_KINDS | {"toy"})
+    run = tmp_path / "run"
+    run.mkdir()
+    for rank in (0, 1):
+        (run / f"job_{rank}.toy").write_text(
+            "ProfilerStep#4 1000 9000 user_annotation\ncudaLaunchKernel 2000 2100 cuda_runtime 55\n"
+            f"gemm 3000 {5000 + rank * 1000} kernel 55\n")
+    result = ingest(run, jobs=1)
+    out = run / schema.DEFAULT_OUT_DIR
+    manifest = json.loads((out / "run.json").read_text())
+    assert sorted((s["path"], s["kind"], s["rank"]) for s in manifest["sources"]) == [("job_0.toy", "toy", 0), ("job_1.toy", "toy", 1)]
+    assert all(s["trace_meta"]["device_names"] == ["NVIDIA H100 80GB HBM3"] for s in manifest["sources"])
+    events = pl.read_parquet(out / "trace_events", hive_partitioning=True)
+    kernels = events.filter(pl.col("kind") == "kernel").sort("rank")
+    assert kernels.select("rank", "step", "dur_ns", "source").rows() == [(0, 4, 2000, "job_0.toy"), (1, 4, 3000, "job_1.toy")]
+    launches = pl.read_parquet(out / "flows", hive_partitioning=True).filter(pl.col("flow_type") == "launch")
+    assert launches.height == 2
+    assert result.failed == []

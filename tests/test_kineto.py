@@ -7,7 +7,9 @@ import polars as pl
 import pytest
 
 from steplens.analyze.importers import json_events
-from steplens.analyze.importers.kineto import NotATrace, microseconds_text_to_ns, parse_trace
+from steplens.analyze.contract.traces import NotATrace
+from steplens.analyze.importers.kineto import microseconds_text_to_ns
+from steplens.analyze.pipeline.ingest import read_trace
 
 from conftest import write_trace
 
@@ -78,7 +80,7 @@ def _events(n_kernels=3):
 def test_relative_ts_base_time_steps_and_launch_links(tmp_path):
     path = write_trace(tmp_path / "t.json", _events(), baseTimeNanoseconds=1_700_000_000_000_000_000,
                        distributedInfo={"rank": 3, "world_size": 4})
-    parsed = parse_trace(path, "t.json")
+    parsed = read_trace(path, "t.json")
     ev = parsed.events
     base = 1_700_000_000_000_000_000
     step = ev.filter(pl.col("name") == "ProfilerStep#7").row(0, named=True)
@@ -94,13 +96,13 @@ def test_relative_ts_base_time_steps_and_launch_links(tmp_path):
     links = parsed.flows.join(ev.select("event_id", "correlation"), left_on="dst_event_id", right_on="event_id")
     assert sorted(links["correlation"].to_list()) == [100, 101, 102]
     assert set(parsed.flows["via"]) == {"correlation"}  # the ac2g flows agree, so add nothing
-    assert parsed.metadata["distributedInfo"]["rank"] == 3
+    assert parsed.meta.rank == 3
 
 
 def test_graph_launch_links_every_kernel(tmp_path):
     events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "pid": 1, "tid": 1, "ts": 1, "dur": 2, "args": {"correlation": 9}}]
     events += [{"ph": "X", "cat": "kernel", "name": f"g{i}", "pid": 0, "tid": 7, "ts": 5 + i, "dur": 1, "args": {"correlation": 9}} for i in range(4)]
-    parsed = parse_trace(write_trace(tmp_path / "g.json", events), "g.json")
+    parsed = read_trace(write_trace(tmp_path / "g.json", events), "g.json")
     assert parsed.flows.height == 4
     assert parsed.flows["src_event_id"].n_unique() == 1
 
@@ -111,7 +113,7 @@ def test_graph_launch_links_every_kernel(tmp_path):
 def test_every_launch_api_is_a_launch(tmp_path, api):
     events = [{"ph": "X", "cat": "cuda_driver" if api.startswith("cuL") else "cuda_runtime", "name": api, "pid": 1, "tid": 1, "ts": 1, "dur": 1},
               {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "pid": 1, "tid": 1, "ts": 3, "dur": 1}]
-    ev = parse_trace(write_trace(tmp_path / "a.json", events), "a.json").events
+    ev = read_trace(write_trace(tmp_path / "a.json", events), "a.json").events
     assert ev.filter(pl.col("is_launch"))["name"].to_list() == [api]
 
 
@@ -129,7 +131,7 @@ def test_2020_array_format_with_string_tids_and_legacy_categories(tmp_path):
     ]
     path = tmp_path / "old.json"
     path.write_text(json.dumps(events, indent=2))
-    parsed = parse_trace(path, "old.json")
+    parsed = read_trace(path, "old.json")
     ev = parsed.events.sort("ts_ns")
     assert ev["kind"].to_list() == ["other", "cpu_op", "cuda_runtime", "kernel"]
     kernel = ev.filter(pl.col("kind") == "kernel").row(0, named=True)
@@ -148,7 +150,7 @@ def test_integer_texts_are_read_exactly_and_damaged_ones_are_counted(tmp_path):
     tids = ["4093687616", "stream 7", "stream -2", " 8 ", "-0", "0042", "Spans", "--5", "9" * 20, "1.5", "\u0663", 7]
     expected = [4093687616, 7, -2, 8, 0, 42, None, None, None, None, None, 7]
     events = [{"ph": "X", "cat": "cpu_op", "name": f"op{i}", "pid": 1, "tid": tid, "ts": i, "dur": 1} for i, tid in enumerate(tids)]
-    parsed = parse_trace(write_trace(tmp_path / "t.json", events), "t.json")
+    parsed = read_trace(write_trace(tmp_path / "t.json", events), "t.json")
     assert parsed.events.sort("ts_ns")["tid"].to_list() == expected
     assert [(i.reason, i.count, "'tid'" in i.detail) for i in parsed.issues] == [("unrepresentable_value", 3, True)]
 
@@ -164,7 +166,7 @@ def test_bytes_that_are_not_utf8_cost_only_their_event_or_value(tmp_path, indent
     damaged = (text.replace(b'"op1"', b'"op\xff1"').replace(b'"ts": 12', b'"ts": "1\xff2"')
                .replace(b'"d"', b'"\xff"', 1))
     assert damaged.count(b"\xff") == 3
-    parsed = parse_trace(write_bytes(tmp_path / "t.json", damaged), "t.json")
+    parsed = read_trace(write_bytes(tmp_path / "t.json", damaged), "t.json")
     events_read = parsed.events.sort("ts_ns")
     assert events_read["name"].to_list() == ["op0", "op\ufffd1", "op3", "op4", "op5"]  # op2 without ts
     assert events_read["ts_ns"].to_list() == [10_000, 11_000, 13_000, 14_000, 15_000]
@@ -184,7 +186,7 @@ def test_ids_above_int64_are_kept_unsigned(tmp_path):
     big = 10159970886766084423
     events = [{"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": 1, "tid": 1, "ts": 1, "dur": 1,
                "args": {"Comms Id": big, "Collective name": "allreduce", "correlation": 2**70}}]
-    parsed = parse_trace(write_trace(tmp_path / "big.json", events), "big.json")
+    parsed = read_trace(write_trace(tmp_path / "big.json", events), "big.json")
     row = parsed.events.row(0, named=True)
     assert row["comms_id"] == big
     assert row["correlation"] is None
@@ -197,7 +199,7 @@ def test_metadata_events_are_dropped_silently_other_phases_are_counted(tmp_path)
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 5, "dur": 2},
               {"ph": "C", "name": "memory", "pid": 1, "tid": 1, "ts": 6, "args": {"bytes": 3}},
               {"ph": "i", "cat": "cpu_instant_event", "name": "mark", "pid": 1, "tid": 1, "ts": 7, "s": "t"}]
-    parsed = parse_trace(write_trace(tmp_path / "m.json", events), "m.json")
+    parsed = read_trace(write_trace(tmp_path / "m.json", events), "m.json")
     assert parsed.events["name"].to_list() == ["aten::mm", "mark"]
     assert [(i.reason, i.count, "ph='C'" in i.detail) for i in parsed.issues] == [("unsupported_phase", 1, True)]
 
@@ -214,9 +216,9 @@ def test_the_phase_tagged_fast_form_reads_what_the_general_form_reads(tmp_path, 
            {"ph": 7, "name": "a number for a phase", "pid": 1, "tid": 1, "ts": 10}]
     for name, events in [("plain", base * 3000), ("odd", base * 3000 + odd + base * 3000)]:  # several windows each
         path = write_trace(tmp_path / f"{name}.json", events)
-        fast = parse_trace(path, "t")
+        fast = read_trace(path, "t")
         monkeypatch.setattr(kineto, "_PHASED_EVENT", None)
-        general = parse_trace(path, "t")
+        general = read_trace(path, "t")
         monkeypatch.undo()
         for table in ("events", "flows", "steps"):
             assert getattr(fast, table).equals(getattr(general, table)), (name, table)
@@ -242,26 +244,26 @@ def test_the_window_where_the_events_array_ends_is_read_by_the_fast_form_too(tmp
         reader = json_events.EventReader(json_events.ByteStream(path), kineto._Event, kineto._PHASED_EVENT)
         decoded = [e for window in reader.events() for e in window]
         assert reader._fast is not None and len(decoded) == 4 and not reader.skipped
-        parsed = parse_trace(path, "t")
+        parsed = read_trace(path, "t")
         assert parsed.events["name"].to_list() == ["op0", "op1", "op2"] and parsed.issues == []
 
 
 def test_cpu_event_with_stream_arg_is_not_device_activity(tmp_path):
     events = [{"ph": "X", "cat": "cpu_op", "name": "triton_launcher", "pid": 1, "tid": 1, "ts": 1, "dur": 400,
                "args": {"stream": 7, "device": 0}}]
-    row = parse_trace(write_trace(tmp_path / "s.json", events), "s.json").events.row(0, named=True)
+    row = read_trace(write_trace(tmp_path / "s.json", events), "s.json").events.row(0, named=True)
     assert row["kind"] == "cpu_op" and row["stream"] is None and row["device"] is None
 
 
 def test_chunked_decoding_matches_whole_file(tmp_path, monkeypatch, corpus):
     path = corpus / "HolisticTraceAnalysis/nccl_parser_config/nccl_data.json.gz"
-    whole = parse_trace(path, "x")
+    whole = read_trace(path, "x")
     monkeypatch.setattr(json_events, "CHUNK_BYTES", 50_000)
     monkeypatch.setattr(json_events, "SNIFF_BYTES", 50_000)
-    chunked = parse_trace(path, "x")
+    chunked = read_trace(path, "x")
     assert chunked.events.equals(whole.events)
     assert chunked.flows.equals(whole.flows)
-    assert chunked.metadata == whole.metadata
+    assert chunked.meta == whole.meta
 
 
 def test_compact_json_and_event_larger_than_chunk(tmp_path, monkeypatch):
@@ -270,7 +272,7 @@ def test_compact_json_and_event_larger_than_chunk(tmp_path, monkeypatch):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"traceEvents": events}, separators=(",", ":")))
     monkeypatch.setattr(json_events, "CHUNK_BYTES", 1000)
-    parsed = parse_trace(path, "c.json")
+    parsed = read_trace(path, "c.json")
     assert parsed.events.height == 101
     assert parsed.issues == []
 
@@ -282,7 +284,7 @@ def test_truncated_trace_keeps_every_complete_event(tmp_path, corpus, gz):
     cut = full[: len(full) * 2 // 3]
     path = tmp_path / ("cut.json.gz" if gz else "cut.json")
     path.write_bytes(gzip.compress(full)[: len(gzip.compress(cut))] if gz else cut)
-    parsed = parse_trace(path, path.name)
+    parsed = read_trace(path, path.name)
     # Ground truth from the stdlib decoder: the events that end before the cut.
     body = json.loads(full)["traceEvents"]
     raw_len = parsed.raw_bytes
@@ -309,17 +311,17 @@ def _event_ends(doc: bytes) -> list[int]:
 
 def test_non_traces_are_named(tmp_path, corpus):
     with pytest.raises(NotATrace, match="memory_timeline"):
-        parse_trace(corpus / "HolisticTraceAnalysis/memory_analysis/memory_timeline.raw.gz", "m")
+        read_trace(corpus / "HolisticTraceAnalysis/memory_analysis/memory_timeline.raw.gz", "m")
     with pytest.raises(NotATrace, match="rocprofiler"):
-        parse_trace(corpus / "TraceLens/rocprof/908_results.json.gz", "r")
+        read_trace(corpus / "TraceLens/rocprof/908_results.json.gz", "r")
     (tmp_path / "ds_config.json").write_text('{"train_batch_size": 8}')
     with pytest.raises(NotATrace, match="train_batch_size"):
-        parse_trace(tmp_path / "ds_config.json", "ds_config.json")
+        read_trace(tmp_path / "ds_config.json", "ds_config.json")
 
 
 def test_multi_member_gzip(tmp_path):
     data = json.dumps({"traceEvents": _events(2)}).encode()
     path = tmp_path / "mm.json.gz"
     path.write_bytes(gzip.compress(data[:100]) + gzip.compress(data[100:]))
-    parsed = parse_trace(path, "mm.json.gz")
+    parsed = read_trace(path, "mm.json.gz")
     assert parsed.events.height == 5 and parsed.issues == []

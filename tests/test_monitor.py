@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-from steplens.analyze import importers
+from steplens.analyze.importers import telemetry
 from steplens.analyze.analyses import monitor
 from steplens.analyze.contract import schema
 from steplens.analyze.importers.base import conform
@@ -135,7 +135,7 @@ def load_run(name: str) -> tuple[pl.DataFrame, dict]:
         pytest.skip(f"shared DeepSpeed runs not found at {RUNS}")
     frames = []
     for path in sorted(p for p in base.rglob("*") if p.is_file()):
-        importer = importers.claimant(path)
+        importer = telemetry.claimant(path)
         if importer and importer.name in ("csv_monitor", "tensorboard"):
             frames.append(importer.parse(path, str(path.relative_to(base))).tables["scalars"])
     world_size = int(re.search(r"--num_gpus (\d+)", (base / "COMMAND.txt").read_text())[1])

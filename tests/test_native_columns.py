@@ -1,7 +1,7 @@
 """The native columnizer (importers/_columnize.c) against the Python reader, its reference: the same ParsedTrace
 (events, flows, steps, metadata, issues, frame equality) on every Kineto trace of the corpus, on every trace case
 of the fuzz suite (tests/test_fuzz_ingest.py) and on hand-made edge cases, read in the usual 2 MiB windows and in
-small ones (where the reader's fast form turns off mid-file). STEPLENS_NATIVE=0 makes parse_trace use the Python
+small ones (where the reader's fast form turns off mid-file). STEPLENS_NATIVE=0 makes kineto.decode use the Python
 reader only. Where a value is one the native pass leaves to the Python reader, its window is handed back: the
 counting is the Python reader's either way, and the real traces are read natively throughout.
 """
@@ -21,6 +21,7 @@ from polars.testing import assert_frame_equal
 
 from steplens.analyze.contract import schema
 from steplens.analyze.importers import json_events, kineto
+from steplens.analyze.pipeline import ingest
 
 from conftest import CORPUS
 import test_fuzz_ingest as fuzz
@@ -63,9 +64,9 @@ class Windows:
         monkeypatch.setattr(kineto, "_native_columns", counting)
 
 
-def _parse(path: Path, monkeypatch, native: bool) -> kineto.ParsedTrace:
+def _parse(path: Path, monkeypatch, native: bool) -> ingest.ParsedTrace:
     monkeypatch.setenv("STEPLENS_NATIVE", "1" if native else "0")
-    return kineto.parse_trace(path, path.name)
+    return ingest.read_trace(path, path.name)
 
 
 def assert_same_parse(path: Path, monkeypatch) -> Windows:
@@ -81,7 +82,7 @@ def assert_same_parse(path: Path, monkeypatch) -> Windows:
     native = _parse(path, monkeypatch, native=True)
     for table in ("events", "flows", "steps"):
         assert_frame_equal(getattr(native, table), getattr(python, table), check_exact=True)
-    assert native.metadata == python.metadata
+    assert native.meta == python.meta
     assert native.issues == python.issues
     assert native.raw_bytes == python.raw_bytes
     return windows

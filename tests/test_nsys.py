@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from steplens.analyze.cli import analyze
 from steplens.analyze.importers import nsys
-from steplens.analyze.pipeline.ingest import ingest
+from steplens.analyze.pipeline.ingest import ingest, read_trace
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nsys"
 DLPROF = FIXTURES / "dlprof_pytorch_2022.1.sqlite"
@@ -112,7 +112,7 @@ def test_gpu_idle_of_a_real_export_matches_our_sql(tmp_path):
 
 
 def test_api_names_lose_the_callback_version_and_sync_events_are_named(tmp_path):
-    parsed = nsys.parse(DLPROF, "x")
+    parsed = read_trace(DLPROF, "x")
     runtime = parsed.events.filter(pl.col("kind") == "cuda_runtime")
     ours = dict(runtime.group_by("name").len().iter_rows())
     theirs = dict(_sql(DLPROF, "SELECT s.value, count(*) FROM CUPTI_ACTIVITY_KIND_RUNTIME r JOIN StringIds s ON s.id = r.nameId "
@@ -129,13 +129,13 @@ def test_api_names_lose_the_callback_version_and_sync_events_are_named(tmp_path)
 
 
 def test_a_2025_export_with_no_device_work(tmp_path):
-    parsed = nsys.parse(UVMTORCH, "x")
+    parsed = read_trace(UVMTORCH, "x")
     assert dict(parsed.events.group_by("kind").len().iter_rows()) == {"cuda_runtime": 1, "cuda_driver": 1}
-    (device,) = parsed.metadata["deviceProperties"]
-    assert (device["name"], device["numSms"], device["totalGlobalMem"]) == _sql(
-        UVMTORCH, "SELECT name, smCount, totalMemory FROM TARGET_INFO_GPU")[0]
-    assert parsed.metadata["nsysVersion"] == "2025.3.2.367"
-    assert parsed.metadata["distributedInfo"] == {}  # its captured environment has no RANK
+    (device,) = parsed.meta.devices
+    name, sms, memory, clock_hz = _sql(UVMTORCH, "SELECT name, smCount, totalMemory, clockRate FROM TARGET_INFO_GPU")[0]
+    assert (device.name, device.sm_count, device.memory_bytes, device.clock_khz) == (name, sms, memory, clock_hz // 1000)
+    assert parsed.meta.producer_version == "2025.3.2.367"
+    assert parsed.meta.rank is None and parsed.meta.world_size is None  # its captured environment has no RANK
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def _build_export(path: Path, *, env: dict | None = None, second_process: bool =
 
 
 def test_built_export_maps_every_table(tmp_path):
-    parsed = nsys.parse(_build_export(tmp_path / "a.sqlite"), "a.sqlite")
+    parsed = read_trace(_build_export(tmp_path / "a.sqlite"), "a.sqlite")
     events = parsed.events
     kernels = events.filter(pl.col("kind") == "kernel").sort("ts_ns")
     assert kernels.select("ts_ns", "dur_ns", "stream", "device", "step").rows() == [
@@ -249,7 +249,7 @@ def test_built_export_maps_every_table(tmp_path):
     nccl_range = events.filter(pl.col("name") == "ncclAllReduce")
     assert nccl_range.select("cat", "kind", "dur_ns").row(0) == ("NCCL", "user_annotation", 200)
     assert parsed.flows.filter(pl.col("flow_type") == "launch").height == 4
-    assert parsed.metadata["deviceProperties"][0]["numSms"] == 132
+    assert parsed.meta.devices[0].sm_count == 132
 
 
 def test_nccl_payload_gives_the_collective_its_bytes(tmp_path):
@@ -282,7 +282,7 @@ def test_nccl_sizes_follow_nccl_tests_definitions(tmp_path, collective, op, tota
 
 
 def test_nccl_kernel_without_payload_has_unknown_size(tmp_path):
-    parsed = nsys.parse(_build_export(tmp_path / "a.sqlite", nccl_payload=False), "a.sqlite")
+    parsed = read_trace(_build_export(tmp_path / "a.sqlite", nccl_payload=False), "a.sqlite")
     nccl = parsed.events.filter(pl.col("name").str.starts_with("ncclDevKernel"))
     assert nccl.select("collective", "in_nelems", "dtype").row(0) == ("AllReduce", None, None)
 
@@ -299,9 +299,9 @@ def test_rank_from_the_captured_environment(tmp_path):
 
 def test_step_range_option_names_other_ranges(tmp_path, monkeypatch):
     export = _build_export(tmp_path / "a.sqlite", step_names=("fwd-bwd 10", "fwd-bwd 11"))
-    assert nsys.parse(export, "a").steps.is_empty()  # not a default step name: the whole window
+    assert read_trace(export, "a").steps.is_empty()  # not a default step name: the whole window
     monkeypatch.setenv(nsys.STEP_RANGE_ENV, r"^fwd-bwd (\d+)$")
-    assert nsys.parse(export, "a").steps["step"].to_list() == [10, 11]
+    assert read_trace(export, "a").steps["step"].to_list() == [10, 11]
 
 
 def test_step_range_flag_reparses_and_rejects_a_pattern_without_a_group(tmp_path, monkeypatch):
@@ -319,7 +319,7 @@ def test_step_range_flag_reparses_and_rejects_a_pattern_without_a_group(tmp_path
 
 
 def test_an_older_schema_is_read_and_its_gaps_counted(tmp_path):
-    parsed = nsys.parse(_build_export(tmp_path / "a.sqlite", old_schema=True), "a")
+    parsed = read_trace(_build_export(tmp_path / "a.sqlite", old_schema=True), "a")
     kernels = parsed.events.filter(pl.col("kind") == "kernel")
     assert sorted(kernels["name"].to_list()) == ["gemm_kernel", "gemm_kernel", "ncclDevKernel_AllReduce_Sum_f32_RING_LL"]
     # without eventClass, the driver API is told by its name
@@ -337,7 +337,7 @@ def test_nvtx_domains_and_categories_name_the_category(tmp_path):
                "VALUES (7000, 7100, 59, 'adam', 5, ?, 0), (7200, 7300, 60, 'allreduce wait', 5, ?, 1)", (thread, thread))
     db.commit()
     db.close()
-    cats = dict(nsys.parse(export, "a").events.filter(pl.col("kind") == "user_annotation").select("name", "cat").iter_rows())
+    cats = dict(read_trace(export, "a").events.filter(pl.col("kind") == "user_annotation").select("name", "cat").iter_rows())
     # category 5 is named in the default domain only; the NCCL domain's range keeps its domain alone
     assert cats == {"iteration 1": "NVTX", "iteration 2": "NVTX", "ncclAllReduce": "NCCL", "adam": "NVTX:optimizer",
                     "allreduce wait": "NCCL", "checkpoint": "NVTX"}
@@ -350,7 +350,7 @@ def test_unclosed_nvtx_ranges_are_counted(tmp_path):
                (_global_id(PID, PID + 1),))
     db.commit()
     db.close()
-    parsed = nsys.parse(export, "a")
+    parsed = read_trace(export, "a")
     assert [(i.reason, i.count) for i in parsed.issues if i.reason == "missing_duration"] == [("missing_duration", 1)]
     assert parsed.events.filter(pl.col("name") == "open")["dur_ns"].to_list() == [None]
 
@@ -498,7 +498,7 @@ def test_values_of_the_wrong_type_and_damaged_files_are_counted_not_fatal(tmp_pa
     db.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = 6300.5 WHERE correlationId = 3")
     db.commit()
     db.close()
-    parsed = nsys.parse(export, "a")
+    parsed = read_trace(export, "a")
     issues = {i.reason: i for i in parsed.issues}
     assert issues["unrepresentable_value"].count == 2
     assert "CUPTI_ACTIVITY_KIND_KERNEL.start (1)" in issues["unrepresentable_value"].detail
@@ -544,7 +544,7 @@ def test_any_column_or_table_missing_is_read_around(tmp_path):
         db.execute(f'DROP TABLE "{table}"' if column is None else f'ALTER TABLE "{table}" DROP COLUMN "{column}"')
         db.commit()
         db.close()
-        parsed = nsys.parse(variant, "v")
+        parsed = read_trace(variant, "v")
         gaps = [i.detail for i in parsed.issues if i.reason == "nsys_schema_gap"]
         if column in READ_COLUMNS.get(table, ()):
             assert any(f"{table} without {column}" in detail for detail in gaps), (table, column)

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-from steplens.analyze import importers
+from steplens.analyze.importers import telemetry
 from steplens.analyze.importers import monitor_scalars
 
-IMPORTER = {importer.name: importer for importer in importers.IMPORTERS}
+IMPORTER = {importer.name: importer for importer in telemetry.IMPORTERS}
 
 RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
 

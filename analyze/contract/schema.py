@@ -26,6 +26,8 @@ import re
 
 import pyarrow as pa
 
+from steplens.analyze.contract.traces import INT64_RANGE
+
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "run.json"
 FINDINGS_FILE = "findings.json"  # the analyses' findings, beside the tables
@@ -39,8 +41,8 @@ DEFAULT_OUT_DIR = ".steplens"
 # Largest rank or world size taken from an input; beyond it the value is not a rank (the largest
 # jobs run on ~10^5 GPUs) and an int64 table or a per-rank figure would overflow.
 MAX_RANK = 1 << 24
-# What an int64 / uint64 column holds: a value beyond is damage (stored as null and counted), never wrapped.
-INT64_RANGE = (-(1 << 63), (1 << 63) - 1)
+# What an int64 / uint64 column holds: a value beyond is damage (stored as null and counted), never wrapped
+# (INT64_RANGE is stated in the trace model, which must import without pyarrow).
 UINT64_RANGE = (0, (1 << 64) - 1)
 
 

@@ -21,7 +21,7 @@ from steplens.analyze.contract import schema
 from steplens.analyze.contract.failures import OOM
 from steplens.analyze.importers.base import Imported, conform, peek
 from steplens.analyze.importers.bounded import load_json, read_text
-from steplens.analyze.importers.kineto import preview
+from steplens.analyze.contract.traces import preview
 
 EXPERIMENT_FILES = ("metrics.json", "stderr.log", "stdout.log", "ds_config.json", "cmd.txt", "model_info.json")
 SUMMARY_FILES = ("ds_config_optimal.json", "cmd_optimal.txt")

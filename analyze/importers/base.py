@@ -1,12 +1,6 @@
-"""What an importer is and what it returns: the interface between `ingest` and the modules that read
-inputs (registered in `importers`). Two kinds:
-
-- a telemetry importer (`Importer`) turns one file into rows of run-level tables (logs, monitors,
-  dumps, the collector's parts) plus run facts;
-- a trace importer (`TraceImporter`) turns one rank's trace file into that rank's trace tables
-  (`ParsedTrace`: trace_events, flows, steps), which ingest places under rank=<r>. Its events carry
-  the trace-event columns of the contract; `trace/semantics.py apply` adds steps and links, so a
-  new format only decodes.
+"""What a telemetry importer is and what it returns (registered in `importers/telemetry.py`): one file
+into rows of run-level tables (logs, monitors, dumps, the collector's parts) plus run facts; and the
+helpers every importer shares. A trace importer's interface is the trace model, `contract/traces.py`.
 """
 
 from __future__ import annotations
@@ -106,32 +100,3 @@ def _column_or_nulls(rows: list[dict], table: str, name: str, dtype, issues: lis
         raise ValueError(detail)
     issues.append(["warning", "unrepresentable_value", len(bad), detail])
     return pl.Series(name, [value if _fits(value, dtype) else None for value in values], dtype=dtype, strict=True)
-
-
-@dataclass
-class ParsedTrace:
-    """What a trace importer returns for one file (one rank's trace)."""
-
-    events: pl.DataFrame  # trace_events rows
-    flows: pl.DataFrame
-    steps: pl.DataFrame
-    # The trace's own metadata under Kineto's keys (distributedInfo, deviceProperties,
-    # baseTimeNanoseconds, ...): ingest reads the rank, world size and devices from them.
-    metadata: dict
-    issues: list[Issue] = field(default_factory=list)
-    raw_bytes: int = 0
-    stage_seconds: dict[str, float] = field(default_factory=dict)  # seconds per parse stage, for the benchmark
-    # Which part of its file this trace is, when the file holds several ranks (an nsys export of several
-    # processes: `parse` then returns one ParsedTrace per process, each with its unit, in rank order).
-    unit: str = ""
-
-
-@dataclass(frozen=True)
-class TraceImporter:
-    name: str  # the source kind recorded in run.json
-    claims: Callable[[Path], bool]  # cheap: the path, and at most a peek at the first bytes
-    # (absolute path, path relative to the run folder); runs in a worker. A file of several ranks gives a list.
-    parse: Callable[[Path, str], ParsedTrace | list[ParsedTrace]]
-    # What else its result depends on (an option, such as nsys's step-range pattern): parts parsed under
-    # other settings are not reused.
-    settings: Callable[[], str] = lambda: ""

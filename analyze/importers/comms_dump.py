@@ -34,7 +34,7 @@ from steplens.analyze.contract.bus_bandwidth import with_bandwidth
 from steplens.analyze.contract.manifest import MAX_COUNT
 from steplens.analyze.importers.base import Imported, conform, peek
 from steplens.analyze.importers.bounded import TooLarge, load_json
-from steplens.analyze.importers.kineto import preview
+from steplens.analyze.contract.traces import preview
 
 RAW_NAME = re.compile(r"comms_dict_raw_rank(\d+)\.json$")
 SUMMARY_NAME = re.compile(r"log_summary(?:_dict)?_rank(\d+)\.json$")  # either name is in use

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import msgspec
 
 from steplens.analyze.contract.issue_reasons import Issue  # noqa: F401 - importers take it from here too
+from steplens.analyze.contract.traces import NotATrace
 from isal import isal_zlib
 
 CHUNK_BYTES = 2 << 20
@@ -30,17 +31,6 @@ SNIFF_BYTES = 1 << 20
 MAX_EVENT_BYTES = 32 << 20
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
-
-
-class NotATrace(Exception):
-    """The file is readable but is not a Kineto/Chrome trace; the message says what it looks like.
-
-    `damaged`: it is not JSON at all (or a trace cut short before its events), as opposed to JSON
-    of another kind (a ds_config.json, a memory-timeline export)."""
-
-    def __init__(self, message: str, damaged: bool = False):
-        super().__init__(message)
-        self.damaged = damaged
 
 
 @functools.cache

@@ -2,7 +2,7 @@
 
 This module knows the Kineto format: it decodes the events into per-rank columns (kinds from
 Kineto's categories, exact ns times) and the trace's metadata; what the events mean whatever the
-format (step windows, step of each event, launch and flow links) is trace.semantics, applied last.
+format (step windows, step of each event, launch and flow links) is trace.semantics, which ingest applies.
 
 The trace is decoded in bounded chunks straight from the (gzip) stream by json_events, so memory
 stays a small multiple of the chunk size whatever the file holds, and damage (a cut, a bad token)
@@ -39,9 +39,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from steplens.analyze.contract import schema
-from steplens.analyze.importers.base import ParsedTrace
-from steplens.analyze.importers.json_events import ByteStream, EventReader, Issue, NotATrace  # noqa: F401 - NotATrace is raised through this module
-from steplens.analyze.trace import semantics
+from steplens.analyze.contract.traces import DecodedTrace, Device, NotATrace, TraceMeta, checked, preview
+from steplens.analyze.importers.json_events import ByteStream, EventReader, Issue
 
 try:  # the native columnizer (_columnize.c), built by pip where a C compiler is found
     from steplens.analyze.importers import _columnize
@@ -139,8 +138,8 @@ _PHASED_EVENT = _phase_forms()
 
 
 # read_decode: gunzip and JSON decoding into structs (interleaved, chunk by chunk); columns: structs
-# to typed columns; normalise: exact ns times, kinds, checks; semantics: steps and links.
-STAGES = ("read_decode", "columns", "normalise", "semantics")
+# to typed columns; normalise: exact ns times, kinds, checks (ingest times the semantics).
+STAGES = ("read_decode", "columns", "normalise")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,15 +220,6 @@ def _coerce_int(value, lo: int, hi: int) -> int | None:
     elif isinstance(value, float) and value.is_integer():
         value = int(value)
     return value if type(value) is int and lo <= value <= hi else None
-
-
-def preview(value) -> str:
-    """A short, printable rendering of a value from a trace (repr escapes control characters)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    if isinstance(value, (list, dict)):
-        return f"a {type(value).__name__} of {len(value)} items"
-    return repr(value)[:80]
 
 
 def _str_column(values: list, count_bad=None, lists_as_json: bool = False) -> pa.Array | pl.Series:
@@ -600,8 +590,13 @@ def _report_bad_times(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> i
 # Entry point
 
 
-def parse_trace(path: Path, source: str) -> ParsedTrace:
-    """Parse one trace file. Raises NotATrace for JSON that is not a trace, OSError if unreadable."""
+def claims(path: Path) -> bool:
+    """Any .json or .gz file is offered; one that is not a trace is reported by the parser (not_a_trace)."""
+    return True
+
+
+def decode(path: Path) -> DecodedTrace:
+    """Decode one trace file. Raises NotATrace for JSON that is not a trace, OSError if unreadable."""
     reader = EventReader(ByteStream(path), _Event, _PHASED_EVENT, _native_columns if _use_native() else None)
     counters: dict[str, list] = {}
     seconds = dict.fromkeys(STAGES, 0.0)
@@ -639,16 +634,32 @@ def parse_trace(path: Path, source: str) -> ParsedTrace:
     seconds["read_decode"] += normalising - clock  # the metadata after the events array
     events, endpoints = _normalize(raw, base_ns, issues)
     del raw
-    linking = time.perf_counter()
-    seconds["normalise"] = linking - normalising
-    events, steps, flows = semantics.apply(events, endpoints, issues)
-    events = events.select(
-        [pl.col(c) if c != "source" else pl.lit(source).alias("source") for c in schema.TRACE_EVENTS.names]
-    )
-    steps = steps.select(pl.lit(source).alias("source"), pl.all())
-    flows = flows.select(pl.lit(source).alias("source"), pl.all())
-    seconds["semantics"] = time.perf_counter() - linking
-    return ParsedTrace(events, flows, steps, metadata, issues, reader.stream.raw_bytes, seconds)
+    seconds["normalise"] = time.perf_counter() - normalising
+    return DecodedTrace(events, endpoints, _meta(metadata), issues, reader.stream.raw_bytes, seconds)
+
+
+def _meta(metadata: dict) -> TraceMeta:
+    """Kineto's top-level keys -> TraceMeta, each value checked (baseTimeNanoseconds was, by _base_time_ns)."""
+    problems: list[str] = []
+    info = checked(metadata.get("distributedInfo"), "distributedInfo", problems, dict) or {}
+    meta = TraceMeta(problems=problems)
+    meta.rank = checked(info.get("rank"), "distributedInfo.rank", problems, int, (0, schema.MAX_RANK - 1))
+    meta.world_size = checked(info.get("world_size"), "distributedInfo.world_size", problems, int, (1, schema.MAX_RANK))
+    devices = metadata.get("deviceProperties") or metadata.get("computeProperties") or []
+    devices = [d for d in devices if isinstance(d, dict)] if isinstance(devices, list) else []
+    names = [checked(d.get("name"), "deviceProperties.name", problems, str) for d in devices]
+    sms = [checked(d.get("numSms"), "deviceProperties.numSms", problems, int, (1, 1 << 20)) for d in devices]
+    meta.devices = [Device(name=name, sm_count=count) for name, count in zip(names, sms)]
+    meta.schema_version = checked(metadata.get("schemaVersion"), "schemaVersion", problems, (int, str))
+    meta.backend = checked(info.get("backend"), "distributedInfo.backend", problems, str)
+    meta.nccl_version = checked(info.get("nccl_version"), "distributedInfo.nccl_version", problems, (int, str))
+    meta.pg_count = checked(info.get("pg_count"), "distributedInfo.pg_count", problems, int, (0, 1 << 31))
+    meta.cuda_runtime_version = checked(metadata.get("cuda_runtime_version"), "cuda_runtime_version", problems, (int, str))
+    meta.cuda_driver_version = checked(metadata.get("cuda_driver_version"), "cuda_driver_version", problems, (int, str))
+    base = metadata.get("baseTimeNanoseconds")
+    meta.base_time_ns = base if type(base) is int and 0 <= base <= TIME_LIMIT_NS else None
+    meta.display_time_unit = checked(metadata.get("displayTimeUnit"), "displayTimeUnit", problems, str)
+    return meta
 
 
 def _return_freed_memory() -> None:

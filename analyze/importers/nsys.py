@@ -2,7 +2,7 @@
 into the trace model.
 
 This module knows the export's tables; what the events mean (step windows, launch links) is
-trace.semantics, applied last, as for Kineto. The file is opened read-only through the standard
+trace.semantics, which ingest applies, as for Kineto. The file is opened read-only through the standard
 library's sqlite3 and never written.
 
 Mapping (table and column names as NVIDIA documents them in "Nsight Systems: SQLite Export Schema
@@ -19,7 +19,7 @@ and what is missing is counted as an ingest issue, nsys_schema_gap; checked on r
 - CUPTI_ACTIVITY_KIND_SYNCHRONIZATION -> category `cuda_sync` (kind `other`), named by ENUM_CUPTI_SYNC_TYPE;
 - NVTX_EVENTS push/pop and start/end ranges -> `user_annotation` (category = domain name, and the
   NVTX category's), marks -> instants; NCCL's ranges give their kernels a collective and its bytes;
-- TARGET_INFO_GPU -> deviceProperties (name, SMs, memory, clock) for the peak table;
+- TARGET_INFO_GPU -> TraceMeta.devices (name, SMs, memory, clock) for the peak table;
 - globalTid -> pid = (globalTid >> 24) & 0xFFFFFF, tid = globalTid & 0xFFFFFF (the schema reference's
   decoding of a serialized GlobalId).
 
@@ -36,13 +36,15 @@ import shlex
 import shutil
 import sqlite3
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import polars as pl
 
 from steplens.analyze.contract import schema
-from steplens.analyze.importers.base import ParsedTrace, peek
-from steplens.analyze.importers.json_events import Issue, NotATrace
+from steplens.analyze.contract.issue_reasons import Issue
+from steplens.analyze.contract.traces import DecodedTrace, Device, NotATrace, TraceMeta, checked
+from steplens.analyze.importers.base import peek
 from steplens.analyze.trace import semantics
 
 SQLITE_MAGIC = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite 3 database (sqlite.org/fileformat.html)
@@ -125,6 +127,11 @@ def export_reports(run_dir: Path) -> list[tuple[Path, str]]:
 
 def step_range() -> re.Pattern:
     return re.compile(os.environ.get(STEP_RANGE_ENV) or DEFAULT_STEP_RANGE)
+
+
+def settings() -> str:
+    """A part decoded under another step-range pattern is decoded again."""
+    return step_range().pattern
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,17 +361,15 @@ def _session_start_ns(export: _Export, issues: list[Issue]) -> int:
     return 0
 
 
-def _devices(export: _Export) -> list[dict]:
-    """deviceProperties under Kineto's keys, from TARGET_INFO_GPU (clockRate in Hz there, kHz in CUDA's)."""
-    columns = {"id": "id", "name": "name", "totalGlobalMem": "totalMemory", "numSms": "smCount", "clockRate": "clockRate",
-               "computeMajor": "computeMajor", "computeMinor": "computeMinor", "cudaId": "cuDevice"}
-    rows = export.rows("TARGET_INFO_GPU", columns, required=("name",))
+def _devices(export: _Export, problems: list[str]) -> list[Device]:
+    """The GPUs of TARGET_INFO_GPU (clockRate in Hz there, kHz in CUDA's cudaDeviceProp)."""
+    columns = {"name": "name", "numSms": "smCount", "totalGlobalMem": "totalMemory", "clockRate": "clockRate"}
     devices = []
-    for row in rows:
-        device = {key: value for key, value in zip(columns, row) if value is not None}
-        if isinstance(device.get("clockRate"), int):
-            device["clockRate"] //= 1000  # CUDA's cudaDeviceProp.clockRate is kHz
-        devices.append(device)
+    for name, sms, memory, clock_hz in export.rows("TARGET_INFO_GPU", columns, required=("name",)):
+        devices.append(Device(name=checked(name, "TARGET_INFO_GPU.name", problems, str),
+                              sm_count=checked(sms, "TARGET_INFO_GPU.smCount", problems, int, (1, 1 << 20)),
+                              memory_bytes=checked(memory, "TARGET_INFO_GPU.totalMemory", problems, int, (0, 1 << 62)),
+                              clock_khz=clock_hz // 1000 if type(clock_hz) is int and clock_hz > 0 else None))
     return devices
 
 
@@ -380,15 +385,11 @@ def _capture_environment(export: _Export) -> dict[str, str]:
     return env
 
 
-def _distributed_info(env: dict[str, str]) -> dict:
-    info = {}
+def _rank_from_environment(env: dict[str, str], meta: TraceMeta) -> None:
     rank = next((env[k] for k in RANK_VARIABLES if env.get(k, "").isdigit()), None)
     world = next((env[k] for k in WORLD_VARIABLES if env.get(k, "").isdigit()), None)
-    if rank is not None:
-        info["rank"] = int(rank)
-    if world is not None:
-        info["world_size"] = int(world)
-    return info
+    meta.rank = checked(int(rank), "environment RANK", meta.problems, int, (0, schema.MAX_RANK - 1)) if rank else None
+    meta.world_size = checked(int(world), "environment WORLD_SIZE", meta.problems, int, (1, schema.MAX_RANK)) if world else None
 
 
 def _export_facts(export: _Export) -> dict[str, str]:
@@ -400,8 +401,8 @@ def _export_facts(export: _Export) -> dict[str, str]:
 # Entry point
 
 
-def parse(path: Path, source: str) -> ParsedTrace | list[ParsedTrace]:
-    """One nsys SQLite export -> one rank's trace tables, or one per process when it holds several
+def decode(path: Path) -> DecodedTrace | list[DecodedTrace]:
+    """One nsys SQLite export -> one rank's trace, or one per process when it holds several
     processes with CUDA work. Raises NotATrace for a report that needs exporting or a SQLite database
     that is not an nsys export."""
     path = Path(path)
@@ -413,14 +414,14 @@ def parse(path: Path, source: str) -> ParsedTrace | list[ParsedTrace]:
     except sqlite3.DatabaseError as e:
         raise NotATrace(f"a SQLite file that cannot be opened ({e})", damaged=True) from e
     try:
-        return _parse_export(export, source)
+        return _decode_export(export)
     except sqlite3.DatabaseError as e:  # a damaged page mid-read
         raise NotATrace(f"a damaged SQLite file ({e})", damaged=True) from e
     finally:
         export.close()
 
 
-def _parse_export(export: _Export, source: str) -> ParsedTrace | list[ParsedTrace]:
+def _decode_export(export: _Export) -> DecodedTrace | list[DecodedTrace]:
     if not any(t in export.tables for t in NSYS_MARKERS):
         shown = ", ".join(sorted(export.tables)[:8]) or "none"
         raise NotATrace(f"a SQLite database that is not an Nsight Systems export (its tables: {shown})")
@@ -458,27 +459,25 @@ def _parse_export(export: _Export, source: str) -> ParsedTrace | list[ParsedTrac
                             f"tables or columns this export lacks (Nsight Systems {_export_facts(export).get('EXPORT_PRODUCT_VERSION', '?')}): "
                             + "; ".join(export.missing)[:400]))
     facts = _export_facts(export)
-    metadata = {
-        "baseTimeNanoseconds": base_ns or None,
-        "deviceProperties": _devices(export),
-        "schemaVersion": facts.get("EXPORT_SCHEMA_VERSION"),
-        "nsysVersion": facts.get("EXPORT_PRODUCT_VERSION"),
-    }
+    meta = TraceMeta(base_time_ns=base_ns or None)
+    meta.schema_version = checked(facts.get("EXPORT_SCHEMA_VERSION"), "EXPORT_SCHEMA_VERSION", meta.problems, (int, str))
+    meta.producer_version = checked(facts.get("EXPORT_PRODUCT_VERSION"), "EXPORT_PRODUCT_VERSION", meta.problems, str)
+    meta.devices = _devices(export, meta.problems)
     processes = _processes(events, issues)
     if len(processes) <= 1:
         # One process: the environment nsys captured for the process it launched is this rank's
-        metadata["distributedInfo"] = _distributed_info(_capture_environment(export))
-        return _rank_trace(events, base_ns, source, metadata, issues)
+        _rank_from_environment(_capture_environment(export), meta)
+        return _rank_trace(events, base_ns, meta, issues)
     traces = []
     for process, frame in processes:
-        trace = _rank_trace(frame, base_ns, source, dict(metadata), list(issues))
+        trace = _rank_trace(frame, base_ns, replace(meta, problems=list(meta.problems)), list(issues))
         trace.unit = f"process {process}"
         traces.append(trace)
     return traces
 
 
-def _rank_trace(events: pl.DataFrame, base_ns: int, source: str, metadata: dict, issues: list[Issue]) -> ParsedTrace:
-    """One process's events -> its trace tables, through the same semantics as a Kineto trace's."""
+def _rank_trace(events: pl.DataFrame, base_ns: int, meta: TraceMeta, issues: list[Issue]) -> DecodedTrace:
+    """One process's events, in the trace model (ingest applies the semantics, as for a Kineto trace)."""
     events = _link_nccl_sizes(events)
     events = events.with_columns(
         dur_ns=pl.col("end_ns") - pl.col("ts_ns"), ts_ns=pl.col("ts_ns") + base_ns,
@@ -487,12 +486,7 @@ def _rank_trace(events: pl.DataFrame, base_ns: int, source: str, metadata: dict,
     ).sort("ts_ns", maintain_order=True).with_row_index("event_id").with_columns(pl.col("event_id").cast(pl.Int64))
     endpoints = pl.DataFrame(schema={"ph": pl.String, "cat": pl.String, "pid": pl.Int64, "tid": pl.Int64, "ts_ns": pl.Int64,
                                      "flow_id": pl.Int64})
-    events, steps, flows = semantics.apply(events, endpoints, issues, step_range())
-    events = events.select([pl.lit(source).alias("source") if c == "source" else
-                            pl.col(c) if c in events.columns else pl.lit(None).alias(c) for c in schema.TRACE_EVENTS.names])
-    steps = steps.select(pl.lit(source).alias("source"), pl.all())
-    flows = flows.select(pl.lit(source).alias("source"), pl.all())
-    return ParsedTrace(events, flows, steps, metadata, issues, 0, {})
+    return DecodedTrace(events, endpoints, meta, issues, step_name=step_range())
 
 
 def _processes(events: pl.DataFrame, issues: list[Issue]) -> list[tuple[int, pl.DataFrame]]:

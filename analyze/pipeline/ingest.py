@@ -26,11 +26,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from steplens.analyze import importers
-from steplens.analyze.importers import kineto
+from steplens.analyze.importers import telemetry
 from steplens.analyze.contract import issue_reasons, reuse, schema
 from steplens.analyze.contract.manifest import RunManifest, fact_problem
-from steplens.analyze.importers.base import Importer, ParsedTrace, conform
-from steplens.analyze.importers.json_events import NotATrace
+from steplens.analyze.contract.traces import DecodedTrace, NotATrace, ParsedTrace
+from steplens.analyze.importers.base import Importer, conform
+from steplens.analyze.trace import semantics
 from steplens.analyze.pipeline.workers import Workers, estimated_json_bytes, worth_workers
 
 # Candidates; the content decides (a .gz may hold any JSON export, or not be JSON at all).
@@ -151,7 +152,7 @@ def classify(files: list[Path]) -> Discovered:
     files, special = _regular_files(files)
     native, taken = [], set()
     for path in files:
-        if path in taken or (importer := importers.claimant(path)) is None:
+        if path in taken or (importer := telemetry.claimant(path)) is None:
             continue
         companions = [c for c in importer.companions(path) if c.is_file()]
         taken.update([path, *companions])
@@ -224,10 +225,31 @@ def _opened(location: str):
     return remote.StreamedObject(location)
 
 
+def read_trace(path, source: str) -> ParsedTrace | list[ParsedTrace]:
+    """One trace file (a local Path, or an object streamed from storage) -> its rank's trace tables, or one
+    per rank for a file of several: its format's importer decodes it, then the trace semantics (steps,
+    launch links, flows) are applied and `source` stamped on every row, the same for every format.
+    Raises NotATrace (not a trace of a known format) or OSError (unreadable)."""
+    decoded = importers.trace_claimant(Path(str(path))).decode(path)
+    return [_trace_tables(part, source) for part in decoded] if isinstance(decoded, list) else _trace_tables(decoded, source)
+
+
+def _trace_tables(decoded: DecodedTrace, source: str) -> ParsedTrace:
+    started = time.perf_counter()
+    issues = list(decoded.issues)
+    events, steps, flows = semantics.apply(decoded.events, decoded.endpoints, issues, decoded.step_name or semantics.STEP_NAME)
+    events = events.select([pl.lit(source).alias("source") if c == "source" else
+                            pl.col(c) if c in events.columns else pl.lit(None).alias(c) for c in schema.TRACE_EVENTS.names])
+    steps = steps.select(pl.lit(source).alias("source"), pl.all())
+    flows = flows.select(pl.lit(source).alias("source"), pl.all())
+    seconds = {**decoded.stage_seconds, "semantics": time.perf_counter() - started}
+    return ParsedTrace(events, flows, steps, decoded.meta, issues, decoded.raw_bytes, seconds, decoded.unit)
+
+
 def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
     started = time.perf_counter()
     try:
-        parsed = importers.trace_claimant(Path(abs_path)).parse(_opened(abs_path), source.path)
+        parsed = read_trace(_opened(abs_path), source.path)
     except NotATrace as e:
         if e.damaged:  # a .json file that is not JSON, or a trace cut before its events: a lost input
             source.status = "error"
@@ -303,30 +325,23 @@ def _parse_native(path: Path, source: Source, importer: Importer, scratch: Path)
 def _record_trace_facts(source: Source, parsed: ParsedTrace) -> None:
     """The run facts a trace gives, each checked: a value of the wrong type or out of range is left
     out of run.json and named in a `bad_metadata` issue."""
-    meta = parsed.metadata
-    problems: list[str] = []
-    info = _checked(meta, "distributedInfo", problems, dict) or {}
-    source.trace_rank = _checked(info, "rank", problems, int, (0, schema.MAX_RANK - 1), "distributedInfo.")
-    source.world_size = _checked(info, "world_size", problems, int, (1, schema.MAX_RANK), "distributedInfo.")
+    meta = parsed.meta
+    problems = list(meta.problems)
+    source.trace_rank, source.world_size = meta.rank, meta.world_size
     if source.trace_rank is not None and source.world_size is not None and source.trace_rank >= source.world_size:
-        problems.append(f"distributedInfo.world_size {source.world_size} is not above its rank {source.trace_rank}")
+        problems.append(f"world size {source.world_size} is not above its rank {source.trace_rank}")
         source.world_size = None
-    devices = meta.get("deviceProperties") or meta.get("computeProperties") or []
-    devices = [d for d in devices if isinstance(d, dict)] if isinstance(devices, list) else []
-    names = {_checked(d, "name", problems, str, prefix="deviceProperties.") for d in devices}
-    sms = {_checked(d, "numSms", problems, int, (1, 1 << 20), "deviceProperties.") for d in devices}
-    base = meta.get("baseTimeNanoseconds")  # parse_trace reported a bad one
     source.trace_meta = {
-        "schema_version": _checked(meta, "schemaVersion", problems, (int, str)),
-        "backend": _checked(info, "backend", problems, str, prefix="distributedInfo."),
-        "nccl_version": _checked(info, "nccl_version", problems, (int, str), prefix="distributedInfo."),
-        "pg_count": _checked(info, "pg_count", problems, int, (0, 1 << 31), "distributedInfo."),
-        "device_names": sorted(names - {None, ""}),
-        "device_sms": sorted(sms - {None}),
-        "cuda_runtime_version": _checked(meta, "cuda_runtime_version", problems, (int, str)),
-        "cuda_driver_version": _checked(meta, "cuda_driver_version", problems, (int, str)),
-        "base_time_ns": base if type(base) is int and 0 <= base <= kineto.TIME_LIMIT_NS else None,
-        "display_time_unit": _checked(meta, "displayTimeUnit", problems, str),
+        "schema_version": meta.schema_version,
+        "backend": meta.backend,
+        "nccl_version": meta.nccl_version,
+        "pg_count": meta.pg_count,
+        "device_names": sorted({d.name for d in meta.devices} - {None, ""}),
+        "device_sms": sorted({d.sm_count for d in meta.devices} - {None}),
+        "cuda_runtime_version": meta.cuda_runtime_version,
+        "cuda_driver_version": meta.cuda_driver_version,
+        "base_time_ns": meta.base_time_ns,
+        "display_time_unit": meta.display_time_unit,
     }
     if problems:
         shown = "; ".join(dict.fromkeys(problems))
@@ -343,28 +358,6 @@ def _record_trace_facts(source: Source, parsed: ParsedTrace) -> None:
     host = events.filter(pl.col("kind").is_in(["cpu_op", "user_annotation"]))["pid"].drop_nulls().unique().sort()
     source.host_pids = host.head(8).to_list()
     source.issues.extend([i.severity, i.reason, i.count, i.detail] for i in parsed.issues)
-
-
-# Metadata strings kept in run.json are cut to this many characters (versions, names, backends).
-_META_TEXT_CHARS = 200
-
-
-def _checked(mapping: dict, key: str, problems: list[str], kinds, bounds: tuple[int, int] = schema.INT64_RANGE,
-             prefix: str = ""):
-    """mapping[key] when it is one of `kinds` (an int within `bounds`, a string cut to
-    _META_TEXT_CHARS, a dict), else None with the reason added to `problems`. Absent is None."""
-    value = mapping.get(key)
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    if value is None:
-        return None
-    if type(value) is int and int in kinds and bounds[0] <= value <= bounds[1]:
-        return value
-    if isinstance(value, str) and str in kinds:
-        return value[:_META_TEXT_CHARS]
-    if isinstance(value, dict) and dict in kinds:
-        return value
-    problems.append(f"{prefix}{key} = {kineto.preview(value)}")
-    return None
 
 
 # ---------------------------------------------------------------------------------------------

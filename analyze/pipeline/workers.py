@@ -39,7 +39,7 @@ def use_system_allocator() -> None:
     lowers an ingest process's peak memory by about a sixth at a few percent of speed.
 
     glibc's allocator is given from the start the thresholds its own rule grows to (blocks under 32 MiB
-    from the heap, heap kept up to 64 MiB free; kineto.parse_trace trims it after decoding): the parse's
+    from the heap, heap kept up to 64 MiB free; kineto.decode trims it after decoding): the parse's
     2 MiB windows then reuse heap pages instead of faulting fresh ones in each time (a quarter fewer page
     faults, about 4% of a parse's CPU, the same peak memory)."""
     import pyarrow as pa
@@ -142,7 +142,6 @@ def worth_workers(jobs: int, files: int, json_bytes: int, sure_traces: int | Non
 # .json files (ds_config.json, comms dumps, autotuning experiments, manifests) are not traces.
 TRACE_GUESS_MIN_BYTES = 256 << 10
 GZIP_RATIO = 10  # typical raw/gzip size of a Kineto trace (the corpus ranges 7x-30x), when the file does not say
-TRACE_NAMES = (".json", ".json.gz")
 
 
 def estimated_json_bytes(name: str, size: int) -> int:
@@ -163,18 +162,20 @@ def estimated_json_bytes(name: str, size: int) -> int:
 
 
 def start_early_for(run_dir: Path, jobs: int) -> None:
-    """Start workers now when run_dir holds traces enough to parse on them: two or more .json or
-    .json.gz files (hidden folders left out, as discovery does) of WORKER_WORTH_BYTES of JSON in all, or
-    WORKER_WORTH_FILES of them of TRACE_GUESS_MIN_BYTES or more (worth_workers).
+    """Start workers now when run_dir holds traces enough to parse on them: two or more files named as a
+    registered trace format's (importers.TRACE_NAMES; hidden folders left out, as discovery does) of
+    WORKER_WORTH_BYTES in all, or WORKER_WORTH_FILES of them of TRACE_GUESS_MIN_BYTES or more (worth_workers).
     A guess made before discovery: workers no Workers takes are stopped with the run (stop_early)."""
     if jobs < 2:
         return
+    from steplens.analyze.importers import TRACE_NAMES  # the registry alone: no format module is imported
+
     files, large, total = 0, 0, 0
     try:
         for root, dirs, names in os.walk(run_dir):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             for name in names:
-                if name.endswith(TRACE_NAMES) and not name.startswith("."):
+                if name.lower().endswith(TRACE_NAMES) and not name.startswith("."):
                     files += 1
                     path = os.path.join(root, name)
                     size = estimated_json_bytes(path, os.stat(path).st_size)

@@ -7,7 +7,7 @@ Per file, in this process (imports done before any timing), median of --runs:
   limit        : the decode-only limit: gunzip + msgspec scanning traceEvents into msgspec.Raw
                  (every event validated as JSON, nothing built): no msgspec-based reader is faster
   read_decode  : gunzip + decoding the events into steplens's structs, chunk by chunk
-  columns      : structs -> typed columns         (kineto.parse_trace's stage_seconds)
+  columns      : structs -> typed columns         (ingest.read_trace's stage_seconds)
   normalise    : exact ns times, kinds, checks
   semantics    : steps, step of each event, launch and flow links
   parquet      : writing the three tables as ingest writes them
@@ -51,7 +51,7 @@ def _limit(path: Path) -> float:
 
 
 def _parse_and_write(path: Path) -> tuple[dict, int, int]:
-    parsed = kineto.parse_trace(path, path.name)
+    parsed = ingest.read_trace(path, path.name)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="steplens-stage-split-") as tmp:
         for table, frame in (("trace_events", parsed.events), ("flows", parsed.flows), ("steps", parsed.steps)):

@@ -1,0 +1,30 @@
+"""The importers of what a job left besides traces, registered one line each: each reads one file into
+rows of the run-level tables in `schema` plus run facts (the interface is `base.Importer`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from steplens.analyze.importers import autotune_results, collector_parts, comms_dump, deepspeed_log, flops_text, monitor_scalars
+from steplens.analyze.importers.base import Importer
+
+# Order is priority: specific file names before generic suffixes.
+IMPORTERS: list[Importer] = [
+    Importer("collector", collector_parts.claims, collector_parts.parse),
+    Importer("autotune_experiment", autotune_results.claims_experiment, autotune_results.parse_experiment, autotune_results.experiment_companions),
+    Importer("autotune_summary", autotune_results.claims_summary, autotune_results.parse_summary, autotune_results.summary_companions),
+    Importer("tensorboard", monitor_scalars.claims_tensorboard, monitor_scalars.parse_tensorboard),
+    Importer("wandb", monitor_scalars.claims_wandb, monitor_scalars.parse_wandb),
+    Importer("csv_monitor", monitor_scalars.claims_csv, monitor_scalars.parse_csv_monitor),
+    Importer("deepspeed_comms_dict", comms_dump.claims_raw, comms_dump.parse_raw, comms_dump.summary_sibling),
+    Importer("deepspeed_comms_summary_dict", comms_dump.claims_summary, comms_dump.parse_summary),
+    Importer("deepspeed_flops_profile", flops_text.claims, flops_text.parse, flops_text.ds_config_files),
+    Importer("deepspeed_log", deepspeed_log.claims, deepspeed_log.parse),  # after the FLOPs text: a log may embed a profile
+]
+
+
+def claimant(path: Path) -> Importer | None:
+    for importer in IMPORTERS:
+        if importer.claims(path):
+            return importer
+    return None
