@@ -30,14 +30,17 @@ needs_native = pytest.mark.skipif(not kineto.native_available(), reason="the nat
 
 
 def _compiler() -> str | None:
+    """The C compiler pip builds extensions with, where Python's headers are installed too."""
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    return shutil.which(cc)
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    return shutil.which(cc) if headers.is_file() else None
 
 
 def test_the_native_columnizer_is_built_where_a_compiler_is():
-    """pip builds it wherever a C compiler is found: CI must not fall back to the Python reader unnoticed."""
+    """pip builds it wherever a C compiler and Python's headers are: CI must not fall back to the Python reader
+    unnoticed."""
     if _compiler() is None:
-        pytest.skip("no C compiler here: the Python reader is the one used")
+        pytest.skip("no C compiler or no Python headers here: the Python reader is the one used")
     assert kineto.native_available(), "a C compiler is here but importers/_columnize.c was not built (pip install -e .)"
 
 
