@@ -25,7 +25,7 @@ from rich.progress import (
 )
 
 from steplens.analyze import importers
-from steplens.analyze.importers import nsys
+from steplens.analyze.importers import kineto, nsys
 from steplens.analyze.analyses import kernels, runner
 from steplens.analyze import cli_rerun
 from steplens.analyze.contract import reuse, schema
@@ -191,6 +191,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
                 for text, indent in summary:
                     cli_rerun.say(console, text, indent)
         _warn_missing_ranks(result)
+        _note_python_reader([result])
         sys.exit(_status(result))
     click.echo(f"{safe_text(run_dir)} holds {len(runs)} runs; each is analysed on its own:")
     sys.exit(_analyse_each(run_dir, [(run, out_of(run)) for run in runs], jobs, options, ingest_only,
@@ -209,7 +210,7 @@ def _path_or_url(value: str | None, folder: bool = False) -> Path | str | None:
 def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, options: runner.Options,
                   ingest_only: bool, out_given: bool = False, client=None) -> int:
     """Several runs, one line each with where its report is; the exit status of them all."""
-    statuses = []
+    statuses, results = [], []
     pending = list(runs)
     while pending:
         run, out = pending.pop(0)
@@ -227,11 +228,13 @@ def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, optio
             click.echo(f"  {name}: not analysed: {safe_text(e)}")
             continue
         statuses.append(_status(result))
+        results.append(result)
         ranks = ranges(result.manifest.get("ranks", []))
         problems = sum(1 for s in result.sources for i in s.issues if i[0] == "error")
         report = result.out_dir / ("report.html" if findings else schema.MANIFEST_FILE)
         click.echo(f"  {name}: {len(result.sources)} input(s), ranks {ranks or 'none'}, {problems} error(s)\n"
                    f"    {safe_text(report)}")
+    _note_python_reader(results)
     if all(s == EXIT_NOTHING for s in statuses):
         return EXIT_NOTHING
     return EXIT_PARTIAL if any(s != 0 for s in statuses) else 0
@@ -395,6 +398,14 @@ def _rerun_record(key: str, stage) -> dict:
 def _warn_missing_ranks(result: IngestResult) -> None:
     if warning := _missing_ranks_warning(result):
         cli_rerun.warn(warning)
+
+
+def _note_python_reader(results: list[IngestResult]) -> None:
+    """Once per command: Kineto traces were parsed by the Python reader, the native columnizer not being built."""
+    parsed = any(s.kind == "kineto" and s.status == "ingested" for result in results for s in result.sources)
+    if parsed and not kineto.native_available():
+        cli_rerun.warn("note: the native Kineto reader is not built (no C compiler when steplens was installed); "
+                       "the traces were parsed by the Python reader, about 3x slower")
 
 
 def _missing_ranks_warning(result: IngestResult) -> str | None:

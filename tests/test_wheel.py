@@ -5,6 +5,7 @@ from the source tree."""
 import shutil
 import subprocess
 import sys
+import sysconfig
 import venv
 import zipfile
 from pathlib import Path
@@ -24,7 +25,9 @@ def test_wheel_installs_and_imports_every_module(tmp_path):
     for name in ("pyproject.toml", "README.md", "analyze", "collect", "reports"):
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copyfile
         source.mkdir(exist_ok=True)
-        copy(REPO / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+        # (without the checkout's own build of the native columnizer: the wheel's must come from its build)
+        copy(REPO / name, source / name,
+             **({"ignore": shutil.ignore_patterns("__pycache__", "*.so")} if copy is shutil.copytree else {}))
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path, source])
     [wheel] = tmp_path.glob("steplens-*.whl")
     shipped = sorted(name[:-3].replace("/", ".").removesuffix(".__init__") for name in zipfile.ZipFile(wheel).namelist()
@@ -33,6 +36,8 @@ def test_wheel_installs_and_imports_every_module(tmp_path):
                      for folder in ("analyze", "collect", "reports") for p in (REPO / folder).rglob("*.py"))
     assert shipped == sources  # every source module is in the wheel
     assert any(name.endswith("templates/report.html.j2") for name in zipfile.ZipFile(wheel).namelist())
+    if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]):  # pip builds the native columnizer
+        assert any(name.startswith("steplens/analyze/importers/_columnize.") for name in zipfile.ZipFile(wheel).namelist())
 
     env = tmp_path / "venv"
     venv.create(env, with_pip=False)

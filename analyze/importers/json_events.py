@@ -16,7 +16,7 @@ import os
 import re
 import zlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgspec
 
@@ -40,6 +40,8 @@ def _decoders(event_type: type) -> tuple[msgspec.json.Decoder, msgspec.json.Deco
 
 
 _RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
+_KEYED_LIST = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
+_ENCODER = msgspec.json.Encoder()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,13 +205,17 @@ class EventReader:
     event, or for the text around the events array, whatever the file holds.
     """
 
-    def __init__(self, stream: ByteStream, event_type: type, fast_type: Any = None):
+    def __init__(self, stream: ByteStream, event_type: type, fast_type: Any = None,
+                 columnize: Callable[[memoryview, bool], tuple | None] | None = None):
         """`fast_type`: a faster form of `event_type` for the events a file usually holds (a tagged union,
-        say); tried first on each window until a window does not fit it, then never again in this file."""
+        say); tried first on each window until a window does not fit it, then never again in this file.
+        `columnize(window, fast)`: a native reading of a window of whole events into what the caller's columns
+        would be, (columns, bytes consumed, whether the array ended, whether the fast form still holds), or None
+        to leave that window to the decoders here (which then count what is wrong with it)."""
         self.stream = stream
         self._many, self._one = _decoders(event_type)
         self._fast = _decoders(fast_type)[0] if fast_type is not None else None
-        self._keys = [f'"{f.encode_name}"'.encode() for f in msgspec.structs.fields(event_type)]  # top-level keys read
+        self._columnize = columnize
         self.blocks = stream.blocks()
         self.buf = b""
         self.eof = False
@@ -283,7 +289,8 @@ class EventReader:
             return NotATrace("a trace cut short (or damaged) before its traceEvents array", damaged=True)
         return NotATrace(_describe_non_trace(self.buf[:4096])[0], damaged=False)
 
-    def events(self) -> Iterator[list]:
+    def events(self) -> Iterator[Any]:
+        """Lists of decoded events, or the columns `columnize` made of a window."""
         self._find_array_start()
         want = CHUNK_BYTES
         while True:
@@ -293,10 +300,10 @@ class EventReader:
                 return
             limit = len(self.buf) if self.eof else min(len(self.buf), want)
             events, consumed, ended = self._decode_prefix(limit)
-            if self._fast is None and events:
-                self._count_duplicate_keys(self.buf[:consumed], len(events))
+            if isinstance(events, list) and events:  # (a native window hands back any event giving a key twice)
+                self._count_duplicate_keys(self.buf[:consumed - 1] if ended else self.buf[:consumed])
             self.buf = self.buf[consumed:]
-            if events:
+            if len(events):
                 yield events
             if ended:
                 self._finish(0)
@@ -324,6 +331,11 @@ class EventReader:
         pos = _last_event_end(buf, limit)
         if pos < 0:
             return self._decode_one_by_one([], 0, limit)
+        if self._columnize is not None and (done := self._columnize(memoryview(buf)[: pos + 1], self._fast is not None)):
+            columns, consumed, ended, fast = done
+            if not fast:
+                self._fast = None
+            return columns, consumed, ended
         candidate = b"".join((b"[", memoryview(buf)[: pos + 1], b"]"))  # one copy, not three
         if self._fast is not None:
             try:
@@ -364,20 +376,27 @@ class EventReader:
                 pass
         return self._decode_one_by_one([], 0, limit)
 
-    def _count_duplicate_keys(self, window: bytes, events: int) -> None:
-        """Count the events of a window that give a key twice. The decoder takes the last value of a key, for every
-        key (JSON's usual rule); the fast form refuses an event whose second `ph` differs, so such windows come here.
-        A key that occurs no more often than there are events cannot be given twice in one: those windows cost one
-        count per key, and only the others are looked at event by event."""
-        if all(window.count(key) <= events for key in self._keys):
-            return
+    def _count_duplicate_keys(self, window: bytes) -> None:
+        """Count the events of a window (whole events and the commas between them) that give a key twice, any key
+        of the event object, whatever its phase. The decoders take the last value of a key (JSON's usual rule).
+
+        Each key given adds a colon outside keys and values. Decoded as objects of keys and raw values, a key given
+        twice is kept once, so the objects encoded again hold fewer colons than the window exactly when some event
+        gives a key twice, unless a `\\u` escape in a key spells a colon: such windows, and the windows with fewer
+        colons, are looked at event by event."""
+        array = b"".join((b"[", window, b"]"))
         try:
-            raws = _RAW_LIST.decode(b"".join((b"[", window, b"]")))
+            if b"\\u" not in window and _ENCODER.encode(_KEYED_LIST.decode(array)).count(b":") == window.count(b":"):
+                return
+        except (msgspec.DecodeError, RecursionError):  # damaged events, or bytes that are not UTF-8: event by event
+            pass
+        try:
+            raws = _RAW_LIST.decode(array)
         except (msgspec.DecodeError, RecursionError):  # damaged events in the window: their own issues say so
             return
         for raw in raws:
             text = bytes(raw)
-            if any(text.count(key) > 1 for key in self._keys) and _gives_a_key_twice(text):
+            if _gives_a_key_twice(text):
                 entry = self.repaired.setdefault("duplicate_keys", [0, f"{text[:120]!r}"])
                 entry[0] += 1
 

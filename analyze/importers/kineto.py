@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import decimal
 import gc
+import os
 import re
 import time
 import typing
@@ -40,6 +41,11 @@ import pyarrow.compute as pc
 from steplens.analyze.contract import schema
 from steplens.analyze.contract.traces import DecodedTrace, Device, NotATrace, TraceMeta, checked, preview
 from steplens.analyze.importers.json_events import ByteStream, EventReader, Issue
+
+try:  # the native columnizer (_columnize.c), built by pip where a C compiler is found
+    from steplens.analyze.importers import _columnize
+except ImportError:
+    _columnize = None
 
 # A ts above this many ns (~1973 as epoch time) is already absolute, not relative to a base time.
 ABSOLUTE_NS_THRESHOLD = 10**17
@@ -463,6 +469,47 @@ def _columns(events: list[_Event], counters: dict[str, list]) -> pl.DataFrame:
     return pl.DataFrame(columns)  # Arrow arrays and the polars string columns
 
 
+# The columns of _columns, in its order, with their Arrow types: what _columnize returns, column by column.
+_NATIVE_COLUMNS = (
+    ("ph", pa.string()), ("cat", pa.string()), ("name", pa.string()), ("pid", pa.int64()), ("tid", pa.int64()),
+    ("ts_text", pa.string()), ("dur_text", pa.string()), ("flow_id", pa.int64()), ("arg_stream", pa.int64()),
+    ("arg_device", pa.int64()), ("correlation", pa.int64()), ("external_id", pa.int64()), ("collective", pa.string()),
+    ("in_nelems", pa.int64()), ("out_nelems", pa.int64()), ("dtype", pa.string()), ("group_size", pa.int64()),
+    ("group_name", pa.string()), ("group_desc", pa.string()), ("group_ranks", pa.string()), ("seq", pa.int64()),
+    ("comms_id", pa.uint64()), ("src_rank", pa.int64()), ("dst_rank", pa.int64()), ("input_dims", pa.string()),
+    ("input_types", pa.string()), ("concrete_inputs", pa.string()), ("bytes", pa.int64()), ("flops", pa.float64()),
+    ("total_allocated_bytes", pa.int64()), ("total_reserved_bytes", pa.int64()),
+)
+
+
+def native_available() -> bool:
+    """Whether the native columnizer is built (pip builds it where a C compiler is found)."""
+    return _columnize is not None
+
+
+def _native_columns(window: memoryview, fast: bool) -> tuple[pl.DataFrame, int, bool, bool] | None:
+    """_columns of a window of whole events, decoded natively (json_events.EventReader's `columnize`); None when
+    the window holds anything the Python reader must see (a damaged event, a value _columns would count)."""
+    done = _columnize.columnize(window, fast)
+    if done is None:
+        return None
+    buffers, rows, consumed, ended, still_fast = done
+    columns = {}
+    for (name, dtype), (values, offsets, validity, nulls) in zip(_NATIVE_COLUMNS, buffers):
+        if nulls == rows:
+            columns[name] = pa.nulls(rows, dtype)
+            continue
+        held = [None if validity is None else pa.py_buffer(validity)]
+        held += [pa.py_buffer(values)] if offsets is None else [pa.py_buffer(offsets), pa.py_buffer(values)]
+        columns[name] = pa.Array.from_buffers(dtype, rows, held, null_count=nulls)
+    return pl.DataFrame(columns), consumed, ended, still_fast
+
+
+def _use_native() -> bool:
+    """STEPLENS_NATIVE=0 makes the Python reader read every window (it is the reference the native one is held to)."""
+    return _columnize is not None and os.environ.get("STEPLENS_NATIVE", "1") != "0"
+
+
 # ---------------------------------------------------------------------------------------------
 # Normalization
 
@@ -482,7 +529,7 @@ def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl
     phase = pl.col("ph")
     is_event = phase.is_in(["X", "i", "I"]) & pl.col("ts_ns").is_not_null()
     is_flow = phase.is_in(["s", "f", "t"]) & pl.col("ts_ns").is_not_null()
-    counts = raw.group_by("ph").len()
+    counts = raw.group_by("ph", maintain_order=True).len()  # issues in the order of the file
     ignored = counts.filter(~pl.col("ph").is_in(["X", "i", "I", "s", "f", "t", "M"]) | pl.col("ph").is_null())
     for ph, n in ignored.iter_rows():
         issues.append(Issue("info", "unsupported_phase", n, f"events with ph={ph!r} are not complete/instant/flow events; skipped"))
@@ -550,7 +597,7 @@ def claims(path: Path) -> bool:
 
 def decode(path: Path) -> DecodedTrace:
     """Decode one trace file. Raises NotATrace for JSON that is not a trace, OSError if unreadable."""
-    reader = EventReader(ByteStream(path), _Event, _PHASED_EVENT)
+    reader = EventReader(ByteStream(path), _Event, _PHASED_EVENT, _native_columns if _use_native() else None)
     counters: dict[str, list] = {}
     seconds = dict.fromkeys(STAGES, 0.0)
     chunks = []
@@ -561,7 +608,7 @@ def decode(path: Path) -> DecodedTrace:
     try:
         for events in reader.events():
             decoded = time.perf_counter()
-            chunks.append(_columns(events, counters))
+            chunks.append(events if isinstance(events, pl.DataFrame) else _columns(events, counters))
             seconds["read_decode"] += decoded - clock
             clock = time.perf_counter()
             seconds["columns"] += clock - decoded

@@ -39,7 +39,7 @@ def use_system_allocator() -> None:
     lowers an ingest process's peak memory by about a sixth at a few percent of speed.
 
     glibc's allocator is given from the start the thresholds its own rule grows to (blocks under 32 MiB
-    from the heap, heap kept up to 64 MiB free; kineto.parse_trace trims it after decoding): the parse's
+    from the heap, heap kept up to 64 MiB free; kineto.decode trims it after decoding): the parse's
     2 MiB windows then reuse heap pages instead of faulting fresh ones in each time (a quarter fewer page
     faults, about 4% of a parse's CPU, the same peak memory)."""
     import pyarrow as pa
