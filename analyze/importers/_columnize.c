@@ -53,6 +53,15 @@ typedef struct {
     int escaped;             /* a string holding backslash escapes */
 } Tok;
 
+/* Where a value was found, when the caller asked (t is NULL when a value is only skipped). */
+static void found(Tok *t, int kind, const char *start, const char *end, int escaped) {
+    if (!t) return;
+    t->kind = kind;
+    t->start = start;
+    t->end = end;
+    t->escaped = escaped;
+}
+
 /* The fields read, in kineto._columns' column order, then the args read only to choose between others. */
 enum Field {
     F_PH, F_CAT, F_NAME, F_PID, F_TID, F_TS, F_DUR, F_ID, F_STREAM, F_DEVICE, F_CORRELATION, F_EXTERNAL_ID,
@@ -168,12 +177,7 @@ static int parse_string(Parser *p, Tok *t) {
             return HAND_BACK;
         }
     }
-    if (t) {
-        t->kind = KSTRING;
-        t->start = s;
-        t->end = p->cur;
-        t->escaped = escaped;
-    }
+    found(t, KSTRING, s, p->cur, escaped);
     p->cur++;
     return 0;
 }
@@ -206,12 +210,7 @@ static int parse_number(Parser *p, Tok *t) {
         if (p->cur == exp || p->cur - exp > 2) return HAND_BACK;
     }
     if (is_float && point - digits > 20) return HAND_BACK;
-    if (t) {
-        t->kind = is_float ? KFLOAT : KINT;
-        t->start = s;
-        t->end = p->cur;
-        t->escaped = 0;
-    }
+    found(t, is_float ? KFLOAT : KINT, s, p->cur, 0);
     return 0;
 }
 
@@ -219,12 +218,7 @@ static int parse_value(Parser *p, Tok *t, int depth);
 
 static int literal(Parser *p, const char *word, size_t n, int kind, Tok *t) {
     if ((size_t)(p->end - p->cur) < n || memcmp(p->cur, word, n)) return HAND_BACK;
-    if (t) {
-        t->kind = kind;
-        t->start = p->cur;
-        t->end = p->cur + n;
-        t->escaped = 0;
-    }
+    found(t, kind, p->cur, p->cur + n, 0);
     p->cur += n;
     return 0;
 }
@@ -261,12 +255,7 @@ static int parse_container(Parser *p, Tok *t, int depth) {
             skip_ws(p);
         }
     }
-    if (t) {
-        t->kind = object ? KOBJECT : KARRAY;
-        t->start = s;
-        t->end = p->cur;
-        t->escaped = 0;
-    }
+    found(t, object ? KOBJECT : KARRAY, s, p->cur, 0);
     return 0;
 }
 
