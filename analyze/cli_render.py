@@ -57,12 +57,12 @@ def summary_lines(result: IngestResult, analysis_seconds: float | None = None) -
     analysed = f"; analyses {analysis_seconds:.2f}s" if analysis_seconds is not None else ""
     artifacts = Counter(s.kind for s in result.sources if s.kind not in importers.TRACE_KINDS and s.status in ("ingested", "reused"))
     others = f" and {sum(artifacts.values())} other input(s)" if artifacts else ""
-    lines.append((f"{len(used)} trace file(s){others} -> {result.out_dir}", 0))
+    lines.append((f"{len({s.path for s in used})} trace file(s){others} -> {result.out_dir}", 0))  # (a file of several ranks is one)
     if result.unchanged:
         lines.append((f"nothing changed since the last analysis ({result.reused} input(s), same options and steplens): "
                       "the result is reused as it is", 2))
     else:
-        lines.append((f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed}", 2))
+        lines.append((f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB of trace data in {ingest_seconds:.2f}s{speed}{analysed}", 2))
     world = f" of world size {m['world_size']}" if m.get("world_size") else ""
     lines.append((f"ranks: {ranges(m['ranks']) or 'none'}{world}", 0))
     if artifacts:
