@@ -83,7 +83,9 @@ def _trace_table_lines(used: list[Source]) -> list[tuple[str, int]]:
     for rank in sorted(by_rank):
         numbers = sorted(n for s in by_rank[rank] for n in s.steps)
         same_steps.setdefault((len(by_rank[rank]), tuple(numbers)), []).append(rank)
-    lines = [("profiled steps (ProfilerStep#):", 0)]
+    marked = ("ProfilerStep#" if all(s.kind == "kineto" for s in used) else "NVTX step ranges, --step-range"
+              if all(s.kind == "nsys" for s in used) else "ProfilerStep#; NVTX step ranges in Nsight Systems exports")
+    lines = [(f"profiled steps ({marked}):", 0)]
     for (windows, numbers), ranks in same_steps.items():
         steps = f"{len(numbers)} step(s) {ranges(list(numbers))}" if numbers else "no steps"
         lines.append((f"rank{'s' if len(ranks) > 1 else ''} {ranges(ranks)}: {windows} window(s), {steps}", 2))
