@@ -57,12 +57,12 @@ def summary_lines(result: IngestResult, analysis_seconds: float | None = None) -
     analysed = f"; analyses {analysis_seconds:.2f}s" if analysis_seconds is not None else ""
     artifacts = Counter(s.kind for s in result.sources if s.kind not in importers.TRACE_KINDS and s.status in ("ingested", "reused"))
     others = f" and {sum(artifacts.values())} other input(s)" if artifacts else ""
-    lines.append((f"{len(used)} trace file(s){others} -> {result.out_dir}", 0))
+    lines.append((f"{len({s.path for s in used})} trace file(s){others} -> {result.out_dir}", 0))  # (a file of several ranks is one)
     if result.unchanged:
         lines.append((f"nothing changed since the last analysis ({result.reused} input(s), same options and steplens): "
                       "the result is reused as it is", 2))
     else:
-        lines.append((f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB JSON in {ingest_seconds:.2f}s{speed}{analysed}", 2))
+        lines.append((f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB of trace data in {ingest_seconds:.2f}s{speed}{analysed}", 2))
     world = f" of world size {m['world_size']}" if m.get("world_size") else ""
     lines.append((f"ranks: {ranges(m['ranks']) or 'none'}{world}", 0))
     if artifacts:
@@ -83,7 +83,9 @@ def _trace_table_lines(used: list[Source]) -> list[tuple[str, int]]:
     for rank in sorted(by_rank):
         numbers = sorted(n for s in by_rank[rank] for n in s.steps)
         same_steps.setdefault((len(by_rank[rank]), tuple(numbers)), []).append(rank)
-    lines = [("profiled steps (ProfilerStep#):", 0)]
+    marked = ("ProfilerStep#" if all(s.kind == "kineto" for s in used) else "NVTX step ranges, --step-range"
+              if all(s.kind == "nsys" for s in used) else "ProfilerStep#; NVTX step ranges in Nsight Systems exports")
+    lines = [(f"profiled steps ({marked}):", 0)]
     for (windows, numbers), ranks in same_steps.items():
         steps = f"{len(numbers)} step(s) {ranges(list(numbers))}" if numbers else "no steps"
         lines.append((f"rank{'s' if len(ranks) > 1 else ''} {ranges(ranks)}: {windows} window(s), {steps}", 2))

@@ -19,6 +19,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "nsys"
 DLPROF = FIXTURES / "dlprof_pytorch_2022.1.sqlite"
 CUDAHW = FIXTURES / "cudahw_uvm_2022.2.sqlite"
 UVMTORCH = FIXTURES / "uvmtorch_2025.3.sqlite"
+NVFUSER = FIXTURES / "nvfuser_h200_2025.1.sqlite"
 
 
 def _sql(path: Path, query: str, *args) -> list[tuple]:
@@ -45,7 +46,7 @@ def _run_with(tmp_path: Path, *exports: Path, names: tuple[str, ...] = ()) -> Pa
 # Real exports, checked against our own SQL
 
 
-@pytest.mark.parametrize("export", [DLPROF, CUDAHW])
+@pytest.mark.parametrize("export", [DLPROF, CUDAHW, NVFUSER])
 def test_kernel_time_per_name_is_exact(export, tmp_path):
     run = _run_with(tmp_path, export)
     ingest(run, jobs=1)
@@ -60,7 +61,7 @@ def test_kernel_time_per_name_is_exact(export, tmp_path):
     assert sorted(events.filter(pl.col("kind") == "kernel")["ts_ns"].to_list()) == starts
 
 
-@pytest.mark.parametrize("export", [DLPROF, CUDAHW])
+@pytest.mark.parametrize("export", [DLPROF, CUDAHW, NVFUSER])
 def test_launch_links_are_the_exports_correlations(export, tmp_path):
     run = _run_with(tmp_path, export)
     ingest(run, jobs=1)
@@ -92,6 +93,28 @@ def _busy_union(intervals: list[tuple[int, int]]) -> int:
             total += stop - end
             end = stop
     return total
+
+
+def test_a_helper_process_that_ran_no_device_work_is_no_rank(tmp_path):
+    """nvFuser's benchmark under nsys 2025.1 on an H200: the benchmark process ran every kernel; a second process
+    (pytest's) made two CUDA calls and ran nothing. One rank, the benchmark's; the other's events counted."""
+    run = _run_with(tmp_path, NVFUSER)
+    ingest(run, jobs=1)
+    out = run / ".steplens"
+    manifest = json.loads((out / "run.json").read_text())
+    (source,) = manifest["sources"]
+    assert (source["rank"], source["status"]) == (0, "ingested")
+    assert manifest["environment"]["device_names"] == ["NVIDIA H200"]
+    pid_of = "(globalTid >> 24) & 16777215"
+    calls = dict(_sql(NVFUSER, f"SELECT {pid_of}, count(*) FROM CUPTI_ACTIVITY_KIND_RUNTIME GROUP BY 1"))
+    (worker,) = {pid for (pid,) in _sql(NVFUSER, "SELECT DISTINCT (globalPid >> 24) & 16777215 FROM CUPTI_ACTIVITY_KIND_KERNEL")}
+    events = _table(out, "trace_events")
+    api = events.filter(pl.col("kind").is_in(["cuda_runtime", "cuda_driver"]))
+    assert api.height == calls[worker] and set(api["pid"].to_list()) == {worker}
+    others = sum(n for pid, n in calls.items() if pid != worker) + _sql(
+        NVFUSER, f"SELECT count(*) FROM NVTX_EVENTS WHERE {pid_of} != ?", worker)[0][0]
+    issues = _table(out, "ingest_issues").filter(pl.col("reason") == "several_processes")
+    assert issues["count"].to_list() == [others] and others > 0
 
 
 def test_gpu_idle_of_a_real_export_matches_our_sql(tmp_path):

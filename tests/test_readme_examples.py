@@ -19,7 +19,7 @@ README = ROOT / "README.md"
 BIN = Path(sys.executable).parent
 MARKER = re.compile(r"<!-- example: (?P<args>[^>]*?) -->\n```\n(?P<body>.*?)```\n", re.S)
 # what changes from one run to the next: wall times, speeds and how long the report took
-TIMINGS = [(re.compile(r"(JSON in )[\d.]+s"), r"\1..."), (re.compile(r",\s+\d+ MB/s"), ""),
+TIMINGS = [(re.compile(r"(trace data in )[\d.]+s"), r"\1..."), (re.compile(r",\s+\d+ MB/s"), ""),
            (re.compile(r"; analyses \S+"), "; analyses ..."), (re.compile(r"\((rendered in|unchanged)[^)]*\)"), "(...)")]
 
 

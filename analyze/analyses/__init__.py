@@ -1,7 +1,37 @@
-"""The analyses, one module per question. Those declared as `registry.Analysis` are listed here, in
-any order (the runner orders them by their inputs); adding one is a module and a line below."""
+"""The analyses, one module per question, each declaring its `registry.Analysis` as ANALYSIS. Every analysis is
+listed here once, in any order (the runner orders them by their inputs); adding one is a module and a line below.
 
-from steplens.analyze.analyses import memory, profiler_effect
+REGISTERED are those the reports render from their declaration alone (their `phrase` sentences, a section of their
+tables, their `headline`); the others' sentences are written in reports/verdict.py and their sections in
+reports/html.py (each names its module in the page source).
+"""
+
+from steplens.analyze.analyses import (alarm_agreement, autotune, caveats, comms, comms_log, device_timeline,
+                                       input_problems, job_end, kernels, launch, memory, mfu, module_perf, monitor,
+                                       profiler_effect, roofline, sanity, step_breakdown, step_time, steps, summaries)
 from steplens.analyze.analyses.registry import Analysis
 
+ANALYSES: list[Analysis] = [
+    device_timeline.ANALYSIS,
+    steps.ANALYSIS,
+    comms.ANALYSIS,  # collectives
+    launch.ANALYSIS,  # gpu_idle
+    kernels.ANALYSIS,  # top_kernels
+    step_breakdown.ANALYSIS,
+    step_time.ANALYSIS,
+    mfu.ANALYSIS,
+    module_perf.ANALYSIS,
+    roofline.ANALYSIS,
+    summaries.ANALYSIS,
+    monitor.ANALYSIS,
+    alarm_agreement.ANALYSIS,
+    autotune.ANALYSIS,
+    comms_log.ANALYSIS,
+    job_end.ANALYSIS,
+    sanity.ANALYSIS,
+    input_problems.ANALYSIS,
+    caveats.ANALYSIS,
+    memory.ANALYSIS,
+    profiler_effect.ANALYSIS,
+]
 REGISTERED: list[Analysis] = [memory.ANALYSIS, profiler_effect.ANALYSIS]

@@ -19,6 +19,8 @@ from __future__ import annotations
 import polars as pl
 
 from steplens.analyze.contract import alarm_rules
+from steplens.analyze.analyses import step_time
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
 
 COLUMNS = {"rule": pl.String, "name": pl.String, "step": pl.Int64, "rank": pl.Int64, "severity": pl.String,
            "in_job": pl.Boolean, "post_hoc": pl.Boolean, "value_in_job": pl.Float64, "value_post_hoc": pl.Float64,
@@ -89,3 +91,19 @@ def agreement_summary(table: pl.DataFrame) -> dict:
             "on_instrumented_steps": table.filter(~judged).height,
             "only_post_hoc": table.filter(~pl.col("in_job") & pl.col("post_hoc")).height,
             "listed": listed.to_dicts()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _alarm_agreement(inputs: Inputs) -> Output:
+    table = alarm_agreement(inputs.table("alarms"), inputs.table("scalars"), inputs.table("train_steps"),
+                            inputs.table("comms_calls"), inputs.facts,
+                            step_time.instrumented(inputs.table("step_time")))
+    return Output(tables={"alarm_agreement": table},
+                  findings={"alarms": agreement_summary(table)} if not table.is_empty() else {})
+
+
+ANALYSIS = Analysis("alarm_agreement", "In-job alarms", ("alarms", "scalars", "train_steps", "comms_calls", "step_time"),
+                    declared("alarm_agreement"), _alarm_agreement)

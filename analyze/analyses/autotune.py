@@ -12,6 +12,7 @@ import polars as pl
 
 from steplens.analyze.analyses.noise import ALPHA
 from steplens.analyze.importers.autotune_results import TUNED_KEYS, METRIC_COLUMNS, DEFAULT_METRIC
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
 
 # The noise-aware verdict. With repeated trials: exact one-sided Mann-Whitney U test of the winner
 # against the runner-up (scipy.stats.mannwhitneyu), significant at ALPHA. With fewer trials no
@@ -223,3 +224,16 @@ def verdict_finding(verdicts: pl.DataFrame) -> dict:
         return {}
     return {"autotune": verdicts.select("tuning_space", "winner", "established", "trials_needed", "pick_mismatch",
                                         "pick_detail", "detail").to_dicts()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _autotune(inputs: Inputs) -> Output:
+    tables = autotune_tables(inputs.table("autotune_experiments"), inputs.facts)
+    return Output(tables=tables, findings=verdict_finding(tables["autotune_verdict"]))
+
+
+ANALYSIS = Analysis("autotune", "Autotuning", ("autotune_experiments",), declared("autotune_ranking", "autotune_verdict"),
+                    _autotune)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from steplens.analyze.analyses.registry import Inputs
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 
 # A profiler window of more steps than this is "tracing the run", not a bounded window: the
 # torch.profiler docs recommend schedule(wait, warmup, active) with a few active steps, because
@@ -111,3 +111,15 @@ def _mfu_definition(run: Inputs) -> list[dict]:
     stated = "; ".join(f"{metric}: numerator {definition}; peak {peak}" for metric, definition, peak in definitions)
     return [{"title": "MFU definition", "detail": f"{stated}. Numbers from tools that count sparse peaks, other "
                                                    "dtypes or executed (recomputed) FLOPs are not comparable with these."}]
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _caveats(inputs: Inputs) -> Output:
+    return Output(findings={"caveats": caveats(inputs)})
+
+
+ANALYSIS = Analysis("caveats", "Method and caveats", ("comms_calls", "flops_profile", "steps", "train_steps", "scalars",
+                                                      "autotune_experiments", "mfu"), {}, _caveats)

@@ -15,6 +15,7 @@ from steplens.analyze.trace import intervals
 from steplens.analyze.analyses.kernels import families
 from steplens.analyze.analyses.launch import enclosing_op
 from steplens.analyze.analyses.summaries import collective_summary
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
 
 # c10 ScalarType names (record_param_comms `dtype`) -> bytes per element.
 DTYPE_BYTES = {
@@ -192,3 +193,21 @@ def exposed_comm_finding(calls: pl.DataFrame, cpu_comm_ops: int, backend: str | 
         "exposed_comm_definition": "communication kernel time not overlapped by compute kernels on another stream of the "
                                    "same device, on the rank with the most (exposed_comm_rank); never summed over ranks",
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _collectives(inputs: Inputs) -> Output:
+    if not inputs.ranks:
+        return Output()
+    calls = inputs.table("_collective_calls")
+    cpu_comm_ops = inputs.table("_cpu_comm_ops")["ops"].sum()
+    return Output(tables={"collectives": calls, "collective_instances": instances(calls, inputs.table("clock_offsets"))},
+                  findings=exposed_comm_finding(calls, cpu_comm_ops, inputs.context.backend,
+                                                inputs.facts.get("world_size")))
+
+
+ANALYSIS = Analysis("collectives", "Collectives", ("_collective_calls", "_cpu_comm_ops", "clock_offsets"),
+                    declared("collectives", "collective_instances"), _collectives)

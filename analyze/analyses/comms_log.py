@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+
 # A call within a group of one rank moves nothing: its latency is the synchronizing timer waiting for the device work
 # queued before it. Such calls have no bus bandwidth and rank after every real one.
 NO_OP = pl.col("group_size").fill_null(2) <= 1
@@ -63,3 +65,16 @@ def costliest_finding(stats: pl.DataFrame) -> dict:
     return {"logged_comms": {**{k: top[k] for k in ("op", "nccl_bytes", "calls", "median_latency_ns", "total_latency_ns",
                                                      "median_busbw_gbps", "latency_origin", "group_size")},
                              "no_op": (top["group_size"] or 2) <= 1}}
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _comms_log(inputs: Inputs) -> Output:
+    calls = inputs.table("comms_calls")
+    table = comms_log_stats(calls) if not calls.is_empty() else pl.DataFrame()
+    return Output(tables={"comms_log_stats": table}, findings=costliest_finding(table))
+
+
+ANALYSIS = Analysis("comms_log", "Logged communication", ("comms_calls",), declared("comms_log_stats"), _comms_log)

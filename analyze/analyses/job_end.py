@@ -24,6 +24,8 @@ import re
 
 import polars as pl
 
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+
 WATCHDOG = re.compile(r"watchdog caught collective operation timeout|collective operation timeout|"
                       r"ProcessGroupNCCL.{0,80}time(d)? ?out|NCCL.{0,40}timeout", re.IGNORECASE)
 PEER_LOST = re.compile(r"connection (reset|closed) by peer|remote worker hanging|communicator was aborted|"
@@ -122,3 +124,17 @@ def job_end(run_status: pl.DataFrame, train_steps: pl.DataFrame, step_timers: pl
     worst = min(bad["status"].to_list(), key=order.get) if not bad.is_empty() else None
     return {"status": worst, "errors": errors[:3], "cause": cause, "first_stalled_rank": rank, "basis": basis,
             "progress": ranks.to_dicts(), "last_log_lines": lines}
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _job_end(inputs: Inputs) -> Output:
+    ended = job_end(inputs.table("run_status"), inputs.table("train_steps"), inputs.table("step_timers"),
+                    inputs.table("scalars"), inputs.facts, inputs.findings["step_time"].get("median_ns"))
+    return Output(findings={"job_end": ended} if ended else {})
+
+
+ANALYSIS = Analysis("job_end", "How the job ended", ("run_status", "train_steps", "step_timers", "scalars", "step_time"), {},
+                    _job_end)

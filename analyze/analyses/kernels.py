@@ -16,6 +16,7 @@ import polars as pl
 
 from steplens.analyze.contract.schema import WORK_KINDS
 from steplens.analyze.analyses.kernel_families import FAMILIES, FAMILY_NAMES, base_name
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
 
 # (category, case-insensitive regex over the base name), in the order they are tried.
 KERNEL_CATEGORIES: list[tuple[str, str]] = [(family, pattern) for family, pattern, _ in FAMILIES]
@@ -95,3 +96,14 @@ def top_kernels(totals: pl.DataFrame, limit: int = 50) -> pl.DataFrame:
         .sort("time_ns", "name", "category", descending=[True, False, False], nulls_last=True)
         .head(limit)
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _top_kernels(inputs: Inputs) -> Output:
+    return Output(tables={"top_kernels": top_kernels(inputs.table("_kernel_totals"))} if inputs.ranks else {})
+
+
+ANALYSIS = Analysis("top_kernels", "Kernels", ("_kernel_totals",), declared("top_kernels"), _top_kernels)

@@ -36,6 +36,7 @@ import polars as pl
 
 from steplens.analyze.contract.schema import ALL_STREAMS, WORK_KINDS
 from steplens.analyze.trace import intervals
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
 
 SYNC_API = r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^(cuda|hip)Memcpy(To|From)Symbol$|^cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?$"
 
@@ -243,3 +244,21 @@ def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0) -> dict:
                       "included), over the span from the first to the last device activity of each profiler window; "
                       "summed over ranks, devices and windows",
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+NO_TRACES = "no profiler traces: step, GPU and collective analyses need them"
+
+
+def _idle(inputs: Inputs) -> Output:
+    if not inputs.ranks:
+        return Output(findings={"traces": NO_TRACES})
+    sync_points = inputs.table("_sync_points")
+    return Output(tables={"sync_points": sync_points.sort("idle_caused_ns", descending=True).head(SYNC_POINTS)},
+                  findings={"gpu_idle": idle_finding(inputs.table("gpu_idle"),
+                                                     inputs.context.runtime_calls if inputs.context else 0)})
+
+
+ANALYSIS = Analysis("gpu_idle", "GPU idle", ("gpu_idle", "_sync_points"), declared("sync_points"), _idle)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from steplens.analyze.analyses.devices import DEVICES, match_device
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
 
 @dataclass
 class Peak:
@@ -234,3 +235,38 @@ def numerators_disagree(rows: list[dict]) -> list[dict]:
     return [{"numerators": [a, b], "flops_per_step": [per_step[a], per_step[b]], "ratio": per_step[b] / per_step[a]}
             for i, a in enumerate(names) for b in names[i + 1:]
             if abs(per_step[a] - per_step[b]) > DISAGREE * min(per_step[a], per_step[b])]
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _mfu(inputs: Inputs) -> Output:
+    from steplens.analyze.analyses import log_mfu, sanity  # (both import this module)
+
+    context, facts = inputs.context, inputs.facts
+    world_size = context.world_size or facts.get("world_size") or 1
+    rows = [profiler_hfu(inputs.table("step_times"), inputs.table("_step_flops"), context.peak)] if inputs.ranks else []
+    shape, origin, lacking = resolve_shape(inputs.options.shape, facts)
+    # the user asked for the analytic count and it cannot be completed: say what it lacks
+    missing = (f"the analytic numerator lacks {lacking}: give them (--params --layers --hidden --seq-len --tokens-per-step)"
+               if inputs.options.shape and shape is None else "")
+    trace_flops = trace_flops_per_step(inputs.table("_trace_step_flops"), world_size) if inputs.ranks else None
+    run_rows, problem = step_time_mfu(inputs.table("step_time"), inputs.table("flops_profile"), facts, context.peak,
+                                      world_size, shape, inputs.options.recompute, origin, trace_flops)
+    log_rows, log_problem = log_mfu.megatron_mfu(inputs.table("step_time"), facts, context.peak, world_size)
+    # a logs-only Megatron run: the shape from its arguments
+    found = [r for r in rows + [run_rows, log_rows] if not r.is_empty()]
+    table = pl.concat(found, how="diagonal_relaxed") if found else pl.DataFrame()
+    table, finding = sanity.mark_impossible_mfu(
+        table, mfu_finding(table, problem or log_problem or context.peak_problem or missing))
+    findings = {"mfu": finding}
+    if isinstance(finding, list) and (disagree := numerators_disagree(finding)):
+        findings["mfu_numerators_disagree"] = disagree
+    if isinstance(finding, list) and (problem or missing):  # a numerator refused beside those computed
+        findings["mfu_refused"] = "; ".join(p for p in (problem, missing) if p)
+    return Output(tables={"mfu": table}, findings=findings)
+
+
+ANALYSIS = Analysis("mfu", "FLOPs and MFU", ("step_times", "_step_flops", "_trace_step_flops", "step_time", "flops_profile"),
+                    declared("mfu"), _mfu)

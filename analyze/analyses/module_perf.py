@@ -27,6 +27,7 @@ import numpy as np
 import polars as pl
 
 from steplens.analyze.analyses.op_perf import THREAD, Roof, launch_points, window_sums
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
 
 MODULE_PREFIX = "nn.Module: "
 MODULE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid", "step"]
@@ -170,3 +171,17 @@ def module_mfu(modules: pl.DataFrame, flops_profile: pl.DataFrame, facts: dict, 
         training_flops=3 * forward,
         training_mfu=pl.lit(None, pl.Float64) if zero3 or not peak else training * 1e12 / peak,
     ).cast(MFU_COLUMNS).sort("rank", "step", "module")
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _module_perf(inputs: Inputs) -> Output:
+    modules = inputs.table("_module_rows") if inputs.ranks else pl.DataFrame(schema=COLUMNS)
+    return Output(tables={"module_perf": modules, "module_mfu": module_mfu(
+        modules, inputs.table("flops_profile"), inputs.facts, inputs.context.roof, inputs.options.dtype)})
+
+
+ANALYSIS = Analysis("module_perf", "Modules", ("_module_rows", "flops_profile"), declared("module_perf", "module_mfu"),
+                    _module_perf)

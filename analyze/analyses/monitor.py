@@ -18,6 +18,8 @@ import polars as pl
 # thresholds and cooldowns, so a series the job saw raises the same alarms here as it did there.
 from steplens.analyze.contract import alarm_rules
 from steplens.analyze.contract.alarm_rules import SPIKE_Z  # noqa: F401  (the spike limit, for readers of this module)
+from steplens.analyze.analyses import step_time
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
 
 ORIGIN_PREFERENCE = ("collector", "csv_monitor", "tensorboard", "wandb", "log")  # exact first, float32 TB later
 # Post hoc, the rules a job may leave off run too (they cost the job nothing here), with their default settings.
@@ -194,3 +196,17 @@ def monitor_tables(scalars: pl.DataFrame, facts: dict, grad_norm_threshold: floa
 def alarms_finding(alarms: pl.DataFrame) -> dict:
     """Post-hoc alarms by kind."""
     return {"monitor_alarms": dict(alarms.group_by("alarm").len().sort("alarm").iter_rows())} if not alarms.is_empty() else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _monitor(inputs: Inputs) -> Output:
+    tables = monitor_tables(inputs.table("scalars"), inputs.facts, inputs.options.grad_norm_threshold,
+                            step_time.instrumented(inputs.table("step_time")))
+    return Output(tables=tables, findings=alarms_finding(tables["monitor_alarms"]))
+
+
+ANALYSIS = Analysis("monitor", "Monitor alarms", ("scalars", "step_time"), declared("monitor_alarms", "run_comparability"),
+                    _monitor)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import polars as pl
 
 from steplens.analyze.analyses import module_perf, op_perf
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 
 TOP_MODULES = 10
 MODULE_FRACTION_DEFINITION = ("achieved TFLOP/s of the module's forward (FLOPs of its modeled ops, or the collector's "
@@ -82,3 +83,19 @@ def _family_shares(family_time: pl.DataFrame | None) -> list[dict]:
     total = family_time.group_by("family").agg(pl.col("launches", "device_ns").sum())
     return total.with_columns(share=pl.col("device_ns") / pl.col("device_ns").sum()).sort(
         "device_ns", "family", descending=[True, False]).to_dicts()
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _roofline(inputs: Inputs) -> Output:
+    ranked = bool(inputs.ranks)
+    return Output(findings={"roofline": roofline_finding(
+        inputs.table("_op_totals") if ranked else pl.DataFrame(), inputs.table("module_perf"), inputs.table("module_mfu"),
+        inputs.context.roof, inputs.options.dtype, inputs.table("_family_time") if ranked else pl.DataFrame(),
+        inputs.table("step_breakdown")["span_ns"].sum() if ranked else 0)})
+
+
+ANALYSIS = Analysis("roofline", "Roofline", ("_op_totals", "_family_time", "module_perf", "module_mfu", "step_breakdown"), {},
+                    _roofline)

@@ -1,6 +1,6 @@
 """Run every analysis over a run directory's tables and write each result as its own Parquet table.
 
-The analyses are declared (analyses/builtin.py, and the registered ones in analyses/__init__.py);
+The analyses are declared, each in its module, and listed in analyses/__init__.py (ANALYSES);
 this module orders them by what they read, runs the per-rank ones a batch of ranks at a time (only
 those ranks' rows in memory: one large rank, or a few small ones), then the run-level ones, writes
 every output typed as declared and gathers the findings into findings.json.
@@ -17,12 +17,9 @@ from pathlib import Path
 import polars as pl
 import pyarrow.parquet as pq
 
-from steplens.analyze.analyses import REGISTERED, builtin, devices, kernels, mfu, op_perf, registry
-from steplens.analyze.analyses.registry import Analysis, Inputs
+from steplens.analyze.analyses import ANALYSES, devices, kernels, mfu, op_perf, registry
+from steplens.analyze.analyses.registry import Inputs
 from steplens.analyze.contract import schema
-
-ANALYSES: list[Analysis] = builtin.ANALYSES + REGISTERED
-
 
 @dataclass
 class Options:
@@ -157,7 +154,7 @@ def batches(manifest: dict, ranks: list[int], limit: int | None = None) -> list[
 
 def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     """All analyses over out_dir; returns the findings (also written to findings.json). `map_ranks`
-    (like the builtin map, the default) runs the per-rank analyses over the batches of ranks, in order."""
+    (like the built-in map, the default) runs the per-rank analyses over the batches of ranks, in order."""
     options = options or Options()
     manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
     ranks = manifest["trace_ranks"]

@@ -24,6 +24,7 @@ import polars as pl
 
 from steplens.analyze.analyses.devices import DEVICES, FASTEST_LINK
 from steplens.analyze.analyses.mfu import utilization
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 
 CHECK_PEAK = "the peak (--peak-tflops is dense, per GPU; --dtype) and the step time's source"
 CHECK_MFU = {  # by numerator
@@ -112,3 +113,18 @@ def inputs_disagree(findings: dict, step_time: pl.DataFrame, mfu: pl.DataFrame, 
     """The failed checks; impossible bandwidths are removed from `findings` (changed in place), impossible MFU
     figures were taken out of the mfu table and finding by the mfu analysis (mark_impossible_mfu)."""
     return _mfu(mfu) + _steps(step_time) + _bandwidth(findings, device_key)
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _sanity(inputs: Inputs) -> Output:
+    """Figures that cannot be true, said once (impossible bandwidths leave their findings here; MFU above 100%
+    left the mfu table and finding in _mfu)."""
+    disagree = inputs_disagree(inputs.findings, inputs.table("step_time"), inputs.table("mfu"),
+                               inputs.context.device_key)
+    return Output(findings={"inputs_disagree": disagree} if disagree else {})
+
+
+ANALYSIS = Analysis("sanity", "Inputs that disagree", ("step_time", "mfu", "collectives", "comms_log_stats"), {}, _sanity)

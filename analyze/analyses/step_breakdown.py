@@ -25,6 +25,7 @@ import polars as pl
 from steplens.analyze.analyses import launch, steps
 from steplens.analyze.contract.schema import ALL_STREAMS
 from steplens.analyze.trace import intervals
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
 
 TIMELINE_RESOLUTION = 1000  # segments resolved to 1/1000 of the step's span
 LAUNCH_COLUMNS = ["rank", "source", "event_id", "step", "device", "stream", "ts_ns", "dur_ns"]
@@ -188,3 +189,22 @@ def time_split(breakdown: pl.DataFrame) -> dict | None:
                       "spans (first to last device work launched in the step); median_step_span_ns: the median over "
                       "steps of the longest rank's span",
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _step_breakdown(inputs: Inputs) -> Output:
+    if not inputs.ranks:
+        return Output()
+    launches = pl.scan_parquet(inputs.out_dir / "kernel_launches")
+    tables = step_breakdown_tables(
+        lambda rank: launches.filter(pl.col("rank") == rank).select(LAUNCH_COLUMNS).collect(), inputs.ranks,
+        inputs.table("collectives"), inputs.table("gpu_idle"), inputs.table("step_stats"), inputs.table("clock_offsets"))
+    return Output(tables=tables, findings={"time_split": time_split(tables["step_breakdown"])})
+
+
+ANALYSIS = Analysis("step_breakdown", "Where one step's time went",
+                    ("kernel_launches", "collectives", "gpu_idle", "step_stats", "clock_offsets"),
+                    declared("step_breakdown", "step_timeline"), _step_breakdown)

@@ -63,6 +63,7 @@ import polars as pl
 
 from steplens.analyze.contract import alarm_rules, schema
 from steplens.analyze.contract.manifest import MAX_STEP
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
 
 MAD_Z_SCALE = 0.6745  # modified z-score (Iglewicz & Hoaglin 1993): 0.6745 (x - median) / MAD
 OUTLIER_Z = 3.5  # their recommended cut
@@ -447,3 +448,26 @@ def overflow_finding(table: pl.DataFrame, scalars: pl.DataFrame | None = None) -
             "frequent": skipped >= 2 and share >= OVERFLOW_FREQUENT_SHARE,
             "loss_scale_first": scales[0] if scales.len() else None, "loss_scale_min": scales.min() if scales.len() else None,
             "loss_scale_last": scales[-1] if scales.len() else None}
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _step_time(inputs: Inputs) -> Output:
+    profiler_steps = inputs.table("steps", ["rank", "step", "start_ns", "end_ns"])
+    table = step_time_table(inputs.table("train_steps"), inputs.table("step_timers"), inputs.table("scalars"),
+                            profiler_steps, inputs.table("flops_profile"), inputs.facts)
+    findings = {"step_time": step_time_summary(table)}
+    # The slowest step over the whole run (not only the profiled ones), and only when it stands out.
+    if slow := slowest_step(table):
+        findings["slowest_step"] = slow
+    if windows := profiled_windows(table, profiler_steps):
+        findings["profiled_steps"] = windows
+    if overflow := overflow_finding(table, inputs.table("scalars")):
+        findings["fp16_overflow"] = overflow
+    return Output(tables={"step_time": table}, findings=findings)
+
+
+ANALYSIS = Analysis("step_time", "Step time over the run", ("train_steps", "step_timers", "scalars", "steps", "flops_profile"),
+                    declared("step_time"), _step_time)

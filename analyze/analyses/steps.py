@@ -32,6 +32,8 @@ import math
 
 import polars as pl
 
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+
 # A step has a straggler when the other ranks waited for it, on median, at least this share of the
 # step's median duration; below it, "last to arrive" is jitter.
 STRAGGLER_MIN_SHARE = 0.05
@@ -273,3 +275,24 @@ def straggler_finding(stats: pl.DataFrame) -> dict:
         {"step": s, "rank": r, "others_waited_ns": w, "spread_ns": d, "basis": basis, "decided_by": how}
         for s, r, w, d, how in
         stragglers.select("step", "straggler_rank", "others_waited_ns", "spread_ns", "straggler_basis").iter_rows()]}
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _steps(inputs: Inputs) -> Output:
+    if not inputs.ranks:
+        return Output()
+    calls = inputs.table("_collective_calls")
+    profiled = inputs.table("steps", ["rank", "step", "start_ns", "end_ns"])
+    offsets = clock_offsets(calls, inputs.ranks, inputs.context.world_size_of_rank if inputs.context else {}, profiled)
+    times = step_times(profiled, inputs.table("_gpu_spans"), collective_waits(calls), offsets)
+    refused = refused_alignment(offsets)
+    stats = step_stats(times, judge_stragglers=not refused)
+    return Output(tables={"clock_offsets": offsets, "step_times": times, "step_stats": stats},
+                  findings={**straggler_finding(stats), **refused})
+
+
+ANALYSIS = Analysis("steps", "Steps and stragglers", ("_collective_calls", "_gpu_spans", "steps"),
+                    declared("clock_offsets", "step_times", "step_stats"), _steps)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+
 COLLECTIVE_SUMMARY = {"op": pl.String, "bytes": pl.Int64, "calls": pl.Int64, "ranks": pl.Int64, "kernel_ns": pl.Int64,
                       "max_rank_exposed_ns": pl.Int64, "max_exposed_rank": pl.Int64, "median_rank_exposed_ns": pl.Int64,
                       "overlapped_ns": pl.Int64, "busbw_median_gbps": pl.Float64, "busbw_p10_gbps": pl.Float64,
@@ -82,3 +84,16 @@ def _series(scalars: pl.DataFrame) -> pl.DataFrame:
     return (scalars.group_by("origin", "name").agg(points=pl.len(), ranks=pl.col("rank").n_unique(),
                                                    aligned_points=aligned.sum())
             .sort("origin", "name").select(list(SCALAR_SERIES)).cast(SCALAR_SERIES))
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _summaries(inputs: Inputs) -> Output:
+    return Output(tables=summary_tables(inputs.table("collectives"), inputs.table("kernel_categories"),
+                                        inputs.table("scalars")))
+
+
+ANALYSIS = Analysis("summaries", "Summaries", ("collectives", "kernel_categories", "scalars"),
+                    declared("collective_summary", "collective_call_sites", "category_summary", "scalar_series"), _summaries)

@@ -414,11 +414,14 @@ def decode(path: Path) -> DecodedTrace | list[DecodedTrace]:
     except sqlite3.DatabaseError as e:
         raise NotATrace(f"a SQLite file that cannot be opened ({e})", damaged=True) from e
     try:
-        return _decode_export(export)
+        decoded = _decode_export(export)
     except sqlite3.DatabaseError as e:  # a damaged page mid-read
         raise NotATrace(f"a damaged SQLite file ({e})", damaged=True) from e
     finally:
         export.close()
+    # the bytes read, once per file (with its first rank when it holds several)
+    (decoded[0] if isinstance(decoded, list) else decoded).raw_bytes = path.stat().st_size
+    return decoded
 
 
 def _decode_export(export: _Export) -> DecodedTrace | list[DecodedTrace]:
@@ -467,7 +470,7 @@ def _decode_export(export: _Export) -> DecodedTrace | list[DecodedTrace]:
     if len(processes) <= 1:
         # One process: the environment nsys captured for the process it launched is this rank's
         _rank_from_environment(_capture_environment(export), meta)
-        return _rank_trace(events, base_ns, meta, issues)
+        return _rank_trace(processes[0][1], base_ns, meta, issues)
     traces = []
     for process, frame in processes:
         trace = _rank_trace(frame, base_ns, replace(meta, problems=list(meta.problems)), list(issues))
@@ -490,19 +493,23 @@ def _rank_trace(events: pl.DataFrame, base_ns: int, meta: TraceMeta, issues: lis
 
 
 def _processes(events: pl.DataFrame, issues: list[Issue]) -> list[tuple[int, pl.DataFrame]]:
-    """The processes with CUDA work (device work or CUDA API calls), each with its events, ordered by
-    the lowest GPU each ran work on (torchrun and DeepSpeed give local rank N the GPU N), then by pid.
-    Events of other processes (a launcher's NVTX ranges) belong to no rank and are counted."""
-    cuda = pl.col("kind").is_in([*schema.WORK_KINDS, *semantics.LAUNCH_KINDS])
-    order = (events.filter(cuda & pl.col("process").is_not_null()).group_by("process")
-             .agg(gpu=pl.col("device").filter(pl.col("kind").is_in(list(schema.WORK_KINDS))).min())
+    """The processes that ran device work (where none did: those with CUDA API calls), each with its events,
+    ordered by the lowest GPU each ran work on (torchrun and DeepSpeed give local rank N the GPU N), then by pid.
+    Events of other processes (a launcher's NVTX ranges, a helper process that only queried the devices) belong
+    to no rank and are counted."""
+    work = pl.col("kind").is_in(list(schema.WORK_KINDS))
+    cuda = work | pl.col("kind").is_in(semantics.LAUNCH_KINDS)
+    with_process = events.filter(pl.col("process").is_not_null())
+    ran_work = with_process.filter(work)
+    ranked = ran_work if ran_work.height else with_process.filter(cuda)
+    order = (ranked.group_by("process").agg(gpu=pl.col("device").filter(work).min())
              .sort(["gpu", "process"], nulls_last=True))
-    if order.height <= 1:
-        return [(order["process"][0] if order.height else None, events)]
+    if order.height == 0:
+        return [(None, events)]
     processes = order["process"].to_list()
     rest = events.filter(~pl.col("process").is_in(processes) | pl.col("process").is_null())
     if rest.height:
         issues.append(Issue("info", "several_processes", rest.height,
-                            f"events of processes without CUDA work (e.g. pid {rest['process'].drop_nulls().head(1).to_list()}), "
+                            f"events of processes that ran no device work (e.g. pid {rest['process'].drop_nulls().head(1).to_list()}), "
                             "which no rank holds; not read"))
     return [(process, events.filter(pl.col("process") == process)) for process in processes]

@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 from peak_rss import measure  # noqa: E402
 
 ANALYZE = Path(sys.executable).parent / "analyze"
-SUMMARY = re.compile(r"([\d.]+) MB JSON in ([\d.]+)s.*analyses ([\d.]+)s")
+SUMMARY = re.compile(r"([\d.]+) MB of trace data in ([\d.]+)s.*analyses ([\d.]+)s")
 REPORT = re.compile(r"rendered in ([\d.]+)s")
 
 

@@ -1,0 +1,20 @@
+"""Whether a run reported input problems that lost data: the `ingest_errors` finding."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+
+
+# ---------------------------------------------------------------------------------------------
+# The analysis
+
+
+def _input_problems(inputs: Inputs) -> Output:
+    issues = inputs.table("ingest_issues")
+    errors = issues.filter(pl.col("severity") == "error").height if not issues.is_empty() else 0
+    return Output(findings={"ingest_errors": errors} if errors else {})  # input problems that lost data
+
+
+ANALYSIS = Analysis("input_problems", "Input problems", ("ingest_issues",), {}, _input_problems)
