@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from steplens.analyze import analyses
 from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, analyse_and_report, fail
 from steplens.analyze.cli_rerun import say, warn
 from steplens.analyze.analyses import runner
@@ -20,7 +21,7 @@ from steplens.reports.text import safe_text
 def _sql_help() -> str:
     from steplens.analyze.query.sql import EXAMPLES
 
-    tables = ", ".join(list(schema.TABLES) + list(schema.ANALYSIS_TABLES))
+    tables = ", ".join(list(schema.TABLES) + list(analyses.TABLES))
     # One \\b block per example: click keeps its lines as written (the comment above its query).
     examples = "\n\n".join("\b\n  # " + title + "\n" + "\n".join(textwrap.wrap(text, 76, initial_indent="  ",
                                                                          subsequent_indent="    "))

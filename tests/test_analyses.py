@@ -302,9 +302,9 @@ def test_cli_reports_mfu_with_definition(tmp_path):
 
 
 def test_analysis_tables_match_the_contract(analysed):
-    from steplens.analyze.contract import schema
+    from steplens.analyze import analyses
     out, _, _ = analysed
-    for table, columns in schema.ANALYSIS_TABLES.items():
+    for table, (_, columns) in analyses.TABLES.items():
         written = pl.read_parquet_schema(out / table / "part-0.parquet")
         assert list(written) == list(columns), table
 

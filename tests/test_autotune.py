@@ -7,10 +7,10 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from steplens.analyze import analyses
 from steplens.analyze.analyses import autotune
 from steplens.analyze.importers import autotune_results
 from steplens.analyze.importers import telemetry
-from steplens.analyze.contract import schema
 from steplens.analyze.analyses import step_time
 from steplens.analyze.analyses import trials as trial_runs
 from steplens.analyze.importers.base import conform
@@ -98,7 +98,7 @@ def test_autotune1_single_measurements_do_not_establish_a_ranking():
             assert row["trials_needed"] == autotune.min_trials() == 4 and "not established" in row["detail"]
     assert tables["autotune_verdict"]["same_environment"].all()
     for table in ("autotune_ranking", "autotune_verdict"):
-        assert set(tables[table].columns) == set(schema.ANALYSIS_TABLES[table])
+        assert set(tables[table].columns) == set(analyses.TABLES[table][1])
 
 
 def test_environment_difference_is_reported(tmp_path):

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from steplens.analyze import analyses
 from steplens.analyze.importers import comms_dump
 from steplens.analyze.analyses import comms_log
 from steplens.analyze.importers import deepspeed_log
 from steplens.analyze.importers import telemetry
-from steplens.analyze.contract import schema
 from steplens.analyze.importers.base import conform
 
 RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
@@ -248,7 +248,7 @@ def test_comms_log_stats_counts_each_call_once(runs):
     assert row["latency_origin"] == "repaired_cumulative" and row["synchronized"] and "synchronizes" in row["caveat"]
     # Nothing from the log's rounded sizes ("3.56 MB") leaks in beside the dump's exact ones.
     assert stats.filter(pl.col("op") == "all_reduce")["nccl_bytes"].is_in([round(3.56 * 2**20)]).sum() == 0
-    assert set(stats.columns) == set(schema.ANALYSIS_TABLES["comms_log_stats"])
+    assert set(stats.columns) == set(analyses.TABLES["comms_log_stats"][1])
 
 
 def test_collector_measurements_replace_the_logger_for_their_rank():

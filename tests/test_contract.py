@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from steplens.analyze import analyses
 from steplens.analyze.contract import issue_reasons, layout, schema
 from steplens.analyze.pipeline import analyse, ingest
 from steplens.analyze.contract.bus_bandwidth import busbw_factor, nccl_tests_op, with_bandwidth
@@ -124,13 +125,13 @@ def analysed_runs(tmp_path_factory) -> dict[str, Path]:
 
 def test_every_analysis_table_is_written_with_its_declared_schema(analysed_runs):
     """Names, order and Arrow types of every part of every analysis table, empty or not, on every run."""
-    rows = {table: 0 for table in schema.ANALYSIS_TABLES}
+    rows = {table: 0 for table in analyses.TABLES}
     for name, out_dir in analysed_runs.items():
-        for table in schema.ANALYSIS_TABLES:
+        for table in analyses.TABLES:
             parts = sorted((out_dir / table).glob("*.parquet"))
             assert parts, f"{name}: {table} not written"
             for part in parts:
-                assert pq.read_schema(part) == schema.analysis_schema(table), f"{name}: {part.relative_to(out_dir)}"
+                assert pq.read_schema(part) == analyses.TABLES[table][0], f"{name}: {part.relative_to(out_dir)}"
                 rows[table] += pq.read_metadata(part).num_rows
     # The runs exercise the trace, log and autotuning analyses with real rows, not only empty tables.
     assert {t for t, n in rows.items() if n} >= {"step_stats", "collectives", "kernel_launches", "gpu_idle", "op_perf",

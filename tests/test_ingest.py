@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
+from steplens.analyze import analyses
 from steplens.analyze.pipeline import ingest as ingest_module
 from steplens.analyze.pipeline import workers as workers_module
 from steplens.analyze.contract import schema
@@ -203,7 +204,7 @@ def test_readme_documents_every_column():
 
 def test_readme_documents_every_analysis_table():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    for table, columns in schema.ANALYSIS_TABLES.items():
+    for table, (_, columns) in analyses.TABLES.items():
         line = next(l for l in readme.splitlines() if l.startswith(f"- **`{table}`**"))
         assert all(f"`{c}`" in line for c in columns), table
 

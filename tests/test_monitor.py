@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from steplens.analyze import analyses
 from steplens.analyze.importers import telemetry
 from steplens.analyze.analyses import monitor
-from steplens.analyze.contract import schema
 from steplens.analyze.importers.base import conform
 
 RUNS = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs"
@@ -123,7 +123,7 @@ def test_empty_input_gives_empty_tables():
     tables = monitor.monitor_tables(empty, {})
     assert tables["monitor_alarms"].is_empty() and tables["run_comparability"].height == len(monitor.COMPARABILITY_FIELDS)
     for table, frame in tables.items():
-        assert frame.columns == list(schema.ANALYSIS_TABLES[table])
+        assert frame.columns == list(analyses.TABLES[table][1])
 
 
 # --- on the real runs ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
+from steplens.analyze import analyses
 from steplens.analyze.contract import schema
 from steplens.analyze.query import sql
 from steplens.analyze.cli import steplens
@@ -67,7 +68,7 @@ def test_cli_formats_and_errors(runs, tmp_path):
     empty = runner.invoke(steplens, ["sql", str(tmp_path), "SELECT 1"])
     assert empty.exit_code == 2 and "no steplens runs" in empty.output
     help_text = runner.invoke(steplens, ["sql", "--help"]).output
-    assert all(table in help_text for table in list(schema.TABLES) + list(schema.ANALYSIS_TABLES))
+    assert all(table in help_text for table in list(schema.TABLES) + list(analyses.TABLES))
 
 
 def test_runs_view_carries_the_facts_that_group_runs(tmp_path):

@@ -6,6 +6,8 @@ tables, their `headline`); the others' sentences are written in reports/verdict.
 reports/html.py (each names its module in the page source).
 """
 
+import pyarrow as pa
+
 from steplens.analyze.analyses import (alarm_agreement, autotune, caveats, comms, comms_log, device_timeline,
                                        input_problems, job_end, kernels, launch, memory, mfu, module_perf, monitor,
                                        profiler_effect, roofline, sanity, step_breakdown, step_time, steps, summaries)
@@ -35,3 +37,7 @@ ANALYSES: list[Analysis] = [
     profiler_effect.ANALYSIS,
 ]
 REGISTERED: list[Analysis] = [memory.ANALYSIS, profiler_effect.ANALYSIS]
+
+# Every analysis table of the run directory, as its analysis declares it: name -> (typed schema, column docs).
+TABLES: dict[str, tuple[pa.Schema, dict[str, str]]] = {table: spec for analysis in ANALYSES
+                                                        for table, spec in analysis.writes.items()}

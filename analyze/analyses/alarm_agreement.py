@@ -17,10 +17,12 @@ instrument's cost).
 from __future__ import annotations
 
 import polars as pl
+import pyarrow as pa
 
 from steplens.analyze.contract import alarm_rules
 from steplens.analyze.analyses import step_time
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import schema
 
 COLUMNS = {"rule": pl.String, "name": pl.String, "step": pl.Int64, "rank": pl.Int64, "severity": pl.String,
            "in_job": pl.Boolean, "post_hoc": pl.Boolean, "value_in_job": pl.Float64, "value_post_hoc": pl.Float64,
@@ -105,5 +107,21 @@ def _alarm_agreement(inputs: Inputs) -> Output:
                   findings={"alarms": agreement_summary(table)} if not table.is_empty() else {})
 
 
+ALARM_AGREEMENT = schema.table_spec(
+    ("rule", pa.string(), "Alarm rule (analyze/contract/alarm_rules.py)."),
+    ("name", pa.string(), "Series watched (scalar tag, step_time, samples_per_s, rank <r>, step_end)."),
+    ("step", pa.int64(), "Optimizer step it fired at."),
+    ("rank", pa.int64(), "Rank it is about."),
+    ("severity", pa.string(), "As configured."),
+    ("in_job", pa.bool_(), "Raised by the collector while the job ran (the alarms table)."),
+    ("post_hoc", pa.bool_(), "Raised by the same rules replayed over the recorded collector rows."),
+    ("value_in_job", pa.float64(), "Value the job saw."),
+    ("value_post_hoc", pa.float64(), "Value in the replay."),
+    ("detail", pa.string(), "The alarm in words (the job's, else the replay's)."),
+    ("instrumented", pa.bool_(), "A step rule's alarm on a step the run instrumented (profiler, FLOPs profile, "
+                                 "checkpoint): the replay skips such steps; not counted as a disagreement."),
+)
+
+
 ANALYSIS = Analysis("alarm_agreement", "In-job alarms", ("alarms", "scalars", "train_steps", "comms_calls", "step_time"),
-                    declared("alarm_agreement"), _alarm_agreement)
+                    {"alarm_agreement": ALARM_AGREEMENT}, _alarm_agreement)

@@ -9,10 +9,12 @@ import math
 import re
 
 import polars as pl
+import pyarrow as pa
 
 from steplens.analyze.analyses.noise import ALPHA
 from steplens.analyze.importers.autotune_results import TUNED_KEYS, METRIC_COLUMNS, DEFAULT_METRIC
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import schema
 
 # The noise-aware verdict. With repeated trials: exact one-sided Mann-Whitney U test of the winner
 # against the runner-up (scipy.stats.mannwhitneyu), significant at ALPHA. With fewer trials no
@@ -235,5 +237,62 @@ def _autotune(inputs: Inputs) -> Output:
     return Output(tables=tables, findings=verdict_finding(tables["autotune_verdict"]))
 
 
-ANALYSIS = Analysis("autotune", "Autotuning", ("autotune_experiments",), declared("autotune_ranking", "autotune_verdict"),
+AUTOTUNE_RANKING = schema.table_spec(
+    ("tuning_space", pa.string(), "global, or z<stage>: the experiments of one ZeRO stage (as DeepSpeed's summary.txt "
+                                  "groups them)."),
+    ("rank", pa.int64(), "1 = best by the median metric from the experiments' own metrics.json; null: no metrics "
+                         "(failed)."),
+    ("experiment", pa.string(), "Experiment name (first trial's, for collector trial runs)."),
+    ("experiments", pa.string(), "All experiment names that are trials of this configuration (same ds_config), "
+                                 "comma-separated."),
+    ("zero_stage", pa.int64(), "ZeRO stage."),
+    ("micro_batch", pa.int64(), "train_micro_batch_size_per_gpu."),
+    ("grad_accum", pa.int64(), "gradient_accumulation_steps."),
+    ("trials", pa.int64(), "Experiments of this configuration."),
+    ("ok_trials", pa.int64(), "Of them, those with metrics."),
+    ("statuses", pa.string(), "Statuses seen (ok, oom, error, interrupted, not_run), comma-separated."),
+    ("error", pa.string(), "First error line, when a trial failed."),
+    ("metric", pa.string(), "throughput (samples/s), FLOPS or latency (us)."),
+    ("median", pa.float64(), "Median metric over the trials."),
+    ("min", pa.float64(), "Smallest."),
+    ("max", pa.float64(), "Largest."),
+    ("spread", pa.float64(), "max - min."),
+    ("environment", pa.string(), "Hosts, launcher, command (tuned values blanked) and versions, as JSON."),
+    ("environment_differs", pa.bool_(), "The environment differs from the most common one (or between its own "
+                                        "trials)."),
+)
+
+AUTOTUNE_VERDICT = schema.table_spec(
+    ("tuning_space", pa.string(), "global or z<stage>."),
+    ("metric", pa.string(), "The metric ranked on."),
+    ("winner", pa.string(), "Best configuration by median."),
+    ("winner_median", pa.float64(), "Its median."),
+    ("winner_trials", pa.int64(), "Its trials with metrics."),
+    ("runner_up", pa.string(), "Second best."),
+    ("runner_up_median", pa.float64(), "Its median."),
+    ("runner_up_trials", pa.int64(), "Its trials with metrics."),
+    ("difference", pa.float64(), "|winner_median - runner_up_median|."),
+    ("relative_difference", pa.float64(), "difference / runner_up_median."),
+    ("noise_sd", pa.float64(), "Run-to-run noise: 1.4826 x median absolute deviation of all repeated trials from "
+                               "their config's median."),
+    ("test", pa.string(), "mann_whitney_u_exact_one_sided when both have 2+ trials, else null."),
+    ("statistic", pa.float64(), "Mann-Whitney U of the winner's trials."),
+    ("p_value", pa.float64(), "Exact one-sided p-value."),
+    ("established", pa.bool_(), "The winner beats the runner-up beyond the noise (p < 0.05); false with single "
+                                "measurements."),
+    ("trials_needed", pa.int64(), "Trials per config that would settle it: at least 4 (1/C(2n,n) < 0.05), more by the "
+                                  "normal sample-size formula at 80% power when the noise is known; -1: identical "
+                                  "medians."),
+    ("detail", pa.string(), "The verdict in words."),
+    ("deepspeed_pick", pa.string(), "best_exp_name in DeepSpeed's summary.txt."),
+    ("deepspeed_recorded", pa.float64(), "best_metric_val there."),
+    ("pick_mismatch", pa.bool_(), "DeepSpeed's pick or recorded value disagrees with the experiments' own metrics "
+                                  "(stale metric)."),
+    ("pick_detail", pa.string(), "What disagrees."),
+    ("same_environment", pa.bool_(), "All experiments ran with one environment and the same fixed ds_config."),
+    ("environment_detail", pa.string(), "What differs, when something does."),
+)
+
+
+ANALYSIS = Analysis("autotune", "Autotuning", ("autotune_experiments",), {"autotune_ranking": AUTOTUNE_RANKING, "autotune_verdict": AUTOTUNE_VERDICT},
                     _autotune)

@@ -9,13 +9,15 @@ the same device) vs overlapped, and the cross-rank instance it belongs to.
 from __future__ import annotations
 
 import polars as pl
+import pyarrow as pa
 
 from steplens.analyze.contract.bus_bandwidth import busbw_factor, nccl_tests_op
 from steplens.analyze.trace import intervals
 from steplens.analyze.analyses.kernels import families
 from steplens.analyze.analyses.launch import enclosing_op
 from steplens.analyze.analyses.summaries import collective_summary
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import schema
 
 # c10 ScalarType names (record_param_comms `dtype`) -> bytes per element.
 DTYPE_BYTES = {
@@ -209,5 +211,52 @@ def _collectives(inputs: Inputs) -> Output:
                                                 inputs.facts.get("world_size")))
 
 
+COLLECTIVES = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("step", pa.int64(), "Step of the launch."),
+    ("event_id", pa.int64(), "The communication kernel's event_id (family communication: NCCL/RCCL, NVLS multimem, "
+                             "DeepEP, custom all-reduce)."),
+    ("instance", pa.string(), "Cross-rank key: process group + Seq, else process group + op + order."),
+    ("op", pa.string(), "Collective in nccl-tests terms (allreduce, allgather, reducescatter, alltoall, broadcast, "
+                        "reduce, sendrecv, ...), from record_param_comms or else inferred from the kernel name "
+                        "(unknown when neither says)."),
+    ("collective", pa.string(), "'Collective name' as recorded."),
+    ("name", pa.string(), "Kernel name."),
+    ("group_name", pa.string(), "Process group."),
+    ("group_size", pa.int64(), "n of the nccl-tests formulas: the process group's size."),
+    ("seq", pa.int64(), "Sequence number in the group."),
+    ("dtype", pa.string(), "Element type."),
+    ("bytes", pa.int64(), "nccl-tests message size S (allgather: whole output; reducescatter: whole input); null when "
+                          "the trace records no record_param_comms for the kernel."),
+    ("ts_ns", pa.int64(), "Kernel start."),
+    ("dur_ns", pa.int64(), "Kernel duration."),
+    ("algbw_gbps", pa.float64(), "S / duration, GB/s (1e9 B/s)."),
+    ("busbw_gbps", pa.float64(), "algbw x nccl-tests bus factor (allreduce 2(n-1)/n, allgather/reducescatter/alltoall "
+                                 "(n-1)/n, else 1)."),
+    ("overlapped_ns", pa.int64(), "Part covered by compute kernels on another stream of the same device."),
+    ("exposed_ns", pa.int64(), "dur_ns - overlapped_ns."),
+    ("regime", pa.string(), "latency-bound below 1 MiB, else bandwidth-bound."),
+    ("device", pa.int64(), "GPU."),
+    ("stream", pa.int64(), "Stream."),
+    ("issuing_op", pa.string(), "Innermost CPU op, annotation or Python frame around the launch (record_param_comms "
+                                "skipped)."),
+)
+
+COLLECTIVE_INSTANCES = schema.table_spec(
+    ("instance", pa.string(), "Cross-rank key."),
+    ("op", pa.string(), "Collective."),
+    ("ranks", pa.int64(), "Ranks that recorded it."),
+    ("step", pa.int64(), "Step."),
+    ("bytes", pa.int64(), "S."),
+    ("group_size", pa.int64(), "n."),
+    ("min_dur_ns", pa.int64(), "Minimum kernel time over ranks: the transfer itself."),
+    ("max_dur_ns", pa.int64(), "Maximum: includes waiting for the last rank."),
+    ("start_skew_ns", pa.int64(), "Spread of kernel starts over ranks (aligned clocks)."),
+    ("end_skew_ns", pa.int64(), "Spread of kernel ends over ranks (aligned clocks)."),
+    ("last_rank", pa.int64(), "Rank that started last (the others waited for it)."),
+    ("busbw_at_min_latency_gbps", pa.float64(), "busbw at the minimum latency."),
+)
+
+
 ANALYSIS = Analysis("collectives", "Collectives", ("_collective_calls", "_cpu_comm_ops", "clock_offsets"),
-                    declared("collectives", "collective_instances"), _collectives)
+                    {"collectives": COLLECTIVES, "collective_instances": COLLECTIVE_INSTANCES}, _collectives)

@@ -11,8 +11,10 @@ one source is used (the dump first), so no call is counted twice.
 from __future__ import annotations
 
 import polars as pl
+import pyarrow as pa
 
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import schema
 
 # A call within a group of one rank moves nothing: its latency is the synchronizing timer waiting for the device work
 # queued before it. Such calls have no bus bandwidth and rank after every real one.
@@ -77,4 +79,22 @@ def _comms_log(inputs: Inputs) -> Output:
     return Output(tables={"comms_log_stats": table}, findings=costliest_finding(table))
 
 
-ANALYSIS = Analysis("comms_log", "Logged communication", ("comms_calls",), declared("comms_log_stats"), _comms_log)
+COMMS_LOG_STATS = schema.table_spec(
+    ("op", pa.string(), "DeepSpeed comm op (log_name), e.g. all_reduce, all_gather_into_tensor."),
+    ("msg_bytes", pa.int64(), "Message size as DeepSpeed records it (all_gather: the per-rank shard)."),
+    ("nccl_bytes", pa.int64(), "nccl-tests message size S."),
+    ("group_size", pa.int64(), "n (DeepSpeed's world size: the logger knows no group)."),
+    ("calls", pa.int64(), "Calls timed, over all ranks (one source per rank: the comms dump before the log)."),
+    ("ranks", pa.int64(), "Ranks that timed them."),
+    ("median_latency_ns", pa.int64(), "Median per-call latency."),
+    ("p90_latency_ns", pa.int64(), "90th percentile."),
+    ("total_latency_ns", pa.int64(), "Summed latency."),
+    ("median_algbw_gbps", pa.float64(), "Median nccl-tests algbw, GB/s."),
+    ("median_busbw_gbps", pa.float64(), "Median nccl-tests busbw, GB/s."),
+    ("latency_origin", pa.string(), "measured | repaired_cumulative | as_logged (several joined by commas)."),
+    ("synchronized", pa.bool_(), "The timer synchronized around the op (DeepSpeed's comms logger always does)."),
+    ("caveat", pa.string(), "Why these are not free-running throughput numbers."),
+)
+
+
+ANALYSIS = Analysis("comms_log", "Logged communication", ("comms_calls",), {"comms_log_stats": COMMS_LOG_STATS}, _comms_log)

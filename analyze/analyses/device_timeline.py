@@ -7,9 +7,11 @@ largest rank. The computations are the pure functions of the modules it calls.
 from __future__ import annotations
 
 import polars as pl
+import pyarrow as pa
 
 from steplens.analyze.analyses import comms, kernels, launch, mfu, module_perf, op_perf, steps
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import schema
 from steplens.analyze.contract.schema import WORK_KINDS
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
@@ -86,8 +88,99 @@ def device_timeline(inputs: Inputs) -> Output:
     })
 
 
+KERNEL_LAUNCHES = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("source", pa.string(), "Source file."),
+    ("event_id", pa.int64(), "Device event."),
+    ("step", pa.int64(), "Step of the launch call; null when the launch is not in the file (orphan_device_activity)."),
+    ("kind", pa.string(), "kernel, gpu_memcpy or gpu_memset."),
+    ("name", pa.string(), "Device event name."),
+    ("stream", pa.int64(), "Stream."),
+    ("device", pa.int64(), "GPU."),
+    ("correlation", pa.int64(), "Correlation id."),
+    ("ts_ns", pa.int64(), "Start on the GPU."),
+    ("dur_ns", pa.int64(), "GPU duration."),
+    ("launch_api", pa.string(), "Runtime/driver call that enqueued it (null: no launch recorded)."),
+    ("launch_ts_ns", pa.int64(), "Start of that call."),
+    ("api_ns", pa.int64(), "CPU cost of the call."),
+    ("launch_pid", pa.int64(), "Launching process."),
+    ("launch_tid", pa.int64(), "Launching thread."),
+    ("queue_ns", pa.int64(), "From the end of the call to the start on the GPU; negative when the work started before "
+                             "the call returned (blocking copies, graph launches)."),
+    ("launch_delay_ns", pa.int64(), "From the start of the call to the start on the GPU."),
+)
+
+OP_PERF = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("source", pa.string(), "Trace file."),
+    ("event_id", pa.int64(), "The CPU op's event_id in trace_events."),
+    ("external_id", pa.int64(), "Its External id (the runtime calls it made carry it)."),
+    ("step", pa.int64(), "ProfilerStep of the op."),
+    ("name", pa.string(), "Op name, e.g. aten::addmm."),
+    ("family", pa.string(), "gemm | conv | attention | elementwise | normalization | reduction | other (kernel family "
+                            "names)."),
+    ("shapes", pa.string(), "Input Dims as recorded (JSON text)."),
+    ("dtype", pa.string(), "Element type of the first tensor input (bf16, fp16, fp32, ...)."),
+    ("flops", pa.float64(), "FLOPs from the shapes (analyze/analyses/op_model.py, formula and source per family); "
+                            "null: no formula or unknown shapes."),
+    ("bytes", pa.float64(), "Bytes moved: operands read once, outputs written once; null when unknown."),
+    ("device_ns", pa.int64(), "Summed duration of all device work launched under the op, nested ops included "
+                              "(External id -> runtime call -> correlation); 0 when it launched none."),
+    ("achieved_tflops", pa.float64(), "flops / device_ns, TFLOP/s."),
+    ("achieved_tbps", pa.float64(), "bytes / device_ns, TB/s."),
+    ("intensity", pa.float64(), "flops / bytes (FLOPs per byte)."),
+    ("bound", pa.string(), "compute | memory: intensity against the device's ridge point (peak FLOP/s / bandwidth); "
+                           "null without a roofline."),
+    ("fraction_of_peak", pa.float64(), "Achieved FLOP/s over the dense peak (compute-bound) or achieved bytes/s over "
+                                       "the memory bandwidth (memory-bound)."),
+    ("nested", pa.bool_(), "Inside another op with a FLOPs/bytes model on its thread (its time is in the outer op's "
+                           "too)."),
+)
+
+GPU_IDLE = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("device", pa.int64(), "GPU."),
+    ("stream", pa.int64(), "Stream, or -1: the whole device (idle only when no stream is busy)."),
+    ("step", pa.int64(), "Step; null only on the whole-window rows (stream -1: all device work of the profiler "
+                         "window)."),
+    ("span_start_ns", pa.int64(), "First start of the row's device work (the step's, the step's on the stream, or the "
+                                  "window's)."),
+    ("span_end_ns", pa.int64(), "Last end."),
+    ("span_ns", pa.int64(), "The span."),
+    ("busy_ns", pa.int64(), "Part of the span the device (stream -1) or the stream was busy; stream -1 rows count "
+                            "every step's work and work launched before the window."),
+    ("idle_ns", pa.int64(), "span_ns - busy_ns."),
+    ("host_bound_ns", pa.int64(), "Idle with nothing queued: the GPU waited for the CPU to launch."),
+    ("sync_ns", pa.int64(), "Idle while the launching thread sat in a synchronizing call."),
+    ("other_ns", pa.int64(), "Idle with work queued (cross-stream waits) or launches not recorded."),
+    ("activities", pa.int64(), "Device activities of the row (the step's, the stream's, or the window's)."),
+    ("source", pa.string(), "Profiler window (trace file) the row belongs to."),
+)
+
+LAUNCH_SUMMARY = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("launch_api", pa.string(), "Launch API."),
+    ("activities", pa.int64(), "Device activities it launched."),
+    ("api_ns_median", pa.float64(), "Median CPU cost."),
+    ("api_ns_p90", pa.float64(), "90th percentile CPU cost."),
+    ("queue_ns_median", pa.float64(), "Median queueing (queue_ns clipped at 0)."),
+    ("queue_ns_p90", pa.float64(), "90th percentile queueing (clipped at 0)."),
+    ("gpu_ns_total", pa.int64(), "GPU time launched."),
+)
+
+KERNEL_CATEGORIES = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("step", pa.int64(), "Step."),
+    ("category", pa.string(), "Kernel family from the base name (analyze/analyses/kernel_families.py): gemm, conv, "
+                              "attention, communication, normalization, elementwise, reduction, optimizer, embedding, "
+                              "triton, memcpy, memset, other."),
+    ("kernels", pa.int64(), "Activities."),
+    ("time_ns", pa.int64(), "Summed GPU time (streams may overlap)."),
+)
+
+
 ANALYSIS = Analysis("device_timeline", "CPU launch and GPU execution, per rank", ("trace_events", "flows"),
-             declared("kernel_launches", "op_perf", "gpu_idle", "launch_summary", "kernel_categories"), device_timeline,
+             {"kernel_launches": KERNEL_LAUNCHES, "op_perf": OP_PERF, "gpu_idle": GPU_IDLE, "launch_summary": LAUNCH_SUMMARY, "kernel_categories": KERNEL_CATEGORIES}, device_timeline,
              per_rank=True, parts=("kernel_launches", "op_perf"),
              passes=("_collective_calls", "_sync_points", "_kernel_totals", "_gpu_spans", "_step_flops", "_cpu_comm_ops",
                      "_trace_step_flops", "_op_totals", "_family_time", "_module_rows"))

@@ -13,10 +13,12 @@ import csv
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
 
 from steplens.analyze.contract.schema import WORK_KINDS
 from steplens.analyze.analyses.kernel_families import FAMILIES, FAMILY_NAMES, base_name
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import schema
 
 # (category, case-insensitive regex over the base name), in the order they are tried.
 KERNEL_CATEGORIES: list[tuple[str, str]] = [(family, pattern) for family, pattern, _ in FAMILIES]
@@ -106,4 +108,16 @@ def _top_kernels(inputs: Inputs) -> Output:
     return Output(tables={"top_kernels": top_kernels(inputs.table("_kernel_totals"))} if inputs.ranks else {})
 
 
-ANALYSIS = Analysis("top_kernels", "Kernels", ("_kernel_totals",), declared("top_kernels"), _top_kernels)
+TOP_KERNELS = schema.table_spec(
+    ("name", pa.string(), "Kernel."),
+    ("category", pa.string(), "Category."),
+    ("calls", pa.int64(), "Calls over all ranks."),
+    ("time_ns", pa.int64(), "Total time."),
+    ("ranks", pa.int64(), "Ranks that ran it."),
+    ("min_rank_time_ns", pa.int64(), "Least time on one rank."),
+    ("max_rank_time_ns", pa.int64(), "Most time on one rank."),
+    ("mean_ns", pa.int64(), "Mean per call."),
+)
+
+
+ANALYSIS = Analysis("top_kernels", "Kernels", ("_kernel_totals",), {"top_kernels": TOP_KERNELS}, _top_kernels)

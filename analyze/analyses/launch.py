@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from steplens.analyze.contract.schema import ALL_STREAMS, WORK_KINDS
 from steplens.analyze.trace import intervals
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import schema
 
 SYNC_API = r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^(cuda|hip)Memcpy(To|From)Symbol$|^cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?$"
 
@@ -150,10 +152,10 @@ def _clipped_causes(spans: pl.DataFrame, device_gaps: pl.DataFrame) -> pl.DataFr
     return pl.concat(pieces) if pieces else spans
 
 
-SYNC_POINTS = 20  # the synchronizing calls kept, worst first
+SYNC_POINTS_KEPT = 20  # the synchronizing calls kept, worst first
 
 
-def sync_points(gaps: pl.DataFrame, calls: pl.DataFrame, threads: dict, limit: int = SYNC_POINTS) -> pl.DataFrame:
+def sync_points(gaps: pl.DataFrame, calls: pl.DataFrame, threads: dict, limit: int = SYNC_POINTS_KEPT) -> pl.DataFrame:
     """The synchronizing calls that left the GPU idle longest, with the CPU op that issued them and the
     step the call ran in (the idle it caused can fall in the next step's device time)."""
     caused = gaps.filter((pl.col("cause") == "sync") & (pl.col("stream") == ALL_STREAMS)).group_by("rank", "source", "sync_event_id").agg(
@@ -256,9 +258,20 @@ def _idle(inputs: Inputs) -> Output:
     if not inputs.ranks:
         return Output(findings={"traces": NO_TRACES})
     sync_points = inputs.table("_sync_points")
-    return Output(tables={"sync_points": sync_points.sort("idle_caused_ns", descending=True).head(SYNC_POINTS)},
+    return Output(tables={"sync_points": sync_points.sort("idle_caused_ns", descending=True).head(SYNC_POINTS_KEPT)},
                   findings={"gpu_idle": idle_finding(inputs.table("gpu_idle"),
                                                      inputs.context.runtime_calls if inputs.context else 0)})
 
 
-ANALYSIS = Analysis("gpu_idle", "GPU idle", ("gpu_idle", "_sync_points"), declared("sync_points"), _idle)
+SYNC_POINTS = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("step", pa.int64(), "ProfilerStep the call ran in (its CPU time window)."),
+    ("name", pa.string(), "Synchronizing call."),
+    ("issuing_op", pa.string(), "Innermost CPU op, annotation or frame around it."),
+    ("ts_ns", pa.int64(), "Start of the call."),
+    ("dur_ns", pa.int64(), "Its duration."),
+    ("idle_caused_ns", pa.int64(), "Device idle it caused (sync gaps)."),
+)
+
+
+ANALYSIS = Analysis("gpu_idle", "GPU idle", ("gpu_idle", "_sync_points"), {"sync_points": SYNC_POINTS}, _idle)

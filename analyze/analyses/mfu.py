@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import polars as pl
+import pyarrow as pa
 
 from steplens.analyze.analyses.devices import DEVICES, match_device
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import schema
 
 @dataclass
 class Peak:
@@ -268,5 +270,23 @@ def _mfu(inputs: Inputs) -> Output:
     return Output(tables={"mfu": table}, findings=findings)
 
 
+MFU = schema.table_spec(
+    ("step", pa.int64(), "Step."),
+    ("rank", pa.int64(), "Rank (null: the whole job)."),
+    ("metric", pa.string(), "MFU (model FLOPs) or HFU (executed FLOPs)."),
+    ("numerator", pa.string(), "palm (6N + 12LHQT per token), profiler_flops (torch.profiler with_flops) or "
+                               "collector_flops_profile (3 x the collector's profiled forward FLOPs)."),
+    ("flops", pa.float64(), "FLOPs in the step."),
+    ("step_time_ns", pa.int64(), "Step time divided by."),
+    ("gpus", pa.int64(), "GPUs."),
+    ("peak_flops", pa.float64(), "Dense peak per GPU, FLOP/s."),
+    ("utilization", pa.float64(), "flops / (step time x gpus x peak)."),
+    ("definition", pa.string(), "The numerator's definition."),
+    ("peak", pa.string(), "The peak, its dtype and source."),
+    ("inputs_disagree", pa.string(), "Why the figure cannot be true (its utilization is then null; findings "
+                                     "inputs_disagree)."),
+)
+
+
 ANALYSIS = Analysis("mfu", "FLOPs and MFU", ("step_times", "_step_flops", "_trace_step_flops", "step_time", "flops_profile"),
-                    declared("mfu"), _mfu)
+                    {"mfu": MFU}, _mfu)

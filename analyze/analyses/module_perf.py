@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from steplens.analyze.analyses.op_perf import THREAD, Roof, launch_points, window_sums
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import schema
 
 MODULE_PREFIX = "nn.Module: "
 MODULE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid", "step"]
@@ -183,5 +185,45 @@ def _module_perf(inputs: Inputs) -> Output:
         modules, inputs.table("flops_profile"), inputs.facts, inputs.context.roof, inputs.options.dtype)})
 
 
-ANALYSIS = Analysis("module_perf", "Modules", ("_module_rows", "flops_profile"), declared("module_perf", "module_mfu"),
+MODULE_PERF = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("step", pa.int64(), "ProfilerStep."),
+    ("module", pa.string(), "Path of nn.Module events (with_stack), e.g. GPT_0/Block_1/Linear_4."),
+    ("module_class", pa.string(), "Module class."),
+    ("depth", pa.int64(), "Nesting depth (0: outermost module)."),
+    ("calls", pa.int64(), "Forward calls in the step."),
+    ("device_ns", pa.int64(), "Device work launched inside the module's forward (submodules included)."),
+    ("unknown_flops_device_ns", pa.int64(), "The part of device_ns in GEMM, convolution, attention or Triton-template "
+                                            "kernels launched under no op with a FLOPs formula (a torch.compile "
+                                            "region): FLOPs flops does not count."),
+    ("flops", pa.float64(), "FLOPs of the modeled ops inside it (op_perf, outer ops only); null when none has a "
+                            "model."),
+    ("achieved_tflops", pa.float64(), "flops / device_ns, TFLOP/s (forward only); null where unknown_flops_device_ns "
+                                      "is over 10% of device_ns."),
+    ("backward_device_ns", pa.int64(), "Device work under the backward nodes (fwdbwd flows) of the forward ops inside "
+                                       "the module."),
+)
+
+MODULE_MFU = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("step", pa.int64(), "ProfilerStep."),
+    ("module", pa.string(), "Module path in the trace (module_perf)."),
+    ("module_class", pa.string(), "Module class."),
+    ("profile_path", pa.string(), "The matching flops_profile path (class and instance order)."),
+    ("calls", pa.int64(), "Forward calls in the step."),
+    ("forward_flops", pa.float64(), "flops_profile forward FLOPs (children included) x calls."),
+    ("device_ns", pa.int64(), "Forward device time (module_perf)."),
+    ("achieved_tflops", pa.float64(), "forward_flops / device_ns, TFLOP/s."),
+    ("peak_tflops", pa.float64(), "Dense peak of the run's dtype (--dtype)."),
+    ("mfu", pa.float64(), "achieved_tflops / peak_tflops; null when flagged or no peak."),
+    ("definition", pa.string(), "What is divided by what."),
+    ("flag", pa.string(), "Why the number is not trusted (ZeRO-3 double counting), else null."),
+    ("backward_device_ns", pa.int64(), "Backward device time (module_perf)."),
+    ("training_flops", pa.float64(), "3 x forward_flops (backward = 2 x forward)."),
+    ("training_mfu", pa.float64(), "training_flops / (device_ns + backward_device_ns) / peak; null without backward "
+                                   "time, when flagged or no peak."),
+)
+
+
+ANALYSIS = Analysis("module_perf", "Modules", ("_module_rows", "flops_profile"), {"module_perf": MODULE_PERF, "module_mfu": MODULE_MFU},
                     _module_perf)

@@ -12,6 +12,7 @@ import json
 import math
 
 import polars as pl
+import pyarrow as pa
 
 # The alarm rules are the in-job collector's (analyze/contract/alarm_rules.py): one implementation, fed here
 # point by point over every scalar series of the run, whoever wrote it, with the same trailing windows,
@@ -19,7 +20,8 @@ import polars as pl
 from steplens.analyze.contract import alarm_rules
 from steplens.analyze.contract.alarm_rules import SPIKE_Z  # noqa: F401  (the spike limit, for readers of this module)
 from steplens.analyze.analyses import step_time
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import schema
 
 ORIGIN_PREFERENCE = ("collector", "csv_monitor", "tensorboard", "wandb", "log")  # exact first, float32 TB later
 # Post hoc, the rules a job may leave off run too (they cost the job nothing here), with their default settings.
@@ -208,5 +210,39 @@ def _monitor(inputs: Inputs) -> Output:
     return Output(tables=tables, findings=alarms_finding(tables["monitor_alarms"]))
 
 
-ANALYSIS = Analysis("monitor", "Monitor alarms", ("scalars", "step_time"), declared("monitor_alarms", "run_comparability"),
+MONITOR_ALARMS = schema.table_spec(
+    ("alarm", pa.string(), "nan_inf | loss_spike | grad_norm_high | throughput_drop (a rate falls or a step time "
+                           "rises) | memory_growth."),
+    ("name", pa.string(), "Scalar tag."),
+    ("origin", pa.string(), "Where the series came from (one origin per tag: the fullest)."),
+    ("source", pa.string(), "Input file."),
+    ("global_samples", pa.int64(), "x of the point."),
+    ("step", pa.int64(), "Optimizer step, when train_batch_size is known."),
+    ("value", pa.float64(), "The value that fired (throughput_drop from a rate: the median of the last `recent` "
+                            "points)."),
+    ("baseline", pa.float64(), "What it was judged against: the trailing median (spikes, slow steps), the median "
+                               "before the recent points (rates), the median of the first `window` points "
+                               "(memory_growth); null for nan_inf and a threshold."),
+    ("score", pa.float64(), "loss/grad-norm spikes: modified z-score 0.6745 (value - median) / MAD; slow step: value "
+                            "/ median; rate and memory: relative change."),
+    ("threshold", pa.float64(), "The rule's threshold (analyze/contract/alarm_rules.py: z 3.5 after Iglewicz & "
+                                "Hoaglin, 3x for a slow step, -20% for a rate, +20% for memory, the grad-norm "
+                                "threshold given)."),
+    ("detail", pa.string(), "The alarm in words."),
+    ("rule", pa.string(), "The alarm rule that fired (alarm_rules kinds: nonfinite, loss_spike, grad_norm_spike, "
+                          "grad_norm_high, slow_step, throughput_drop, memory_growth), evaluated as the in-job "
+                          "collector evaluates it."),
+)
+
+RUN_COMPARABILITY = schema.table_spec(
+    ("field", pa.string(), "world_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, "
+                           "train_batch_size, code_revision, zero_stage, seq_len, deepspeed_version."),
+    ("required", pa.bool_(), "Runs cannot be shown comparable without it."),
+    ("status", pa.string(), "same | different | missing (in some run) | recorded (one run)."),
+    ("values", pa.string(), "JSON {run: value}."),
+    ("detail", pa.string(), "What it means for comparing the runs."),
+)
+
+
+ANALYSIS = Analysis("monitor", "Monitor alarms", ("scalars", "step_time"), {"monitor_alarms": MONITOR_ALARMS, "run_comparability": RUN_COMPARABILITY},
                     _monitor)

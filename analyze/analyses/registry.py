@@ -105,11 +105,6 @@ class Analysis:
             raise ValueError(f"analysis {self.name}: parts {sorted(stray)} are not among its outputs")
 
 
-def declared(*tables: str) -> dict[str, tuple[pa.Schema, dict[str, str]]]:
-    """Output declarations of analysis tables the contract documents (schema.ANALYSIS_TABLES)."""
-    return {table: (schema.analysis_schema(table), schema.ANALYSIS_TABLES[table]) for table in tables}
-
-
 def ordered(analyses: list[Analysis]) -> list[Analysis]:
     """Per-rank analyses first, then the run-level ones, each after those whose outputs it reads."""
     producer: dict[str, str] = {}

@@ -21,11 +21,13 @@ from collections.abc import Callable
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from steplens.analyze.analyses import launch, steps
 from steplens.analyze.contract.schema import ALL_STREAMS
 from steplens.analyze.trace import intervals
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import schema
 
 TIMELINE_RESOLUTION = 1000  # segments resolved to 1/1000 of the step's span
 LAUNCH_COLUMNS = ["rank", "source", "event_id", "step", "device", "stream", "ts_ns", "dur_ns"]
@@ -205,6 +207,30 @@ def _step_breakdown(inputs: Inputs) -> Output:
     return Output(tables=tables, findings={"time_split": time_split(tables["step_breakdown"])})
 
 
+STEP_BREAKDOWN = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("source", pa.string(), "Trace file (profiler window)."),
+    ("device", pa.int64(), "GPU."),
+    ("step", pa.int64(), "Step."),
+    ("span_ns", pa.int64(), "First start to last end of the device work launched in the step (gpu_idle's step span)."),
+    ("compute_ns", pa.int64(), "Part of the span covered by non-communication device work (kernels, copies, sets) of "
+                               "any step."),
+    ("exposed_comm_ns", pa.int64(), "Part of the span covered by communication kernels and not by compute."),
+    ("idle_ns", pa.int64(), "span_ns - compute_ns - exposed_comm_ns: no device work at all."),
+    ("host_bound_ns", pa.int64(), "Idle with nothing queued (gpu_idle)."),
+    ("sync_ns", pa.int64(), "Idle during a synchronizing call (gpu_idle)."),
+    ("other_ns", pa.int64(), "Idle with work queued or launches not recorded (gpu_idle)."),
+)
+
+STEP_TIMELINE = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("step", pa.int64(), "The slowest profiled step (longest wall time across ranks)."),
+    ("activity", pa.string(), "compute | exposed communication | idle (as in step_breakdown)."),
+    ("start_ns", pa.int64(), "Segment start on the reference rank's clock (ts - clock offset)."),
+    ("end_ns", pa.int64(), "Segment end."),
+)
+
+
 ANALYSIS = Analysis("step_breakdown", "Where one step's time went",
                     ("kernel_launches", "collectives", "gpu_idle", "step_stats", "clock_offsets"),
-                    declared("step_breakdown", "step_timeline"), _step_breakdown)
+                    {"step_breakdown": STEP_BREAKDOWN, "step_timeline": STEP_TIMELINE}, _step_breakdown)

@@ -60,10 +60,11 @@ import statistics
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
 
 from steplens.analyze.contract import alarm_rules, schema
 from steplens.analyze.contract.manifest import MAX_STEP
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 
 MAD_Z_SCALE = 0.6745  # modified z-score (Iglewicz & Hoaglin 1993): 0.6745 (x - median) / MAD
 OUTLIER_Z = 3.5  # their recommended cut
@@ -469,5 +470,26 @@ def _step_time(inputs: Inputs) -> Output:
     return Output(tables={"step_time": table}, findings=findings)
 
 
+STEP_TIME = schema.table_spec(
+    ("step", pa.int64(), "Optimizer step, from 0 (ProfilerStep#N when the source is profiler_steps)."),
+    ("source", pa.string(), "train_steps (collector) | log | profiler_steps: the best source the run has "
+                            "(analyze/analyses/step_time.py)."),
+    ("step_time_ns", pa.int64(), "Slowest rank's sum of the step's micro steps (logs: the stated time of the step)."),
+    ("slowest_rank", pa.int64(), "Rank with that time."),
+    ("ranks", pa.int64(), "Ranks that recorded the step."),
+    ("micro_steps", pa.int64(), "Micro steps of the slowest rank."),
+    ("start_ns", pa.int64(), "Earliest start over ranks (rank clocks)."),
+    ("end_ns", pa.int64(), "Latest end."),
+    ("samples", pa.int64(), "Samples the whole job consumed in the step."),
+    ("skipped", pa.bool_(), "The optimizer skipped the step (fp16 overflow)."),
+    ("loss_scale", pa.float64(), "fp16 loss scale after the step."),
+    ("excluded", pa.bool_(), "Left out of the run's step-time summary."),
+    ("reason", pa.string(), "Why: warm_up, flops_profiler, profiler_warmup, profiler_window, profiler_export, "
+                            "checkpoint_save, overflow_skipped, incomplete, negative_duration, longer_than_run, "
+                            "no_time (comma-separated)."),
+    ("definition", pa.string(), "The step-time definition of the source, in words."),
+)
+
+
 ANALYSIS = Analysis("step_time", "Step time over the run", ("train_steps", "step_timers", "scalars", "steps", "flops_profile"),
-                    declared("step_time"), _step_time)
+                    {"step_time": STEP_TIME}, _step_time)

@@ -31,8 +31,10 @@ from __future__ import annotations
 import math
 
 import polars as pl
+import pyarrow as pa
 
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output, declared
+from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import schema
 
 # A step has a straggler when the other ranks waited for it, on median, at least this share of the
 # step's median duration; below it, "last to arrive" is jitter.
@@ -294,5 +296,48 @@ def _steps(inputs: Inputs) -> Output:
                   findings={**straggler_finding(stats), **refused})
 
 
+CLOCK_OFFSETS = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("offset_ns", pa.int64(), "This rank's clock minus the reference rank's (aligned time = ts_ns - offset_ns)."),
+    ("uncertainty_ns", pa.int64(), "Half the range of the per-collective estimates."),
+    ("matched", pa.int64(), "Collective instances shared with the reference rank."),
+    ("method", pa.string(), "How it was estimated (collective end times, reference, or none), or 'refused: ' and why "
+                            "the trace cannot be aligned as a rank of the same job."),
+    ("reference_rank", pa.int64(), "The rank whose clock is the reference (the lowest)."),
+)
+
+STEP_TIMES = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("step", pa.int64(), "ProfilerStep number."),
+    ("cpu_start_ns", pa.int64(), "Start of the step annotation (rank clock)."),
+    ("cpu_end_ns", pa.int64(), "Its end."),
+    ("cpu_dur_ns", pa.int64(), "CPU step duration."),
+    ("gpu_start_ns", pa.int64(), "First start of device work launched in the step."),
+    ("gpu_end_ns", pa.int64(), "Last end of it."),
+    ("gpu_dur_ns", pa.int64(), "GPU projection of the step."),
+    ("comm_wait_ns", pa.int64(), "Time this rank waited in collectives for slower ranks in the step."),
+    ("aligned_start_ns", pa.int64(), "cpu_start_ns on the reference clock."),
+    ("aligned_end_ns", pa.int64(), "cpu_end_ns on the reference clock."),
+)
+
+STEP_STATS = schema.table_spec(
+    ("step", pa.int64(), "ProfilerStep number."),
+    ("ranks", pa.int64(), "Ranks that recorded it."),
+    ("min_dur_ns", pa.int64(), "Shortest CPU step over ranks."),
+    ("median_dur_ns", pa.int64(), "Median."),
+    ("max_dur_ns", pa.int64(), "Longest."),
+    ("spread_ns", pa.int64(), "max_dur_ns - min_dur_ns."),
+    ("slowest_rank", pa.int64(), "Rank with the longest CPU step."),
+    ("straggler_rank", pa.int64(), "Rank the others waited for (last to arrive at collectives; without collective "
+                                   "timing the longest step), when it stands out from the run's noise "
+                                   "(straggler_basis) and the wait is >= 5% of the step."),
+    ("others_waited_ns", pa.int64(), "Total collective wait of the other ranks in the step."),
+    ("median_other_wait_ns", pa.int64(), "Median of it over the other ranks."),
+    ("aligned_dur_ns", pa.int64(), "Step wall time across ranks on the aligned clock (first start to last end)."),
+    ("straggler_basis", pa.string(), "How the straggler was shown to stand out from the run's noise (same_rank_last, "
+                                     "beyond_rank_spread), with its numbers; null: no straggler."),
+)
+
+
 ANALYSIS = Analysis("steps", "Steps and stragglers", ("_collective_calls", "_gpu_spans", "steps"),
-                    declared("clock_offsets", "step_times", "step_stats"), _steps)
+                    {"clock_offsets": CLOCK_OFFSETS, "step_times": STEP_TIMES, "step_stats": STEP_STATS}, _steps)

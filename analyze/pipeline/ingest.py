@@ -462,10 +462,11 @@ def _written_by_steplens(folder: Path) -> bool:
 
 def _foreign_entries(folder: Path) -> list[str]:
     """Entries of an existing output folder that steplens did not write."""
+    from steplens.analyze import analyses  # here: the parse workers that import this module need no analysis
     manifest = reuse.read_manifest(folder)
     listed = manifest.get("output_entries")
     owned = set(listed) if isinstance(listed, list) else (
-        _KNOWN_OUTPUT_FILES | set(schema.TABLES) | set(schema.ANALYSIS_TABLES))
+        _KNOWN_OUTPUT_FILES | set(schema.TABLES) | set(analyses.TABLES))
     return sorted(name for name in os.listdir(folder) if name not in owned)
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
+from steplens.analyze import analyses
 from steplens.analyze.analyses import monitor
 from steplens.analyze.contract import schema
 from steplens.analyze.contract.manifest import damage
@@ -114,7 +115,7 @@ def connect(root: Path, skipped: list[tuple[str, str]] | None = None) -> duckdb.
                      "devices": ", ".join(manifest.get("environment", {}).get("device_names", [])),
                      "created_by": manifest.get("created_by"),
                      **{field: _fact(monitor.run_fact(facts, field), dtype) for field, dtype in RUN_FACTS.items()}})
-        for table in list(schema.TABLES) + list(schema.ANALYSIS_TABLES):
+        for table in list(schema.TABLES) + list(analyses.TABLES):
             partitioned = table in schema.TABLES and schema.TABLES[table][2]
             if isinstance(run, str):  # a committed result in object storage: the objects it names
                 files = [glob.escape(url) for url in remote.table_objects(run, manifest, table)]

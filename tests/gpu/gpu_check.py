@@ -201,7 +201,7 @@ def check(root: Path, gpu: bool) -> dict:
     import polars as pl
     from steplens.analyze.analyses import runner
     from steplens.analyze.pipeline import ingest
-    from steplens.analyze.contract import schema
+    from steplens.analyze import analyses
 
     job, results = root / "job", {}
     result = ingest.ingest(job, jobs=1)
@@ -223,7 +223,7 @@ def check(root: Path, gpu: bool) -> dict:
     verdict("mfu_below_peak", mfu.height > 0 and bool(((mfu["utilization"] > 0) & (mfu["utilization"] < 1)).all())
             and any("H200" in p or "h200" in p for p in peaks), {"rows": mfu.height, "peaks": peaks,
             "utilization": mfu["utilization"].to_list()[:6]}, needs_gpu=True)
-    roofline = [name for name, columns in schema.ANALYSIS_TABLES.items() if {"bound", "fraction_of_peak"} <= set(columns)]
+    roofline = [name for name, (_, columns) in analyses.TABLES.items() if {"bound", "fraction_of_peak"} <= set(columns)]
     if roofline:
         rows = table(roofline[0]).filter(pl.col("bound").is_not_null())
         verdict("roofline_rows", rows.height > 0, f"{rows.height} rows in {roofline[0]}", needs_gpu=True)
