@@ -104,7 +104,7 @@ def _alarm_agreement(inputs: Inputs) -> Output:
                             inputs.table("comms_calls"), inputs.facts,
                             step_time.instrumented(inputs.table("step_time")))
     return Output(tables={"alarm_agreement": table},
-                  findings={"alarms": agreement_summary(table)} if not table.is_empty() else {})
+                  finding=agreement_summary(table) if not table.is_empty() else None)
 
 
 ALARM_AGREEMENT = schema.table_spec(
@@ -124,4 +124,4 @@ ALARM_AGREEMENT = schema.table_spec(
 
 
 ANALYSIS = Analysis("alarm_agreement", "In-job alarms", ("alarms", "scalars", "train_steps", "comms_calls", "step_time"),
-                    {"alarm_agreement": ALARM_AGREEMENT}, _alarm_agreement)
+                    {"alarm_agreement": ALARM_AGREEMENT}, _alarm_agreement, former_keys={"alarms": None})

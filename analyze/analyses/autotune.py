@@ -220,12 +220,12 @@ def _check_pick(space: str, picks: dict, ranked: pl.DataFrame, higher_is_better:
             "pick_detail": "; ".join(problems) or f"matches the re-ranking ({name})"}
 
 
-def verdict_finding(verdicts: pl.DataFrame) -> dict:
+def verdict_finding(verdicts: pl.DataFrame) -> list[dict] | None:
     """Each tuning space's verdict, for findings.json."""
     if verdicts.is_empty():
-        return {}
-    return {"autotune": verdicts.select("tuning_space", "winner", "established", "trials_needed", "pick_mismatch",
-                                        "pick_detail", "detail").to_dicts()}
+        return None
+    return verdicts.select("tuning_space", "winner", "established", "trials_needed", "pick_mismatch", "pick_detail",
+                           "detail").to_dicts()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def verdict_finding(verdicts: pl.DataFrame) -> dict:
 
 def _autotune(inputs: Inputs) -> Output:
     tables = autotune_tables(inputs.table("autotune_experiments"), inputs.facts)
-    return Output(tables=tables, findings=verdict_finding(tables["autotune_verdict"]))
+    return Output(tables=tables, finding=verdict_finding(tables["autotune_verdict"]))
 
 
 AUTOTUNE_RANKING = schema.table_spec(

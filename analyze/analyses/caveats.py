@@ -118,7 +118,7 @@ def _mfu_definition(run: Inputs) -> list[dict]:
 
 
 def _caveats(inputs: Inputs) -> Output:
-    return Output(findings={"caveats": caveats(inputs)})
+    return Output(finding=caveats(inputs))
 
 
 ANALYSIS = Analysis("caveats", "Method and caveats", ("comms_calls", "flops_profile", "steps", "train_steps", "scalars",

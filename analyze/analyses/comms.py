@@ -175,6 +175,11 @@ def cpu_only_note(cpu_comm_ops: int, backend: str | None, world_size: int | None
     return f"{calls}: {backend} collectives run on the CPU"
 
 
+# The keys of the collectives finding (findings.json wrote each at the top level before 0.2).
+FINDING_KEYS = ("most_exposed_collective", "exposed_comm_ns", "exposed_comm_rank", "exposed_comm_median_rank_ns",
+                "exposed_comm_definition", "comms_note")
+
+
 def exposed_comm_finding(calls: pl.DataFrame, cpu_comm_ops: int, backend: str | None = None,
                          world_size: int | None = None) -> dict:
     """Exposed communication of the rank with the most (summing over ranks could exceed the run's wall
@@ -207,8 +212,8 @@ def _collectives(inputs: Inputs) -> Output:
     calls = inputs.table("_collective_calls")
     cpu_comm_ops = inputs.table("_cpu_comm_ops")["ops"].sum()
     return Output(tables={"collectives": calls, "collective_instances": instances(calls, inputs.table("clock_offsets"))},
-                  findings=exposed_comm_finding(calls, cpu_comm_ops, inputs.context.backend,
-                                                inputs.facts.get("world_size")))
+                  finding=exposed_comm_finding(calls, cpu_comm_ops, inputs.context.backend,
+                                               inputs.facts.get("world_size")))
 
 
 COLLECTIVES = schema.table_spec(
@@ -259,4 +264,5 @@ COLLECTIVE_INSTANCES = schema.table_spec(
 
 
 ANALYSIS = Analysis("collectives", "Collectives", ("_collective_calls", "_cpu_comm_ops", "clock_offsets"),
-                    {"collectives": COLLECTIVES, "collective_instances": COLLECTIVE_INSTANCES}, _collectives)
+                    {"collectives": COLLECTIVES, "collective_instances": COLLECTIVE_INSTANCES}, _collectives,
+                    former_keys={key: key for key in FINDING_KEYS})

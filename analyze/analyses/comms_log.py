@@ -59,14 +59,14 @@ def comms_log_stats(comms_calls: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def costliest_finding(stats: pl.DataFrame) -> dict:
+def costliest_finding(stats: pl.DataFrame) -> dict | None:
     """The logged collective and size that cost the most time."""
     if stats.is_empty():
-        return {}
+        return None
     top = stats.sort(NO_OP, pl.col("total_latency_ns"), descending=[False, True]).row(0, named=True)
-    return {"logged_comms": {**{k: top[k] for k in ("op", "nccl_bytes", "calls", "median_latency_ns", "total_latency_ns",
-                                                     "median_busbw_gbps", "latency_origin", "group_size")},
-                             "no_op": (top["group_size"] or 2) <= 1}}
+    return {**{k: top[k] for k in ("op", "nccl_bytes", "calls", "median_latency_ns", "total_latency_ns",
+                                   "median_busbw_gbps", "latency_origin", "group_size")},
+            "no_op": (top["group_size"] or 2) <= 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,7 +76,7 @@ def costliest_finding(stats: pl.DataFrame) -> dict:
 def _comms_log(inputs: Inputs) -> Output:
     calls = inputs.table("comms_calls")
     table = comms_log_stats(calls) if not calls.is_empty() else pl.DataFrame()
-    return Output(tables={"comms_log_stats": table}, findings=costliest_finding(table))
+    return Output(tables={"comms_log_stats": table}, finding=costliest_finding(table))
 
 
 COMMS_LOG_STATS = schema.table_spec(
@@ -97,4 +97,5 @@ COMMS_LOG_STATS = schema.table_spec(
 )
 
 
-ANALYSIS = Analysis("comms_log", "Logged communication", ("comms_calls",), {"comms_log_stats": COMMS_LOG_STATS}, _comms_log)
+ANALYSIS = Analysis("comms_log", "Logged communication", ("comms_calls",), {"comms_log_stats": COMMS_LOG_STATS}, _comms_log,
+                    former_keys={"logged_comms": None})

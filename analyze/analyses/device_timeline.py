@@ -69,7 +69,7 @@ def device_timeline(inputs: Inputs) -> Output:
     return Output(tables={
         "kernel_launches": launched,
         "op_perf": perf,
-        "gpu_idle": launch.gpu_idle(launched, gaps),
+        "_gpu_idle": launch.gpu_idle(launched, gaps),
         "launch_summary": launch.launch_summary(launched),
         "kernel_categories": kernels.category_time(work),
         "_collective_calls": comms.with_call_sites(comms.collectives(work, context.world_size), runtime, threads),
@@ -137,26 +137,6 @@ OP_PERF = schema.table_spec(
                            "too)."),
 )
 
-GPU_IDLE = schema.table_spec(
-    ("rank", pa.int64(), "Rank."),
-    ("device", pa.int64(), "GPU."),
-    ("stream", pa.int64(), "Stream, or -1: the whole device (idle only when no stream is busy)."),
-    ("step", pa.int64(), "Step; null only on the whole-window rows (stream -1: all device work of the profiler "
-                         "window)."),
-    ("span_start_ns", pa.int64(), "First start of the row's device work (the step's, the step's on the stream, or the "
-                                  "window's)."),
-    ("span_end_ns", pa.int64(), "Last end."),
-    ("span_ns", pa.int64(), "The span."),
-    ("busy_ns", pa.int64(), "Part of the span the device (stream -1) or the stream was busy; stream -1 rows count "
-                            "every step's work and work launched before the window."),
-    ("idle_ns", pa.int64(), "span_ns - busy_ns."),
-    ("host_bound_ns", pa.int64(), "Idle with nothing queued: the GPU waited for the CPU to launch."),
-    ("sync_ns", pa.int64(), "Idle while the launching thread sat in a synchronizing call."),
-    ("other_ns", pa.int64(), "Idle with work queued (cross-stream waits) or launches not recorded."),
-    ("activities", pa.int64(), "Device activities of the row (the step's, the stream's, or the window's)."),
-    ("source", pa.string(), "Profiler window (trace file) the row belongs to."),
-)
-
 LAUNCH_SUMMARY = schema.table_spec(
     ("rank", pa.int64(), "Rank."),
     ("launch_api", pa.string(), "Launch API."),
@@ -180,7 +160,8 @@ KERNEL_CATEGORIES = schema.table_spec(
 
 
 ANALYSIS = Analysis("device_timeline", "CPU launch and GPU execution, per rank", ("trace_events", "flows"),
-             {"kernel_launches": KERNEL_LAUNCHES, "op_perf": OP_PERF, "gpu_idle": GPU_IDLE, "launch_summary": LAUNCH_SUMMARY, "kernel_categories": KERNEL_CATEGORIES}, device_timeline,
+             {"kernel_launches": KERNEL_LAUNCHES, "op_perf": OP_PERF, "launch_summary": LAUNCH_SUMMARY,
+              "kernel_categories": KERNEL_CATEGORIES}, device_timeline,
              per_rank=True, parts=("kernel_launches", "op_perf"),
-             passes=("_collective_calls", "_sync_points", "_kernel_totals", "_gpu_spans", "_step_flops", "_cpu_comm_ops",
-                     "_trace_step_flops", "_op_totals", "_family_time", "_module_rows"))
+             passes=("_gpu_idle", "_collective_calls", "_sync_points", "_kernel_totals", "_gpu_spans", "_step_flops",
+                     "_cpu_comm_ops", "_trace_step_flops", "_op_totals", "_family_time", "_module_rows"))

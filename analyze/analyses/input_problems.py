@@ -14,7 +14,7 @@ from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 def _input_problems(inputs: Inputs) -> Output:
     issues = inputs.table("ingest_issues")
     errors = issues.filter(pl.col("severity") == "error").height if not issues.is_empty() else 0
-    return Output(findings={"ingest_errors": errors} if errors else {})  # input problems that lost data
+    return Output(finding=errors or None)  # input problems that lost data
 
 
-ANALYSIS = Analysis("input_problems", "Input problems", ("ingest_issues",), {}, _input_problems)
+ANALYSIS = Analysis("ingest_errors", "Input problems", ("ingest_issues",), {}, _input_problems)

@@ -133,7 +133,7 @@ def job_end(run_status: pl.DataFrame, train_steps: pl.DataFrame, step_timers: pl
 def _job_end(inputs: Inputs) -> Output:
     ended = job_end(inputs.table("run_status"), inputs.table("train_steps"), inputs.table("step_timers"),
                     inputs.table("scalars"), inputs.facts, inputs.findings["step_time"].get("median_ns"))
-    return Output(findings={"job_end": ended} if ended else {})
+    return Output(finding=ended or None)
 
 
 ANALYSIS = Analysis("job_end", "How the job ended", ("run_status", "train_steps", "step_timers", "scalars", "step_time"), {},

@@ -256,12 +256,32 @@ NO_TRACES = "no profiler traces: step, GPU and collective analyses need them"
 
 def _idle(inputs: Inputs) -> Output:
     if not inputs.ranks:
-        return Output(findings={"traces": NO_TRACES})
-    sync_points = inputs.table("_sync_points")
-    return Output(tables={"sync_points": sync_points.sort("idle_caused_ns", descending=True).head(SYNC_POINTS_KEPT)},
-                  findings={"gpu_idle": idle_finding(inputs.table("gpu_idle"),
-                                                     inputs.context.runtime_calls if inputs.context else 0)})
+        return Output(finding={"no_traces": NO_TRACES})
+    idle, sync_points = inputs.table("_gpu_idle"), inputs.table("_sync_points")
+    return Output(tables={"gpu_idle": idle,
+                          "sync_points": sync_points.sort("idle_caused_ns", descending=True).head(SYNC_POINTS_KEPT)},
+                  finding=idle_finding(idle, inputs.context.runtime_calls if inputs.context else 0))
 
+
+GPU_IDLE = schema.table_spec(
+    ("rank", pa.int64(), "Rank."),
+    ("device", pa.int64(), "GPU."),
+    ("stream", pa.int64(), "Stream, or -1: the whole device (idle only when no stream is busy)."),
+    ("step", pa.int64(), "Step; null only on the whole-window rows (stream -1: all device work of the profiler "
+                         "window)."),
+    ("span_start_ns", pa.int64(), "First start of the row's device work (the step's, the step's on the stream, or the "
+                                  "window's)."),
+    ("span_end_ns", pa.int64(), "Last end."),
+    ("span_ns", pa.int64(), "The span."),
+    ("busy_ns", pa.int64(), "Part of the span the device (stream -1) or the stream was busy; stream -1 rows count "
+                            "every step's work and work launched before the window."),
+    ("idle_ns", pa.int64(), "span_ns - busy_ns."),
+    ("host_bound_ns", pa.int64(), "Idle with nothing queued: the GPU waited for the CPU to launch."),
+    ("sync_ns", pa.int64(), "Idle while the launching thread sat in a synchronizing call."),
+    ("other_ns", pa.int64(), "Idle with work queued (cross-stream waits) or launches not recorded."),
+    ("activities", pa.int64(), "Device activities of the row (the step's, the stream's, or the window's)."),
+    ("source", pa.string(), "Profiler window (trace file) the row belongs to."),
+)
 
 SYNC_POINTS = schema.table_spec(
     ("rank", pa.int64(), "Rank."),
@@ -274,4 +294,5 @@ SYNC_POINTS = schema.table_spec(
 )
 
 
-ANALYSIS = Analysis("gpu_idle", "GPU idle", ("gpu_idle", "_sync_points"), {"sync_points": SYNC_POINTS}, _idle)
+ANALYSIS = Analysis("gpu_idle", "GPU idle", ("_gpu_idle", "_sync_points"), {"gpu_idle": GPU_IDLE, "sync_points": SYNC_POINTS},
+                    _idle, former_keys={"traces": "no_traces"})

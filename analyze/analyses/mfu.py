@@ -262,12 +262,12 @@ def _mfu(inputs: Inputs) -> Output:
     table = pl.concat(found, how="diagonal_relaxed") if found else pl.DataFrame()
     table, finding = sanity.mark_impossible_mfu(
         table, mfu_finding(table, problem or log_problem or context.peak_problem or missing))
-    findings = {"mfu": finding}
+    qualified = {}
     if isinstance(finding, list) and (disagree := numerators_disagree(finding)):
-        findings["mfu_numerators_disagree"] = disagree
+        qualified["mfu_numerators_disagree"] = disagree
     if isinstance(finding, list) and (problem or missing):  # a numerator refused beside those computed
-        findings["mfu_refused"] = "; ".join(p for p in (problem, missing) if p)
-    return Output(tables={"mfu": table}, findings=findings)
+        qualified["mfu_refused"] = "; ".join(p for p in (problem, missing) if p)
+    return Output(tables={"mfu": table}, finding=finding, qualified=qualified)
 
 
 MFU = schema.table_spec(

@@ -195,9 +195,9 @@ def monitor_tables(scalars: pl.DataFrame, facts: dict, grad_norm_threshold: floa
             "run_comparability": comparability({"run": facts})}
 
 
-def alarms_finding(alarms: pl.DataFrame) -> dict:
+def alarms_finding(alarms: pl.DataFrame) -> dict | None:
     """Post-hoc alarms by kind."""
-    return {"monitor_alarms": dict(alarms.group_by("alarm").len().sort("alarm").iter_rows())} if not alarms.is_empty() else {}
+    return dict(alarms.group_by("alarm").len().sort("alarm").iter_rows()) if not alarms.is_empty() else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def alarms_finding(alarms: pl.DataFrame) -> dict:
 def _monitor(inputs: Inputs) -> Output:
     tables = monitor_tables(inputs.table("scalars"), inputs.facts, inputs.options.grad_norm_threshold,
                             step_time.instrumented(inputs.table("step_time")))
-    return Output(tables=tables, findings=alarms_finding(tables["monitor_alarms"]))
+    return Output(tables=tables, finding=alarms_finding(tables["monitor_alarms"]))
 
 
 MONITOR_ALARMS = schema.table_spec(
@@ -244,5 +244,5 @@ RUN_COMPARABILITY = schema.table_spec(
 )
 
 
-ANALYSIS = Analysis("monitor", "Monitor alarms", ("scalars", "step_time"), {"monitor_alarms": MONITOR_ALARMS, "run_comparability": RUN_COMPARABILITY},
+ANALYSIS = Analysis("monitor_alarms", "Monitor alarms", ("scalars", "step_time"), {"monitor_alarms": MONITOR_ALARMS, "run_comparability": RUN_COMPARABILITY},
                     _monitor)

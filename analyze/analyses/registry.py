@@ -76,8 +76,10 @@ def _empty(name: str, columns: list[str] | None) -> pl.DataFrame:
 @dataclass
 class Output:
     tables: dict[str, pl.DataFrame] = field(default_factory=dict)  # declared outputs and passed results
-    finding: dict | None = None  # findings.json[name]; None: nothing to say
-    findings: dict = field(default_factory=dict)  # top-level findings.json keys it contributes (the built-in ones)
+    finding: dict | list | None = None  # findings.json[name]; None: nothing to say
+    # Further findings.json keys beside it, each named `<name>_<qualifier>` (mfu's figures are a list, so what
+    # qualifies them sits beside them: mfu_refused, mfu_numerators_disagree).
+    qualified: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,9 @@ class Analysis:
     parts: tuple[str, ...] = ()
     # Results later analyses read that are not tables of their own (kept in memory, never written).
     passes: tuple[str, ...] = ()
+    # findings.json keys of steplens 0.1 that this finding replaces, still written for users' scripts until 0.3:
+    # old key -> the key inside this finding holding its value (None: the whole finding). README: findings.json.
+    former_keys: dict[str, str | None] = field(default_factory=dict)
 
     def __post_init__(self):
         if clash := set(self.writes) & set(schema.TABLES):

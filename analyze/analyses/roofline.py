@@ -91,10 +91,10 @@ def _family_shares(family_time: pl.DataFrame | None) -> list[dict]:
 
 def _roofline(inputs: Inputs) -> Output:
     ranked = bool(inputs.ranks)
-    return Output(findings={"roofline": roofline_finding(
+    return Output(finding=roofline_finding(
         inputs.table("_op_totals") if ranked else pl.DataFrame(), inputs.table("module_perf"), inputs.table("module_mfu"),
         inputs.context.roof, inputs.options.dtype, inputs.table("_family_time") if ranked else pl.DataFrame(),
-        inputs.table("step_breakdown")["span_ns"].sum() if ranked else 0)})
+        inputs.table("step_breakdown")["span_ns"].sum() if ranked else 0))
 
 
 ANALYSIS = Analysis("roofline", "Roofline", ("_op_totals", "_family_time", "module_perf", "module_mfu", "step_breakdown"), {},

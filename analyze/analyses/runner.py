@@ -18,7 +18,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from steplens.analyze.analyses import ANALYSES, devices, kernels, mfu, op_perf, registry
-from steplens.analyze.analyses.registry import Inputs
+from steplens.analyze.analyses.registry import Analysis, Inputs
 from steplens.analyze.contract import schema
 
 @dataclass
@@ -205,8 +205,24 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
             computed[table] = _write(out_dir, table, result.tables.get(table, pl.DataFrame()), spec)
         for name in analysis.passes:
             computed[name] = result.tables[name]
-        findings.update(result.findings)
+        if stray := [key for key in result.qualified if not key.startswith(f"{analysis.name}_")]:
+            raise ValueError(f"analysis {analysis.name}: findings {stray} do not carry its name")
+        findings.update(result.qualified)
         if result.finding is not None:
             findings[analysis.name] = result.finding
+    findings.update(former_keys(ordered, findings))
     (out_dir / schema.FINDINGS_FILE).write_text(json.dumps(findings, indent=1, default=str))
     return findings
+
+
+def former_keys(analyses: list[Analysis], findings: dict) -> dict:
+    """The findings.json keys earlier versions wrote, from the findings that replace them (after every analysis
+    ran: sanity's corrections included)."""
+    former = {}
+    for analysis in analyses:
+        finding = findings.get(analysis.name)
+        for old, inner in analysis.former_keys.items():
+            value = finding if inner is None else finding.get(inner) if isinstance(finding, dict) else None
+            if value is not None:
+                former[old] = value
+    return former

@@ -124,7 +124,7 @@ def _sanity(inputs: Inputs) -> Output:
     left the mfu table and finding in _mfu)."""
     disagree = inputs_disagree(inputs.findings, inputs.table("step_time"), inputs.table("mfu"),
                                inputs.context.device_key)
-    return Output(findings={"inputs_disagree": disagree} if disagree else {})
+    return Output(finding=disagree or None)
 
 
-ANALYSIS = Analysis("sanity", "Inputs that disagree", ("step_time", "mfu", "collectives", "comms_log_stats"), {}, _sanity)
+ANALYSIS = Analysis("inputs_disagree", "Inputs that disagree", ("step_time", "mfu", "collectives", "comms_log_stats"), {}, _sanity)

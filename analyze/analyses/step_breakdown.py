@@ -204,7 +204,8 @@ def _step_breakdown(inputs: Inputs) -> Output:
     tables = step_breakdown_tables(
         lambda rank: launches.filter(pl.col("rank") == rank).select(LAUNCH_COLUMNS).collect(), inputs.ranks,
         inputs.table("collectives"), inputs.table("gpu_idle"), inputs.table("step_stats"), inputs.table("clock_offsets"))
-    return Output(tables=tables, findings={"time_split": time_split(tables["step_breakdown"])})
+    split = time_split(tables["step_breakdown"])
+    return Output(tables=tables, finding={"time_split": split} if split else None)
 
 
 STEP_BREAKDOWN = schema.table_spec(
@@ -233,4 +234,5 @@ STEP_TIMELINE = schema.table_spec(
 
 ANALYSIS = Analysis("step_breakdown", "Where one step's time went",
                     ("kernel_launches", "collectives", "gpu_idle", "step_stats", "clock_offsets"),
-                    {"step_breakdown": STEP_BREAKDOWN, "step_timeline": STEP_TIMELINE}, _step_breakdown)
+                    {"step_breakdown": STEP_BREAKDOWN, "step_timeline": STEP_TIMELINE}, _step_breakdown,
+                    former_keys={"time_split": "time_split"})

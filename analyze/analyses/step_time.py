@@ -459,15 +459,15 @@ def _step_time(inputs: Inputs) -> Output:
     profiler_steps = inputs.table("steps", ["rank", "step", "start_ns", "end_ns"])
     table = step_time_table(inputs.table("train_steps"), inputs.table("step_timers"), inputs.table("scalars"),
                             profiler_steps, inputs.table("flops_profile"), inputs.facts)
-    findings = {"step_time": step_time_summary(table)}
+    finding = step_time_summary(table)
     # The slowest step over the whole run (not only the profiled ones), and only when it stands out.
     if slow := slowest_step(table):
-        findings["slowest_step"] = slow
+        finding["slowest_step"] = slow
     if windows := profiled_windows(table, profiler_steps):
-        findings["profiled_steps"] = windows
+        finding["profiled_steps"] = windows
     if overflow := overflow_finding(table, inputs.table("scalars")):
-        findings["fp16_overflow"] = overflow
-    return Output(tables={"step_time": table}, findings=findings)
+        finding["fp16_overflow"] = overflow
+    return Output(tables={"step_time": table}, finding=finding)
 
 
 STEP_TIME = schema.table_spec(
@@ -492,4 +492,5 @@ STEP_TIME = schema.table_spec(
 
 
 ANALYSIS = Analysis("step_time", "Step time over the run", ("train_steps", "step_timers", "scalars", "steps", "flops_profile"),
-                    {"step_time": STEP_TIME}, _step_time)
+                    {"step_time": STEP_TIME}, _step_time,
+                    former_keys={key: key for key in ("slowest_step", "profiled_steps", "fp16_overflow")})

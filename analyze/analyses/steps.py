@@ -293,7 +293,7 @@ def _steps(inputs: Inputs) -> Output:
     refused = refused_alignment(offsets)
     stats = step_stats(times, judge_stragglers=not refused)
     return Output(tables={"clock_offsets": offsets, "step_times": times, "step_stats": stats},
-                  findings={**straggler_finding(stats), **refused})
+                  finding={**straggler_finding(stats), **refused} or None)
 
 
 CLOCK_OFFSETS = schema.table_spec(
@@ -340,4 +340,5 @@ STEP_STATS = schema.table_spec(
 
 
 ANALYSIS = Analysis("steps", "Steps and stragglers", ("_collective_calls", "_gpu_spans", "steps"),
-                    {"clock_offsets": CLOCK_OFFSETS, "step_times": STEP_TIMES, "step_stats": STEP_STATS}, _steps)
+                    {"clock_offsets": CLOCK_OFFSETS, "step_times": STEP_TIMES, "step_stats": STEP_STATS}, _steps,
+                    former_keys={"stragglers": "stragglers", "clock_alignment": "clock_alignment"})
