@@ -47,7 +47,7 @@ from steplens.analyze.cli_commands import compare_command, export_trace_command,
 from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
                                          EXIT_REGRESSION, EXIT_STATUS_HELP, EXIT_UNWRITABLE, Terminated, analyse_and_report,
                                          fail, import_figures, ranges, summary_lines)
-from steplens.reports.text import safe_text
+from steplens.analyze.contract.text import safe_text
 from steplens.reports.verdict import finding_lines, first_screen
 
 ANALYZE_HELP = f"""Turn what a training job left in RUN_DIR into queryable Parquet tables, analyses and a report.

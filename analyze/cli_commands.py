@@ -16,7 +16,7 @@ from steplens.analyze.cli_rerun import say, warn
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline.ingest import IngestError, publish, staged
-from steplens.reports.text import safe_text
+from steplens.analyze.contract.text import safe_text
 
 def _sql_help() -> str:
     from steplens.analyze.query.sql import EXAMPLES

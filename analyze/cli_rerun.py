@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from steplens.analyze.contract import reuse
-from steplens.reports.text import safe_text
+from steplens.analyze.contract.text import safe_text
 
 DEFAULT_OUT_DIR = ".steplens"  # schema.DEFAULT_OUT_DIR (test_rerun checks they agree)
 # What a recording this code wrote can hold; anything else (an edited run.json) goes to the full command.

@@ -140,7 +140,7 @@ def key_numbers(run: Run) -> list[tuple[str, str]]:
         numbers.append((f"step time ({STEP_SOURCE_WORDS.get(step.get('source'), step.get('source'))})",
                         f"median {ms(step['median_ns'])}, p90 {ms(step.get('p90_ns'))}" if step.get("steps", 0) > 1
                         else ms(step["median_ns"])))
-    elif slow := f.get("slowest_step"):
+    elif slow := step.get("slowest_step"):
         numbers.append(("profiled step time", f"median {ms(slow.get('median_step_ns'))}"))
     idle = f.get("gpu_idle") or {}
     if idle.get("idle_share") is not None:
@@ -189,7 +189,7 @@ def _steps_section(run: Run) -> dict:
                        empty="No step times: no collector steps, no step lines in the logs and no ProfilerStep annotations.")
     section = Section("Step time over the run", "steps")
     # Where the analyzer placed the profiled windows in the run's own step numbering.
-    profiled = [w["step"] for w in (run.findings.get("profiled_steps") or {}).get("steps", [])]
+    profiled = [w["step"] for w in ((run.findings.get("step_time") or {}).get("profiled_steps") or {}).get("steps", [])]
     if not series.is_empty():
         source = series["source"][0]
         definition = series["definition"][0] if "definition" in series.columns else None
@@ -283,7 +283,8 @@ def _sentence(note: str) -> str:
 def _collectives_section(run: Run) -> dict:
     summary, sites, logged = run.table("collective_summary"), run.table("collective_call_sites"), run.table("comms_log_stats")
     if summary.is_empty() and logged.is_empty():
-        return Section("Collectives", "collectives", empty=_sentence(run.findings.get("comms_note") or "No collectives recorded."))
+        note = (run.findings.get("collectives") or {}).get("comms_note")
+        return Section("Collectives", "collectives", empty=_sentence(note or "No collectives recorded."))
     section = Section("Collectives", "collectives")
     if not summary.is_empty():
         if summary["busbw_median_gbps"].is_not_null().any():
@@ -425,7 +426,7 @@ def _registered_sections(run: Run) -> list[dict]:
         if analysis.name not in run.findings:
             continue
         section = Section(analysis.title, analysis.name.replace("_", "-"))
-        for line in analysis.phrase(run.findings[analysis.name]):
+        for line in analysis.phrase(run.findings[analysis.name], run.findings):
             section.text(line)
         for table, (arrow_schema, _docs) in analysis.writes.items():
             frame = run.table(table)

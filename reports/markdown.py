@@ -12,7 +12,7 @@ from pathlib import Path
 
 import polars as pl
 
-from steplens.reports.text import safe_text
+from steplens.analyze.contract.text import safe_text
 
 from . import roofline
 from .data import ALARM_HEADER, alarm_rows, kernel_labels, load, ms, size, text_value, write_atomic

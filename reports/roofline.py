@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import math
 
-from steplens.reports.text import shapes_text
-
-from .verdict import module_line, op_line
+from steplens.analyze.analyses.roofline import module_line, op_line
+from steplens.analyze.contract.text import shapes_text
 
 
 OP_COLUMNS = {"name": "op", "shapes": "shapes", "dtype": "dtype", "calls": "calls", "device_ns": "device time",

@@ -129,13 +129,13 @@ def test_alarms_reach_the_pushgateway(alarm_run, pushgateway):
 
 
 def test_the_verdict_shows_in_job_alarms_next_to_the_replay_and_where_they_agree(alarm_run, tmp_path):
-    from steplens.reports import verdict
+    from steplens.analyze.analyses import alarm_agreement, monitor
 
     result = ingest.ingest(alarm_run, tmp_path / "out", jobs=1)
     findings = runner.run(result.out_dir, runner.Options())
     in_job = pl.read_parquet(result.out_dir / "alarms")
     agreement = pl.read_parquet(result.out_dir / "alarm_agreement")
-    lines = verdict.alarm_lines(findings)
+    lines = alarm_agreement.alarm_lines(findings["alarm_agreement"])
     both = agreement.filter(pl.col("in_job") & pl.col("post_hoc")).height
     assert lines[0].startswith(f"In-job alarms: {in_job.height} raised while the job ran; the same rules replayed on the "
                                f"recorded rows raise {agreement['post_hoc'].sum()}; {both} agree")
@@ -144,8 +144,9 @@ def test_the_verdict_shows_in_job_alarms_next_to_the_replay_and_where_they_agree
     assert first_nan == NAN_AT
     assert f"Alarm nonfinite (critical) on train/loss at step {NAN_AT}, in the job and in the replay: train/loss is nan" \
         in "\n".join(lines[1:3])
-    # The post-hoc analysis over every scalar series flags the same NaN (monitor_alarms, telemetry_lines).
+    # The post-hoc analysis over every scalar series flags the same NaN (monitor_alarms, its sentence).
     monitor = pl.read_parquet(result.out_dir / "monitor_alarms")
     nan_rows = monitor.filter((pl.col("alarm") == "nan_inf") & (pl.col("name") == "train/loss"))
     assert nan_rows["step"].to_list() == [NAN_AT]
-    assert any(line.startswith("monitor alarms: ") and "nan_inf x" in line for line in verdict.telemetry_lines(findings))
+    assert any(line.startswith("Monitor alarms: ") and "nan_inf x" in line
+               for line in monitor.alarms_lines(findings["monitor_alarms"], findings))

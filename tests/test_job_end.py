@@ -75,6 +75,6 @@ def test_nccl_watchdog_timeout_is_named_as_the_cause():
                            "exit_code": [1], "error": [error], "detail": ["a rank exited with return code 1"]})
     end = job_end.job_end(status, pl.DataFrame(), pl.DataFrame(), pl.DataFrame(), {}, None)
     assert (end["status"], end["cause"], end["first_stalled_rank"]) == ("failed", "nccl_watchdog_timeout", None)
-    assert verdict.job_end_lines({"job_end": end}, with_status=True) == [
+    assert job_end.job_end_lines(end, with_status=True) == [
         f"The job failed: {error}",  # one full stop, the error's own
         "It ended on an NCCL watchdog timeout: a collective waited past its timeout for a rank that never joined it."]

@@ -11,7 +11,6 @@ import polars as pl
 from conftest import REALRUN_KILLED
 from test_job_end import analyse
 from steplens.analyze.analyses import job_end
-from steplens.reports import verdict
 
 STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
 
@@ -46,7 +45,7 @@ def test_each_ranks_last_log_line_is_in_the_job_end_finding(ds_killed_run, tmp_p
     # The killed rank's log ends before the surviving rank's: its last stamped line is the earlier one.
     killed = REALRUN_KILLED["rank"]
     assert got[killed]["not_before_ns"] <= got[1 - killed]["not_before_ns"]
-    words = verdict.last_log_line_lines(findings)
+    words = job_end.last_log_line_lines(findings["job_end"])
     assert len(words) == 2 and all(w.startswith("Rank ") and "'s last log line (rank_logs/" in w for w in words)
     assert any(f"rank_logs/{got[killed]['source'].split('/')[-1]}:{got[killed]['line']}, " in w
                and w.endswith(got[killed]["text"]) for w in words)

@@ -396,7 +396,7 @@ def test_terminal_names_the_busiest_op_and_the_module_furthest_below_peak(tmp_pa
 
 def test_the_busiest_op_says_its_calls_and_time_are_summed_over_ranks():
     """real-8r's top op: one 7.334 ms copy on each of 8 ranks read as 'x8: 58.672 ms' (eight calls on one rank)."""
-    from steplens.reports.verdict import op_line
+    from steplens.analyze.analyses.roofline import op_line
     op = {"name": "aten::_to_copy", "shapes": "[[13899792], []]", "calls": 8, "ranks": 8, "device_ns": 8 * 7_334_000}
     assert op_line(op, "no roofline") == "aten::_to_copy (13899792) x8 over 8 ranks: 58.672 ms, no roofline"
     assert op_line({**op, "ranks": 1}, "no roofline") == "aten::_to_copy (13899792) x8: 58.672 ms, no roofline"

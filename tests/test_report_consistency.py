@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from steplens.reports.verdict import roofline_lines
+from steplens.analyze.analyses.roofline import roofline_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -252,10 +252,10 @@ def test_the_h200_first_screen_names_the_profilers_cost_and_the_mfu_of_its_table
 def test_the_busiest_op_names_tensor_inputs_only_and_is_skipped_below_one_percent():
     op = {"name": "aten::addmm", "shapes": "[[16], [4, 8], [8, 16], [], []]", "calls": 3, "ranks": 1,
           "device_ns": 2_000_000, "bound": "compute", "fraction_of_peak": 0.5}
-    line = roofline_lines({"roofline": {"top_ops": [{**op, "step_share": 0.02}]}})[0]
+    line = roofline_lines({"top_ops": [{**op, "step_share": 0.02}]})[0]
     assert line == ("Busiest modeled op: aten::addmm (16, 4x8, 8x16) x3: 2.000 ms, compute-bound, 50.0% of peak; "
                     "2.0% of the profiled steps' device time.")
-    assert roofline_lines({"roofline": {"top_ops": [{**op, "step_share": 0.009}]}}) == []
+    assert roofline_lines({"top_ops": [{**op, "step_share": 0.009}]}) == []
 
 
 @pytest.mark.parametrize("name", list(RUNS))

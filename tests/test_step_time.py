@@ -250,7 +250,7 @@ def test_skipped_and_incomplete_steps_hand_computed():
     assert (overflow["skipped_steps"], overflow["steps"], overflow["steps_skipped"]) == (1, 5, [2])
     assert overflow["frequent"] is False  # one skip: the loss scale settling, not a finding
     assert (overflow["loss_scale_first"], overflow["loss_scale_min"], overflow["loss_scale_last"]) == (2.0**16, 2.0**15, 2.0**15)
-    lines = verdict.step_lines({"fp16_overflow": {**overflow, "skipped_steps": 2, "share": 0.4, "frequent": True}})
+    lines = step_time.step_lines({"fp16_overflow": {**overflow, "skipped_steps": 2, "share": 0.4, "frequent": True}})
     assert lines == ["fp16 overflow: the optimizer skipped 2 of 5 steps (40%); loss scale 65,536 at the start, 32,768 at "
                      "its lowest, 32,768 at the end. Skipped steps do no training: check the loss for inf/NaN and the "
                      "initial loss scale (fp16.initial_scale_power), or use bf16."]

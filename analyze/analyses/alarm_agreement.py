@@ -96,6 +96,37 @@ def agreement_summary(table: pl.DataFrame) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+ALARM_ONLY_WORDS = {"only_in_job": "only in the job (rows that never reached the disk, a hang the watchdog saw, or a "
+                                   "job whose steplens judged a rule another way)",
+                    "on_instrumented_steps": "in the job on a step the run instrumented (profiler, FLOPs profile or "
+                                             "checkpoint), which the replay does not judge",
+                    "only_post_hoc": "only in the replay (a straggler step the job judged before the other ranks' "
+                                     "parts were on disk, or alarms from after the job stopped delivering)"}
+
+
+def alarm_lines(summary: dict, limit: int = 3) -> list[str]:
+    """In-job alarms (the collector's alarms table) next to the same rules replayed on the recorded rows, and
+    where they agree; then the first alarms by severity and step. Post-hoc alarms over every scalar series
+    (monitor_alarms) are the monitor_alarms analysis's."""
+    if not (summary.get("in_job") or summary.get("post_hoc")):
+        return []
+    line = (f"In-job alarms: {summary['in_job']} raised while the job ran; the same rules replayed on the recorded "
+            f"rows raise {summary['post_hoc']}; {summary['agree']} agree (same rule, series and step)")
+    differ = [f"{summary[key]} {words}" for key, words in ALARM_ONLY_WORDS.items() if summary.get(key)]
+    lines = [line + ("; " + "; ".join(differ) if differ else "") + "."]
+    for alarm in summary.get("listed", [])[:limit]:
+        seen = ("in the job and in the replay" if alarm["in_job"] and alarm["post_hoc"]
+                else "in the job only, on an instrumented step" if alarm.get("instrumented")
+                else "in the job only" if alarm["in_job"] else "in the replay only")
+        lines.append(f"Alarm {alarm['rule']} ({alarm['severity']}) on {alarm['name']} at step {alarm['step']}, {seen}: "
+                     f"{alarm['detail'].rstrip('.')}.")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -124,4 +155,4 @@ ALARM_AGREEMENT = schema.table_spec(
 
 
 ANALYSIS = Analysis("alarm_agreement", "In-job alarms", ("alarms", "scalars", "train_steps", "comms_calls", "step_time"),
-                    {"alarm_agreement": ALARM_AGREEMENT}, _alarm_agreement, former_keys={"alarms": None})
+                    {"alarm_agreement": ALARM_AGREEMENT}, _alarm_agreement, former_keys={"alarms": None}, phrase=lambda summary, findings: alarm_lines(summary))

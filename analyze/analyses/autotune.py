@@ -229,6 +229,20 @@ def verdict_finding(verdicts: pl.DataFrame) -> list[dict] | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+def autotune_lines(spaces: list[dict], findings: dict) -> list[str]:
+    lines = []
+    for space in spaces:
+        if space["pick_mismatch"]:
+            lines.append(f"Autotuning {space['tuning_space']}: DeepSpeed's pick disagrees with the experiments' own "
+                         f"metrics: {space['pick_detail']}")
+        lines.append(f"Autotuning {space['tuning_space']}: {space['detail']}")
+    return [line if line.endswith(".") else line + "." for line in lines]
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -295,4 +309,4 @@ AUTOTUNE_VERDICT = schema.table_spec(
 
 
 ANALYSIS = Analysis("autotune", "Autotuning", ("autotune_experiments",), {"autotune_ranking": AUTOTUNE_RANKING, "autotune_verdict": AUTOTUNE_VERDICT},
-                    _autotune)
+                    _autotune, phrase=autotune_lines)

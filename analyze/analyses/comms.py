@@ -17,6 +17,8 @@ from steplens.analyze.analyses.kernels import families
 from steplens.analyze.analyses.launch import enclosing_op
 from steplens.analyze.analyses.summaries import collective_summary
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.analyses import profiler_effect
+from steplens.analyze.contract.units import binary_bytes, duration
 from steplens.analyze.contract import schema
 
 # c10 ScalarType names (record_param_comms `dtype`) -> bytes per element.
@@ -203,6 +205,24 @@ def exposed_comm_finding(calls: pl.DataFrame, cpu_comm_ops: int, backend: str | 
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+def collective_lines(finding: dict, findings: dict) -> list[str]:
+    if (findings.get("gpu_idle") or {}).get("runtime_calls_without_device_work"):
+        return []  # no device work recorded: no collective kernels to find either (the GPU idle line says so)
+    if top := finding.get("most_exposed_collective"):
+        bandwidth = f" at a median busbw of {top['busbw_gbps']:.1f} GB/s" if top.get("busbw_gbps") is not None else ""
+        message = f" of {binary_bytes(top['bytes'])}" if top.get("bytes") is not None else " (message size not in the traces)"
+        on_rank = f" on rank {top['rank']}" if top.get("rank") is not None else ""
+        ranks = f" on {top['ranks']} ranks" if (top.get("ranks") or 1) > 1 else ""
+        return [f"Most exposed communication: {top['op']}{message}, {duration(top['exposed_ns'])} not hidden behind compute"
+                f"{on_rank} (its most exposed rank), {top['calls']} calls{ranks}{bandwidth}"
+                f"{profiler_effect.window_note(findings.get('profiler_after_effect'))}."]
+    return [f"Collectives: {finding['comms_note']}."] if finding.get("comms_note") else []
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -265,4 +285,4 @@ COLLECTIVE_INSTANCES = schema.table_spec(
 
 ANALYSIS = Analysis("collectives", "Collectives", ("_collective_calls", "_cpu_comm_ops", "clock_offsets"),
                     {"collectives": COLLECTIVES, "collective_instances": COLLECTIVE_INSTANCES}, _collectives,
-                    former_keys={key: key for key in FINDING_KEYS})
+                    former_keys={key: key for key in FINDING_KEYS}, phrase=collective_lines)

@@ -14,6 +14,7 @@ import polars as pl
 import pyarrow as pa
 
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract.units import duration
 from steplens.analyze.contract import schema
 
 # A call within a group of one rank moves nothing: its latency is the synchronizing timer waiting for the device work
@@ -70,6 +71,25 @@ def costliest_finding(stats: pl.DataFrame) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+def logged_lines(logged: dict, findings: dict) -> list[str]:
+    """The logged collective and size that cost most (the comms logger's synchronizing timers: a per-op cost,
+    not throughput)."""
+    busbw = logged["median_busbw_gbps"]
+    if logged.get("no_op"):
+        return [f"Logged comms: every call was within a group of one rank ({logged['op']} of "
+                f"{logged['nccl_bytes']:,} B: {duration(logged['total_latency_ns'])} over {logged['calls']} calls): "
+                "nothing crossed a link, no bus bandwidth; the synchronizing timers measured the wait for queued "
+                "device work."]
+    return [f"Logged comms: {logged['op']} of {logged['nccl_bytes']:,} B costs most, "
+            f"{duration(logged['total_latency_ns'])} over {logged['calls']} calls (median "
+            f"{duration(logged['median_latency_ns'])}" + (f", busbw {busbw:.2f} GB/s" if busbw is not None else "")
+            + f"; latencies {logged['latency_origin']}; synchronizing timers: per-op cost, not throughput)."]
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -98,4 +118,4 @@ COMMS_LOG_STATS = schema.table_spec(
 
 
 ANALYSIS = Analysis("comms_log", "Logged communication", ("comms_calls",), {"comms_log_stats": COMMS_LOG_STATS}, _comms_log,
-                    former_keys={"logged_comms": None})
+                    former_keys={"logged_comms": None}, phrase=logged_lines)

@@ -8,6 +8,16 @@ from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+def input_problem_lines(errors: int) -> list[str]:
+    if errors:
+        return [f"{errors} input problem(s) lost data (see Ingest issues); numbers cover what was readable."]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -17,4 +27,4 @@ def _input_problems(inputs: Inputs) -> Output:
     return Output(finding=errors or None)  # input problems that lost data
 
 
-ANALYSIS = Analysis("ingest_errors", "Input problems", ("ingest_issues",), {}, _input_problems)
+ANALYSIS = Analysis("ingest_errors", "Input problems", ("ingest_issues",), {}, _input_problems, phrase=lambda errors, findings: input_problem_lines(errors))

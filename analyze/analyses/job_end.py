@@ -25,6 +25,7 @@ import re
 import polars as pl
 
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from datetime import datetime, timezone
 
 WATCHDOG = re.compile(r"watchdog caught collective operation timeout|collective operation timeout|"
                       r"ProcessGroupNCCL.{0,80}time(d)? ?out|NCCL.{0,40}timeout", re.IGNORECASE)
@@ -127,6 +128,53 @@ def job_end(run_status: pl.DataFrame, train_steps: pl.DataFrame, step_timers: pl
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+CAUSE_WORDS = {"nccl_watchdog_timeout": "an NCCL watchdog timeout: a collective waited past its timeout for a rank that "
+                                         "never joined it",
+               "peer_lost": "a lost peer: the other ranks' collectives failed when a rank died or stopped answering"}
+
+
+def job_end_lines(end: dict, with_status: bool = False) -> list[str]:
+    """How the job ended (with_status: also its status, for the terminal, which has no run_status table)
+    and the rank that stopped making progress first."""
+    lines = []
+    if with_status and end.get("status"):
+        what = {"failed": "failed", "killed": "was killed", "incomplete": "did not finish"}[end["status"]]
+        lines.append(f"The job {what}" + (f": {end['errors'][0].rstrip('.')}" if end.get("errors") else "") + ".")
+    if end.get("cause"):
+        lines.append(f"It ended on {CAUSE_WORDS[end['cause']]}.")
+    if end.get("first_stalled_rank") is not None:
+        lines.append(f"Rank {end['first_stalled_rank']} stopped making progress first: {end['basis']}.")
+    return lines
+
+
+def _log_clock(ns: int) -> str:
+    """A log line's time as the log printed it (importers read the zone-less stamps as UTC)."""
+    return datetime.fromtimestamp(ns / 1e9, timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def last_log_line_lines(end: dict, limit: int = 4) -> list[str]:
+    """For a job that did not end cleanly: each rank's last log line (where, when, what), earliest first, so a
+    reader sees which rank fell silent first (job_end.last_log_lines)."""
+    lines = []
+    for row in (end.get("last_log_lines") or [])[:limit]:
+        if row.get("wall_ns") is not None:
+            when = f"at {_log_clock(row['wall_ns'])}"
+        elif row.get("not_before_ns") is not None:
+            when = f"no time of its own, after {_log_clock(row['not_before_ns'])}"
+        else:
+            when = "no time"
+        lines.append(f"Rank {row['rank']}'s last log line ({row['source']}:{row['line']}, {when}): {row['text']}")
+    return lines
+
+
+def job_end_phrase(end: dict, findings: dict) -> list[str]:
+    return job_end_lines(end, with_status=True) + last_log_line_lines(end)
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -137,4 +185,4 @@ def _job_end(inputs: Inputs) -> Output:
 
 
 ANALYSIS = Analysis("job_end", "How the job ended", ("run_status", "train_steps", "step_timers", "scalars", "step_time"), {},
-                    _job_end)
+                    _job_end, phrase=job_end_phrase)

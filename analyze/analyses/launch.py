@@ -38,6 +38,7 @@ import pyarrow as pa
 from steplens.analyze.contract.schema import ALL_STREAMS, WORK_KINDS
 from steplens.analyze.trace import intervals
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.analyses import profiler_effect
 from steplens.analyze.contract import schema
 
 SYNC_API = r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^(cuda|hip)Memcpy(To|From)Symbol$|^cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?$"
@@ -249,6 +250,26 @@ def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+IDLE_CAUSE_WORDS = {"host_bound": "host-bound: the GPU waited for the CPU to launch work",
+                    "sync": "synchronization: the CPU waited on the GPU", "other": "cross-stream waits or unrecorded launches"}
+
+
+def gpu_idle_lines(idle: dict, findings: dict) -> list[str]:
+    if idle.get("no_traces"):
+        return [f"{idle['no_traces'][0].upper()}{idle['no_traces'][1:]}."]
+    if idle.get("runtime_calls_without_device_work"):
+        return [f"GPU idle: not measured: {idle['note']}."]
+    if idle.get("idle_share") is None:
+        return []
+    cause = f"; main cause {IDLE_CAUSE_WORDS[idle['main_cause']]}" if idle.get("main_cause") in IDLE_CAUSE_WORDS else ""
+    return [f"GPU idle: {idle['idle_share']:.1%} of the profiled time (first to last device activity of each window, no "
+            f"stream busy){cause}{profiler_effect.window_note(findings.get('profiler_after_effect'))}."]
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 NO_TRACES = "no profiler traces: step, GPU and collective analyses need them"
@@ -295,4 +316,4 @@ SYNC_POINTS = schema.table_spec(
 
 
 ANALYSIS = Analysis("gpu_idle", "GPU idle", ("_gpu_idle", "_sync_points"), {"gpu_idle": GPU_IDLE, "sync_points": SYNC_POINTS},
-                    _idle, former_keys={"traces": "no_traces"})
+                    _idle, former_keys={"traces": "no_traces"}, phrase=gpu_idle_lines)

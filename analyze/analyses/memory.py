@@ -278,6 +278,6 @@ ANALYSIS = Analysis(
     reads=("trace_events", "train_steps", "memory_usage", "run_status", "step_timers", "scalars"),
     writes={"memory_by_step": MEMORY_BY_STEP},
     compute=memory,
-    phrase=memory_lines,
+    phrase=lambda finding, findings: memory_lines(finding),
     headline=memory_headline,
 )

@@ -240,6 +240,35 @@ def numerators_disagree(rows: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+NUMERATOR_WORDS = {"palm": "the analytic count", "megatron_args": "Megatron's count", "trace_shapes": "the traces' op shapes",
+                   "collector_flops_profile": "the collector's FLOPs profile", "profiler_flops": "torch.profiler with_flops"}
+
+
+def mfu_lines(utilization: list | dict, findings: dict) -> list[str]:
+    """One headline figure with its numerator named, the other numerators beside it; where they disagree."""
+    if isinstance(utilization, dict) and utilization.get("note"):
+        return [f"MFU: not computed: {utilization['note']}."]
+    if not isinstance(utilization, list) or not utilization:
+        return []
+    head, *others = utilization
+    beside = "; ".join(f"{r['metric']} {r['utilization']:.1%} from {NUMERATOR_WORDS.get(r['numerator'], r['numerator'])}"
+                       for r in others)
+    lines = [f"{head['metric']}: {head['utilization']:.1%} (median over steps) from "
+             f"{NUMERATOR_WORDS.get(head['numerator'], head['numerator'])}{f'; beside it {beside}' if beside else ''}. "
+             f"Numerator: {head['definition']}. Peak: {head['peak']}."]
+    for pair in findings.get("mfu_numerators_disagree") or []:
+        a, b = (NUMERATOR_WORDS.get(n, n) for n in pair["numerators"])
+        lines.append(f"MFU numerators disagree: {b} gives {pair['ratio']:.2f}x the FLOPs per step of {a} "
+                     "(executed FLOPs count recomputation; an analytic count misses what the model does beyond its formula).")
+    if findings.get("mfu_refused"):
+        lines.append(f"MFU: one numerator left out: {findings['mfu_refused']}.")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -289,4 +318,4 @@ MFU = schema.table_spec(
 
 
 ANALYSIS = Analysis("mfu", "FLOPs and MFU", ("step_times", "_step_flops", "_trace_step_flops", "step_time", "flops_profile"),
-                    {"mfu": MFU}, _mfu)
+                    {"mfu": MFU}, _mfu, phrase=mfu_lines)

@@ -201,6 +201,14 @@ def alarms_finding(alarms: pl.DataFrame) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+def alarms_lines(alarms: dict, findings: dict) -> list[str]:
+    return ["Monitor alarms: " + ", ".join(f"{kind} x{n}" for kind, n in alarms.items()) + " (table monitor_alarms)."]
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -245,4 +253,4 @@ RUN_COMPARABILITY = schema.table_spec(
 
 
 ANALYSIS = Analysis("monitor_alarms", "Monitor alarms", ("scalars", "step_time"), {"monitor_alarms": MONITOR_ALARMS, "run_comparability": RUN_COMPARABILITY},
-                    _monitor)
+                    _monitor, phrase=alarms_lines)

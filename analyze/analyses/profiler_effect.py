@@ -17,6 +17,7 @@ from __future__ import annotations
 import polars as pl
 
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract.units import duration
 
 P_VALUE = 0.01
 MIN_CHANGE = 0.02  # a median shift under 2% is not a finding however steady the steps (the collector's own target)
@@ -78,18 +79,14 @@ def window_note(finding: dict | None) -> str:
     return f"; measured in profiled steps that ran {spread} the run's median step (the profiler's own cost)"
 
 
-def _ms(ns: int) -> str:
-    return f"{ns / 1e6:.3g} ms" if ns < 1e9 else f"{ns / 1e9:.3g} s"
-
-
 def after_effect_lines(finding: dict) -> list[str]:
     first, last = finding["first_window_step"], finding["last_window_step"]
     where = f"window, step {first}" if first == last else f"windows, steps {first}-{last}"
     if finding["ratio"] is None or finding["beyond_noise"] is None:
         return [f"Profiler after-effect: not judged: {finding['steps_before']} kept step(s) before the profiler "
                 f"{where}, and {finding['steps_after']} after them; {MIN_STEPS} on each side are needed."]
-    figures = (f"median {_ms(finding['after_median_ns'])} over {finding['steps_after']} steps after the profiler "
-               f"{where}, against {_ms(finding['before_median_ns'])} over {finding['steps_before']} before")
+    figures = (f"median {duration(finding['after_median_ns'])} over {finding['steps_after']} steps after the profiler "
+               f"{where}, against {duration(finding['before_median_ns'])} over {finding['steps_before']} before")
     if not finding["beyond_noise"]:
         return [f"Profiler after-effect: none beyond the step-to-step noise ({finding['ratio']:.2f}x: {figures})."]
     if finding["ratio"] < 1:
@@ -118,6 +115,6 @@ ANALYSIS = Analysis(
     reads=("step_time",),
     writes={},
     compute=lambda inputs: Output(finding=after_effect(inputs.table("step_time"), inputs.facts)),
-    phrase=after_effect_lines,
+    phrase=lambda finding, findings: after_effect_lines(finding),
     headline=after_effect_headline,
 )

@@ -9,7 +9,7 @@ An analysis is a pure function from tables to tables plus a finding:
         reads=("trace_events", "train_steps"),
         writes={"memory_by_step": MEMORY_BY_STEP},   # typed, documented: schema.table_spec(...)
         compute=memory,                      # Inputs -> Output
-        phrase=memory_lines,                 # its finding -> sentences (terminal, summary.md, report.html)
+        phrase=memory_lines,                 # (its finding, all findings) -> sentences (terminal, summary.md, report.html)
     )
 
 The runner orders analyses by the tables they read and write, gives each an `Inputs` (ingested tables
@@ -89,7 +89,8 @@ class Analysis:
     reads: tuple[str, ...]
     writes: dict[str, tuple[pa.Schema, dict[str, str]]]
     compute: Callable[[Inputs], Output]
-    phrase: Callable[[dict], list[str]] = lambda finding: []
+    # Its finding (and the run's findings, for what qualifies it) -> sentences: terminal, summary.md, report.html.
+    phrase: Callable[[Any, dict], list[str]] = lambda finding, findings: []
     # What the first screen says of the finding when it is a problem, in one short line (None: nothing wrong).
     headline: Callable[[dict], str | None] = lambda finding: None
     # Per-rank analyses run before any run-level one, over one batch of ranks at a time (runner.batches),

@@ -7,6 +7,7 @@ import polars as pl
 
 from steplens.analyze.analyses import module_perf, op_perf
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract.text import tensor_shapes_text
 
 TOP_MODULES = 10
 MODULE_FRACTION_DEFINITION = ("achieved TFLOP/s of the module's forward (FLOPs of its modeled ops, or the collector's "
@@ -86,6 +87,39 @@ def _family_shares(family_time: pl.DataFrame | None) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+MIN_OP_SHARE = 0.01  # a busiest op below 1% of the steps' device time says nothing worth a reviewer's line
+
+
+def op_line(op: dict, note: str | None = None) -> str:
+    """One op of the roofline: name, tensor shapes, calls, device time, where it sits against the roof."""
+    where = (f"{op['bound']}-bound, {op['fraction_of_peak']:.1%} of peak" if op.get("fraction_of_peak") is not None
+             else note or "no roofline")
+    over = f" over {op['ranks']} ranks" if (op.get("ranks") or 1) > 1 else ""  # calls and time are summed over them
+    return f"{op['name']} ({tensor_shapes_text(op['shapes'])}) x{op['calls']}{over}: {op['device_ns'] / 1e6:.3f} ms, {where}"
+
+
+def module_line(module: dict) -> str:
+    return (f"{module['module']}, {module['fraction_of_peak']:.1%} of peak over {module['device_ns'] / 1e6:.3f} ms of "
+            "forward device time")
+
+
+def roofline_lines(finding: dict) -> list[str]:
+    """The busiest modeled op and the module furthest below peak."""
+    lines = []
+    top = (finding.get("top_ops") or [None])[0]
+    if top and (top.get("step_share") is None or top["step_share"] >= MIN_OP_SHARE):
+        share = (f"; {top['step_share']:.1%} of the profiled steps' device time" if top.get("step_share") is not None
+                 else "")
+        lines.append(f"Busiest modeled op: {op_line(top, finding.get('note'))}{share}.")
+    if rated := [m for m in finding.get("modules_below_peak") or [] if m.get("fraction_of_peak") is not None]:
+        lines.append(f"Module furthest below peak: {module_line(rated[0])}.")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -98,4 +132,4 @@ def _roofline(inputs: Inputs) -> Output:
 
 
 ANALYSIS = Analysis("roofline", "Roofline", ("_op_totals", "_family_time", "module_perf", "module_mfu", "step_breakdown"), {},
-                    _roofline)
+                    _roofline, phrase=lambda finding, findings: roofline_lines(finding))

@@ -97,8 +97,10 @@ def _bandwidth(findings: dict, device_key: str | None) -> list[dict]:
     bound, source = (DEVICES[device_key].link_gbps, DEVICES[device_key].link_source) if device_key in DEVICES else (
         FASTEST_LINK[0], f"no link known for the device; the fastest in the table ({FASTEST_LINK[1]})")
     entries = []
-    for key, field in (("most_exposed_collective", "busbw_gbps"), ("logged_comms", "median_busbw_gbps")):
-        finding = findings.get(key)
+    # (the finding holding a bandwidth, its name in the detail, the field)
+    for finding, key, field in (((findings.get("collectives") or {}).get("most_exposed_collective"),
+                                 "most_exposed_collective", "busbw_gbps"),
+                                (findings.get("comms_log"), "logged_comms", "median_busbw_gbps")):
         value = finding.get(field) if isinstance(finding, dict) else None
         if value is not None and value > bound:
             finding[field] = None  # never printed as a result
@@ -116,6 +118,15 @@ def inputs_disagree(findings: dict, step_time: pl.DataFrame, mfu: pl.DataFrame, 
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+def disagreement_lines(disagree: list[dict]) -> list[str]:
+    """Figures that cannot be true (analyze/analyses/sanity.py), with what to check instead of the figure."""
+    return [f"Inputs disagree: {d['detail']}; check {d['what_to_check']}." for d in disagree]
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -127,4 +138,4 @@ def _sanity(inputs: Inputs) -> Output:
     return Output(finding=disagree or None)
 
 
-ANALYSIS = Analysis("inputs_disagree", "Inputs that disagree", ("step_time", "mfu", "collectives", "comms_log_stats"), {}, _sanity)
+ANALYSIS = Analysis("inputs_disagree", "Inputs that disagree", ("step_time", "mfu", "collectives", "comms_log_stats"), {}, _sanity, phrase=lambda disagree, findings: disagreement_lines(disagree))

@@ -65,6 +65,7 @@ import pyarrow as pa
 from steplens.analyze.contract import alarm_rules, schema
 from steplens.analyze.contract.manifest import MAX_STEP
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract.units import duration
 
 MAD_Z_SCALE = 0.6745  # modified z-score (Iglewicz & Hoaglin 1993): 0.6745 (x - median) / MAD
 OUTLIER_Z = 3.5  # their recommended cut
@@ -452,6 +453,94 @@ def overflow_finding(table: pl.DataFrame, scalars: pl.DataFrame | None = None) -
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+EXCLUSION_WORDS = {"warm_up": "warm-up", "flops_profiler": "FLOPs profiler", "profiler_warmup": "profiler warm-up",
+                   "profiler_window": "profiler window", "profiler_export": "trace export",
+                   "checkpoint_save": "checkpoint save", "overflow_skipped": "skipped on fp16 overflow",
+                   "incomplete": "incomplete", "negative_duration": "ends before it starts",
+                   "longer_than_run": "longer than the run", "no_time": "no time measured"}
+
+
+SOURCE_WORDS = {"train_steps": "the collector's train_steps", "log": "the logs", "profiler_steps": "the profiled steps"}
+
+
+def _step_ranges(steps: list[int], count: int) -> str:
+    """[8, 9, 10, 12] -> "8-10, 12" (and how many more when the list was cut)."""
+    parts, start = [], None
+    for i, step in enumerate(steps):
+        start = step if start is None else start
+        if i + 1 == len(steps) or steps[i + 1] != step + 1:
+            parts.append(str(step) if start == step else f"{start}-{step}")
+            start = None
+    more = f" and {count - len(steps)} more" if count > len(steps) else ""
+    return ", ".join(parts) + more
+
+
+def step_name(step: int, summary: dict, aside: str = ", {}") -> str:
+    """'step 2109', and for a step from the logs the number they print for it (in `aside`): steps are 0-based,
+    and a log prints each one when it is done ("iteration 2110", "global_step=2110")."""
+    label = summary.get("log_step_label")
+    if label is None or step is None:
+        return f"step {step}"
+    return f"step {step}" + aside.format(f"the log's {label}{'' if label.endswith('=') else ' '}{step + 1}")
+
+
+def _times(excluded: dict) -> str:
+    """' (659 ms)': what the left-out steps took, when the kept ones are too few to say what a step takes."""
+    times = [t for t in excluded.get("step_times_ns") or [] if t is not None]
+    return f" ({', '.join(duration(t) for t in times[:3])})" if times and excluded["count"] <= 3 else ""
+
+
+def step_lines(summary: dict) -> list[str]:
+    """Step time over the run, the slowest step when it stands out, and where the profiled steps sit."""
+    lines = []
+    source = SOURCE_WORDS.get(summary.get("source"), summary.get("source"))
+    few = summary.get("kept_steps")  # too few kept steps, too far apart, for a typical time
+    if summary.get("steps") == 1:
+        line = (f"Step time: {duration(summary['max_ns'])} ({step_name(summary['max_step'], summary)}, the only one of "
+                f"{summary['total_steps']} kept), from {source}")
+    elif few:
+        line = (f"Step time: too few steps for a typical time: {len(few)} of {summary['total_steps']} kept ("
+                + ", ".join(f"{step_name(k['step'], summary)} {duration(k['step_time_ns'])}" for k in few)
+                + "; no median of steps this unlike), from " + source)
+    elif summary.get("steps"):
+        line = (f"Step time: median {duration(summary['median_ns'])}, p90 {duration(summary['p90_ns'])}, max {duration(summary['max_ns'])} "
+                f"({step_name(summary['max_step'], summary)}) over {summary['steps']} of {summary['total_steps']} "
+                + ("logged iterations, each the mean of its logging interval" if summary.get("interval_means") else "steps")
+                + f", from {source}")
+    if summary.get("steps"):
+        if excluded := summary.get("excluded_steps"):
+            line += "; left out: " + "; ".join(
+                f"{EXCLUSION_WORDS.get(e['reason'], e['reason'])} {'step' if e['count'] == 1 else 'steps'} "
+                f"{_step_ranges(e['steps'], e['count'])}" + (_times(e) if few else "") for e in excluded)
+        lines.append(line + ".")
+    elif summary.get("source"):
+        lines.append(f"Step time: none of the {summary['total_steps']} steps is typical ({summary.get('note')}).")
+    if slow := summary.get("slowest_step"):
+        lines.append(f"Slowest step: {step_name(slow['step'], summary, ' ({})')}" + (f" on rank {slow['rank']}" if slow.get("rank") is not None else "")
+                     + f", {duration(slow['dur_ns'])} against a median of {duration(slow['median_step_ns'])}, beyond the run's "
+                     f"step-to-step noise (above {duration(slow['noise_bound_ns'])}).")
+    overflow = summary.get("fp16_overflow") or {}
+    if overflow.get("frequent"):
+        scale = (f"; loss scale {overflow['loss_scale_first']:,.0f} at the start, {overflow['loss_scale_min']:,.0f} at its "
+                 f"lowest, {overflow['loss_scale_last']:,.0f} at the end" if overflow.get("loss_scale_min") is not None else "")
+        lines.append(f"fp16 overflow: the optimizer skipped {overflow['skipped_steps']} of {overflow['steps']} steps "
+                     f"({overflow['share']:.0%}){scale}. Skipped steps do no training: check the loss for inf/NaN and the "
+                     "initial loss scale (fp16.initial_scale_power), or use bf16.")
+    profiled = summary.get("profiled_steps") or {}
+    for window in profiled.get("steps", [])[:3]:
+        timed = (f"; {SOURCE_WORDS.get(profiled['source'], profiled['source'])} timed it {duration(window['step_time_ns'])}"
+                 if window.get("step_time_ns") is not None else "")
+        median = (f", the run's median step is {duration(profiled['run_median_ns'])}"
+                  if profiled.get("run_median_ns") is not None else "")
+        lines.append(f"Profiled step {window['step']} took {duration(window['profiler_dur_ns'])} (ProfilerStep window, "
+                     f"rank {window['rank']}{timed}){median}.")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -493,4 +582,4 @@ STEP_TIME = schema.table_spec(
 
 ANALYSIS = Analysis("step_time", "Step time over the run", ("train_steps", "step_timers", "scalars", "steps", "flops_profile"),
                     {"step_time": STEP_TIME}, _step_time,
-                    former_keys={key: key for key in ("slowest_step", "profiled_steps", "fp16_overflow")})
+                    former_keys={key: key for key in ("slowest_step", "profiled_steps", "fp16_overflow")}, phrase=lambda summary, findings: step_lines(summary))

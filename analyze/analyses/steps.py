@@ -34,6 +34,7 @@ import polars as pl
 import pyarrow as pa
 
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract.units import duration
 from steplens.analyze.contract import schema
 
 # A step has a straggler when the other ranks waited for it, on median, at least this share of the
@@ -280,6 +281,36 @@ def straggler_finding(stats: pl.DataFrame) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# What it says
+
+
+def alignment_lines(finding: dict) -> list[str]:
+    """Traces that cannot be ranks of one job (unalignable)."""
+    alignment = finding.get("clock_alignment") or {}
+    return [f"Not one job: rank {r['rank']}'s trace is not aligned with rank {alignment['reference_rank']}'s ({r['reason']}); "
+            "its steps are not drawn on one clock with the others and no straggler is named across them."
+            for r in alignment.get("refused", [])]
+
+
+def straggler_lines(finding: dict, limit: int = 2) -> list[str]:
+    """Stragglers that stand out from the run's noise, each with the test that decided it."""
+    lines = []
+    for s in finding.get("stragglers", [])[:limit]:
+        how = f" Decided by {s['decided_by']}." if s.get("decided_by") else ""
+        if s["basis"] == "collective_wait":
+            lines.append(f"Straggler: rank {s['rank']} in step {s['step']}; the other ranks waited "
+                         f"{duration(s['others_waited_ns'])} in total for it in collectives.{how}")
+        else:
+            lines.append(f"Straggler: rank {s['rank']} in step {s['step']}, {duration(s['spread_ns'])} longer than the fastest "
+                         f"rank (no collective timing in the traces shows who waited).{how}")
+    return lines
+
+
+def steps_phrase(finding: dict, findings: dict) -> list[str]:
+    return alignment_lines(finding) + straggler_lines(finding, limit=3)
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -341,4 +372,4 @@ STEP_STATS = schema.table_spec(
 
 ANALYSIS = Analysis("steps", "Steps and stragglers", ("_collective_calls", "_gpu_spans", "steps"),
                     {"clock_offsets": CLOCK_OFFSETS, "step_times": STEP_TIMES, "step_stats": STEP_STATS}, _steps,
-                    former_keys={"stragglers": "stragglers", "clock_alignment": "clock_alignment"})
+                    former_keys={"stragglers": "stragglers", "clock_alignment": "clock_alignment"}, phrase=steps_phrase)
