@@ -75,23 +75,6 @@ def write_atomic(path: Path, text: str) -> Path:
     return path
 
 
-def text_value(value) -> str:
-    """A value as a reader expects it: yes/no, not recorded, thousands separators; never a Python repr."""
-    if value is None:
-        return "not recorded"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        return f"{value:,.4g}"
-    if isinstance(value, (list, tuple)):
-        return ", ".join(text_value(v) for v in value)
-    if isinstance(value, dict):
-        return ", ".join(f"{k}: {text_value(v)}" for k, v in value.items())
-    return str(value)
-
-
 MAX_KERNEL_LABEL = 60
 
 
@@ -109,20 +92,3 @@ def kernel_labels(names: list[str]) -> dict[str, str]:
         labels[name] = base
     return labels
 
-
-ALARM_HEADER = ["step", "alarm", "series", "raised", "value", "detail"]
-
-
-def alarm_rows(run: Run) -> list[list]:
-    """Every alarm of the run, in step order: the in-job alarms beside the same rules replayed (alarm_agreement),
-    then the post-hoc alarms over every scalar series (monitor_alarms)."""
-    rows = []
-    for a in run.table("alarm_agreement").iter_rows(named=True):
-        raised = ("in the job and the replay" if a["in_job"] and a["post_hoc"] else
-                  "in the job, on an instrumented step" if a.get("instrumented") else
-                  "in the job only" if a["in_job"] else "in the replay only")
-        value = a["value_in_job"] if a["value_in_job"] is not None else a["value_post_hoc"]
-        rows.append([a["step"], a["rule"], a["name"], raised, value, a["detail"]])
-    for a in run.table("monitor_alarms").iter_rows(named=True):
-        rows.append([a["step"], a["rule"], a["name"], f"post hoc ({a['origin']})", a["value"], a["detail"]])
-    return sorted(rows, key=lambda row: (row[0] is None, row[0] if row[0] is not None else 0))

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import polars as pl
 
-from steplens.analyze.contract.text import safe_text
+from steplens.analyze.analyses.alarm_agreement import ALARM_HEADER, alarm_rows
+from steplens.analyze.contract.text import safe_text, text_value
 
 from . import roofline
-from .data import ALARM_HEADER, alarm_rows, kernel_labels, load, ms, size, text_value, write_atomic
+from .data import kernel_labels, load, ms, size, write_atomic
 from .html import SUMMARY_FILE, key_numbers
 from .verdict import first_screen, verdict
 

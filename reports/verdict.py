@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from steplens.analyze.analyses import ANALYSES, REGISTERED
+from steplens.analyze.analyses import ANALYSES
 from steplens.analyze.analyses.job_end import job_end_lines
 from steplens.analyze.analyses.step_time import step_name
 
@@ -93,7 +93,7 @@ def problem_headlines(f: dict) -> list[tuple[str, str]]:
         ranks = ", ".join(str(r["rank"]) for r in refused)
         problems.append((f"Not one job: rank(s) {ranks} not aligned with rank "
                          f"{steps['clock_alignment']['reference_rank']}", "steps"))
-    problems += [(text, analysis.name.replace("_", "-")) for analysis in REGISTERED  # its section's id
+    problems += [(text, analysis.name.replace("_", "-")) for analysis in ANALYSES  # its section's id
                  if isinstance(f.get(analysis.name), dict) and (text := analysis.headline(f[analysis.name]))]
     problems += [(f"Straggler: rank {s['rank']} in step {s['step']}", "steps") for s in steps.get("stragglers", [])[:1]]
     split = (f.get("step_breakdown") or {}).get("time_split") or {}

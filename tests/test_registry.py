@@ -57,11 +57,11 @@ def test_a_registered_analysis_reaches_findings_table_and_renderers(tmp_path, mo
         return Output(tables={"collector_steps": table}, finding={"ranks": table.height, "steps": table["steps"].sum()})
 
     probe = Analysis("collector_step_count", "Collector step count", ("train_steps",), {"collector_steps": STEP_COUNT},
-                     count_steps, phrase=lambda f, _: [f"Probe: {f['steps']} collector steps over {f['ranks']} ranks."])
-    monkeypatch.setattr(runner, "ANALYSES", runner.ANALYSES + [probe])
-    monkeypatch.setattr("steplens.reports.verdict.ANALYSES", runner.ANALYSES)
-    monkeypatch.setattr("steplens.reports.verdict.REGISTERED", [probe])
-    monkeypatch.setattr("steplens.reports.html.REGISTERED", [probe])
+                     count_steps, phrase=lambda f, _: [f"Probe: {f['steps']} collector steps over {f['ranks']} ranks."],
+                     section=lambda page, run: page.declared(probe, run))
+    registered = runner.ANALYSES + [probe]  # the one list the runner, the verdict and the report read
+    for module in ("steplens.analyze.analyses.runner", "steplens.reports.verdict", "steplens.reports.html"):
+        monkeypatch.setattr(f"{module}.ANALYSES", registered)
     run = tmp_path / "run"
     shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns(".steplens"))
     result = CliRunner().invoke(analyze, [str(run), "-q"])

@@ -1,9 +1,6 @@
-"""The analyses, one module per question, each declaring its `registry.Analysis` as ANALYSIS. Every analysis is
-listed here once, in any order (the runner orders them by their inputs); adding one is a module and a line below.
-
-REGISTERED are those the reports render from their declaration alone (their `phrase` sentences, a section of their
-tables, their `headline`); the others' sentences are written in reports/verdict.py and their sections in
-reports/html.py (each names its module in the page source).
+"""The analyses, one module per question, each declaring its `registry.Analysis` as ANALYSIS: what it reads, its
+typed tables, its finding (under its name), its sentences and its report section. Every analysis is listed here
+once, in any order (the runner orders them by their inputs); adding one is a module and a line below.
 """
 
 import pyarrow as pa
@@ -36,8 +33,6 @@ ANALYSES: list[Analysis] = [
     memory.ANALYSIS,
     profiler_effect.ANALYSIS,
 ]
-REGISTERED: list[Analysis] = [memory.ANALYSIS, profiler_effect.ANALYSIS]
-
 # Every analysis table of the run directory, as its analysis declares it: name -> (typed schema, column docs).
 TABLES: dict[str, tuple[pa.Schema, dict[str, str]]] = {table: spec for analysis in ANALYSES
                                                         for table, spec in analysis.writes.items()}

@@ -127,6 +127,40 @@ def alarm_lines(summary: dict, limit: int = 3) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Its report section
+
+
+ALARM_HEADER = ["step", "alarm", "series", "raised", "value", "detail"]
+
+
+def alarm_rows(run) -> list[list]:
+    """Every alarm of the run, in step order: the in-job alarms beside the same rules replayed (alarm_agreement),
+    then the post-hoc alarms over every scalar series (monitor_alarms)."""
+    rows = []
+    for a in run.table("alarm_agreement").iter_rows(named=True):
+        raised = ("in the job and the replay" if a["in_job"] and a["post_hoc"] else
+                  "in the job, on an instrumented step" if a.get("instrumented") else
+                  "in the job only" if a["in_job"] else "in the replay only")
+        value = a["value_in_job"] if a["value_in_job"] is not None else a["value_post_hoc"]
+        rows.append([a["step"], a["rule"], a["name"], raised, value, a["detail"]])
+    for a in run.table("monitor_alarms").iter_rows(named=True):
+        rows.append([a["step"], a["rule"], a["name"], f"post hoc ({a['origin']})", a["value"], a["detail"]])
+    return sorted(rows, key=lambda row: (row[0] is None, row[0] if row[0] is not None else 0))
+
+
+def alarms_section(page, run):
+    """Every alarm: in the job, in the replay of the same rules, post hoc over every series (tables
+    alarm_agreement and monitor_alarms)."""
+    rows = alarm_rows(run)
+    if not rows:
+        return None
+    section = page.section("Alarms", "alarms")
+    section.rows([dict(zip(ALARM_HEADER, row)) for row in rows], {c: (c, "value") for c in ALARM_HEADER},
+                 "alarm_agreement, monitor_alarms")
+    return section
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -155,4 +189,4 @@ ALARM_AGREEMENT = schema.table_spec(
 
 
 ANALYSIS = Analysis("alarm_agreement", "In-job alarms", ("alarms", "scalars", "train_steps", "comms_calls", "step_time"),
-                    {"alarm_agreement": ALARM_AGREEMENT}, _alarm_agreement, former_keys={"alarms": None}, phrase=lambda summary, findings: alarm_lines(summary))
+                    {"alarm_agreement": ALARM_AGREEMENT}, _alarm_agreement, former_keys={"alarms": None}, phrase=lambda summary, findings: alarm_lines(summary), section=alarms_section)

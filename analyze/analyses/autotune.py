@@ -243,6 +243,37 @@ def autotune_lines(spaces: list[dict], findings: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Its report section
+
+
+# The columns a reader needs, (column, header) pairs (the Parquet tables have the rest).
+SHOWN = {
+    "autotune_verdict": ("Autotuning verdict", [("tuning_space", "tuning space"), ("winner", "winner"),
+                                                ("runner_up", "runner-up"), ("relative_difference", "difference"),
+                                                ("established", "established"), ("trials_needed", "trials needed"),
+                                                ("pick_mismatch", "DeepSpeed's pick disagrees"), ("detail", "detail")]),
+    "autotune_ranking": ("Autotuning experiments", [("tuning_space", "tuning space"), ("rank", "rank"),
+                                                    ("experiment", "experiment"), ("zero_stage", "ZeRO stage"),
+                                                    ("micro_batch", "micro batch"), ("grad_accum", "grad accum"),
+                                                    ("trials", "trials"), ("statuses", "statuses"), ("metric", "metric"),
+                                                    ("median", "median"), ("spread", "max - min"),
+                                                    ("environment_differs", "environment differs"), ("error", "error")]),
+}
+
+
+def autotune_sections(page, run) -> list:
+    sections = []
+    for name, (title, columns) in SHOWN.items():
+        frame = run.table(name)
+        if frame.is_empty():
+            continue
+        section = page.section(title, name.replace("_", "-"))
+        section.rows(frame, {c: (header, "value") for c, header in columns}, name)
+        sections.append(section)
+    return sections
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -309,4 +340,4 @@ AUTOTUNE_VERDICT = schema.table_spec(
 
 
 ANALYSIS = Analysis("autotune", "Autotuning", ("autotune_experiments",), {"autotune_ranking": AUTOTUNE_RANKING, "autotune_verdict": AUTOTUNE_VERDICT},
-                    _autotune, phrase=autotune_lines)
+                    _autotune, phrase=autotune_lines, section=autotune_sections)

@@ -223,6 +223,46 @@ def collective_lines(finding: dict, findings: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Its report section
+
+
+def collectives_section(page, run):
+    """Collectives by size and call site (summaries.py's tables), and the logged calls (comms_log.py's)."""
+    summary, sites, logged = run.table("collective_summary"), run.table("collective_call_sites"), run.table("comms_log_stats")
+    if summary.is_empty() and logged.is_empty():
+        note = (run.findings.get("collectives") or {}).get("comms_note") or "No collectives recorded."
+        return page.section("Collectives", "collectives", empty=note[0].upper() + note[1:] + ("" if note.endswith(".") else "."))
+    section = page.section("Collectives", "collectives")
+    if not summary.is_empty():
+        if summary["busbw_median_gbps"].is_not_null().any():
+            section.figure("busbw_by_size", summary.filter(pl.col("busbw_median_gbps").is_not_null()))
+        else:
+            section.text("No bandwidth plot: the traces do not give these collectives' message sizes "
+                         "(no record_param_comms sizes).")
+        section.text("Per collective and message size, most exposed first (exposed: not hidden behind compute, "
+                     "on the rank where it was most exposed):")
+        section.rows(summary, {
+            "op": ("collective", "text"), "bytes": ("size S", "size"), "calls": ("calls (all ranks)", "num"),
+            "kernel_ns": ("kernel time (all ranks)", "ms"), "max_rank_exposed_ns": ("exposed, worst rank", "ms"),
+            "max_exposed_rank": ("worst rank", "text"), "median_rank_exposed_ns": ("exposed, median rank", "ms"),
+            "busbw_median_gbps": ("median busbw GB/s", "num")}, "collective_summary")
+        section.text("Per call site (the CPU op that issued the collective):")
+        section.rows(sites, {"issuing_op": ("call site", "text"), "op": ("collective", "text"),
+                             "calls": ("calls (all ranks)", "num"), "max_rank_exposed_ns": ("exposed, worst rank", "ms"),
+                             "max_exposed_rank": ("worst rank", "text")}, "collective_call_sites")
+    if not logged.is_empty():
+        section.text("Communication calls timed by DeepSpeed's comms logger or the collector (synchronizing timers, "
+                     "one source per rank: see Method and caveats):")
+        section.rows(logged.sort("total_latency_ns", descending=True), {
+            "op": ("op", "text"), "nccl_bytes": ("size S", "size"), "group_size": ("ranks in group", "text"),
+            "calls": ("calls", "num"), "median_latency_ns": ("median latency", "ms"),
+            "p90_latency_ns": ("p90 latency", "ms"), "total_latency_ns": ("total latency", "ms"),
+            "median_busbw_gbps": ("median busbw GB/s", "num"), "latency_origin": ("latency from", "text")},
+            "comms_log_stats")
+    return section
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -285,4 +325,4 @@ COLLECTIVE_INSTANCES = schema.table_spec(
 
 ANALYSIS = Analysis("collectives", "Collectives", ("_collective_calls", "_cpu_comm_ops", "clock_offsets"),
                     {"collectives": COLLECTIVES, "collective_instances": COLLECTIVE_INSTANCES}, _collectives,
-                    former_keys={key: key for key in FINDING_KEYS}, phrase=collective_lines)
+                    former_keys={key: key for key in FINDING_KEYS}, phrase=collective_lines, section=collectives_section)

@@ -175,6 +175,22 @@ def job_end_phrase(end: dict, findings: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Its report section
+
+
+def status_section(page, run):
+    """How the job ended, per launcher or log file (the run_status table the importers read)."""
+    status = run.table("run_status")
+    if status.is_empty():
+        return None
+    section = page.section("How the job ended", "status")
+    section.rows(status, {
+        "source": ("file", "text"), "run_index": ("run in the file", "text"), "rank": ("rank", "text"),
+        "status": ("status", "text"), "exit_code": ("exit code", "text"), "error": ("error", "text")}, "run_status")
+    return section
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -185,4 +201,4 @@ def _job_end(inputs: Inputs) -> Output:
 
 
 ANALYSIS = Analysis("job_end", "How the job ended", ("run_status", "train_steps", "step_timers", "scalars", "step_time"), {},
-                    _job_end, phrase=job_end_phrase)
+                    _job_end, phrase=job_end_phrase, section=status_section)

@@ -101,6 +101,26 @@ def top_kernels(totals: pl.DataFrame, limit: int = 50) -> pl.DataFrame:
 
 
 # ---------------------------------------------------------------------------------------------
+# Its report section
+
+
+def kernels_section(page, run):
+    """GPU time by kernel family, then the top kernels."""
+    categories, top = run.table("category_summary"), run.table("top_kernels")
+    if top.is_empty():
+        return page.section("Kernels", "kernels", empty="No kernels in the traces.")
+    section = page.section("Kernels", "kernels")
+    section.rows(categories, {"category": ("category", "text"), "kernels": ("activities", "num"),
+                              "time_ns": ("GPU time (all ranks)", "ms"), "share": ("share", "pct")}, "category_summary")
+    section.text("Top kernels by total GPU time (hover a name for the full signature):")
+    section.rows(top, {"name": ("kernel", "kernel"), "category": ("category", "text"), "calls": ("calls", "num"),
+                       "time_ns": ("total", "ms"), "mean_ns": ("mean per call", "ms"),
+                       "min_rank_time_ns": ("least on a rank", "ms"), "max_rank_time_ns": ("most on a rank", "ms")},
+                 "top_kernels")
+    return section
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -120,4 +140,4 @@ TOP_KERNELS = schema.table_spec(
 )
 
 
-ANALYSIS = Analysis("top_kernels", "Kernels", ("_kernel_totals",), {"top_kernels": TOP_KERNELS}, _top_kernels)
+ANALYSIS = Analysis("top_kernels", "Kernels", ("_kernel_totals",), {"top_kernels": TOP_KERNELS}, _top_kernels, section=kernels_section)

@@ -270,6 +270,37 @@ def gpu_idle_lines(idle: dict, findings: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Its report section
+
+
+def cpu_gpu_section(page, run):
+    """Launch delays, device idle by cause, the launch APIs and the synchronization points."""
+    launches = run.table("kernel_launches", ["queue_ns"])  # one row per device activity: read only what is drawn
+    idle, sync = run.table("gpu_idle"), run.table("sync_points")
+    if launches.is_empty():
+        return page.section("CPU vs GPU", "cpu-gpu", empty="No device activity in the traces (CPU-only run or no kernels).")
+    section = page.section("CPU vs GPU", "cpu-gpu")
+    if (launches["queue_ns"] > 0).any():
+        section.figure("launch_delay", launches)
+    whole_window = idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_null())
+    if not whole_window.is_empty():
+        section.text("Device idle over the whole traced window, per rank, by cause:")
+        section.figure("idle_by_cause", whole_window)
+    section.text("Launch APIs per rank, most GPU time first:")
+    section.rows(run.table("launch_summary").sort("gpu_ns_total", descending=True), {
+        "rank": ("rank", "text"), "launch_api": ("launch API", "text"), "activities": ("activities", "num"),
+        "api_ns_median": ("API call median", "ms"), "queue_ns_median": ("queueing median", "ms"),
+        "queue_ns_p90": ("queueing p90", "ms"), "gpu_ns_total": ("GPU time launched", "ms")}, "launch_summary")
+    if not sync.is_empty():
+        section.text("Synchronization points that left the GPU idle longest (the CPU waited on the GPU):")
+        section.rows(sync, {
+            "rank": ("rank", "text"), "step": ("step", "text"), "name": ("call", "text"),
+            "issuing_op": ("issued by", "text"), "dur_ns": ("call duration", "ms"),
+            "idle_caused_ns": ("GPU idle caused", "ms")}, "sync_points")
+    return section
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 NO_TRACES = "no profiler traces: step, GPU and collective analyses need them"
@@ -316,4 +347,4 @@ SYNC_POINTS = schema.table_spec(
 
 
 ANALYSIS = Analysis("gpu_idle", "GPU idle", ("_gpu_idle", "_sync_points"), {"gpu_idle": GPU_IDLE, "sync_points": SYNC_POINTS},
-                    _idle, former_keys={"traces": "no_traces"}, phrase=gpu_idle_lines)
+                    _idle, former_keys={"traces": "no_traces"}, phrase=gpu_idle_lines, section=cpu_gpu_section)

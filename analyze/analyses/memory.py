@@ -31,6 +31,7 @@ from steplens.analyze.analyses import job_end
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.contract import schema
 from steplens.analyze.contract.failures import DEVICE_OOM, OOM
+from steplens.analyze.contract.units import binary_bytes
 
 MEMORY_BY_STEP = schema.table_spec(
     ("rank", pa.int64(), "Rank."),
@@ -272,6 +273,49 @@ def memory_headline(finding: dict) -> str | None:
     return None
 
 
+MEMORY_KEYS = ("rank", "source", "label", "peak_allocated_bytes", "peak_reserved_bytes", "peak_scope", "resolution_bytes")
+PEAK_SCOPES = {"step": "within the step", "since_start": "since the start", "since_last_report": "since the last report"}
+
+
+def _step_span(span: dict) -> str:
+    first, last, count = span["first_step"], span["last_step"], span["steps"]
+    if first is None:
+        return "outside any step" if count == 1 else f"outside any step ({count} rows)"
+    return str(first) if count == 1 else f"{first}–{last} ({count} rows)"
+
+
+def _words(value) -> str:
+    return str(value).replace("_", " ").replace(",", ", ")
+
+
+def memory_section(page, run):
+    """The sentences, then memory_by_step with the consecutive steps of one rank and source that hold the same
+    figures as one row (a running peak repeats for every step once reached)."""
+    if run.findings.get("memory") is None:
+        return None
+    section = page.section(ANALYSIS.title, "memory")
+    for line in memory_lines(run.findings["memory"]):
+        section.text(line)
+    frame = run.table("memory_by_step")
+    if frame.is_empty():
+        return section
+    ordered = frame.sort("rank", "source", "step", nulls_last=True)
+    changed = pl.any_horizontal([pl.col(c).ne_missing(pl.col(c).shift(1)) for c in MEMORY_KEYS])
+    runs = ordered.with_columns(run=changed.fill_null(True).cum_sum()).group_by("run", maintain_order=True).agg(
+        *[pl.col(c).first() for c in MEMORY_KEYS], first_step=pl.col("step").first(), last_step=pl.col("step").last(),
+        steps=pl.len(), samples=pl.col("samples").sum())
+    runs = runs.with_columns(step_span=pl.struct("first_step", "last_step", "steps"))
+    section.text("Rows of one rank and source with the same figures over consecutive steps are shown as one (all rows: "
+                 "the memory_by_step table).")
+    section.rows(runs, {
+        "rank": ("rank", "text"), "step_span": ("steps", _step_span), "source": ("source", "words"),
+        "label": ("where", "text"), "peak_allocated_bytes": ("peak allocated", "size"),
+        "peak_reserved_bytes": ("peak reserved", "size"), "peak_scope": ("peak over", lambda v: PEAK_SCOPES.get(v, _words(v))),
+        "samples": ("samples", "num"), "resolution_bytes": ("rounded to", lambda v: "exact" if v == 0 else binary_bytes(v))},
+        "memory_by_step")
+    return section
+
+
 ANALYSIS = Analysis(
     name="memory",
     title="Memory per rank and step",
@@ -280,4 +324,5 @@ ANALYSIS = Analysis(
     compute=memory,
     phrase=lambda finding, findings: memory_lines(finding),
     headline=memory_headline,
+    section=memory_section,
 )

@@ -269,6 +269,38 @@ def mfu_lines(utilization: list | dict, findings: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Its report section
+
+
+def mfu_section(page, run):
+    """The MFU figures with their numerators and peak, the FLOPs profiler's modules, and the roofline
+    (roofline.py's finding)."""
+    from steplens.analyze.analyses import roofline  # (roofline reads this module's device tables)
+
+    profile = run.table("flops_profile")
+    section = page.section("FLOPs and MFU", "mfu")
+    utilization = run.findings.get("mfu")
+    if isinstance(utilization, list) and utilization:
+        section.text("Median over steps, with the numerator and peak each number divides:")
+        section.rows(utilization, {"metric": ("metric", "text"), "utilization": ("median", "pct"),
+                                   "numerator": ("numerator", "text"), "peak": ("peak", "text"),
+                                   "definition": ("definition", "text")}, "mfu")
+    else:
+        note = (utilization or {}).get("note", "not computed") if isinstance(utilization, dict) else "not computed"
+        section.text(f"MFU not computed: {note}.")
+    if not profile.is_empty():
+        modules = profile.filter(pl.col("depth") <= 2).sort("flops_total", descending=True, nulls_last=True).with_columns(
+            duration_ns=pl.when(~pl.col("duration_bogus").fill_null(False)).then(pl.col("duration_ns")))  # see caveats
+        section.text("FLOPs profiler, modules to depth 2 (theoretical counts, not time):")
+        section.rows(modules, {
+            "source": ("from", "text"), "path": ("module", "text"), "module_class": ("class", "text"),
+            "params": ("params", "num"), "flops_total": ("FLOPs incl. children", "num"),
+            "macs_total": ("MACs incl. children", "num"), "duration_ns": ("forward time", "ms")}, "flops_profile")
+    roofline.roofline_blocks(section, run.findings.get("roofline"))
+    return section
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -318,4 +350,4 @@ MFU = schema.table_spec(
 
 
 ANALYSIS = Analysis("mfu", "FLOPs and MFU", ("step_times", "_step_flops", "_trace_step_flops", "step_time", "flops_profile"),
-                    {"mfu": MFU}, _mfu, phrase=mfu_lines)
+                    {"mfu": MFU}, _mfu, phrase=mfu_lines, section=mfu_section)

@@ -8,6 +8,7 @@ accumulation or world size. Pure functions; run facts are the `facts` of run.jso
 
 from __future__ import annotations
 
+import re
 import json
 import math
 
@@ -21,6 +22,7 @@ from steplens.analyze.contract import alarm_rules
 from steplens.analyze.contract.alarm_rules import SPIKE_Z  # noqa: F401  (the spike limit, for readers of this module)
 from steplens.analyze.analyses import step_time
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract.text import text_value as value_text
 from steplens.analyze.contract import schema
 
 ORIGIN_PREFERENCE = ("collector", "csv_monitor", "tensorboard", "wandb", "log")  # exact first, float32 TB later
@@ -209,6 +211,59 @@ def alarms_lines(alarms: dict, findings: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Its report section
+
+
+# The curves a reviewer looks for first, as patterns on the scalar's name.
+PREFERRED_CURVES = [re.compile(p) for p in (r"loss", r"grad.?norm", r"(^|[/_])lr($|[/_])",
+                                            r"samplespersec|throughput|step.?time", r"mem")]
+MAX_CURVES = 6
+
+
+def _preferred(names: list[str]) -> list[str]:
+    def rank(name: str) -> int:
+        return next((i for i, pattern in enumerate(PREFERRED_CURVES) if pattern.search(name.lower())), len(PREFERRED_CURVES))
+
+    return sorted(names, key=lambda n: (rank(n), n))[:MAX_CURVES]
+
+
+def monitor_sections(page, run) -> list:
+    """The monitor's curves on global samples (summaries.py's scalar_series), and what another run must match to
+    be compared with this one (run_comparability)."""
+    series = run.table("scalar_series")
+    if series.is_empty():
+        sections = [page.section("Monitor curves", "monitor",
+                                 empty="No monitor scalars (csv_monitor, TensorBoard, W&B or collector).")]
+    else:
+        section = page.section("Monitor curves", "monitor")
+        names = sorted(set(series.filter(pl.col("aligned_points") > 1)["name"].to_list()))
+        if names:
+            shown = _preferred(names)
+            scalars = run.table("scalars").filter(pl.col("name").is_in(shown) & pl.col("global_samples").is_not_null()
+                                                  & pl.col("value").is_finite())
+            section.figure("curves", scalars, "global_samples", shown)
+        section.rows(series, {"origin": ("from", "text"), "name": ("scalar", "text"), "points": ("points", "num"),
+                              "aligned_points": ("on global samples", "num"), "ranks": ("ranks", "num")}, "scalar_series")
+        sections = [section]
+    fields = run.table("run_comparability")
+    if not fields.is_empty():
+        section = page.section("What another run must match to be compared", "run-comparability")
+        section.rows(fields, {"field": ("field", "text"), "required": ("required to compare", "value"),
+                              "values": ("this run", _run_values), "status": ("status", "text")},
+                     "run_comparability", limit=fields.height)
+        sections.append(section)
+    return sections
+
+
+def _run_values(values: str) -> str:
+    """run_comparability's JSON {run: value} as text: the value alone for one run."""
+    decoded = json.loads(values)
+    if len(decoded) == 1:
+        return value_text(next(iter(decoded.values())))
+    return ", ".join(f"{run}: {value_text(value)}" for run, value in decoded.items())
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -253,4 +308,4 @@ RUN_COMPARABILITY = schema.table_spec(
 
 
 ANALYSIS = Analysis("monitor_alarms", "Monitor alarms", ("scalars", "step_time"), {"monitor_alarms": MONITOR_ALARMS, "run_comparability": RUN_COMPARABILITY},
-                    _monitor, phrase=alarms_lines)
+                    _monitor, phrase=alarms_lines, section=monitor_sections)

@@ -117,4 +117,5 @@ ANALYSIS = Analysis(
     compute=lambda inputs: Output(finding=after_effect(inputs.table("step_time"), inputs.facts)),
     phrase=lambda finding, findings: after_effect_lines(finding),
     headline=after_effect_headline,
+    section=lambda page, run: page.declared(ANALYSIS, run),
 )

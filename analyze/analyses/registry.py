@@ -1,5 +1,5 @@
 """What an analysis is: what it reads, what it writes, what it says. Every analysis is declared once,
-as an `Analysis`, and listed in `analyses/__init__.py` (REGISTERED); `runner.run` does the rest.
+as an `Analysis`, and listed in `analyses/__init__.py` (ANALYSES); `runner.run` does the rest.
 
 An analysis is a pure function from tables to tables plus a finding:
 
@@ -91,6 +91,10 @@ class Analysis:
     compute: Callable[[Inputs], Output]
     # Its finding (and the run's findings, for what qualifies it) -> sentences: terminal, summary.md, report.html.
     phrase: Callable[[Any, dict], list[str]] = lambda finding, findings: []
+    # Its report section(s): (page, run) -> a section (or a list, or None: nothing to show) built with
+    # page.section(title, anchor) from the run's tables and findings, its text, figures and tables in order;
+    # reports/html.py's PAGE formats and draws them. None: the analysis shows no section of its own.
+    section: Callable[[Any, Any], Any] | None = None
     # What the first screen says of the finding when it is a problem, in one short line (None: nothing wrong).
     headline: Callable[[dict], str | None] = lambda finding: None
     # Per-rank analyses run before any run-level one, over one batch of ranks at a time (runner.batches),

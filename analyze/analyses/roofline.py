@@ -3,10 +3,12 @@ roofs, and the modules furthest below peak (findings.json `roofline`; report and
 
 from __future__ import annotations
 
+import math
 import polars as pl
 
 from steplens.analyze.analyses import module_perf, op_perf
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract.text import shapes_text
 from steplens.analyze.contract.text import tensor_shapes_text
 
 TOP_MODULES = 10
@@ -117,6 +119,63 @@ def roofline_lines(finding: dict) -> list[str]:
     if rated := [m for m in finding.get("modules_below_peak") or [] if m.get("fraction_of_peak") is not None]:
         lines.append(f"Module furthest below peak: {module_line(rated[0])}.")
     return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Its report section
+
+
+OP_COLUMNS = {"name": "op", "shapes": "shapes", "dtype": "dtype", "calls": "calls", "device_ns": "device time",
+              "achieved_tflops": "TFLOP/s", "achieved_tbps": "TB/s", "intensity": "FLOPs/byte", "bound": "bound",
+              "fraction_of_peak": "of peak"}
+MODULE_COLUMNS = {"module": "module", "module_class": "class", "profile_path": "profile path",
+                  "device_ns": "forward device time", "unknown_flops_share": "unknown FLOPs", "achieved_tflops": "TFLOP/s",
+                  "fraction_of_peak": "of peak", "backward_device_ns": "backward device time",
+                  "training_fraction_of_peak": "of peak, fwd+bwd", "flag": "flag"}
+
+
+def _cell(name: str, value) -> str:
+    if name in ("device_ns", "backward_device_ns"):
+        return f"{value / 1e6:.3f} ms"
+    if name in ("fraction_of_peak", "training_fraction_of_peak"):
+        return f"{value:.1%}"
+    if name == "unknown_flops_share":  # whole percent, rounded up: 10.1% must not read as the 10% that still gives a rate
+        return f"{math.ceil(value * 100)}% of it" if value > 0 else ""
+    if name == "shapes":
+        return shapes_text(value)
+    if isinstance(value, float):
+        return f"{value:,.3g}"
+    return str(value)
+
+
+def _columns(columns: dict[str, str]) -> dict[str, tuple[str, object]]:
+    return {name: (header, lambda value, name=name: _cell(name, value)) for name, header in columns.items()}
+
+
+def roofline_blocks(section, finding: dict | None) -> None:
+    """The roofline part of the FLOPs and MFU section (mfu.mfu_section): the scatter of the top modeled ops,
+    their table, device time by op family, and the modules furthest below peak."""
+    if not finding:
+        return
+    if finding.get("note"):
+        section.text(finding["note"] + ".")
+    if finding.get("top_ops"):
+        section.text("Top modeled ops by device time and their place on the roofline ("
+                     + finding["top_ops_definition"] + "):")
+        if finding.get("roof"):
+            section.figure("roofline_scatter", finding["top_ops"], finding["roof"])
+            section.text("Roofs: " + finding["roof"]["label"] + ".")
+        # Numbered as the roofline's points are (figures.roofline_scatter).
+        numbered = [{"number": number, **op} for number, op in enumerate(finding["top_ops"], 1)]
+        section.rows(numbered, _columns({"number": "#", **OP_COLUMNS}), "op_perf", limit=len(numbered))
+    if families := finding.get("time_by_op_family"):
+        section.text("Device time by the family of the innermost op that launched it: " + ", ".join(
+            f"{f['family']} {f['share']:.0%} ({f['device_ns'] / 1e6:.3f} ms)" for f in families) + ".")
+    if finding.get("modules_below_peak"):
+        section.text("Modules furthest below peak, among those with the most forward device time ("
+                     + finding["modules_definition"] + "):")
+        rows = finding["modules_below_peak"]
+        section.rows(rows, _columns(MODULE_COLUMNS), "module_perf", limit=len(rows))
 
 
 # ---------------------------------------------------------------------------------------------

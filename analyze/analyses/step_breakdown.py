@@ -194,6 +194,36 @@ def time_split(breakdown: pl.DataFrame) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Its report section
+
+
+def time_section(page, run):
+    """Where the slowest profiled step's time went, per rank (the report's first section)."""
+    breakdown, timeline = run.table("step_breakdown"), run.table("step_timeline")
+    title = "Where one step's time went"
+    if breakdown.is_empty():
+        return page.section(title, "time", empty="No device work inside profiled steps (CPU-only traces, no kernels, "
+                                                 "or no ProfilerStep annotations).")
+    section = page.section(title, "time")
+    step = timeline["step"][0] if not timeline.is_empty() else breakdown["step"].max()
+    section.text(f"ProfilerStep#{step}, the slowest profiled step (longest wall time across ranks): each rank's device "
+                 "time split into compute, communication not hidden behind compute, and idle by cause.")
+    section.figure("step_breakdown_bars", breakdown.filter(pl.col("step") == step))
+    if not timeline.is_empty():
+        offsets = run.table("clock_offsets")
+        refused = [] if offsets.is_empty() else offsets.filter(pl.col("method").str.starts_with("refused: "))["rank"].to_list()
+        offsets = offsets.filter(~pl.col("rank").is_in(refused)) if refused else offsets
+        aligned = not offsets.is_empty() and offsets["offset_ns"].is_not_null().all() and offsets.height > 1
+        clock = ("ranks aligned on collective end times (clock_offsets)" if aligned
+                 else "one rank" if offsets.height <= 1 else "ranks NOT aligned (no collectives to match): each on its own clock")
+        left_out = (f"; rank(s) {', '.join(map(str, refused))} left out: not one job with the others (clock_offsets)"
+                    if refused else "")
+        section.text(f"The same step over time ({clock}{left_out}); gaps under 1/1000 of the step are not drawn.")
+        section.figure("step_gantt", timeline)
+    return section
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -235,4 +265,4 @@ STEP_TIMELINE = schema.table_spec(
 ANALYSIS = Analysis("step_breakdown", "Where one step's time went",
                     ("kernel_launches", "collectives", "gpu_idle", "step_stats", "clock_offsets"),
                     {"step_breakdown": STEP_BREAKDOWN, "step_timeline": STEP_TIMELINE}, _step_breakdown,
-                    former_keys={"time_split": "time_split"})
+                    former_keys={"time_split": "time_split"}, section=time_section)

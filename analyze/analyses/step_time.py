@@ -541,6 +541,54 @@ def step_lines(summary: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Its report section
+
+
+MIN_SERIES_STEPS = 3  # fewer steps are a table, not a curve
+STEP_SOURCES = {"train_steps": "the collector (every step)", "log": "the job's logs",
+                "profiler_steps": "the profiled ProfilerSteps"}
+
+
+def steps_section(page, run):
+    """Step time over the run (this analysis's step_time), then the profiled steps over ranks (steps.py's)."""
+    series, stats, times = run.table("step_time"), run.table("step_stats"), run.table("step_times")
+    if series.is_empty() and stats.is_empty():
+        return page.section("Step time over the run", "steps",
+                            empty="No step times: no collector steps, no step lines in the logs and no ProfilerStep "
+                                  "annotations.")
+    section = page.section("Step time over the run", "steps")
+    summary = run.findings.get("step_time") or {}
+    # Where the analyzer placed the profiled windows in the run's own step numbering.
+    profiled = [w["step"] for w in (summary.get("profiled_steps") or {}).get("steps", [])]
+    if not series.is_empty():
+        source = series["source"][0]
+        definition = series["definition"][0] if "definition" in series.columns else None
+        section.text(f"Step time from {STEP_SOURCES.get(source, source)}" + (f". {definition[0].upper()}{definition[1:]}"
+                                                                              if definition else "") + ".")
+        if series.height >= MIN_SERIES_STEPS:
+            section.figure("step_time_series", series, profiled, summary.get("p90_ns"))
+        excluded = series.filter(pl.col("excluded").fill_null(False))
+        if not excluded.is_empty():
+            section.text("Steps left out of the summary, and why:")
+            section.rows(excluded, {"step": ("step", "text"), "step_time_ns": ("step time", "ms"),
+                                    "reason": ("reason", "words")}, "step_time")
+    if not stats.is_empty():
+        if stats.height > 1 and stats["ranks"].max() > 1:  # one step or one rank: a table, not a heatmap
+            section.figure("step_heatmap", times)
+        many = stats.height > page.rows_shown
+        section.text("Profiled steps (CPU ProfilerStep time, over ranks)" +
+                     (f"; the {page.rows_shown} slowest of {stats.height}:" if many else ":"))
+        shown = stats.sort("max_dur_ns", descending=True) if many else stats.sort("step")
+        section.rows(shown, {
+            "step": ("step", "text"), "ranks": ("ranks", "text"), "median_dur_ns": ("median over ranks", "ms"),
+            "max_dur_ns": ("longest", "ms"), "slowest_rank": ("rank with the longest", "text"),
+            "spread_ns": ("longest - shortest", "ms"), "straggler_rank": ("straggler", "text"),
+            "others_waited_ns": ("others waited for it", "ms"), "aligned_dur_ns": ("wall time across ranks", "ms")},
+            "step_stats")
+    return section
+
+
+# ---------------------------------------------------------------------------------------------
 # The analysis
 
 
@@ -582,4 +630,4 @@ STEP_TIME = schema.table_spec(
 
 ANALYSIS = Analysis("step_time", "Step time over the run", ("train_steps", "step_timers", "scalars", "steps", "flops_profile"),
                     {"step_time": STEP_TIME}, _step_time,
-                    former_keys={key: key for key in ("slowest_step", "profiled_steps", "fp16_overflow")}, phrase=lambda summary, findings: step_lines(summary))
+                    former_keys={key: key for key in ("slowest_step", "profiled_steps", "fp16_overflow")}, phrase=lambda summary, findings: step_lines(summary), section=steps_section)

@@ -44,3 +44,20 @@ def tensor_shapes_text(shapes: object) -> str:
     tensors say nothing there."""
     text = shapes_text(shapes)
     return ", ".join(part for part in text.split(", ") if part != "-") or "no tensor inputs"
+
+
+def text_value(value) -> str:
+    """A value as a reader expects it: yes/no, not recorded, thousands separators; never a Python repr."""
+    if value is None:
+        return "not recorded"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.4g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(text_value(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {text_value(v)}" for k, v in value.items())
+    return str(value)
