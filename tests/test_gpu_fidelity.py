@@ -205,7 +205,7 @@ def test_no_op_calls_rank_after_real_ones():
     stats = comms_log.comms_log_stats(calls)
     assert stats.select("op", "group_size").rows() == [("all_reduce", 2), ("all_reduce", 1), ("broadcast", 1)]
     assert stats["median_busbw_gbps"].to_list() == [4.096, None, None]
-    assert comms_log.costliest_finding(stats)["logged_comms"]["nccl_bytes"] == 4096
+    assert comms_log.costliest_finding(stats)["nccl_bytes"] == 4096
 
 
 @pytest.mark.parametrize("backend, world, words", [("nccl", 1, "world size 1 (nccl), nothing to exchange"),

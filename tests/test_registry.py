@@ -80,3 +80,30 @@ def test_a_registered_analysis_reaches_findings_table_and_renderers(tmp_path, mo
     assert sentence in (out / "summary.md").read_text().replace("\\", "")
     html = (out / "report.html").read_text()
     assert 'id="collector-step-count"' in html and sentence in html
+
+
+# Keys findings.json holds that no analysis makes: the run's device (the runner) and the CLI's timings.
+RUN_KEYS = {"device", "analysis_seconds", "report_seconds"}
+
+
+@pytest.mark.parametrize("sample", ["synthetic_8rank", "deepspeed_cpu_2rank"])
+def test_finding_keys_name_the_analysis_that_made_them_and_the_former_keys_repeat_them(tmp_path, sample):
+    """Every findings.json key is an analysis's name or `<name>_<qualifier>`, a key of the run, or one of the keys
+    steplens 0.1 wrote, which holds the same value as the finding that replaced it."""
+    from steplens.analyze.analyses import ANALYSES
+
+    run = tmp_path / sample
+    shutil.copytree(SAMPLE.parent / sample, run, ignore=shutil.ignore_patterns(".steplens"))
+    result = CliRunner().invoke(analyze, [str(run), "-q"])
+    assert result.exit_code == 0, result.output
+    findings = json.loads((run / ".steplens" / "findings.json").read_text())
+    names = {a.name for a in ANALYSES}
+    former = {old: (a.name, inner) for a in ANALYSES for old, inner in a.former_keys.items()}
+    for key, value in findings.items():
+        if key in RUN_KEYS or key in names or any(key.startswith(f"{name}_") for name in names):
+            continue
+        assert key in former, f"findings.json key {key!r} names no analysis"
+        name, inner = former[key]
+        assert value == (findings[name] if inner is None else findings[name][inner]), key
+    # each analysis table is written by the analysis of its declaration; the gpu_idle analysis writes gpu_idle
+    assert "gpu_idle" in next(a for a in ANALYSES if a.name == "gpu_idle").writes
