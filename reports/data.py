@@ -14,6 +14,7 @@ import polars as pl
 
 from steplens.analyze.contract import schema
 from steplens.analyze.contract.manifest import damage
+from steplens.analyze.contract.units import binary_bytes as size  # (the reports' name for it: sizes in tables)
 from steplens.analyze.analyses.kernel_families import base_name
 
 
@@ -82,20 +83,6 @@ def ms(ns: float | None) -> str:
         if abs(ns) >= scale:
             return f"{ns / scale:.3g} {unit}" if abs(ns) < 100 * scale else f"{ns / scale:,.0f} {unit}"
     return f"{ns:.0f} ns"
-
-
-def size(num_bytes: float | None) -> str:
-    """Bytes in binary units, as nccl-tests prints message sizes."""
-    if num_bytes is None:
-        return "n/a"
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            if unit == "B":
-                return f"{value:.0f} B"
-            return f"{value:.3g} {unit}" if abs(value) < 100 else f"{value:,.0f} {unit}"  # never 1e+03
-        value /= 1024
-    return f"{value} GiB"
 
 
 def text_value(value) -> str:

@@ -31,6 +31,7 @@ from steplens.analyze.analyses import job_end
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.contract import schema
 from steplens.analyze.contract.failures import DEVICE_OOM, OOM
+from steplens.analyze.contract.units import binary_bytes
 
 MEMORY_BY_STEP = schema.table_spec(
     ("rank", pa.int64(), "Rank."),
@@ -215,11 +216,8 @@ def _peak_row(rank_rows: pl.DataFrame) -> dict:
 
 
 def size_text(num_bytes: float) -> str:
-    """Bytes in binary units, as PyTorch and DeepSpeed print memory (GiB = 2**30)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(num_bytes) >= scale:
-            return f"{num_bytes / scale:.2f} {unit}"
-    return f"{num_bytes:.0f} B"
+    """Memory with two decimals, as PyTorch's memory_summary and DeepSpeed's see_memory_usage print it."""
+    return binary_bytes(num_bytes, decimals=2)
 
 
 def memory_lines(finding: dict) -> list[str]:
