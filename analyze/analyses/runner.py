@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from steplens.analyze.analyses import ANALYSES, devices, kernels, mfu, op_perf, registry
 from steplens.analyze.analyses.registry import Inputs
 from steplens.analyze.contract import schema
+from steplens.analyze.contract.manifest import process_count, run_facts
 
 @dataclass
 class Options:
@@ -41,7 +42,7 @@ class RunContext:
     roof: op_perf.Roof
     peak: mfu.Peak | None
     peak_problem: str | None
-    world_size: int
+    world_size: int  # manifest.process_count: the run's world size, else its traced ranks
     device_activity: bool | None = None  # whether the traces hold device work; None without traces
     runtime_calls: int = 0  # CUDA/HIP runtime and driver calls in the traces (launches among them)
     backend: str | None = None  # the process group backend the traces record (distributedInfo.backend)
@@ -158,9 +159,7 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     options = options or Options()
     manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
     ranks = manifest["trace_ranks"]
-    facts = manifest.get("facts", {})
-    if facts.get("world_size") is None and manifest.get("world_size"):  # traces alone give it (distributedInfo)
-        facts = {**facts, "world_size": manifest["world_size"]}
+    facts = run_facts(manifest)
     device_name, num_sms = _device(manifest)
     device_activity = _device_activity(manifest)
     peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops, device_activity)
@@ -174,7 +173,7 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     if mixed and peak is None:
         peak_problem = f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
     context = RunContext(device_name, num_sms, devices.match_device(device_name, num_sms) if device_name else None,
-                         roof, peak, peak_problem, manifest.get("world_size") or len(ranks), device_activity,
+                         roof, peak, peak_problem, process_count(manifest), device_activity,
                          _kind_count(manifest, "cuda_runtime") + _kind_count(manifest, "cuda_driver"),
                          ", ".join(manifest.get("environment", {}).get("backend") or []) or None,
                          _world_size_of_rank(manifest))

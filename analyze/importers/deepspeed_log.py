@@ -590,10 +590,16 @@ def _throughput(state: LogState, m: re.Match, line: str) -> None:
         })
 
 
+def _log_world_size(facts: dict) -> int | None:
+    """The world size the log states: a launcher's, MPI's or Megatron's line, else DeepSpeedConfig's world_size (the
+    data-parallel size: the job's under no model parallelism only)."""
+    return facts.get("world_size") or facts.get("dp_world_size")
+
+
 def _megatron_rank(state: LogState) -> int | None:
     """megatron/training.py training_log prints with print_rank_last (rank world_size - 1); before 2.0 with
     print_rank_0."""
-    world_size = state.facts.get("world_size") or state.facts.get("dp_world_size")
+    world_size = _log_world_size(state.facts)
     last_rank = 0 if state.megatron_prints_from_rank0 else (world_size - 1 if world_size else None)
     return state.file_rank if state.file_rank is not None else last_rank
 
@@ -948,8 +954,8 @@ def _fill_global_samples(state: LogState) -> None:
 
 def _build(state: LogState, issues: list) -> Imported:
     tables: dict[str, pl.DataFrame] = {}
-    if "world_size" not in state.facts and "dp_world_size" in state.facts:  # no launcher or Megatron line said it
-        state.facts["world_size"] = state.facts["dp_world_size"]
+    if world_size := _log_world_size(state.facts):
+        state.facts["world_size"] = world_size
     # conform(..., issues): a value its column cannot hold (a 20-digit rank, a year-9999 stamp in ns) is null, counted.
     if state.timers:
         tables["step_timers"] = conform(state.timers, "step_timers", issues)

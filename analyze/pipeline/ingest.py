@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from steplens.analyze import importers
 from steplens.analyze.importers import telemetry
 from steplens.analyze.contract import issue_reasons, reuse, schema
-from steplens.analyze.contract.manifest import RunManifest, fact_problem
+from steplens.analyze.contract.manifest import RunManifest, fact_problem, settle_world_size
 from steplens.analyze.contract.traces import DecodedTrace, NotATrace, ParsedTrace
 from steplens.analyze.importers.base import Importer, conform
 from steplens.analyze.trace import semantics
@@ -610,43 +610,55 @@ def _environment(sources: list[Source]) -> dict:
     }
 
 
-def _facts(sources: list[Source]) -> dict:
+def _facts(sources: list[Source]) -> tuple[dict, dict[str, Source]]:
     """Run facts from the non-trace sources (collector manifests, launcher headers, ...); the first
-    source to give a fact wins, and disagreements are kept under `conflicts`."""
-    merged, conflicts = {}, {}
+    source to give a fact wins, and disagreements are kept under `conflicts`. Also {fact: the source that gave it}."""
+    merged, conflicts, given_by = {}, {}, {}
     for s in sources:
         for key, value in (s.facts or {}).items():
             if (problem := fact_problem(key, value)) is not None:
                 s.issues.append(["warning", "bad_fact", 1, f"run fact {key!r} left out: {problem}"])
                 continue
             if key not in merged:
-                merged[key] = value
+                merged[key], given_by[key] = value, s
             elif merged[key] != value:
                 conflicts.setdefault(key, []).append({"source": s.path, "value": value})
     if conflicts:
         merged["conflicts"] = conflicts
-    return merged
+    return merged, given_by
+
+
+def _world_size(traces: list[Source], facts: dict, given_by: dict[str, Source]) -> tuple[int | None, str | None]:
+    """The run's world size and its source (manifest.settle_world_size); the inputs that disagree with it are told."""
+    trace_sizes = sorted({s.world_size for s in traces if s.world_size})
+    if len(trace_sizes) > 1:
+        for s in traces:
+            s.issues.append(["warning", "world_size_mismatch", 1,
+                             f"traces disagree on world size {trace_sizes}: are they from one run?"])
+    stated_by = given_by.get("world_size")
+    world_size, source = settle_world_size(trace_sizes, facts.get("world_size"), stated_by.path if stated_by else None)
+    if stated_by and facts["world_size"] != world_size:
+        stated_by.issues.append(["warning", "world_size_mismatch", 1,
+                                 f"states world size {facts['world_size']}, the traces {world_size}: the traces' is the "
+                                 "run's (are they from one run?)"])
+    return world_size, source
 
 
 def _manifest(sources: list[Source], ignored: list[str], run_folder: str) -> dict:
     ingested = [s for s in sources if s.rank is not None]
-    facts = _facts([s for s in sources if s.status in ("ingested", "reused")])
-    world_sizes = sorted({s.world_size for s in ingested if s.world_size})
-    if len(world_sizes) > 1:
-        for s in ingested:
-            s.issues.append(["warning", "world_size_mismatch", 1,
-                             f"traces disagree on world size {world_sizes}: are they from one run?"])
+    facts, given_by = _facts([s for s in sources if s.status in ("ingested", "reused")])
+    world_size, world_size_source = _world_size(ingested, facts, given_by)
     used = [s for s in sources if s.status in ("ingested", "reused")]
     # The run folder is part of the id: two folders holding copies of the same files are two runs.
     run_id = hashlib.sha256(repr((run_folder, sorted(s.fingerprint() for s in used))).encode()).hexdigest()[:12]
     trace_ranks = sorted({s.rank for s in ingested})
-    world_size = world_sizes[-1] if world_sizes else facts.get("world_size")
     return RunManifest(
         schema_version=schema.SCHEMA_VERSION,
         schema_fingerprint=schema.fingerprint(),
         run_id=run_id,
         created_by=OUTPUT_CREATOR,
         world_size=world_size,
+        world_size_source=world_size_source,
         ranks=sorted(set(trace_ranks).union(*(s.ranks for s in used))),
         trace_ranks=trace_ranks,
         sources=[asdict(s) for s in sources],
