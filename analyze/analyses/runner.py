@@ -106,8 +106,8 @@ def _device_activity(manifest: dict) -> bool | None:
     return any(c.get(kind, 0) for c in counts for kind in schema.DEVICE_KINDS)
 
 
-def rank_analyses(out_dir: Path, facts: dict, options: Options, ranks: list[int], context: RunContext,
-                  batch: tuple[int, ...]) -> dict[str, list[pl.DataFrame]]:
+def rank_analyses(batch: tuple[int, ...], *, out_dir: Path, facts: dict, options: Options, ranks: list[int],
+                  context: RunContext) -> dict[str, list[pl.DataFrame]]:
     """The per-rank analyses of one batch of ranks: its per-rank parts written to out_dir, the frames to
     gather across ranks returned (under `analyze --scheduler`, a task on a worker that sees out_dir)."""
     gathered: dict[str, list[pl.DataFrame]] = {}
@@ -184,7 +184,8 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
 
     per_rank = [a for a in ordered if a.per_rank]
     gathered: dict[str, list[pl.DataFrame]] = {}
-    one_batch = functools.partial(rank_analyses, Path(out_dir).resolve(), facts, options, ranks, context)
+    one_batch = functools.partial(rank_analyses, out_dir=Path(out_dir).resolve(), facts=facts, options=options,
+                                  ranks=ranks, context=context)
     for frames in (map_ranks or map)(one_batch, batches(manifest, ranks)):  # in rank order, however they ran
         for name, parts in frames.items():
             gathered.setdefault(name, []).extend(parts)

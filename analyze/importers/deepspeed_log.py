@@ -69,7 +69,7 @@ from pathlib import Path
 import polars as pl
 
 from steplens.analyze.contract.bus_bandwidth import with_bandwidth
-from steplens.analyze.contract.schema import RANK_IN_NAME
+from steplens.analyze.contract.schema import rank_in_name
 from steplens.analyze.importers import comms_dump, flops_text
 from steplens.analyze.importers.bounded import read_bounded
 from steplens.analyze.importers.base import Imported, conform
@@ -300,8 +300,7 @@ def parse(path: Path, rel: str, run_index: int | None = None) -> Imported:
     if not data.strip():
         return Imported(issues=[*issues, ["warning", "empty_file", 1, "empty log; nothing read"]])
     text = data.decode("utf-8", "replace")
-    name_rank = RANK_IN_NAME.search(path.name)
-    state = LogState(rel=rel, file_rank=int(name_rank[1]) if name_rank else None)
+    state = LogState(rel=rel, file_rank=rank_in_name(path.name))
     state.runs.append(Run(index=0))
     lines, state.line_numbers = split_lines(text)
     _read_lines(state, lines, 0, len(lines))
@@ -345,8 +344,7 @@ def run_spans(path: Path) -> list[tuple[int, int]]:
         text = read_bounded(path)[0].decode("utf-8", "replace")
     except OSError:
         return []
-    name_rank = RANK_IN_NAME.search(path.name)
-    state = LogState(rel=path.name, file_rank=int(name_rank[1]) if name_rank else None)
+    state = LogState(rel=path.name, file_rank=rank_in_name(path.name))
     state.runs.append(Run(index=0))
     lines, state.line_numbers = split_lines(text)
     _read_lines(state, lines, 0, len(lines))

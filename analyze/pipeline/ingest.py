@@ -364,22 +364,31 @@ def _record_trace_facts(source: Source, parsed: ParsedTrace) -> None:
 # Ranks
 
 
+def own_rank(source: Source) -> tuple[int | None, str | None]:
+    """(the rank a parsed trace tells by itself, how): the rank its trace records (distributedInfo.rank), else a
+    rank<N> in its file name; (None, None) for a process of a file of several ranks, or a trace that tells none,
+    whose rank the run's other traces decide (_assign_ranks)."""
+    if source.trace_rank is not None:
+        return source.trace_rank, "distributedInfo"
+    if source.unit_index is None and (named := schema.rank_in_name(Path(source.path).name)) is not None:
+        return named, "file name"
+    return None, None
+
+
 def _assign_ranks(sources: list[Source]) -> None:
-    """distributedInfo.rank, else a rank<N> in the file name, else rank 0 if it is clearly the only one."""
+    """own_rank, else one rank per process of a file of several ranks, else rank 0 if it is clearly the only one."""
     unresolved = []
     for s in sources:
         if s.status not in ("ingested", "reused") or s.kind not in importers.TRACE_KINDS:
             continue
-        if s.trace_rank is not None:
-            s.rank, s.rank_origin = s.trace_rank, "distributedInfo"
-        elif s.unit_index is not None:
-            continue  # a file of several ranks: below, once the other files' ranks are known
-        elif m := schema.RANK_IN_NAME.search(Path(s.path).name):
-            s.rank, s.rank_origin = int(m.group(1)), "file name"
+        rank, origin = own_rank(s)
+        if rank is not None:
+            s.rank, s.rank_origin = rank, origin
+        elif s.unit_index is None:
+            unresolved.append(s)  # (a file of several ranks: below, once the other files' ranks are known)
+        if origin == "file name":
             s.issues.append(["warning", "rank_from_filename", 1,
                              f"no distributedInfo.rank in the trace; rank {s.rank} taken from the file name"])
-        else:
-            unresolved.append(s)
     _ranks_by_process(sources)
     _reject_duplicate_ranks(sources)
     if not unresolved:
