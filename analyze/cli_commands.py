@@ -15,6 +15,7 @@ from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, analyse_a
 from steplens.analyze.cli_rerun import say, warn
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
+from steplens.analyze.contract.manifest import run_facts
 from steplens.analyze.pipeline.ingest import IngestError, publish, staged
 from steplens.analyze.contract.text import safe_text
 
@@ -292,8 +293,7 @@ def trials_command(runs_dir: Path, fmt: str) -> None:
             warn(f"warning: {e}; this run is left out")
             damaged = True
             continue
-        runs[folder.name] = (run.table("step_time"), {"world_size": run.manifest.get("world_size"),
-                                                      **run.manifest.get("facts", {})})
+        runs[folder.name] = (run.table("step_time"), run_facts(run.manifest))
     measured = {name: value for name, value in runs.items() if not value[0].is_empty()}
     if not measured:
         fail(f"{runs_dir}: no run folder with step times (collector train_steps, logs or profiler steps) under it")

@@ -18,6 +18,8 @@ import polars as pl
 from matplotlib.backends.backend_agg import RendererAgg
 from matplotlib.figure import Figure
 
+from steplens.analyze.contract.units import binary_bytes
+
 # Figures are made with the object API, never pyplot: no GUI backend, no global figure registry, and
 # a third of a second less to import on every run.
 matplotlib.rcParams.update({
@@ -33,14 +35,6 @@ matplotlib.rcParams.update({
 
 # Log axes print ticks as math text by default; math parsing is off (trace labels are not math).
 PLAIN_NUMBER = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
-
-
-def _binary(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if num_bytes < 1024 or unit == "GiB":
-            return f"{num_bytes:g} {unit}"
-        num_bytes /= 1024
-    return f"{num_bytes:g} GiB"
 
 
 RASTER_DPI = 150  # for the parts of a figure drawn as an embedded image
@@ -258,7 +252,7 @@ def busbw_by_size(summary: pl.DataFrame) -> str:
         spread = [median - group["busbw_p10_gbps"].to_numpy(), group["busbw_p90_gbps"].to_numpy() - median]
         ax.errorbar(group["bytes"].to_numpy(), median, yerr=spread, fmt="o-", ms=4, lw=1, capsize=2, label=str(op))
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: _binary(value)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: binary_bytes(value)))
     ax.set_xlabel("message size S (log2)")
     ax.set_ylabel("busbw (GB/s), median and p10-p90")
     ax.legend(frameon=False, fontsize=8)

@@ -19,6 +19,7 @@ import numpy as np
 import polars as pl
 
 from steplens.analyze.analyses import monitor, noise, step_time
+from steplens.analyze.contract import manifest
 
 # Fields that change the work of one optimizer step (monitor.COMPARABILITY_FIELDS names).
 WORK_FIELDS = ("world_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
@@ -69,7 +70,7 @@ def common_samples(base, new) -> tuple[StepSamples, StepSamples] | None:
 
 
 def facts(run) -> dict:
-    return {"world_size": run.manifest.get("world_size"), **run.manifest.get("facts", {})}
+    return manifest.run_facts(run.manifest)
 
 
 def samples_per_step(run, steps: StepSamples) -> np.ndarray | None:

@@ -78,18 +78,18 @@ def megatron_flops_per_iteration(args: dict) -> tuple[float | None, str]:
 
 def megatron_mfu(step_time: pl.DataFrame, facts: dict, peak: Peak | None, world_size: int) -> tuple[pl.DataFrame, str]:
     """MFU per logged iteration interval kept by `step_time` (rows in the `mfu` table's columns), or
-    no rows and why. Only for runs whose step time is Megatron's iteration time."""
+    no rows and why. Only for runs whose step time is Megatron's iteration time. GPUs: the run's world size
+    (manifest.settle_world_size; the log's arguments are among its sources)."""
     args = facts.get("megatron_args") or {}
     if step_time.is_empty() or not args or not step_time["definition"][0].startswith("Megatron"):
         return pl.DataFrame(), ""
     flops, problem = megatron_flops_per_iteration(args)
     if flops is None or peak is None:
         return pl.DataFrame(), problem
-    gpus = _int(args, "world_size") or world_size
     kept = step_time.filter(~pl.col("excluded") & (pl.col("step_time_ns") > 0))
     frame = kept.select(
         "step", "step_time_ns", rank=pl.lit(None, pl.Int64), metric=pl.lit("MFU"), numerator=pl.lit("megatron_args"),
-        flops=pl.lit(flops), gpus=pl.lit(gpus, pl.Int64), peak_flops=pl.lit(peak.flops),
-        utilization=utilization(flops, pl.col("step_time_ns"), gpus, peak.flops),
+        flops=pl.lit(flops), gpus=pl.lit(world_size, pl.Int64), peak_flops=pl.lit(peak.flops),
+        utilization=utilization(flops, pl.col("step_time_ns"), world_size, peak.flops),
         definition=pl.lit(MEGATRON_DEFINITION), peak=pl.lit(peak.label))
     return frame, ""

@@ -216,11 +216,8 @@ def _peak_row(rank_rows: pl.DataFrame) -> dict:
 
 
 def size_text(num_bytes: float) -> str:
-    """Bytes in binary units, as PyTorch and DeepSpeed print memory (GiB = 2**30)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(num_bytes) >= scale:
-            return f"{num_bytes / scale:.2f} {unit}"
-    return f"{num_bytes:.0f} B"
+    """Memory with two decimals, as PyTorch's memory_summary and DeepSpeed's see_memory_usage print it."""
+    return binary_bytes(num_bytes, decimals=2)
 
 
 def memory_lines(finding: dict) -> list[str]:

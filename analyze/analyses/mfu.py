@@ -308,7 +308,7 @@ def _mfu(inputs: Inputs) -> Output:
     from steplens.analyze.analyses import log_mfu, sanity  # (both import this module)
 
     context, facts = inputs.context, inputs.facts
-    world_size = context.world_size or facts.get("world_size") or 1
+    world_size = context.world_size or 1  # (no trace and no input stating it: one GPU)
     rows = [profiler_hfu(inputs.table("step_times"), inputs.table("_step_flops"), context.peak)] if inputs.ranks else []
     shape, origin, lacking = resolve_shape(inputs.options.shape, facts)
     # the user asked for the analytic count and it cannot be completed: say what it lacks

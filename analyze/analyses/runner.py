@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from steplens.analyze.analyses import ANALYSES, devices, kernels, mfu, op_perf, registry
 from steplens.analyze.analyses.registry import Analysis, Inputs
 from steplens.analyze.contract import schema
+from steplens.analyze.contract.manifest import process_count, run_facts
 
 @dataclass
 class Options:
@@ -41,7 +42,7 @@ class RunContext:
     roof: op_perf.Roof
     peak: mfu.Peak | None
     peak_problem: str | None
-    world_size: int
+    world_size: int  # manifest.process_count: the run's world size, else its traced ranks
     device_activity: bool | None = None  # whether the traces hold device work; None without traces
     runtime_calls: int = 0  # CUDA/HIP runtime and driver calls in the traces (launches among them)
     backend: str | None = None  # the process group backend the traces record (distributedInfo.backend)
@@ -105,8 +106,8 @@ def _device_activity(manifest: dict) -> bool | None:
     return any(c.get(kind, 0) for c in counts for kind in schema.DEVICE_KINDS)
 
 
-def rank_analyses(out_dir: Path, facts: dict, options: Options, ranks: list[int], context: RunContext,
-                  batch: tuple[int, ...]) -> dict[str, list[pl.DataFrame]]:
+def rank_analyses(batch: tuple[int, ...], *, out_dir: Path, facts: dict, options: Options, ranks: list[int],
+                  context: RunContext) -> dict[str, list[pl.DataFrame]]:
     """The per-rank analyses of one batch of ranks: its per-rank parts written to out_dir, the frames to
     gather across ranks returned (under `analyze --scheduler`, a task on a worker that sees out_dir)."""
     gathered: dict[str, list[pl.DataFrame]] = {}
@@ -158,9 +159,7 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     options = options or Options()
     manifest = json.loads((out_dir / schema.MANIFEST_FILE).read_text())
     ranks = manifest["trace_ranks"]
-    facts = manifest.get("facts", {})
-    if facts.get("world_size") is None and manifest.get("world_size"):  # traces alone give it (distributedInfo)
-        facts = {**facts, "world_size": manifest["world_size"]}
+    facts = run_facts(manifest)
     device_name, num_sms = _device(manifest)
     device_activity = _device_activity(manifest)
     peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops, device_activity)
@@ -174,7 +173,7 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     if mixed and peak is None:
         peak_problem = f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
     context = RunContext(device_name, num_sms, devices.match_device(device_name, num_sms) if device_name else None,
-                         roof, peak, peak_problem, manifest.get("world_size") or len(ranks), device_activity,
+                         roof, peak, peak_problem, process_count(manifest), device_activity,
                          _kind_count(manifest, "cuda_runtime") + _kind_count(manifest, "cuda_driver"),
                          ", ".join(manifest.get("environment", {}).get("backend") or []) or None,
                          _world_size_of_rank(manifest))
@@ -185,7 +184,8 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
 
     per_rank = [a for a in ordered if a.per_rank]
     gathered: dict[str, list[pl.DataFrame]] = {}
-    one_batch = functools.partial(rank_analyses, Path(out_dir).resolve(), facts, options, ranks, context)
+    one_batch = functools.partial(rank_analyses, out_dir=Path(out_dir).resolve(), facts=facts, options=options,
+                                  ranks=ranks, context=context)
     for frames in (map_ranks or map)(one_batch, batches(manifest, ranks)):  # in rank order, however they ran
         for name, parts in frames.items():
             gathered.setdefault(name, []).extend(parts)

@@ -56,7 +56,8 @@ _DECLARED = (
     IssueReason("rank_assumed", ("warning",), "No rank in the trace or its name: treated as rank 0, the only trace."),
     IssueReason("rank_unknown", ("error",), "The rank of a trace cannot be told; the trace is not used."),
     IssueReason("duplicate_rank", ("error",), "Two traces claim one rank for the same time; the later is not used."),
-    IssueReason("world_size_mismatch", ("warning",), "Traces disagree on the world size."),
+    IssueReason("world_size_mismatch", ("warning",), "Traces disagree on the world size, or an input's run facts "
+                "disagree with the traces' (the traces' is the run's: manifest.settle_world_size)."),
     # JSON decoding (importers/json_events.py)
     IssueReason("truncated", ("error", "warning"), "The file is cut short; what came before the cut is kept."),
     IssueReason("malformed_event", ("warning",), "Events that are not valid JSON or have an unexpected shape; skipped."),

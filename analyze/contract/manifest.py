@@ -19,7 +19,7 @@ class RunManifest:
     schema_fingerprint: str | None = None  # schema.fingerprint(): parts written under another layout are re-parsed
     run_id: str | None = None  # hash of the run folder and the used sources' fingerprints
     created_by: str | None = None  # "steplens ingest": marks an output folder steplens may replace
-    world_size: int | None = None  # from the traces (distributedInfo), else the run facts
+    world_size: int | None = None  # settle_world_size: from the traces, else the run facts
     ranks: list[int] = field(default_factory=list)  # ranks with traces or telemetry rows
     trace_ranks: list[int] = field(default_factory=list)  # ranks with profiler traces
     sources: list[dict] = field(default_factory=list)  # one per input file: path, size, status, kind, rank, issues, ...
@@ -40,6 +40,8 @@ class RunManifest:
     # it and the steplens code, and what a re-run with nothing changed prints (cli_rerun.py), so the
     # `analyze` script can answer that re-run before importing the rest of steplens.
     rerun: dict | None = None
+    # Which input settled world_size (settle_world_size): "traces", or "run facts: PATH"; null when none states it.
+    world_size_source: str | None = None
 
     def to_dict(self) -> dict:
         """The JSON object, keys in declaration order; output_entries only once known."""
@@ -94,6 +96,42 @@ def fact_problem(key: str, value) -> str | None:
                                           and all(type(s) is int and 0 <= s <= MAX_STEP for s in value)):
         return "not a list of step numbers"
     return None
+
+
+# The run's world size, stated once for ingest, the analyses and the readers of a published run, from its inputs in
+# this order of precedence:
+# 1. the traces: the world size each profiler trace records (Kineto's distributedInfo.world_size, an Nsight Systems
+#    process's WORLD_SIZE), torch.distributed's own count; the largest when they disagree (ingest then reports
+#    world_size_mismatch on every trace);
+# 2. the run facts: the world_size the first other input states (a collector manifest, a launcher's or Megatron's log,
+#    a comms dump, a flops profile); one that disagrees with the traces is reported (world_size_mismatch), not used.
+# Else no input states it: null. run.json records the size (world_size) and which input gave it (world_size_source).
+WORLD_SIZE_FROM_TRACES = "traces"
+
+
+def settle_world_size(trace_world_sizes: list[int], fact_world_size: int | None,
+                      fact_source: str | None) -> tuple[int | None, str | None]:
+    """(the run's world size, the input it comes from) by the precedence above."""
+    if trace_world_sizes:
+        return max(trace_world_sizes), WORLD_SIZE_FROM_TRACES
+    if fact_world_size is not None:
+        return fact_world_size, f"run facts: {fact_source}"
+    return None, None
+
+
+def run_facts(manifest: dict) -> dict:
+    """A published run's facts as the analyses read them: world_size is the run's settled one (run.json), which
+    a fact of another input does not override."""
+    facts = dict(manifest.get("facts") or {})
+    if manifest.get("world_size") is not None:
+        facts["world_size"] = manifest["world_size"]
+    return facts
+
+
+def process_count(manifest: dict) -> int:
+    """How many processes the run had, for the analyses that must count them (GPUs for MFU, a collective's group
+    size when its trace does not record it): the settled world size, else the traced ranks (the fewest the job had)."""
+    return manifest.get("world_size") or len(manifest.get("trace_ranks") or [])
 
 
 # The run.json fields readers of a published run (the sql `runs` view, compare, trials) rely on, and the type each

@@ -34,6 +34,13 @@ FINDINGS_FILE = "findings.json"  # the analyses' findings, beside the tables
 # A rank named in a file name (rank3.json, rank-3.pt.trace.json, worker_rank_3.log): what a file without a recorded
 # rank is taken to be.
 RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+
+def rank_in_name(file_name: str) -> int | None:
+    """The rank a file's name states (RANK_IN_NAME), or None."""
+    return int(named.group(1)) if (named := RANK_IN_NAME.search(file_name)) else None
+
+
 # Device work a launch call enqueues (what counts as the GPU being busy), and every device-side event kind.
 WORK_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 ALL_STREAMS = -1  # gpu_idle's and step_breakdown's rows that treat a device as one timeline (no stream busy = idle)

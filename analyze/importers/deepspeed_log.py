@@ -69,7 +69,7 @@ from pathlib import Path
 import polars as pl
 
 from steplens.analyze.contract.bus_bandwidth import with_bandwidth
-from steplens.analyze.contract.schema import RANK_IN_NAME
+from steplens.analyze.contract.schema import rank_in_name
 from steplens.analyze.importers import comms_dump, flops_text
 from steplens.analyze.importers.bounded import read_bounded
 from steplens.analyze.importers.base import Imported, conform
@@ -300,8 +300,7 @@ def parse(path: Path, rel: str, run_index: int | None = None) -> Imported:
     if not data.strip():
         return Imported(issues=[*issues, ["warning", "empty_file", 1, "empty log; nothing read"]])
     text = data.decode("utf-8", "replace")
-    name_rank = RANK_IN_NAME.search(path.name)
-    state = LogState(rel=rel, file_rank=int(name_rank[1]) if name_rank else None)
+    state = LogState(rel=rel, file_rank=rank_in_name(path.name))
     state.runs.append(Run(index=0))
     lines, state.line_numbers = split_lines(text)
     _read_lines(state, lines, 0, len(lines))
@@ -345,8 +344,7 @@ def run_spans(path: Path) -> list[tuple[int, int]]:
         text = read_bounded(path)[0].decode("utf-8", "replace")
     except OSError:
         return []
-    name_rank = RANK_IN_NAME.search(path.name)
-    state = LogState(rel=path.name, file_rank=int(name_rank[1]) if name_rank else None)
+    state = LogState(rel=path.name, file_rank=rank_in_name(path.name))
     state.runs.append(Run(index=0))
     lines, state.line_numbers = split_lines(text)
     _read_lines(state, lines, 0, len(lines))
@@ -590,10 +588,16 @@ def _throughput(state: LogState, m: re.Match, line: str) -> None:
         })
 
 
+def _log_world_size(facts: dict) -> int | None:
+    """The world size the log states: a launcher's, MPI's or Megatron's line, else DeepSpeedConfig's world_size (the
+    data-parallel size: the job's under no model parallelism only)."""
+    return facts.get("world_size") or facts.get("dp_world_size")
+
+
 def _megatron_rank(state: LogState) -> int | None:
     """megatron/training.py training_log prints with print_rank_last (rank world_size - 1); before 2.0 with
     print_rank_0."""
-    world_size = state.facts.get("world_size") or state.facts.get("dp_world_size")
+    world_size = _log_world_size(state.facts)
     last_rank = 0 if state.megatron_prints_from_rank0 else (world_size - 1 if world_size else None)
     return state.file_rank if state.file_rank is not None else last_rank
 
@@ -948,8 +952,8 @@ def _fill_global_samples(state: LogState) -> None:
 
 def _build(state: LogState, issues: list) -> Imported:
     tables: dict[str, pl.DataFrame] = {}
-    if "world_size" not in state.facts and "dp_world_size" in state.facts:  # no launcher or Megatron line said it
-        state.facts["world_size"] = state.facts["dp_world_size"]
+    if world_size := _log_world_size(state.facts):
+        state.facts["world_size"] = world_size
     # conform(..., issues): a value its column cannot hold (a 20-digit rank, a year-9999 stamp in ns) is null, counted.
     if state.timers:
         tables["step_timers"] = conform(state.timers, "step_timers", issues)

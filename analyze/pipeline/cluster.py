@@ -32,8 +32,7 @@ from pathlib import Path
 
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline import remote
-from steplens.analyze.contract.schema import RANK_IN_NAME
-from steplens.analyze.pipeline.ingest import PARSED_TABLES, IngestError, Source, _parse_source
+from steplens.analyze.pipeline.ingest import PARSED_TABLES, IngestError, Source, _parse_source, own_rank
 
 # A child of the worker's own logger, so the line goes where the worker's log goes (its stderr, and
 # the log `Client.get_worker_logs()` returns) without configuring logging on the workers.
@@ -64,15 +63,11 @@ def _parse_task(location: str, source: Source, scratch: str) -> Source:
 
 
 def _likely_rank(source: Source) -> int:
-    """The rank ingest._assign_ranks gives a parsed trace, as far as the trace alone tells: its
-    distributedInfo rank, else the rank in its name, else 0 (the only trace, or refused). Where the other
-    traces decide otherwise, `analyze` uploads the parts again under the right rank."""
-    if source.trace_rank is not None:
-        return source.trace_rank
-    if source.unit_index is not None:  # a process of a file of several ranks
-        return source.unit_index
-    named = RANK_IN_NAME.search(Path(source.path).name)
-    return int(named.group(1)) if named else 0
+    """The rank ingest._assign_ranks gives a parsed trace, as far as the trace alone tells (ingest.own_rank);
+    else the rank it gives a file alone in its run: a process its place in the file, another trace 0. Where the
+    other traces decide otherwise, `analyze` uploads the parts again under the right rank."""
+    rank, _ = own_rank(source)
+    return rank if rank is not None else source.unit_index or 0
 
 
 def _parse_to_store_task(location: str, source: Source, parts_url: str) -> tuple[Source, dict[str, int]]:
@@ -156,8 +151,7 @@ def _rank_from_store_task(batch: tuple[int, ...], one_batch, parts_url: str, inp
     TASK_LOG.info("steplens: analysing ranks %s in pid %d, parts to %s", _named(batch), os.getpid(), parts_url)
     with tempfile.TemporaryDirectory(prefix="steplens-rank-") as folder:
         remote.get_files(parts_url, {relative: Path(folder, relative) for relative in inputs})
-        # runner.run binds the staged folder first: here the folder is this task's own
-        frames = functools.partial(one_batch.func, Path(folder), *one_batch.args[1:], **one_batch.keywords)(batch)
+        frames = functools.partial(one_batch, out_dir=Path(folder))(batch)  # this task's own folder, not the staged one
         written = {p.relative_to(folder).as_posix(): p for p in Path(folder).rglob("*.parquet")}
         return frames, remote.put_files(parts_url, {k: v for k, v in written.items() if k not in inputs})
 
@@ -182,7 +176,7 @@ def rank_mapper(client, store: remote.Generation | None = None):
     def map_ranks(one_batch, batches):
         token = secrets.token_hex(4)
         if store:
-            folder = Path(one_batch.args[0])
+            folder = Path(one_batch.keywords["out_dir"])
             inputs = {batch: _rank_inputs(folder, batch) for batch in batches}
             store.put_missing(folder, sorted({p for paths in inputs.values() for p in paths}))  # reused parts
             futures = [client.submit(_rank_from_store_task, batch, one_batch, store.prefix, inputs[batch],

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from steplens.analyze import importers
 from steplens.analyze.importers import telemetry
 from steplens.analyze.contract import issue_reasons, reuse, schema
-from steplens.analyze.contract.manifest import RunManifest, fact_problem
+from steplens.analyze.contract.manifest import RunManifest, fact_problem, settle_world_size
 from steplens.analyze.contract.traces import DecodedTrace, NotATrace, ParsedTrace
 from steplens.analyze.importers.base import Importer, conform
 from steplens.analyze.trace import semantics
@@ -364,22 +364,31 @@ def _record_trace_facts(source: Source, parsed: ParsedTrace) -> None:
 # Ranks
 
 
+def own_rank(source: Source) -> tuple[int | None, str | None]:
+    """(the rank a parsed trace tells by itself, how): the rank its trace records (distributedInfo.rank), else a
+    rank<N> in its file name; (None, None) for a process of a file of several ranks, or a trace that tells none,
+    whose rank the run's other traces decide (_assign_ranks)."""
+    if source.trace_rank is not None:
+        return source.trace_rank, "distributedInfo"
+    if source.unit_index is None and (named := schema.rank_in_name(Path(source.path).name)) is not None:
+        return named, "file name"
+    return None, None
+
+
 def _assign_ranks(sources: list[Source]) -> None:
-    """distributedInfo.rank, else a rank<N> in the file name, else rank 0 if it is clearly the only one."""
+    """own_rank, else one rank per process of a file of several ranks, else rank 0 if it is clearly the only one."""
     unresolved = []
     for s in sources:
         if s.status not in ("ingested", "reused") or s.kind not in importers.TRACE_KINDS:
             continue
-        if s.trace_rank is not None:
-            s.rank, s.rank_origin = s.trace_rank, "distributedInfo"
-        elif s.unit_index is not None:
-            continue  # a file of several ranks: below, once the other files' ranks are known
-        elif m := schema.RANK_IN_NAME.search(Path(s.path).name):
-            s.rank, s.rank_origin = int(m.group(1)), "file name"
+        rank, origin = own_rank(s)
+        if rank is not None:
+            s.rank, s.rank_origin = rank, origin
+        elif s.unit_index is None:
+            unresolved.append(s)  # (a file of several ranks: below, once the other files' ranks are known)
+        if origin == "file name":
             s.issues.append(["warning", "rank_from_filename", 1,
                              f"no distributedInfo.rank in the trace; rank {s.rank} taken from the file name"])
-        else:
-            unresolved.append(s)
     _ranks_by_process(sources)
     _reject_duplicate_ranks(sources)
     if not unresolved:
@@ -611,43 +620,55 @@ def _environment(sources: list[Source]) -> dict:
     }
 
 
-def _facts(sources: list[Source]) -> dict:
+def _facts(sources: list[Source]) -> tuple[dict, dict[str, Source]]:
     """Run facts from the non-trace sources (collector manifests, launcher headers, ...); the first
-    source to give a fact wins, and disagreements are kept under `conflicts`."""
-    merged, conflicts = {}, {}
+    source to give a fact wins, and disagreements are kept under `conflicts`. Also {fact: the source that gave it}."""
+    merged, conflicts, given_by = {}, {}, {}
     for s in sources:
         for key, value in (s.facts or {}).items():
             if (problem := fact_problem(key, value)) is not None:
                 s.issues.append(["warning", "bad_fact", 1, f"run fact {key!r} left out: {problem}"])
                 continue
             if key not in merged:
-                merged[key] = value
+                merged[key], given_by[key] = value, s
             elif merged[key] != value:
                 conflicts.setdefault(key, []).append({"source": s.path, "value": value})
     if conflicts:
         merged["conflicts"] = conflicts
-    return merged
+    return merged, given_by
+
+
+def _world_size(traces: list[Source], facts: dict, given_by: dict[str, Source]) -> tuple[int | None, str | None]:
+    """The run's world size and its source (manifest.settle_world_size); the inputs that disagree with it are told."""
+    trace_sizes = sorted({s.world_size for s in traces if s.world_size})
+    if len(trace_sizes) > 1:
+        for s in traces:
+            s.issues.append(["warning", "world_size_mismatch", 1,
+                             f"traces disagree on world size {trace_sizes}: are they from one run?"])
+    stated_by = given_by.get("world_size")
+    world_size, source = settle_world_size(trace_sizes, facts.get("world_size"), stated_by.path if stated_by else None)
+    if stated_by and facts["world_size"] != world_size:
+        stated_by.issues.append(["warning", "world_size_mismatch", 1,
+                                 f"states world size {facts['world_size']}, the traces {world_size}: the traces' is the "
+                                 "run's (are they from one run?)"])
+    return world_size, source
 
 
 def _manifest(sources: list[Source], ignored: list[str], run_folder: str) -> dict:
     ingested = [s for s in sources if s.rank is not None]
-    facts = _facts([s for s in sources if s.status in ("ingested", "reused")])
-    world_sizes = sorted({s.world_size for s in ingested if s.world_size})
-    if len(world_sizes) > 1:
-        for s in ingested:
-            s.issues.append(["warning", "world_size_mismatch", 1,
-                             f"traces disagree on world size {world_sizes}: are they from one run?"])
+    facts, given_by = _facts([s for s in sources if s.status in ("ingested", "reused")])
+    world_size, world_size_source = _world_size(ingested, facts, given_by)
     used = [s for s in sources if s.status in ("ingested", "reused")]
     # The run folder is part of the id: two folders holding copies of the same files are two runs.
     run_id = hashlib.sha256(repr((run_folder, sorted(s.fingerprint() for s in used))).encode()).hexdigest()[:12]
     trace_ranks = sorted({s.rank for s in ingested})
-    world_size = world_sizes[-1] if world_sizes else facts.get("world_size")
     return RunManifest(
         schema_version=schema.SCHEMA_VERSION,
         schema_fingerprint=schema.fingerprint(),
         run_id=run_id,
         created_by=OUTPUT_CREATOR,
         world_size=world_size,
+        world_size_source=world_size_source,
         ranks=sorted(set(trace_ranks).union(*(s.ranks for s in used))),
         trace_ranks=trace_ranks,
         sources=[asdict(s) for s in sources],

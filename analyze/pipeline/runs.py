@@ -23,7 +23,7 @@ from pathlib import Path
 from steplens.analyze import importers
 from steplens.analyze.importers import deepspeed_log
 from steplens.analyze.importers.base import Importer, peek
-from steplens.analyze.contract.schema import RANK_IN_NAME
+from steplens.analyze.contract.schema import rank_in_name
 from steplens.analyze.pipeline.ingest import Discovered
 from steplens.analyze.importers.json_events import sniff
 
@@ -65,7 +65,7 @@ SCATTERED_KINDS = {"deepspeed_log", "deepspeed_flops_profile"}
 
 
 def _ranks(paths: list[Path]) -> list[int | None]:
-    return [int(m.group(1)) if (m := RANK_IN_NAME.search(p.name)) else None for p in paths]
+    return [rank_in_name(p.name) for p in paths]
 
 
 def _overlap(a: list[Path], b: list[Path]) -> bool:
