@@ -129,7 +129,7 @@ def test_alarms_reach_the_pushgateway(alarm_run, pushgateway):
 
 
 def test_the_verdict_shows_in_job_alarms_next_to_the_replay_and_where_they_agree(alarm_run, tmp_path):
-    from steplens.analyze.analyses import alarm_agreement, monitor
+    from steplens.analyze.analyses import alarm_agreement, monitor as monitor_analysis
 
     result = ingest.ingest(alarm_run, tmp_path / "out", jobs=1)
     findings = runner.run(result.out_dir, runner.Options())
@@ -149,4 +149,4 @@ def test_the_verdict_shows_in_job_alarms_next_to_the_replay_and_where_they_agree
     nan_rows = monitor.filter((pl.col("alarm") == "nan_inf") & (pl.col("name") == "train/loss"))
     assert nan_rows["step"].to_list() == [NAN_AT]
     assert any(line.startswith("Monitor alarms: ") and "nan_inf x" in line
-               for line in monitor.alarms_lines(findings["monitor_alarms"], findings))
+               for line in monitor_analysis.alarms_lines(findings["monitor_alarms"], findings))

@@ -222,7 +222,8 @@ def former_keys(analyses: list[Analysis], findings: dict) -> dict:
     for analysis in analyses:
         finding = findings.get(analysis.name)
         for old, inner in analysis.former_keys.items():
-            value = finding if inner is None else finding.get(inner) if isinstance(finding, dict) else None
-            if value is not None:
-                former[old] = value
+            if inner is None and finding is not None:
+                former[old] = finding
+            elif isinstance(finding, dict) and inner in finding:  # None too, as 0.1 wrote it
+                former[old] = finding[inner]
     return former
