@@ -127,6 +127,15 @@ def test_the_run_world_size_is_chosen_only_by_the_contract():
     assert world_size_choices(ROOT / "analyze/contract/manifest.py")  # the scan sees the one place
 
 
+
+def test_the_data_parallel_size_is_read_only_by_the_contract():
+    """dp_world_size, else the world size: contract/manifest.py data_parallel_size, which MFU and compare call."""
+    readers = {str(p.relative_to(ROOT)) for folder in ("analyze", "reports") for p in sorted((ROOT / folder).rglob("*.py"))
+               if 'get("dp_world_size")' in p.read_text() and "importers" not in p.parts}
+    assert readers == {"analyze/contract/manifest.py"}
+    from steplens.analyze.contract.manifest import data_parallel_size
+    assert (data_parallel_size({"dp_world_size": 2}, 8), data_parallel_size({}, 8), data_parallel_size({}, None)) == (2, 8, None)
+
 # ---------------------------------------------------------------------------------------------
 # Byte counts as text
 

@@ -81,7 +81,7 @@ def samples_per_step(run, steps: StepSamples) -> np.ndarray | None:
     batch = monitor.run_fact(run_facts, "train_batch_size")
     if not batch:
         parts = [monitor.run_fact(run_facts, f) for f in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
-        data_parallel = run_facts.get("dp_world_size") or run_facts.get("world_size")
+        data_parallel = manifest.data_parallel_size(run_facts, run_facts.get("world_size"))
         batch = parts[0] * parts[1] * data_parallel if all(parts) and data_parallel else None
     recorded = np.array([np.nan if v is None else v for v in steps.samples], dtype=float)
     recorded[recorded <= 0] = np.nan

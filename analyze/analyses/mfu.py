@@ -18,6 +18,8 @@ import pyarrow as pa
 from steplens.analyze.analyses.devices import DEVICES, match_device
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.contract import schema
+from steplens.analyze.contract.manifest import data_parallel_size
+
 
 @dataclass
 class Peak:
@@ -148,7 +150,7 @@ def _collector_flops(flops_profile: pl.DataFrame, facts: dict, world_size: int) 
     else:
         forward = float(exact.filter(pl.col("depth") == 0)["flops_total"].max())
     micro = facts.get("gradient_accumulation_steps") or facts.get("grad_accum") or 1
-    data_parallel = facts.get("dp_world_size") or world_size
+    data_parallel = data_parallel_size(facts, world_size)
     return 3 * forward * micro * data_parallel, ""
 
 

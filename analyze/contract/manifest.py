@@ -128,6 +128,12 @@ def run_facts(manifest: dict) -> dict:
     return facts
 
 
+def data_parallel_size(facts: dict, world_size: int | None) -> int | None:
+    """Data-parallel ranks: DeepSpeed's dp_world_size where the run states it, else the world size (no model or
+    pipeline parallelism recorded: every rank holds a replica)."""
+    return facts.get("dp_world_size") or world_size
+
+
 def process_count(manifest: dict) -> int:
     """How many processes the run had, for the analyses that must count them (GPUs for MFU, a collective's group
     size when its trace does not record it): the settled world size, else the traced ranks (the fewest the job had)."""
