@@ -10,6 +10,7 @@ import re
 import secrets
 import signal
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -167,9 +168,23 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         # The default analysis of a local folder records how the analyze script answers a re-run (cli_rerun.py).
         recorded = (not ingest_only and fmt == "text" and client is None and options == runner.Options()
                     and not remote.is_url(run_dir) and not remote.is_url(out) and run_dir.is_dir())
+        announced = []
+
+        def announce(stage, findings: dict) -> None:
+            """The findings as soon as they exist: report.html's figures are drawn after this."""
+            announced.append(True)
+            if fmt == "md":
+                click.echo((stage.folder / "summary.md").read_text(), nl=False)
+                return
+            so_far = IngestResult(stage.out_dir, stage.manifest, stage.sources, stage.parsed, stage.reused,
+                                  time.perf_counter() - stage.started)
+            summary = [] if quiet else summary_lines(so_far, findings.get("analysis_seconds"))
+            cli_rerun.print_findings(console, summary, screen_lines(findings), finding_lines(findings))
+
         try:
             result, findings = _analyse_run(run, out, jobs, options, ingest_only, show_progress=not quiet, client=client,
-                                            rerun_key=reuse.listing_key(run_dir, out) if recorded else None)
+                                            rerun_key=reuse.listing_key(run_dir, out) if recorded else None,
+                                            announce=None if remote.is_url(out) else announce)
         except OutputUnwritable as e:
             fail(safe_text(e), EXIT_UNWRITABLE)
         except IngestError as e:
@@ -179,14 +194,16 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
                        "separate runs, each analysed on its own:")
             sys.exit(_analyse_each(run_dir, apart, jobs, options, ingest_only, client=client))
         if fmt == "md" and findings:
-            click.echo((result.out_dir / "summary.md").read_text(), nl=False)
+            if not announced:
+                click.echo((result.out_dir / "summary.md").read_text(), nl=False)
         else:
             summary = [] if quiet else summary_lines(result, findings.get("analysis_seconds"))
             if findings:
                 rendered = (f"rendered in {findings['report_seconds']:.2f}s" if "report_seconds" in findings
                             else "unchanged")
-                cli_rerun.print_result(console, summary, screen_lines(findings), finding_lines(findings), result.out_dir,
-                                       rendered)
+                if not announced:
+                    cli_rerun.print_findings(console, summary, screen_lines(findings), finding_lines(findings))
+                cli_rerun.print_report_line(console, result.out_dir, rendered)
             else:  # --ingest-only: what was read
                 for text, indent in summary:
                     cli_rerun.say(console, text, indent)
@@ -348,9 +365,11 @@ def _apart(out: Path | str, run: RunFolder) -> Path | str:
 
 
 def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options, ingest_only: bool,
-                 show_progress: bool, client=None, rerun_key: str | None = None) -> tuple[IngestResult, dict]:
+                 show_progress: bool, client=None, rerun_key: str | None = None,
+                 announce=None) -> tuple[IngestResult, dict]:
     """One run through the pipeline (pipeline/run.py), with what the command adds: the progress bar, the report
-    (drawn while the workers parse, its imports done while this process would wait) and, with `rerun_key`
+    (drawn while the workers parse, its imports done while this process would wait), `announce(stage, findings)`
+    as soon as the findings exist (before the report's figures are drawn) and, with `rerun_key`
     (contract/reuse.listing_key of the command's RUN_DIR), the record of how a re-run is answered."""
     key = None if remote.is_url(out) else input_key(run.path, run.found, repr((options, ingest_only, nsys.step_range().pattern)))
     total = 0
@@ -369,7 +388,8 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
             progress.update(task, advance=source.size, files=progress.tasks[task].fields["files"] + 1)
 
         hooks = pipeline_run.Hooks(analyse=analyse_and_report, progress=advance, when_idle=import_figures,
-                                   record=(lambda stage: _rerun_record(rerun_key, stage)) if rerun_key else None)
+                                   record=(lambda stage: _rerun_record(rerun_key, stage)) if rerun_key else None,
+                                   findings=announce)
         return pipeline_run.run(run.path, out, options, jobs=jobs, ingest_only=ingest_only, reuse_key=key, client=client,
                                 hooks=hooks, found=run.found)
 

@@ -165,17 +165,22 @@ def draw_figure(drawing) -> str:
     return html.draw([drawing])[0]
 
 
-def analyse_and_report(folder: Path, options: runner.Options, map_ranks=None, map_figures=None) -> dict:
-    """The analyses, then report.html and summary.md, in the staged output (published together);
+def analyse_and_report(folder: Path, options: runner.Options, map_ranks=None, map_figures=None, announce=None) -> dict:
+    """The analyses, then summary.md and report.html, in the staged output (published together);
     `map_ranks` runs the per-rank analyses (runner.run), `map_figures` draws the report's figures
-    (map(draw_figure, drawings) by default)."""
+    (map(draw_figure, drawings) by default). `announce(findings)` is called once the analyses and
+    summary.md are written, before the figures are drawn (the command prints the findings then)."""
     from steplens.reports import html, markdown
 
     started = time.perf_counter()
     findings = runner.run(folder, options, map_ranks)
     findings["analysis_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
-    html.write(folder, html.draw if map_figures is None else lambda drawings: map_figures(draw_figure, drawings))
     markdown.write(folder)
-    findings["report_seconds"] = time.perf_counter() - started
+    report_seconds = time.perf_counter() - started
+    if announce is not None:
+        announce(findings)
+    started = time.perf_counter()
+    html.write(folder, html.draw if map_figures is None else lambda drawings: map_figures(draw_figure, drawings))
+    findings["report_seconds"] = report_seconds + time.perf_counter() - started
     return findings

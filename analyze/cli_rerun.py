@@ -52,6 +52,13 @@ def print_result(console, summary: list[tuple[str, int]], verdict: list[str], fi
                  rendered: str) -> None:
     """What the run answered, first screen first: where the output went, the verdict (the report's first
     screen), what was read, every finding in the report's sentences, where the report and summary.md are."""
+    print_findings(console, summary, verdict, finding_texts)
+    print_report_line(console, out_dir, rendered)
+
+
+def print_findings(console, summary: list[tuple[str, int]], verdict: list[str], finding_texts: list[str]) -> None:
+    """print_result up to the findings: what `analyze` prints as soon as the analyses are done, before the
+    report's figures are drawn."""
     for text, indent in summary[:HEADER_LINES]:
         say(console, text, indent)
     console.print("[bold]verdict[/]")
@@ -62,6 +69,10 @@ def print_result(console, summary: list[tuple[str, int]], verdict: list[str], fi
     console.print("[bold]findings[/]")
     for text in finding_texts:
         say(console, text)
+
+
+def print_report_line(console, out_dir: Path, rendered: str) -> None:
+    """print_result's last line: where report.html and summary.md are."""
     console.print(f"report: {safe_text(out_dir / 'report.html')} ({rendered})\nPR summary: "
                   f"{safe_text(out_dir / 'summary.md')}", markup=False, highlight=False, soft_wrap=True)
 

@@ -350,6 +350,25 @@ def test_figure_crop_holds_what_savefig_tight_would_keep():
     assert tight_width - 1 <= width <= tight_width + 8 and tight_height - 1 <= height <= tight_height + 8
 
 
+def test_launch_delay_draws_no_unlabelled_minor_ticks_over_more_than_a_decade():
+    """Fewer artists: over more than a decade matplotlib labels no minor tick of a log axis, so the histogram of
+    queueing draws its labelled decades only; within a decade the minor ticks (labelled there) stay."""
+    import numpy as np
+    import polars as pl
+
+    from steplens.reports import figures
+
+    def ticks(low_ns: float, high_ns: float) -> list[str]:
+        svg = figures.launch_delay(pl.DataFrame({"queue_ns": np.geomspace(low_ns, high_ns, 200)}))
+        groups = re.findall(r'<g id="xtick_\d+">(.*?)\n    </g>\n', svg, re.S)
+        return ["".join(re.findall(r"<text[^>]*>([^<]*)</text>", group)) for group in groups]
+
+    wide = ticks(1e3, 5e6)  # 1 us to 5 ms: decades 1, 10, 100, 1000 us
+    assert wide == ["1", "10", "100", "1000"]
+    narrow = ticks(2e3, 9e3)  # 2-9 us: no decade inside, the minor ticks carry the scale
+    assert len(narrow) >= 5 and any(narrow)
+
+
 _DRAW_ALL = """
 import json, sys
 from pathlib import Path

@@ -24,12 +24,14 @@ from steplens.analyze.pipeline.workers import Workers
 class Hooks:
     """What a caller adds to a run; the pipeline itself renders nothing and prints nothing."""
 
-    # (folder, options, map_ranks, map_figures) -> findings: the analyses and whatever the caller writes beside
-    # them (the CLI's report); default: the analyses alone (runner.run)
+    # (folder, options, map_ranks, map_figures, announce) -> findings: the analyses and whatever the caller writes
+    # beside them (the CLI's report), calling announce(findings) once they exist; default: the analyses alone
+    # (runner.run)
     analyse: Callable | None = None
     progress: Callable[[Source], None] | None = None  # each input as it is parsed
     when_idle: Callable[[], None] | None = None  # work for this process while it would only wait for a worker
     record: Callable[[Staged], dict] | None = None  # run.json `rerun`, written with the result
+    findings: Callable[[Staged, dict], None] | None = None  # the findings, as soon as `analyse` announces them
 
 
 def run(run_dir: Path, out: Path | str | None = None, options: runner.Options | None = None, *, jobs: int | None = None,
@@ -50,7 +52,7 @@ def run(run_dir: Path, out: Path | str | None = None, options: runner.Options | 
             with workers, staged(run_dir, local_out, jobs=jobs, progress=hooks.progress, client=client, store=store,
                                  workers=workers, **stage_options) as stage:
                 if not ingest_only:
-                    findings = _analyse(stage.folder, options, workers, client, store, hooks)
+                    findings = _analyse(stage, options, workers, client, store, hooks)
                 stage.manifest["input_key"] = reuse_key
                 if hooks.record is not None and findings:
                     stage.manifest["rerun"] = hooks.record(stage)
@@ -64,7 +66,8 @@ def run(run_dir: Path, out: Path | str | None = None, options: runner.Options | 
     return result, findings
 
 
-def _analyse(folder: Path, options, workers: Workers, client, store, hooks: Hooks) -> dict:
+def _analyse(stage: Staged, options, workers: Workers, client, store, hooks: Hooks) -> dict:
+    folder = stage.folder
     if client is not None:
         from steplens.analyze.pipeline import cluster  # Dask only when asked for
 
@@ -74,4 +77,5 @@ def _analyse(folder: Path, options, workers: Workers, client, store, hooks: Hook
         map_figures = workers.map
     if hooks.analyse is None:
         return runner.run(folder, options, map_ranks)
-    return hooks.analyse(folder, options, map_ranks=map_ranks, map_figures=map_figures)
+    announce = functools.partial(hooks.findings, stage) if hooks.findings else None
+    return hooks.analyse(folder, options, map_ranks=map_ranks, map_figures=map_figures, announce=announce)

@@ -13,6 +13,7 @@ Input sets (each a folder of symlinks to the trace files only, under --cache):
                  (many small real ranks: each file's fixed cost dominates)
   small_single : .../ns_resolution_trace (1 real V100 rank, 15 MB raw: one small trace, where start-up,
                  the report's figures and the imports' memory dominate)
+  dlrm-1r      : the first dlrm_kineto rank alone (one real 1 MB trace: start-up and the report are nearly all)
 --quick: 4 ranks x 10 MB generated, trace_diff only, 1 run (smoke test).
 Each set, end to end, whole processes from a cold start (interpreter start-up and imports count):
 steplens `analyze RUN_DIR` (ingest + analyses + report) against HTA `TraceAnalysis(trace_dir=...)` +
@@ -23,7 +24,9 @@ Then, per set, where steplens's time goes: seconds per stage of one
 file (tests/benchmarks/stage_split.py: gunzip, JSON decode, column building, normalisation,
 step/launch linking, Parquet write), MB/s, and the ratio to the decode-only limit (gunzip + msgspec
 scanning the same bytes), and the floor of this design: imports, the decode-only limit over --jobs cores,
-the Parquet write and the report, with HTA's seconds over it (tests/benchmarks/floor.py). Then the
+the Parquet write and the report, with HTA's seconds over it (tests/benchmarks/floor.py). Before those, per set,
+start-up: `analyze`'s process start to its first parse against HTA's import, interleaved
+(tests/benchmarks/startup.py). Then the
 analyses' share of ingest time, an unchanged re-run against a
 fresh one, and steplens alone on 1, 2, 4, 8 rank subsets of the generated set: peak RSS should stay
 flat (<= --jobs files in flight).
@@ -274,6 +277,19 @@ def stage_split(name: str, files: list, runs: int) -> None:
               f"{r['mb'] / r['limit_s']:.0f} MB/s; steplens at {r['limit_s'] / total:.0%} of it\n", flush=True)
 
 
+def startup(name: str, d: Path, hta_py: str, runs: int) -> None:
+    """Process start to first parse of `analyze` (its imports and discovery) against HTA's import as a whole
+    process, cold starts interleaved (tests/benchmarks/startup.py)."""
+    done = subprocess.run([sys.executable, str(HERE / "startup.py"), str(d), "--runs", str(runs), "--hta-python", hta_py],
+                          check=True, capture_output=True, text=True)
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    ours, hta = statistics.median(r["analyze_s"]), statistics.median(r["hta_import_s"])
+    print(f"== {name}: start-up, process start to first parse (cold, interleaved, median (min-max) of {runs}): analyze "
+          f"{ours:.2f} s ({min(r['analyze_s']):.2f}-{max(r['analyze_s']):.2f}); HTA's `from hta.trace_analysis import "
+          f"TraceAnalysis` alone {hta:.2f} s ({min(r['hta_import_s']):.2f}-{max(r['hta_import_s']):.2f}): "
+          f"{ours / hta:.2f} of it (target < 1)\n", flush=True)
+
+
 def time_incremental(d: Path, jobs: int, runs: int) -> tuple[float, float]:
     """Median seconds of a fresh `analyze` and of the same command again with nothing changed."""
     fresh, again = [], []
@@ -327,6 +343,7 @@ def main() -> int:
                                              trace_files(CORPUS / "mtia_trace_single_rank"))))
         sets.append(("dlrm-32r", link_set(cache / "sets" / "dlrm-32r", trace_files(relabelled_set(cache, trace_files(DLRM), 4)))))
         sets.append(("small_single", link_set(cache / "sets" / "small_single", trace_files(CORPUS / "ns_resolution_trace"))))
+        sets.append(("dlrm-1r", link_set(cache / "sets" / "dlrm-1r", trace_files(DLRM)[:1])))
 
     if wanted is not None:
         sets = [(name, d) for name, d in sets if name in wanted]
@@ -337,6 +354,8 @@ def main() -> int:
     for name, d in sets:
         seconds[name] = bench_set(name, d, hta_py, runs, args.jobs, counts)
         counts_path.write_text(json.dumps(counts, indent=1))
+    for name, d in sets:
+        startup(name, d, hta_py, runs)
     for name, d in sets:
         stage_split(name, trace_files(d), runs)
         floor(name, d, seconds[name], args.jobs, runs)
