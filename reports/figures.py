@@ -217,6 +217,8 @@ def launch_delay(launches: pl.DataFrame) -> str:
         # Over more than a decade matplotlib labels no minor tick (LogFormatter's minor_thresholds): the unlabelled
         # marks were 40% of the figure's drawing time.
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    else:  # within a decade the minor ticks are labelled: as plain numbers too (the default writes math text)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.LogFormatter(labelOnlyBase=False))
     ax.set_xlabel("queueing: launch call end -> GPU start (µs, log)")
     ax.set_ylabel("device activities")
     return _svg(fig)
