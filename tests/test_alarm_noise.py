@@ -76,7 +76,7 @@ def test_the_h200_jobs_noise_alarms_are_not_raised_again(h200):
     assert rows[("throughput_drop", window_step)]["instrumented"] and not rows[("throughput_drop", window_step)]["post_hoc"]
     assert not rows[("loss_spike", 10)]["post_hoc"]  # a 0.6% change is not replayed as a spike
     findings = json.loads((h200 / "findings.json").read_text())
-    assert findings["alarms"]["on_instrumented_steps"] == 1 and findings["alarms"]["only_in_job"] == 1
+    assert findings["alarm_agreement"]["on_instrumented_steps"] == 1 and findings["alarm_agreement"]["only_in_job"] == 1
     monitor = pq.read_table(h200 / "monitor_alarms").to_pylist()
     assert not [r for r in monitor if r["rule"] == "loss_spike"]
     # every alarm is listed, in the report and in summary.md, not only counted

@@ -43,7 +43,7 @@ def test_straggler_rank_and_step_exact(analysed):
     stats = _table(out, "step_stats")
     found = stats.filter(pl.col("straggler_rank").is_not_null()).select("straggler_rank", "step").rows()
     assert found == [(s["rank"], s["step"]) for s in truth["stragglers"]]
-    assert [(s["rank"], s["step"]) for s in findings["stragglers"]] == found
+    assert [(s["rank"], s["step"]) for s in findings["steps"]["stragglers"]] == found
     # Aligned step wall time across ranks matches the true duration once clocks are aligned.
     for step, dur in stats.select("step", "aligned_dur_ns").iter_rows():
         assert abs(dur - truth["step_true_duration_ns"][str(step)]) <= 10_000
@@ -282,9 +282,9 @@ def test_odd_real_runs_analyse_without_crashing(tmp_path, folder):
     assert "findings" in result.output
     findings = json.loads((tmp_path / "o" / "findings.json").read_text())
     if folder.endswith("distributed_info_unavailable"):
-        assert "without NCCL/RCCL kernels" in findings["comms_note"]
+        assert "without NCCL/RCCL kernels" in findings["collectives"]["comms_note"]
     if folder.endswith("cpu_only"):
-        assert findings["comms_note"] == "no collectives in the traces" and findings["gpu_idle"]["idle_share"] is None
+        assert findings["collectives"]["comms_note"] == "no collectives in the traces" and findings["gpu_idle"]["idle_share"] is None
 
 
 def test_cli_reports_mfu_with_definition(tmp_path):
@@ -355,7 +355,7 @@ def test_step_missing_on_one_rank(tmp_path):
     assert stats.select("step", "ranks").rows() == [(1, 2), (2, 1), (3, 2)]
     offsets = pl.read_parquet(tmp_path / "run" / ".steplens" / "clock_offsets" / "part-0.parquet").sort("rank")
     assert offsets["method"].to_list() == ["reference", "none (no collectives to match)"]
-    assert findings["comms_note"] == "no collectives in the traces"
+    assert findings["collectives"]["comms_note"] == "no collectives in the traces"
 
 
 def test_printed_summary_and_findings_match_truth(tmp_path):
@@ -397,7 +397,8 @@ def test_printed_summary_and_findings_match_truth(tmp_path):
     # Most exposed collective: on the rank with the most exposed time, truth's exposure per (collective, nccl-tests size).
     per_rank = {rank: sum(c["exposed_ns"] for c in r["collectives"]) for rank, r in truth["ranks"].items()}
     worst = max(per_rank, key=per_rank.get)
-    assert findings["exposed_comm_rank"] == int(worst) and findings["exposed_comm_ns"] == per_rank[worst]
+    collectives = findings["collectives"]
+    assert collectives["exposed_comm_rank"] == int(worst) and collectives["exposed_comm_ns"] == per_rank[worst]
     # The sentence names the collective (name, nccl-tests size) whose most exposed rank has the most exposed time,
     # and that rank (the Collectives table's first row): truth's exposure per rank and collective.
     exposed = {}

@@ -113,7 +113,7 @@ def test_alarms_table_and_the_replay_in_analyze_agree(alarm_run):
     # A straggler step is judged in the job once the other rank's part is on disk: the job may see fewer.
     stragglers = agreement.filter(pl.col("rule") == "straggler")
     assert stragglers.filter(pl.col("in_job") & ~pl.col("post_hoc")).is_empty()
-    assert findings["alarms"]["in_job"] == len(got) and findings["alarms"]["only_in_job"] == 0
+    assert findings["alarm_agreement"]["in_job"] == len(got) and findings["alarm_agreement"]["only_in_job"] == 0
 
 
 def test_alarms_reach_the_pushgateway(alarm_run, pushgateway):

@@ -154,7 +154,8 @@ def test_multimem_all_reduce_is_a_collective_with_exposure(tmp_path):
         "allreduce", None, 100_000, 30_000, 70_000)
     categories = dict(_table(out, "kernel_categories").select("category", "time_ns").iter_rows())
     assert categories == {"communication": 100_000, "gemm": 60_000}
-    assert findings["most_exposed_collective"]["op"] == "allreduce" and findings["exposed_comm_ns"] == 70_000
+    collectives = findings["collectives"]
+    assert collectives["most_exposed_collective"]["op"] == "allreduce" and collectives["exposed_comm_ns"] == 70_000
 
 
 def test_exposed_communication_is_per_rank_never_summed(tmp_path):
@@ -164,9 +165,10 @@ def test_exposed_communication_is_per_rank_never_summed(tmp_path):
                   _kernel(10, dur, 1, stream=20, name="ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)")]
         write_trace(tmp_path / "run" / f"rank{rank}.json", events, distributedInfo={"rank": rank, "world_size": 2})
     _, findings, _ = _analyse(tmp_path / "run")
-    assert findings["exposed_comm_ns"] == 100_000 and findings["exposed_comm_rank"] == 0
-    assert findings["exposed_comm_median_rank_ns"] == 80_000
-    assert findings["most_exposed_collective"]["rank"] == 0 and findings["most_exposed_collective"]["exposed_ns"] == 100_000
+    collectives = findings["collectives"]
+    assert collectives["exposed_comm_ns"] == 100_000 and collectives["exposed_comm_rank"] == 0
+    assert collectives["exposed_comm_median_rank_ns"] == 80_000
+    assert collectives["most_exposed_collective"]["rank"] == 0 and collectives["most_exposed_collective"]["exposed_ns"] == 100_000
 
 
 def test_blocking_copy_queue_is_never_negative_in_the_summary(tmp_path):

@@ -187,7 +187,7 @@ def test_trace_shapes_alone_give_the_mfu_named_as_such(tmp_path):
 
 def test_world_size_one_has_no_bus_bandwidth_and_names_its_backend(tmp_path):
     findings = _findings(H200 / "z3_released", tmp_path)
-    logged = findings["logged_comms"]
+    logged = findings["comms_log"]
     assert logged["no_op"] is True and logged["median_busbw_gbps"] is None and logged["group_size"] == 1
     stats = pq.read_table(tmp_path / "out" / "comms_log_stats").to_pylist()
     assert all(r["median_busbw_gbps"] is None for r in stats)

@@ -120,7 +120,8 @@ def test_no_communication_is_said_not_nan(analysed):
     hta = pl.read_csv(FIXTURES / "mi300_qwen" / "comm_comp_overlap.csv")
     assert hta["comp_comm_overlap_pctg"].null_count() == 1  # HTA: NaN
     _, findings = analysed("mi300_qwen")
-    assert findings["most_exposed_collective"] is None and findings["comms_note"] == "no collectives in the traces"
+    collectives = findings["collectives"]
+    assert collectives["most_exposed_collective"] is None and collectives["comms_note"] == "no collectives in the traces"
 
 
 def test_no_gpu_op_is_dropped(analysed):

@@ -65,13 +65,13 @@ def test_an_a100_rank_of_8_and_a_v100_rank_of_2_are_not_aligned_as_one_job(tmp_p
     assert offsets["method"].to_list() == [
         "reference", "refused: its trace records world size 8, rank 1's 2: ranks of different jobs"]
     assert offsets["offset_ns"].to_list() == [0, None]
-    assert findings["clock_alignment"] == {"reference_rank": 1, "refused": [
+    assert findings["steps"]["clock_alignment"] == {"reference_rank": 1, "refused": [
         {"rank": 3, "reason": "its trace records world size 8, rank 1's 2: ranks of different jobs"}]}
     # Not drawn as one step, no aligned wall time across the two, nobody waited for anybody.
     assert _table(out, "step_timeline")["rank"].unique().to_list() == [1]
     times = _table(out, "step_times")
     assert times.filter(pl.col("rank") == 3)["aligned_start_ns"].null_count() == times.filter(pl.col("rank") == 3).height
-    assert findings["stragglers"] == [] and _table(out, "step_stats")["straggler_rank"].null_count() == 6
+    assert findings["steps"]["stragglers"] == [] and _table(out, "step_stats")["straggler_rank"].null_count() == 6
     assert ("Not one job: rank 3's trace is not aligned with rank 1's (its trace records world size 8, rank 1's 2: ranks "
             "of different jobs); its steps are not drawn on one clock with the others and no straggler is named across "
             "them.") in finding_lines(findings)
@@ -104,7 +104,7 @@ def test_without_world_sizes_the_clocks_still_tell_two_jobs_apart(tmp_path):
     reason = (f"offset {offset_ns / 1e9:,.3f} s known only to ± {half_range_ns / 1e6:,.1f} ms, more than a step "
               f"({step_ns / 1e6:,.1f} ms): its collectives do not end with rank 1's, so they are not one job's")
     assert offsets["method"][1] == "refused: " + reason
-    assert findings["clock_alignment"]["refused"] == [{"rank": 3, "reason": reason}]
+    assert findings["steps"]["clock_alignment"]["refused"] == [{"rank": 3, "reason": reason}]
 
 
 @pytest.mark.parametrize("folder", ["param/dlrm_kineto", "HolisticTraceAnalysis/trace_filter"])
@@ -118,7 +118,7 @@ def test_the_real_ranks_of_one_job_still_align(tmp_path, folder):
     offsets = _table(run / ".steplens", "clock_offsets").sort("rank")
     reference = min(docs)
     assert offsets["method"].to_list() == ["reference"] + ["collective end times"] * (len(docs) - 1)
-    assert "clock_alignment" not in findings
+    assert "clock_alignment" not in findings["steps"]
     ref = _nccl_ends_us(docs[reference])
     for rank, offset_ns, uncertainty_ns in offsets.filter(pl.col("rank") != reference).select(
             "rank", "offset_ns", "uncertainty_ns").iter_rows():

@@ -2,6 +2,7 @@
 and a new analysis reaching findings.json, its table and every renderer with one registration."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -107,3 +108,20 @@ def test_finding_keys_name_the_analysis_that_made_them_and_the_former_keys_repea
         assert value == (findings[name] if inner is None else findings[name][inner]), key
     # each analysis table is written by the analysis of its declaration; the gpu_idle analysis writes gpu_idle
     assert "gpu_idle" in next(a for a in ANALYSES if a.name == "gpu_idle").writes
+
+
+def test_no_other_test_reads_the_former_findings_keys():
+    """The keys steplens 0.1 wrote go in 0.3: the tests read each finding under its analysis's name; only the test
+    above, which checks that the former keys still repeat it, reads them."""
+    from steplens.analyze.analyses import ANALYSES
+
+    former = sorted({old for analysis in ANALYSES for old in analysis.former_keys})
+    assert former  # the keys to look for come from the registry, not from this test
+    keys = "|".join(map(re.escape, former))
+    # findings["stragglers"], findings.get("stragglers", f["stragglers"], in either quote
+    read = re.compile(rf"""\b(?:findings\[|findings\.get\(|f\[)\s*(["'])(?:{keys})\1""")
+    tests = Path(__file__).resolve().parent
+    found = [f"{path.relative_to(tests)}:{number}: {line.strip()}"
+             for path in sorted([*tests.glob("*.py"), *(tests / "gpu").glob("*.py")]) if path.name != "test_registry.py"
+             for number, line in enumerate(path.read_text().splitlines(), 1) if read.search(line)]
+    assert not found, "tests reading findings by a former key:\n" + "\n".join(found)

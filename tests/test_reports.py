@@ -56,11 +56,11 @@ def test_analyze_writes_report_and_summary_with_the_truths_numbers(generated):
     html = (out / "report.html").read_text()
     summary = (out / "summary.md").read_text()
     findings = json.loads((out / "findings.json").read_text())
-    straggler = findings["stragglers"][0]
+    straggler = findings["steps"]["stragglers"][0]
     assert (straggler["rank"], straggler["step"]) == (1, 13)  # the generator's truth
     for text in (html, summary):
         assert "Straggler: rank 1 in step 13" in text
-    slow = findings["slowest_step"]
+    slow = findings["step_time"]["slowest_step"]
     for text in (html, summary):  # the whole run's slowest step, beyond its step-to-step noise
         assert f"Slowest step: step {slow['step']} on rank {slow['rank']}" in text
     for section in ("Verdict", "Where one step's time went", "Run and environment", "Step time over the run", "CPU vs GPU",
@@ -405,7 +405,7 @@ def test_a_step_from_the_logs_is_also_named_as_the_log_prints_it(tmp_path, corpu
     shutil.copytree(CORPUS / "Megatron-DeepSpeed", run)
     out = _analyse(run)
     findings = json.loads((out / "findings.json").read_text())
-    slow = findings["slowest_step"]
+    slow = findings["step_time"]["slowest_step"]
     log = next(run.rglob("*.log")).read_text()
     elapsed = {int(n): float(ms) for n, ms in re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): "
                                                           r"([\d.]+)", log)}

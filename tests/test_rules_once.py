@@ -81,7 +81,7 @@ def test_a_log_that_disagrees_with_the_traces_on_world_size_is_told_and_the_anal
     told = [i for i in source_named(manifest, log.name)["issues"] if i[1] == "world_size_mismatch"]
     assert len(told) == 1 and told[0][0] == "warning"
     assert f"world size {stated}, the traces {traced}" in told[0][3]
-    assert f"world size {traced} (" in findings["comms_note"]
+    assert f"world size {traced} (" in findings["collectives"]["comms_note"]
 
 
 def test_without_traces_the_run_facts_give_the_world_size_and_say_which_input(tmp_path):

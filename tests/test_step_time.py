@@ -119,7 +119,7 @@ def test_steady_run_step_time_from_train_steps(ds_steady_run, steady):
             in line)
     assert f"over {expected['steps']} of {REALRUN_STEADY_STEPS} steps, from the collector's train_steps" in line
     assert not any(line.startswith("Profiled step") for line in lines)  # no profiler window in this job
-    assert "profiled_steps" not in findings
+    assert "profiled_steps" not in findings["step_time"]
 
 
 def test_slowest_step_only_beyond_noise(ds_steady_run, steady):
@@ -132,13 +132,13 @@ def test_slowest_step_only_beyond_noise(ds_steady_run, steady):
     bound = median + max(3.5 * mad / 0.6745, 0.05 * median)
     slowest = max(kept, key=lambda s: (kept[s], -s))
     if kept[slowest] > bound:
-        slow = findings["slowest_step"]
+        slow = findings["step_time"]["slowest_step"]
         assert (slow["step"], slow["dur_ns"], slow["median_step_ns"]) == (slowest, kept[slowest], round(median))
         assert round(bound) == slow["noise_bound_ns"]
         assert (f"Slowest step: step {slowest} on rank {slow['rank']}, {shown(kept[slowest])} against a median of "
                 f"{shown(median)}") in "\n".join(lines)
     else:
-        assert "slowest_step" not in findings
+        assert "slowest_step" not in findings["step_time"]
         assert not any(line.startswith("Slowest step") for line in lines)
 
 
@@ -173,7 +173,7 @@ def test_profiled_window_placed_in_the_run(ds_instrumented_run, instrumented):
     job = REALRUN_INSTRUMENTED
     active_step = job["skip_first"] + job["window"][0] + job["window"][1]
     assert sorted(windows) == [active_step]
-    placed = findings["profiled_steps"]
+    placed = findings["step_time"]["profiled_steps"]
     times = collector_step_times(ds_instrumented_run)
     assert placed["steps"][0]["step"] == active_step
     assert placed["steps"][0]["profiler_dur_ns"] == windows[active_step]
@@ -315,7 +315,7 @@ def test_fp16_overflow_skips_from_a_deepspeed_chat_log(corpus, tmp_path):
     last = re.findall(r"\] step=(\d+), skipped=(\d+),", (tmp_path / "run" / "train.log").read_text(errors="replace"))[-1]
     done, skipped = int(last[0]), int(last[1])
     findings, lines = analyse(tmp_path / "run", tmp_path / "out")
-    overflow = findings["fp16_overflow"]
+    overflow = findings["step_time"]["fp16_overflow"]
     assert (overflow["skipped_steps"], overflow["steps"]) == (skipped, done)
     assert overflow["frequent"] is (skipped / done >= 0.05)
     assert any(line.startswith("fp16 overflow") for line in lines) is overflow["frequent"]
@@ -336,7 +336,7 @@ def test_traces_only_run_takes_step_time_from_the_profiler_windows(corpus, tmp_p
     assert (block["source"], block["steps"], block["median_ns"], block["max_ns"], block["max_step"]) == \
         ("profiler_steps", 1, ns, ns, step)
     assert f"Step time: {shown(ns)} (step {step}, the only one of 1 kept), from the profiled steps." in lines
-    assert "profiled_steps" not in findings and "slowest_step" not in findings  # one step: nothing to compare with
+    assert "profiled_steps" not in block and "slowest_step" not in block  # one step: nothing to compare with
 
 
 def test_damaged_schedule_and_config_values_mark_nothing_and_cost_nothing():

@@ -22,14 +22,14 @@ def test_no_straggler_in_noise(tmp_path, ranks):
     truth = generate_run(tmp_path / "run", ranks=ranks, steps=8, seed=3)
     assert truth["stragglers"] == []
     findings = analyse(tmp_path / "run", tmp_path / "out")
-    assert findings["stragglers"] == []
+    assert findings["steps"]["stragglers"] == []
 
 
 def test_one_late_rank_in_one_step_beyond_the_rank_spread(tmp_path):
     truth = generate_run(tmp_path / "run", ranks=8, steps=6, seed=4, stragglers=[(3, 12)])
     findings = analyse(tmp_path / "run", tmp_path / "out")
-    assert [(s["rank"], s["step"]) for s in findings["stragglers"]] == [(s["rank"], s["step"]) for s in truth["stragglers"]]
-    assert findings["stragglers"][0]["decided_by"].startswith("beyond_rank_spread: ")
+    assert [(s["rank"], s["step"]) for s in findings["steps"]["stragglers"]] == [(s["rank"], s["step"]) for s in truth["stragglers"]]
+    assert findings["steps"]["stragglers"][0]["decided_by"].startswith("beyond_rank_spread: ")
 
 
 def test_the_same_rank_last_in_every_step(tmp_path):
@@ -39,10 +39,10 @@ def test_the_same_rank_last_in_every_step(tmp_path):
     generate_run(tmp_path / "run", ranks=2, steps=steps, seed=5, first_step=first, straggler_factor=1.5,
                  stragglers=[(1, s) for s in range(first, first + steps)])
     findings = analyse(tmp_path / "run", tmp_path / "out")
-    assert {(s["rank"], s["step"]) for s in findings["stragglers"]} == {(1, s) for s in range(first, first + steps)}
+    assert {(s["rank"], s["step"]) for s in findings["steps"]["stragglers"]} == {(1, s) for s in range(first, first + steps)}
     p_value = sum(comb(steps, k) for k in range(steps, steps + 1)) / 2 ** steps
     assert all(s["decided_by"].startswith(f"same_rank_last: rank 1 was last in {steps} of {steps} steps")
-               and f"p = {p_value:.2g}" in s["decided_by"] for s in findings["stragglers"])
+               and f"p = {p_value:.2g}" in s["decided_by"] for s in findings["steps"]["stragglers"])
 
 
 def test_two_ranks_one_late_step_beyond_the_run_noise(tmp_path):
@@ -50,8 +50,8 @@ def test_two_ranks_one_late_step_beyond_the_run_noise(tmp_path):
     dwarfs their wait in every other step of the run."""
     truth = generate_run(tmp_path / "run", ranks=2, steps=6, seed=7, stragglers=[(1, 12)])
     findings = analyse(tmp_path / "run", tmp_path / "out")
-    assert [(s["rank"], s["step"]) for s in findings["stragglers"]] == [(s["rank"], s["step"]) for s in truth["stragglers"]]
-    assert findings["stragglers"][0]["decided_by"].startswith("beyond_step_noise: the others waited ")
+    assert [(s["rank"], s["step"]) for s in findings["steps"]["stragglers"]] == [(s["rank"], s["step"]) for s in truth["stragglers"]]
+    assert findings["steps"]["stragglers"][0]["decided_by"].startswith("beyond_step_noise: the others waited ")
 
 
 def test_binomial_tail_matches_the_exact_sum():
