@@ -22,7 +22,7 @@ import polars as pl
 from markupsafe import Markup
 
 from steplens.analyze.analyses import ANALYSES
-from steplens.analyze.contract.text import text_value
+from steplens.analyze.contract.text import sentence, text_value
 
 from .data import Run, kernel_labels, load, ms, size, write_atomic
 from .verdict import NUMERATOR_SHORT, STEP_SOURCE_WORDS, first_screen, verdict
@@ -110,8 +110,7 @@ def _drawn(sections: list[dict], drawer) -> list[dict]:
 
 def _kernel_cells(frame: pl.DataFrame, column: str, limit: int) -> dict[str, Cell]:
     """A kernel column's cells: each shown name's base name, the full demangled name in its tooltip."""
-    labels = kernel_labels([row[column] for row in frame[:limit]] if isinstance(frame, list)
-                           else frame.head(limit)[column].to_list())
+    labels = kernel_labels(frame.head(limit)[column].to_list())
     return {name: Cell(label, name) for name, label in labels.items()}
 
 
@@ -125,7 +124,7 @@ class Section(dict):
     An analysis builds its own in its `section(page, run)` (page: this module's PAGE)."""
 
     def __init__(self, title: str, anchor: str, empty: str | None = None, **extra):
-        super().__init__(title=title, id=anchor, empty=empty, blocks=[], tables=[], **extra)
+        super().__init__(title=title, id=anchor, empty=empty, blocks=[], **extra)
 
     def text(self, line: str) -> None:
         self["blocks"].append(("text", line))
@@ -136,7 +135,6 @@ class Section(dict):
 
     def table(self, table: dict) -> None:
         self["blocks"].append(("table", table))
-        self["tables"].extend(name.strip() for name in table["table"].split(","))
 
     def rows(self, frame: pl.DataFrame | list[dict], columns: dict[str, tuple[str, object]], table: str,
              limit: int = TABLE_ROWS) -> None:
@@ -214,10 +212,6 @@ def _no_traces(run: Run) -> str | None:
         return None
     return ("No profiler traces in this run (logs, monitors or collector output only): the per-rank step picture, "
             "CPU vs GPU, kernels and collective kernels need torch.profiler traces.")
-
-
-def _sentence(note: str) -> str:
-    return note[0].upper() + note[1:] + ("" if note.endswith(".") else ".")
 
 
 def _by_unit(column: str):
@@ -375,7 +369,7 @@ def _shown(run: Run, device_work: bool, name: str, sections: list[dict]) -> list
         return sections
     unrecorded = traced and (run.findings.get("gpu_idle") or {}).get("runtime_calls_without_device_work")
     if name == "step_breakdown":
-        empty = (_no_traces(run) if not traced else _sentence(run.findings["gpu_idle"]["note"]) if unrecorded
+        empty = (_no_traces(run) if not traced else sentence(run.findings["gpu_idle"]["note"]) if unrecorded
                  else NO_DEVICE_WORK)
         return [Section("Where one step's time went", "time", empty=empty, module=sections[0]["module"])]
     if name in DEVICE_PICTURES or (name == "collectives" and unrecorded):  # no collective kernels could be seen

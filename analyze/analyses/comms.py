@@ -18,6 +18,7 @@ from steplens.analyze.analyses.launch import enclosing_op
 from steplens.analyze.analyses.summaries import collective_summary
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.analyses import profiler_effect
+from steplens.analyze.contract.text import sentence
 from steplens.analyze.contract.units import binary_bytes, duration
 from steplens.analyze.contract import schema
 
@@ -231,7 +232,7 @@ def collectives_section(page, run):
     summary, sites, logged = run.table("collective_summary"), run.table("collective_call_sites"), run.table("comms_log_stats")
     if summary.is_empty() and logged.is_empty():
         note = (run.findings.get("collectives") or {}).get("comms_note") or "No collectives recorded."
-        return page.section("Collectives", "collectives", empty=note[0].upper() + note[1:] + ("" if note.endswith(".") else "."))
+        return page.section("Collectives", "collectives", empty=sentence(note))
     section = page.section("Collectives", "collectives")
     if not summary.is_empty():
         if summary["busbw_median_gbps"].is_not_null().any():

@@ -39,6 +39,7 @@ from steplens.analyze.contract.schema import ALL_STREAMS, WORK_KINDS
 from steplens.analyze.trace import intervals
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.analyses import profiler_effect
+from steplens.analyze.contract.text import sentence
 from steplens.analyze.contract import schema
 
 SYNC_API = r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^(cuda|hip)Memcpy(To|From)Symbol$|^cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?$"
@@ -259,7 +260,7 @@ IDLE_CAUSE_WORDS = {"host_bound": "host-bound: the GPU waited for the CPU to lau
 
 def gpu_idle_lines(idle: dict, findings: dict) -> list[str]:
     if idle.get("no_traces"):
-        return [f"{idle['no_traces'][0].upper()}{idle['no_traces'][1:]}."]
+        return [sentence(idle["no_traces"])]
     if idle.get("runtime_calls_without_device_work"):
         return [f"GPU idle: not measured: {idle['note']}."]
     if idle.get("idle_share") is None:

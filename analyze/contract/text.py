@@ -61,3 +61,8 @@ def text_value(value) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k}: {text_value(v)}" for k, v in value.items())
     return str(value)
+
+
+def sentence(note: str) -> str:
+    """A note as a sentence: a capital first letter and one full stop."""
+    return note[0].upper() + note[1:] + ("" if note.endswith(".") else ".")
