@@ -145,7 +145,11 @@ def flow_links(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue
     if unmatched_starts:
         issues.append(Issue("info", "flow_without_end", unmatched_starts,
                             "flow starts whose end is outside the trace window (e.g. a launch whose kernel was not recorded)"))
-    slices = events.select("event_id", "pid", "tid", "ts_ns", "dur_ns").filter(pl.col("dur_ns").is_not_null())
+    # Only the slices starting where a flow end lies can bind one (a third of the time on a real A100 rank)
+    ends_at = pl.concat([pairs.select("pid", "tid", "ts_ns"),
+                         pairs.select(pid="pid_dst", tid="tid_dst", ts_ns="ts_ns_dst")]).unique()
+    slices = events.select("event_id", "pid", "tid", "ts_ns", "dur_ns").filter(pl.col("dur_ns").is_not_null()).join(
+        ends_at, on=["pid", "tid", "ts_ns"], how="semi", maintain_order="left")
     # The shortest slice at each start (the first written among equals); a filter finds them in half a unique's time
     innermost = slices.sort("dur_ns", maintain_order=True).filter(pl.struct("pid", "tid", "ts_ns").is_first_distinct()).drop("dur_ns")
     src = innermost.rename({"event_id": "src_event_id"})

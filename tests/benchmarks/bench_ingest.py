@@ -143,6 +143,8 @@ def run_steplens(d: Path, jobs: int) -> dict:
 ANALYSES = """
 import sys, time
 from pathlib import Path
+from steplens.analyze.pipeline.workers import keep_pandas_out_of_pyarrow
+keep_pandas_out_of_pyarrow()  # as analyze's own process does
 from steplens.analyze.analyses import runner
 from steplens.reports import html, markdown
 started = time.perf_counter()
@@ -362,7 +364,7 @@ def main() -> int:
 
     ingest_s, analyses_s, report_s, report_bytes = time_analyses(sets[0][1], args.jobs, runs)
     print(f"== analyses on {sets[0][0]} (reading Parquet): {analyses_s:.2f} s = {analyses_s / ingest_s:.1%} of its ingest "
-          f"time {ingest_s:.2f} s (target <= 5%)", flush=True)
+          f"time {ingest_s:.2f} s (target <= 20%)", flush=True)
     print(f"== report.html + summary.md from Parquet: {report_s:.2f} s (ingest {ingest_s:.2f} s); "
           f"report.html {report_bytes / 1e6:.2f} MB", flush=True)
     fresh_s, again_s = time_incremental(sets[0][1], args.jobs, runs)
