@@ -14,6 +14,9 @@ Input sets (each a folder of symlinks to the trace files only, under --cache):
   small_single : .../ns_resolution_trace (1 real V100 rank, 15 MB raw: one small trace, where start-up,
                  the report's figures and the imports' memory dominate)
   dlrm-1r      : the first dlrm_kineto rank alone (one real 1 MB trace: start-up and the report are nearly all)
+  with_stack   : the 2 rank traces of a real CPU DeepSpeed job (tests/realrun, ZeRO-2, gloo) profiled for 30 steps
+                 with Python stacks (with_stack), about 100-150 MB raw a rank, mostly python_function events;
+                 made once under --cache (needs the [collect] extra: torch and deepspeed), skipped without it
 --quick: 4 ranks x 10 MB generated, trace_diff only, 1 run (smoke test).
 Each set, end to end, whole processes from a cold start (interpreter start-up and imports count):
 steplens `analyze RUN_DIR` (ingest + analyses + report) against HTA `TraceAnalysis(trace_dir=...)` +
@@ -35,6 +38,7 @@ directory.
 """
 import argparse
 import gzip
+import importlib.util
 import json
 import os
 import re
@@ -80,6 +84,26 @@ def generate(cache: Path, ranks: int, mb: int) -> Path:
                         "--seed", "0"], check=True)
         (out / ".done").touch()
     return out
+
+
+WITH_STACK_JOB = ("--zero_stage", "2", "--steps", "34", "--model", "256,64,4,4", "--profile_window", "0,1,30,1",
+                  "--profile_skip_first", "1", "--profile_stack", "--profile_modules")
+
+
+def with_stack_traces(cache: Path) -> list:
+    """The rank traces of a real 2-rank CPU DeepSpeed job profiled with Python stacks (made once; [] without
+    torch and deepspeed)."""
+    out = cache / "with_stack-job"
+    if not (out / ".done").exists():
+        if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("torch") is None:
+            print("with_stack: skipped (torch and deepspeed are not installed: pip install -e '.[collect]')")
+            return []
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"running a 2-rank CPU DeepSpeed job with with_stack into {out} ...", flush=True)
+        subprocess.run([sys.executable, str(REPO / "tests" / "realrun" / "launch.py"), str(out), *WITH_STACK_JOB],
+                       check=True, capture_output=True)
+        (out / ".done").write_text("")
+    return trace_files(out / "traces")
 
 
 def relabelled_copies(cache: Path, source: Path, ranks: int) -> Path:
@@ -230,7 +254,7 @@ def bench_set(name, d, hta_py, runs, jobs, counts):
     print(f"   (whole processes from a cold start; HTA's own load step alone {hta_load:.2f} s; it kept "
           f"{hta_rows:,.0f} rows after its own filtering{'; analyses that raised: ' + ', '.join(failed) if failed else ''})")
     s_sl, s_hta = med(sl, "seconds"), med(hta, "seconds")
-    print(f"   end to end: HTA seconds / steplens seconds = {s_hta / s_sl:.1f}x (target >= 10)")
+    print(f"   end to end: HTA seconds / steplens seconds = {s_hta / s_sl:.1f}x (target >= {END_TO_END_TARGET.get(name, 1)})")
     print(f"   peak RSS: steplens / HTA = {med(sl, 'peak_rss_mb') / med(hta, 'peak_rss_mb'):.2f} (target <= 1)\n",
           flush=True)
     return s_sl, s_hta
@@ -254,6 +278,12 @@ def floor(name: str, d: Path, seconds: tuple[float, float], jobs: int, runs: int
           f"steplens's {s_sl:.2f} s is {s_sl / r['floor_s']:.1f}x its floor\n", flush=True)
 
 
+# Issue 40's targets per set: HTA seconds / steplens seconds end to end, and parse MB/s per core (None: no target).
+# "Never slower than HTA" holds for every set; 1.5x on small inputs, 5x and 10x on the large real sets.
+END_TO_END_TARGET = {"real-8r": 10, "trace_diff": 5, "mtia_single": 5, "dlrm-8r": 1.5, "dlrm-1r": 1.5}
+PARSE_TARGET_MB_S = {"mtia_single": 150, "with_stack": 100}  # the heaviest corpus trace; a trace recorded with stacks
+
+
 STAGES = (("gunzip", "gunzip"), ("decode", "JSON decode"), ("columns", "column building"),
           ("normalise", "normalisation"), ("semantics", "step/launch linking"), ("parquet", "Parquet write"))
 
@@ -274,7 +304,8 @@ def stage_split(name: str, files: list, runs: int) -> None:
         for key, label in STAGES:
             seconds = r[f"{key}_s"]
             print(f"   {label:<22}{seconds:>9.3f}{seconds / total:>8.0%}{r['mb'] / seconds if seconds else float('inf'):>9.0f}")
-        print(f"   {'total':<22}{total:>9.3f}{'':>8}{r['mb'] / total:>9.1f}  (target >= 100 MB/s per core)")
+        target = f"  (target >= {PARSE_TARGET_MB_S[name]} MB/s per core)" if name in PARSE_TARGET_MB_S else ""
+        print(f"   {'total':<22}{total:>9.3f}{'':>8}{r['mb'] / total:>9.1f}{target}")
         print(f"   decode-only limit (gunzip + msgspec scan of traceEvents): {r['limit_s']:.3f} s = "
               f"{r['mb'] / r['limit_s']:.0f} MB/s; steplens at {r['limit_s'] / total:.0%} of it\n", flush=True)
 
@@ -346,6 +377,8 @@ def main() -> int:
         sets.append(("dlrm-32r", link_set(cache / "sets" / "dlrm-32r", trace_files(relabelled_set(cache, trace_files(DLRM), 4)))))
         sets.append(("small_single", link_set(cache / "sets" / "small_single", trace_files(CORPUS / "ns_resolution_trace"))))
         sets.append(("dlrm-1r", link_set(cache / "sets" / "dlrm-1r", trace_files(DLRM)[:1])))
+        if (wanted is None or "with_stack" in wanted) and (stacked := with_stack_traces(cache)):
+            sets.append(("with_stack", link_set(cache / "sets" / "with_stack", stacked)))
 
     if wanted is not None:
         sets = [(name, d) for name, d in sets if name in wanted]
