@@ -547,7 +547,11 @@ def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl
         pl.col("ts_ns").filter(is_event), maintain_order=True))
     events = raw[in_order.to_series()]
     flows = raw.select("ph", "cat", "pid", "tid", "ts_ns", "flow_id").filter(is_flow)
-    kind_of_cat = pl.col("cat").str.to_lowercase().replace_strict(CATEGORY_KINDS, default="other")
+    # Mapped once per distinct category (a handful), not per event: half the time of this stage's columns
+    cats = events.select(pl.col("cat").unique().drop_nulls())
+    kind_of = dict(cats.with_columns(pl.col("cat").str.to_lowercase().replace_strict(CATEGORY_KINDS, default="other")
+                                     .alias("kind")).iter_rows())  # rowwise-ok: per distinct category
+    kind_of_cat = pl.col("cat").replace_strict(kind_of, default="other", return_dtype=pl.String)
     kind = pl.when(pl.col("name") == MEMORY_EVENT_NAME).then(pl.lit("memory")).otherwise(kind_of_cat)
     events = events.with_columns(
         kind=kind.fill_null("other"),
@@ -626,7 +630,9 @@ def decode(path: Path) -> DecodedTrace:
         issues.append(Issue("warning", "unrepresentable_value", n,
                             f"'{column}' values that are not in range for their meaning; stored as null, e.g. {example}"))
 
-    raw = pl.concat(chunks, how="vertical_relaxed", rechunk=False) if chunks else _columns([], counters)
+    # One contiguous copy: putting events in time order gathers every column, and a gather across the
+    # windows' chunks costs 3-4x a rechunk and a gather (with_stack rank, 372k rows: 39 -> 10 ms)
+    raw = pl.concat(chunks, how="vertical_relaxed", rechunk=True) if chunks else _columns([], counters)
     del chunks  # each stage drops its input as soon as it is done: peak memory is about two copies
     _return_freed_memory()
     base_ns = _base_time_ns(metadata, issues)
