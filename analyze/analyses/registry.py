@@ -138,9 +138,14 @@ def ordered(analyses: list[Analysis]) -> list[Analysis]:
 
 def conformed(frame: pl.DataFrame, spec: tuple[pa.Schema, dict[str, str]], table: str) -> pl.DataFrame:
     """`frame` with exactly the declared columns, in order and type (an empty result: typed and empty)."""
+    return pl.from_arrow(conformed_arrow(frame, spec, table))
+
+
+def conformed_arrow(frame: pl.DataFrame, spec: tuple[pa.Schema, dict[str, str]], table: str) -> pa.Table:
+    """conformed, as the Arrow table that is written (cast once: the Parquet writer takes it as it is)."""
     arrow_schema = spec[0]
     if frame.is_empty():
-        return pl.from_arrow(arrow_schema.empty_table())
+        return arrow_schema.empty_table()
     if missing := [name for name in arrow_schema.names if name not in frame.columns]:
         raise KeyError(f"analysis table {table} lacks columns {missing}")
-    return pl.from_arrow(frame.select(arrow_schema.names).to_arrow().cast(arrow_schema))
+    return frame.select(arrow_schema.names).to_arrow().cast(arrow_schema)
