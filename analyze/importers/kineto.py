@@ -529,8 +529,9 @@ def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl
     phase = pl.col("ph")
     is_event = phase.is_in(["X", "i", "I"]) & pl.col("ts_ns").is_not_null()
     is_flow = phase.is_in(["s", "f", "t"]) & pl.col("ts_ns").is_not_null()
-    counts = raw.group_by("ph", maintain_order=True).len()  # issues in the order of the file
-    ignored = counts.filter(~pl.col("ph").is_in(["X", "i", "I", "s", "f", "t", "M"]) | pl.col("ph").is_null())
+    # Issues in the order of the file; grouped after the filter (usually nothing left), not before
+    ignored = raw.select("ph").filter(~phase.is_in(["X", "i", "I", "s", "f", "t", "M"]) | phase.is_null()).group_by(
+        "ph", maintain_order=True).len()
     for ph, n in ignored.iter_rows():
         issues.append(Issue("info", "unsupported_phase", n, f"events with ph={ph!r} are not complete/instant/flow events; skipped"))
     # Counted, not filtered: a filter copies every column
