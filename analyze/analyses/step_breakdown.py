@@ -57,10 +57,10 @@ def step_breakdown_tables(read_launches: Callable[[int], pl.DataFrame], ranks: l
         offsets.filter(pl.col("method").str.starts_with(steps.REFUSED_PREFIX))["rank"].to_list())
     breakdowns, timelines = [], []
     for rank in ranks:
-        lanes = _lanes(_work(read_launches(rank), comm_ids))
-        breakdowns += [_breakdown(work, lane) for work, lane in lanes]
-        if slowest is not None and rank not in refused:
-            timelines += [_timeline(work, lane, slowest, offset_of.get(rank, 0)) for work, lane in lanes]
+        for lane in _lanes(_work(read_launches(rank), comm_ids)):
+            breakdowns.append(lane.breakdown())
+            if slowest is not None and rank not in refused:
+                timelines.append(lane.timeline(slowest, offset_of.get(rank, 0)))
     breakdowns = [b for b in breakdowns if not b.is_empty()]
     if not breakdowns:
         return {"step_breakdown": pl.DataFrame(schema=BREAKDOWN_SCHEMA), "step_timeline": pl.DataFrame(schema=TIMELINE_SCHEMA)}
@@ -89,50 +89,60 @@ def _work(launched: pl.DataFrame, comm_ids: pl.DataFrame) -> pl.DataFrame:
 
 
 class _Lane:
-    """One device timeline (rank, window, device): the union of all its work and of its compute."""
+    """One device timeline (rank, window, device): the union of all its work and of its compute, and the
+    span of each of its steps (first start to last end of the work launched in it)."""
 
-    def __init__(self, work: pl.DataFrame):
-        self.key = work.row(0, named=True)
-        compute = work.filter(~pl.col("is_comm"))
-        comm = work.filter(pl.col("is_comm"))
-        self.busy = intervals.union(work["ts_ns"].to_numpy(), work["end_ns"].to_numpy())
-        self.compute = intervals.union(compute["ts_ns"].to_numpy(), compute["end_ns"].to_numpy())
-        self.exposed = _difference(*intervals.union(comm["ts_ns"].to_numpy(), comm["end_ns"].to_numpy()), *self.compute)
+    def __init__(self, key: dict, starts: np.ndarray, ends: np.ndarray, is_comm: np.ndarray, spans: pl.DataFrame):
+        self.key = key
+        self.busy = intervals.union(starts, ends)
+        self.compute = intervals.union(starts[~is_comm], ends[~is_comm])
+        self.exposed = _difference(*intervals.union(starts[is_comm], ends[is_comm]), *self.compute)
+        self.steps = spans["step"].to_numpy()
+        self.lo, self.hi = spans["span_start_ns"].to_numpy(), spans["span_end_ns"].to_numpy()
+
+    def breakdown(self) -> pl.DataFrame:
+        """Span, compute and exposed communication of every step."""
+        busy = intervals.covered(*self.busy, self.lo, self.hi)
+        compute = intervals.covered(*self.compute, self.lo, self.hi)
+        rows = len(self.steps)
+        return pl.DataFrame({**{k: pl.Series([self.key[k]] * rows, dtype=BREAKDOWN_SCHEMA[k]) for k in LANE},
+                             "step": pl.Series(self.steps, dtype=pl.Int64), "span_ns": pl.Series(self.hi - self.lo),
+                             "compute_ns": pl.Series(compute, dtype=pl.Int64),
+                             "exposed_comm_ns": pl.Series(busy - compute, dtype=pl.Int64)})
+
+    def timeline(self, step: int, offset_ns: int) -> pl.DataFrame:
+        """Compute, exposed-communication and idle segments of one step, on the reference clock."""
+        at = np.flatnonzero(self.steps == step)
+        if not len(at):
+            return pl.DataFrame(schema=TIMELINE_SCHEMA)
+        lo, hi = int(self.lo[at[0]]), int(self.hi[at[0]])
+        min_gap = max((hi - lo) // TIMELINE_RESOLUTION, 1)
+        c_s, c_e = _closed(*_clip(*self.compute, lo, hi), min_gap)
+        x_s, x_e = _closed(*_clip(*self.exposed, lo, hi), min_gap)
+        b_s, b_e = _closed(*_clip(*self.busy, lo, hi), min_gap)
+        segments = [("compute", c_s, c_e), ("exposed communication", x_s, x_e), ("idle", b_e[:-1], b_s[1:])]
+        rows = sum(len(s) for _, s, _ in segments)
+        return pl.DataFrame({"rank": [self.key["rank"]] * rows, "step": [step] * rows,
+                             "activity": [name for name, s, _ in segments for _ in range(len(s))],
+                             "start_ns": np.concatenate([s for _, s, _ in segments]) - offset_ns,
+                             "end_ns": np.concatenate([e for _, _, e in segments]) - offset_ns}, schema=TIMELINE_SCHEMA)
 
 
-def _lanes(work: pl.DataFrame) -> list[tuple[pl.DataFrame, _Lane]]:
-    return [(group, _Lane(group)) for group in work.partition_by(LANE, maintain_order=True)] if not work.is_empty() else []
+def _lanes(work: pl.DataFrame) -> list[_Lane]:
+    """A rank's device timelines, in the order they first appear: one pass over its work for all of them."""
+    if work.is_empty():
+        return []
+    spans = dict(work.filter(pl.col("step").is_not_null()).group_by(*LANE, "step").agg(
+        span_start_ns=pl.col("ts_ns").min(), span_end_ns=pl.col("end_ns").max()).sort("step").partition_by(
+        LANE, as_dict=True, maintain_order=True))
+    lanes = []
+    for key, group in work.partition_by(LANE, as_dict=True, maintain_order=True).items():
+        lanes.append(_Lane(dict(zip(LANE, key)), group["ts_ns"].to_numpy(), group["end_ns"].to_numpy(),
+                           group["is_comm"].to_numpy(), spans.get(key, _NO_SPANS)))
+    return lanes
 
 
-def _spans(work: pl.DataFrame) -> pl.DataFrame:
-    return work.filter(pl.col("step").is_not_null()).group_by("step").agg(
-        span_start_ns=pl.col("ts_ns").min(), span_end_ns=pl.col("end_ns").max()).sort("step")
-
-
-def _breakdown(work: pl.DataFrame, lane: _Lane) -> pl.DataFrame:
-    """Span, compute and exposed communication of every step of one device timeline."""
-    spans = _spans(work)
-    lo, hi = spans["span_start_ns"].to_numpy(), spans["span_end_ns"].to_numpy()
-    busy = intervals.covered(*lane.busy, lo, hi)
-    compute = intervals.covered(*lane.compute, lo, hi)
-    return spans.select(
-        *[pl.lit(lane.key[k]).alias(k) for k in LANE], "step", span_ns=pl.Series(hi - lo),
-        compute_ns=pl.Series(compute, dtype=pl.Int64), exposed_comm_ns=pl.Series(busy - compute, dtype=pl.Int64))
-
-
-def _timeline(work: pl.DataFrame, lane: _Lane, step: int, offset_ns: int) -> pl.DataFrame:
-    """Compute, exposed-communication and idle segments of one step on one device, on the reference clock."""
-    spans = _spans(work.filter(pl.col("step") == step))
-    if spans.is_empty():
-        return pl.DataFrame(schema=TIMELINE_SCHEMA)
-    lo, hi = int(spans["span_start_ns"][0]), int(spans["span_end_ns"][0])
-    min_gap = max((hi - lo) // TIMELINE_RESOLUTION, 1)
-    c_s, c_e = _closed(*_clip(*lane.compute, lo, hi), min_gap)
-    x_s, x_e = _closed(*_clip(*lane.exposed, lo, hi), min_gap)
-    b_s, b_e = _closed(*_clip(*lane.busy, lo, hi), min_gap)
-    segments = [("compute", c_s, c_e), ("exposed communication", x_s, x_e), ("idle", b_e[:-1], b_s[1:])]
-    return pl.concat([pl.DataFrame({"rank": lane.key["rank"], "step": step, "activity": name, "start_ns": s - offset_ns,
-                                    "end_ns": e - offset_ns}, schema=TIMELINE_SCHEMA) for name, s, e in segments])
+_NO_SPANS = pl.DataFrame(schema={"step": pl.Int64, "span_start_ns": pl.Int64, "span_end_ns": pl.Int64})
 
 
 def _clip(starts: np.ndarray, ends: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
