@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 from peak_rss import measure  # noqa: E402
 
 ANALYZE = Path(sys.executable).parent / "analyze"
-SUMMARY = re.compile(r"([\d.]+) MB of trace data in ([\d.]+)s.*analyses ([\d.]+)s")
+SUMMARY = re.compile(r"([\d.]+) MB of trace data in ([\d.]+)s.*?analyses\s+([\d.]+)s", re.S)  # wrapped at 80 columns
 REPORT = re.compile(r"rendered in ([\d.]+)s")
 
 
@@ -63,11 +63,14 @@ def main() -> int:
     while n <= args.ranks:
         d = subset(cache, gen, n)
         with tempfile.TemporaryDirectory(prefix="steplens-scale-") as tmp:
-            r = measure([str(ANALYZE), str(d), "--out", str(Path(tmp) / "out"), "-q"], capture=True,
+            # Not -q: the summary line holds the stage times. A subset of the generated ranks is told apart
+            # from the whole job: its traces name 64 ranks, so analyze reports the others lost (exit status 1).
+            r = measure([str(ANALYZE), str(d), "--out", str(Path(tmp) / "out")], capture=True,
                         stderr=subprocess.STDOUT)
-            report_kb = (Path(tmp) / "out" / "report.html").stat().st_size / 1e3 if r["returncode"] == 0 else 0
+            written = r["returncode"] in (0, 1) and (Path(tmp) / "out" / "report.html").exists()
+            report_kb = (Path(tmp) / "out" / "report.html").stat().st_size / 1e3 if written else 0
         found, rendered = SUMMARY.search(r["stdout"]), REPORT.search(r["stdout"])
-        if r["returncode"] != 0 or not found or not rendered:
+        if not written or not found or not rendered:
             print(f"analyze failed on {n} ranks:\n{r['stdout'][-2000:]}")
             return 1
         mb, ingest_s, analyses_s = (float(x) for x in found.groups())
