@@ -120,12 +120,15 @@ class _Lane:
         c_s, c_e = _closed(*_clip(*self.compute, lo, hi), min_gap)
         x_s, x_e = _closed(*_clip(*self.exposed, lo, hi), min_gap)
         b_s, b_e = _closed(*_clip(*self.busy, lo, hi), min_gap)
-        segments = [("compute", c_s, c_e), ("exposed communication", x_s, x_e), ("idle", b_e[:-1], b_s[1:])]
-        rows = sum(len(s) for _, s, _ in segments)
-        return pl.DataFrame({"rank": [self.key["rank"]] * rows, "step": [step] * rows,
-                             "activity": [name for name, s, _ in segments for _ in range(len(s))],
-                             "start_ns": np.concatenate([s for _, s, _ in segments]) - offset_ns,
-                             "end_ns": np.concatenate([e for _, _, e in segments]) - offset_ns}, schema=TIMELINE_SCHEMA)
+        names, starts, ends = zip(("compute", c_s, c_e), ("exposed communication", x_s, x_e), ("idle", b_e[:-1], b_s[1:]))
+        lengths = [len(s) for s in starts]
+        return pl.DataFrame({"rank": [self.key["rank"]] * sum(lengths), "step": [step] * sum(lengths),
+                             "activity": np.repeat(names, lengths).tolist(),
+                             "start_ns": np.concatenate(starts) - offset_ns, "end_ns": np.concatenate(ends) - offset_ns},
+                            schema=TIMELINE_SCHEMA)
+
+
+_NO_SPANS = pl.DataFrame(schema={"step": pl.Int64, "span_start_ns": pl.Int64, "span_end_ns": pl.Int64})
 
 
 def _lanes(work: pl.DataFrame) -> list[_Lane]:
@@ -140,9 +143,6 @@ def _lanes(work: pl.DataFrame) -> list[_Lane]:
         lanes.append(_Lane(dict(zip(LANE, key)), group["ts_ns"].to_numpy(), group["end_ns"].to_numpy(),
                            group["is_comm"].to_numpy(), spans.get(key, _NO_SPANS)))
     return lanes
-
-
-_NO_SPANS = pl.DataFrame(schema={"step": pl.Int64, "span_start_ns": pl.Int64, "span_end_ns": pl.Int64})
 
 
 def _clip(starts: np.ndarray, ends: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:

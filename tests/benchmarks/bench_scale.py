@@ -63,8 +63,8 @@ def main() -> int:
     while n <= args.ranks:
         d = subset(cache, gen, n)
         with tempfile.TemporaryDirectory(prefix="steplens-scale-") as tmp:
-            # Not -q: the summary line holds the stage times. A subset of the generated ranks is told apart
-            # from the whole job: its traces name 64 ranks, so analyze reports the others lost (exit status 1).
+            # Not -q: the summary line holds the stage times. A subset's traces name the whole generated job,
+            # so analyze reports the other ranks lost (exit status 1, results written).
             r = measure([str(ANALYZE), str(d), "--out", str(Path(tmp) / "out")], capture=True,
                         stderr=subprocess.STDOUT)
             written = r["returncode"] in (0, 1) and (Path(tmp) / "out" / "report.html").exists()
