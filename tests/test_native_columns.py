@@ -46,7 +46,8 @@ def test_the_native_columnizer_is_built_where_a_compiler_is():
 
 @needs_native
 def test_the_bounds_are_kinetos():
-    assert kineto._columnize.BOUNDS == (kineto.MAX_MESSAGE_NELEMS, kineto.MAX_MEMORY_BYTES, schema.MAX_RANK)
+    assert kineto._columnize.BOUNDS == (kineto.MAX_MESSAGE_NELEMS, kineto.MAX_MEMORY_BYTES, schema.MAX_RANK,
+                                       kineto._MAX_WHOLE_US)
 
 
 class Windows:
@@ -245,6 +246,14 @@ EDGE_CASES = {
     "times in every form": [_event(ts="5"), _event(dur="0.5"), _event(dur=3), _event(ts=None),
                             '{"ph": "X", "name": "q", "pid": 0, "tid": 0, "ts": "12", "dur": 1e3}',
                             '{"ph": "X", "name": "e", "pid": 0, "tid": 0, "ts": 1.5e2, "dur": -1}'],
+    # The native pass converts plain decimals itself and leaves the rest to the Python conversion, in one window
+    "times at the native conversion's edges": [
+        '{"ph": "X", "name": "sub-ns", "pid": 0, "tid": 0, "ts": 12.3456789, "dur": -0.5}',
+        '{"ph": "X", "name": "negative", "pid": 0, "tid": 0, "ts": -12.3456, "dur": -0.0009}',
+        '{"ph": "X", "name": "bound", "pid": 0, "tid": 0, "ts": 4611686018427386.999, "dur": 4611686018427387}',
+        '{"ph": "X", "name": "18 digits", "pid": 0, "tid": 0, "ts": 123456789012345678, "dur": 1234567890123456789.5}',
+        '{"ph": "X", "name": "beside text", "pid": 0, "tid": 0, "ts": "17.25", "dur": 2E+1}',
+        '{"ph": "X", "name": "zeros", "pid": 0, "tid": 0, "ts": 0, "dur": 0.000}'],
     "phases": [_event(ph="B"), _event(ph="C"), _event(ph="i"), _event(ph=None), _event(ph="zz"),
                _event(ph="i", name="step", ts="7")],
     "metadata events, bad args after the fast form is off": [
@@ -340,3 +349,20 @@ def test_analyze_says_once_when_the_python_reader_is_used(tmp_path, monkeypatch)
         (run / "rank1.json").write_text((run / "rank1.json").read_text() + " ")  # changed: parsed again
         done = CliRunner().invoke(analyze, [str(run), "-q", "-j", "1", "--ingest-only"])
         assert done.exit_code == 0 and "native Kineto reader" not in done.output
+
+
+@needs_native
+def test_times_are_exact_ns_from_the_decimal_text(tmp_path, monkeypatch):
+    """ts and dur by hand: digits past the third decimal dropped toward zero, bounds at +-(2**62 // 1000 - 1) us,
+    the forms the native pass leaves to the Python conversion (a quoted number, an exponent) converted all the same."""
+    path = tmp_path / "trace.json"
+    path.write_text(_trace_text(EDGE_CASES["times at the native conversion's edges"]))
+    assert assert_same_parse(path, monkeypatch).handed_back == 0  # the native pass read them all
+    events = _parse(path, monkeypatch, native=True).events
+    got = {name: (ts, dur) for name, ts, dur in events.select("name", "ts_ns", "dur_ns").iter_rows()}
+    assert got["sub-ns"] == (12345, -500)
+    assert got["negative"] == (-12345, 0)
+    assert got["bound"] == (4611686018427386999, None)  # a dur of 2**62 // 1000 us is beyond the bound: dropped
+    assert "18 digits" not in got  # its ts is beyond the bound: the event is dropped (and counted)
+    assert got["beside text"] == (17250, 20000)
+    assert got["zeros"] == (0, 0)

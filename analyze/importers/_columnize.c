@@ -67,7 +67,7 @@ enum Field {
     F_PH, F_CAT, F_NAME, F_PID, F_TID, F_TS, F_DUR, F_ID, F_STREAM, F_DEVICE, F_CORRELATION, F_EXTERNAL_ID,
     F_COLLECTIVE, F_IN_NELEMS, F_OUT_NELEMS, F_DTYPE, F_GROUP_SIZE, F_GROUP_NAME, F_GROUP_DESC, F_GROUP_RANKS,
     F_SEQ, F_COMMS_ID, F_SRC_RANK, F_DST_RANK, F_INPUT_DIMS, F_INPUT_TYPES, F_CONCRETE_INPUTS, F_BYTES, F_FLOPS,
-    F_TOTAL_ALLOCATED, F_TOTAL_RESERVED, N_COLUMNS,
+    F_TOTAL_ALLOCATED, F_TOTAL_RESERVED, F_TS_NS, F_DUR_NS, N_COLUMNS,
     F_INPUT_DIMS_LEGACY = N_COLUMNS, F_MEMORY_BYTES, F_DEVICE_TYPE, F_ARGS, N_FIELDS
 };
 
@@ -77,7 +77,7 @@ static const int COLUMN_TYPES[N_COLUMNS] = {
     T_STR, T_STR, T_STR, T_I64, T_I64, T_RAW, T_RAW, T_I64, T_I64, T_I64, T_I64, T_I64,
     T_STR, T_I64, T_I64, T_STR, T_I64, T_STR, T_STR, T_STR,
     T_I64, T_U64, T_I64, T_I64, T_RAW, T_RAW, T_RAW, T_I64, T_F64,
-    T_I64, T_I64,
+    T_I64, T_I64, T_I64, T_I64,
 };
 
 typedef struct {
@@ -466,6 +466,33 @@ static int raw_cell(Column *c, Py_ssize_t row, const Tok *t) {
     return append_bytes(c, row, s, (size_t)(e - s), 1);
 }
 
+/* kineto.microseconds_text_to_ns for the plain decimals it converts (a JSON number without an exponent): exact
+   integer ns, digits past the third decimal dropped, toward zero. Null for everything else (a string, an exponent,
+   null, a value beyond +-MAX_WHOLE_US): the raw text beside it goes to the Python conversion, which decides those
+   (and counts what it cannot convert). */
+#define MAX_WHOLE_US ((1LL << 62) / 1000 - 1)
+static int ns_cell(Column *c, Py_ssize_t row, const Tok *t) {
+    if (t->kind != KINT && t->kind != KFLOAT) return append_null(c, row, T_I64);
+    const char *s = t->start, *e = t->end;
+    int negative = *s == '-';
+    if (negative) s++;
+    int64_t whole = 0, fraction = 0;
+    int digits = 0;
+    for (; s < e && is_digit(*s); s++) {
+        if (++digits > 18) return append_null(c, row, T_I64);
+        whole = whole * 10 + (*s - '0');
+    }
+    if (s < e && *s == '.') {
+        s++;
+        for (int place = 0; place < 3; place++) fraction = fraction * 10 + (s < e && is_digit(*s) ? *s++ - '0' : 0);
+        while (s < e && is_digit(*s)) s++;
+    }
+    if (s != e || whole > MAX_WHOLE_US) return append_null(c, row, T_I64); /* an exponent, or beyond the bound */
+    int64_t ns = whole * 1000 + fraction;
+    if (negative) ns = -ns;
+    return append_word(c, row, &ns);
+}
+
 /* Decimal digits (at most 20, optional '-') -> value, 0 when beyond 64 bits. */
 static int digits_value(const char *s, const char *e, int *negative, uint64_t *magnitude) {
     *negative = s < e && *s == '-';
@@ -619,6 +646,8 @@ static int emit_row(Parser *p, Tok *f) {
     CELL(int_cell(&c[F_TID], row, &f[F_TID], 0, 0, 0, 0));
     CELL(raw_cell(&c[F_TS], row, &f[F_TS]));
     CELL(raw_cell(&c[F_DUR], row, &f[F_DUR]));
+    CELL(ns_cell(&c[F_TS_NS], row, &f[F_TS]));
+    CELL(ns_cell(&c[F_DUR_NS], row, &f[F_DUR]));
     CELL(int_cell(&c[F_ID], row, &f[F_ID], 0, 0, 0, 0));
     CELL(int_cell(&c[F_STREAM], row, &f[F_STREAM], 0, 0, 0, 0));
     CELL(int_cell(&c[F_DEVICE], row, &f[F_DEVICE], 0, 0, 0, 0));
@@ -839,7 +868,7 @@ static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_columnize", NULL, -
 PyMODINIT_FUNC PyInit__columnize(void) {
     PyObject *m = PyModule_Create(&MODULE);
     if (!m) return NULL;
-    if (PyModule_AddObject(m, "BOUNDS", Py_BuildValue("(LLL)", MAX_MESSAGE_NELEMS, MAX_MEMORY_BYTES, MAX_RANK))) {
+    if (PyModule_AddObject(m, "BOUNDS", Py_BuildValue("(LLLL)", MAX_MESSAGE_NELEMS, MAX_MEMORY_BYTES, MAX_RANK, MAX_WHOLE_US))) {
         Py_DECREF(m);
         return NULL;
     }

@@ -465,6 +465,9 @@ def _columns(events: list[_Event], counters: dict[str, list]) -> pl.DataFrame:
         "flops": _float_column([a.flops for a in args], count_bad("flops")),
         "total_allocated_bytes": ints(device_memory("total_allocated"), "Total Allocated", bounds=(0, MAX_MEMORY_BYTES)),
         "total_reserved_bytes": ints(device_memory("total_reserved"), "Total Reserved", bounds=(0, MAX_MEMORY_BYTES)),
+        # what the native columnizer converts itself (_normalize converts the texts of the rest)
+        "ts_native_ns": pa.nulls(len(events), pa.int64()),
+        "dur_native_ns": pa.nulls(len(events), pa.int64()),
     }
     return pl.DataFrame(columns)  # Arrow arrays and the polars string columns
 
@@ -478,7 +481,8 @@ _NATIVE_COLUMNS = (
     ("group_name", pa.string()), ("group_desc", pa.string()), ("group_ranks", pa.string()), ("seq", pa.int64()),
     ("comms_id", pa.uint64()), ("src_rank", pa.int64()), ("dst_rank", pa.int64()), ("input_dims", pa.string()),
     ("input_types", pa.string()), ("concrete_inputs", pa.string()), ("bytes", pa.int64()), ("flops", pa.float64()),
-    ("total_allocated_bytes", pa.int64()), ("total_reserved_bytes", pa.int64()),
+    ("total_allocated_bytes", pa.int64()), ("total_reserved_bytes", pa.int64()), ("ts_native_ns", pa.int64()),
+    ("dur_native_ns", pa.int64()),
 )
 
 
@@ -516,15 +520,15 @@ def _use_native() -> bool:
 
 def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Split raw rows into trace events (X/i) and flow endpoints (s/f/t), with exact ns times."""
-    ts, _ = microseconds_text_to_ns(raw["ts_text"])
-    dur, _ = microseconds_text_to_ns(raw["dur_text"])
+    ts, dur = _times_ns(raw, "ts"), _times_ns(raw, "dur")
     if base_ns and (ts.median() or 0) >= ABSOLUTE_NS_THRESHOLD:
         issues.append(Issue("info", "absolute_ts_with_base", 1, "ts already absolute; baseTimeNanoseconds not added"))
         base_ns = 0
     raw = raw.with_columns(ts_ns=ts, dur_ns=dur)
     bad_durations = _report_bad_times(raw, base_ns, issues)
     in_range = pl.col("ts_ns").is_between(-TIME_LIMIT_NS - base_ns, TIME_LIMIT_NS - base_ns)
-    raw = raw.with_columns(ts_ns=pl.when(in_range).then(pl.col("ts_ns") + base_ns)).drop("ts_text", "dur_text")
+    raw = raw.with_columns(ts_ns=pl.when(in_range).then(pl.col("ts_ns") + base_ns)).drop(
+        "ts_text", "dur_text", "ts_native_ns", "dur_native_ns")
 
     phase = pl.col("ph")
     is_event = phase.is_in(["X", "i", "I"]) & pl.col("ts_ns").is_not_null()
@@ -567,6 +571,18 @@ def _normalize(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> tuple[pl
 
 _TIMED_PHASES = ["X", "i", "I", "s", "f", "t"]
 _YEARS_LIMIT = TIME_LIMIT_NS // (365 * 86400 * 10**9)
+
+
+def _times_ns(raw: pl.DataFrame, field: str) -> pl.Series:
+    """The field's exact ns: as the native columnizer converted it (plain decimals, the forms every profiler
+    writes), else from its text (exponents, quoted numbers, damage: microseconds_text_to_ns, the reference)."""
+    native, text = raw[f"{field}_native_ns"], raw[f"{field}_text"]
+    if native.null_count() < native.len():
+        text = raw.select(pl.when(pl.col(f"{field}_native_ns").is_null()).then(pl.col(f"{field}_text")))[f"{field}_text"]
+    if text.null_count() == text.len():
+        return native
+    converted, _ = microseconds_text_to_ns(text)
+    return pl.select(pl.coalesce(native, converted)).to_series()
 
 
 def _report_bad_times(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> int:
