@@ -14,7 +14,7 @@ import pyarrow as pa
 from steplens.analyze.contract.bus_bandwidth import busbw_factor, nccl_tests_op
 from steplens.analyze.trace import intervals
 from steplens.analyze.analyses.kernels import families
-from steplens.analyze.analyses.launch import enclosing_op
+from steplens.analyze.analyses.launch import CpuThreads, enclosing_op
 from steplens.analyze.analyses.summaries import collective_summary
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.analyses import profiler_effect
@@ -94,7 +94,7 @@ def collectives(device: pl.DataFrame, world_size: int | None = None) -> pl.DataF
 RECORDING_OPS = ("record_param_comms",)
 
 
-def with_call_sites(calls: pl.DataFrame, runtime: pl.DataFrame, threads: dict) -> pl.DataFrame:
+def with_call_sites(calls: pl.DataFrame, runtime: pl.DataFrame, threads: CpuThreads) -> pl.DataFrame:
     """Add issuing_op: the innermost CPU op, annotation or Python frame around each collective's
     launch, skipping record_param_comms (it wraps every collective and says nothing of the caller)."""
     if calls.is_empty():

@@ -53,7 +53,7 @@ def device_timeline(inputs: Inputs) -> Output:
     sliced = _slices(inputs)
     device, runtime, cpu, ops, modules = (sliced[name] for name in ("device", "runtime", "cpu", "ops", "modules"))
     work = kernels.device_work(device, inputs.options.kernel_categories)
-    threads = launch.cpu_threads(cpu)
+    threads = launch.CpuThreads(cpu)
     launched = launch.kernel_launches(device, runtime)
     perf = op_perf.op_perf(ops, launched, context.roof)
     links = inputs.table("flows", ["rank", "source", "src_event_id", "dst_event_id"], pl.col("flow_type") == "fwdbwd")
