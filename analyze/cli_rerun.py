@@ -192,6 +192,7 @@ def steplens_main() -> None:
     from steplens.analyze.pipeline import workers
 
     workers.return_polars_freed_pages()
+    workers.one_blas_thread()
     from steplens.analyze import cli
 
     exit_without_teardown(cli.steplens_entry)
@@ -207,6 +208,7 @@ def analyze_entry() -> None:
     from steplens.analyze.pipeline import workers
 
     workers.return_polars_freed_pages()
+    workers.one_blas_thread()
     if (early := _run_dir_and_jobs(sys.argv[1:])) is not None:
         workers.start_early_for(*early)  # they import while this process does
     try:

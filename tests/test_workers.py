@@ -318,3 +318,41 @@ def test_a_library_user_process_that_loaded_polars_is_left_as_it_is(monkeypatch)
     monkeypatch.delenv("_RJEM_MALLOC_CONF", raising=False)
     workers_module.return_polars_freed_pages()
     assert "_RJEM_MALLOC_CONF" not in os.environ
+
+
+# Both scripts, cut short after their set-up: what numpy's OpenBLAS is told, and the threads importing numpy starts.
+BLAS_PROBE = """import os, sys
+from steplens.analyze import cli_rerun
+cli_rerun.exit_without_teardown = lambda entry: entry()
+sys.argv = [sys.argv[0], '--help']
+try:
+    cli_rerun.{script}()
+except SystemExit:
+    pass
+before = len(os.listdir('/proc/self/task'))
+import numpy
+print(os.environ.get('OPENBLAS_NUM_THREADS'), len(os.listdir('/proc/self/task')) - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+@pytest.mark.parametrize("script", ["main", "steplens_main"])
+@pytest.mark.parametrize("users", [None, "2"])
+def test_the_scripts_run_blas_on_one_thread_unless_the_user_said_otherwise(script, users):
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if users is not None:
+        env["OPENBLAS_NUM_THREADS"] = users
+    done = subprocess.run([sys.executable, "-c", BLAS_PROBE.format(script=script)], env=env,
+                          capture_output=True, text=True, check=True)
+    told, started = done.stdout.splitlines()[-1].split()
+    assert told == (users or workers_module.BLAS_THREADS)
+    if users is None:
+        assert started == "0"  # numpy's import started no BLAS thread beside this one
+
+
+def test_a_library_user_process_that_loaded_numpy_keeps_its_blas_threads(monkeypatch):
+    import numpy  # noqa: F401 - loaded, as in any process that imports steplens as a library
+
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    workers_module.one_blas_thread()
+    assert "OPENBLAS_NUM_THREADS" not in os.environ
