@@ -4,10 +4,13 @@ import json
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import duckdb
 import polars as pl
+import psutil
 import pytest
 from click.testing import CliRunner
 
@@ -116,6 +119,71 @@ def test_parallel_ingest_matches_serial(run_dir, tmp_path, monkeypatch):
     a = pl.scan_parquet(tmp_path / "a" / "trace_events").collect().sort("rank", "event_id")
     b = pl.scan_parquet(tmp_path / "b" / "trace_events").collect().sort("rank", "event_id")
     assert a.equals(b) and serial.manifest["ranks"] == parallel.manifest["ranks"]
+
+
+def test_a_run_too_small_for_workers_is_parsed_on_threads_into_the_same_tables(run_dir, tmp_path, monkeypatch):
+    """Below the worker threshold the files are parsed on threads of this process, several at once; the run
+    directory is the same as parsing them one after the other, and no worker process is started."""
+    original, active, most = ingest_module._parse_source, [0], [0]
+    lock = threading.Lock()
+
+    def counted(*args):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.2)  # both files in flight at once, however fast the parse
+        try:
+            return original(*args)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(ingest_module, "_parse_source", counted)
+    threaded = ingest(run_dir, tmp_path / "threads", jobs=2)
+    assert most[0] == 2 and not psutil.Process().children()
+    monkeypatch.setattr(ingest_module, "_parse_source", original)
+    serial = ingest(run_dir, tmp_path / "serial", jobs=1)
+    assert threaded.manifest["ranks"] == serial.manifest["ranks"]
+    threaded_tables, serial_tables = _ingested_tables(tmp_path / "threads"), _ingested_tables(tmp_path / "serial")
+    assert threaded_tables.keys() == serial_tables.keys()
+    assert all(threaded_tables[name].equals(serial_tables[name]) for name in serial_tables)
+
+
+def test_a_failed_threaded_parse_waits_for_the_files_in_flight(run_dir, tmp_path, monkeypatch):
+    """An error (or Ctrl-C) while files are parsed on threads cancels the files not started and returns only
+    once the ones in flight are done: none writes into the staging folder after it is removed."""
+    original, started, finished = ingest_module._parse_source, [], []
+    events, top = _trace(0, n_kernels=50)  # the largest file, parsed first: it fails
+    write_trace(run_dir / "host_0.pt.trace.json.gz", events, gz=True, **top)
+    for rank in range(2, 8):
+        events, top = _trace(rank, world=8)
+        write_trace(run_dir / f"host_{rank}.pt.trace.json.gz", events, gz=True, **top)
+
+    def first_fails(path, source, scratch):
+        started.append(source.path)
+        if source.path.startswith("host_0"):
+            raise KeyboardInterrupt
+        time.sleep(0.3)
+        result = original(path, source, scratch)
+        finished.append(source.path)
+        return result
+
+    monkeypatch.setattr(ingest_module, "_parse_source", first_fails)
+    with pytest.raises(KeyboardInterrupt):
+        ingest(run_dir, tmp_path / "out", jobs=2)
+    assert sorted(finished) == sorted(started[1:])  # every file started beside the failed one ran to its end
+    assert len(started) < 9  # the files still queued were never started
+    time.sleep(0.5)  # nothing left running writes afterwards
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert [p.name for p in tmp_path.iterdir() if p.name != "run"] in ([], ["out"])
+
+
+def _ingested_tables(out: Path) -> dict[str, pl.DataFrame]:
+    tables = {}
+    for folder in sorted(p for p in out.iterdir() if p.is_dir()):
+        frame = pl.read_parquet(folder / "**" / "*.parquet")
+        tables[folder.name] = frame.select(sorted(frame.columns)).sort(sorted(frame.columns), nulls_last=True)
+    return tables
 
 
 def test_rank_rules(tmp_path):
