@@ -287,8 +287,8 @@ def test_the_json_a_gzip_trace_holds_is_read_from_its_trailer(tmp_path):
     assert workers_module.estimated_json_bytes("s3://bucket/rank0.json.gz", 100) == 100 * workers_module.GZIP_RATIO
 
 
-# Both scripts, cut short after their set-up: what polars' allocator is told, and whether polars was loaded before.
-ALLOCATOR_PROBE = """import os, sys
+# Either script ({script}: main or steplens_main), cut short after its set-up; a probe's lines follow.
+SCRIPT_SET_UP = """import os, sys
 from steplens.analyze import cli_rerun
 cli_rerun.exit_without_teardown = lambda entry: entry()
 sys.argv = [sys.argv[0], '--help']
@@ -296,20 +296,30 @@ try:
     cli_rerun.{script}()
 except SystemExit:
     pass
-print(os.environ.get('_RJEM_MALLOC_CONF'))
 """
+
+
+def _probe(probe: str, script: str, variable: str, users: str | None) -> str:
+    """The last line `probe` prints after `script`'s set-up, run with the user's `variable` set to `users` (None:
+    unset)."""
+    env = {k: v for k, v in os.environ.items() if k != variable}
+    if users is not None:
+        env[variable] = users
+    done = subprocess.run([sys.executable, "-c", probe.format(script=script)], env=env, capture_output=True,
+                          text=True, check=True)
+    return done.stdout.splitlines()[-1]
+
+
+# What polars' allocator is told.
+ALLOCATOR_PROBE = SCRIPT_SET_UP + "print(os.environ.get('_RJEM_MALLOC_CONF'))\n"
 
 
 @pytest.mark.parametrize("script", ["main", "steplens_main"])
 @pytest.mark.parametrize("users", [None, "dirty_decay_ms:5000"])
 def test_the_scripts_have_polars_return_freed_pages_unless_the_user_configured_its_allocator(script, users):
-    env = {k: v for k, v in os.environ.items() if k != "_RJEM_MALLOC_CONF"}
-    if users is not None:
-        env["_RJEM_MALLOC_CONF"] = users
-    done = subprocess.run([sys.executable, "-c", ALLOCATOR_PROBE.format(script=script)], env=env,
-                          capture_output=True, text=True, check=True)
+    told = _probe(ALLOCATOR_PROBE, script, "_RJEM_MALLOC_CONF", users)
     # polars puts its own defaults first; jemalloc takes the last value of each setting
-    assert done.stdout.splitlines()[-1].endswith("," + (users or workers_module.POLARS_ALLOCATOR_CONF))
+    assert told.endswith("," + (users or workers_module.POLARS_ALLOCATOR_CONF))
 
 
 def test_a_library_user_process_that_loaded_polars_is_left_as_it_is(monkeypatch):
@@ -320,16 +330,8 @@ def test_a_library_user_process_that_loaded_polars_is_left_as_it_is(monkeypatch)
     assert "_RJEM_MALLOC_CONF" not in os.environ
 
 
-# Both scripts, cut short after their set-up: what numpy's OpenBLAS is told, and the threads importing numpy starts.
-BLAS_PROBE = """import os, sys
-from steplens.analyze import cli_rerun
-cli_rerun.exit_without_teardown = lambda entry: entry()
-sys.argv = [sys.argv[0], '--help']
-try:
-    cli_rerun.{script}()
-except SystemExit:
-    pass
-before = len(os.listdir('/proc/self/task'))
+# What numpy's OpenBLAS is told, and the threads importing numpy starts.
+BLAS_PROBE = SCRIPT_SET_UP + """before = len(os.listdir('/proc/self/task'))
 import numpy
 print(os.environ.get('OPENBLAS_NUM_THREADS'), len(os.listdir('/proc/self/task')) - before)
 """
@@ -339,12 +341,7 @@ print(os.environ.get('OPENBLAS_NUM_THREADS'), len(os.listdir('/proc/self/task'))
 @pytest.mark.parametrize("script", ["main", "steplens_main"])
 @pytest.mark.parametrize("users", [None, "2"])
 def test_the_scripts_run_blas_on_one_thread_unless_the_user_said_otherwise(script, users):
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
-    if users is not None:
-        env["OPENBLAS_NUM_THREADS"] = users
-    done = subprocess.run([sys.executable, "-c", BLAS_PROBE.format(script=script)], env=env,
-                          capture_output=True, text=True, check=True)
-    told, started = done.stdout.splitlines()[-1].split()
+    told, started = _probe(BLAS_PROBE, script, "OPENBLAS_NUM_THREADS", users).split()
     assert told == (users or workers_module.BLAS_THREADS)
     if users is None:
         assert started == "0"  # numpy's import started no BLAS thread beside this one
