@@ -139,8 +139,9 @@ def test_a_run_too_small_for_workers_is_parsed_on_threads_into_the_same_tables(r
                 active[0] -= 1
 
     monkeypatch.setattr(ingest_module, "_parse_source", counted)
+    services = {child.pid for child in psutil.Process().children()}  # the session's own (a pushgateway)
     threaded = ingest(run_dir, tmp_path / "threads", jobs=2)
-    assert most[0] == 2 and not psutil.Process().children()
+    assert most[0] == 2 and {child.pid for child in psutil.Process().children()} <= services
     monkeypatch.setattr(ingest_module, "_parse_source", original)
     serial = ingest(run_dir, tmp_path / "serial", jobs=1)
     assert threaded.manifest["ranks"] == serial.manifest["ranks"]
