@@ -70,8 +70,8 @@ def return_polars_freed_pages() -> None:
 
 # OpenBLAS (numpy's, loaded with numpy) starts a thread per core that spins for work after each call and
 # at start-up; steplens does no linear algebra worth a second thread (matplotlib's 3x3 transforms at most).
-# With one thread an `analyze` of one 1 MB trace used 8% less CPU in the same wall time and memory (1.34-1.47
-# -> 1.26 CPU s, 6 runs each); where every core parses, that spinning took the CPU of the other processes.
+# With one thread an `analyze` of one 1 MB trace took 1.32 CPU s instead of 1.54 and 1.29 s instead of 1.40
+# (medians of 10 interleaved runs), at the same memory; on real-8r, where both cores parse, no change.
 BLAS_THREADS = "1"
 
 
