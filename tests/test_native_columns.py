@@ -226,6 +226,14 @@ EDGE_CASES = {
     "group ranks as a list": [_event(**{"args_Collective_name": "x", "args_Process_Group_Ranks": [0, 1]})],
     "collective args on a plain event are not read": [_event(**{"args_In_msg_nelems": 2**62, "args_dtype": 5})],
     "names with escapes": [_event(name="caf\u00e9 \"quoted\" \\ tab\t \U0001F600 \u2028"), _event(cat="\u0000")],
+    # a string's end, escapes and multi-byte characters at every offset of an 8-byte block (word-at-a-time scanners)
+    "escapes and multi-byte text at every offset of long names": [
+        _event(name="n" * offset + stop + "m" * 20) for offset in range(17) for stop in ('"', "\\", "\n", "\u00e9", "\U0001F600")],
+    "raw multi-byte text in names at every offset": [
+        f'{{"ph": "X", "name": "{"n" * offset}{raw}{"m" * 9}", "pid": 0, "tid": 7, "ts": 1, "dur": 1}}'
+        for offset in range(17) for raw in ("\u00e9", "\U0001F600")],
+    "a raw control byte in a name at every offset": [
+        f'{{"ph": "X", "name": "{"n" * offset}\t{"m" * 9}", "pid": 0, "tid": 7, "ts": 1, "dur": 1}}' for offset in range(17)],
     "a name that is a number": [_event(name=5)],
     "a name that is a list": [_event(name=["a"])],
     "floats and bools where integers belong": [_event(pid=1.0), _event(tid=2.5), _event(args_correlation=True)],
@@ -292,6 +300,21 @@ def test_edge_cases_parse_the_same_natively(case, chunk_bytes, tmp_path, monkeyp
         path = tmp_path / name
         path.write_text(text)
         assert_same_parse(path, monkeypatch)
+
+
+@needs_native
+def test_long_names_are_read_natively_with_a_stop_at_every_offset_of_a_block(tmp_path, monkeypatch):
+    """An escape, a quote or a multi-byte character at any offset of an 8-byte block (where a word-at-a-time scan
+    would go wrong) ends or continues the name natively exactly where the Python reader does."""
+    stops, raws = ('"', "\\", "\n", "\u00e9", "\U0001F600"), ("\u00e9", "\U0001F600")
+    path = tmp_path / "trace.json"
+    path.write_text(_trace_text(EDGE_CASES["escapes and multi-byte text at every offset of long names"]
+                                + EDGE_CASES["raw multi-byte text in names at every offset"]), encoding="utf-8")
+    windows = assert_same_parse(path, monkeypatch)
+    assert windows.native >= 1 and windows.handed_back == 0
+    expected = ["n" * offset + stop + "m" * 20 for offset in range(17) for stop in stops]
+    expected += ["n" * offset + raw + "m" * 9 for offset in range(17) for raw in raws]
+    assert sorted(_parse(path, monkeypatch, native=True).events["name"].to_list()) == sorted(expected)
 
 
 @needs_native
