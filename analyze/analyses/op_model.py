@@ -94,14 +94,22 @@ def family(name: str) -> str:
     return "other"
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _parsed(text: str):
+    """A shapes text's JSON, parsed once however many signatures share it (mtia_rank_0's 11,946 signatures hold
+    1,101 dims, 203 types and 5,606 concrete-inputs texts: 6.9k parses instead of 35.8k). Read-only: the
+    formulas never change what they are given."""
+    return json.loads(text)
+
+
 @functools.lru_cache(maxsize=1 << 16)  # ranks of one job share their op signatures: each is modeled once
 def model(name: str, dims_json: str | None, types_json: str | None, concrete_json: str | None
           ) -> tuple[str | None, float | None, float | None]:
     """(dtype, FLOPs, bytes) of one op; None where unknown. Any malformed argument list gives Nones."""
     try:
-        dims = json.loads(dims_json) if dims_json else None
-        types = json.loads(types_json) if types_json else []
-        concrete = json.loads(concrete_json) if concrete_json else []
+        dims = _parsed(dims_json) if dims_json else None
+        types = _parsed(types_json) if types_json else []
+        concrete = _parsed(concrete_json) if concrete_json else []
     except (ValueError, RecursionError):
         return None, None, None
     if not isinstance(dims, list) or not isinstance(types, list) or not isinstance(concrete, list):
