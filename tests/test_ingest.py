@@ -494,3 +494,20 @@ def test_a_new_trace_format_is_one_module_and_one_registration_line(tmp_path, mo
     launches = pl.read_parquet(out / "flows", hive_partitioning=True).filter(pl.col("flow_type") == "launch")
     assert launches.height == 2
     assert result.failed == []
+
+
+def test_every_table_keeps_min_max_statistics_for_its_non_text_columns_only(run_dir, tmp_path):
+    """Ingest's tables and the analyses' alike (schema.text_columns): numbers and times carry Parquet min/max
+    bounds for pruning, names and shapes none."""
+    import pyarrow.parquet as pq
+
+    done = CliRunner().invoke(analyze, [str(run_dir), "--out", str(tmp_path / "out"), "--jobs", "1", "--quiet"])
+    assert done.exit_code == 0, done.output
+    for table in ("trace_events", "kernel_launches"):
+        part = next((tmp_path / "out" / table).rglob("*.parquet"))
+        metadata = pq.ParquetFile(part).metadata
+        columns = [metadata.row_group(0).column(i) for i in range(metadata.num_columns)]
+        kinds = {c.path_in_schema: c.statistics is not None and c.statistics.has_min_max for c in columns}
+        text = {f.name for f in pq.read_schema(part) if str(f.type) in ("string", "large_string")}
+        assert text and all(not kinds[name] for name in text), table
+        assert {"ts_ns", "dur_ns"} <= {name for name, bounded in kinds.items() if bounded}, table

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from steplens.analyze.analyses import ANALYSES, devices, kernels, mfu, op_perf, registry
@@ -79,12 +78,9 @@ def _write(out_dir: Path, table: str, frame: pl.DataFrame, spec, part: str = "pa
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"{part}.parquet.tmp"
     # No dictionary pages: zstd alone packs these tables smaller and writes them faster (op_perf: 185 kB
-    # against 290 kB and 16 ms against 21 ms for one real A100 rank's 36k ops). Min/max statistics for the
-    # non-text columns only, as ingest writes them: text bounds prune nothing here and cost a sixth of the write
-    # (that rank's op_perf 7.1 -> 6.0 ms, kernel_launches 3.7 -> 3.4 ms).
-    text = [f.name for f in typed.schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+    # against 290 kB and 16 ms against 21 ms for one real A100 rank's 36k ops).
     pq.write_table(typed, tmp, compression="zstd", compression_level=1, use_dictionary=False,
-                   write_statistics=[name for name in typed.schema.names if name not in text])
+                   write_statistics=schema.text_columns(typed.schema)[1])
     tmp.replace(folder / f"{part}.parquet")
     return pl.from_arrow(typed)
 

