@@ -325,3 +325,75 @@ def test_multi_member_gzip(tmp_path):
     path.write_bytes(gzip.compress(data[:100]) + gzip.compress(data[100:]))
     parsed = read_trace(path, "mm.json.gz")
     assert parsed.events.height == 5 and parsed.issues == []
+
+
+def _read_ahead_threads():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "steplens-read-ahead"]
+
+
+def test_read_ahead_produces_on_its_own_thread_and_hands_on_blocks_and_errors_in_order():
+    """The stream is read on a thread of its own, ahead of the decoder (what lets gunzip overlap the
+    columnizer); the consumer gets every block in order, then the producer's error where it happened."""
+    import threading
+    import time
+
+    produced_on = []
+
+    def blocks():
+        for i in range(6):
+            produced_on.append(threading.current_thread().name)
+            yield bytes([i]) * 10
+        raise OSError("disk gone at block 6")
+
+    reader = json_events.ReadAhead(blocks(), depth=2)
+    deadline = time.monotonic() + 5
+    while len(produced_on) < 3 and time.monotonic() < deadline:  # 2 queued + 1 waiting to be put
+        time.sleep(0.01)
+    assert len(produced_on) == 3  # ahead of a consumer that has asked for nothing yet, and no further
+    got = []
+    with pytest.raises(OSError, match="block 6"):
+        for block in reader:
+            got.append(block)
+    assert got == [bytes([i]) * 10 for i in range(6)]
+    assert set(produced_on) == {"steplens-read-ahead"} and not _read_ahead_threads()
+    assert next(reader, None) is None  # ended: no second error, no wait
+
+
+def test_read_ahead_closed_or_dropped_early_stops_its_thread_and_closes_the_stream():
+    import gc
+    import time
+
+    closed = []
+
+    def endless():
+        try:
+            while True:
+                yield b"x" * 100
+        finally:
+            closed.append(True)
+
+    reader = json_events.ReadAhead(endless(), depth=2)
+    assert next(reader) == b"x" * 100
+    reader.close()
+    assert closed == [True] and not _read_ahead_threads()
+
+    dropped = json_events.ReadAhead(endless(), depth=2)
+    next(dropped)
+    del dropped
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _read_ahead_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closed == [True, True] and not _read_ahead_threads()
+
+
+def test_a_file_given_up_early_leaves_no_read_ahead_thread(tmp_path):
+    """A large JSON file that is not a trace is refused after its first MiB; the reading thread stops then."""
+    path = tmp_path / "not_a_trace.json"
+    path.write_text(json.dumps({"rows": [{"value": i, "text": "y" * 50} for i in range(300_000)]}))
+    assert path.stat().st_size > 6 * json_events.CHUNK_BYTES
+    with pytest.raises(NotATrace):
+        read_trace(path, "x")
+    assert not _read_ahead_threads()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import queue
 import re
+import threading
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -197,6 +199,78 @@ def _error_offset(error: msgspec.DecodeError) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# Decompressed blocks a reader's stream is read ahead of its decoder (8 MiB at CHUNK_BYTES).
+READ_AHEAD_BLOCKS = 4
+_END = object()
+
+
+class ReadAhead:
+    """An iterator over `blocks` (a ByteStream's) produced on a thread of its own, up to `depth` blocks ahead of
+    the consumer. Gunzip and file or object-storage reads release the GIL, and so does the native columnizer,
+    so they overlap: one mtia_rank_0 decoded in 0.32 s instead of 0.39, an A100 rank in 0.19 instead of 0.24
+    (medians of 6 interleaved), and no slower with both cores busy parsing other files. The stream's
+    attributes (truncated, raw_bytes, trailing_bytes) are whole once the iterator is exhausted. An error of the
+    producer is raised to the consumer at the block where it happened; close() (or the iterator being
+    dropped) stops the thread, and close() waits for it."""
+
+    def __init__(self, blocks: Iterator[bytes], depth: int = READ_AHEAD_BLOCKS):
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._done = False
+        # The thread holds the queue and the event, not this object: a reader dropped unclosed is collected,
+        # and its __del__ stops the thread.
+        self._thread = threading.Thread(target=_produce, args=(blocks, self._queue, self._stop),
+                                        name="steplens-read-ahead", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> "ReadAhead":
+        return self
+
+    def __next__(self) -> bytes:
+        if self._done:
+            raise StopIteration
+        item = self._queue.get()
+        if item is _END or isinstance(item, BaseException):
+            self._done = True
+            self._thread.join()
+            if item is _END:
+                raise StopIteration
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+def _produce(blocks: Iterator[bytes], handoff: queue.Queue, stop: threading.Event) -> None:
+    """ReadAhead's thread: each block, then _END or the error that ended the stream, until told to stop."""
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                handoff.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for block in blocks:
+            if not put(block):
+                return
+        put(_END)
+    except BaseException as e:  # raised again in the consumer
+        put(e)
+    finally:
+        close = getattr(blocks, "close", None)
+        if close is not None:
+            close()  # the file, now, on this thread
+
+
 class EventReader:
     """Yields lists of decoded events from the traceEvents array of a stream.
 
@@ -216,7 +290,7 @@ class EventReader:
         self._many, self._one = _decoders(event_type)
         self._fast = _decoders(fast_type)[0] if fast_type is not None else None
         self._columnize = columnize
-        self.blocks = stream.blocks()
+        self.blocks = ReadAhead(stream.blocks())
         self.buf = b""
         self.eof = False
         self.header = b""  # everything before the events array
@@ -226,6 +300,10 @@ class EventReader:
         self.skipped: dict[str, list] = {}  # reason -> [events, first example]
         self.repaired: dict[str, list] = {}  # reason -> [events kept after a repair, first example]
         self.truncated: str | None = None  # why the events array never closed
+
+    def close(self) -> None:
+        """Stop reading the stream (its read-ahead thread ends; the file is closed)."""
+        self.blocks.close()
 
     def _fill(self, want: int) -> None:
         parts = [self.buf]

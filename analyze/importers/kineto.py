@@ -657,6 +657,7 @@ def decode(path: Path) -> DecodedTrace:
     finally:
         if gc_was_enabled:
             gc.enable()
+        reader.close()  # read to the end by now, unless an error or an interrupt stopped it early
     issues: list[Issue] = []
     metadata = reader.metadata(issues)
     reader.report(issues)
