@@ -412,3 +412,73 @@ def test_a_step_from_the_logs_is_also_named_as_the_log_prints_it(tmp_path, corpu
     assert elapsed[slow["step"] + 1] * 1e6 == pytest.approx(slow["dur_ns"])  # the log's iteration step + 1
     summary = (out / "summary.md").read_text()
     assert f"Slowest step: step {slow['step']} (the log's iteration {slow['step'] + 1}) on rank" in summary
+
+
+def _bars_one_patch_each(ax, rows, starts, lengths, thickness, colour, label=None, horizontal=True, sticky=True,
+                         rasterized=False):
+    """The reference for figures._bars: matplotlib's own bar, barh and broken_barh, an artist per bar or row."""
+    rows, starts, lengths = np.asarray(rows, dtype=float), np.asarray(starts, dtype=float), np.asarray(lengths)
+    if sticky and horizontal:
+        ax.barh(rows, lengths, left=starts, height=thickness, color=colour, label=label, linewidth=0, rasterized=rasterized)
+    elif sticky:
+        ax.bar(rows, lengths, bottom=starts, width=thickness, color=colour, label=label, linewidth=0, rasterized=rasterized)
+    else:
+        for row in np.unique(rows):
+            mine = rows == row
+            ax.broken_barh(list(zip(starts[mine], lengths[mine])), (row - thickness / 2, thickness), facecolors=colour,
+                           linewidth=0, rasterized=rasterized)
+
+
+def test_bar_figures_draw_one_collection_a_series_with_the_pixels_of_a_patch_a_bar(monkeypatch):
+    """Fewer artists: the stacked bars, the idle bars and the timeline draw one collection per series (not one patch
+    per bar, which grew with the ranks and was most of their drawing time), and the histogram one polygon; rendered,
+    each figure has exactly the pixels matplotlib's bar/barh/broken_barh give for the same data."""
+    import io
+
+    import matplotlib.image
+    import polars as pl
+
+    from steplens.reports import figures
+
+    ranks = 12
+    generator = np.random.default_rng(7)
+    breakdown = pl.DataFrame({"rank": range(ranks), "device": [0] * ranks,
+                              **{c: generator.uniform(0, 5e6, ranks) for c in ("compute_ns", "exposed_comm_ns",
+                                                                              "host_bound_ns", "sync_ns", "other_ns")}})
+    breakdown = breakdown.with_columns(pl.when(pl.col("rank") == 3).then(0.0).otherwise(pl.col("sync_ns")).alias("sync_ns"))
+    segments = [(rank, 1, ("compute", "idle", "exposed communication")[i % 3], i * 1000 + rank * 37, i * 1000 + 900)
+                for rank in range(ranks) for i in range(20)]
+    timeline = pl.DataFrame(segments, schema=["rank", "step", "activity", "start_ns", "end_ns"], orient="row")
+    drawings = [("step_breakdown_bars", (breakdown,)), ("idle_by_cause", (breakdown,)), ("step_gantt", (timeline,)),
+                ("launch_delay", (pl.DataFrame({"queue_ns": generator.lognormal(9, 1.5, 3000)}),))]
+
+    def drawn(name, args):
+        captured = []
+        monkeypatch.setattr(figures, "_svg", captured.append)
+        getattr(figures, name)(*args)
+        monkeypatch.undo()
+        return captured[0]
+
+    def pixels(fig):
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
+        buffer.seek(0)
+        return matplotlib.image.imread(buffer)
+
+    ours = {name: drawn(name, args) for name, args in drawings}
+    ax = {name: fig.axes[0] for name, fig in ours.items()}
+    assert [len(ax[n].collections) for n in ("step_breakdown_bars", "idle_by_cause", "step_gantt")] == [5, 3, 3]
+    assert not ax["step_breakdown_bars"].patches and not ax["idle_by_cause"].patches and len(ax["launch_delay"].patches) == 1
+    monkeypatch.setattr(figures, "_bars", _bars_one_patch_each)
+    reference = {name: drawn(name, args) for name, args in drawings[:3]}
+    assert len(reference["step_breakdown_bars"].axes[0].patches) == 5 * ranks  # the reference is patch per bar
+    for name, fig in reference.items():
+        assert np.array_equal(pixels(ours[name]), pixels(fig)), name
+    bars = ours["launch_delay"].axes[0]
+    bars.patches[0].remove()
+    queue = drawings[3][1][0]["queue_ns"].to_numpy() / 1e3
+    bars.hist(queue, bins=figures._log_bins(queue), color="#4c72b0")  # one Rectangle a bin, on the same axes
+    redrawn = pixels(ours["launch_delay"])
+    assert len(bars.patches) == 39
+    monkeypatch.undo()
+    assert np.array_equal(pixels(drawn(*drawings[3])), redrawn)
