@@ -191,6 +191,7 @@ def steplens_main() -> None:
     """The `steplens` script (every subcommand), set up as `analyze` is before polars is imported."""
     from steplens.analyze.pipeline import workers
 
+    workers.fewer_collections()
     workers.return_polars_freed_pages()
     workers.one_blas_thread()
     from steplens.analyze import cli
@@ -204,9 +205,10 @@ def analyze_entry() -> None:
     status = answer(sys.argv[1:])
     if status is not None:
         sys.exit(status)
-    compile_own_modules()
     from steplens.analyze.pipeline import workers
 
+    workers.fewer_collections()
+    compile_own_modules()
     workers.return_polars_freed_pages()
     workers.one_blas_thread()
     if (early := _run_dir_and_jobs(sys.argv[1:])) is not None:

@@ -299,7 +299,7 @@ except SystemExit:
 """
 
 
-def _probe(probe: str, script: str, variable: str, users: str | None) -> str:
+def _probe(probe: str, script: str, variable: str | None = None, users: str | None = None) -> str:
     """The last line `probe` prints after `script`'s set-up, run with the user's `variable` set to `users` (None:
     unset)."""
     env = {k: v for k, v in os.environ.items() if k != variable}
@@ -353,3 +353,26 @@ def test_a_library_user_process_that_loaded_numpy_keeps_its_blas_threads(monkeyp
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     workers_module.one_blas_thread()
     assert "OPENBLAS_NUM_THREADS" not in os.environ
+
+
+# The garbage collector's thresholds after the set-up.
+GC_PROBE = SCRIPT_SET_UP + "import gc\nprint(*gc.get_threshold())\n"
+
+
+@pytest.mark.parametrize("script", ["main", "steplens_main"])
+def test_the_scripts_and_their_workers_collect_garbage_less_often(script):
+    import gc
+
+    told = tuple(int(n) for n in _probe(GC_PROBE, script).split())
+    assert told == workers_module.GC_THRESHOLDS and told[0] > gc.get_threshold()[0]
+    with workers_module.Workers(2) as spare:
+        spare.pool(1)
+        assert spare.submit(gc.get_threshold).result(timeout=120) == workers_module.GC_THRESHOLDS
+
+
+def test_a_library_user_process_keeps_its_garbage_collector_as_it_is():
+    import gc
+
+    from steplens.analyze.analyses import runner  # noqa: F401 - steplens imported as a library
+
+    assert gc.get_threshold() != workers_module.GC_THRESHOLDS
