@@ -378,6 +378,7 @@ def test_read_ahead_closed_or_dropped_early_stops_its_thread_and_closes_the_stre
     assert next(reader) == b"x" * 100
     reader.close()
     assert closed == [True] and not _read_ahead_threads()
+    assert next(reader, None) is None  # closed: nothing more, and no wait for a thread that is gone
 
     dropped = json_events.ReadAhead(endless(), depth=2)
     next(dropped)

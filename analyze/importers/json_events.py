@@ -240,6 +240,7 @@ class ReadAhead:
         return item
 
     def close(self) -> None:
+        self._done = True
         self._stop.set()
         self._thread.join()
 
