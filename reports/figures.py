@@ -8,6 +8,7 @@ text it writes into SVG.
 
 from __future__ import annotations
 
+import functools
 import io
 
 import matplotlib
@@ -48,13 +49,21 @@ def _subplots(*grid, figsize: tuple[float, float], **options):
     return fig, fig.subplots(*grid, **options)
 
 
+@functools.cache
+def _measuring_renderer(dpi: float) -> RendererAgg:
+    """One Agg renderer per dpi to measure every figure's text with: matplotlib caches a text's size per renderer,
+    so the tick labels, axis labels and legend entries the figures share are measured once a run. It draws
+    nothing (its canvas is one pixel): text sizes depend on the dpi alone."""
+    return RendererAgg(1, 1, dpi)
+
+
 def _svg(fig) -> str:
     """The figure cropped to what it draws (legends above the axes included), as inline SVG.
 
     savefig's bbox_inches="tight" finds that box by a whole SVG draw to nowhere before the real one;
     measuring the same artists with an Agg renderer costs a third of that draw (0.03-0.05 s a figure),
     and the box, padded as "tight" pads it, is then given to savefig."""
-    box = fig.get_tightbbox(RendererAgg(*fig.canvas.get_width_height(), fig.dpi))
+    box = fig.get_tightbbox(_measuring_renderer(fig.dpi))
     buffer = io.StringIO()
     fig.savefig(buffer, format="svg", bbox_inches=box.padded(matplotlib.rcParams["savefig.pad_inches"]),
                 metadata={"Date": None}, dpi=RASTER_DPI)
@@ -337,7 +346,7 @@ def roofline_scatter(top_ops: list[dict], roof: dict) -> str:
     ax.yaxis.set_major_formatter(PLAIN_NUMBER)
     ax.set_xlabel("intensity (FLOPs per byte moved)")
     ax.set_ylabel("achieved TFLOP/s")
-    renderer = RendererAgg(*fig.canvas.get_width_height(), fig.dpi)
+    renderer = _measuring_renderer(fig.dpi)
     inside = ax.get_window_extent(renderer)
     placed, unlabelled = [], []
     for rank, ((number, op), colour) in enumerate(zip(points, colours)):

@@ -482,3 +482,34 @@ def test_bar_figures_draw_one_collection_a_series_with_the_pixels_of_a_patch_a_b
     assert len(bars.patches) == 39
     monkeypatch.undo()
     assert np.array_equal(pixels(drawn(*drawings[3])), redrawn)
+
+
+def test_figures_measure_their_crop_with_one_renderer_that_keeps_text_sizes(monkeypatch):
+    """matplotlib caches a text's size per renderer: the crop's measuring renderer is one per dpi, so a text two
+    figures share (tick labels, axis labels, legend entries) is measured once a run, and the crop stays the box
+    savefig's tight pass would keep (test_figure_crop_holds_what_savefig_tight_would_keep)."""
+    import polars as pl
+    from matplotlib.backends.backend_agg import RendererAgg
+
+    from steplens.reports import figures
+
+    # rank labels no other test draws: their sizes are not in the renderer's cache yet, whatever ran before
+    breakdown = pl.DataFrame({"rank": [90417, 90418], "device": [0, 0], "compute_ns": [5e6, 4e6],
+                              "exposed_comm_ns": [1e6, 2e6], "host_bound_ns": [1e6, 0.0], "sync_ns": [0.0, 1e6],
+                              "other_ns": [5e5, 5e5]})
+    import matplotlib
+
+    measuring = figures._measuring_renderer(matplotlib.rcParams["figure.dpi"])  # every figure's dpi
+    measured = []
+    original = RendererAgg.get_text_width_height_descent
+
+    def counted(self, text, prop, ismath):
+        if self is measuring:
+            measured.append(text)
+        return original(self, text, prop, ismath)
+
+    monkeypatch.setattr(RendererAgg, "get_text_width_height_descent", counted)
+    first = figures.step_breakdown_bars(breakdown)
+    first_count = len(measured)
+    assert figures.step_breakdown_bars(breakdown) == first  # the same bytes
+    assert {"90417", "90418"} <= set(measured) and len(measured) == first_count  # the second figure's were all known
