@@ -698,3 +698,30 @@ def test_the_throughput_lines_memory_figures_are_memory_usage_rows(tmp_path):
                                                   "reserved_bytes", "resolution_bytes", "line").rows()
     assert rows == [(0, 9, "deepspeed_throughput", round(5.25 * 2**30), round(8.61 * 2**30), None, round(0.01 * 2**30), 1),
                     (0, 19, "deepspeed_throughput", round(5.3 * 2**30), round(8.61 * 2**30), None, round(0.01 * 2**30), 2)]
+
+
+def test_log_importer_is_imported_only_for_a_file_with_a_log_suffix(tmp_path):
+    """The registered log importer sniffs the same suffixes as deepspeed_log and claims what it claims; an
+    analyze of traces alone never compiles the log regexes, an analyze of a run with logs reads them."""
+    import subprocess
+
+    assert telemetry.LOG_SUFFIXES == deepspeed_log.SUFFIXES
+    log = _rank0_log("run1")
+    (tmp_path / "notes.md").write_text(log.read_text()[:2000])  # a log's text under another suffix: not a log
+    for path in (log, tmp_path / "notes.md", FIXTURES.parent / "tiny_trace.json"):
+        if path.exists():
+            assert telemetry.claims_log(path) == deepspeed_log.claims(path), path
+    assert telemetry.claims_log(log) and not telemetry.claims_log(tmp_path / "notes.md")
+    samples = Path(__file__).parent.parent / "sample_runs"
+    script = ("import sys\nfrom steplens.analyze import cli\n"
+              "sys.argv = ['analyze', sys.argv[1], '--out', sys.argv[2], '-q']\n"
+              "try:\n    cli.analyze_entry()\nexcept SystemExit:\n    pass\n"
+              "print('steplens.analyze.importers.deepspeed_log' in sys.modules)\n")
+    seen = {}
+    for run in ("synthetic_8rank", "deepspeed_cpu_2rank"):
+        done = subprocess.run([sys.executable, "-c", script, str(samples / run), str(tmp_path / run)],
+                              capture_output=True, text=True, timeout=300)
+        seen[run] = done.stdout.splitlines()[-1:]
+    assert seen == {"synthetic_8rank": ["False"], "deepspeed_cpu_2rank": ["True"]}
+    sources = json.loads((tmp_path / "deepspeed_cpu_2rank" / "run.json").read_text())["sources"]
+    assert [s["status"] for s in sources if s["kind"] == "deepspeed_log"] == ["ingested"] * 2

@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from steplens.analyze import importers
-from steplens.analyze.importers import deepspeed_log
 from steplens.analyze.importers.base import Importer, peek
 from steplens.analyze.contract.schema import rank_in_name
 from steplens.analyze.pipeline.ingest import Discovered
@@ -131,13 +130,15 @@ def split_appended_logs(runs: list[RunFolder]) -> list[RunFolder]:
             split.append(run)
             continue
         path, importer, companions = native[0]
+        from steplens.analyze.importers import deepspeed_log  # a log's regexes: imported when a run holds one
+
         spans = deepspeed_log.run_spans(path)
         if len(spans) < 2:
             split.append(run)
             continue
         rel = os.path.relpath(path, run.path)
         for index, (first, last) in enumerate(spans):
-            one = Importer(importer.name, importer.claims, functools.partial(deepspeed_log.parse, run_index=index),
+            one = Importer(importer.name, importer.claims, functools.partial(importer.parse, run_index=index),
                            importer.companions)
             found = replace(run.found, traces=[], native=[(path, one, companions)])
             split.append(RunFolder(run.path, found, name=f"{rel} run {index + 1} of {len(spans)} (lines {first}-{last})",
