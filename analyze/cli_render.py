@@ -14,6 +14,7 @@ from steplens.analyze import importers
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
 from steplens.analyze.pipeline.ingest import IngestResult, Source
+from steplens.analyze.pipeline.workers import imports_without_collections
 
 # Exit status, one meaning each, for every command (documented in --help and the README).
 EXIT_PARTIAL = 1  # results written, but some inputs could not be used (see the issues)
@@ -136,8 +137,9 @@ def import_figures() -> None:
     """The report's figure module and matplotlib (a quarter of a second): `analyze` imports them while it
     waits for its workers (Workers when_idle), and the workers while this process runs the run-level
     analyses, rather than after the analyses."""
-    skip_matplotlib_set_docs()
-    from steplens.reports import figures  # noqa: F401
+    with imports_without_collections():
+        skip_matplotlib_set_docs()
+        from steplens.reports import figures  # noqa: F401
 
 
 def skip_matplotlib_set_docs() -> None:

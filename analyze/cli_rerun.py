@@ -194,7 +194,8 @@ def steplens_main() -> None:
     workers.fewer_collections()
     workers.return_polars_freed_pages()
     workers.one_blas_thread()
-    from steplens.analyze import cli
+    with workers.imports_without_collections():
+        from steplens.analyze import cli
 
     exit_without_teardown(cli.steplens_entry)
 
@@ -214,7 +215,8 @@ def analyze_entry() -> None:
     if (early := _run_dir_and_jobs(sys.argv[1:])) is not None:
         workers.start_early_for(*early)  # they import while this process does
     try:
-        from steplens.analyze import cli
+        with workers.imports_without_collections():
+            from steplens.analyze import cli
 
         cli.analyze_entry()
     finally:

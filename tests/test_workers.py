@@ -370,9 +370,39 @@ def test_the_scripts_and_their_workers_collect_garbage_less_often(script):
         assert spare.submit(gc.get_threshold).result(timeout=120) == workers_module.GC_THRESHOLDS
 
 
+# The collector's passes once polars is imported (during the heavy imports, then the help text), whether the
+# collector runs after the set-up, and the objects frozen.
+IMPORT_GC_PROBE = """import gc, sys
+passes = []
+gc.callbacks.append(lambda phase, info: phase == 'start' and 'polars' in sys.modules and passes.append(1))
+""" + SCRIPT_SET_UP + """print(len(passes), gc.isenabled(), gc.get_freeze_count())
+"""
+
+
+def _worker_collector() -> tuple[bool, int]:
+    import gc
+
+    return gc.isenabled(), gc.get_freeze_count()
+
+
+@pytest.mark.parametrize("script", ["main", "steplens_main"])
+def test_the_scripts_and_their_workers_import_without_collector_passes_and_freeze_what_they_imported(script):
+    passes, enabled, frozen = _probe(IMPORT_GC_PROBE, script).split()
+    # importing polars, pyarrow, numpy, rich and click made ~8 passes at the tuned thresholds
+    assert int(passes) <= 1 and enabled == "True" and int(frozen) > 50_000
+    with workers_module.Workers(2) as spare:
+        spare.pool(1)
+        enabled, frozen = spare.submit(_worker_collector).result(timeout=120)
+        assert enabled and frozen > 50_000  # polars, pyarrow and the parser
+
+
 def test_a_library_user_process_keeps_its_garbage_collector_as_it_is():
     import gc
 
     from steplens.analyze.analyses import runner  # noqa: F401 - steplens imported as a library
 
     assert gc.get_threshold() != workers_module.GC_THRESHOLDS
+    frozen = gc.get_freeze_count()
+    with workers_module.imports_without_collections():
+        assert gc.isenabled()
+    assert gc.get_freeze_count() == frozen
