@@ -21,6 +21,7 @@ import polars as pl
 from matplotlib.backends.backend_agg import RendererAgg
 from matplotlib.figure import Figure
 
+from steplens.analyze.analyses.roofline import on_the_roofline
 from steplens.analyze.contract.units import binary_bytes
 
 # Figures are made with the object API, never pyplot: no GUI backend, no global figure registry, and
@@ -324,7 +325,7 @@ def roofline_scatter(top_ops: list[dict], roof: dict) -> str:
     and the dense peak of each dtype shown). Each point is numbered as its op ranks by device time; the
     LABELLED_OPS busiest are named beside their point when the name clears the names already placed,
     the others in the legend beside the plot."""
-    points = [(number, op) for number, op in enumerate(top_ops, 1) if op.get("intensity") and op.get("achieved_tflops")]
+    points = [(number, op) for number, op in enumerate(top_ops, 1) if on_the_roofline(op)]
     fig, ax = _subplots(figsize=(6, 3.4))
     lo = min([op["intensity"] for _, op in points] + [0.1]) / 2
     hi = max([op["intensity"] for _, op in points] + [1e4]) * 2

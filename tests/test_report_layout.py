@@ -606,3 +606,27 @@ def test_run_section_gives_the_cuda_version_and_calls_non_trace_json_so(h200):
     assert f"<td>JSON, not a trace</td><td>ignored</td><td>{len(not_traces)}</td><td>{not_traces[0]}</td>" in run
     assert "<td>kineto</td><td>ignored</td>" not in run
     assert (cuda_version("12040"), cuda_version("13000"), cuda_version("12.8.93")) == ("12.4", "13.0", "12.8.93")
+
+
+def test_roofline_with_no_op_on_it_says_so_instead_of_drawing_empty_log_axes(tmp_path):
+    """HTA's trace_diff test rank alone (a real V100 trace): its busiest modeled ops are copies and casts, with
+    bytes but no FLOPs, so none has a point on the log-log roofline; the report says so (matplotlib raised on the
+    empty log axes and the whole analyze failed)."""
+    from steplens.analyze.analyses.roofline import on_the_roofline
+
+    trace = CORPUS / "HolisticTraceAnalysis" / "trace_diff" / "test.json.gz"
+    if not trace.is_file():
+        pytest.skip(f"shared corpus not found at {CORPUS}")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / trace.name).symlink_to(trace)
+    out = _analyse(run)
+    finding = json.loads((out / "findings.json").read_text())["roofline"]
+    assert finding["roof"] and finding["top_ops"]
+    assert not [op for op in finding["top_ops"] if op["flops"] and op["bytes"] and op["device_ns"]]
+    mfu = _section((out / "report.html").read_text(), "mfu")
+    assert "none has a point on it" in mfu and "Roofs: " in mfu and "<svg" not in mfu
+    # the definition: both positions above zero, whatever else is present
+    assert [on_the_roofline(op) for op in ({"intensity": 2.0, "achieved_tflops": 1.5}, {"intensity": 0.0, "achieved_tflops": 1.0},
+            {"intensity": 3.0, "achieved_tflops": None}, {"intensity": float("nan"), "achieved_tflops": 1.0}, {})] == \
+        [True, False, False, False, False]

@@ -152,6 +152,14 @@ def _columns(columns: dict[str, str]) -> dict[str, tuple[str, object]]:
     return {name: (header, lambda value, name=name: _cell(name, value)) for name, header in columns.items()}
 
 
+def on_the_roofline(op: dict) -> bool:
+    """Whether a top op has a point on the roofline's log-log axes: intensity and achieved FLOP/s both above zero
+    (FLOPs, bytes moved and device time all counted). An op that moves bytes but does no FLOPs the models count
+    (a copy, a cast) has none."""
+    intensity, achieved = op.get("intensity"), op.get("achieved_tflops")
+    return intensity is not None and achieved is not None and intensity > 0 and achieved > 0
+
+
 def roofline_blocks(section, finding: dict | None) -> None:
     """The roofline part of the FLOPs and MFU section (mfu.mfu_section): the scatter of the top modeled ops,
     their table, device time by op family, and the modules furthest below peak."""
@@ -163,7 +171,11 @@ def roofline_blocks(section, finding: dict | None) -> None:
         section.text("Top modeled ops by device time and their place on the roofline ("
                      + finding["top_ops_definition"] + "):")
         if finding.get("roof"):
-            section.figure("roofline_scatter", finding["top_ops"], finding["roof"])
+            if any(on_the_roofline(op) for op in finding["top_ops"]):
+                section.figure("roofline_scatter", finding["top_ops"], finding["roof"])
+            else:
+                section.text("No roofline figure: none of these ops has FLOPs, bytes moved and device time all above "
+                             "zero, so none has a point on it.")
             section.text("Roofs: " + finding["roof"]["label"] + ".")
         # Numbered as the roofline's points are (figures.roofline_scatter).
         numbered = [{"number": number, **op} for number, op in enumerate(finding["top_ops"], 1)]
