@@ -208,6 +208,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
                 for text, indent in summary:
                     cli_rerun.say(console, text, indent)
         _warn_missing_ranks(result)
+        _warn_figures_not_drawn(findings)
         _note_python_reader([result])
         sys.exit(_status(result))
     click.echo(f"{safe_text(run_dir)} holds {len(runs)} runs; each is analysed on its own:")
@@ -251,6 +252,7 @@ def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, optio
         report = result.out_dir / ("report.html" if findings else schema.MANIFEST_FILE)
         click.echo(f"  {name}: {len(result.sources)} input(s), ranks {ranks or 'none'}, {problems} error(s)\n"
                    f"    {safe_text(report)}")
+        _warn_figures_not_drawn(findings)
     _note_python_reader(results)
     if all(s == EXIT_NOTHING for s in statuses):
         return EXIT_NOTHING
@@ -413,6 +415,12 @@ def _rerun_record(key: str, stage) -> dict:
     findings = json.loads((stage.folder / "findings.json").read_text())
     return cli_rerun.record(key, token, summary_lines(reused), screen_lines(findings), finding_lines(findings),
                             _missing_ranks_warning(reused), _status(reused))
+
+
+def _warn_figures_not_drawn(findings: dict | None) -> None:
+    """A report figure that failed is a note in its place (reports/html.py); the command says so too."""
+    for note in (findings or {}).get("figures_not_drawn", []):
+        cli_rerun.warn(f"report.html: {note}")
 
 
 def _warn_missing_ranks(result: IngestResult) -> None:

@@ -183,6 +183,10 @@ def analyse_and_report(folder: Path, options: runner.Options, map_ranks=None, ma
     if announce is not None:
         announce(findings)
     started = time.perf_counter()
-    html.write(folder, html.draw if map_figures is None else lambda drawings: map_figures(draw_figure, drawings))
+    not_drawn: list[str] = []
+    html.write(folder, html.draw if map_figures is None else lambda drawings: map_figures(draw_figure, drawings),
+               not_drawn)
     findings["report_seconds"] = report_seconds + time.perf_counter() - started
+    if not_drawn:  # for the command's closing warning (findings.json is written: this is the run's, not the data's)
+        findings["figures_not_drawn"] = not_drawn
     return findings

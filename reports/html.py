@@ -13,13 +13,14 @@ and formatted here, never computed (so `steplens sql` over the same tables gives
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 import polars as pl
-from markupsafe import Markup
+from markupsafe import Markup, escape
 
 from steplens.analyze.analyses import ANALYSES
 from steplens.analyze.contract.text import sentence, text_value
@@ -90,18 +91,41 @@ class Drawing:
 
 
 def draw(drawings: list[Drawing]) -> list[str]:
-    """The SVG of each drawing, in order."""
+    """The SVG of each drawing, in order (a figure that failed: a note in its place, figure_failure)."""
     if not drawings:
         return []
     from . import figures  # matplotlib: imported by a report that has figures only
 
-    return [getattr(figures, d.name)(*d.args) for d in drawings]
+    return [_figure_or_note(figures, d) for d in drawings]
 
 
-def _drawn(sections: list[dict], drawer) -> list[dict]:
-    """The sections with their figures drawn by `drawer` (drawings -> their SVGs, in order)."""
+NOT_DRAWN = '<p class="figure-not-drawn">'  # how a figure that failed starts, in its place
+
+
+def _figure_or_note(figures, drawing: Drawing) -> str:
+    """The drawing's SVG. A figure that raises (a steplens bug, on an input no test had) becomes a note in its
+    place naming the error, so that the rest of the report stands; STEPLENS_DEBUG=1 raises it."""
+    try:
+        return getattr(figures, drawing.name)(*drawing.args)
+    except Exception as e:  # noqa: BLE001 - any bug of one figure; the note names it
+        if os.environ.get("STEPLENS_DEBUG"):
+            raise
+        return f"{NOT_DRAWN}{escape(figure_failure(drawing.name, e))}</p>"
+
+
+def figure_failure(name: str, error: Exception) -> str:
+    return (f"Figure {name} not drawn: {type(error).__name__}: {error} (a steplens bug: rerun with STEPLENS_DEBUG=1 "
+            "for the traceback and report it)")
+
+
+def _drawn(sections: list[dict], drawer, not_drawn: list[str] | None = None) -> list[dict]:
+    """The sections with their figures drawn by `drawer` (drawings -> their SVGs, in order); the notes of the
+    figures that failed are added to `not_drawn`."""
     blocks = [block for section in sections for block in section["blocks"]]
-    svgs = iter(drawer([content for kind, content in blocks if kind == "figure"]))
+    svgs = list(drawer([content for kind, content in blocks if kind == "figure"]))
+    if not_drawn is not None:
+        not_drawn.extend(Markup(svg).striptags() for svg in svgs if svg.startswith(NOT_DRAWN))
+    svgs = iter(svgs)
     for section in sections:
         section["blocks"] = [(kind, Markup(next(svgs)) if kind == "figure" else content)
                              for kind, content in section["blocks"]]
@@ -379,8 +403,9 @@ def _shown(run: Run, device_work: bool, name: str, sections: list[dict]) -> list
     return sections
 
 
-def render(out_dir: Path, drawer=draw) -> str:
-    """The page; `drawer` (drawings -> their SVGs, in order) draws its figures, here by default."""
+def render(out_dir: Path, drawer=draw, not_drawn: list[str] | None = None) -> str:
+    """The page; `drawer` (drawings -> their SVGs, in order) draws its figures, here by default; the notes of
+    figures that failed are added to `not_drawn`."""
     run = load(out_dir)
     named = {analysis.name: analysis for analysis in ANALYSES}
     middle = [a for a in ANALYSES if a.name not in SHOWN_FIRST + SHOWN_LAST]
@@ -391,7 +416,7 @@ def render(out_dir: Path, drawer=draw) -> str:
     sections += [s for name in SHOWN_LAST for s in _analysis_sections(named[name], run)]
     return TEMPLATES.get_template("report.html.j2").render(
         run=run, title=f"steplens report: {run.name}", first_screen=_first_screen(run, sections), verdict=verdict(run),
-        numbers=key_numbers(run), sections=_drawn(sections, drawer), caveats=run.findings.get("caveats", []))
+        numbers=key_numbers(run), sections=_drawn(sections, drawer, not_drawn), caveats=run.findings.get("caveats", []))
 
 
 def _first_screen(run: Run, sections: list[dict]) -> list[tuple[str, str]]:
@@ -409,6 +434,6 @@ def render_compare(result: dict) -> str:
                                                             curves=figure, headline=headline(result))
 
 
-def write(out_dir: Path, drawer=draw) -> Path:
+def write(out_dir: Path, drawer=draw, not_drawn: list[str] | None = None) -> Path:
     """Render report.html into out_dir, atomically (figures drawn by `drawer`, as render)."""
-    return write_atomic(Path(out_dir) / REPORT_FILE, render(out_dir, drawer))
+    return write_atomic(Path(out_dir) / REPORT_FILE, render(out_dir, drawer, not_drawn))

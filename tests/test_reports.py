@@ -513,3 +513,34 @@ def test_figures_measure_their_crop_with_one_renderer_that_keeps_text_sizes(monk
     first_count = len(measured)
     assert figures.step_breakdown_bars(breakdown) == first  # the same bytes
     assert {"90417", "90418"} <= set(measured) and len(measured) == first_count  # the second figure's were all known
+
+
+def test_a_figure_that_fails_becomes_a_note_and_the_rest_of_the_report_stands(tmp_path, monkeypatch):
+    """A figure's bug on an input no test had (the roofline's empty log axes, once) took the whole analyze down;
+    now it is a note in the figure's place (the error escaped) and a warning on stderr, every other figure and
+    table is drawn, and STEPLENS_DEBUG=1 still raises it."""
+    from steplens.reports import figures, html
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent.parent / "sample_runs" / "synthetic_8rank", run)
+    healthy = CliRunner().invoke(analyze, [str(run), "--out", str(tmp_path / "healthy"), "-q"])
+    page = (tmp_path / "healthy" / "report.html").read_text()
+    assert healthy.exit_code == 0 and html.NOT_DRAWN not in page and "not drawn" not in healthy.output
+    figures_drawn = page.count("<svg")
+    assert figures_drawn >= 3
+
+    def broken(*args):
+        raise ValueError("no <b>ticks</b> & no data")
+
+    monkeypatch.setattr(figures, "step_gantt", broken)
+    monkeypatch.delenv("STEPLENS_DEBUG", raising=False)
+    result = CliRunner().invoke(analyze, [str(run), "--out", str(tmp_path / "broken"), "-q"])
+    page = (tmp_path / "broken" / "report.html").read_text()
+    assert result.exit_code == 0, result.output
+    note = "Figure step_gantt not drawn: ValueError: no &lt;b&gt;ticks&lt;/b&gt; &amp; no data"
+    assert page.count(html.NOT_DRAWN) == 1 and note in page and "<b>ticks" not in page
+    assert page.count("<svg") == figures_drawn - 1
+    assert "report.html: Figure step_gantt not drawn: ValueError: no <b>ticks</b> & no data" in result.stderr.replace("\n", " ")
+    monkeypatch.setenv("STEPLENS_DEBUG", "1")
+    with pytest.raises(ValueError, match="no <b>ticks</b>"):
+        html.render(tmp_path / "broken")
