@@ -122,7 +122,18 @@ def dlrm(tmp_path_factory) -> Path:
     return _analyse(run)
 
 
-def test_step_breakdown_matches_the_raw_8_rank_trace(dlrm):
+@pytest.mark.parametrize("batch_events", [None, 1, 5_000])
+def test_step_breakdown_matches_the_raw_8_rank_trace(dlrm, batch_events, tmp_path, monkeypatch):
+    """The 8 ranks' kernel launches in one part (their batch, as analyze makes it), one part a rank, or a few
+    ranks a part: step_breakdown reads a part at a time, all its ranks in one pass."""
+    if batch_events is not None:
+        from steplens.analyze.analyses import runner
+
+        monkeypatch.setattr(runner, "RANK_BATCH_EVENTS", batch_events)
+        dlrm = shutil.copytree(dlrm, tmp_path / "out")
+        runner.run(dlrm)
+    parts = len(list((dlrm / "kernel_launches").glob("*.parquet")))
+    assert parts == {None: 1, 1: 8}.get(batch_events, parts) and (batch_events != 5_000 or 1 < parts < 8)
     table = pl.read_parquet(dlrm / "step_breakdown")
     assert sorted(table["rank"].to_list()) == list(range(8))
     for trace in sorted(DLRM.glob("worker*.json")):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import polars as pl
 import pyarrow as pa
@@ -63,6 +63,13 @@ class Inputs:
         if where is not None:
             frame = frame.filter(where)
         return (frame.select(columns) if columns else frame).collect()
+
+
+    def parts(self, name: str, columns: list[str]) -> Iterator[pl.DataFrame]:
+        """A per-rank analysis table as written, one part at a time (a batch of whole ranks each: Analysis.parts),
+        with only the columns asked for: memory bounded by the largest part, not the run."""
+        for path in sorted((self.out_dir / name).glob("*.parquet")):
+            yield pl.read_parquet(path, columns=columns)
 
 
 def _empty(name: str, columns: list[str] | None) -> pl.DataFrame:

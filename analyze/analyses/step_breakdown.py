@@ -17,7 +17,7 @@ the step's span are closed, so the table (and a picture of it) stays small whate
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterable
 
 import numpy as np
 import polars as pl
@@ -41,13 +41,13 @@ BREAKDOWN_SCHEMA = {"rank": pl.Int64, "source": pl.String, "device": pl.Int64, "
 TIMELINE_SCHEMA = {"rank": pl.Int64, "step": pl.Int64, "activity": pl.String, "start_ns": pl.Int64, "end_ns": pl.Int64}
 
 
-def step_breakdown_tables(read_launches: Callable[[int], pl.DataFrame], ranks: list[int], collectives: pl.DataFrame,
-                          gpu_idle: pl.DataFrame, step_stats: pl.DataFrame, offsets: pl.DataFrame
-                          ) -> dict[str, pl.DataFrame]:
+def step_breakdown_tables(launch_parts: Iterable[pl.DataFrame], collectives: pl.DataFrame, gpu_idle: pl.DataFrame,
+                          step_stats: pl.DataFrame, offsets: pl.DataFrame) -> dict[str, pl.DataFrame]:
     """step_breakdown (every rank and step) and step_timeline (the slowest profiled step).
 
-    `read_launches(rank)` returns that rank's kernel_launches rows (LAUNCH_COLUMNS); ranks are read
-    one at a time, so memory is bounded by the largest rank."""
+    `launch_parts` yields kernel_launches rows (LAUNCH_COLUMNS) a few whole ranks at a time (the parts the
+    per-rank analyses wrote), so memory is bounded by the largest part; each part is one pass, whatever its
+    ranks (a pass a rank made 32 small ranks' breakdown a quarter of their analyses)."""
     slowest = slowest_profiled_step(step_stats)
     comm_ids = collectives.select(*COMM_KEYS).unique().with_columns(is_comm=pl.lit(True))
     offset_of = {} if offsets.is_empty() else dict(  # rank -> offset_ns (null: not aligned, drawn on its own clock)
@@ -56,9 +56,10 @@ def step_breakdown_tables(read_launches: Callable[[int], pl.DataFrame], ranks: l
     refused = set() if offsets.is_empty() else set(
         offsets.filter(pl.col("method").str.starts_with(steps.REFUSED_PREFIX))["rank"].to_list())
     breakdowns, timelines = [], []
-    for rank in ranks:
-        for lane in _lanes(_work(read_launches(rank), comm_ids)):
+    for part in launch_parts:
+        for lane in _lanes(_work(part, comm_ids)):
             breakdowns.append(lane.breakdown())
+            rank = lane.key["rank"]
             if slowest is not None and rank not in refused:
                 timelines.append(lane.timeline(slowest, offset_of.get(rank, 0)))
     breakdowns = [b for b in breakdowns if not b.is_empty()]
@@ -240,10 +241,8 @@ def time_section(page, run):
 def _step_breakdown(inputs: Inputs) -> Output:
     if not inputs.ranks:
         return Output()
-    launches = pl.scan_parquet(inputs.out_dir / "kernel_launches")
-    tables = step_breakdown_tables(
-        lambda rank: launches.filter(pl.col("rank") == rank).select(LAUNCH_COLUMNS).collect(), inputs.ranks,
-        inputs.table("collectives"), inputs.table("gpu_idle"), inputs.table("step_stats"), inputs.table("clock_offsets"))
+    tables = step_breakdown_tables(inputs.parts("kernel_launches", LAUNCH_COLUMNS), inputs.table("collectives"),
+                                   inputs.table("gpu_idle"), inputs.table("step_stats"), inputs.table("clock_offsets"))
     split = time_split(tables["step_breakdown"])
     return Output(tables=tables, finding={"time_split": split} if split else None)
 
