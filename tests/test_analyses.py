@@ -466,3 +466,48 @@ def test_the_roofline_note_says_why_there_is_none_without_traces_or_without_gpu_
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10, "dur": 100}]
     write_trace(tmp_path / "cpu" / "t.json", events)
     assert analyse(tmp_path / "cpu", jobs=1)[1]["roofline"]["note"] == "no roofline: the traces hold no GPU work"
+
+
+def _innermost_by_hand(ops: list[tuple], queries: list[tuple]) -> list[int]:
+    """For each query (thread, lo, hi), the index into `ops` (thread, start, end; in the order searched: by start,
+    the outermost first on ties) of the last op on that thread with start <= lo and end >= hi, or -1."""
+    return [max((i for i, (t, s, e) in enumerate(ops) if t == qt and s <= lo and e >= hi), default=-1)
+            for qt, lo, hi in queries]
+
+
+@pytest.mark.parametrize("far_apart", [False, True])
+def test_innermost_op_on_each_thread_matches_a_search_by_hand(far_apart):
+    """launch.innermost_on_thread lays every thread on a stretch of one axis and searches them all at once
+    (the threads one by one when their times are too far apart for that): the same answers as looking at
+    every op of the query's thread, on nested, tied and overlapping ops, null keys, and threads without ops."""
+    import random
+
+    import numpy as np
+
+    from steplens.analyze.analyses import launch
+
+    rng = random.Random(7)
+    keys = [(0, "a.json", 1, 1), (0, "a.json", 1, 2), (1, "b.json", 5, None), (1, None, 5, 9)]
+    # nanoseconds, or units so large that 4 threads' times cannot be laid end to end in an int64
+    base, unit = (-4 * 10**18, 2 * 10**15) if far_apart else (1_700_000_000_000_000_000, 1)
+    rows = []
+    for _ in range(400):
+        start = base + rng.randrange(0, 2_000) * unit
+        rows.append((rng.randrange(len(keys)), start, start + rng.choice([0, 1, 5, 50, 500]) * unit))
+    rows += [rows[3], rows[3], (rows[5][0], rows[5][1], rows[5][2] + 7)]  # identical ops; a tie on start
+    ops = sorted(rows, key=lambda r: (r[1], -r[2]))  # stable: identical ops keep their order
+    queries = [(rng.randrange(len(keys) + 1), lo, lo + rng.choice([0, 0, 1, 30]) * unit)
+               for lo in (base + rng.randrange(-5, 2_100) * unit for _ in range(300))]
+    queries.append((0, None, None))
+    span = max(e for _, _, e in ops) - min(s for _, s, _ in ops)
+    assert (span * len(keys) >= 2**62) == far_apart
+
+    def frame(items):  # thread len(keys): one with queries and no ops
+        return pl.DataFrame([dict(zip(launch.THREAD_KEYS, (keys + [(9, "none", 0, 0)])[t]), ts_ns=s, end_ns=e)
+                             for t, s, e in items], schema={"rank": pl.Int64, "source": pl.String, "pid": pl.Int64,
+                                                            "tid": pl.Int64, "ts_ns": pl.Int64, "end_ns": pl.Int64})
+
+    found = launch.innermost_on_thread(frame(ops), frame(queries))
+    expected = _innermost_by_hand(ops, queries[:-1]) + [-1]  # a query without times is in no op
+    assert found.tolist() == expected
+    assert (np.array(expected) >= 0).sum() > 100 and (np.array(expected) == -1).sum() > 20

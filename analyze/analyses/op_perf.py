@@ -24,7 +24,7 @@ import numpy as np
 import polars as pl
 
 from steplens.analyze.trace import intervals
-from steplens.analyze.analyses import devices, op_model
+from steplens.analyze.analyses import devices, launch, op_model
 from steplens.analyze.analyses.op_model import family
 
 OP_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "name", "pid", "tid", "step", "external_id", "input_dims",
@@ -185,17 +185,8 @@ def family_time(cpu: pl.DataFrame, launched: pl.DataFrame) -> pl.DataFrame:
     ops = (cpu.lazy().filter((pl.col("kind") == "cpu_op") & pl.col("dur_ns").is_not_null()).drop_nulls(THREAD + ["ts_ns"])
            .select(*THREAD, "ts_ns", "name", end_ns=pl.col("ts_ns") + pl.col("dur_ns"))
            .sort("ts_ns", "end_ns", descending=[False, True], maintain_order=True).collect())
-    threads = ops.partition_by(THREAD, as_dict=True)  # each thread's ops in that order (partitions keep it)
-    empty = ops.clear()
-    owners = []
-    for key, at in points.group_by(THREAD):  # rowwise-ok: once per thread
-        mine = threads.get(key, empty)
-        starts, ends = mine["ts_ns"].to_numpy(), mine["end_ns"].to_numpy()
-        where = intervals.innermost_container(starts, ends, at["at_ns"].to_numpy(), at["at_ns"].to_numpy())
-        names = mine["name"].to_numpy()
-        owner = np.where(where >= 0, names[np.maximum(where, 0)] if len(names) else None, None)
-        owners.append(at.with_columns(op=pl.Series(owner.tolist(), dtype=pl.String)))
-    owned = pl.concat(owners)
+    found = launch.innermost_on_thread(ops, points.with_columns(ts_ns=pl.col("at_ns"), end_ns=pl.col("at_ns")), THREAD)
+    owned = points.with_columns(op=launch.named(ops["name"], found))
     families = {n: family(n) for n in owned["op"].drop_nulls().unique().to_list()}  # rowwise-ok: per distinct op name
     return owned.with_columns(family=pl.col("op").replace_strict(families, default="none", return_dtype=pl.String)).group_by(
         "rank", "family").agg(launches=pl.len(), device_ns=pl.col("work_ns").sum().cast(pl.Int64)).select(
