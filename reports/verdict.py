@@ -63,9 +63,14 @@ def time_headline(f: dict) -> str | None:
     cause = f" ({split['main_idle_cause'].replace('_', '-')})" if split.get("main_idle_cause") else ""
     effect = f.get("profiler_after_effect") or {}
     slowed = f", profiler-slowed {effect['window_ratio_max']:.1f}x" if effect.get("window_slowed") else ""
+    # Device work whose launch is not in the trace has no step: where there is more of it than the steps' spans
+    # hold, the shares describe the lesser part of the device time.
+    unstepped = split.get("unstepped_device_ns") or 0
+    aside = (f"; {ms(unstepped)} more device work has no recorded launch, so no step, and is not in these shares"
+             if unstepped > split["span_ns"] else "")
     return (f"Inside profiled steps (device span {ms(split['median_step_span_ns'])}{slowed}): compute "
             f"{share(split['compute_share'])}, exposed comms {share(split['exposed_comm_share'])}, idle "
-            f"{share(split['idle_share'])}{cause}")
+            f"{share(split['idle_share'])}{cause}{aside}")
 
 
 def step_headline(f: dict) -> str | None:

@@ -641,3 +641,37 @@ def test_roofline_with_no_op_on_it_says_so_instead_of_drawing_empty_log_axes(tmp
     assert [on_the_roofline(op) for op in ({"intensity": 2.0, "achieved_tflops": 1.5}, {"intensity": 0.0, "achieved_tflops": 1.0},
             {"intensity": 3.0, "achieved_tflops": None}, {"intensity": float("nan"), "achieved_tflops": 1.0}, {})] == \
         [True, False, False, False, False]
+
+
+def _raw_unlaunched_device_ns(trace: Path) -> int:
+    """Summed duration (ns) of the device work (kernels, copies, sets) whose correlation id no runtime or driver
+    call of the raw trace carries."""
+    import gzip
+
+    doc = json.loads(gzip.decompress(trace.read_bytes()), parse_float=Decimal)
+    events = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    called = {e["args"]["correlation"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+              and "correlation" in e.get("args", {})}
+    return int(sum(Decimal(e["dur"]) * 1000 for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                   and e.get("args", {}).get("correlation") not in called))
+
+
+def test_verdict_says_when_most_device_work_has_no_launch_and_no_step(tmp_path):
+    """HTA's trace_compare base rank: its launch calls were cut from the file but for one kernel's, so the profiled
+    steps' span is that kernel (4 µs, compute 100%) while 1.69 ms of device work has no step; the headline says
+    how much lies outside its shares."""
+    from steplens.reports.verdict import first_screen
+
+    trace = CORPUS / "HolisticTraceAnalysis" / "trace_compare" / "base.json.gz"
+    if not trace.is_file():
+        pytest.skip(f"shared corpus not found at {CORPUS}")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / trace.name).symlink_to(trace)
+    findings = json.loads((_analyse(run) / "findings.json").read_text())
+    split = findings["step_breakdown"]["time_split"]
+    unlaunched = _raw_unlaunched_device_ns(trace)
+    assert split["unstepped_device_ns"] == unlaunched > 10 * split["span_ns"]
+    headline = first_screen(findings)[0][0]
+    assert headline.startswith("Inside profiled steps") and \
+        f"; {unlaunched / 1e6:.2f} ms more device work has no recorded launch, so no step" in headline

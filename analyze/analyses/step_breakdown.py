@@ -181,10 +181,11 @@ def _difference(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray, b_e: np.ndarr
     return intervals.union(lo[keep], hi[keep])
 
 
-def time_split(breakdown: pl.DataFrame) -> dict | None:
+def time_split(breakdown: pl.DataFrame, unstepped_device_ns: int = 0) -> dict | None:
     """Where the profiled steps' device time went, over every rank and step of step_breakdown: each
     activity's share of the summed step spans, the main idle cause, and the median step's span (the
-    longest rank's, per step). None without profiled steps."""
+    longest rank's, per step); `unstepped_device_ns`, the device work in no step (its launch is not in the
+    trace), kept beside it. None without profiled steps."""
     if breakdown.is_empty() or not breakdown["span_ns"].sum():
         return None
     span = breakdown["span_ns"].sum()
@@ -198,9 +199,11 @@ def time_split(breakdown: pl.DataFrame) -> dict | None:
         "exposed_comm_share": breakdown["exposed_comm_ns"].sum() / span,
         "idle_share": breakdown["idle_ns"].sum() / span,
         "main_idle_cause": main_cause,
+        "unstepped_device_ns": int(unstepped_device_ns),
         "definition": "step_breakdown summed over ranks and profiled steps: each activity's share of the summed step "
                       "spans (first to last device work launched in the step); median_step_span_ns: the median over "
-                      "steps of the longest rank's span",
+                      "steps of the longest rank's span; unstepped_device_ns: summed duration of the device work "
+                      "whose launch is not in the trace (kernel_launches with no step), in no step's span",
     }
 
 
@@ -243,7 +246,9 @@ def _step_breakdown(inputs: Inputs) -> Output:
         return Output()
     tables = step_breakdown_tables(inputs.parts("kernel_launches", LAUNCH_COLUMNS), inputs.table("collectives"),
                                    inputs.table("gpu_idle"), inputs.table("step_stats"), inputs.table("clock_offsets"))
-    split = time_split(tables["step_breakdown"])
+    unstepped = sum(int(part.filter(pl.col("step").is_null() & (pl.col("dur_ns") > 0))["dur_ns"].sum())
+                    for part in inputs.parts("kernel_launches", ["step", "dur_ns"]))
+    split = time_split(tables["step_breakdown"], unstepped)
     return Output(tables=tables, finding={"time_split": split} if split else None)
 
 

@@ -182,6 +182,6 @@ def links(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue]) ->
     if orphans.height:
         issues.append(Issue("warning", "orphan_device_activity", orphans.height,
                             f"device activities ({orphans['dur_ns'].fill_null(0).sum()} ns of GPU time) whose launch is not "
-                            "in the trace (enqueued before the profiler window opened): no step, no launch API; they "
-                            "still count as device busy time"))
+                            "in the trace (enqueued before the profiler window opened, or the call cut from the file): no step, "
+                            "no launch API; they still count as device busy time"))
     return flows
