@@ -190,8 +190,8 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         except IngestError as e:
             if not (apart := _unranked_traces_apart(run, e, out_dir)):
                 fail(safe_text(_as_given(e, run, run_dir)))
-            click.echo(f"{safe_text(run_dir)}: {len(apart)} traces with no rank, from different processes: "
-                       "separate runs, each analysed on its own:")
+            cli_rerun.say(console, f"{run_dir}: {len(apart)} traces with no rank, from different processes: "
+                                   "separate runs, each analysed on its own:", indent=0)
             sys.exit(_analyse_each(run_dir, apart, jobs, options, ingest_only, client=client))
         if fmt == "md" and findings:
             if not announced:
@@ -211,7 +211,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         _warn_figures_not_drawn(findings)
         _note_python_reader([result])
         sys.exit(_status(result))
-    click.echo(f"{safe_text(run_dir)} holds {len(runs)} runs; each is analysed on its own:")
+    cli_rerun.say(console, f"{run_dir} holds {len(runs)} runs; each is analysed on its own:", indent=0)
     sys.exit(_analyse_each(run_dir, [(run, out_of(run)) for run in runs], jobs, options, ingest_only,
                            out_given=out_dir is not None, client=client))
 

@@ -265,7 +265,9 @@ def test_unranked_traces_of_different_processes_are_separate_runs(tmp_path):
     after = _unranked_trace(tmp_path / "traces" / "after_fix.json", pid=200, kernels=3)
     done = subprocess.run([*ANALYZE, str(tmp_path / "traces"), "-q"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 traces with no rank, from different processes" in done.stdout
+    assert "2 traces with no rank, from different processes" in " ".join(done.stdout.split())  # wrapped to 80 columns
+    # every line within 80 columns but one a path longer than that fills alone
+    assert all(len(line) <= 80 or len(line.split()) == 1 or len(line.split()[0]) > 70 for line in done.stdout.splitlines()[:2])
     for trace, kernels in ((before, 2), (after, 3)):
         out = trace.parent / f"{schema.DEFAULT_OUT_DIR}-{trace.name}"
         manifest = json.loads((out / "run.json").read_text())

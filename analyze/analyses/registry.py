@@ -69,7 +69,7 @@ class Inputs:
         """A per-rank analysis table as written, one part at a time (a batch of whole ranks each: Analysis.parts),
         with only the columns asked for: memory bounded by the largest part, not the run."""
         for path in sorted((self.out_dir / name).glob("*.parquet")):
-            yield pl.read_parquet(path, columns=columns)
+            yield pl.read_parquet(path, columns=columns, glob=False)  # a folder name may hold [ ] * ?
 
 
 def _empty(name: str, columns: list[str] | None) -> pl.DataFrame:
