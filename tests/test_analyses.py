@@ -511,3 +511,38 @@ def test_innermost_op_on_each_thread_matches_a_search_by_hand(far_apart):
     expected = _innermost_by_hand(ops, queries[:-1]) + [-1]  # a query without times is in no op
     assert found.tolist() == expected
     assert (np.array(expected) >= 0).sum() > 100 and (np.array(expected) == -1).sum() > 20
+
+
+@pytest.mark.parametrize("unit", [1, 10**15])
+def test_idle_causes_clipped_to_step_spans_match_a_sum_by_hand(unit):
+    """launch._clipped_causes lays every device's gaps end to end (device by device when the times are too far
+    apart for that, unit 10**15 ns): each cause's gap time inside each step span, as summed by hand."""
+    import random
+
+    from steplens.analyze.analyses import launch
+
+    rng = random.Random(3)
+    devices = [(0, "a.json", 0), (0, "a.json", 1), (1, "b.json", 0), (2, "c.json", 0)]
+    base = -3 * 10**18 if unit > 1 else 0
+    gaps, spans = [], []
+    for d, key in enumerate(devices[:3]):  # the last device has spans and no gaps
+        t = 0
+        for _ in range(60):  # disjoint gaps in time order, one cause each
+            t += rng.randrange(1, 40)
+            length = rng.randrange(1, 30)
+            gaps.append((*key, rng.choice(launch.CAUSES), base + t * unit, base + (t + length) * unit))
+            t += length
+    for key in devices:
+        for step in range(8):
+            lo = rng.randrange(0, 2_000)
+            spans.append((*key, step, base + lo * unit, base + (lo + rng.randrange(0, 900)) * unit))
+    gap_frame = pl.DataFrame(gaps, schema=["rank", "source", "device", "cause", "gap_start_ns", "gap_end_ns"], orient="row")
+    span_frame = pl.DataFrame(spans, schema=["rank", "source", "device", "step", "span_start_ns", "span_end_ns"], orient="row")
+    got = launch._clipped_causes(span_frame, gap_frame)
+    for row in got.iter_rows(named=True):
+        key = (row["rank"], row["source"], row["device"])
+        for cause in launch.CAUSES:
+            by_hand = sum(max(0, min(e, row["span_end_ns"]) - max(s, row["span_start_ns"]))
+                          for *k, c, s, e in gaps if tuple(k) == key and c == cause)
+            assert row[f"{cause}_ns"] == by_hand
+    assert got.height == len(spans) and sum(got[f"{c}_ns"].sum() for c in launch.CAUSES) > 0

@@ -139,19 +139,31 @@ def _cause_totals(gaps: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
 
 
 def _clipped_causes(spans: pl.DataFrame, device_gaps: pl.DataFrame) -> pl.DataFrame:
-    """Add each cause's share of the device-timeline gaps inside every [span_start_ns, span_end_ns)."""
-    gaps_by_device = device_gaps.partition_by("rank", "source", "device", as_dict=True)
-    pieces = []
-    for key, group in spans.partition_by("rank", "source", "device", as_dict=True).items():
-        gaps = gaps_by_device.get(key, device_gaps.clear())
-        lo, hi = group["span_start_ns"].to_numpy(), group["span_end_ns"].to_numpy()
-        totals = {}
-        for c in CAUSES:
-            mine = gaps.filter(pl.col("cause") == c)  # disjoint and in time order: gaps of one union
-            totals[f"{c}_ns"] = pl.Series(intervals.covered(mine["gap_start_ns"].to_numpy(), mine["gap_end_ns"].to_numpy(),
-                                                            lo, hi).astype(np.int64), dtype=pl.Int64)
-        pieces.append(group.with_columns(**totals))
-    return pl.concat(pieces) if pieces else spans
+    """Add each cause's share of the device-timeline gaps inside every [span_start_ns, span_end_ns): every device
+    at once, laid end to end (intervals.end_to_end), or device by device where the times span too much for that."""
+    keys = ["rank", "source", "device"]
+    if spans.is_empty():
+        return spans
+    devices = spans.select(keys).unique().with_row_index("lane")
+    span_lane = spans.select(keys).join(devices, on=keys, how="left", nulls_equal=True, maintain_order="left")["lane"]
+    gaps = device_gaps.join(devices, on=keys, how="inner", nulls_equal=True)
+    lane, lo, hi = span_lane.to_numpy(), spans["span_start_ns"].to_numpy(), spans["span_end_ns"].to_numpy()
+    totals = {}
+    for c in CAUSES:
+        mine = gaps.filter(pl.col("cause") == c)  # per device: disjoint and in time order, gaps of one union
+        g_lane, g_s, g_e = mine["lane"].to_numpy(), mine["gap_start_ns"].to_numpy(), mine["gap_end_ns"].to_numpy()
+        if (laid := intervals.end_to_end(devices.height, lo, hi, g_s, g_e)) is not None:
+            order = np.argsort(laid(g_s, g_lane), kind="stable")
+            covered = intervals.covered(laid(g_s, g_lane)[order], laid(g_e, g_lane)[order], laid(lo, lane), laid(hi, lane))
+        else:
+            covered = np.zeros(len(lo), np.int64)
+            for device in np.unique(lane):
+                at = lane == device
+                own = np.flatnonzero(g_lane == device)
+                own = own[np.argsort(g_s[own], kind="stable")]
+                covered[at] = intervals.covered(g_s[own], g_e[own], lo[at], hi[at])
+        totals[f"{c}_ns"] = pl.Series(covered.astype(np.int64), dtype=pl.Int64)
+    return spans.with_columns(**totals)
 
 
 SYNC_POINTS_KEPT = 20  # the synchronizing calls kept, worst first
@@ -197,35 +209,28 @@ def innermost_on_thread(ops: pl.DataFrame, queries: pl.DataFrame, keys: list[str
     """For each query row (`keys`, ts_ns, end_ns), the row of `ops` (`keys`, ts_ns, end_ns, without nulls in the
     times; by start, the outermost first on ties) of the innermost op on the same thread that contains it, or -1.
 
-    Every thread in one search: each thread's times are moved onto a stretch of one axis of its own (the thread's
-    index times the span of all the times), so that no op can contain another thread's query; threads are searched
-    one by one only where the times span too much for that (an int64 overflow). A loop over the threads of a run
-    of 32 small ranks was a fifth of its analyses."""
+    Every thread in one search, laid end to end (intervals.end_to_end); threads are searched one by one only where
+    the times span too much for that. A loop over the threads of a run of 32 small ranks was a fifth of its analyses."""
     found = np.full(queries.height, -1, np.int64)
     asked = queries.select(*keys, "ts_ns", "end_ns").with_row_index("row").drop_nulls(["ts_ns", "end_ns"])
     if ops.is_empty() or asked.is_empty():
         return found
     threads = ops.select(keys).unique().with_row_index("thread")
     op_thread = ops.select(keys).join(threads, on=keys, how="left", nulls_equal=True,
-                                      maintain_order="left")["thread"].to_numpy().astype(np.int64)
+                                      maintain_order="left")["thread"].to_numpy()
     asked = asked.join(threads, on=keys, how="inner", nulls_equal=True)  # a query on a thread without ops: none
     if asked.is_empty():
         return found
     starts, ends = ops["ts_ns"].to_numpy(), ops["end_ns"].to_numpy()
-    rows, q_thread = asked["row"].to_numpy(), asked["thread"].to_numpy().astype(np.int64)
+    rows, q_thread = asked["row"].to_numpy(), asked["thread"].to_numpy()
     lo, hi = asked["ts_ns"].to_numpy(), asked["end_ns"].to_numpy()
-    low = min(int(starts.min()), int(lo.min()))
-    span = max(int(ends.max()), int(hi.max())) - low + 1
-    if span * threads.height < 2**62:
-        def laid(times: np.ndarray, thread: np.ndarray) -> np.ndarray:
-            return (times - np.int64(low)) + thread * np.int64(span)
-
+    if (laid := intervals.end_to_end(threads.height, starts, ends, lo, hi)) is not None:
         order = np.argsort(laid(starts, op_thread), kind="stable")  # by thread, each in its given order
         hit = intervals.innermost_container(laid(starts, op_thread)[order], laid(ends, op_thread)[order],
                                             laid(lo, q_thread), laid(hi, q_thread))
         found[rows] = np.where(hit >= 0, order[np.maximum(hit, 0)], -1)
         return found
-    for thread in np.unique(q_thread):  # times too far apart to lay the threads end to end
+    for thread in np.unique(q_thread):
         mine, asking = np.flatnonzero(op_thread == thread), q_thread == thread
         hit = intervals.innermost_container(starts[mine], ends[mine], lo[asking], hi[asking])
         found[rows[asking]] = np.where(hit >= 0, mine[np.maximum(hit, 0)], -1)

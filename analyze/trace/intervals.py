@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 
@@ -63,3 +65,18 @@ def innermost_container(starts: np.ndarray, ends: np.ndarray, lo: np.ndarray, hi
         pos = np.where(inside & (block_max < hi), pos - (1 << k), pos)
     found = (pos >= 0) & (ends[np.clip(pos, 0, n - 1)] >= hi)
     return np.where(found, pos, -1)
+
+
+def end_to_end(groups: int, *times: np.ndarray) -> Callable[[np.ndarray, np.ndarray], np.ndarray] | None:
+    """Lay `groups` timelines (threads, devices) end to end on one int64 axis: the returned function moves time t
+    of group g to (t - low) + g x span, where [low, low + span) holds every time given, so that no interval of one
+    group meets a window or an interval of another and every group is searched at once. None when the times
+    span too much for that (an int64 overflow): the caller then takes the groups one by one."""
+    given = [t for t in times if len(t)]
+    if not given:
+        return None
+    low = min(int(t.min()) for t in given)
+    span = max(int(t.max()) for t in given) - low + 1
+    if span * max(groups, 1) >= 2**62:
+        return None
+    return lambda t, group: (t - np.int64(low)) + group.astype(np.int64) * np.int64(span)
