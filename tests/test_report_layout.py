@@ -619,19 +619,24 @@ def test_run_section_gives_the_cuda_version_and_calls_non_trace_json_so(h200):
     assert (cuda_version("12040"), cuda_version("13000"), cuda_version("12.8.93")) == ("12.4", "13.0", "12.8.93")
 
 
+def _one_corpus_trace(name: str, tmp_path: Path) -> Path:
+    """A run folder holding one of HTA's corpus traces (a link to it)."""
+    trace = CORPUS / "HolisticTraceAnalysis" / name
+    if not trace.is_file():
+        pytest.skip(f"shared corpus not found at {CORPUS}")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / trace.name).symlink_to(trace)
+    return run
+
+
 def test_roofline_with_no_op_on_it_says_so_instead_of_drawing_empty_log_axes(tmp_path):
     """HTA's trace_diff test rank alone (a real V100 trace): its busiest modeled ops are copies and casts, with
     bytes but no FLOPs, so none has a point on the log-log roofline; the report says so (matplotlib raised on the
     empty log axes and the whole analyze failed)."""
     from steplens.analyze.analyses.roofline import on_the_roofline
 
-    trace = CORPUS / "HolisticTraceAnalysis" / "trace_diff" / "test.json.gz"
-    if not trace.is_file():
-        pytest.skip(f"shared corpus not found at {CORPUS}")
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / trace.name).symlink_to(trace)
-    out = _analyse(run)
+    out = _analyse(_one_corpus_trace("trace_diff/test.json.gz", tmp_path))
     finding = json.loads((out / "findings.json").read_text())["roofline"]
     assert finding["roof"] and finding["top_ops"]
     assert not [op for op in finding["top_ops"] if op["flops"] and op["bytes"] and op["device_ns"]]
@@ -663,12 +668,7 @@ def test_verdict_says_when_most_device_work_has_no_launch_and_no_step(tmp_path):
     from steplens.reports.verdict import first_screen
 
     trace = CORPUS / "HolisticTraceAnalysis" / "trace_compare" / "base.json.gz"
-    if not trace.is_file():
-        pytest.skip(f"shared corpus not found at {CORPUS}")
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / trace.name).symlink_to(trace)
-    findings = json.loads((_analyse(run) / "findings.json").read_text())
+    findings = json.loads((_analyse(_one_corpus_trace("trace_compare/base.json.gz", tmp_path)) / "findings.json").read_text())
     split = findings["step_breakdown"]["time_split"]
     unlaunched = _raw_unlaunched_device_ns(trace)
     assert split["unstepped_device_ns"] == unlaunched > 10 * split["span_ns"]
