@@ -546,3 +546,9 @@ def test_idle_causes_clipped_to_step_spans_match_a_sum_by_hand(unit):
                           for *k, c, s, e in gaps if tuple(k) == key and c == cause)
             assert row[f"{cause}_ns"] == by_hand
     assert got.height == len(spans) and sum(got[f"{c}_ns"].sum() for c in launch.CAUSES) > 0
+
+
+def test_most_exposed_collective_line_counts_one_call_in_the_singular():
+    top = {"op": "allreduce", "bytes": None, "exposed_ns": 2_000_000, "rank": 70, "ranks": 1, "busbw_gbps": None}
+    one, two = (comms.collective_lines({"most_exposed_collective": {**top, "calls": n}}, {})[0] for n in (1, 2))
+    assert one.endswith("(its most exposed rank), 1 call.") and two.endswith("(its most exposed rank), 2 calls.")

@@ -218,7 +218,7 @@ def collective_lines(finding: dict, findings: dict) -> list[str]:
         on_rank = f" on rank {top['rank']}" if top.get("rank") is not None else ""
         ranks = f" on {top['ranks']} ranks" if (top.get("ranks") or 1) > 1 else ""
         return [f"Most exposed communication: {top['op']}{message}, {duration(top['exposed_ns'])} not hidden behind compute"
-                f"{on_rank} (its most exposed rank), {top['calls']} calls{ranks}{bandwidth}"
+                f"{on_rank} (its most exposed rank), {top['calls']} call{'' if top['calls'] == 1 else 's'}{ranks}{bandwidth}"
                 f"{profiler_effect.window_note(findings.get('profiler_after_effect'))}."]
     return [f"Collectives: {finding['comms_note']}."] if finding.get("comms_note") else []
 
