@@ -91,7 +91,7 @@ class Drawing:
 
 
 def draw(drawings: list[Drawing]) -> list[str]:
-    """The SVG of each drawing, in order (a figure that failed: a note in its place, figure_failure)."""
+    """The SVG of each drawing, in order (a figure that failed: a note in its place)."""
     if not drawings:
         return []
     from . import figures  # matplotlib: imported by a report that has figures only
@@ -110,12 +110,8 @@ def _figure_or_note(figures, drawing: Drawing) -> str:
     except Exception as e:  # noqa: BLE001 - any bug of one figure; the note names it
         if os.environ.get("STEPLENS_DEBUG"):
             raise
-        return f"{NOT_DRAWN}{escape(figure_failure(drawing.name, e))}</p>"
-
-
-def figure_failure(name: str, error: Exception) -> str:
-    return (f"Figure {name} not drawn: {type(error).__name__}: {error} (a steplens bug: rerun with STEPLENS_DEBUG=1 "
-            "for the traceback and report it)")
+        return (f"{NOT_DRAWN}{escape(f'Figure {drawing.name} not drawn: {type(e).__name__}: {e}')} (a steplens bug: "
+                "rerun with STEPLENS_DEBUG=1 for the traceback and report it)</p>")
 
 
 def _drawn(sections: list[dict], drawer, not_drawn: list[str] | None = None) -> list[dict]:

@@ -250,8 +250,9 @@ def enclosing_op(calls: pl.DataFrame, threads: CpuThreads, skip: tuple[str, ...]
 
 def named(names: pl.Series, found: np.ndarray) -> pl.Series:
     """names[found], null where found is -1 (innermost_on_thread's rows)."""
-    picked = names.gather(np.maximum(found, 0)) if len(names) else pl.Series(names.name, [None] * len(found), pl.String)
-    return pl.select(pl.when(pl.lit(pl.Series(found >= 0))).then(pl.lit(picked))).to_series()
+    if not len(names):
+        return pl.Series(names.name, [None] * len(found), pl.String)
+    return names.gather(np.maximum(found, 0)).scatter(np.flatnonzero(found < 0), None)
 
 
 def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:

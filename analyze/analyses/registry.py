@@ -64,7 +64,6 @@ class Inputs:
             frame = frame.filter(where)
         return (frame.select(columns) if columns else frame).collect()
 
-
     def parts(self, name: str, columns: list[str]) -> Iterator[pl.DataFrame]:
         """A per-rank analysis table as written, one part at a time (a batch of whole ranks each: Analysis.parts),
         with only the columns asked for: memory bounded by the largest part, not the run."""

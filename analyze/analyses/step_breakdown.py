@@ -244,11 +244,16 @@ def time_section(page, run):
 def _step_breakdown(inputs: Inputs) -> Output:
     if not inputs.ranks:
         return Output()
-    tables = step_breakdown_tables(inputs.parts("kernel_launches", LAUNCH_COLUMNS), inputs.table("collectives"),
-                                   inputs.table("gpu_idle"), inputs.table("step_stats"), inputs.table("clock_offsets"))
-    unstepped = sum(int(part.filter(pl.col("step").is_null() & (pl.col("dur_ns") > 0))["dur_ns"].sum())
-                    for part in inputs.parts("kernel_launches", ["step", "dur_ns"]))
-    split = time_split(tables["step_breakdown"], unstepped)
+    unstepped = []
+
+    def parts():  # each part read once: its device work in no step summed on the way
+        for part in inputs.parts("kernel_launches", LAUNCH_COLUMNS):
+            unstepped.append(int(part.filter(pl.col("step").is_null() & (pl.col("dur_ns") > 0))["dur_ns"].sum()))
+            yield part
+
+    tables = step_breakdown_tables(parts(), inputs.table("collectives"), inputs.table("gpu_idle"),
+                                   inputs.table("step_stats"), inputs.table("clock_offsets"))
+    split = time_split(tables["step_breakdown"], sum(unstepped))
     return Output(tables=tables, finding={"time_split": split} if split else None)
 
 
