@@ -142,11 +142,44 @@ def answer(argv: list[str]) -> int | None:
     return status
 
 
+class ReaderMayLeave:
+    """A script's stdout whose reader may go away (`analyze RUN | head`): the rest of the lines go to
+    /dev/null and the command goes on to publish its result, where a BrokenPipeError would end it with
+    nothing written. Everything else is the wrapped stream's."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())  # what the stream still buffers is flushed there too
+        os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def exit_without_teardown(entry) -> None:
-    """Run a console script's `entry`, then end the process without the interpreter's teardown: freeing
-    every module of polars, pyarrow and matplotlib one by one takes 0.1-0.3 s and does nothing for a
-    command that has written its files and printed its lines. Only when no other non-daemon thread is
-    alive (nothing left to wait for); an uncaught exception exits as Python does."""
+    """Run a console script's `entry` (its stdout a ReaderMayLeave), then end the process without the
+    interpreter's teardown: freeing every module of polars, pyarrow and matplotlib one by one takes
+    0.1-0.3 s and does nothing for a command that has written its files and printed its lines. Only
+    when no other non-daemon thread is alive (nothing left to wait for); an uncaught exception exits as
+    Python does."""
+    if sys.stdout is not None and not isinstance(sys.stdout, ReaderMayLeave):
+        sys.stdout = ReaderMayLeave(sys.stdout)
     try:
         entry()
         status = 0

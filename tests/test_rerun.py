@@ -151,3 +151,25 @@ def test_a_module_whose_bytecode_cannot_be_written_is_left_as_it_is(tmp_path, mo
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     cli_rerun.compile_own_modules((package,))  # raises nothing
     assert (package / "a.py").read_text() == "X = 1\n" and (package / "__pycache__").read_text() == "not a folder"
+
+
+def _read_one_line_and_leave(args: list, cwd: Path) -> tuple[str, int, str]:
+    """`analyze ... | head -1`: the reader takes the first line and closes the pipe."""
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
+    first = process.stdout.readline().decode()
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=300)
+    return first, process.returncode, stderr.decode()
+
+
+def test_a_reader_that_leaves_early_loses_no_result(run):
+    """`analyze RUN | head -1` used to end with a BrokenPipeError at the first line after the reader went,
+    before the result was published: nothing was written. Now the rest of the lines are dropped and the
+    run completes with the status it would have had, the fresh run and the replay alike."""
+    for attempt in ("fresh", "replayed"):
+        first, status, stderr = _read_one_line_and_leave([SCRIPT, "run"], cwd=run.parent)
+        assert "trace file(s)" in first and status == 0, (attempt, first, status, stderr)
+        assert "BrokenPipe" not in stderr and "error" not in stderr
+        out = run / schema.DEFAULT_OUT_DIR
+        assert (out / "report.html").stat().st_size > 0 and (out / "summary.md").stat().st_size > 0
+        assert reuse.complete(out, __import__("json").loads((out / schema.MANIFEST_FILE).read_text()))
