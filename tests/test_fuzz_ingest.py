@@ -431,12 +431,18 @@ def test_special_files_are_skipped_unopened(tmp_path, traces):
     (run / "rank-4.json").symlink_to("/dev/zero")  # an endless device
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(run / "rank-5.json"))
+    analyze_script = Path(sys.executable).with_name("analyze")
     try:
         proc = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run), "-q", "--ingest-only"],
                               capture_output=True, text=True, timeout=120)
+        # the default mode fingerprints every file for a re-run first: a FIFO must not be opened there either
+        fresh, replayed = (subprocess.run([analyze_script, str(run), "-q", "--out", str(tmp_path / "full")],
+                                          capture_output=True, text=True, timeout=120) for _ in range(2))
     finally:
         listener.close()
     assert proc.returncode in DOCUMENTED_EXITS and "Traceback" not in proc.stderr, proc.stderr
+    assert fresh.returncode == replayed.returncode == 0, fresh.stderr + replayed.stderr
+    assert "unchanged" in replayed.stdout + replayed.stderr
     manifest = json.loads((run / ".steplens" / "run.json").read_text())
     special = {s["path"]: s["issues"][0][1] for s in manifest["sources"] if s["path"].startswith("rank-")}
     assert special == {"rank-3.json": "special_file", "rank-4.json": "special_file", "rank-5.json": "special_file"}

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 MANIFEST_FILE = "run.json"  # schema.MANIFEST_FILE, which imports pyarrow; test_contract checks they agree
@@ -56,8 +57,8 @@ def code_fingerprint() -> str:
 
 def listing_key(run_dir: Path, out_dir: Path) -> str | None:
     """One hash of every file under run_dir as discovery walks it (hidden entries and the output folder
-    left out): relative path, size, mtime and first 64 KiB of each; and the steplens code. None when a
-    file cannot be read."""
+    left out): relative path, size, mtime and first 64 KiB of each (the kind of a FIFO or device, never
+    opened); and the steplens code. None when a file cannot be read."""
     out_dir = Path(out_dir).resolve()
     entries = []
     try:
@@ -66,7 +67,9 @@ def listing_key(run_dir: Path, out_dir: Path) -> str | None:
             for name in sorted(n for n in names if not n.startswith(".")):
                 path = Path(root) / name
                 st = path.stat()
-                entries.append((os.path.relpath(path, run_dir), st.st_size, st.st_mtime_ns, file_prefix_hash(path)))
+                # a FIFO or device is never opened: reading one would block (ingest skips it, unopened)
+                prefix = file_prefix_hash(path) if stat.S_ISREG(st.st_mode) else stat.S_IFMT(st.st_mode)
+                entries.append((os.path.relpath(path, run_dir), st.st_size, st.st_mtime_ns, prefix))
     except OSError:
         return None
     return hashlib.sha256(repr((entries, code_fingerprint())).encode()).hexdigest()[:32]
