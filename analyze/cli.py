@@ -343,7 +343,8 @@ def _runs_to_analyse(run_dir: Path, out_dir: Path | None):
     if not run_dir.is_dir():
         fail(f"{safe_text(run_dir)}: not a file or folder steplens can read")
     try:
-        found = discover(run_dir, out_dir or run_dir / schema.DEFAULT_OUT_DIR)
+        local_out = None if remote.is_url(out_dir) else out_dir or run_dir / schema.DEFAULT_OUT_DIR
+        found = discover(run_dir, local_out)
     except OSError as e:
         fail(f"{safe_text(run_dir)}: cannot list the folder: {e.strerror or e}")
     runs = split_appended_logs(split_runs(run_dir, found))

@@ -104,6 +104,18 @@ def test_run_in_s3_gives_the_local_tables_and_an_unchanged_run_is_not_parsed_aga
     assert not any(fs.exists(f"{BUCKET}/a/out/{key}") for key in first["objects"] if key not in second["objects"])
 
 
+def test_a_local_run_can_publish_to_s3(store, generated, tmp_path):
+    fs, env = store
+    run, reference = generated
+    done = steplens("analyze", run, "--out", f"s3://{BUCKET}/local-run/out", env=env)
+    assert done.returncode == 0, done.stderr
+    fs.invalidate_cache()
+    manifest, folder = fetch_committed(fs, f"{BUCKET}/local-run/out", tmp_path / "fetched")
+    assert manifest["trace_ranks"] == [0, 1, 2, 3]
+    assert_same_tables(output_tables(reference), output_tables(folder))
+    assert not (run / schema.DEFAULT_OUT_DIR).exists()  # nothing written beside the inputs
+
+
 def test_readers_see_only_committed_objects(store, generated, tmp_path):
     fs, env = store
     run, reference = generated

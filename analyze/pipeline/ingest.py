@@ -133,10 +133,11 @@ class Discovered:
     remote: dict = field(default_factory=dict)  # mirror path -> remote.RemoteFile
 
 
-def discover(run_dir: Path, out_dir: Path) -> Discovered:
-    """Every file under run_dir, skipping hidden files and folders and the output folder."""
+def discover(run_dir: Path, out_dir: Path | None) -> Discovered:
+    """Every file under run_dir, skipping hidden files and folders and the output folder (None: one
+    in object storage)."""
     files, linked = [], []
-    out_dir = out_dir.resolve()
+    out_dir = out_dir.resolve() if out_dir is not None else None
     for root, dirs, names in os.walk(run_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (Path(root) / d).resolve() != out_dir)
         # A linked folder is not followed (it can lead out of the run, or in a loop), and is named for it.
