@@ -275,6 +275,25 @@ def test_unranked_traces_of_different_processes_are_separate_runs(tmp_path):
         assert manifest["sources"][0]["kind_counts"]["kernel"] == kernels
 
 
+def test_separate_runs_with_an_output_folder_can_be_run_again(tmp_path):
+    traces = tmp_path / "traces"
+    _unranked_trace(traces / "before_fix.json", pid=100, kernels=2)
+    _unranked_trace(traces / "after_fix.json", pid=200, kernels=3)
+    out = tmp_path / "out"
+    first, again = (subprocess.run([*ANALYZE, str(traces), "--out", str(out), "-q"], capture_output=True, text=True)
+                    for _ in range(2))
+    assert first.returncode == again.returncode == 0, first.stderr + again.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["after_fix.json", "before_fix.json"]
+    # Results of another run in that folder are not taken for its own: refused, not replaced.
+    other = tmp_path / "other"
+    _unranked_trace(other / "before_fix.json", pid=300, kernels=1)
+    _unranked_trace(other / "after_fix.json", pid=400, kernels=1)
+    refused = subprocess.run([*ANALYZE, str(other), "--out", str(out), "-q"], capture_output=True, text=True)
+    assert refused.returncode == EXIT_NOTHING and "holds no steplens run.json" in refused.stderr
+    manifest = json.loads((out / "after_fix.json" / "run.json").read_text())
+    assert manifest["run_name"] == "traces" and manifest["sources"][0]["kind_counts"]["kernel"] == 3
+
+
 def test_ranks_without_a_trace_are_named_on_stderr(tmp_path):
     run = tmp_path / "run"
     generate_run(run, ranks=4, steps=2, kernels_per_step=20, seed=8, write_truth=False)

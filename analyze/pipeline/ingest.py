@@ -481,6 +481,24 @@ def _foreign_entries(folder: Path) -> list[str]:
     return sorted(name for name in os.listdir(folder) if name not in owned)
 
 
+def _separate_results_of(run_dir: Path, out_dir: Path) -> bool:
+    """out_dir holds only the results of this run's traces analysed as separate runs (traces with no
+    rank from different processes, each in OUT/TRACE): a re-run either splits it again, replacing each
+    one, or, the run being one again, replaces them whole. Results of other runs are never taken for them."""
+    entries = list(out_dir.iterdir())
+    for entry in entries:
+        manifest = reuse.read_manifest(entry) if entry.is_dir() and not entry.is_symlink() else {}
+        sources = manifest.get("sources")
+        if (manifest.get("created_by") != OUTPUT_CREATOR or manifest.get("run_name") != run_dir.name
+                or not isinstance(sources, list) or not sources):
+            return False
+        paths = [s.get("path") if isinstance(s, dict) else None for s in sources]
+        if not all(isinstance(p, str) and (run_dir / p).resolve().is_relative_to(run_dir) and (run_dir / p).exists()
+                   for p in paths):
+            return False
+    return bool(entries)
+
+
 def check_output_folder(run_dir: Path, out_dir: Path) -> None:
     """Refuse an output folder whose replacement would lose anything that is not steplens's own output."""
     if Path(out_dir).is_symlink():  # replacing it would rename the link and leave it behind
@@ -495,7 +513,7 @@ def check_output_folder(run_dir: Path, out_dir: Path) -> None:
     if out.is_symlink() or not out.is_dir():
         raise UnsafeOutput(f"{out_dir} exists and is not a folder steplens wrote: give a new or empty folder with --out")
     try:
-        if not any(out.iterdir()):
+        if not any(out.iterdir()) or _separate_results_of(run, out):
             return
         if not _written_by_steplens(out):
             raise UnsafeOutput(f"{out_dir} is not empty and holds no steplens {schema.MANIFEST_FILE}: steplens replaces "
