@@ -413,6 +413,26 @@ def test_a_damaged_json_file_is_a_lost_rank(tmp_path, traces):
     assert {"damaged_trace"} <= {i["reason"] for i in outcome.issues if i["severity"] == "error"}
 
 
+def test_a_rank_in_a_name_beyond_any_job_is_named_not_taken(tmp_path, traces):
+    """rank9223372036854775808 in a file name (2^63: no int64 holds it) is not a rank: a warning, and the trace
+    and the log are read as files that state none."""
+    run = tmp_path / "run"
+    run.mkdir()
+    huge = str(1 << 63)
+    doc = json.loads(traces["rank0"].text)
+    doc.pop("distributedInfo", None)
+    (run / f"trace_rank{huge}.json").write_text(json.dumps(doc))
+    log = next((CORPUS.parent / "deepspeed-cpu-runs" / "run1" / "rank_logs").glob("*.log"), None)
+    if log is not None:
+        (run / f"train_rank{huge}.log").write_bytes(log.read_bytes())
+    outcome = run_analyze(run)
+    ignored = [i for i in outcome.issues if i["reason"] == "rank_in_name_ignored"]
+    assert sorted(i["file"] for i in ignored) == sorted(p.name for p in run.iterdir() if p.is_file())
+    assert all(huge in i["detail"] and i["severity"] == "warning" for i in ignored)
+    assert outcome.exit_code == 0 and sorted(outcome.events) == [0]  # the only trace: rank 0, assumed
+    assert "rank_assumed" in {i["reason"] for i in outcome.issues}
+
+
 def test_duplicated_rank_is_named(tmp_path, traces):
     run = two_rank_run(tmp_path, traces, traces["rank1"].text)
     (run / "rank1_copy.json").write_text(traces["rank1"].text)

@@ -53,6 +53,8 @@ _DECLARED = (
     IssueReason("rank_from_filename", ("warning",), "No distributedInfo.rank: the rank is taken from the file name."),
     IssueReason("rank_from_process", ("warning",), "A file of several processes (an nsys export): one rank per process, "
                                                    "in file then process order."),
+    IssueReason("rank_in_name_ignored", ("warning",), "A file name's rank<N> is beyond any job's ranks (2^24): not taken "
+                                                      "as the file's rank."),
     IssueReason("rank_assumed", ("warning",), "No rank in the trace or its name: treated as rank 0, the only trace."),
     IssueReason("rank_unknown", ("error",), "The rank of a trace cannot be told; the trace is not used."),
     IssueReason("duplicate_rank", ("error",), "Two traces claim one rank for the same time; the later is not used."),

@@ -37,8 +37,18 @@ RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
 
 
 def rank_in_name(file_name: str) -> int | None:
-    """The rank a file's name states (RANK_IN_NAME), or None."""
-    return int(named.group(1)) if (named := RANK_IN_NAME.search(file_name)) else None
+    """The rank a file's name states (RANK_IN_NAME), or None (also for a number beyond MAX_RANK: not a rank)."""
+    named = RANK_IN_NAME.search(file_name)
+    return int(named.group(1)) if named and len(named.group(1)) <= 9 and int(named.group(1)) < MAX_RANK else None
+
+
+def rank_in_name_issue(file_name: str) -> list | None:
+    """The warning for a file name whose rank<N> is no rank (N beyond MAX_RANK), else None."""
+    named = RANK_IN_NAME.search(file_name)
+    if named is None or rank_in_name(file_name) is not None:
+        return None
+    shown = named.group(1) if len(named.group(1)) <= 24 else f"{named.group(1)[:12]}…({len(named.group(1))} digits)"
+    return ["warning", "rank_in_name_ignored", 1, f"the file name's rank {shown} is beyond {MAX_RANK:,}: not taken as a rank"]
 
 
 # Device work a launch call enqueues (what counts as the GPU being busy), and every device-side event kind.

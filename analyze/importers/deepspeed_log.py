@@ -69,7 +69,7 @@ from pathlib import Path
 import polars as pl
 
 from steplens.analyze.contract.bus_bandwidth import with_bandwidth
-from steplens.analyze.contract.schema import rank_in_name
+from steplens.analyze.contract.schema import rank_in_name, rank_in_name_issue
 from steplens.analyze.importers import comms_dump, flops_text
 from steplens.analyze.importers.bounded import read_bounded
 from steplens.analyze.importers.base import Imported, conform
@@ -301,6 +301,8 @@ def parse(path: Path, rel: str, run_index: int | None = None) -> Imported:
         return Imported(issues=[*issues, ["warning", "empty_file", 1, "empty log; nothing read"]])
     text = data.decode("utf-8", "replace")
     state = LogState(rel=rel, file_rank=rank_in_name(path.name))
+    if ignored := rank_in_name_issue(path.name):
+        issues.append(ignored)
     state.runs.append(Run(index=0))
     lines, state.line_numbers = split_lines(text)
     _read_lines(state, lines, 0, len(lines))

@@ -384,6 +384,8 @@ def _assign_ranks(sources: list[Source]) -> None:
         if s.status not in ("ingested", "reused") or s.kind not in importers.TRACE_KINDS:
             continue
         rank, origin = own_rank(s)
+        if s.trace_rank is None and (ignored := schema.rank_in_name_issue(Path(s.path).name)):
+            s.issues.append(ignored)
         if rank is not None:
             s.rank, s.rank_origin = rank, origin
         elif s.unit_index is None:
