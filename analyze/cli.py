@@ -45,7 +45,7 @@ from steplens.analyze.pipeline import run as pipeline_run
 from steplens.analyze.pipeline.workers import keep_pandas_out_of_pyarrow, use_system_allocator
 from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split_runs, subset
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
-from steplens.analyze.cli_render import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
+from steplens.analyze.cli_render import (FiniteNumber, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
                                          EXIT_REGRESSION, EXIT_STATUS_HELP, EXIT_UNWRITABLE, Terminated, analyse_and_report,
                                          fail, import_figures, ranges, summary_lines)
 from steplens.analyze.contract.text import safe_text
@@ -102,19 +102,19 @@ also be a single trace file, analysed as a one-rank run into .steplens-FILE/ bes
 @click.option("--ingest-only", is_flag=True, help="Write the trace tables only; skip the runner.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp8", "tf32", "fp32"]), default="bf16", show_default=True,
               help="Compute dtype whose dense peak MFU divides by.")
-@click.option("--peak-tflops", type=float, default=None,
+@click.option("--peak-tflops", type=FiniteNumber(), default=None,
               help="Dense peak TFLOP/s per GPU, overriding the device table (needed for devices it does not know).")
-@click.option("--params", type=float, default=None,
+@click.option("--params", type=FiniteNumber(), default=None,
               help="Model shape for the analytic (PaLM) MFU numerator: non-embedding parameters N. Each shape value "
                    "not given comes from the collector's manifest where it recorded one.")
-@click.option("--layers", type=int, default=None, help="Model shape: transformer layers L.")
-@click.option("--hidden", type=int, default=None, help="Model shape: hidden size d (or --heads and --head-dim).")
-@click.option("--heads", type=int, default=None, help="Model shape: attention heads H (hidden = H x head dim).")
-@click.option("--head-dim", type=int, default=None, help="Model shape: head dimension Q.")
-@click.option("--seq-len", type=int, default=None, help="Model shape: sequence length T.")
-@click.option("--tokens-per-step", type=int, default=None, help="Global tokens per optimizer step (all ranks).")
+@click.option("--layers", type=click.IntRange(min=1), default=None, help="Model shape: transformer layers L.")
+@click.option("--hidden", type=click.IntRange(min=1), default=None, help="Model shape: hidden size d (or --heads and --head-dim).")
+@click.option("--heads", type=click.IntRange(min=1), default=None, help="Model shape: attention heads H (hidden = H x head dim).")
+@click.option("--head-dim", type=click.IntRange(min=1), default=None, help="Model shape: head dimension Q.")
+@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Model shape: sequence length T.")
+@click.option("--tokens-per-step", type=click.IntRange(min=1), default=None, help="Global tokens per optimizer step (all ranks).")
 @click.option("--recompute", is_flag=True, help="Full activation recompute was on: also report HFU (PaLM + one forward).")
-@click.option("--grad-norm-threshold", type=float, default=None,
+@click.option("--grad-norm-threshold", type=FiniteNumber(), default=None,
               help="Alarm when a grad-norm scalar exceeds this (default: alarm on robust-z spikes only).")
 @click.option("--format", "fmt", type=click.Choice(["text", "md"]), default="text", show_default=True,
               help="text: terminal tables; md: print summary.md (markdown for a PR comment) instead.")
@@ -152,10 +152,13 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         fail(f"--hidden {hidden} is not --heads x --head-dim ({heads * head_dim})")
     shape = {"params": params, "layers": layers, "hidden": hidden or (heads * head_dim if heads else None),
              "seq_len": seq_len, "tokens_per_step": tokens_per_step}
+    try:
+        categories = kernels.load_categories(kernel_categories) if kernel_categories else list(kernels.KERNEL_CATEGORIES)
+    except kernels.CategoriesError as e:
+        fail(f"--kernel-categories {safe_text(e)}")
     options = runner.Options(
         dtype=dtype, peak_tflops=peak_tflops, recompute=recompute, grad_norm_threshold=grad_norm_threshold,
-        shape={k: v for k, v in shape.items() if v is not None} or None,
-        kernel_categories=kernels.load_categories(kernel_categories) if kernel_categories else list(kernels.KERNEL_CATEGORIES),
+        shape={k: v for k, v in shape.items() if v is not None} or None, kernel_categories=categories,
     )
     runs, out_of = _runs_to_analyse(run_dir, out_dir)
     client = None

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from steplens.analyze import analyses
-from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, analyse_and_report, fail
+from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, FiniteNumber, analyse_and_report, fail
 from steplens.analyze.cli_rerun import say, warn
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
@@ -208,7 +208,7 @@ def _analysed(run_dir: Path) -> Path:
               show_default=True, help="Folder for compare.html and compare.md.")
 @click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True,
               help="text: terminal tables; md: print compare.md (for a PR comment); json: the verdict as data.")
-@click.option("--fail-on-regression", "fail_pct", type=float, default=None, metavar="PCT",
+@click.option("--fail-on-regression", "fail_pct", type=FiniteNumber(zero_allowed=True), default=None, metavar="PCT",
               help=f"Exit {EXIT_REGRESSION} when the judged metric (step time, or throughput when the work per step "
                    "differs) got significantly worse by more than PCT percent (CI gating).")
 def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail_pct: float | None) -> None:

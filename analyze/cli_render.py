@@ -3,6 +3,7 @@ the findings (in the sentences of reports/verdict.py) and the rendered reports."
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import Counter
@@ -34,6 +35,23 @@ Exit status:
   {EXIT_INTERRUPTED}  interrupted by Ctrl-C or SIGTERM (the last result is kept)
 """
 
+
+class FiniteNumber(click.ParamType):
+    """A finite number above 0 (a peak, a parameter count), or at least 0 with `zero_allowed`: nan and
+    inf are refused (a range check lets nan through, and a nan threshold never fires)."""
+    name = "number"
+
+    def __init__(self, zero_allowed: bool = False) -> None:
+        self.zero_allowed = zero_allowed
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number) or number < 0 or (number == 0 and not self.zero_allowed):
+            self.fail(f"{value!r} is not a finite number {'of 0 or more' if self.zero_allowed else 'above 0'}", param, ctx)
+        return number
 
 
 def fail(message: str, status: int = EXIT_NOTHING) -> None:

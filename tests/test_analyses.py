@@ -330,6 +330,33 @@ def test_kernel_categories_and_user_patterns(tmp_path):
     assert top["name"].to_list() == ["Memset (Device)", "Memcpy HtoD"]
 
 
+@pytest.mark.parametrize("content, told", [
+    (b"category,pattern\nmine,(?<=x)gemm\n", "look-around"),  # Python's re takes it; the analyses' regex does not
+    (b"category,pattern\nmine,gemm[\n", "unclosed character class"),
+    (b"name,regex\na,b\n", "needs a header row with the columns category,pattern (found: name,regex)"),
+    (b"category,pattern\n\xff\xfe,x\n", "not UTF-8 text"),
+    (b"category,pattern\nonly\n", "line 2: a category and a pattern are both needed"),
+])
+def test_a_bad_kernel_categories_file_is_named_before_anything_runs(tmp_path, content, told):
+    categories = tmp_path / "my categories.csv"
+    categories.write_bytes(content)
+    (tmp_path / "run").mkdir()
+    result = CliRunner().invoke(analyze, [str(tmp_path / "run"), "-q", "--kernel-categories", str(categories)])
+    assert result.exit_code == 2, result.output  # a usage error, not an internal one (5)
+    one_line = " ".join(result.output.split())
+    assert f"--kernel-categories {categories}" in one_line and told in one_line, result.output
+    assert not (tmp_path / "run" / ".steplens").exists()
+
+
+@pytest.mark.parametrize("option, value", [("--peak-tflops", "nan"), ("--peak-tflops", "inf"), ("--peak-tflops", "0"),
+                                           ("--peak-tflops", "-5"), ("--params", "-1e9"), ("--layers", "-3"),
+                                           ("--hidden", "0"), ("--grad-norm-threshold", "nan")])
+def test_a_number_no_run_can_have_is_refused(tmp_path, option, value):
+    result = CliRunner().invoke(analyze, [str(tmp_path), "-q", option, value])
+    assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output
+    assert not (tmp_path / ".steplens").exists()
+
+
 def test_collectives_name_their_call_site(analysed):
     out, _, _ = analysed
     sites = _table(out, "collectives")["issuing_op"]

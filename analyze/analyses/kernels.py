@@ -25,10 +25,38 @@ KERNEL_CATEGORIES: list[tuple[str, str]] = [(family, pattern) for family, patter
 CATEGORIES = FAMILY_NAMES
 
 
+class CategoriesError(ValueError):
+    """A --kernel-categories file steplens cannot use; the message names the file and the row."""
+
+
 def load_categories(path: Path) -> list[tuple[str, str]]:
-    """User patterns (CSV: category,pattern) followed by the defaults."""
-    with open(path, newline="") as f:
-        rows = [(r["category"].strip(), r["pattern"].strip()) for r in csv.DictReader(f)]
+    """User patterns (CSV: category,pattern) followed by the defaults. Each pattern is checked as the
+    analyses run it (a polars regex, case-insensitive), so a bad one is named here, not mid-analysis."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            if not {"category", "pattern"} <= set(reader.fieldnames or ()):
+                raise CategoriesError(f"{path}: needs a header row with the columns category,pattern "
+                                      f"(found: {','.join(reader.fieldnames or ()) or 'nothing'})")
+            rows = []
+            for row in reader:
+                category, pattern = (row.get(column) for column in ("category", "pattern"))
+                if not isinstance(category, str) or not isinstance(pattern, str) or not category.strip() or not pattern.strip():
+                    raise CategoriesError(f"{path}, line {reader.line_num}: a category and a pattern are both needed")
+                rows.append((category.strip(), pattern.strip()))
+    except UnicodeDecodeError as e:
+        raise CategoriesError(f"{path}: not UTF-8 text (byte {e.start})") from e
+    except csv.Error as e:
+        raise CategoriesError(f"{path}: not a CSV file ({e})") from e
+    except OSError as e:
+        raise CategoriesError(f"{path}: cannot read: {e.strerror or e}") from e
+    for category, pattern in rows:
+        try:
+            pl.Series([""]).str.contains(f"(?i){pattern}")
+        except pl.exceptions.ComputeError as e:
+            why = next((line[len("error: "):] for line in str(e).splitlines() if line.startswith("error: ")), "invalid")
+            raise CategoriesError(f"{path}: the pattern of {category!r} is not a regular expression steplens can run: "
+                                  f"{pattern!r} ({why}; the syntax is Rust's regex crate)") from e
     return rows + KERNEL_CATEGORIES
 
 
