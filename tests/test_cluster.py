@@ -153,6 +153,43 @@ def test_unreachable_scheduler_is_one_line_naming_it(generated, tmp_path):
     assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("service", ["silent", "http"])
+def test_a_service_that_is_not_a_scheduler_is_one_line_naming_it(generated, tmp_path, service):
+    """A port that accepts and never answers (it once held analyze forever), and one that answers HTTP (read as
+    Dask frames, it once asked for 3 EiB): exit 2 within the connect timeout and its margin."""
+    import socket
+    import threading
+    import time
+
+    run, _ = generated
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            if service == "http":
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 11\r\n\r\nBad Request")
+
+    threading.Thread(target=serve, daemon=True).start()
+    started = time.monotonic()
+    try:
+        done = analyze(run, "--out", tmp_path / "out", "--scheduler", f"tcp://127.0.0.1:{port}")
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    assert done.returncode == 2, done.stderr
+    assert f"cannot reach the Dask scheduler at tcp://127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+    assert time.monotonic() - started < 60
+
+
 def test_default_analyze_never_imports_dask(generated, tmp_path):
     run, _ = generated
     script = (

@@ -28,6 +28,7 @@ import logging
 import os
 import secrets
 import tempfile
+import threading
 from pathlib import Path
 
 from steplens.analyze.contract import schema
@@ -38,6 +39,7 @@ from steplens.analyze.pipeline.ingest import PARSED_TABLES, IngestError, Source,
 # the log `Client.get_worker_logs()` returns) without configuring logging on the workers.
 TASK_LOG = logging.getLogger("distributed.worker.steplens")
 CONNECT_TIMEOUT_S = 10
+HANDSHAKE_MARGIN_S = 5  # beyond the connect timeout: Client's retries and its start
 
 
 class ClusterError(IngestError):
@@ -50,10 +52,30 @@ def connect(address: str):
         from distributed import Client
     except ImportError:
         raise ClusterError("--scheduler needs Dask distributed: pip install 'steplens[dask]'") from None
-    try:
-        return Client(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
-    except (OSError, TimeoutError, ValueError) as e:
-        raise ClusterError(f"cannot reach the Dask scheduler at {address}: {type(e).__name__}: {e}") from None
+    # Client's own timeout does not bound its handshake: a service that accepts the connection and never
+    # answers holds it forever, so it is made in a daemon thread that is given up on (and ends with the process).
+    made: dict = {}
+
+    def make_client() -> None:
+        client = Client.__new__(Client)
+        try:
+            client.__init__(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
+            made["client"] = client
+            return
+        except (OSError, TimeoutError, ValueError) as e:
+            made["error"] = f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - another service's reply read as Dask frames (a MemoryError, ...)
+            made["error"] = f"not a Dask scheduler ({type(e).__name__})"
+        # It never connected: nothing to close (its close, run when it is collected, would wait 20 s on the service)
+        client.status = "closed"
+
+    attempt = threading.Thread(target=make_client, name="steplens-connect", daemon=True)
+    attempt.start()
+    attempt.join(CONNECT_TIMEOUT_S + HANDSHAKE_MARGIN_S)
+    if "client" in made:
+        return made["client"]
+    why = made.get("error", f"no Dask handshake within {CONNECT_TIMEOUT_S + HANDSHAKE_MARGIN_S} s (not a Dask scheduler?)")
+    raise ClusterError(f"cannot reach the Dask scheduler at {address}: {why}")
 
 
 def _parse_task(location: str, source: Source, scratch: str) -> Source:
