@@ -23,13 +23,21 @@ import polars as pl
 from markupsafe import Markup, escape
 
 from steplens.analyze.analyses import ANALYSES
-from steplens.analyze.contract.text import sentence, text_value
+from steplens.analyze.contract.text import safe_text, sentence, text_value
 
 from .data import Run, kernel_labels, load, ms, size, write_atomic
 from .verdict import NUMERATOR_SHORT, STEP_SOURCE_WORDS, first_screen, verdict
 
+
+def _shown(value):
+    """Every {{ }} value before it is escaped: text without control or bidi-override characters (a trace's ESC,
+    NUL or U+202E reach the page as `?`, as they reach the terminal); Markup (the figures' SVG) as it is."""
+    return value if value is None or isinstance(value, (Markup, int, float)) else safe_text(value)
+
+
 TEMPLATES = jinja2.Environment(
     loader=jinja2.PackageLoader("steplens.reports", "templates"),
+    finalize=_shown,
     autoescape=True,  # every {{ }} is escaped unless it is Markup
     undefined=jinja2.StrictUndefined,
     trim_blocks=True,

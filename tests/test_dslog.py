@@ -202,6 +202,23 @@ def test_concatenated_runs_counted_with_their_status():
     assert status.filter(pl.col("status") == "failed").height == failures
 
 
+def test_a_log_captured_with_colours_reads_as_without_them(tmp_path):
+    """The console of a job run with colours (FORCE_COLOR, `script`): every line wrapped in SGR codes, some
+    levels coloured, a window title set. The same records as the plain log, and no escape in what is shown."""
+    plain = _rank0_log("run1")
+    lines = plain.read_text().splitlines()
+    coloured = [f"\x1b[1;32m{line}\x1b[0m" if i % 2 else line.replace("[INFO]", "[\x1b[33mINFO\x1b[0m]")
+                for i, line in enumerate(lines)]
+    copy = tmp_path / plain.name
+    copy.write_text("\x1b]0;train.py\x07" + "\n".join(coloured) + "\n")
+    expected, got = _parse(plain), _parse(copy)
+    assert sorted(got.tables) == sorted(expected.tables) and got.tables
+    for name, frame in expected.tables.items():
+        assert got.tables[name].equals(frame), name
+    assert "\x1b" not in json.dumps(got.facts)
+    assert [i[1] for i in got.issues] == [i[1] for i in expected.issues]
+
+
 def test_rank0_stdout_without_launcher_header():
     path = _need(CHAT_SFT)
     imported = _parse(path)

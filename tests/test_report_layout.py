@@ -395,6 +395,13 @@ def test_terminal_strips_control_characters_from_names(tmp_path):
     result = _piped("analyze", str(tmp_path / "run"))
     assert "\x1b" not in result.stdout + result.stderr and "\x07" not in result.stdout and "\u202e" not in result.stdout
     assert "bad?[31m.json" in result.stdout
+    # The report and the PR summary show them as the terminal does: no raw control or bidi-override character.
+    out = tmp_path / "run" / ".steplens"
+    for page in ("report.html", "summary.md"):
+        text = (out / page).read_text()
+        assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e]", text), page
+    report = (out / "report.html").read_text()
+    assert "bad?[31m.json" in report and "kernel?]0;pwned??[2J?evil" in report
 
 
 def test_summary_escapes_kernel_base_names(tmp_path):

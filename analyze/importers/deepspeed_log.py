@@ -269,11 +269,17 @@ def _has_a_record(text: str) -> bool:
 RECORD_MARKERS = (b"] [", b"time (ms)", b"iteration", b"iter time (s)")
 
 
+# ECMA-48 control sequences (CSI ... final byte: colours, cursor moves) and OSC strings (window titles).
+ANSI_SEQUENCE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b\n]*(?:\x07|\x1b\\)")
+
+
 def split_lines(text: str) -> tuple[list[str], list[int]]:
     """The lines a log's records are read from, and each one's line number in the file. A bare carriage
     return (a progress bar redrawn in place: tqdm) also ends a line, as a terminal shows it, but the
-    number is the file's line, as an editor and grep count them (newlines only)."""
+    number is the file's line, as an editor and grep count them (newlines only). Colour codes are dropped."""
     lines, numbers = [], []
+    if "\x1b" in text:  # a console captured with colours: the records are read, and shown, without them
+        text = ANSI_SEQUENCE.sub("", text)
     rows = text.split("\n")
     if rows and rows[-1] == "":
         rows.pop()
