@@ -136,6 +136,34 @@ def test_work_launched_before_the_window_is_an_orphan_with_no_step(tmp_path):
     assert _table(out, "kernel_categories").filter(pl.col("step").is_null())["time_ns"].sum() == 40_000
 
 
+@pytest.mark.parametrize("damage", ["far_after", "far_before", "negative"])
+def test_device_work_whose_time_cannot_be_used_is_counted_not_timed(tmp_path, damage):
+    """The first test's trace plus one kernel whose time is damage: 1000 s after the host events (a clock glitch
+    once made this window "100% idle"), 1000 s before them, or with dur -50 us ("-50000 ns of GPU time"). The
+    device numbers are the first test's, worked out by hand; the kernel stays in trace_events and is counted."""
+    glitch = {"far_after": (1e9, 10), "far_before": (-1e9, 10), "negative": (1200, -50)}[damage]
+    events = [
+        _step(1, 1000, 100), _launch(1010, 1), _launch(1050, 2),
+        _step(2, 1100, 100), _launch(1110, 3),
+        _kernel(1020, 10, 1, stream=7), _kernel(1300, 10, 2, stream=7), _kernel(1150, 140, 3, stream=8),
+        _kernel(glitch[0], glitch[1], 77, stream=7, name="glitch_kernel"),
+    ]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    out, findings, _ = _analyse(tmp_path / "run")
+    window = _table(out, "gpu_idle").filter((pl.col("stream") == -1) & pl.col("step").is_null()).row(0, named=True)
+    assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (290_000, 160_000, 130_000)
+    assert findings["gpu_idle"]["idle_share"] == pytest.approx(130 / 290)
+    assert _table(out, "kernel_categories")["time_ns"].sum() == 160_000
+    assert "glitch_kernel" not in set(_table(out, "top_kernels")["name"])
+    kept = pl.read_parquet(out / "trace_events" / "*" / "*.parquet", hive_partitioning=False)
+    assert kept.filter(pl.col("name") == "glitch_kernel").height == 1  # kept as written
+    issues = dict(_table(out, "ingest_issues").select("reason", "count").iter_rows())
+    counted = "negative_duration" if damage == "negative" else "device_activity_outside_window"
+    assert issues[counted] == 1
+    orphan = _table(out, "ingest_issues").filter(pl.col("reason") == "orphan_device_activity")["detail"][0]
+    assert ("(0 ns of GPU time)" if damage == "negative" else "(10000 ns of GPU time)") in orphan
+
+
 def test_multimem_all_reduce_is_a_collective_with_exposure(tmp_path):
     """PyTorch symmetric-memory all-reduce (NVLS multimem; kernel multimem_all_reduce_kernel in
     torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemoryOps.cu,

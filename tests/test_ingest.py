@@ -278,11 +278,15 @@ def test_readme_documents_every_analysis_table():
         assert all(f"`{c}`" in line for c in columns), table
 
 
-def test_parts_from_another_table_layout_are_not_reused(run_dir):
+@pytest.mark.parametrize("fingerprint", ["schema_fingerprint", "parse_fingerprint"])
+def test_parts_from_another_table_layout_or_parser_are_not_reused(run_dir, fingerprint):
+    """Parts written under another layout, or by another parser (a steplens whose importers changed: the
+    same columns, other values), are parsed again; with both the same they are reused."""
     ingest(run_dir, jobs=1)
+    assert ingest(run_dir, jobs=1).reused >= 2  # the traces
     manifest_path = run_dir / ".steplens" / "run.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest["schema_fingerprint"] = "written-by-an-older-steplens"
+    manifest[fingerprint] = "written-by-an-older-steplens"
     manifest_path.write_text(json.dumps(manifest))
     again = ingest(run_dir, jobs=1)
     assert again.reused == 0 and again.parsed == 3

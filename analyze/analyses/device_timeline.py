@@ -13,6 +13,7 @@ from steplens.analyze.analyses import comms, kernels, launch, mfu, module_perf, 
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.contract import schema
 from steplens.analyze.contract.schema import WORK_KINDS
+from steplens.analyze.trace import semantics
 
 # Columns each slice of trace_events needs; read with the filter pushed into the Parquet scan.
 DEVICE_COLUMNS = ["source", "event_id", "ts_ns", "dur_ns", "kind", "name", "stream", "device", "correlation", "step",
@@ -43,7 +44,14 @@ def _slices(inputs: Inputs) -> dict[str, pl.DataFrame]:
     columns = list(dict.fromkeys(c for names, _ in wanted.values() for c in names))
     events = _events(inputs, columns, kind.is_in([*WORK_KINDS, *RUNTIME_KINDS, *CPU_KINDS]))
     # lazily, so that each filter moves only the columns its slice keeps
-    return {name: events.lazy().filter(where).select(["rank"] + names).collect() for name, (names, where) in wanted.items()}
+    sliced = {name: events.lazy().filter(where).select(["rank"] + names).collect() for name, (names, where) in wanted.items()}
+    # Device work whose time cannot be used (a negative duration, a clock glitch far outside the window) is not
+    # device time: ingest counted it (negative_duration, device_activity_outside_window).
+    keys = ["rank", "source"]
+    bounds = semantics.device_window(pl.concat([sliced[name].select(*keys, "ts_ns", "dur_ns")
+                                                for name in ("runtime", "cpu")]), keys)
+    sliced["device"] = sliced["device"].filter(~semantics.unusable_device_work(sliced["device"], bounds, keys))
+    return sliced
 
 
 def device_timeline(inputs: Inputs) -> Output:

@@ -78,7 +78,8 @@ _DECLARED = (
     IssueReason("bad_base_time", ("warning",), "baseTimeNanoseconds is not a plausible time; ignored."),
     IssueReason("unsupported_phase", ("info",), "Events of a phase other than complete, instant or flow; skipped."),
     IssueReason("missing_duration", ("warning",), "Complete events without dur; kept with a null duration."),
-    IssueReason("negative_duration", ("warning",), "Complete events with a negative dur, kept as written."),
+    IssueReason("negative_duration", ("warning",), "Complete events with a negative dur, kept as written (device work "
+                                                   "with one is left out of the device analyses)."),
     IssueReason("missing_timestamp", ("warning",), "Timed events without ts; dropped."),
     IssueReason("bad_timestamp", ("warning",), "ts that is not a number or not a plausible time; those events dropped."),
     IssueReason("bad_duration", ("warning",), "dur that is not a number or implausible; kept without a duration."),
@@ -87,6 +88,8 @@ _DECLARED = (
     IssueReason("bad_step_number", ("warning",), "ProfilerStep numbers too large to be steps; kept as plain events."),
     IssueReason("flow_without_end", ("info",), "Flow starts whose end is outside the trace window."),
     IssueReason("flow_unbound", ("info",), "Flow pairs whose start or end matches no slice; not linked."),
+    IssueReason("device_activity_outside_window", ("warning",), "Device activities further from the trace's host events "
+                "than the window's length (at least 1 s): a clock glitch; kept, left out of the device analyses."),
     IssueReason("orphan_device_activity", ("warning",), "Device activities whose launch is not in the trace (no step)."),
     # Nsight Systems exports (importers/nsys.py)
     IssueReason("nsys_schema_gap", ("info",), "Tables or columns this Nsight Systems export version lacks; what they "

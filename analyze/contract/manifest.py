@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 class RunManifest:
     schema_version: int = 0  # schema.SCHEMA_VERSION of the writer (0: not recorded)
     schema_fingerprint: str | None = None  # schema.fingerprint(): parts written under another layout are re-parsed
+    parse_fingerprint: str | None = None  # reuse.parse_fingerprint(): parts another parser wrote are re-parsed
     run_id: str | None = None  # hash of the run folder and the used sources' fingerprints
     created_by: str | None = None  # "steplens ingest": marks an output folder steplens may replace
     world_size: int | None = None  # settle_world_size: from the traces, else the run facts

@@ -50,9 +50,23 @@ def file_prefix_hash(path: Path) -> str:
 def code_fingerprint() -> str:
     """The steplens code that made a result (every module's and template's name, size and mtime)."""
     package = Path(__file__).resolve().parents[2]
-    files = sorted(p for folder in ("analyze", "reports") for p in (package / folder).rglob("*") if p.suffix in (".py", ".j2"))
+    return _fingerprint(package, [p for folder in ("analyze", "reports") for p in (package / folder).rglob("*")
+                                  if p.suffix in (".py", ".j2", ".c")])
+
+
+def _fingerprint(package: Path, files: list[Path]) -> str:
     return hashlib.sha256(repr([(str(p.relative_to(package)), p.stat().st_size, p.stat().st_mtime_ns)
-                                for p in files]).encode()).hexdigest()
+                                for p in sorted(files)]).encode()).hexdigest()
+
+
+@functools.cache
+def parse_fingerprint() -> str:
+    """The code that turns an input file into its tables (importers, trace semantics, the run contract, ingest):
+    a part parsed by other code (an older steplens) is parsed again, not reused."""
+    analyze = Path(__file__).resolve().parents[1]
+    files = [p for folder in ("importers", "trace", "contract") for p in (analyze / folder).rglob("*")
+             if p.suffix in (".py", ".c")] + [analyze / "pipeline" / "ingest.py"]
+    return _fingerprint(analyze.parent, files)[:16]
 
 
 def listing_key(run_dir: Path, out_dir: Path) -> str | None:

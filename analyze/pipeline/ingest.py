@@ -531,7 +531,8 @@ def check_output_folder(run_dir: Path, out_dir: Path) -> None:
 
 def _previous_manifest(out_dir: Path) -> dict:
     manifest = reuse.read_manifest(out_dir)
-    ok = manifest.get("schema_fingerprint") == schema.fingerprint() and isinstance(manifest.get("sources"), list)
+    ok = (manifest.get("schema_fingerprint") == schema.fingerprint() and isinstance(manifest.get("sources"), list)
+          and manifest.get("parse_fingerprint") == reuse.parse_fingerprint())
     return manifest if ok else {}
 
 
@@ -687,6 +688,7 @@ def _manifest(sources: list[Source], ignored: list[str], run_folder: str) -> dic
     return RunManifest(
         schema_version=schema.SCHEMA_VERSION,
         schema_fingerprint=schema.fingerprint(),
+        parse_fingerprint=reuse.parse_fingerprint(),
         run_id=run_id,
         created_by=OUTPUT_CREATOR,
         world_size=world_size,

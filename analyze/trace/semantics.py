@@ -30,6 +30,12 @@ LAUNCH_API = re.compile(
     r"^(cuda|cu|hip)(Ext)?(Module)?Launch|^(cuda|cu|hip)GraphLaunch|^(cuda|cu|hip)Memcpy|^(cuda|cu|hip)Memset"
 )
 
+HOST_KINDS = ("cpu_op", "user_annotation", "python_function", *LAUNCH_KINDS)
+# The profiler records device work only while its window is open, so work further from the window's host events
+# than the window's own length (at least this) is a clock glitch, not work of the window: one such kernel made a
+# 1 ms window 1000 s long and "100% idle". Kept in trace_events, counted, and left out of the device analyses.
+MIN_WINDOW_MARGIN_NS = 1_000_000_000
+
 # Flow categories that link a CPU launch to device work: `ac2g` (PyTorch >= 1.10) and the legacy
 # names Kineto used before it.
 LAUNCH_FLOW_CATEGORIES = {"ac2g", "async", "async_gpu", "async_cpu_to_gpu"}
@@ -44,6 +50,26 @@ FLOW_LINK_SCHEMA = {
 }
 
 
+def device_window(host: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
+    """Per `keys` (none: the whole frame), where device work of the window may lie: from the first start to
+    the last end of the host events (`host`: HOST_KINDS rows), each widened by the window's length (at least
+    MIN_WINDOW_MARGIN_NS). Null bounds where there are no host events (a device-only trace): nothing is judged."""
+    edges = dict(first_ns=pl.col("ts_ns").min(), last_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max())
+    bounds = host.group_by(keys).agg(**edges) if keys else host.select(**edges)
+    margin = pl.max_horizontal(pl.col("last_ns") - pl.col("first_ns"), pl.lit(MIN_WINDOW_MARGIN_NS))
+    return bounds.select(*keys, earliest_ns=pl.col("first_ns") - margin, latest_ns=pl.col("last_ns") + margin)
+
+
+def unusable_device_work(work: pl.DataFrame, bounds: pl.DataFrame, keys: list[str]) -> pl.Series:
+    """Per row of `work` (device work), whether its time cannot be used: a negative duration, or outside the
+    `device_window` bounds of its keys."""
+    joined = (work.join(bounds, on=keys, how="left", maintain_order="left") if keys
+              else work.select("ts_ns", "dur_ns").join(bounds, how="cross"))
+    end = pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)
+    outside = (pl.col("ts_ns") < pl.col("earliest_ns")) | (end > pl.col("latest_ns"))
+    return joined.select(unusable=((pl.col("dur_ns") < 0) | outside).fill_null(False))["unusable"]
+
+
 def apply(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue],
           step_name: re.Pattern = STEP_NAME) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """(events with `is_launch`, `step` and `launch_event_id`, steps, flow links); what does not
@@ -54,10 +80,29 @@ def apply(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue],
     steps = step_windows(events, issues, step_name)
     events = assign_steps(events, steps)
     flows = links(events, endpoints, issues)
+    _count_stray_device_work(events, issues)
     launched_by = flows.filter(pl.col("flow_type") == "launch").unique("dst_event_id", keep="first").select(
         event_id="dst_event_id", launch_event_id="src_event_id")
     events = events.join(launched_by, on="event_id", how="left", maintain_order="left")
     return events, steps, flows
+
+
+def _count_stray_device_work(events: pl.DataFrame, issues: list[Issue]) -> None:
+    work = events.filter(pl.col("kind").is_in(WORK_KINDS))
+    if work.is_empty():
+        return
+    bounds = device_window(events.filter(pl.col("kind").is_in(HOST_KINDS)), [])
+    stray = work.filter(unusable_device_work(work, bounds, []) & (pl.col("dur_ns").fill_null(0) >= 0))
+    if stray.height:
+        edge = bounds.row(0, named=True)
+        issues.append(Issue("warning", "device_activity_outside_window", stray.height,
+                            f"device activities {_far(stray, edge)} the trace's host events (more than the window's "
+                            "length, and at least 1 s): a clock glitch; kept in trace_events, left out of the device analyses"))
+
+
+def _far(stray: pl.DataFrame, edge: dict) -> str:
+    before = stray.filter(pl.col("ts_ns") < edge["earliest_ns"]).height
+    return ("before" if before == stray.height else "after" if not before else "before or after") + " the window of"
 
 
 def step_windows(events: pl.DataFrame, issues: list[Issue], step_name: re.Pattern = STEP_NAME) -> pl.DataFrame:
@@ -181,7 +226,7 @@ def links(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue]) ->
     orphans = events.select("kind", "event_id", "dur_ns").filter(pl.col("kind").is_in(WORK_KINDS) & ~pl.col("event_id").is_in(launched))
     if orphans.height:
         issues.append(Issue("warning", "orphan_device_activity", orphans.height,
-                            f"device activities ({orphans['dur_ns'].fill_null(0).sum()} ns of GPU time) whose launch is not "
+                            f"device activities ({orphans['dur_ns'].fill_null(0).clip(lower_bound=0).sum()} ns of GPU time) whose launch is not "
                             "in the trace (enqueued before the profiler window opened, or the call cut from the file): no step, "
                             "no launch API; they still count as device busy time"))
     return flows
