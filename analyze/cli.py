@@ -145,7 +145,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
     os.environ[nsys.STEP_RANGE_ENV] = step_range or ""
     if nsys_export and not remote.is_url(run_dir):
         for report, outcome in nsys.export_reports(run_dir if run_dir.is_dir() else run_dir.parent):
-            click.echo(f"{safe_text(report)}: {safe_text(outcome)}")
+            cli_rerun.say(console, f"{safe_text(report)}: {safe_text(outcome)}", indent=0)
     if (heads is None) != (head_dim is None):
         fail("--heads and --head-dim go together (hidden = heads x head dim); or give --hidden")
     if hidden is not None and heads is not None and hidden != heads * head_dim:
@@ -233,6 +233,7 @@ def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, optio
     """Several runs, one line each with where its report is; the exit status of them all."""
     statuses, results = [], []
     pending = list(runs)
+    console = Console(stderr=False, highlight=False)
     while pending:
         run, out = pending.pop(0)
         name = safe_text(run.name or _run_name(run, run_dir))
@@ -242,19 +243,19 @@ def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, optio
             fail(safe_text(e), EXIT_UNWRITABLE)
         except IngestError as e:
             if apart := _unranked_traces_apart(run, e, out if out_given else None):
-                click.echo(f"  {name}: {len(apart)} traces with no rank, from different processes: separate runs")
+                cli_rerun.say(console, f"{name}: {len(apart)} traces with no rank, from different processes: separate runs")
                 pending[:0] = apart
                 continue
             statuses.append(EXIT_NOTHING)
-            click.echo(f"  {name}: not analysed: {safe_text(e)}")
+            cli_rerun.say(console, f"{name}: not analysed: {safe_text(e)}")
             continue
         statuses.append(_status(result))
         results.append(result)
         ranks = ranges(result.manifest.get("ranks", []))
         problems = sum(1 for s in result.sources for i in s.issues if i[0] == "error")
         report = result.out_dir / ("report.html" if findings else schema.MANIFEST_FILE)
-        click.echo(f"  {name}: {len(result.sources)} input(s), ranks {ranks or 'none'}, {problems} error(s)\n"
-                   f"    {safe_text(report)}")
+        cli_rerun.say(console, f"{name}: {len(result.sources)} input(s), ranks {ranks or 'none'}, {problems} error(s)")
+        cli_rerun.say(console, str(report), indent=4)
         _warn_figures_not_drawn(findings)
     _note_python_reader(results)
     if all(s == EXIT_NOTHING for s in statuses):

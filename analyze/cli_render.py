@@ -55,7 +55,10 @@ class FiniteNumber(click.ParamType):
 
 
 def fail(message: str, status: int = EXIT_NOTHING) -> None:
-    click.echo(f"error: {message}", err=True)
+    """`error: message` on stderr, wrapped as every line is (80 columns when piped), and exit with `status`."""
+    from steplens.analyze.cli_rerun import warn
+
+    warn(message, lead="error: ")
     sys.exit(status)
 
 

@@ -28,12 +28,13 @@ MAX_INDENT = 8
 RECORDED_STATUSES = (0, 1)  # cli_render.EXIT_PARTIAL: a published result was complete or partial
 
 
-def say(console, text: str, indent: int = 2) -> None:
+def say(console, text: str, indent: int = 2, lead: str | None = None) -> None:
     """Print untrusted text as plain lines wrapped to the console width (80 columns when piped), the
-    continuation indented; a word longer than the line (a path) stays whole rather than broken."""
+    continuation indented; a word longer than the line (a path) stays whole rather than broken. `lead`
+    (`error: `) starts the first line in place of the indent, a long word after it on the same line."""
     width = max(console.width, 40)
-    lines = textwrap.wrap(safe_text(text), width=width, initial_indent=" " * indent, subsequent_indent=" " * (indent + 2),
-                          break_long_words=False, break_on_hyphens=False) or [""]
+    lines = textwrap.wrap(safe_text(text), width=width, initial_indent=" " * indent if lead is None else lead,
+                          subsequent_indent=" " * (indent + 2), break_long_words=False, break_on_hyphens=False) or [""]
     for line in lines:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
@@ -41,11 +42,12 @@ def say(console, text: str, indent: int = 2) -> None:
 HEADER_LINES = 2  # summary_lines' first two: what was read into where, and how long it took
 
 
-def warn(text: str) -> None:
-    """A closing warning on stderr, wrapped like the rest (80 columns when piped), continuation indented."""
+def warn(text: str, lead: str = "") -> None:
+    """A closing warning (or, with `lead` "error: ", the error) on stderr, wrapped like the rest (80 columns
+    when piped), continuation indented."""
     from rich.console import Console
 
-    say(Console(stderr=True, highlight=False), text, indent=0)
+    say(Console(stderr=True, highlight=False), text, indent=0, lead=lead)
 
 
 def print_result(console, summary: list[tuple[str, int]], verdict: list[str], finding_texts: list[str], out_dir: Path,

@@ -88,8 +88,8 @@ def test_a_damaged_result_is_named_by_compare_and_left_out_by_trials(tmp_path):
     done = subprocess.run([str(BIN / "steplens"), "compare", str(runs / "good"), str(runs / "bad"), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, env=env)
     assert done.returncode == 2 and "internal error" not in done.stderr
-    assert done.stderr.strip() == (f"error: {manifest}: damaged (world_size, facts of the wrong type); analyse the "
-                                   "run again")
+    assert " ".join(done.stderr.split()) == (f"error: {manifest}: damaged (world_size, facts of the wrong type); "
+                                             "analyse the run again")
     done = subprocess.run([str(BIN / "steplens"), "trials", str(runs)], capture_output=True, text=True, env=env)
     assert done.returncode == 1 and "internal error" not in done.stderr
     assert f"warning: {manifest}: damaged" in " ".join(done.stderr.split()) and "good" in done.stdout

@@ -761,7 +761,7 @@ def test_a_file_that_is_not_read_is_named_as_given(tmp_path, traces):
                        (hg / "truth.json", "not a trace: a JSON object with no traceEvents array")):
         result = CliRunner().invoke(analyze, [str(given), "-q", "-j", "1"])
         assert result.exit_code == 2
-        assert result.output.startswith(f"error: {given}: {why}"), result.output
+        assert " ".join(result.output.split()).startswith(f"error: {given}: {why}"), result.output
     assert sorted(p.name for p in hg.iterdir()) == ["rank1.json", "truth.json"]
     assert CliRunner().invoke(analyze, [str(hg / "rank1.json"), "-q", "-j", "1", "--ingest-only"]).exit_code == 0
 

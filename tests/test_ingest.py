@@ -223,7 +223,9 @@ def test_cli_summary_and_exit_codes(run_dir, tmp_path):
     (tmp_path / "nothing").mkdir()
     none = runner.invoke(analyze, [str(tmp_path / "nothing")])
     assert none.exit_code == EXIT_NOTHING
-    assert none.output.strip().count("\n") == 0 and "nothing steplens reads here" in none.output
+    # one message: its first line, and the lines it wraps onto indented under it
+    assert none.output.startswith("error: ") and all(line.startswith("  ") for line in none.output.splitlines()[1:])
+    assert "nothing steplens reads here" in " ".join(none.output.split())
     assert "Traceback" not in none.output
 
     only_empty = tmp_path / "only_empty"

@@ -444,7 +444,7 @@ def test_nsys_export_flag_without_nsys_says_so(tmp_path, monkeypatch):
     _build_export(run / "a.sqlite")
     (run / "b.nsys-rep").write_bytes(b"\x00")
     result = CliRunner().invoke(analyze, [str(run), "-q", "--jobs", "1", "--ingest-only", "--nsys-export"])
-    assert "b.nsys-rep: nsys is not on the PATH: not exported" in result.output
+    assert "b.nsys-rep: nsys is not on the PATH: not exported" in " ".join(result.output.split())
     assert not (run / "b.sqlite").exists()
 
 

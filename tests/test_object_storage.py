@@ -215,5 +215,5 @@ def test_a_prefix_that_does_not_exist_is_named_as_given(store, tmp_path):
     url = f"s3://{BUCKET}/no/such/exp"
     done = steplens("analyze", url, "--out", tmp_path / "o", env=env)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == f"error: {url}: no objects under this prefix (is the bucket or path mistyped?)"
+    assert " ".join(done.stderr.split()) == f"error: {url}: no objects under this prefix (is the bucket or path mistyped?)"
     assert not (tmp_path / "o").exists()

@@ -374,6 +374,27 @@ def test_terminal_output_fits_80_columns_when_piped(tmp_path):
     assert "ingest issues" not in quiet.stdout and "events (all ranks)" not in quiet.stdout
 
 
+def test_errors_and_the_runs_listing_fit_80_columns_when_piped(tmp_path):
+    """An error is one message wrapped under `error: ` (a path longer than the line after it, alone); the listing
+    of several runs wraps as the rest does (its lines were 83-86 columns)."""
+    nothing = tmp_path / "a folder with nothing steplens reads in it, named at some length"
+    nothing.mkdir()
+    (nothing / "notes.txt").write_text("hello")
+    categories = tmp_path / "categories.csv"
+    categories.write_text("category,pattern\nmine,(?<=x)gemm\n")
+    runs = tmp_path / "several"
+    for name in ("a_rather_long_experiment_name_for_the_baseline", "a_rather_long_experiment_name_for_the_change"):
+        write_trace(runs / name / "rank0.json", _rank_events(0), distributedInfo={"rank": 0, "world_size": 1})
+    for args, status in (((str(nothing),), 2), ((str(nothing), "--kernel-categories", str(categories)), 2),
+                         ((str(runs), "-q"), 0)):
+        done = _piped("analyze", *args)
+        assert done.returncode == status, done.stderr
+        lines = (done.stdout + done.stderr).splitlines()
+        assert not [line for line in lines if len(line) > 80 and len(line.split()) > 1
+                    and not (line.startswith("error: ") and len(line.split()) == 2)], lines
+    assert " ".join(done.stdout.split()).count("1 input(s), ranks 0, 0 error(s)") == 2
+
+
 def test_sql_help_gives_each_example_its_own_block():
     from steplens.analyze.query.sql import EXAMPLES
 

@@ -66,7 +66,7 @@ def test_cli_formats_and_errors(runs, tmp_path):
     bad = runner.invoke(steplens, ["sql", str(root), "SELECT nope FROM runs"])
     assert bad.exit_code == 2 and "nope" in bad.output and "Traceback" not in bad.output
     empty = runner.invoke(steplens, ["sql", str(tmp_path), "SELECT 1"])
-    assert empty.exit_code == 2 and "no steplens runs" in empty.output
+    assert empty.exit_code == 2 and "no steplens runs" in " ".join(empty.output.split())
     help_text = runner.invoke(steplens, ["sql", "--help"]).output
     assert all(table in help_text for table in list(schema.TABLES) + list(analyses.TABLES))
 
