@@ -1,6 +1,7 @@
 """The run-directory contract, incremental and atomic ingest, rank rules, and the CLI."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -355,6 +356,10 @@ def test_analyze_script_runs_without_importing_pandas(run_dir, tmp_path):
         "print(pyarrow.array(['a', None]).to_pylist())\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.stdout.splitlines()[-3:] == ["exit 0", "False", "['a', None]"], done.stderr
+    # `python -m steplens.analyze` too (it imported pandas)
+    as_module = subprocess.run([sys.executable, "-X", "importtime", "-m", "steplens.analyze", str(run_dir), "--out",
+                                str(tmp_path / "out2"), "-q"], capture_output=True, text=True, timeout=300)
+    assert as_module.returncode == 0 and not re.search(r"\| +pandas\.", as_module.stderr), as_module.stderr[-2000:]
 
 
 def _tables_and_findings(out: Path) -> tuple[dict, dict]:
