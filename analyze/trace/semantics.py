@@ -96,11 +96,11 @@ def _count_stray_device_work(events: pl.DataFrame, issues: list[Issue]) -> None:
     if stray.height:
         edge = bounds.row(0, named=True)
         issues.append(Issue("warning", "device_activity_outside_window", stray.height,
-                            f"device activities {_far(stray, edge)} the trace's host events (more than the window's "
+                            f"device activities {_side_of_window(stray, edge)} the trace's host events (more than the window's "
                             "length, and at least 1 s): a clock glitch; kept in trace_events, left out of the device analyses"))
 
 
-def _far(stray: pl.DataFrame, edge: dict) -> str:
+def _side_of_window(stray: pl.DataFrame, edge: dict) -> str:
     before = stray.filter(pl.col("ts_ns") < edge["earliest_ns"]).height
     return ("before" if before == stray.height else "after" if not before else "before or after") + " the window of"
 
