@@ -164,6 +164,24 @@ def test_device_work_whose_time_cannot_be_used_is_counted_not_timed(tmp_path, da
     assert ("(0 ns of GPU time)" if damage == "negative" else "(10000 ns of GPU time)") in orphan
 
 
+def test_host_events_spanning_most_of_int64_judge_no_device_work(tmp_path):
+    """Two CPU ops at -/+4.6e18 ns (the edges of the times a trace may hold): the window's length and its bounds
+    are past int64 (wrapped, they once put every kernel outside the window). Nothing is outside: the device
+    numbers are the first test's."""
+    events = [
+        _step(1, 1000, 100), _launch(1010, 1), _launch(1050, 2),
+        _step(2, 1100, 100), _launch(1110, 3),
+        _kernel(1020, 10, 1, stream=7), _kernel(1300, 10, 2, stream=7), _kernel(1150, 140, 3, stream=8),
+        {"ph": "X", "cat": "cpu_op", "name": "early", "pid": 1, "tid": 2, "ts": -4_600_000_000_000_000, "dur": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "late", "pid": 1, "tid": 2, "ts": 4_600_000_000_000_000, "dur": 1},
+    ]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    out, findings, _ = _analyse(tmp_path / "run")
+    window = _table(out, "gpu_idle").filter((pl.col("stream") == -1) & pl.col("step").is_null()).row(0, named=True)
+    assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (290_000, 160_000, 130_000)
+    assert "device_activity_outside_window" not in set(_table(out, "ingest_issues")["reason"])
+
+
 def test_multimem_all_reduce_is_a_collective_with_exposure(tmp_path):
     """PyTorch symmetric-memory all-reduce (NVLS multimem; kernel multimem_all_reduce_kernel in
     torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemoryOps.cu,

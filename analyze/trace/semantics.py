@@ -54,9 +54,12 @@ def device_window(host: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
     """Per `keys` (none: the whole frame), where device work of the window may lie: from the first start to
     the last end of the host events (`host`: HOST_KINDS rows), each widened by the window's length (at least
     MIN_WINDOW_MARGIN_NS). Null bounds where there are no host events (a device-only trace): nothing is judged."""
-    edges = dict(first_ns=pl.col("ts_ns").min(), last_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max())
+    # In float64: a window of damaged times can span more than int64 holds, and a bound a few hundred ns off
+    # (float64's spacing at epoch-ns magnitudes) does not matter against a margin of a second or more.
+    edges = dict(first_ns=pl.col("ts_ns").min().cast(pl.Float64),
+                 last_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max().cast(pl.Float64))
     bounds = host.group_by(keys).agg(**edges) if keys else host.select(**edges)
-    margin = pl.max_horizontal(pl.col("last_ns") - pl.col("first_ns"), pl.lit(MIN_WINDOW_MARGIN_NS))
+    margin = pl.max_horizontal(pl.col("last_ns") - pl.col("first_ns"), pl.lit(float(MIN_WINDOW_MARGIN_NS)))
     return bounds.select(*keys, earliest_ns=pl.col("first_ns") - margin, latest_ns=pl.col("last_ns") + margin)
 
 
@@ -65,8 +68,8 @@ def unusable_device_work(work: pl.DataFrame, bounds: pl.DataFrame, keys: list[st
     `device_window` bounds of its keys."""
     joined = (work.join(bounds, on=keys, how="left", maintain_order="left") if keys
               else work.select("ts_ns", "dur_ns").join(bounds, how="cross"))
-    end = pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)
-    outside = (pl.col("ts_ns") < pl.col("earliest_ns")) | (end > pl.col("latest_ns"))
+    start = pl.col("ts_ns").cast(pl.Float64)
+    outside = (start < pl.col("earliest_ns")) | (start + pl.col("dur_ns").fill_null(0).cast(pl.Float64) > pl.col("latest_ns"))
     return joined.select(unusable=((pl.col("dur_ns") < 0) | outside).fill_null(False))["unusable"]
 
 
