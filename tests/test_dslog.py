@@ -219,6 +219,28 @@ def test_a_log_captured_with_colours_reads_as_without_them(tmp_path):
     assert [i[1] for i in got.issues] == [i[1] for i in expected.issues]
 
 
+def test_a_timer_past_any_time_is_a_garbled_item_not_a_crash(tmp_path):
+    """fwd 1e300 ms, or 1e400 (inf), in a real log's timer line: that item is dropped and the line counted as
+    garbled; the run is analysed (it ended in an internal error casting the step's ns to int64)."""
+    from click.testing import CliRunner
+    from steplens.analyze.cli import analyze
+
+    lines = _rank0_log("run1").read_text().splitlines()
+    timer_lines = [i for i, line in enumerate(lines) if "time (ms) | fwd:" in line][:2]
+    assert len(timer_lines) == 2
+    for i, huge in zip(timer_lines, ("1e300", "1e400")):
+        lines[i] = re.sub(r"fwd: [0-9.]+", f"fwd: {huge}", lines[i])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / _rank0_log("run1").name).write_text("\n".join(lines) + "\n")
+    imported = _parse(run / _rank0_log("run1").name)
+    timers = imported.tables["step_timers"]
+    assert timers.filter(pl.col("timer") == "fwd")["ms"].abs().max() < 1e12
+    assert dict((i[1], i[2]) for i in imported.issues)["garbled_lines"] >= 2
+    result = CliRunner().invoke(analyze, [str(run), "-q", "-j", "1"])
+    assert result.exit_code == 0, result.output
+
+
 def test_rank0_stdout_without_launcher_header():
     path = _need(CHAT_SFT)
     imported = _parse(path)

@@ -467,13 +467,17 @@ def _note_last_line(state: LogState, line: str, i: int) -> None:
         last["stamped"] = (line, i)  # parsed once, at the end
 
 
+# A timer beyond 31 years is damage, not a time (and a step's few timers summed stay within int64 ns).
+MAX_TIMER_MS = 1e12
+
+
 def _timer(state: LogState, m: re.Match, i: int) -> None:
     rank = int(m[1] if m[1] is not None else m[2])
     items = []
     for part in m[3].split("|"):
-        if item := TIMER_ITEM.match(part):
-            items.append((item[1], float(item[2])))
-        elif part.strip():
+        if (item := TIMER_ITEM.match(part)) and abs(ms := float(item[2])) <= MAX_TIMER_MS:
+            items.append((item[1], ms))
+        elif part.strip():  # (1e300 ms, inf: no timer; the line's other items stay)
             state.garbled.add(i)  # a cut or interleaved item: keep the whole ones
     if not items:
         return
