@@ -53,7 +53,8 @@ def _folder_or_url(ctx, param, value: str) -> Path | str:
 @click.argument("runs_dir", callback=_folder_or_url)
 @click.argument("query")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
-              help="table for reading, csv or json (one object per row) for other tools.")
+              help="table for reading (control characters in values shown as ?), csv or json (one object per row, "
+                   "values exactly as stored) for other tools.")
 def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
     from steplens.analyze.query.sql import QueryError, find_runs
     from steplens.analyze.query.sql import query as run_query
@@ -82,7 +83,7 @@ def _print_result_table(result) -> None:
     `column | value`, as psql's expanded display, each value cut into lines under its column."""
     width = max(Console().width, 40)
     with pl_config():
-        table = str(result)
+        table = safe_text(str(result))  # a value's control characters (ESC ] ... BEL sets the title) shown as ?
     if max((len(line) for line in table.splitlines()), default=0) <= width:
         click.echo(table)
         return

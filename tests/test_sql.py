@@ -51,9 +51,32 @@ def test_documented_examples_run(runs):
 
 def test_only_select_is_accepted(runs):
     root, _ = runs
-    for statement in ("DELETE FROM runs", "COPY (SELECT 1) TO 'x.csv'", "SELECT 1; SELECT 2", "CREATE TABLE t AS SELECT 1"):
+    for statement in ("DELETE FROM runs", "COPY (SELECT 1) TO 'x.csv'", "SELECT 1; SELECT 2", "CREATE TABLE t AS SELECT 1",
+                      "SELEC 1", "SET enable_external_access = true"):
         with pytest.raises(sql.QueryError):
             sql.query(root, statement)
+
+
+def test_a_query_reads_nothing_outside_the_runs_folder(runs, tmp_path):
+    """read_text, read_csv, glob and the like reach only files under the folder given; the limit cannot be
+    lifted from the query; the runs' tables still answer."""
+    root, _ = runs
+    secret = tmp_path / "outside" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text("not for a query\n")
+    for statement in (f"SELECT content FROM read_text('{secret}')", f"SELECT * FROM read_csv('{secret}')",
+                      f"SELECT * FROM glob('{secret.parent}/*')", f"SELECT content FROM read_text('{root}/../outside/secret.txt')"):
+        with pytest.raises(sql.QueryError):
+            sql.query(root, statement)
+    inside = sql.query(root, "SELECT count(*) AS runs FROM runs")
+    assert inside["runs"][0] == 2
+
+
+def test_the_table_format_shows_control_characters_as_question_marks(runs):
+    root, _ = runs
+    shown = CliRunner().invoke(steplens, ["sql", str(root), "SELECT chr(27) || ']0;title' || chr(7) || chr(8238) AS v"])
+    assert shown.exit_code == 0 and "?]0;title??" in shown.output
+    assert not any(c in shown.output for c in "\x1b\x07\u202e")
 
 
 def test_cli_formats_and_errors(runs, tmp_path):

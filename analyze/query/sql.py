@@ -2,8 +2,8 @@
 
 A run is any folder holding a steplens `run.json` (an `analyze` output such as `RUN/.steplens/`, or
 a collector run directory). Every view has a `run_id` column; per-rank tables also have `rank`.
-The `runs` view lists the runs themselves. Only SELECT statements are accepted: querying never
-changes a run.
+The `runs` view lists the runs themselves. Only SELECT statements are accepted, and they read no file
+outside the folder: querying never changes a run, nor shows anything else.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -132,6 +133,12 @@ def connect(root: Path, skipped: list[tuple[str, str]] | None = None) -> duckdb.
     con.execute("CREATE VIEW runs AS SELECT * FROM runs_frame")
     for table, selects in parts.items():
         con.execute(f"CREATE VIEW {table} AS " + " UNION ALL BY NAME ".join(selects))
+    # A query reads the runs under root and nothing else (read_text('/etc/passwd'), glob('/home/*')), and cannot
+    # undo that: DuckDB's file access is limited to root, then its configuration locked.
+    allowed = str(root).rstrip("/") + "/" if remote.is_url(root) else str(Path(root).resolve()) + os.sep
+    con.execute(f"SET allowed_directories = [{_quote(allowed)}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
     return con
 
 
@@ -149,7 +156,10 @@ def query(root: Path, sql: str, skipped: list[tuple[str, str]] | None = None) ->
     run.json) are added to `skipped` as (run, why)."""
     import duckdb
 
-    statements = duckdb.extract_statements(sql)
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as e:  # a syntax error
+        raise QueryError(str(e).splitlines()[0]) from None
     if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
         raise QueryError("only a single SELECT (or WITH ... SELECT) statement is accepted")
     con = connect(root, skipped)
