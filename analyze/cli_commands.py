@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import textwrap
 from pathlib import Path
@@ -56,24 +57,31 @@ def _folder_or_url(ctx, param, value: str) -> Path | str:
               help="table for reading (control characters in values shown as ?), csv or json (one object per row, "
                    "values exactly as stored) for other tools.")
 def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
-    from steplens.analyze.query.sql import QueryError, find_runs
-    from steplens.analyze.query.sql import query as run_query
+    import polars as pl
+
+    from steplens.analyze.query.sql import QueryError, find_runs, query_batches
 
     if not find_runs(runs_dir):
         fail(f"{runs_dir}: no steplens runs (no run.json) under this folder; run `analyze` first")
     skipped: list[tuple[str, str]] = []
     try:
-        result = run_query(runs_dir, query, skipped)
+        # csv and json stream the whole result a batch at a time; the table holds the first TABLE_ROWS rows
+        batches = query_batches(runs_dir, query, skipped, limit=None if fmt in ("csv", "json") else TABLE_ROWS + 1)
+        first = next(batches)
+        for run, why in skipped:
+            warn(f"warning: {run}: damaged run.json ({why}); this run is left out")
+        if fmt == "table":
+            result = pl.concat([first, *batches], how="vertical")
+            _print_result_table(result.head(TABLE_ROWS))
+            if result.height > TABLE_ROWS:
+                warn(f"the first {TABLE_ROWS} rows; --format csv or json gives them all (or add LIMIT)")
+        for index, frame in enumerate([first] if fmt == "table" else itertools.chain([first], batches)):
+            if fmt == "csv":
+                click.echo(frame.write_csv(include_header=index == 0), nl=False)
+            elif fmt == "json":
+                click.echo(frame.write_ndjson(), nl=False)
     except QueryError as e:
         fail(str(e))
-    for run, why in skipped:
-        warn(f"warning: {run}: damaged run.json ({why}); this run is left out")
-    if fmt == "csv":
-        click.echo(result.write_csv(), nl=False)
-    elif fmt == "json":
-        click.echo(result.write_ndjson(), nl=False)
-    else:
-        _print_result_table(result)
     if skipped:
         sys.exit(EXIT_PARTIAL)
 
@@ -88,6 +96,9 @@ def _print_result_table(result) -> None:
         click.echo(table)
         return
     names = result.columns
+    if result.is_empty():  # no row blocks to show: the columns at least
+        say(Console(), f"no rows; columns: {', '.join(names)}", indent=0)
+        return
     pad = min(max(len(name) for name in names), width // 3)
     for index, row in enumerate(result.iter_rows()):
         click.echo(f"-[ row {index + 1} ]" + "-" * max(width - len(f"-[ row {index + 1} ]"), 0))
@@ -100,10 +111,13 @@ def _print_result_table(result) -> None:
                 click.echo(f"{'':<{pad}} | {more}")
 
 
+TABLE_ROWS = 200  # rows the table format shows (pl_config's tbl_rows): more go to --format csv or json
+
+
 def pl_config():
     import polars as pl
 
-    return pl.Config(tbl_rows=200, tbl_cols=-1, tbl_width_chars=200, fmt_str_lengths=80, tbl_hide_dataframe_shape=True)
+    return pl.Config(tbl_rows=TABLE_ROWS, tbl_cols=-1, tbl_width_chars=200, fmt_str_lengths=80, tbl_hide_dataframe_shape=True)
 
 
 

@@ -72,6 +72,21 @@ def test_a_query_reads_nothing_outside_the_runs_folder(runs, tmp_path):
     assert inside["runs"][0] == 2
 
 
+def test_a_result_of_any_size_in_bounded_memory(runs):
+    """Ten billion rows: the table shows the first 200 and says so (it once grew to 24 GB); csv streams every row
+    a batch at a time, its header once."""
+    root, _ = runs
+    shown = CliRunner().invoke(steplens, ["sql", str(root), "SELECT * FROM range(10000000000) AS t(n)"])
+    assert shown.exit_code == 0 and "│ 199 " in shown.output and "│ 200 " not in shown.output
+    assert "the first 200 rows" in " ".join(shown.output.split())
+    rows = sql.BATCH_ROWS * 2 + 7
+    streamed = CliRunner().invoke(steplens, ["sql", str(root), f"SELECT * FROM range({rows}) AS t(n)", "--format", "csv"])
+    lines = streamed.output.splitlines()
+    assert lines[0] == "n" and len(lines) == rows + 1 and lines[-1] == str(rows - 1)
+    none = CliRunner().invoke(steplens, ["sql", str(root), "SELECT * FROM step_stats WHERE false"])
+    assert none.exit_code == 0 and "no rows; columns: run_id, step" in " ".join(none.output.split())
+
+
 def test_the_table_format_shows_control_characters_as_question_marks(runs):
     root, _ = runs
     shown = CliRunner().invoke(steplens, ["sql", str(root), "SELECT chr(27) || ']0;title' || chr(7) || chr(8238) AS v"])

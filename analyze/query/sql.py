@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import polars as pl
@@ -151,9 +152,19 @@ def _fact(value, dtype):
     return str(value)
 
 
+BATCH_ROWS = 100_000  # rows fetched at a time: memory follows a batch, not the result
+
+
 def query(root: Path, sql: str, skipped: list[tuple[str, str]] | None = None) -> pl.DataFrame:
     """Run one SELECT over every run under root; the result as a polars DataFrame. Runs left out (a damaged
     run.json) are added to `skipped` as (run, why)."""
+    return pl.concat(list(query_batches(root, sql, skipped)), how="vertical")
+
+
+def query_batches(root: Path, sql: str, skipped: list[tuple[str, str]] | None = None,
+                  limit: int | None = None) -> Iterator[pl.DataFrame]:
+    """The result of `query`, BATCH_ROWS rows at a time (at least one frame, for the columns), and at most
+    `limit` rows: a result of any size is written out, or its first rows shown, in bounded memory."""
     import duckdb
 
     try:
@@ -164,6 +175,13 @@ def query(root: Path, sql: str, skipped: list[tuple[str, str]] | None = None) ->
         raise QueryError("only a single SELECT (or WITH ... SELECT) statement is accepted")
     con = connect(root, skipped)
     try:
-        return con.sql(sql).pl()
+        relation = con.sql(sql)
+        reader = (relation.limit(limit) if limit is not None else relation).to_arrow_reader(BATCH_ROWS)
+        empty = True
+        for batch in reader:
+            empty = False
+            yield pl.from_arrow(batch)
+        if empty:
+            yield pl.from_arrow(reader.schema.empty_table())
     except duckdb.Error as e:
         raise QueryError(str(e).splitlines()[0]) from None
