@@ -25,6 +25,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Callable
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -648,6 +649,39 @@ def test_a_collector_rank_past_the_limit_costs_its_rows_only(tmp_path):
     assert issues["collector_part_rank"] == 3 + 1  # three rows, one part
     assert json.loads((out_dir / "run.json").read_text())["ranks"] == [0]
     assert (out_dir / "report.html").exists()
+
+
+def test_collector_rows_with_values_no_run_can_have_are_dropped_and_counted(tmp_path):
+    """The real 2-rank sample with rank 0's comms calls damaged: latencies of -1 ns and 2**62 ns (12 of them
+    summed wrapped to "0 ns"), a NaN and an infinite bus bandwidth, a negative size, a group of -3 ranks. Those
+    six rows are dropped and counted; every other call is kept; the run is analysed (exit 0)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank", run,
+                    ignore=shutil.ignore_patterns(".steplens"))
+    part = sorted((run / "collector" / "comms_calls").glob("rank0-*.parquet"))[0]
+    table = pq.read_table(part)
+    assert table.num_rows >= 6
+    damage = {"latency_ns": [(0, -1), (1, 2**62)], "busbw_gbps": [(2, float("nan")), (3, float("inf"))],
+              "msg_bytes": [(4, -2_146_816)], "group_size": [(5, -3)]}
+    for column, changes in damage.items():
+        values = table.column(column).to_pylist()
+        for row, value in changes:
+            values[row] = value
+        table = table.set_column(table.schema.get_field_index(column), column,
+                                 pa.array(values, table.schema.field(column).type))
+    pq.write_table(table, part)
+    calls_before = sum(pq.read_table(p).num_rows for p in (run / "collector" / "comms_calls").glob("*.parquet"))
+    outcome = run_analyze(run)
+    assert outcome.exit_code == 0, outcome.output
+    counted = [i for i in outcome.issues if i["reason"] == "collector_values_implausible"]
+    assert [(i["file"], i["count"]) for i in counted] == [(str(part.relative_to(run)), 6)]
+    kept = pq.read_table(outcome.out_dir / "comms_calls").to_pylist()
+    collected = [c for c in kept if c["source"].startswith("collector")]
+    assert len(collected) == calls_before - 6
+    assert all(c["latency_ns"] is None or 0 <= c["latency_ns"] < 2**53 for c in kept)
+    assert "nan" not in outcome.output and "-2,146,816" not in outcome.output
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak memory from /proc")

@@ -107,6 +107,8 @@ _DECLARED = (
     IssueReason("not_a_collector_manifest", ("warning",), "A file in collector/manifest/ that is not a collector manifest."),
     IssueReason("collector_missing_tail", ("error",), "A rank's collector did not finish; rows after its last flush are missing."),
     IssueReason("collector_rows_dropped", ("warning",), "The collector could not write and dropped rows."),
+    IssueReason("collector_values_implausible", ("warning",), "Collector rows with values no run can have (a negative "
+                "latency or size, a NaN bandwidth, a duration past 104 days): dropped."),
     IssueReason("collector_values_rejected", ("warning",), "log() values that were not numbers were dropped in the job."),
     IssueReason("collector_part_disabled", ("warning",), "A part of the collector's recording was disabled after an error."),
     # DeepSpeed and Megatron logs (importers/deepspeed_log.py)

@@ -106,10 +106,43 @@ def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
                        f"collector part {rel}: {outside.height} row(s) of a rank outside 0..{schema.MAX_RANK - 1} "
                        f"(e.g. {outside['rank'][0]}); skipped"])
         frame = frame.filter(in_range)
+    frame = _drop_implausible(frame, rel, issues)
     # An alarm's rank is the rank it is about (a straggler), not the writer's.
     if table != "alarms" and (ranks := frame["rank"].unique().to_list()) != [rank] and frame.height:
         issues.append(["warning", "collector_rank_mismatch", 1, f"{rel}: file name says rank {rank}, rows say {ranks}"])
     return Imported(tables={table: conform(frame, table)}, issues=issues)
+
+
+# What a value of each kind of column can be, whatever the table (the collector writes them itself, so a value
+# outside is damage or another writer's): such a row is dropped and counted (a null in its place would reach
+# analyses that need the value). A duration or latency past 2**53 ns (104 days) is no time a step or call
+# takes, and keeps the sums of many rows inside int64.
+MAX_DURATION_NS = 2**53
+MAX_AMOUNT = 2**62  # bytes, FLOPs (a step of a large model exceeds 2**53), MACs, parameters, samples, tokens
+PLAUSIBLE = {
+    **dict.fromkeys(("latency_ns", "dur_ns", "duration_ns"), lambda c: pl.col(c).is_between(0, MAX_DURATION_NS)),
+    **dict.fromkeys(("ts_ns", "start_ns", "end_ns", "wall_ns"), lambda c: pl.col(c).abs() <= MAX_AMOUNT),
+    **dict.fromkeys(("msg_bytes", "nccl_bytes", "allocated_bytes", "max_allocated_bytes", "reserved_bytes",
+                     "max_reserved_bytes", "params", "macs", "flops", "macs_total", "flops_total",
+                     "global_samples", "global_tokens"), lambda c: pl.col(c).is_between(0, MAX_AMOUNT)),
+    "group_size": lambda c: pl.col(c).is_between(1, schema.MAX_RANK),
+    **dict.fromkeys(("algbw_gbps", "busbw_gbps"), lambda c: pl.col(c).is_finite() & (pl.col(c) >= 0)),
+}
+
+
+def _drop_implausible(frame: pl.DataFrame, rel: str, issues: list) -> pl.DataFrame:
+    checks = {c: PLAUSIBLE[c](c).fill_null(True) for c in frame.columns if c in PLAUSIBLE}
+    if not checks or frame.is_empty():
+        return frame
+    bad = frame.select(**{c: (~ok).sum() for c, ok in checks.items()}).row(0, named=True)
+    if not (damaged := {c: n for c, n in bad.items() if n}):
+        return frame
+    kept = frame.filter(pl.all_horizontal(checks.values()))
+    shown = ", ".join(f"{c} ({n})" for c, n in damaged.items())
+    issues.append(["warning", "collector_values_implausible", frame.height - kept.height,
+                   f"collector part {rel}: rows with values no run can have (negative, not finite, a duration past "
+                   f"104 days) in {shown}; those rows dropped"])
+    return kept
 
 
 def _is_a(value, kind: type) -> bool:
