@@ -395,6 +395,17 @@ def test_errors_and_the_runs_listing_fit_80_columns_when_piped(tmp_path):
     assert " ".join(done.stdout.split()).count("1 input(s), ranks 0, 0 error(s)") == 2
 
 
+def test_an_impossible_mfu_of_any_size_fits_its_line(tmp_path):
+    """A peak of 1e-300 TFLOP/s (a typo for 1e3?) makes the collector's FLOPs 10^300 times the peak: named as a
+    multiple of the peak, not as a percentage of 300 digits on a 307-column line."""
+    run = tmp_path / "deepspeed_cpu_2rank"
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", run, ignore=shutil.ignore_patterns(".steplens"))
+    done = _piped("analyze", str(run), "-q", "--peak-tflops", "1e-300")
+    assert done.returncode == 0, done.stderr
+    assert not [line for line in _fits_80(done.stdout) if not line.startswith(("report: ", "PR summary: "))]
+    assert "x the peak" in done.stdout, done.stdout
+
+
 def test_sql_help_gives_each_example_its_own_block():
     from steplens.analyze.query.sql import EXAMPLES
 

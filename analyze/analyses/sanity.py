@@ -59,7 +59,9 @@ def mark_impossible_mfu(table: pl.DataFrame, finding) -> tuple[pl.DataFrame, obj
 
 
 def _mfu_detail(row: dict) -> str:
-    return f"{row['metric']} {row['utilization']:.1%} (numerator {row['numerator']}) is above 100%: impossible"
+    # past 1000% as a multiple of the peak: a peak of 1e-300 TFLOP/s once printed a 307-digit percentage
+    shown = f"{row['utilization']:.1%}" if row["utilization"] < 10 else f"{row['utilization']:.3g}x the peak"
+    return f"{row['metric']} {shown} (numerator {row['numerator']}) is above 100%: impossible"
 
 
 def _mfu(mfu: pl.DataFrame) -> list[dict]:
