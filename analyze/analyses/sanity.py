@@ -59,8 +59,8 @@ def mark_impossible_mfu(table: pl.DataFrame, finding) -> tuple[pl.DataFrame, obj
 
 
 def _mfu_detail(row: dict) -> str:
-    # past 1000% as a multiple of the peak: a peak of 1e-300 TFLOP/s once printed a 307-digit percentage
-    shown = f"{row['utilization']:.1%}" if row["utilization"] < 10 else f"{row['utilization']:.3g}x the peak"
+    # past 1,000,000% as a multiple of the peak: a peak of 1e-300 TFLOP/s once printed a 307-digit percentage
+    shown = f"{row['utilization']:.1%}" if row["utilization"] < 1e4 else f"{row['utilization']:.3g}x the peak"
     return f"{row['metric']} {shown} (numerator {row['numerator']}) is above 100%: impossible"
 
 

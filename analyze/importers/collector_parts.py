@@ -120,7 +120,9 @@ def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
 MAX_DURATION_NS = 2**53
 MAX_AMOUNT = 2**62  # bytes, FLOPs (a step of a large model exceeds 2**53), MACs, parameters, samples, tokens
 PLAUSIBLE = {
-    **dict.fromkeys(("latency_ns", "dur_ns", "duration_ns"), lambda c: pl.col(c).is_between(0, MAX_DURATION_NS)),
+    "latency_ns": lambda c: pl.col(c).is_between(0, MAX_DURATION_NS),
+    # a step's or module's time below 0 is kept: the clock stepped back, which sanity and step_time name
+    **dict.fromkeys(("dur_ns", "duration_ns"), lambda c: pl.col(c).abs() <= MAX_DURATION_NS),
     **dict.fromkeys(("ts_ns", "start_ns", "end_ns", "wall_ns"), lambda c: pl.col(c).abs() <= MAX_AMOUNT),
     **dict.fromkeys(("msg_bytes", "nccl_bytes", "allocated_bytes", "max_allocated_bytes", "reserved_bytes",
                      "max_reserved_bytes", "params", "macs", "flops", "macs_total", "flops_total",
