@@ -4,6 +4,7 @@ the findings (in the sentences of reports/verdict.py) and the rendered reports."
 from __future__ import annotations
 
 import math
+import re
 import sys
 import time
 from collections import Counter
@@ -119,6 +120,10 @@ def _trace_table_lines(used: list[Source]) -> list[tuple[str, int]]:
     return lines
 
 
+LONG_WORD = re.compile(r"[^\s/]{61,}")  # no space to wrap at, and no path (a path is shown whole)
+LONG_WORD_SHOWN = 40
+
+
 def _issue_lines(result: IngestResult) -> list[tuple[str, int]]:
     """One line per kind of issue (severity, reason, count, files) and its first example."""
     grouped: dict[tuple, list] = {}
@@ -131,7 +136,8 @@ def _issue_lines(result: IngestResult) -> list[tuple[str, int]]:
     order = {"error": 0, "warning": 1, "info": 2}
     for (severity, reason), rows in sorted(grouped.items(), key=lambda kv: (order.get(kv[0][0], 3), kv[0][1])):
         path, _, detail = rows[0]
-        detail = detail.removeprefix(f"{path}: ")
+        # an excerpt of the damage ("{"a":{"a":... 50,000 deep) cut to fit a line; ingest_issues keeps it whole
+        detail = LONG_WORD.sub(lambda word: word[0][:LONG_WORD_SHOWN] + "…", detail.removeprefix(f"{path}: "))
         files = f"{len(rows)} file{'s' if len(rows) > 1 else ''}"
         lines.append((f"{severity} {reason}: {sum(r[1] for r in rows):,} in {files}; e.g. {path}: {detail}", 2))
     return lines

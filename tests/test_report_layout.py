@@ -406,6 +406,23 @@ def test_an_impossible_mfu_of_any_size_fits_its_line(tmp_path):
     assert "x the peak" in done.stdout, done.stdout
 
 
+def test_an_issue_excerpt_without_spaces_is_cut_to_fit(tmp_path):
+    """A trace event nested 50,000 deep: the nesting_too_deep issue's excerpt of it has no space to wrap at (it
+    printed a 127-column line); the terminal cuts it, the ingest_issues table keeps it whole."""
+    steps = [{"ph": "X", "name": f"ProfilerStep#{i}", "cat": "user_annotation", "ts": 1000 + i * 10000, "dur": 9000,
+              "pid": 1, "tid": 1} for i in range(3)]
+    deep = '{"ph":"X","name":"x","ts":1,"dur":1,"pid":1,"tid":1,"args":' + '{"a":' * 50000 + "1" + "}" * 50000 + "}"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "rank0.pt.trace.json").write_text('{"traceEvents":[' + json.dumps(steps)[1:-1] + "," + deep + "]}")
+    done = _piped("analyze", str(run), "-j", "1")
+    assert done.returncode in (0, 1), done.stderr
+    assert "nesting_too_deep" in done.stdout and "…" in done.stdout
+    assert not [line for line in _fits_80(done.stdout) if not line.startswith(("report: ", "PR summary: "))]
+    whole = pl.read_parquet(run / ".steplens" / "ingest_issues").filter(pl.col("reason") == "nesting_too_deep")
+    assert len(max(whole["detail"][0].split(), key=len)) > 60
+
+
 def test_sql_help_gives_each_example_its_own_block():
     from steplens.analyze.query.sql import EXAMPLES
 
