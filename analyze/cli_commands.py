@@ -75,11 +75,9 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
             _print_result_table(result.head(TABLE_ROWS))
             if result.height > TABLE_ROWS:
                 warn(f"the first {TABLE_ROWS} rows; --format csv or json gives them all (or add LIMIT)")
-        for index, frame in enumerate([first] if fmt == "table" else itertools.chain([first], batches)):
-            if fmt == "csv":
-                click.echo(frame.write_csv(include_header=index == 0), nl=False)
-            elif fmt == "json":
-                click.echo(frame.write_ndjson(), nl=False)
+        else:
+            for index, frame in enumerate(itertools.chain([first], batches)):
+                click.echo(frame.write_csv(include_header=index == 0) if fmt == "csv" else frame.write_ndjson(), nl=False)
     except QueryError as e:
         fail(str(e))
     if skipped:

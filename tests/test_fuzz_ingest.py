@@ -684,6 +684,19 @@ def test_collector_rows_with_values_no_run_can_have_are_dropped_and_counted(tmp_
     assert "nan" not in outcome.output and "-2,146,816" not in outcome.output
 
 
+def test_collector_timers_are_bounded_as_a_logs_are():
+    """step_timers rows from the collector: an infinite or 1e13 ms timer is dropped, as the log importer drops it
+    from a timer line; a negative one (a clock that stepped back) is kept for sanity to name."""
+    import polars as pl
+    from steplens.analyze.importers import collector_parts
+
+    timers = pl.DataFrame({"rank": [0] * 4, "timer": ["fwd"] * 4, "ms": [1.0, float("inf"), 1e13, -5.0]})
+    issues = []
+    kept = collector_parts._drop_implausible(timers, "collector/step_timers/rank0-00000.parquet", issues)
+    assert kept["ms"].to_list() == [1.0, -5.0]
+    assert [(i[1], i[2]) for i in issues] == [("collector_values_implausible", 2)]
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak memory from /proc")
 def test_a_collector_part_that_decodes_to_millions_of_rows_is_bounded(tmp_path):
     """A part of a few hundred kB holding 8 M identical rows (what a run-length encoder makes of them): read up

@@ -139,7 +139,7 @@ def _from_timers(timers: pl.DataFrame) -> pl.DataFrame:
                .sort("lines", "source", descending=[True, False]).group_by("rank").first())
     main = main.join(fullest.select("rank", "source"), on=["rank", "source"])
     # One global line per step and rank; a step printed twice (runs appended to one log) keeps its last line.
-    per_line = main.group_by("rank", "step", "line").agg(  # a sum past int64 (collector rows unchecked) is null
+    per_line = main.group_by("rank", "step", "line").agg(  # importers bound each timer; a sum past int64 is null
         dur_ns=(pl.col("ms").sum() * 1e6).round().cast(pl.Int64, strict=False))
     per_rank = per_line.sort("line").group_by("rank", "step").agg(pl.col("dur_ns").last())
     # Any timer of the step below 0 (a bwd_inner of -298701 ms beside fwd, bwd and step of 0 in a real

@@ -58,6 +58,8 @@ DEFAULT_OUT_DIR = ".steplens"
 # Largest rank or world size taken from an input; beyond it the value is not a rank (the largest
 # jobs run on ~10^5 GPUs) and an int64 table or a per-rank figure would overflow.
 MAX_RANK = 1 << 24
+# A DeepSpeed timer (ms) beyond 31 years is damage, not a time; a step's few timers summed stay within int64 ns.
+MAX_TIMER_MS = 1e12
 # What an int64 / uint64 column holds: a value beyond is damage (stored as null and counted), never wrapped
 # (INT64_RANGE is stated in the trace model, which must import without pyarrow).
 UINT64_RANGE = (0, (1 << 64) - 1)

@@ -128,6 +128,7 @@ PLAUSIBLE = {
                      "max_reserved_bytes", "params", "macs", "flops", "macs_total", "flops_total",
                      "global_samples", "global_tokens"), lambda c: pl.col(c).is_between(0, MAX_AMOUNT)),
     "group_size": lambda c: pl.col(c).is_between(1, schema.MAX_RANK),
+    "ms": lambda c: pl.col(c).is_finite() & (pl.col(c).abs() <= schema.MAX_TIMER_MS),  # step_timers, as a log's
     **dict.fromkeys(("algbw_gbps", "busbw_gbps"), lambda c: pl.col(c).is_finite() & (pl.col(c) >= 0)),
 }
 

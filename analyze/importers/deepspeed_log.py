@@ -69,6 +69,7 @@ from pathlib import Path
 import polars as pl
 
 from steplens.analyze.contract.bus_bandwidth import with_bandwidth
+from steplens.analyze.contract import schema
 from steplens.analyze.contract.schema import rank_in_name, rank_in_name_issue
 from steplens.analyze.importers import comms_dump, flops_text
 from steplens.analyze.importers.bounded import read_bounded
@@ -467,15 +468,11 @@ def _note_last_line(state: LogState, line: str, i: int) -> None:
         last["stamped"] = (line, i)  # parsed once, at the end
 
 
-# A timer beyond 31 years is damage, not a time (and a step's few timers summed stay within int64 ns).
-MAX_TIMER_MS = 1e12
-
-
 def _timer(state: LogState, m: re.Match, i: int) -> None:
     rank = int(m[1] if m[1] is not None else m[2])
     items = []
     for part in m[3].split("|"):
-        if (item := TIMER_ITEM.match(part)) and abs(ms := float(item[2])) <= MAX_TIMER_MS:
+        if (item := TIMER_ITEM.match(part)) and abs(ms := float(item[2])) <= schema.MAX_TIMER_MS:
             items.append((item[1], ms))
         elif part.strip():  # (1e300 ms, inf: no timer; the line's other items stay)
             state.garbled.add(i)  # a cut or interleaved item: keep the whole ones
