@@ -32,7 +32,7 @@ from pathlib import Path
 from steplens.analyze.contract import schema
 from steplens.analyze.contract.bus_bandwidth import with_bandwidth
 from steplens.analyze.contract.manifest import MAX_COUNT
-from steplens.analyze.importers.base import Imported, conform, peek
+from steplens.analyze.importers.base import Imported, conform
 from steplens.analyze.importers.bounded import TooLarge, load_json
 from steplens.analyze.contract.traces import preview
 
@@ -120,10 +120,6 @@ def per_call(running_totals: list[float]) -> list[float]:
 def rank_from_name(path: Path) -> int | None:
     match = RAW_NAME.search(path.name) or SUMMARY_NAME.search(path.name)
     return int(match[1]) if match and int(match[1]) < schema.MAX_RANK else None
-
-
-def _peek_is_json_object(path: Path) -> bool:
-    return peek(path, 4096).lstrip().startswith(b"{")
 
 
 def _load(path: Path, issues: list) -> dict | None:
@@ -278,14 +274,16 @@ def summary_sibling(path: Path) -> list[Path]:
     return [path.with_name(f"log_summary_dict_rank{rank_from_name(path)}.json")]
 
 
+# Claimed by name whatever they hold: a damaged dump (`[]`, cut, empty) is named as one, not taken for an
+# empty trace or left unread (which made its folder a logs-only one, set apart from the job's rank logs).
 def claims_raw(path: Path) -> bool:
-    return bool(RAW_NAME.search(path.name)) and _peek_is_json_object(path)
+    return bool(RAW_NAME.search(path.name))
 
 
 def claims_summary(path: Path) -> bool:
     """A summary dict on its own; next to its raw dict it is that dict's companion."""
     match = SUMMARY_NAME.search(path.name)
-    if not match or not _peek_is_json_object(path):
+    if not match:
         return False
     companion = path.with_name(f"log_summary_dict_rank{match[1]}.json")
     return not (path == companion and path.with_name(f"comms_dict_raw_rank{match[1]}.json").is_file())

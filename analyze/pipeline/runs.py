@@ -5,8 +5,9 @@ traces with one trace per rank, ... So when two sub-folders of a folder each hol
 same kind (for per-rank inputs: a rank both hold, or files whose names give no rank), the
 sub-folders are separate runs, and each is looked at the same way in turn. Sub-folders with inputs
 of different kinds (`collector/`, `traces/`, `rank_logs/` of one job) stay one run. Logs and
-FLOPs text are scattered over a job's folders, so they set runs apart only in folders that hold
-nothing else (logs-only runs side by side).
+FLOPs text are scattered over a job's folders, so they set runs apart only where every sub-folder
+holds nothing else (logs-only runs side by side): a job's `rank_logs/` and the `comms/` holding its
+log_summary text are one job's, beside its `csv_monitor/`.
 
 A DeepSpeed log that holds several jobs appended to one file (the launcher's stdout redirected with >>)
 is several runs too: `split_appended_logs` makes one run of each job in it, read alone.
@@ -72,12 +73,11 @@ def _overlap(a: list[Path], b: list[Path]) -> bool:
     return None in ranks_a or None in ranks_b or bool(set(ranks_a) & set(ranks_b))
 
 
-def _clash(a: dict[str, list[Path]], b: dict[str, list[Path]]) -> bool:
-    """Two sub-folders' inputs that cannot be one run's."""
-    only_scattered = set(a) <= SCATTERED_KINDS and set(b) <= SCATTERED_KINDS
+def _clash(a: dict[str, list[Path]], b: dict[str, list[Path]], logs_only: bool) -> bool:
+    """Two sub-folders' inputs that cannot be one run's; logs_only: every sub-folder holds only scattered kinds."""
     for kind in a.keys() & b.keys():
         if kind in SCATTERED_KINDS:
-            if only_scattered and _overlap(a[kind], b[kind]):
+            if logs_only and _overlap(a[kind], b[kind]):
                 return True
         elif kind not in PER_RANK_KINDS or _overlap(a[kind], b[kind]):
             return True
@@ -104,8 +104,9 @@ def split_runs(root: Path, found: Discovered, depth: int = 0) -> list[RunFolder]
         if len(parts) > 1:
             by_child.setdefault(parts[0], {}).setdefault(kind, []).append(path)
     children = sorted(by_child)
+    logs_only = all(set(kinds) <= SCATTERED_KINDS for kinds in by_child.values())
     separate = depth < MAX_DEPTH and any(
-        _clash(by_child[a], by_child[b]) for i, a in enumerate(children) for b in children[i + 1:])
+        _clash(by_child[a], by_child[b], logs_only) for i, a in enumerate(children) for b in children[i + 1:])
     if not separate:
         return [RunFolder(root, found)]
     runs = []
