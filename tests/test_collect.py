@@ -420,6 +420,37 @@ def test_a_part_with_a_column_of_another_type_is_skipped(tmp_path, columns):
     assert issue[:3] == ["error", "collector_part_columns", 1] and rel in issue[3] and "of other types" in issue[3]
 
 
+SAMPLE_STEPS = SAMPLE_MANIFEST.parents[1] / "train_steps"
+
+
+def test_a_part_without_a_column_every_collector_writes_is_skipped_and_the_other_ranks_kept(tmp_path):
+    """A train_steps part without step and dur_ns was read as rows of nulls, which left every step out, the
+    other rank's good ones too. The columns added later (device memory) may be missing: an older collector's."""
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE_STEPS, run / "collector" / "train_steps")
+    damaged = sorted((run / "collector" / "train_steps").glob("rank1-*.parquet"))[0]
+    good = pq.read_table(damaged)
+    pq.write_table(good.drop_columns(["step", "dur_ns"]), damaged)
+    rel = damaged.relative_to(run).as_posix()
+    result = collector_parts.parse(damaged, rel)
+    assert result.tables == {}
+    [issue] = result.issues
+    assert issue[:3] == ["error", "collector_part_columns", 1] and rel in issue[3] and "'dur_ns', 'step'" in issue[3]
+
+    older = tmp_path / "older" / "collector" / "train_steps" / damaged.name
+    older.parent.mkdir(parents=True)
+    pq.write_table(good.drop_columns([c for c in ("max_allocated_bytes", "max_reserved_bytes") if c in good.column_names]),
+                   older)
+    kept = collector_parts.parse(older, "older.parquet")
+    assert kept.issues == [] and kept.tables["train_steps"]["step"].to_list() == good["step"].to_pylist()
+
+    out = ingest.ingest(run, tmp_path / "out", jobs=1).out_dir
+    steps = pl.read_parquet(out / "train_steps")
+    expected = sum(pq.read_table(p).num_rows for p in (run / "collector" / "train_steps").glob("rank*.parquet")
+                   if p != damaged)
+    assert steps.height == expected and steps["step"].null_count() == 0
+
+
 def test_manifest_values_of_the_wrong_type_are_left_out(tmp_path):
     manifest = json.loads(SAMPLE_MANIFEST.read_text())
     manifest.update(rank="zero", disabled=["timers"], dropped_rows={"scalars": 3, "comms_calls": "x"},

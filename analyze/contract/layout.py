@@ -26,6 +26,9 @@ COLLECTOR_MANIFEST_VERSION = 1
 _PART_NAME = re.compile(r"rank(\d+)-(\d+)\.parquet")
 _MANIFEST_NAME = re.compile(r"rank(\d+)\.json")
 PART_GLOB = "rank*-*.parquet"  # every rank's parts in a table's folder (hidden temporary files excluded)
+# Columns added to a table after the first collector wrote it: a part from an older collector lacks them
+# (read as null). Every other column of the table is in every part; a part without one is not the collector's.
+LATER_COLUMNS = {"train_steps": ("max_allocated_bytes", "max_reserved_bytes")}
 
 
 @dataclass(frozen=True)

@@ -88,12 +88,14 @@ def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
     missing, extra = set(expected.names) - set(arrow.schema.names), set(arrow.schema.names) - set(expected.names)
     # A column of another type is another column: casting it could truncate (2.5 -> rank 2) or fail.
     retyped = sorted(f.name for f in arrow.schema if f.name in expected.names and f.type != expected.field(f.name).type)
-    if extra or retyped:
+    missing -= set(layout.LATER_COLUMNS.get(table, ()))
+    if extra or retyped or missing:
         return Imported(issues=[["error", "collector_part_columns", 1,
                                  (f"collector part {rel} has other columns than {table} (missing {sorted(missing)}, "
                                   f"unknown {sorted(extra)}, of other types {retyped}): written by another steplens "
                                   "version? Skipped")]])
-    # Columns are only ever added: a part from an older collector lacks the newest ones, read as null.
+    # Columns are only ever added: a part from an older collector lacks the newest ones, read as null; any
+    # other missing column (a step, a duration) would leave every row of the part null where it counts.
     frame = conform(pl.from_arrow(arrow), table).with_columns(source=pl.lit(rel))
     issues = []
     if skipped is not None:
