@@ -16,7 +16,7 @@ from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, FiniteNum
 from steplens.analyze.cli_rerun import say, warn
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
-from steplens.analyze.contract.manifest import run_facts
+from steplens.analyze.contract.manifest import lost_inputs, run_facts
 from steplens.analyze.pipeline.ingest import IngestError, publish, staged
 from steplens.analyze.contract.text import safe_text
 
@@ -247,6 +247,11 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
     except DamagedRun as e:
         fail(safe_text(e))
     result = comparison.compare(base, new)
+    # A run whose analysis lost inputs (exit 1) is compared on what was read; the comparison says so and exits 1.
+    partial = [(role, run.out_dir, lost) for role, run in (("base", base), ("new", new))
+               if (lost := lost_inputs(run.manifest))]
+    result["warnings"] += [f"the {role} run's analysis lost data from {len(lost)} input(s) ({_listed(lost)}; see "
+                           f"{out}/ingest_issues): it is compared on what was read" for role, out, lost in partial]
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / "compare.html", html.render_compare(result))
     write_atomic(out_dir / "compare.md", markdown.render_compare(result))
@@ -274,6 +279,13 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
         say(console, f"written: {out_dir / 'compare.html'}, {out_dir / 'compare.md'}", indent=0)
     if fail_pct is not None and comparison.regressed(result, fail_pct):
         sys.exit(EXIT_REGRESSION)
+    if partial:
+        sys.exit(EXIT_PARTIAL)
+
+
+def _listed(paths: list[str], shown: int = 3) -> str:
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(paths[:shown]) + more
 
 
 

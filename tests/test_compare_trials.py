@@ -245,6 +245,25 @@ def test_compare_judges_step_time_when_the_work_is_the_same(ds_trial_runs, tmp_p
     assert verdict["statistic"] == _u_two_sided(base, new)
 
 
+def test_compare_names_the_inputs_a_run_lost_and_exits_1(tmp_path):
+    """A run whose analysis exited 1 (a damaged collector part) was compared with exit 0 and not a word."""
+    sample = Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank"
+    base, new = tmp_path / "base", tmp_path / "new"
+    for run in (base, new):
+        shutil.copytree(sample, run)
+    damaged = sorted((new / "collector" / "train_steps").glob("rank1-*.parquet"))[0]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    runner = CliRunner()
+    whole = runner.invoke(steplens, ["compare", str(base), str(base), "--out", str(tmp_path / "same")])
+    assert whole.exit_code == 0 and "lost data" not in whole.stdout
+    result = runner.invoke(steplens, ["compare", str(base), str(new), "--out", str(tmp_path / "cmp"), "--format", "json"])
+    assert result.exit_code == 1
+    [warning] = [w for w in json.loads(result.stdout)["warnings"] if "lost data" in w]
+    assert warning.startswith("the new run's analysis lost data from 1 input(s)")
+    assert damaged.relative_to(new).as_posix() in warning
+    assert warning in (tmp_path / "cmp" / "compare.md").read_text().replace("\\", "")  # markdown-escaped
+
+
 # ---------------------------------------------------------------------------------------------
 # Logs-only runs
 

@@ -141,6 +141,19 @@ def process_count(manifest: dict) -> int:
     return manifest.get("world_size") or len(manifest.get("trace_ranks") or [])
 
 
+def lost_inputs(manifest: dict) -> list[str]:
+    """The inputs of a published run that lost data (an error issue, or not read at all): `analyze` exited 1 on
+    it, and whatever reads the run (compare) says so. Entries of the wrong shape (an edited run.json) are skipped."""
+    lost = []
+    for source in manifest.get("sources") or []:
+        if not isinstance(source, dict):
+            continue
+        issues = source.get("issues") if isinstance(source.get("issues"), list) else []
+        if source.get("status") == "error" or any(isinstance(i, list) and i[:1] == ["error"] for i in issues):
+            lost.append(str(source.get("path")))
+    return lost
+
+
 # The run.json fields readers of a published run (the sql `runs` view, compare, trials) rely on, and the type each
 # must have (null aside).
 _RUN_FIELDS = {"run_name": str, "world_size": int, "ranks": list, "environment": dict, "created_by": str, "facts": dict}
