@@ -954,6 +954,25 @@ def test_a_key_given_twice_is_read_last_value_wins_and_counted(tmp_path, traces)
     assert issue["count"] == 3
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_second_trace_events_array_is_named_as_lost(tmp_path, traces, native, monkeypatch):
+    """`{"traceEvents": A, ..., "traceEvents": B}`: the first array is read (the stream cannot go back) and B's
+    events are an error, counted; they were dropped without a word. Both readers."""
+    monkeypatch.setenv("STEPLENS_NATIVE", native)
+    t = traces["rank1"]
+    half = len(t.spans) // 2
+    cut, resume = t.spans[half - 1][1], t.spans[half][0]
+    # A = the first half, B = the second half, as a second key after the first array's end.
+    text = t.text[:cut] + "], \"traceEvents\": [" + t.text[resume:]
+    first_half = Trace(t.text, t.spans[:half], t.events[:half], t.base_ns)
+    outcome = run_analyze(two_rank_run(tmp_path, traces, text), "--ingest-only")
+    assert outcome.exit_code == 1, outcome.output
+    assert outcome.events[1] == expected_events(first_half)
+    (issue,) = [i for i in outcome.issues if i["reason"] == "duplicate_trace_events"]
+    assert issue["count"] == len(t.events) - half and issue["file"] == "rank1.json"
+    assert outcome.events[0] == expected_events(traces["rank0"])
+
+
 # analyze in a fresh child of a fresh process: RUSAGE_CHILDREN's peak is then analyze's own (in pytest it would be
 # the largest of every child the session has waited for).
 ANALYZE_PEAK = """

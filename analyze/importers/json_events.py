@@ -638,7 +638,15 @@ class EventReader:
                                         "written after traceEvents (baseTimeNanoseconds, ...) is lost"))
         else:
             self._report_after_document(b"", issues)
-        return value if isinstance(value, dict) else {}
+        if not isinstance(value, dict):
+            return {}
+        # The header's traceEvents was decoded as [] above: a value here is a second traceEvents key's (the last wins).
+        if (later := value.pop("traceEvents", [])) != []:
+            count = f"{len(later)} events" if isinstance(later, list) else f"a {type(later).__name__}"
+            issues.append(Issue("error", "duplicate_trace_events", len(later) if isinstance(later, list) else 1,
+                                f"the file gives traceEvents twice: the first "
+                                f"array was read, the later one ({count}) was not"))
+        return value
 
     def report(self, issues: list[Issue]) -> None:
         """What reading cost, once the events and the metadata are read: a truncation, bytes after the
