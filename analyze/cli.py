@@ -8,7 +8,6 @@ import json
 import os
 import re
 import secrets
-import signal
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ from steplens.analyze.pipeline.workers import keep_pandas_out_of_pyarrow, use_sy
 from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split_runs, subset
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
 from steplens.analyze.cli_render import (FiniteNumber, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
-                                         EXIT_REGRESSION, EXIT_STATUS_HELP, EXIT_UNWRITABLE, Terminated, analyse_and_report,
+                                         EXIT_REGRESSION, EXIT_STATUS_HELP, EXIT_UNWRITABLE, analyse_and_report,
                                          fail, import_figures, ranges, summary_lines)
 from steplens.analyze.contract.text import safe_text
 from steplens.reports.verdict import finding_lines, first_screen
@@ -454,21 +453,16 @@ def _missing_ranks_warning(result: IngestResult) -> str | None:
     return None
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
-
-
 def _guarded(command: click.Command, args: list[str] | None = None, prog_name: str | None = None) -> None:
     """Run a command with the documented exit statuses for what click does not handle: a full or
     read-only disk, Ctrl-C and SIGTERM (one line each), and internal errors."""
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    signal.signal(signal.SIGINT, _raise_terminated)
+    cli_rerun.catch_interrupts()  # set already by the scripts; not by a caller of steplens_entry or analyze_entry
     try:
         command.main(args, prog_name=prog_name, standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("interrupted: the last published result is unchanged", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    except (KeyboardInterrupt, Terminated):
+    except (KeyboardInterrupt, cli_rerun.Terminated):
         click.echo("interrupted: the last published result is unchanged", err=True)
         sys.exit(EXIT_INTERRUPTED)
     except click.exceptions.ClickException as e:

@@ -15,6 +15,7 @@ import click
 from steplens.analyze import importers
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
+from steplens.analyze.cli_rerun import EXIT_INTERRUPTED
 from steplens.analyze.pipeline.ingest import IngestResult, Source
 from steplens.analyze.pipeline.workers import imports_without_collections
 
@@ -24,7 +25,6 @@ EXIT_NOTHING = 2  # nothing usable, or bad arguments
 EXIT_REGRESSION = 3  # compare --fail-on-regression: a significant slowdown beyond the threshold
 EXIT_UNWRITABLE = 4  # the output cannot be written (permissions, read-only or full disk)
 EXIT_INTERNAL = 5  # a steplens bug: the message says where to look
-EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM: the last published result is unchanged
 EXIT_STATUS_HELP = f"""\b
 Exit status:
   0    all inputs used
@@ -61,11 +61,6 @@ def fail(message: str, status: int = EXIT_NOTHING) -> None:
 
     warn(message, lead="error: ")
     sys.exit(status)
-
-
-class Terminated(BaseException):
-    """SIGTERM or Ctrl-C, raised in the main thread so that cleanup (workers, staging folder) runs;
-    not a KeyboardInterrupt, which click would answer with a line of its own."""
 
 
 def summary_lines(result: IngestResult, analysis_seconds: float | None = None) -> list[tuple[str, int]]:

@@ -14,6 +14,7 @@ result takes the full command.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import textwrap
 import threading
@@ -187,6 +188,9 @@ def exit_without_teardown(entry) -> None:
         status = 0
     except SystemExit as e:
         status = e.code
+    except Terminated:  # before the command set its own handlers (cli._guarded), which say the same
+        print("interrupted: the last published result is unchanged", file=sys.stderr)
+        status = EXIT_INTERRUPTED
     if not isinstance(status, int):  # sys.exit("message"): printed, status 1, as Python does
         if status is not None:
             print(status, file=sys.stderr)
@@ -217,13 +221,38 @@ def compile_own_modules(packages: tuple[Path, ...] | None = None) -> None:
         compileall.compile_dir(folder, quiet=2)  # a file it cannot write is a quiet failure, not an error
 
 
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM: the last published result is unchanged
+
+
+class Terminated(BaseException):
+    """SIGTERM or Ctrl-C, raised in the main thread so that cleanup (workers, staging folder) runs;
+    not a KeyboardInterrupt, which click would answer with a line of its own."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def catch_interrupts() -> None:
+    """SIGTERM and Ctrl-C raise Terminated from here on: set first, so that one during the imports exits 130
+    as one later does, not 143 or a KeyboardInterrupt traceback."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGINT, _raise_terminated)
+
+
 def main() -> None:
     """The `analyze` script."""
+    catch_interrupts()
     exit_without_teardown(analyze_entry)
 
 
 def steplens_main() -> None:
     """The `steplens` script (every subcommand), set up as `analyze` is before polars is imported."""
+    catch_interrupts()
+    exit_without_teardown(_steplens_entry)
+
+
+def _steplens_entry() -> None:
     from steplens.analyze.pipeline import workers
 
     workers.fewer_collections()
@@ -232,7 +261,7 @@ def steplens_main() -> None:
     with workers.imports_without_collections():
         from steplens.analyze import cli
 
-    exit_without_teardown(cli.steplens_entry)
+    cli.steplens_entry()
 
 
 def analyze_entry() -> None:
@@ -247,9 +276,9 @@ def analyze_entry() -> None:
     compile_own_modules()
     workers.return_polars_freed_pages()
     workers.one_blas_thread()
-    if (early := _run_dir_and_jobs(sys.argv[1:])) is not None:
-        workers.start_early_for(*early)  # they import while this process does
     try:
+        if (early := _run_dir_and_jobs(sys.argv[1:])) is not None:
+            workers.start_early_for(*early)  # they import while this process does
         with workers.imports_without_collections():
             from steplens.analyze import cli
 

@@ -203,6 +203,40 @@ def test_sigterm_stops_the_workers_and_keeps_the_last_result(tmp_path):
     assert not [p for p in run.iterdir() if ".tmp-" in p.name]
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a handler for SIGTERM (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+@pytest.mark.parametrize("command", [[sys.executable, "-m", "steplens.analyze"],
+                                     [str(Path(sys.executable).parent / "analyze")]])
+def test_sigterm_during_the_imports_exits_130(tmp_path, command):
+    """A SIGTERM in the first 0.3 s (the imports, the early workers) ended the process with 143 and no word:
+    the handler is now the first thing the scripts set, and one sent as soon as it is set exits 130."""
+    if not Path(command[0]).exists():
+        pytest.skip(f"{command[0]} not installed")
+    process, run = None, tmp_path / "run"
+    generate_run(run, ranks=4, steps=6, kernels_per_step=400, seed=5)
+    env = dict(os.environ, STEPLENS_WORKER_WORTH_BYTES="0")
+    process = subprocess.Popen([*command, str(run), "-j", "3", "-q"], env=env, start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while not _catches_sigterm(process.pid) and time.time() < deadline and process.poll() is None:
+        time.sleep(0.001)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == EXIT_INTERRUPTED, stderr
+    assert stderr.strip().splitlines()[-1] == "interrupted: the last published result is unchanged"
+    assert "Traceback" not in stderr
+    assert _wait_for_no_process(process.pid) == []
+    assert not (run / ".steplens").exists()
+
+
 def test_a_finished_parallel_analyze_leaves_no_process(tmp_path):
     run = tmp_path / "run"
     generate_run(run, ranks=3, steps=2, kernels_per_step=20, seed=6)

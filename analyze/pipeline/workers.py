@@ -287,9 +287,9 @@ def start_early(size: int) -> None:
     global _early
     if _early is None and size > 0:
         pool = _new_pool(size)
+        _early = (pool, size)  # before the first start: a signal handled between two is stopped with them
         for _ in range(size):  # a spawned pool starts one process per task it cannot hand to an idle one
             _submit(pool, _import_parser)
-        _early = (pool, size)
 
 
 def stop_early() -> None:
