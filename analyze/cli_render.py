@@ -133,7 +133,8 @@ def _issue_lines(result: IngestResult) -> list[tuple[str, int]]:
         path, _, detail = rows[0]
         # an excerpt of the damage ("{"a":{"a":... 50,000 deep) cut to fit a line; ingest_issues keeps it whole
         detail = LONG_WORD.sub(lambda word: word[0][:LONG_WORD_SHOWN] + "…", detail.removeprefix(f"{path}: "))
-        files = f"{len(rows)} file{'s' if len(rows) > 1 else ''}"
+        files = len({r[0] for r in rows})  # one file may give a reason several times (one per column)
+        files = f"{files} file{'s' if files > 1 else ''}"
         lines.append((f"{severity} {reason}: {sum(r[1] for r in rows):,} in {files}; e.g. {path}: {detail}", 2))
     return lines
 

@@ -764,3 +764,21 @@ def test_log_importer_is_imported_only_for_a_file_with_a_log_suffix(tmp_path):
     assert seen == {"synthetic_8rank": ["False"], "deepspeed_cpu_2rank": ["True"]}
     sources = json.loads((tmp_path / "deepspeed_cpu_2rank" / "run.json").read_text())["sources"]
     assert [s["status"] for s in sources if s["kind"] == "deepspeed_log"] == ["ingested"] * 2
+
+
+def test_an_issue_given_per_column_is_counted_once_per_file(tmp_path):
+    """Step numbers past int64 in one real log give unrepresentable_value once per table column; the terminal said
+    'in 3 files' for the one file."""
+    from click.testing import CliRunner
+    from steplens.analyze.cli import analyze
+
+    (log,) = (RUNS / "run3" / "rank_logs").glob("*rank0.log")
+    run = tmp_path / "run"
+    run.mkdir()
+    text = re.sub(r"\] step=(\d+),", r"] step=99999999999999999\1,", log.read_text())
+    (run / "train_rank0.log").write_text(text)
+    done = CliRunner().invoke(analyze, [str(run), "--ingest-only"])
+    (line,) = [line for line in " ".join(done.output.split()).split("warning ") if line.startswith("unrepresentable_value")]
+    assert " in 1 file; e.g. train_rank0.log:" in line
+    issues = pl.read_parquet(run / ".steplens" / "ingest_issues").filter(pl.col("reason") == "unrepresentable_value")
+    assert issues["file"].n_unique() == 1 and issues.height > 1  # several columns of one file
