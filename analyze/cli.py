@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -453,6 +454,19 @@ def _missing_ranks_warning(result: IngestResult) -> str | None:
     return None
 
 
+def _show_click_error(error: click.exceptions.ClickException) -> None:
+    """click's usage lines as click prints them, then its error wrapped to the terminal as steplens's own are
+    (a long path stays whole on its line rather than running the message past 80 columns)."""
+    shown = io.StringIO()
+    error.show(file=shown)
+    lines = shown.getvalue().rstrip("\n").split("\n")
+    at = next((i for i, line in enumerate(lines) if line.startswith("Error: ")), len(lines))
+    if lines[:at]:
+        click.echo("\n".join(lines[:at]), err=True)
+    if lines[at:]:
+        cli_rerun.warn(" ".join(lines[at:]).removeprefix("Error: "), lead="Error: ")
+
+
 def _guarded(command: click.Command, args: list[str] | None = None, prog_name: str | None = None) -> None:
     """Run a command with the documented exit statuses for what click does not handle: a full or
     read-only disk, Ctrl-C and SIGTERM (one line each), and internal errors."""
@@ -466,7 +480,7 @@ def _guarded(command: click.Command, args: list[str] | None = None, prog_name: s
         click.echo("interrupted: the last published result is unchanged", err=True)
         sys.exit(EXIT_INTERRUPTED)
     except click.exceptions.ClickException as e:
-        e.show()
+        _show_click_error(e)
         sys.exit(EXIT_NOTHING)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)

@@ -81,3 +81,16 @@ def test_export_trace_says_what_it_wrote_within_80_columns(runs):
     done = _piped("steplens", "export-trace", str(runs / "synthetic_8rank"))
     assert done.returncode == 0, done.stderr
     assert " events and " in done.stdout and _too_wide(done.stdout) == []
+
+
+@pytest.mark.parametrize("args", [["analyze", "RUN", "--kernel-categories", "MISSING"],
+                                  ["steplens", "sql", "MISSING", "SELECT 1"]])
+def test_a_usage_error_naming_a_long_path_wraps_at_80_columns(runs, args):
+    """click's own errors ran to 140 columns with a long path in them; they wrap as steplens's do, the path whole."""
+    missing = str(runs / "no-such-file.csv")
+    args = [str(runs / "synthetic_8rank") if a == "RUN" else missing if a == "MISSING" else a for a in args]
+    done = _piped(*args)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[0].startswith("Usage: ")
+    assert missing in done.stderr and "does not exist" in " ".join(done.stderr.split())
+    assert _too_wide(done.stderr) == []
