@@ -67,7 +67,9 @@ def summary_lines(result: IngestResult, analysis_seconds: float | None = None) -
     """What was read, one fact per line, unwrapped (text, indent): cli_rerun.say wraps them to the console."""
     lines: list[tuple[str, int]] = []
     m = result.manifest
-    used = [s for s in result.sources if s.rank is not None and s.kind in importers.TRACE_KINDS]
+    # the traces in the tables: not one skipped as a second copy of a rank (duplicate_rank) or otherwise lost
+    used = [s for s in result.sources if s.rank is not None and s.kind in importers.TRACE_KINDS
+            and s.status in ("ingested", "reused")]
     mb = sum(s.raw_bytes for s in result.sources if s.status == "ingested") / 1e6
     parsed = sum(1 for s in result.sources if s.status == "ingested")
     ingest_seconds = result.seconds - (analysis_seconds or 0)

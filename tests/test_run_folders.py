@@ -4,6 +4,7 @@ logs, must not split one job into one run per sub-folder."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -56,3 +57,75 @@ def test_logs_only_folders_side_by_side_are_still_separate_runs(job, tmp_path):
     for trial in ("a", "b"):
         shutil.copytree(job / "rank_logs", sweep / trial)
     assert _runs(sweep) == [sweep / "a", sweep / "b"]
+
+
+AUTOTUNE = JOB.parent / "autotune1"
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank"
+
+
+def _analyze(run: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "steplens.analyze", str(run), *extra], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture
+def autotuning(tmp_path) -> Path:
+    if not (AUTOTUNE / "autotuning_results" / "summary.txt").is_file():
+        pytest.skip(f"real autotuning run not found under {AUTOTUNE}")
+    copy = tmp_path / "at"
+    shutil.copytree(AUTOTUNE, copy)
+    return copy
+
+
+def test_an_experiment_never_launched_keeps_the_autotuning_run_one_run(autotuning, tmp_path):
+    """A spec in autotuning_exps/ without its result folder (the tuner stopped first) split the run into one per
+    experiment folder (10 runs) and then ended in an internal error. It adds one not_run row, nothing else."""
+    before = _analyze(autotuning, "--ingest-only", "--out", str(tmp_path / "before"))
+    assert before.returncode in (0, 1), before.stderr
+    read_before = set(pl.read_parquet(tmp_path / "before" / "autotune_experiments")["experiment"].to_list())
+    spec = json.loads((autotuning / "autotuning_exps" / "z1_gas1_tmbspg8.json").read_text())
+    spec["name"] = "z1_gas1_tmbspg9"
+    (autotuning / "autotuning_exps" / "z1_gas1_tmbspg9.json").write_text(json.dumps(spec))
+    assert _runs(autotuning) == [autotuning]
+    done = _analyze(autotuning)
+    assert done.returncode in (0, 1), done.stderr
+    experiments = pl.read_parquet(autotuning / ".steplens" / "autotune_experiments")
+    assert experiments.filter(pl.col("experiment") == "z1_gas1_tmbspg9")["status"].to_list() == ["not_run"]
+    assert set(experiments["experiment"].to_list()) == read_before | {"z1_gas1_tmbspg9"} and len(read_before) >= 6
+
+
+def test_an_autotuning_run_without_its_summary_is_analysed(autotuning):
+    """A tuner killed before it wrote summary.txt: no pick to check, the rest ranked (an internal error before)."""
+    (autotuning / "autotuning_results" / "summary.txt").unlink()
+    done = _analyze(autotuning)
+    assert done.returncode in (0, 1), done.stderr
+    verdicts = pl.read_parquet(autotuning / ".steplens" / "autotune_verdict")
+    assert verdicts.height and verdicts["pick_detail"].null_count() == verdicts.height
+
+
+def test_a_byte_copy_of_a_trace_beside_the_job_is_a_duplicate_not_another_run(tmp_path):
+    """A backup copy of a rank's trace in a sibling folder split the job into 12 runs (the collector cut into one
+    per table); it is now one run whose copy is named (duplicate_rank) and left out of the tables and counts."""
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns(".steplens"))
+    (original,) = (run / "traces").glob("rank0.*")
+    (run / "traces_backup").mkdir()
+    shutil.copy(original, run / "traces_backup" / original.name)
+    assert _runs(run) == [run]
+    done = _analyze(run)
+    assert done.returncode == 1, done.stderr
+    assert " ".join(done.stdout.split()).startswith("2 trace file(s)")
+    issues = pl.read_parquet(run / ".steplens" / "ingest_issues")
+    assert issues.filter(pl.col("reason") == "duplicate_rank")["file"].to_list() == [f"traces_backup/{original.name}"]
+
+
+def test_a_split_job_keeps_its_collector_whole(tmp_path):
+    """Two different traces of rank 0 side by side are two runs; the collector's tables beside them stay one run
+    (each table folder was made a run of its own, with a .steplens inside the collector's folder)."""
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns(".steplens"))
+    (other,) = (run / "traces").glob("rank1.*")
+    (run / "traces_other").mkdir()
+    shutil.copy(other, run / "traces_other" / other.name.replace("rank1", "rank0"))
+    found = _runs(run)
+    assert run / "collector" in found and not [p for p in found if run / "collector" in p.parents]

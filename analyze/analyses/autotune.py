@@ -200,7 +200,7 @@ def _check_pick(space: str, picks: dict, ranked: pl.DataFrame, higher_is_better:
     in the fast-mode loop records an experiment with the previous experiment's metric)."""
     pick = picks.get(space)
     if pick is None:
-        return {"deepspeed_pick": None, "deepspeed_recorded": None, "pick_mismatch": None}
+        return {"deepspeed_pick": None, "deepspeed_recorded": None, "pick_mismatch": None, "pick_detail": None}
     name, recorded = pick["best_exp_name"], pick["best_metric_val"]
     own = ranked.filter(pl.col("experiments").str.split(",").list.contains(name))
     own_value = own["median"][0] if own.height else None

@@ -64,13 +64,42 @@ PER_RANK_KINDS = importers.TRACE_KINDS | {"deepspeed_comms_dict", "deepspeed_com
 SCATTERED_KINDS = {"deepspeed_log", "deepspeed_flops_profile"}
 
 
+# Inputs a run holds many of, laid out under one folder of the job's: the collector's parts and manifests
+# (RUN/collector/<table>/...) and an autotuning run's experiments and summary (RUN/autotuning_results/<exp>/,
+# RUN/autotuning_exps/). Two sub-folders holding them are one run when they hold those of one such folder.
+def _unit(path: Path, kind: str) -> Path | None:
+    if kind == "collector":
+        return path.parents[2] if len(path.parents) > 2 else None  # RUN/collector/<table or manifest>/<file>
+    if kind == "autotune_experiment":  # RUN/autotuning_results/<exp>/exp.json or RUN/autotuning_exps/<exp>.json
+        return path.parents[2] if path.name == "exp.json" and len(path.parents) > 2 else path.parents[1]
+    if kind == "autotune_summary":  # RUN/autotuning_results/summary.txt
+        return path.parents[1]
+    return None
+
+
+UNIT_KINDS = {"collector", "autotune_experiment", "autotune_summary"}
+
+
 def _ranks(paths: list[Path]) -> list[int | None]:
     return [rank_in_name(p.name) for p in paths]
 
 
-def _overlap(a: list[Path], b: list[Path]) -> bool:
+def _copies(a: Path, b: Path) -> bool:
+    """The same file (a link) or a byte copy of it (same size and first 64 KiB): a backup of a rank's trace beside
+    it is one job's, which ingest names (duplicate_rank), not a second job. (Traces only: a log has no such check.)"""
+    try:
+        return os.path.samefile(a, b) or (a.stat().st_size == b.stat().st_size and peek(a, SNIFF_BYTES) == peek(b, SNIFF_BYTES))
+    except OSError:
+        return False
+
+
+def _overlap(a: list[Path], b: list[Path], copies: bool = False) -> bool:
+    """Both hold a rank (or a file that names none); with `copies`, other than as copies of one file."""
     ranks_a, ranks_b = _ranks(a), _ranks(b)
-    return None in ranks_a or None in ranks_b or bool(set(ranks_a) & set(ranks_b))
+    if None in ranks_a or None in ranks_b:
+        return True
+    return any(not (copies and _copies(x, y)) for x, rank in zip(a, ranks_a) for y, other in zip(b, ranks_b)
+               if rank == other)
 
 
 def _clash(a: dict[str, list[Path]], b: dict[str, list[Path]], logs_only: bool) -> bool:
@@ -79,7 +108,10 @@ def _clash(a: dict[str, list[Path]], b: dict[str, list[Path]], logs_only: bool) 
         if kind in SCATTERED_KINDS:
             if logs_only and _overlap(a[kind], b[kind]):
                 return True
-        elif kind not in PER_RANK_KINDS or _overlap(a[kind], b[kind]):
+        elif kind in UNIT_KINDS:
+            if {_unit(p, kind) for p in a[kind]} != {_unit(p, kind) for p in b[kind]}:
+                return True
+        elif kind not in PER_RANK_KINDS or _overlap(a[kind], b[kind], copies=kind in importers.TRACE_KINDS):
             return True
     return False
 
