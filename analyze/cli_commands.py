@@ -18,7 +18,7 @@ from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
 from steplens.analyze.contract.manifest import lost_inputs, run_facts
 from steplens.analyze.pipeline.ingest import IngestError, publish, staged
-from steplens.analyze.contract.text import safe_text
+from steplens.analyze.contract.text import file_name_text, safe_text
 
 def _sql_help() -> str:
     from steplens.analyze.query.sql import EXAMPLES
@@ -201,17 +201,15 @@ def _is_export(path: Path) -> bool:
 
 
 def _analysed(run_dir: Path) -> Path:
-    """The run's analysed output folder, analysing it first (default options) when it has none."""
+    """The run's analysed output folder, analysing it first (default options) when it has none; IngestError
+    when it cannot be (nothing usable in it, an output folder that cannot be written)."""
     for candidate in (run_dir, run_dir / schema.DEFAULT_OUT_DIR):
         if (candidate / schema.MANIFEST_FILE).exists():
             return candidate
-    warn(f"analysing {run_dir} first (default options) ...")
-    try:
-        with staged(run_dir) as stage:
-            analyse_and_report(stage.folder, runner.Options())
-            return publish(stage).out_dir
-    except IngestError as e:
-        fail(str(e))
+    warn(f"analysing {file_name_text(str(run_dir))} first (default options) ...")
+    with staged(run_dir) as stage:
+        analyse_and_report(stage.folder, runner.Options())
+        return publish(stage).out_dir
 
 
 @click.command("compare")
@@ -244,7 +242,7 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
 
     try:
         base, new = load(_analysed(base_run)), load(_analysed(new_run))
-    except DamagedRun as e:
+    except (DamagedRun, IngestError) as e:
         fail(safe_text(e))
     result = comparison.compare(base, new)
     # A run whose analysis lost inputs (exit 1) is compared on what was read; the comparison says so and exits 1.
@@ -310,20 +308,23 @@ def trials_command(runs_dir: Path, fmt: str) -> None:
     from steplens.reports.data import DamagedRun, load
 
     folders = sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
-    runs, damaged = {}, False
+    runs, left_out = {}, []
     for folder in folders:
         try:
             run = load(_analysed(folder))
-        except DamagedRun as e:  # named and left out; the other runs are ranked
-            warn(f"warning: {e}; this run is left out")
-            damaged = True
+        except (DamagedRun, IngestError) as e:  # named and left out; the other runs are ranked
+            left_out.append(f"{safe_text(e)}; this run is left out")
             continue
-        runs[folder.name] = (run.table("step_time"), run_facts(run.manifest))
+        runs[file_name_text(folder.name)] = (run.table("step_time"), run_facts(run.manifest))
     measured = {name: value for name, value in runs.items() if not value[0].is_empty()}
+    left_out += [f"{name}: no step times (collector train_steps, logs or profiler steps); this run is left out"
+                 for name in runs if name not in measured]
     if not measured:
         fail(f"{runs_dir}: no run folder with step times (collector train_steps, logs or profiler steps) under it")
+    for why in left_out:
+        warn(f"warning: {why}")
     _print_trials(trials(measured), fmt)
-    if damaged:
+    if left_out:
         sys.exit(EXIT_PARTIAL)
 
 
@@ -361,4 +362,4 @@ def _print_trials(result: dict, fmt: str) -> None:
 def _cell(value) -> str:
     if value is None:
         return ""
-    return f"{value:,.4g}" if isinstance(value, float) else str(value)
+    return f"{value:,.4g}" if isinstance(value, float) else safe_text(value)  # a run's name is a folder's

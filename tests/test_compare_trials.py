@@ -264,6 +264,36 @@ def test_compare_names_the_inputs_a_run_lost_and_exits_1(tmp_path):
     assert warning in (tmp_path / "cmp" / "compare.md").read_text().replace("\\", "")  # markdown-escaped
 
 
+def test_trials_leaves_out_what_it_cannot_rank_by_name_and_ranks_the_rest(tmp_path):
+    """A folder that is no run, a run without step times and a run.json edited to facts of the wrong type ended
+    trials with exit 2 (no ranking), a silent omission and an internal error; a name with an escape sequence
+    reached the terminal raw. Each is now named on stderr and left out, the others ranked, exit 1."""
+    sample = Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank"
+    runs = tmp_path / "runs"
+    for name in ("a\x1b[31mRED", "b", "edited"):
+        shutil.copytree(sample, runs / name, ignore=shutil.ignore_patterns(".steplens"))
+    shutil.copytree(sample / "comms", runs / "comms_only" / "comms")
+    (runs / "notes").mkdir()
+    (runs / "notes" / "todo.txt").write_text("compare these\n")
+    runner = CliRunner()
+    first = runner.invoke(steplens, ["trials", str(runs)])
+    assert first.exit_code == 1, first.output
+    manifest = runs / "edited" / ".steplens" / "run.json"
+    doc = json.loads(manifest.read_text())
+    doc["facts"]["train_batch_size"] = "8"
+    doc["facts"]["ds_config"]["train_micro_batch_size_per_gpu"] = "four"
+    manifest.write_text(json.dumps(doc))
+    result = runner.invoke(steplens, ["trials", str(runs), "--format", "json"])
+    assert result.exit_code == 1, result.output
+    stderr = " ".join(result.stderr.split())
+    assert "notes: nothing steplens reads here" in stderr and "comms_only: no step times" in stderr
+    assert "edited" in stderr and "facts.train_batch_size" in stderr
+    ranked = {run for c in json.loads(result.stdout)["configurations"] for run in c["runs"]}
+    assert ranked == {"a\x1b[31mRED", "b"}
+    text = runner.invoke(steplens, ["trials", str(runs)])
+    assert "\x1b" not in text.stdout and "a?[31mRED" in text.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # Logs-only runs
 

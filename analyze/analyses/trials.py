@@ -22,6 +22,7 @@ import polars as pl
 
 from steplens.analyze.analyses import autotune, step_time
 from steplens.analyze.analyses.monitor import run_fact
+from steplens.analyze.contract.manifest import MAX_COUNT
 from steplens.analyze.importers import autotune_results
 
 # Top-level ds_config keys that do not change the work of a step: the tuner's own block, where
@@ -86,13 +87,14 @@ def experiments_from_runs(runs: dict[str, tuple[pl.DataFrame, dict]]) -> tuple[p
         config = dict(facts.get("ds_config") or {})
         work, ignored[name] = work_config(config, facts.get("world_size"))
         work["code"] = code_identity(facts)
+        # a ds_config is any JSON object a job or an edit left: only whole numbers are counts
         row = {"experiment": name, "source": name, "config_json": json.dumps(work, sort_keys=True) if config else None,
-               "zero_stage": zero.get("stage") if isinstance(zero := config.get("zero_optimization"), dict) else None,
-               "micro_batch": config.get("train_micro_batch_size_per_gpu"),
-               "grad_accum": config.get("gradient_accumulation_steps")}
+               "zero_stage": _count(zero.get("stage")) if isinstance(zero := config.get("zero_optimization"), dict) else None,
+               "micro_batch": _count(config.get("train_micro_batch_size_per_gpu")),
+               "grad_accum": _count(config.get("gradient_accumulation_steps"))}
         kept = steps.filter(~pl.col("excluded") & pl.col("step_time_ns").is_not_null()) if steps.height else steps
         samples = kept["samples"].drop_nulls() if kept.height else pl.Series([], dtype=pl.Int64)
-        per_step = samples.median() if samples.len() else facts.get("train_batch_size") or config.get("train_batch_size")
+        per_step = samples.median() if samples.len() else _count(facts.get("train_batch_size")) or _count(config.get("train_batch_size"))
         if kept.height >= step_time.MIN_STEPS_FOR_NOISE and per_step:
             median_ns = kept["step_time_ns"].median()
             row.update(status="ok", latency_us=median_ns / 1e3, throughput=per_step / (median_ns / 1e9))
@@ -102,6 +104,10 @@ def experiments_from_runs(runs: dict[str, tuple[pl.DataFrame, dict]]) -> tuple[p
     frame = autotune_results.experiment_rows(rows)
     trial = pl.col("experiment").cum_count().over(pl.coalesce("config_json", "experiment")) - 1
     return frame.with_columns(trial=trial.cast(pl.Int64)), ignored
+
+
+def _count(value) -> int | None:
+    return value if type(value) is int and 0 <= value <= MAX_COUNT else None
 
 
 def _untimed(steps: pl.DataFrame, kept: int, samples_known: bool) -> str:

@@ -168,4 +168,7 @@ def damage(manifest) -> str | None:
     devices = (manifest.get("environment") or {}).get("device_names") if "environment" not in wrong else None
     if devices is not None and not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
         wrong.append("environment.device_names")
+    # ingest kept only facts of the type they are read as (fact_problem): one that is not was edited afterwards
+    if "facts" not in wrong and isinstance(manifest.get("facts"), dict):
+        wrong += [f"facts.{key}" for key, value in manifest["facts"].items() if fact_problem(key, value)]
     return f"{', '.join(wrong)} of the wrong type" if wrong else None

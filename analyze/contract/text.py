@@ -16,6 +16,16 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _INVISIBLE = re.compile(r"[\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
 
 
+def file_name_text(name: str) -> str:
+    """A file name as Python reads it from the file system (bytes that are not UTF-8 kept as lone surrogates,
+    which no Arrow column, JSON reader or terminal takes) with each such byte shown as U+FFFD."""
+    try:
+        raw = name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate that is no escaped byte
+        raw = name.encode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
+
+
 def safe_text(value: object) -> str:
     """`value` as text with control and bidi-override characters replaced by `?` (one line per line)."""
     return _INVISIBLE.sub("?", _CONTROL.sub("?", str(value)))

@@ -51,7 +51,8 @@ def _read_bounded(path: Path) -> tuple[pa.Table, str | None]:
     """The part's rows, at most MAX_PART_ROWS of them and MAX_PART_BYTES decoded, read batch by batch: a part
     of a few kB can decode to millions of rows (run-length encoding) or gigabytes (a dictionary of long
     strings), and memory must not follow. Returns the rows kept and, when some were not, what was left."""
-    with pq.ParquetFile(path) as parquet:
+    # opened here: Arrow takes a path in UTF-8 only, and a run folder's name need not be
+    with open(path, "rb") as raw, pq.ParquetFile(raw) as parquet:
         total = parquet.metadata.num_rows
         batches, rows, nbytes = [], 0, 0
         for batch in parquet.iter_batches(batch_size=READ_BATCH_ROWS):

@@ -31,6 +31,7 @@ from steplens.analyze.importers import telemetry
 from steplens.analyze.contract import issue_reasons, reuse, schema
 from steplens.analyze.contract.manifest import RunManifest, fact_problem, settle_world_size
 from steplens.analyze.contract.traces import DecodedTrace, NotATrace, ParsedTrace
+from steplens.analyze.contract.text import file_name_text
 from steplens.analyze.importers.base import Importer, conform
 from steplens.analyze.trace import semantics
 from steplens.analyze.pipeline.workers import Workers, estimated_json_bytes, worth_workers
@@ -182,8 +183,14 @@ def _regular_files(files: list[Path]) -> tuple[list[Path], list[tuple[Path, list
     return regular, special
 
 
+def relative_name(path: Path, base: Path) -> str:
+    """An input's name in the tables, run.json and the reports: its path from the run folder, a byte of it that is
+    not UTF-8 shown as U+FFFD (the file is still opened by its own path)."""
+    return file_name_text(os.path.relpath(path, base))
+
+
 def _unopened_source(path: Path, base: Path, issue: list) -> Source:
-    source = Source(path=os.path.relpath(path, base), size=0, mtime_ns=0, hash_prefix="",
+    source = Source(path=relative_name(path, base), size=0, mtime_ns=0, hash_prefix="",
                     status="error" if issue[0] == "error" else "ignored")
     source.issues.append(issue)
     return source
@@ -196,10 +203,10 @@ def _describe(path: Path, base: Path, companions: list[Path] = ()) -> Source:
         digest.update(f.read(HASH_PREFIX_BYTES))
     for other in companions:  # a change in any file read with it means parsing again
         other_stat = other.stat()
-        digest.update(f"{os.path.relpath(other, base)}:{other_stat.st_size}:{other_stat.st_mtime_ns}".encode())
-    rel = os.path.relpath(path, base)
+        digest.update(f"{relative_name(other, base)}:{other_stat.st_size}:{other_stat.st_mtime_ns}".encode())
+    rel = relative_name(path, base)
     source = Source(path=rel, size=stat.st_size, mtime_ns=stat.st_mtime_ns, hash_prefix=digest.hexdigest()[:16],
-                    companions=[os.path.relpath(c, base) for c in companions])
+                    companions=[relative_name(c, base) for c in companions])
     source.part_id = hashlib.sha256(repr(source.fingerprint()).encode()).hexdigest()[:16]
     return source
 
@@ -491,7 +498,7 @@ def _separate_results_of(run_dir: Path, out_dir: Path) -> bool:
     for entry in entries:
         manifest = reuse.read_manifest(entry) if entry.is_dir() and not entry.is_symlink() else {}
         sources = manifest.get("sources")
-        if (manifest.get("created_by") != OUTPUT_CREATOR or manifest.get("run_name") != run_dir.name
+        if (manifest.get("created_by") != OUTPUT_CREATOR or manifest.get("run_name") != file_name_text(run_dir.name)
                 or not isinstance(sources, list) or not sources):
             return False
         paths = [s.get("path") if isinstance(s, dict) else None for s in sources]
@@ -507,6 +514,9 @@ def check_output_folder(run_dir: Path, out_dir: Path) -> None:
         raise UnsafeOutput(f"{out_dir} is a symbolic link: steplens replaces its output folder whole and does not "
                            "follow or replace a link; remove it, or give the folder it points to with --out")
     run, out = Path(run_dir).resolve(), Path(out_dir).resolve()
+    if file_name_text(str(out)) != str(out):  # Arrow and polars name files in UTF-8 only
+        raise UnsafeOutput(f"{file_name_text(str(out_dir))}: the output folder's path holds bytes that are not UTF-8 "
+                           "(shown as \ufffd), in which the tables cannot be written; give another folder with --out")
     if out == run or run.is_relative_to(out):
         raise UnsafeOutput(f"--out {out_dir} holds the inputs ({run_dir}): the output folder is replaced on every "
                            f"run, so give a folder of its own (the default is RUN_DIR/{schema.DEFAULT_OUT_DIR})")
@@ -757,7 +767,7 @@ def staged(
     if found is None:
         found = classify(list(files)) if files is not None else discover(run_dir, out_dir)
     if not found.traces and not found.native:
-        links = [os.path.relpath(path, run_dir) for path, issue in found.special if issue[1] == "linked_folder"]
+        links = [relative_name(path, run_dir) for path, issue in found.special if issue[1] == "linked_folder"]
         not_followed = f"; linked folders not followed: {', '.join(links)}" if links else ""
         raise IngestError(f"{run_dir}: nothing steplens reads here (no traces, collector output or DeepSpeed artifacts"
                           f"; {len(found.unknown)} other file(s){not_followed})")
@@ -808,7 +818,7 @@ def input_key(run_dir: Path, found: Discovered, settings: str) -> str | None:
                         + [_describe(path, run_dir).fingerprint() for path in found.traces])
     except OSError:
         return None
-    unread = sorted(os.path.relpath(path, run_dir) for path in found.unknown)
+    unread = sorted(relative_name(path, run_dir) for path in found.unknown)
     return hashlib.sha256(repr((inputs, unread, settings, schema.fingerprint(), reuse.code_fingerprint())).encode()).hexdigest()[:32]
 
 
@@ -876,7 +886,7 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, worke
             if importer is None and (settings := importers.trace_claimant(path).settings()):
                 source.hash_prefix = hashlib.sha256(f"{source.hash_prefix}:{settings}".encode()).hexdigest()[:16]
         except OSError as e:
-            source = Source(path=os.path.relpath(path, run_dir), size=0, mtime_ns=0, hash_prefix="", status="error",
+            source = Source(path=relative_name(path, run_dir), size=0, mtime_ns=0, hash_prefix="", status="error",
                             kind=importer.name if importer else importers.trace_claimant(path).name)
             source.issues.append(["error", "unreadable", 1, f"cannot read: {e.strerror or e}"])
             sources.append(source)
@@ -926,9 +936,9 @@ def _stage(run_dir: Path, out_dir: Path, staging: Path, found: Discovered, worke
     shutil.rmtree(scratch, ignore_errors=True)
     _write_empty_tables(staging)
 
-    manifest = _manifest(sources, [os.path.relpath(p, run_dir) for p in found.unknown],
+    manifest = _manifest(sources, [relative_name(p, run_dir) for p in found.unknown],
                          found.origin or str(run_dir.resolve()))
-    manifest["run_name"] = run_dir.resolve().name
+    manifest["run_name"] = file_name_text(run_dir.resolve().name)
     issues_dir = staging / schema.part_dir("ingest_issues", None)
     issues_dir.mkdir(parents=True, exist_ok=True)
     pq.write_table(_issues_table(sources), issues_dir / "part-0.parquet")
