@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import pyarrow.parquet as pq
 from click.testing import CliRunner
 
 from steplens.analyze.pipeline import ingest as ingest_module
@@ -337,3 +338,22 @@ def test_ranks_without_a_trace_are_named_on_stderr(tmp_path):
     done = subprocess.run([*ANALYZE, str(run), "-q"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr  # profiling some ranks only is legitimate: a warning, not a failure
     assert "warning: traces of 2 of 4 ranks; no trace for rank(s) 1, 3" in done.stderr
+
+
+def test_names_that_are_not_utf8_are_shown_replaced_and_their_files_read(synthetic_run, tmp_path):
+    """A byte that is not UTF-8 in a trace's or the run folder's name ended in an internal error (Arrow and JSON take
+    no lone surrogate); the file is read, its name shown with U+FFFD, and an output folder Arrow cannot name is
+    refused with exit 2 and a message."""
+    parent = os.fsencode(tmp_path)
+    run = os.fsdecode(parent + b"/run\xff")
+    _copy(synthetic_run, Path(run))
+    os.rename(os.path.join(run, "rank-1.pt.trace.json.gz"), os.fsdecode(os.fsencode(run) + b"/rank-1\xfe.pt.trace.json.gz"))
+    refused = subprocess.run([*ANALYZE, run, "-q"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "not UTF-8" in refused.stderr and "Traceback" not in refused.stderr
+    out = tmp_path / "out"
+    done = subprocess.run([*ANALYZE, run, "--out", str(out), "-q"], capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stderr
+    sources = set(pq.read_table(out / "trace_events", columns=["source"]).column("source").to_pylist())
+    assert sources == {"rank-0.pt.trace.json.gz", "rank-1\ufffd.pt.trace.json.gz"}
+    assert json.loads((out / "run.json").read_text())["run_name"] == "run\ufffd"
+    assert "run\ufffd" in (out / "summary.md").read_text()
