@@ -77,3 +77,42 @@ def test_step_range_and_errors(exported, tmp_path):
     assert none.exit_code == 2 and "no events" in none.output
     missing = runner.invoke(steplens, ["export-trace", str(tmp_path)])
     assert missing.exit_code == 2 and "analyze" in missing.output
+
+
+def test_nothing_to_export_writes_nothing_and_the_next_analyze_runs(exported, tmp_path):
+    """An export of no events wrote an empty merged_trace.json into the output folder that run.json did not list,
+    and the next `analyze` refused the folder; an earlier export was overwritten."""
+    run, _, whole, _ = exported
+    default = run / ".steplens" / "merged_trace.json"
+    before = default.read_bytes()
+    none = CliRunner().invoke(steplens, ["export-trace", str(run), "--steps", "99:99"])
+    assert none.exit_code == 2 and default.read_bytes() == before
+    again = CliRunner().invoke(steplens, ["analyze", str(run), "-q"])
+    assert again.exit_code == 0, again.output
+
+
+def test_negative_durations_keep_their_value():
+    """µs text for ns: floor division wrote -1500 ns as -2.500 and -5 ns as -1.995."""
+    from steplens.analyze.query.export_trace import _us
+
+    assert [bytes(_us(ns)).decode() for ns in (-1500, -5, 0, 5, 1500, -1_000_000)] == [
+        "-1.500", "-0.005", "0.000", "0.005", "1.500", "-1000.000"]
+
+
+def test_a_failed_write_leaves_no_temporary_file_and_names_the_file(tmp_path, monkeypatch):
+    """A full disk left merged_trace.json.tmp in the output folder (every later `analyze` refused it) and the
+    message named no file."""
+    import errno
+    import os
+
+    from steplens.analyze.query import export_trace
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    target = tmp_path / "merged_trace.json"
+    with pytest.raises(OSError) as raised:
+        export_trace._write_atomic(target, b"{}")
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(target)
+    assert list(tmp_path.iterdir()) == []

@@ -85,21 +85,25 @@ def _ranks(paths: list[Path]) -> list[int | None]:
 
 
 def _copies(a: Path, b: Path) -> bool:
-    """The same file (a link) or a byte copy of it (same size and first 64 KiB): a backup of a rank's trace beside
-    it is one job's, which ingest names (duplicate_rank), not a second job. (Traces only: a log has no such check.)"""
+    """The same file (a link) or a byte copy of it (same size and first 64 KiB)."""
     try:
         return os.path.samefile(a, b) or (a.stat().st_size == b.stat().st_size and peek(a, SNIFF_BYTES) == peek(b, SNIFF_BYTES))
     except OSError:
         return False
 
 
-def _overlap(a: list[Path], b: list[Path], copies: bool = False) -> bool:
-    """Both hold a rank (or a file that names none); with `copies`, other than as copies of one file."""
+def _backup(a: list[Path], b: list[Path]) -> bool:
+    """One folder's traces are copies of some of the other's, fewer than it holds: a backup of a rank's trace kept
+    beside the job is that job's (ingest names the copy, duplicate_rank), where two folders holding copies of the
+    same traces are a run copied whole, two runs."""
+    fewer, more = (a, b) if len(a) < len(b) else (b, a)
+    return len(fewer) < len(more) and all(
+        any(rank_in_name(x.name) == rank_in_name(y.name) and _copies(x, y) for y in more) for x in fewer)
+
+
+def _overlap(a: list[Path], b: list[Path]) -> bool:
     ranks_a, ranks_b = _ranks(a), _ranks(b)
-    if None in ranks_a or None in ranks_b:
-        return True
-    return any(not (copies and _copies(x, y)) for x, rank in zip(a, ranks_a) for y, other in zip(b, ranks_b)
-               if rank == other)
+    return None in ranks_a or None in ranks_b or bool(set(ranks_a) & set(ranks_b))
 
 
 def _clash(a: dict[str, list[Path]], b: dict[str, list[Path]], logs_only: bool) -> bool:
@@ -111,7 +115,8 @@ def _clash(a: dict[str, list[Path]], b: dict[str, list[Path]], logs_only: bool) 
         elif kind in UNIT_KINDS:
             if {_unit(p, kind) for p in a[kind]} != {_unit(p, kind) for p in b[kind]}:
                 return True
-        elif kind not in PER_RANK_KINDS or _overlap(a[kind], b[kind], copies=kind in importers.TRACE_KINDS):
+        elif kind not in PER_RANK_KINDS or (_overlap(a[kind], b[kind])
+                                            and not (kind in importers.TRACE_KINDS and _backup(a[kind], b[kind]))):
             return True
     return False
 

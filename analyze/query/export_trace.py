@@ -24,8 +24,10 @@ EXPORT_KINDS = ["cpu_op", "user_annotation", "python_function", "cuda_runtime", 
 
 
 def _us(ns: int) -> msgspec.Raw:
-    """ns as a JSON number of µs with three decimals (exact, unlike a float)."""
-    return msgspec.Raw(f"{ns // 1000}.{ns % 1000:03d}".encode())
+    """ns as a JSON number of µs with three decimals (exact, unlike a float); the sign apart, as floor division
+    would make -1500 ns -2.500."""
+    sign = "-" if ns < 0 else ""
+    return msgspec.Raw(f"{sign}{abs(ns) // 1000}.{abs(ns) % 1000:03d}".encode())
 
 
 def _scan(run_dir: Path | str, table: str) -> pl.LazyFrame | None:
@@ -94,11 +96,22 @@ def export_trace(run_dir: Path, out_path: Path, steps: tuple[int, int] | None = 
     doc = {"traceEvents": trace_events, "displayTimeUnit": "ns",
            "otherData": {"steplens": "ranks aligned on the reference rank's clock (clock_offsets)",
                          "origin_ns": origin}}
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_bytes(msgspec.json.encode(doc))
-    os.replace(tmp, out_path)
+    if events.height:  # nothing to export writes nothing (an earlier export stays as it was)
+        _write_atomic(out_path, msgspec.json.encode(doc))
     return {"events": events.height, "flows": len(flows) // 2, "ranks": events["rank"].n_unique(),
             "partial_overlaps": overlaps}
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """path holds data whole or is as it was: a write that fails (a full disk) leaves no temporary file behind,
+    which the next `analyze` would take for a file it did not write, and names the file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def _launch_flows(events: pl.DataFrame, origin: int) -> list:
