@@ -2,6 +2,7 @@
 noise verdict on synthetic repeated trials with known separation."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -171,6 +172,23 @@ def test_bad_files_give_issues_not_exceptions(tmp_path):
     empty_summary.write_text("| tuning_space | x |\n")
     assert autotune_results.parse_summary(empty_summary, "summary.txt").issues[0][1] == "bad_autotune_summary"
     assert autotune.autotune_tables(pl.DataFrame(), {})["autotune_verdict"].is_empty()
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "-500.0"])
+def test_a_measurement_that_is_not_finite_or_negative_is_left_out(tmp_path, value):
+    """Python's json reads NaN and Infinity from metrics.json: a NaN or infinite throughput won the ranking ("the
+    nan gap (nan%)"); a negative one is no measurement either."""
+    real = autotune1() / "autotuning_results" / "z1_gas1_tmbspg2"
+    folder = tmp_path / real.name
+    shutil.copytree(real, folder)
+    metrics = (folder / "metrics.json").read_text()
+    damaged = re.sub(r'("throughput":\s*)[-0-9.eE+]+', lambda m: m[1] + value, metrics)
+    assert damaged != metrics
+    (folder / "metrics.json").write_text(damaged)
+    result = autotune_results.parse_experiment(folder / "exp.json", "exp.json")
+    row = result.tables["autotune_experiments"].row(0, named=True)
+    assert row["throughput"] is None and row["latency_us"] == json.loads(metrics)["latency"]
+    assert [i[:3] for i in result.issues] == [["error", "bad_autotune_file", 1]] and "throughput" in result.issues[0][3]
 
 
 def test_experiment_values_of_the_wrong_type_are_left_out(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 from pathlib import Path
 
@@ -99,6 +100,16 @@ def _number(value, what: str, problems: list[str]) -> float | None:
             pass
     problems.append(f"{what} = {preview(value)} is not a number a float64 holds")
     return None
+
+
+def _measure(value, what: str, problems: list[str]) -> float | None:
+    """A measured time, rate or FLOPs count: a finite number from 0 (Python's json reads NaN and Infinity, and a
+    NaN or infinite throughput would win the ranking)."""
+    number = _number(value, what, problems)
+    if number is not None and not (math.isfinite(number) and number >= 0):
+        problems.append(f"{what} = {preview(value)} is no measurement (not finite, or below 0)")
+        return None
+    return number
 
 
 # --- importer: one experiment ---------------------------------------------------------------------
@@ -220,7 +231,7 @@ def parse_experiment(path: Path, source: str) -> Imported:
     metrics = _read_json(folder / "metrics.json", problems)
     if metrics is not None:
         row.update(status="ok", rank=_whole(metrics.get("rank"), "metrics.json rank", problems, RANKS))
-        row.update({column: _number(metrics.get(key), f"metrics.json {key}", problems)
+        row.update({column: _measure(metrics.get(key), f"metrics.json {key}", problems)
                     for key, column in METRIC_FIELDS.items()})
     else:
         row["status"], row["error"] = classify_stderr(_read_text(folder / "stderr.log"))
