@@ -296,6 +296,15 @@ def test_separated_trials_establish_the_winner():
     assert result["winner_median"] == 100.2 and result["winner_trials"] == 5
 
 
+@pytest.mark.parametrize("configs", [{"mbs4": [100.0, 102.0], "mbs2": [101.0, 101.0]},  # equal medians, noise
+                                     {"mbs4": [100.0, 100.0], "mbs2": [100.0, 100.0]}])  # identical, no noise
+def test_equal_medians_claim_no_number_of_trials(configs):
+    """Equal medians printed 'about -1 trials per config would settle it' (with noise) or 'about 4' (without)."""
+    result = global_verdict(configs)
+    assert result["difference"] == 0 and result["established"] is False and result["trials_needed"] is None
+    assert "no number of trials would tell these two apart" in result["detail"] and "about" not in result["detail"]
+
+
 def test_three_separated_trials_are_not_enough():
     result = global_verdict({"mbs4": [100.0, 101.0, 102.0], "mbs2": [90.0, 91.0, 92.0]})
     assert result["established"] is False and result["p_value"] == pytest.approx(0.05)

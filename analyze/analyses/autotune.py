@@ -38,14 +38,14 @@ def min_trials(alpha: float = ALPHA) -> int:
     return n
 
 
-def trials_needed(difference: float, noise_sd: float, alpha: float = ALPHA) -> int:
+def trials_needed(difference: float, noise_sd: float, alpha: float = ALPHA) -> int | None:
     """Trials per config to detect `difference` with 80% power at one-sided `alpha`: the two-sample
     normal formula n = 2 (z_alpha + z_power)^2 sd^2 / difference^2, divided by the Mann-Whitney ARE,
-    never under min_trials()."""
+    never under min_trials(). None when the medians are equal: no number of trials tells them apart."""
+    if difference == 0:
+        return None
     if noise_sd <= 0:
         return min_trials(alpha)
-    if difference == 0:
-        return -1  # no finite number: the two configs measure the same
     normal = 2 * (ALPHA_Z + POWER_Z) ** 2 * noise_sd ** 2 / difference ** 2
     return max(min_trials(alpha), math.ceil(normal / MANN_WHITNEY_ARE))
 
@@ -150,8 +150,10 @@ def verdict(ranked: pl.DataFrame, higher_is_better: bool = True, alpha: float = 
     else:
         out["detail"] = (f"not established: {winner['experiment']} vs {runner['experiment']} median "
                          f"{winner['median']:.4g} vs {runner['median']:.4g} ({spread}); Mann-Whitney U = "
-                         f"{test.statistic:g}, one-sided exact p = {test.pvalue:.3g} >= {alpha}; about "
-                         f"{out['trials_needed']} trials per config would settle it (80% power)")
+                         f"{test.statistic:g}, one-sided exact p = {test.pvalue:.3g} >= {alpha}; "
+                         + (f"about {out['trials_needed']} trials per config would settle it (80% power)"
+                            if out["trials_needed"] is not None else
+                            "the medians are equal: no number of trials would tell these two apart"))
     return out
 
 
