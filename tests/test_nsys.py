@@ -542,6 +542,26 @@ def test_values_of_the_wrong_type_and_damaged_files_are_counted_not_fatal(tmp_pa
     assert by_path["cut.sqlite"]["issues"][0][1] == "damaged_trace"
 
 
+def test_times_that_would_wrap_int64_are_damage_not_times(tmp_path):
+    """A kernel's start or end near the int64 limits wrapped to ts_ns -7.5e18 and dur_ns -9.2e18 without a word once
+    the session start was added; such a start drops its row, such an end leaves the duration null, both counted."""
+    export = _build_export(tmp_path / "a.sqlite")
+    db = sqlite3.connect(export)
+    db.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET start = ? WHERE correlationId = 1", (2**63 - 10,))
+    db.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = ? WHERE correlationId = 3", (2**63 - 1,))
+    db.commit()
+    db.close()
+    rows = _sql(export, "SELECT start, end FROM CUPTI_ACTIVITY_KIND_KERNEL WHERE correlationId NOT IN (1, 3) ORDER BY start")
+    parsed = read_trace(export, "a")
+    issues = {i.reason: i for i in parsed.issues}
+    assert issues["bad_timestamp"].count == 1 and issues["missing_duration"].count == 1
+    kernels = parsed.events.filter(pl.col("kind") == "kernel").sort("ts_ns")
+    untouched = kernels.filter(pl.col("dur_ns").is_not_null()).select("ts_ns", "dur_ns").rows()
+    assert untouched == [(SESSION_START_NS + start, end - start) for start, end in rows]
+    assert kernels.filter(pl.col("dur_ns").is_null()).height == 1
+    assert (kernels["ts_ns"] > 0).all()
+
+
 # The columns the importer reads whose absence loses something (names have alternatives across versions).
 READ_COLUMNS = {
     "CUPTI_ACTIVITY_KIND_KERNEL": ("start", "end", "deviceId", "streamId", "correlationId", "globalPid"),

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 INT64_RANGE = (-(1 << 63), (1 << 63) - 1)
 META_TEXT_CHARS = 200  # a version string or a backend name; longer text is cut
+# A trace's times are int64 ns: bounding |ts| and |dur| by 2**62 ns (146 years; epoch ns today are 1.8e18) keeps
+# ts + dur and ts + a base time inside int64, so no end time can wrap. Beyond it a time is damage, not a measurement.
+TIME_LIMIT_NS = 2**62
 
 
 class NotATrace(Exception):

@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from steplens.analyze.contract import schema
-from steplens.analyze.contract.traces import DecodedTrace, Device, NotATrace, TraceMeta, checked, preview
+from steplens.analyze.contract.traces import TIME_LIMIT_NS, DecodedTrace, Device, NotATrace, TraceMeta, checked, preview
 from steplens.analyze.importers.json_events import ByteStream, EventReader, Issue
 
 try:  # the native columnizer (_columnize.c), built by pip where a C compiler is found
@@ -147,9 +147,7 @@ STAGES = ("read_decode", "columns", "normalise")
 
 
 # Values beyond these bounds are damage, not measurements; they are stored as null and counted.
-# Times are int64 ns: bounding |ts| and |dur| by 2**62 ns (146 years; epoch ns today are 1.8e18)
-# keeps ts + dur and ts + baseTimeNanoseconds inside int64, so no end time can wrap.
-TIME_LIMIT_NS = 2**62
+# Times: contract.traces.TIME_LIMIT_NS.
 # A collective's element count: 2**48 elements (4.5 PB at 16 bytes) is beyond any device's memory,
 # and keeps byte counts (x the element size) and their sums over many calls inside int64.
 MAX_MESSAGE_NELEMS = 2**48

@@ -43,7 +43,7 @@ import polars as pl
 
 from steplens.analyze.contract import schema
 from steplens.analyze.contract.issue_reasons import Issue
-from steplens.analyze.contract.traces import DecodedTrace, Device, NotATrace, TraceMeta, checked
+from steplens.analyze.contract.traces import TIME_LIMIT_NS, DecodedTrace, Device, NotATrace, TraceMeta, checked
 from steplens.analyze.importers.base import peek
 from steplens.analyze.trace import semantics
 
@@ -442,6 +442,16 @@ def _decode_export(export: _Export) -> DecodedTrace | list[DecodedTrace]:
         shown = ", ".join(f"{column} ({n})" for column, n in export.mistyped.items())
         issues.append(Issue("warning", "unrepresentable_value", sum(export.mistyped.values()),
                             f"values not of their column's type, read as null: {shown}"[:400]))
+    # Times once the session start is added must stay within ±TIME_LIMIT_NS: one beyond would wrap int64.
+    def in_range(column: str) -> pl.Expr:
+        return pl.col(column).is_between(-TIME_LIMIT_NS - base_ns, TIME_LIMIT_NS - base_ns)
+
+    beyond = events.filter(pl.col("ts_ns").is_not_null() & ~in_range("ts_ns")).height
+    if beyond:
+        issues.append(Issue("warning", "bad_timestamp", beyond, "rows whose start is beyond 146 years of the session "
+                            "start (damage, not a time); dropped"))
+        events = events.filter(pl.col("ts_ns").is_null() | in_range("ts_ns"))
+    events = events.with_columns(end_ns=pl.when(in_range("end_ns")).then("end_ns"))  # counted as missing below
     untimed = events.filter(pl.col("ts_ns").is_null()).height
     if untimed:
         issues.append(Issue("warning", "bad_timestamp", untimed, "rows without an integer start; dropped"))
@@ -449,7 +459,7 @@ def _decode_export(export: _Export) -> DecodedTrace | list[DecodedTrace]:
     open_ended = events.filter((pl.col("ph") == "X") & pl.col("end_ns").is_null()).group_by("kind").len()
     for kind, n in open_ended.iter_rows():
         what = ("NVTX ranges without an end (still open when the capture stopped)" if kind == "user_annotation"
-                else f"{kind} rows without an integer end")
+                else f"{kind} rows without an integer end (or with one beyond 146 years)")
         issues.append(Issue("warning", "missing_duration", n, f"{what}; kept with a null duration"))
     unnamed = events.filter(pl.col("name").is_null()).height
     if unnamed:
