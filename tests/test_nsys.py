@@ -562,6 +562,25 @@ def test_times_that_would_wrap_int64_are_damage_not_times(tmp_path):
     assert (kernels["ts_ns"] > 0).all()
 
 
+def test_an_empty_export_is_named_and_a_table_of_any_name_is_read_around(tmp_path):
+    """A 0-byte .sqlite was ignored as a file in no known format; a table named with a double quote (written by a
+    tool beside nsys) made the whole export unreadable."""
+    run = tmp_path / "run"
+    run.mkdir()
+    export = _build_export(run / "rank0.sqlite")
+    db = sqlite3.connect(export)
+    db.execute('CREATE TABLE "my ""notes"" table" (x INTEGER)')
+    db.commit()
+    db.close()
+    (run / "rank1.sqlite").write_bytes(b"")
+    ingest(run, jobs=1)
+    by_path = {s["path"]: s for s in json.loads((run / ".steplens" / "run.json").read_text())["sources"]}
+    assert by_path["rank0.sqlite"]["status"] == "ingested"
+    assert by_path["rank1.sqlite"]["status"] == "error" and by_path["rank1.sqlite"]["issues"][0][1] == "empty_file"
+    kernels = _table(run / ".steplens", "trace_events").filter(pl.col("kind") == "kernel")
+    assert kernels.height == _sql(export, "SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL")[0][0]
+
+
 # The columns the importer reads whose absence loses something (names have alternatives across versions).
 READ_COLUMNS = {
     "CUPTI_ACTIVITY_KIND_KERNEL": ("start", "end", "deviceId", "streamId", "correlationId", "globalPid"),

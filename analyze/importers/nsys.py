@@ -88,8 +88,8 @@ NCCL_SIZE_KEY = "Message size [bytes]"
 def claims(path: Path) -> bool:
     """A SQLite file (by its magic bytes) or an nsys report; whether it is an nsys export is parse's call."""
     name = path.name.lower()
-    if name.endswith(SQLITE_SUFFIXES):
-        return peek(path, len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    if name.endswith(SQLITE_SUFFIXES):  # an empty one too: named as an empty input, as an empty trace is
+        return peek(path, len(SQLITE_MAGIC)) in (SQLITE_MAGIC, b"")
     return name.endswith(REPORT_SUFFIXES) and not _exported(path)
 
 
@@ -138,6 +138,11 @@ def settings() -> str:
 # Reading
 
 
+def _identifier(name: str) -> str:
+    """A table name as an SQL identifier: quoted, its quotes doubled (a table of any name is read around)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
 class _Export:
     """The open export: its tables and columns, and the StringIds lookup."""
 
@@ -146,7 +151,7 @@ class _Export:
         self.db = sqlite3.connect(uri, uri=True)
         # Names are bytes as the application wrote them: undecodable ones are kept, marked, not fatal
         self.db.text_factory = lambda raw: raw.decode("utf-8", "replace")
-        self.tables = {name: [row[1] for row in self.db.execute(f'PRAGMA table_info("{name}")')]
+        self.tables = {name: [row[1] for row in self.db.execute(f"PRAGMA table_info({_identifier(name)})")]
                        for (name,) in self.db.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")}
         self.missing: list[str] = []
         self.mistyped: dict[str, int] = {}  # table.column -> values not of the column's type
