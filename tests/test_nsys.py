@@ -467,6 +467,35 @@ def test_nsys_export_flag_runs_the_export_command(tmp_path, monkeypatch):
     assert {s["path"]: s["status"] for s in manifest["sources"]} == {"r.sqlite": "ingested"}
 
 
+def test_an_nsys_export_that_hangs_is_stopped_with_what_it_started(tmp_path, monkeypatch):
+    """`nsys export` ran without a time limit, and what it started outlived analyze; past the limit its whole process
+    group is stopped and the report named as not exported."""
+    import os
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    pid_file = tmp_path / "child.pid"
+    fake = bin_dir / "nsys"  # hangs, with a child of its own
+    fake.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pid_file}\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setattr(nsys, "EXPORT_TIMEOUT_S", 2)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "r.nsys-rep").write_bytes(b"\x00")
+    started = time.monotonic()
+    [(report, outcome)] = nsys.export_reports(run)
+    assert time.monotonic() - started < 30 and report == run / "r.nsys-rep"
+    assert outcome == "nsys export did not finish in 2 s: stopped, not exported"
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{child}") and \
+            "zombie" not in open(f"/proc/{child}/status").read():
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{child}") or "zombie" in open(f"/proc/{child}/status").read()
+
+
 def test_export_trace_writes_an_nsys_run_for_perfetto(tmp_path):
     from steplens.analyze.cli import steplens
 

@@ -34,6 +34,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sqlite3
 import subprocess
 from dataclasses import replace
@@ -119,10 +120,36 @@ def export_reports(run_dir: Path) -> list[tuple[Path, str]]:
         return [(report, "nsys is not on the PATH: not exported") for report in reports]
     done = []
     for report in reports:
-        result = subprocess.run(export_command(report), capture_output=True, text=True, check=False)
-        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or [""]
-        done.append((report, "exported" if result.returncode == 0 else f"nsys export failed ({result.returncode}): {tail[0]}"))
+        try:
+            returncode, output = _run_bounded(export_command(report), EXPORT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            done.append((report, f"nsys export did not finish in {EXPORT_TIMEOUT_S} s: stopped, not exported"))
+            continue
+        tail = output.strip().splitlines()[-1:] or [""]
+        done.append((report, "exported" if returncode == 0 else f"nsys export failed ({returncode}): {tail[0]}"))
     return done
+
+
+# `nsys export` of a large report takes minutes; one that has not ended in half an hour is hung.
+EXPORT_TIMEOUT_S = 1800
+
+
+def _run_bounded(command: list[str], timeout_s: float) -> tuple[int, str]:
+    """(exit status, stderr or else stdout) of a command run in a process group of its own, which is killed
+    whole when the command outlives timeout_s or analyze is stopped (Ctrl-C, SIGTERM): nothing it started is
+    left running."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except BaseException:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.communicate()
+        raise
+    return process.returncode, stderr or stdout
 
 
 def step_range() -> re.Pattern:
