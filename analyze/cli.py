@@ -141,6 +141,9 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
             fail(f"--step-range {safe_text(step_range)}: not a regular expression ({safe_text(e)})")
         if pattern.groups < 1:
             fail(f"--step-range {safe_text(step_range)}: needs a group capturing the step number, e.g. 'iteration (\\d+)'")
+        if why := kernels.regex_problem(step_range):
+            fail(f"--step-range {safe_text(step_range)}: not a regular expression steplens can run ({safe_text(why)}; "
+                 "the syntax is Rust's regex crate: no look-around or back-references)")
     # Read by the nsys importer, in this process and the workers it spawns (empty: its default)
     os.environ[nsys.STEP_RANGE_ENV] = step_range or ""
     if nsys_export and not remote.is_url(run_dir):

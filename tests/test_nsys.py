@@ -339,6 +339,14 @@ def test_step_range_flag_reparses_and_rejects_a_pattern_without_a_group(tmp_path
     assert sorted(_table(run / ".steplens", "steps")["step"].to_list()) == [10, 11]  # not the parts parsed without it
     bad = CliRunner().invoke(analyze, [str(run), "--step-range", "fwd-bwd"])
     assert bad.exit_code != 0 and "needs a group" in bad.output
+    # Python's re takes a look-behind; the analyses' engine does not: refused up front, not a lost export
+    behind = CliRunner().invoke(analyze, [str(run), "--step-range", r"(?<=fwd-bwd )(\d+)"])
+    assert behind.exit_code == 2 and "Rust's regex crate" in " ".join(behind.output.split())
+    # a group that captures a name, not digits, is named as such
+    named = CliRunner().invoke(analyze, [str(run), "-q", "--jobs", "1", "--ingest-only", "--step-range", r"^(fwd-bwd) \d+$"])
+    assert named.exit_code == 0, named.output
+    [issue] = [i for i in pl.read_parquet(run / ".steplens" / "ingest_issues").to_dicts() if i["reason"] == "bad_step_number"]
+    assert issue["count"] == 2 and "captured 'fwd-bwd', not a step number" in issue["detail"]
 
 
 def test_an_older_schema_is_read_and_its_gaps_counted(tmp_path):

@@ -51,13 +51,20 @@ def load_categories(path: Path) -> list[tuple[str, str]]:
     except OSError as e:
         raise CategoriesError(f"{path}: cannot read: {e.strerror or e}") from e
     for category, pattern in rows:
-        try:
-            pl.Series([""]).str.contains(f"(?i){pattern}")
-        except pl.exceptions.ComputeError as e:
-            why = next((line[len("error: "):] for line in str(e).splitlines() if line.startswith("error: ")), "invalid")
+        if why := regex_problem(f"(?i){pattern}"):
             raise CategoriesError(f"{path}: the pattern of {category!r} is not a regular expression steplens can run: "
-                                  f"{pattern!r} ({why}; the syntax is Rust's regex crate)") from e
+                                  f"{pattern!r} ({why}; the syntax is Rust's regex crate)")
     return rows + KERNEL_CATEGORIES
+
+
+def regex_problem(pattern: str) -> str | None:
+    """Why the analyses' regex engine (polars: Rust's regex crate, no look-around or back-references) cannot run
+    `pattern`, or None."""
+    try:
+        pl.Series([""]).str.contains(pattern)
+    except pl.exceptions.ComputeError as e:
+        return next((line[len("error: "):] for line in str(e).splitlines() if line.startswith("error: ")), "invalid")
+    return None
 
 
 def first_match(column: str, patterns: list[tuple[str, str]], default: str | None) -> pl.Expr:

@@ -121,8 +121,13 @@ def step_windows(events: pl.DataFrame, issues: list[Issue], step_name: re.Patter
     number = pl.col("digits").cast(pl.Int64, strict=False)
     damaged = marked.filter(pl.col("digits").is_not_null() & ~number.is_between(0, MAX_STEP).fill_null(False))
     if damaged.height:
-        issues.append(Issue("warning", "bad_step_number", damaged.height, f"ProfilerStep numbers above {MAX_STEP} "
-                            f"are damage, not steps; those events are kept as plain events, e.g. {damaged['name'][0]!r:.80}"))
+        # what the step pattern's group captured: digits past the step limit, or (a pattern given with
+        # --step-range) text that is no number at all
+        digits = damaged["digits"][0]
+        why = (f"step numbers above {MAX_STEP} are damage, not steps" if digits.isdigit() else
+               f"the step pattern's group captured {digits!r:.40}, not a step number")
+        issues.append(Issue("warning", "bad_step_number", damaged.height, f"{why}; those events are kept as plain "
+                            f"events, e.g. {damaged['name'][0]!r:.80}"))
     steps = (
         marked.filter(number.is_between(0, MAX_STEP))
         .select(
