@@ -196,9 +196,9 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         except IngestError as e:
             if not (apart := _unranked_traces_apart(run, e, out_dir)):
                 fail(safe_text(_as_given(e, run, run_dir)))
-            cli_rerun.say(console, f"{run_dir}: {len(apart)} traces with no rank, from different processes: "
-                                   "separate runs, each analysed on its own:", indent=0)
-            sys.exit(_analyse_each(run_dir, apart, jobs, options, ingest_only, client=client))
+            _say_or_md(console, fmt, f"{run_dir}: {len(apart)} traces with no rank, from different processes: "
+                                     "separate runs, each analysed on its own:")
+            sys.exit(_analyse_each(run_dir, apart, jobs, options, ingest_only, client=client, fmt=fmt))
         if fmt == "md" and findings:
             if not announced:
                 click.echo((result.out_dir / "summary.md").read_text(), nl=False)
@@ -217,9 +217,19 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
         _warn_figures_not_drawn(findings)
         _note_python_reader([result])
         sys.exit(_status(result))
-    cli_rerun.say(console, f"{run_dir} holds {len(runs)} runs; each is analysed on its own:", indent=0)
+    _say_or_md(console, fmt, f"{run_dir} holds {len(runs)} runs; each is analysed on its own:")
     sys.exit(_analyse_each(run_dir, [(run, out_of(run)) for run in runs], jobs, options, ingest_only,
-                           out_given=out_dir is not None, client=client))
+                           out_given=out_dir is not None, client=client, fmt=fmt))
+
+
+def _say_or_md(console, fmt: str, text: str, indent: int = 0) -> None:
+    """A line of the several-runs listing: wrapped text, or with --format md a markdown paragraph."""
+    if fmt == "md":
+        from steplens.reports.markdown import escape
+
+        click.echo(escape(safe_text(text)) + "\n")
+    else:
+        cli_rerun.say(console, text, indent=indent)
 
 
 def _path_or_url(value: str | None, folder: bool = False) -> Path | str | None:
@@ -232,8 +242,9 @@ def _path_or_url(value: str | None, folder: bool = False) -> Path | str | None:
 
 
 def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, options: runner.Options,
-                  ingest_only: bool, out_given: bool = False, client=None) -> int:
-    """Several runs, one line each with where its report is; the exit status of them all."""
+                  ingest_only: bool, out_given: bool = False, client=None, fmt: str = "text") -> int:
+    """Several runs, one line each with where its report is (with --format md, each run's summary.md); the exit
+    status of them all."""
     statuses, results = [], []
     pending = list(runs)
     console = Console(stderr=False, highlight=False)
@@ -250,10 +261,13 @@ def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, optio
                 pending[:0] = apart
                 continue
             statuses.append(EXIT_NOTHING)
-            cli_rerun.say(console, f"{name}: not analysed: {safe_text(e)}")
+            _say_or_md(console, fmt, f"{name}: not analysed: {safe_text(e)}", indent=2)
             continue
         statuses.append(_status(result))
         results.append(result)
+        if fmt == "md" and findings:
+            click.echo((result.out_dir / "summary.md").read_text())
+            continue
         ranks = ranges(result.manifest.get("ranks", []))
         problems = sum(1 for s in result.sources for i in s.issues if i[0] == "error")
         report = result.out_dir / ("report.html" if findings else schema.MANIFEST_FILE)

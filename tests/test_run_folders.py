@@ -129,3 +129,16 @@ def test_a_split_job_keeps_its_collector_whole(tmp_path):
     shutil.copy(other, run / "traces_other" / other.name.replace("rank1", "rank0"))
     found = _runs(run)
     assert run / "collector" in found and not [p for p in found if run / "collector" in p.parents]
+
+
+def test_a_folder_of_runs_in_markdown_is_each_runs_summary(tmp_path):
+    """--format md on a folder of runs printed the text listing; it prints each run's summary.md (for a PR)."""
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        shutil.copytree(SAMPLE, runs / name, ignore=shutil.ignore_patterns(".steplens"))
+    done = _analyze(runs, "--format", "md")
+    assert done.returncode == 0, done.stderr
+    for name in ("a", "b"):
+        summary = (runs / name / ".steplens" / "summary.md").read_text()
+        assert summary.strip() in done.stdout
+    assert "input(s), ranks" not in done.stdout
