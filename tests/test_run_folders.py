@@ -142,3 +142,31 @@ def test_a_folder_of_runs_in_markdown_is_each_runs_summary(tmp_path):
         summary = (runs / name / ".steplens" / "summary.md").read_text()
         assert summary.strip() in done.stdout
     assert "input(s), ranks" not in done.stdout
+
+
+def test_a_sub_folder_past_the_path_limit_costs_what_it_holds(tmp_path):
+    """A sub-folder whose path is past PATH_MAX (4096) ended the whole run with 'cannot list the folder' (exit 2)."""
+    import os
+
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns(".steplens"))
+    fd = os.open(run, os.O_RDONLY)
+    for _ in range(20):  # 20 names of 250 characters: past 4096 in all
+        os.mkdir("x" * 250, dir_fd=fd)
+        inner = os.open("x" * 250, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+    done = _analyze(run, "--ingest-only")
+    assert done.returncode == 1, done.stderr
+    issues = pl.read_parquet(run / ".steplens" / "ingest_issues").filter(pl.col("reason") == "unreadable")
+    assert issues.height == 1 and "cannot be listed" in issues["detail"][0]
+    pristine = tmp_path / "pristine"
+    shutil.copytree(SAMPLE, pristine, ignore=shutil.ignore_patterns(".steplens"))
+    assert _analyze(pristine, "--ingest-only").returncode == 0
+
+    def ingested(folder: Path) -> list[str]:
+        sources = json.loads((folder / ".steplens" / "run.json").read_text())["sources"]
+        return sorted(s["path"] for s in sources if s["status"] == "ingested")
+
+    assert ingested(run) == ingested(pristine) and len(ingested(run)) > 30  # every other input still read

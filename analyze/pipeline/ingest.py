@@ -137,16 +137,37 @@ class Discovered:
 def discover(run_dir: Path, out_dir: Path | None) -> Discovered:
     """Every file under run_dir, skipping hidden files and folders and the output folder (None: one
     in object storage)."""
-    files, linked = [], []
+    files, named = [], []  # named: folders not looked into, each with its issue
     out_dir = out_dir.resolve() if out_dir is not None else None
-    for root, dirs, names in os.walk(run_dir):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (Path(root) / d).resolve() != out_dir)
-        # A linked folder is not followed (it can lead out of the run, or in a loop), and is named for it.
-        linked += [(Path(root) / d, ["warning", "linked_folder", 1, "a symbolic link to a folder: not followed"])
-                   for d in dirs if (Path(root) / d).is_symlink()]
+
+    def unlisted(path: Path, error: OSError) -> None:
+        """A sub-folder that cannot be listed (permissions, a path past the system's limit) costs what it holds."""
+        named.append((path, ["error", "unreadable", 1, f"a folder that cannot be listed ({error.strerror or error}): "
+                                                        "skipped with what it holds"]))
+
+    def walk_error(error: OSError) -> None:
+        if Path(error.filename) == Path(run_dir):
+            raise error  # the run folder itself: nothing to read
+        unlisted(Path(error.filename), error)
+
+    for root, dirs, names in os.walk(run_dir, onerror=walk_error):
+        kept = []
+        for d in sorted(d for d in dirs if not d.startswith(".")):
+            path = Path(root) / d
+            try:
+                if path.resolve() == out_dir:
+                    continue
+                linked = path.is_symlink()
+            except OSError as e:
+                unlisted(path, e)
+                continue
+            if linked:  # not followed (it can lead out of the run, or in a loop), and named for it
+                named.append((path, ["warning", "linked_folder", 1, "a symbolic link to a folder: not followed"]))
+            kept.append(d)
+        dirs[:] = kept
         files.extend(Path(root) / name for name in sorted(names) if not name.startswith("."))
     found = classify(files)
-    found.special += linked
+    found.special += named
     return found
 
 
