@@ -88,11 +88,18 @@ def test_a_damaged_result_is_named_by_compare_and_left_out_by_trials(tmp_path):
     done = subprocess.run([str(BIN / "steplens"), "compare", str(runs / "good"), str(runs / "bad"), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, env=env)
     assert done.returncode == 2 and "internal error" not in done.stderr
-    assert " ".join(done.stderr.split()) == (f"error: {manifest}: damaged (world_size, facts of the wrong type); "
-                                             "analyse the run again")
+    assert " ".join(done.stderr.split()) == (f"error: {manifest}: damaged (world_size, facts of the wrong type or out "
+                                             "of range); analyse the run again")
     done = subprocess.run([str(BIN / "steplens"), "trials", str(runs)], capture_output=True, text=True, env=env)
     assert done.returncode == 1 and "internal error" not in done.stderr
     assert f"warning: {manifest}: damaged" in " ".join(done.stderr.split()) and "good" in done.stdout
+    # a count of processes below one is damage too (trials took a world size of -4)
+    for world_size in (-4, 0):
+        manifest.write_text(json.dumps({**json.loads((runs / "good" / ".steplens" / "run.json").read_text()),
+                                        "world_size": world_size}))
+        done = subprocess.run([str(BIN / "steplens"), "trials", str(runs)], capture_output=True, text=True, env=env)
+        assert done.returncode == 1 and "damaged (world_size of the wrong type or out of range)" in " ".join(
+            done.stderr.split())
 
 
 def test_compare_gives_no_median_of_two_unlike_steps(tmp_path):

@@ -165,10 +165,12 @@ def damage(manifest) -> str | None:
         return f"run.json holds {type(manifest).__name__}, not an object"
     wrong = [key for key, kind in _RUN_FIELDS.items() if manifest.get(key) is not None and (
         not isinstance(manifest[key], kind) or (kind is int and isinstance(manifest[key], bool)))]
+    if "world_size" not in wrong and manifest.get("world_size") is not None and fact_problem("world_size", manifest["world_size"]):
+        wrong.append("world_size")  # a count of processes: from 1
     devices = (manifest.get("environment") or {}).get("device_names") if "environment" not in wrong else None
     if devices is not None and not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
         wrong.append("environment.device_names")
     # ingest kept only facts of the type they are read as (fact_problem): one that is not was edited afterwards
     if "facts" not in wrong and isinstance(manifest.get("facts"), dict):
         wrong += [f"facts.{key}" for key, value in manifest["facts"].items() if fact_problem(key, value)]
-    return f"{', '.join(wrong)} of the wrong type" if wrong else None
+    return f"{', '.join(wrong)} of the wrong type or out of range" if wrong else None
