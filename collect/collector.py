@@ -51,7 +51,10 @@ def as_number(value) -> float | None:
     try:
         return float(value)
     except OverflowError:  # an int beyond float range is still a number
-        return math.inf if value > 0 else -math.inf
+        try:
+            return math.inf if value > 0 else -math.inf
+        except Exception:  # an object whose __float__ overflows and that cannot be compared: not a number
+            return None
     except Exception:  # TypeError, ValueError, a tensor of several elements (RuntimeError), a broken __float__
         return None
 

@@ -22,13 +22,20 @@ import io
 import json
 import logging
 import os
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
-import polars as pl
+# polars' thread pool is sized when polars is first imported, one thread per core by default: in a training job
+# those threads compete with the ranks' own for every flush (steps overlapping a flush took 2-3x as long, ~16% at
+# a flush every 4 steps). A part is a few thousand rows: one thread writes it. A job that imported polars first
+# or sets POLARS_MAX_THREADS keeps its own.
+os.environ.setdefault("POLARS_MAX_THREADS", "1")
+
+import polars as pl  # noqa: E402 - after its thread count
 import pyarrow as pa
 import pyarrow.parquet as pq
 from steplens.analyze.contract import layout, schema
@@ -72,7 +79,7 @@ class PartWriter:
         self.dropped_rows: dict[str, int] = dict.fromkeys(tables, 0)  # rows lost to a failed writer, per table
         self.failure: str | None = None  # why writing stopped; set once
         self.lock = threading.Lock()  # the worker thread and the job both count dropped rows
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"steplens-writer-rank{rank}")
+        self.worker = BackgroundWriter(f"steplens-writer-rank{rank}")
         self.last: Future | None = None
         layout.manifest_path(self.root, rank).parent.mkdir(parents=True, exist_ok=True)
 
@@ -177,4 +184,36 @@ class PartWriter:
 
     def close(self) -> None:
         self.wait()
-        self.worker.shutdown(wait=False)  # a hung write (already given up on) must not hold up the exit
+        self.worker.shutdown()  # a hung write (already given up on) must not hold up the exit
+
+
+class BackgroundWriter:
+    """One daemon thread running the writes handed to it, in order. Not a ThreadPoolExecutor: the interpreter
+    joins an executor's threads at exit, so a write hung on a dead file system (NFS, a FIFO) held the job's exit
+    forever after close() had given up on it; a daemon thread ends with the process."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self.tasks.put((future, fn, args))
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self.thread.start()
+        return future
+
+    def _run(self) -> None:
+        while (task := self.tasks.get()) is not None:
+            future, fn, args = task
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter, as an executor does
+                    future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        """The thread ends after the writes handed over so far (or with the process)."""
+        self.tasks.put(None)

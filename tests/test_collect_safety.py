@@ -145,6 +145,54 @@ def test_a_hung_background_write_is_given_up_on(tmp_path):
     writer.close()
 
 
+HUNG_WRITE_JOB = """
+import sys, time, torch
+from steplens.collect import attach
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+col = attach(model, optimizer=opt, run_dir=sys.argv[1], samples_per_step=8, flush_every=2, profile=None)
+for step in range(4):
+    model(torch.randn(8, 4)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+started = time.monotonic()
+col.close()
+print(f"closed {time.monotonic() - started:.1f}", flush=True)
+"""
+
+
+def test_a_job_whose_write_hangs_exits_after_the_bounded_wait(tmp_path):
+    """A part write that never returns (a FIFO with no reader where the part is written, as a hung NFS mount
+    blocks) made close() give up after WAIT_S as it should, and then the process never exited: the interpreter
+    joined the writer's executor thread. It now exits right after close()."""
+    import subprocess
+    import time
+
+    from steplens.collect.parts import WAIT_S
+
+    (tmp_path / "collector" / "train_steps").mkdir(parents=True)
+    os.mkfifo(tmp_path / "collector" / "train_steps" / ".rank0-00000.parquet.tmp")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", HUNG_WRITE_JOB, str(tmp_path)], capture_output=True, text=True,
+                          timeout=WAIT_S + 60)
+    assert done.returncode == 0, done.stderr
+    (closed,) = [line for line in done.stdout.splitlines() if line.startswith("closed ")]  # (deepspeed logs too)
+    assert float(closed.split()[1]) <= WAIT_S + 2
+    assert time.monotonic() - started < WAIT_S + 40  # not held at exit by the hung thread
+
+
+def test_a_value_whose_float_overflows_and_cannot_be_compared_costs_that_point_only():
+    """Such a value raised TypeError out of as_number's overflow branch, which disabled every scalar after it."""
+    from steplens.collect.collector import as_number
+
+    class Weird:
+        def __float__(self):
+            raise OverflowError("too big")
+
+        def __gt__(self, other):
+            raise TypeError("not comparable")
+
+    assert as_number(Weird()) is None and as_number(10**400) == math.inf and as_number(-(10**400)) == -math.inf
+
+
 def buffered_rows_of(writer) -> int:
     return sum(len(rows) for rows in writer.rows.values())
 
