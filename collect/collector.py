@@ -170,7 +170,11 @@ class Collector:
 
     def disable(self, part: str, reason: str, exc_info: bool = False) -> None:
         self.disabled[part] = reason
-        log.warning("steplens collector: %s disabled on rank %d after %s", part, self.rank, reason, exc_info=exc_info)
+        # One line: a traceback in the job's log reads as the job's own crash (analyze took a job that exited 0
+        # for a failed one); where it failed is logged at debug level.
+        log.warning("steplens collector: %s disabled on rank %d after %s", part, self.rank, reason)
+        if exc_info:
+            log.debug("steplens collector: where %s failed", part, exc_info=True)
         if part == "writer":
             self.writer.fail(reason, {})  # nothing is buffered from here on
 

@@ -193,6 +193,26 @@ def test_a_value_whose_float_overflows_and_cannot_be_compared_costs_that_point_o
     assert as_number(Weird()) is None and as_number(10**400) == math.inf and as_number(-(10**400)) == -math.inf
 
 
+def test_a_part_that_fails_is_one_warning_line_without_a_traceback(tmp_path, caplog):
+    """A traceback in the job's log reads as the job's crash (analyze called a job that exited 0 failed); the
+    warning is one line and where it failed goes to the debug level."""
+    import logging
+
+    model, optimizer = tiny_model()
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), flush_every=100)
+
+    def broken():
+        raise RuntimeError("injected")
+
+    with caplog.at_level(logging.DEBUG, logger="steplens.collect"):
+        assert collector.guard("timers", broken) is None
+    collector.close()
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING and "timers disabled" in r.getMessage()]
+    assert warning.exc_info is None and "RuntimeError: injected" in warning.getMessage()
+    assert [r.exc_info[0] for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info] == [RuntimeError]
+    assert "timers" in manifest(tmp_path)["disabled"]
+
+
 def buffered_rows_of(writer) -> int:
     return sum(len(rows) for rows in writer.rows.values())
 

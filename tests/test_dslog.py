@@ -782,3 +782,27 @@ def test_an_issue_given_per_column_is_counted_once_per_file(tmp_path):
     assert " in 1 file; e.g. train_rank0.log:" in line
     issues = pl.read_parquet(run / ".steplens" / "ingest_issues").filter(pl.col("reason") == "unrepresentable_value")
     assert issues["file"].n_unique() == 1 and issues.height > 1  # several columns of one file
+
+
+def test_a_traceback_the_collector_caught_is_not_the_jobs_failure():
+    """A collector logged the exception it caught with its traceback: a rank log of a job that exited 0 then read
+    as 'The job failed: RuntimeError: ...'. A traceback right after the collector's warning is not the job's."""
+    (log,) = (RUNS / "run3" / "rank_logs").glob("*rank0.log")
+    lines = log.read_text().splitlines()
+    caught = ["[2026-11-29 13:01:59,100] [WARNING] steplens collector: timers disabled on rank 0 after RuntimeError: "
+              "injected fault", "Traceback (most recent call last):", '  File "collector.py", line 166, in guard',
+              "    return fn(*args)", "RuntimeError: injected fault"]
+    at = len(lines) // 2
+    damaged = "\n".join(lines[:at] + caught + lines[at:]) + "\n"
+    import tempfile
+
+    def statuses(text: str) -> list[tuple]:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / log.name
+            path.write_text(text)
+            table = deepspeed_log.parse(path, path.name).tables.get("run_status")
+        return [] if table is None else table.select("status", "error").rows()
+
+    assert statuses(damaged) == statuses(log.read_text())  # as if the collector had printed nothing
+    crashed = statuses(damaged.replace("steplens collector:", "something else:"))
+    assert crashed == [("failed", "RuntimeError: injected fault")]  # the same traceback on its own is the job's

@@ -443,7 +443,7 @@ def _read_line(state: LogState, lines: list[str], i: int) -> int:
     elif MEGATRON_ARGS_START.match(line.strip()):
         return _megatron_args(state, lines, i + 1)
     else:
-        _launcher_or_status(state, line, i)
+        _launcher_or_status(state, line, i, lines[i - 1] if i else "")
     return i + 1
 
 
@@ -771,7 +771,12 @@ def _command_line(state: LogState, command: str) -> None:
         del state.facts["megatron_args"]
 
 
-def _launcher_or_status(state: LogState, line: str, i: int) -> None:
+# The steplens collector's own warning: a traceback right after it (older collectors logged one) is an exception the
+# collector caught, not the job's.
+COLLECTOR_WARNING = "steplens collector:"
+
+
+def _launcher_or_status(state: LogState, line: str, i: int, previous: str = "") -> None:
     facts = state.facts
     if RUNNER_CMD.search(line):
         _start_run_if_new(state, "cmd")
@@ -826,7 +831,7 @@ def _launcher_or_status(state: LogState, line: str, i: int) -> None:
         state.run.exit_codes.append(int(m[1]))
     elif (m := KILLED.search(line)) and "sigkill_handler" in line:
         state.run.signal = m[1]
-    elif line.startswith(TRACEBACK) or line.endswith(TRACEBACK):
+    elif (line.startswith(TRACEBACK) or line.endswith(TRACEBACK)) and COLLECTOR_WARNING not in previous:
         state.run.exceptions.append([_rank(state, line), None])
     elif state.run.exceptions and (m := EXCEPTION_LINE.match(line.strip())) and not line[:1].isspace():
         state.run.exceptions[-1][1] = line.strip()
