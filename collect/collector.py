@@ -146,6 +146,7 @@ class Collector:
         self.rejected_values: dict[str, int] = {}  # log() values that are not numbers, per scalar name
         self.sigterm_previous = None  # the SIGTERM handler ours replaced, while ours is installed
         self.terminating = False
+        self.sigterm_deferred = False  # a SIGTERM that came while close() was finishing: handed on after it
         self.on_alarm = None  # attach's callback
         self.alarms = None  # rank 0's Alarms, when rules are on
         self.stop_requested = False  # an alarm asked the job to stop (stop_training); the job decides
@@ -403,6 +404,12 @@ class Collector:
         """Flush and mark the manifest `terminated`, then what the previous handler does (the default: die
         by SIGTERM, as the job would have without us)."""
         previous = self.sigterm_previous or signal.SIG_DFL
+        if self.closed and os.getpid() == self.owner_pid:
+            # close() is flushing the last steps (the handler stays until it is done): it hands the signal on
+            # afterwards, as a SIGTERM during its last flush lost every unflushed step.
+            self.sigterm_deferred = True
+            self.status = "terminated"
+            return
         # A second SIGTERM during our flush is not run twice; a forked child's is not ours to handle.
         if not self.terminating and not self.closed and os.getpid() == self.owner_pid:
             self.terminating = True
@@ -417,8 +424,9 @@ class Collector:
 
     # --- lifecycle (end) ----------------------------------------------------------------------------------
 
-    def unhook(self) -> None:
-        """Put back everything attach changed in the job; no writes."""
+    def unhook(self, keep_sigterm: bool = False) -> None:
+        """Put back everything attach changed in the job; no writes. With keep_sigterm, the SIGTERM handler stays
+        (close() puts it back once its last flush is done)."""
         self.guard("profiler", self.stop_profiler)
         if self.comms is not None:
             self.guard("comms", self.comms.uninstall)
@@ -428,7 +436,8 @@ class Collector:
             else:
                 setattr(owner, name, before)
         self.restore.clear()
-        self.guard("sigterm", self.restore_sigterm)
+        if not keep_sigterm:
+            self.guard("sigterm", self.restore_sigterm)
         atexit.unregister(self.close_at_exit)
         for target in [target for target, collector in _ATTACHED.items() if collector is self]:
             del _ATTACHED[target]  # (the entry would keep the model alive)
@@ -440,7 +449,7 @@ class Collector:
         if self.closed:
             return
         self.closed = True
-        self.guard("unhook", self.unhook)
+        self.guard("unhook", self.unhook, True)
         if self.status == "running":
             self.status = status
         self.guard("writer", self.flush, False)  # with the last alarm evaluation
@@ -448,6 +457,14 @@ class Collector:
             self.guard("alarms", self.alarms.close)  # pending alarms delivered (bounded) before close returns
         self.guard("writer", self.writer.close)
         self.guard("manifest", self.write_manifest)  # the final status, even when the last flush failed
+        previous = self.sigterm_previous or signal.SIG_DFL
+        self.guard("sigterm", self.restore_sigterm)
+        if self.sigterm_deferred:  # a SIGTERM came during the above: now what the job would have done with it
+            if callable(previous):
+                previous(signal.SIGTERM, None)
+            elif previous == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
 
     def close_at_exit(self) -> None:
         if os.getpid() != self.owner_pid:  # a forked child exiting: the parent's collector is not its to close
@@ -708,11 +725,11 @@ class TorchCollector(Collector):
             **(self.guard("memory", self.device_memory_peaks) or {}),
         })
 
-    def unhook(self) -> None:
+    def unhook(self, keep_sigterm: bool = False) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        super().unhook()
+        super().unhook(keep_sigterm)
 
 
 def _attached_to(target) -> Collector | None:

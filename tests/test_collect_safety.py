@@ -213,6 +213,39 @@ def test_a_part_that_fails_is_one_warning_line_without_a_traceback(tmp_path, cap
     assert "timers" in manifest(tmp_path)["disabled"]
 
 
+SIGTERM_IN_CLOSE_JOB = """
+import os, signal, sys, torch
+from steplens.collect import attach
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+col = attach(model, optimizer=opt, run_dir=sys.argv[1], samples_per_step=8, flush_every=1000, profile=None)
+for step in range(10):
+    model(torch.randn(8, 4)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+flush = col.writer.flush
+def flush_after_a_sigterm(*args, **kwargs):  # the launcher's SIGTERM lands in close()'s last flush
+    os.kill(os.getpid(), signal.SIGTERM)
+    return flush(*args, **kwargs)
+col.writer.flush = flush_after_a_sigterm
+col.close()
+print("after close", flush=True)
+"""
+
+
+def test_a_sigterm_during_close_is_handed_on_after_the_last_flush(tmp_path):
+    """close() put the default SIGTERM handler back before its last flush: a SIGTERM then (a launcher stopping the
+    job) lost every unflushed step and left the manifest 'running'. The job still dies by it, once all is written."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", SIGTERM_IN_CLOSE_JOB, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert "after close" not in done.stdout
+    doc = manifest(tmp_path)
+    assert doc["status"] == "terminated" and doc["steps_completed"] == 10
+    steps = pl.read_parquet(tmp_path / "collector" / "train_steps" / "*.parquet")
+    assert sorted(steps["step"].to_list()) == list(range(10))
+
+
 def buffered_rows_of(writer) -> int:
     return sum(len(rows) for rows in writer.rows.values())
 
