@@ -456,3 +456,22 @@ def test_trials_says_in_the_runs_terms_why_no_run_was_timed(tmp_path):
             "profiler_export left out): a trial needs 3 kept steps and its samples per step") in text.lower()
     assert "no experiment produced metrics" not in text
     assert max(len(line) for line in done.stdout.splitlines()) <= 80
+
+
+def test_a_profiler_step_after_the_last_recorded_step_is_no_step():
+    """A job that ends inside a profiler window: stopping the profiler closes one more ProfilerStep span (104 µs,
+    after the last prof.step()), which was reported as 'Profiled step 5 took 95.6 µs'. Hand-made: the run recorded
+    steps 0-4; ProfilerStep 3 and 4 are steps, 5 is not."""
+    from steplens.analyze.analyses import step_time as st
+
+    table = pl.DataFrame({"step": [0, 1, 2, 3, 4], "step_time_ns": [50_000_000] * 5, "excluded": [False] * 5,
+                          "source": ["train_steps"] * 5})
+    ms = 1_000_000
+    profiler_steps = pl.DataFrame({"rank": [0, 0, 0], "step": [3, 4, 5], "start_ns": [0, 40 * ms, 80 * ms],
+                                   "end_ns": [40 * ms, 80 * ms, 80 * ms + 104_000]})
+    windows = st.profiled_windows(table, profiler_steps)
+    assert [(w["step"], w["after_last_step"]) for w in windows["steps"]] == [(3, False), (4, False), (5, True)]
+    lines = st.step_lines({"profiled_steps": windows})
+    assert [line.split(" (")[0] for line in lines] == ["Profiled step 3 took 40 ms", "Profiled step 4 took 40 ms",
+                                                       "ProfilerStep 5"]
+    assert "no step of training" in lines[2] and "104 µs" in lines[2]

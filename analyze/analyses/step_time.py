@@ -417,9 +417,13 @@ def profiled_windows(table: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict 
     windows = _from_profiler(profiler_steps).select("step", profiler_dur_ns="step_time_ns", rank="slowest_rank")
     kept = table.filter(~pl.col("excluded"))
     if source:
-        windows = windows.join(table.select("step", "step_time_ns"), on="step", how="left")
+        # A ProfilerStep after the last step the run recorded is the profiler's closing span (stopped inside its
+        # window when the job ended), no step of training: it is flagged, and the sentence says so.
+        last = table["step"].max()
+        windows = windows.join(table.select("step", "step_time_ns"), on="step", how="left").with_columns(
+            after_last_step=pl.col("step") > last)
     else:
-        windows = windows.with_columns(step_time_ns=pl.lit(None, pl.Int64))
+        windows = windows.with_columns(step_time_ns=pl.lit(None, pl.Int64), after_last_step=pl.lit(False))
     values = kept["step_time_ns"].drop_nulls().to_list()
     return {"steps": windows.sort("step").to_dicts(), "source": source,
             "run_median_ns": round(statistics.median(values)) if has_typical_time(values) else None}
@@ -536,6 +540,11 @@ def step_lines(summary: dict) -> list[str]:
                  if window.get("step_time_ns") is not None else "")
         median = (f", the run's median step is {duration(profiled['run_median_ns'])}"
                   if profiled.get("run_median_ns") is not None else "")
+        if window.get("after_last_step"):
+            lines.append(f"ProfilerStep {window['step']} ({duration(window['profiler_dur_ns'])}, rank {window['rank']}) "
+                         f"began after the last step {SOURCE_WORDS.get(profiled['source'], profiled['source'])} "
+                         "recorded: the profiler was stopped inside its window, so it is no step of training.")
+            continue
         lines.append(f"Profiled step {window['step']} took {duration(window['profiler_dur_ns'])} (ProfilerStep window, "
                      f"rank {window['rank']}{timed}){median}.")
     return lines
