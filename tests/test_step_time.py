@@ -475,3 +475,29 @@ def test_a_profiler_step_after_the_last_recorded_step_is_no_step():
     assert [line.split(" (")[0] for line in lines] == ["Profiled step 3 took 40 ms", "Profiled step 4 took 40 ms",
                                                        "ProfilerStep 5"]
     assert "no step of training" in lines[2] and "104 µs" in lines[2]
+
+
+def test_a_job_run_again_into_its_folder_is_timed_once_per_step():
+    """The same job run twice into one folder (or resumed from an earlier checkpoint) repeats its micro steps; the
+    step time summed both recordings (109 ms against 50-60 ms per job). Hand-made: steps 0-2 on ranks 0 and 1,
+    recorded at 10 ms then again at 20 ms (later); each step is 20 ms, and the repeat is named."""
+    from steplens.analyze.analyses import step_time as st
+
+    ms = 1_000_000
+    rows = []
+    for job, (offset, dur) in enumerate([(0, 10 * ms), (10_000 * ms, 20 * ms)]):
+        for rank in (0, 1):
+            for step in range(3):
+                start = offset + step * 100 * ms
+                rows.append({"rank": rank, "source": f"collector/train_steps/rank{rank}-0000{job}.parquet", "step": step,
+                             "micro_step": step, "start_ns": start, "end_ns": start + dur, "dur_ns": dur,
+                             "is_boundary": True, "skipped": False, "global_samples": 8 * (step + 1)})
+    from steplens.analyze.importers.base import conform
+
+    train_steps = conform(rows, "train_steps")
+    table = st.step_time_table(train_steps)
+    assert table.sort("step")["step_time_ns"].to_list() == [20 * ms] * 3
+    assert st.repeated_steps(train_steps) == {"micro_steps": 6, "steps": [0, 1, 2], "step_count": 3, "ranks": [0, 1],
+                                              "rank_count": 2}
+    once = train_steps.filter(pl.col("start_ns") >= 10_000 * ms)
+    assert st.repeated_steps(once) is None and st.step_time_table(once)["step_time_ns"].to_list() == [20 * ms] * 3

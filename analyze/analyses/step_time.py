@@ -186,10 +186,35 @@ def _from_profiler(profiler_steps: pl.DataFrame) -> pl.DataFrame:
         end_ns=pl.col("end_ns").max()).with_columns(incomplete=pl.col("ranks") < pl.col("ranks").max())
 
 
+def _repeated(train_steps: pl.DataFrame) -> pl.Series:
+    """Rows of a micro step a rank recorded again later: a job run again into the same folder, or resumed from a
+    checkpoint older than where it stopped, repeats its micro step numbers. The later recording is the one the run
+    went on from; summing both doubled those steps' times."""
+    later = pl.col("start_ns").rank("ordinal", descending=True).over("rank", "micro_step") > 1
+    return train_steps.select(repeated=(pl.col("micro_step").is_not_null() & later).fill_null(False))["repeated"]
+
+
+def repeated_steps(train_steps: pl.DataFrame) -> dict | None:
+    """The optimizer steps some rank recorded more than once (their earlier recordings are left out), or None."""
+    if train_steps.is_empty():
+        return None
+    repeated = train_steps.filter(_repeated(train_steps))
+    if repeated.is_empty():
+        return None
+    steps = sorted(repeated["step"].drop_nulls().unique().to_list())
+    ranks = sorted(repeated["rank"].drop_nulls().unique().to_list())
+    return {"micro_steps": repeated.height, "steps": steps[:LISTED], "step_count": len(steps), "ranks": ranks[:LISTED],
+            "rank_count": len(ranks)}
+
+
+LISTED = 100  # steps or ranks named in findings.json; the count says how many more
+
+
 def _pick_source(train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: pl.DataFrame,
                  profiler_steps: pl.DataFrame, facts: dict) -> tuple[str, str, pl.DataFrame]:
     """(source, definition key, per-step frame) of the best source with at least one step."""
     if not train_steps.is_empty():
+        train_steps = train_steps.filter(~_repeated(train_steps))
         collected = train_steps.filter(_is_collector(pl.col("source")))
         if not collected.is_empty():
             return "train_steps", "collector", _from_micro_steps(collected)
@@ -534,6 +559,11 @@ def step_lines(summary: dict) -> list[str]:
         lines.append(f"fp16 overflow: the optimizer skipped {overflow['skipped_steps']} of {overflow['steps']} steps "
                      f"({overflow['share']:.0%}){scale}. Skipped steps do no training: check the loss for inf/NaN and the "
                      "initial loss scale (fp16.initial_scale_power), or use bf16.")
+    if repeated := summary.get("repeated_steps"):
+        lines.append(f"Steps {_step_ranges(repeated['steps'], repeated['step_count'])} were recorded more than once "
+                     f"(rank{'s' if repeated['rank_count'] > 1 else ''} {_step_ranges(repeated['ranks'], repeated['rank_count'])}, "
+                     f"{repeated['micro_steps']} micro step(s)): a job run again into the same folder, or resumed from "
+                     "an earlier checkpoint; the later recording of each is the one timed.")
     profiled = summary.get("profiled_steps") or {}
     for window in profiled.get("steps", [])[:3]:
         timed = (f"; {SOURCE_WORDS.get(profiled['source'], profiled['source'])} timed it {duration(window['step_time_ns'])}"
@@ -614,6 +644,8 @@ def _step_time(inputs: Inputs) -> Output:
         finding["profiled_steps"] = windows
     if overflow := overflow_finding(table, inputs.table("scalars")):
         finding["fp16_overflow"] = overflow
+    if repeated := repeated_steps(inputs.table("train_steps", ["rank", "step", "micro_step", "start_ns"])):
+        finding["repeated_steps"] = repeated
     return Output(tables={"step_time": table}, finding=finding)
 
 
