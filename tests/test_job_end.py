@@ -78,3 +78,23 @@ def test_nccl_watchdog_timeout_is_named_as_the_cause():
     assert job_end.job_end_lines(end, with_status=True) == [
         f"The job failed: {error}",  # one full stop, the error's own
         "It ended on an NCCL watchdog timeout: a collective waited past its timeout for a rank that never joined it."]
+
+
+def test_a_collector_record_that_stops_early_is_not_the_jobs_end():
+    """The collector's folder went read-only mid-run: its manifests stayed 'running' at step 10 while the launcher
+    saw every process exit 0, and the verdict said 'The job did not finish'. A manifest left running does not
+    outweigh the launcher's completed; it still does when the launcher says nothing, or the job failed."""
+    import polars as pl
+    from steplens.analyze.analyses import job_end
+
+    def row(rank, source, status):
+        return {"rank": rank, "source": source, "run_index": 0, "status": status, "exit_code": None, "error": None,
+                "detail": ""}
+
+    manifests = [row(r, f"collector/manifest/rank{r}.json", "incomplete") for r in (0, 1)]
+    completed = pl.DataFrame([row(None, "launcher.log", "completed"), *manifests])
+    assert job_end.job_end(completed, pl.DataFrame(), pl.DataFrame(), pl.DataFrame(), {}, None) is None
+    alone = pl.DataFrame(manifests)
+    assert job_end.job_end(alone, pl.DataFrame(), pl.DataFrame(), pl.DataFrame(), {}, None)["status"] == "incomplete"
+    failed = pl.DataFrame([row(None, "launcher.log", "completed"), row(1, "rank_logs/x_rank1.log", "failed"), *manifests])
+    assert job_end.job_end(failed, pl.DataFrame(), pl.DataFrame(), pl.DataFrame(), {}, None)["status"] == "failed"

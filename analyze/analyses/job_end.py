@@ -25,6 +25,7 @@ import re
 import polars as pl
 
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.contract import layout
 from datetime import datetime, timezone
 
 WATCHDOG = re.compile(r"watchdog caught collective operation timeout|collective operation timeout|"
@@ -111,6 +112,11 @@ def job_end(run_status: pl.DataFrame, train_steps: pl.DataFrame, step_timers: pl
     """The `job_end` finding, or None for a job that completed with every rank in step."""
     ranks = progress(train_steps, step_timers, scalars, facts)
     bad = run_status.filter(pl.col("status").is_in(ENDED_BADLY)) if not run_status.is_empty() else run_status
+    # A collector manifest left 'running' says the collector's record stops there (its writes failed: a read-only
+    # or full disk), not that the job did, when the launcher saw every process exit 0.
+    if not bad.is_empty() and not run_status.filter(pl.col("rank").is_null() & (pl.col("status") == "completed")).is_empty():
+        manifest = pl.col("source").str.contains(f"(^|/){layout.COLLECTOR_DIR}/{layout.MANIFEST_DIR}/", literal=False)
+        bad = bad.filter(~((pl.col("status") == "incomplete") & manifest.fill_null(False)))
     uneven = ranks.height > 1 and (ranks["last_step"].n_unique() > 1 or ranks["manifest_status"].n_unique() > 1)
     if bad.is_empty() and not uneven:
         return None

@@ -215,7 +215,8 @@ def _parse_manifest(path: Path, rel: str) -> Imported:
         run_status = "failed" if status == "failed" else "incomplete"
         flushed = "nothing was flushed" if last is None else f"rows up to step {last} were flushed"
         detail = (f"collector manifest of rank {rank} says {status!r}: the rank did not finish (killed, crashed or still "
-                  f"running); {steps} steps had run at its last update, {flushed}; everything after is missing")
+                  f"running), or the collector's writes failed (a read-only or full disk); {steps} steps had run at its "
+                  f"last update, {flushed}; everything after is missing")
         issues.append(["error", "collector_missing_tail", 1, detail])
     dropped, dropped_damaged = _counts(doc.get("dropped_rows"))
     rejected, rejected_damaged = _counts(doc.get("rejected_values"))
