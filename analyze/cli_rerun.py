@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import textwrap
 import threading
+import unicodedata
 from pathlib import Path
 
 from steplens.analyze.contract import reuse
@@ -33,11 +33,30 @@ def say(console, text: str, indent: int = 2, lead: str | None = None) -> None:
     """Print untrusted text as plain lines wrapped to the console width (80 columns when piped), the
     continuation indented; a word longer than the line (a path) stays whole rather than broken. `lead`
     (`error: `) starts the first line in place of the indent, a long word after it on the same line."""
-    width = max(console.width, 40)
-    lines = textwrap.wrap(safe_text(text), width=width, initial_indent=" " * indent if lead is None else lead,
-                          subsequent_indent=" " * (indent + 2), break_long_words=False, break_on_hyphens=False) or [""]
-    for line in lines:
+    for line in wrapped(safe_text(text), max(console.width, 40), " " * indent if lead is None else lead,
+                        " " * (indent + 2)):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def wrapped(text: str, width: int, first: str, rest: str) -> list[str]:
+    """text's words in lines of at most `width` terminal columns (a CJK character takes two: textwrap counts
+    characters, and a line of them ran to 112 columns), `first` then `rest` before them; a word longer than a
+    line stays whole on a line of its own (a path)."""
+    lines, line, used = [], first, _columns(first)
+    fresh = True  # nothing but the lead on the line yet
+    for word in text.split():
+        size = _columns(word)
+        if not fresh and used + 1 + size > width:
+            lines.append(line)
+            line, used, fresh = rest, _columns(rest), True
+        line, used, fresh = (line + word, used + size, False) if fresh else (line + " " + word, used + 1 + size, False)
+    lines.append(line)
+    return [line for line in lines if line.strip()] or [""]
+
+
+def _columns(text: str) -> int:
+    """Terminal columns: East Asian wide and full-width characters take two, combining marks none."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
 
 HEADER_LINES = 2  # summary_lines' first two: what was read into where, and how long it took

@@ -94,3 +94,18 @@ def test_a_usage_error_naming_a_long_path_wraps_at_80_columns(runs, args):
     assert done.stderr.splitlines()[0].startswith("Usage: ")
     assert missing in done.stderr and "does not exist" in " ".join(done.stderr.split())
     assert _too_wide(done.stderr) == []
+
+
+def test_wide_characters_count_two_columns_when_wrapping():
+    """textwrap counts characters: a message of CJK words (two columns each) ran to 112 columns at 80."""
+    import unicodedata
+
+    from steplens.analyze.cli_rerun import wrapped
+
+    def columns(line: str) -> int:  # by hand: W and F characters are two columns
+        return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in line)
+
+    text = " ".join(["训练损失"] * 30 + ["loss"] * 10)
+    lines = wrapped(text, 80, "  ", "    ")
+    assert all(columns(line) <= 80 for line in lines) and max(columns(line) for line in lines) > 70
+    assert " ".join(" ".join(lines).split()) == text  # every word, in order
