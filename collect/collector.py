@@ -141,7 +141,6 @@ class Collector:
         self.started_ns = time.time_ns()
         self.status = "running"
         self.closed = False
-        self.last_flush_step: int | None = None
         self.host: dict = {}
         self.rejected_values: dict[str, int] = {}  # log() values that are not numbers, per scalar name
         self.sigterm_previous = None  # the SIGTERM handler ours replaced, while ours is installed
@@ -222,7 +221,7 @@ class Collector:
     def log(self, name: str, value: float) -> None:
         """A user scalar (train/loss, train/grad_norm, perf/step_time, mem/peak, ...) at the last finished step."""
         if self.writes_scalars():
-            self.guard("scalars", self.add_scalar, name, value, self.completed_steps - 1, self.samples_now())
+            self.guard("scalars", self.add_scalar, name, value, self.last_finished_step(), self.samples_now())
 
     def samples_now(self) -> int | None:
         raise NotImplementedError
@@ -315,12 +314,15 @@ class Collector:
         if self.completed_steps % self.settings.flush_every == 0:
             self.guard("writer", self.flush)
 
+    def last_finished_step(self) -> int | None:
+        """The last optimizer step finished; None before the first (not -1, which no step is)."""
+        return self.completed_steps - 1 if self.completed_steps else None
+
     def flush(self, background: bool = True) -> None:
-        if self.writer.failure is None:
-            self.last_flush_step = self.completed_steps - 1
         # The lists handed to the writer are replaced, not changed, after this: the alarms read them as they are.
         rows = [self.writer.rows[table] for table in ("scalars", "train_steps", "comms_calls")]
-        self.writer.flush(self.manifest(), background)
+        # the step this flush covers: the manifests say so once its parts are written (PartWriter.flushed_step)
+        self.writer.flush({**self.manifest(), "last_flushed_step": self.last_finished_step()}, background)
         if self.alarms is not None:
             self.writer.run(self.guard, "alarms", self.alarms.evaluate, *rows, background=background)
         if self.writer.failure is not None and "writer" not in self.disabled:  # a background write failed
@@ -341,7 +343,7 @@ class Collector:
             "format": layout.COLLECTOR_MANIFEST_FORMAT, "version": layout.COLLECTOR_MANIFEST_VERSION, "rank": self.rank,
             "status": self.status,
             "started_ns": self.started_ns, "updated_ns": time.time_ns(),
-            "steps_completed": self.completed_steps, "last_flushed_step": self.last_flush_step,
+            "steps_completed": self.completed_steps, "last_flushed_step": self.writer.flushed_step,
             "flushes": self.writer.seq, "rows_written": dict(self.writer.rows_written),
             "dropped_rows": dict(self.writer.dropped_rows), "rejected_values": dict(self.rejected_values),
             "disabled": dict(self.disabled), "flags": self.flags, "host": self.host, "run": self.run_facts,

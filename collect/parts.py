@@ -46,9 +46,15 @@ log = logging.getLogger("steplens.collect")
 
 
 def write_atomically(path: Path, data: bytes) -> None:
+    """path holds data whole, or what it held before; a write that fails (a full disk) leaves no temporary file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except Exception:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 # Arrow -> polars types of the telemetry tables. Rows go through polars because building Arrow arrays from
@@ -78,6 +84,7 @@ class PartWriter:
         self.rows_written: dict[str, int] = dict.fromkeys(tables, 0)
         self.dropped_rows: dict[str, int] = dict.fromkeys(tables, 0)  # rows lost to a failed writer, per table
         self.failure: str | None = None  # why writing stopped; set once
+        self.flushed_step: int | None = None  # the last optimizer step whose rows are all written
         self.lock = threading.Lock()  # the worker thread and the job both count dropped rows
         self.worker = BackgroundWriter(f"steplens-writer-rank{rank}")
         self.last: Future | None = None
@@ -147,6 +154,7 @@ class PartWriter:
             for table, rows in batch.items():
                 self.write_part(table, rows, seq)
                 del pending[table]
+            self.flushed_step = manifest.get("last_flushed_step", self.flushed_step)
             self.write_manifest({**manifest, "flushes": self.seq, "rows_written": dict(self.rows_written),
                                  "dropped_rows": dict(self.dropped_rows)})
         except Exception as exc:

@@ -246,6 +246,30 @@ def test_a_sigterm_during_close_is_handed_on_after_the_last_flush(tmp_path):
     assert sorted(steps["step"].to_list()) == list(range(10))
 
 
+def test_the_manifest_names_only_steps_whose_rows_were_written(tmp_path):
+    """After a write that failed the manifest still said last_flushed_step=3 with no row written; a job with no
+    step said -1; a point logged before the first step was step -1. Each is null: no step is -1."""
+    model, optimizer = tiny_model()
+    blocked = tmp_path / "blocked"
+    collector = attach(model, optimizer=optimizer, run_dir=str(blocked), flush_every=2)
+    (blocked / "collector" / "train_steps").write_text("a file where the table's folder goes")
+    for _ in range(4):
+        train_step(model, optimizer)
+    collector.close()
+    doc = manifest(blocked)
+    assert doc["steps_completed"] == 4 and doc["rows_written"]["train_steps"] == 0
+    assert doc["last_flushed_step"] is None and doc["dropped_rows"]["train_steps"] == 4
+
+    model, optimizer = tiny_model()
+    idle = tmp_path / "idle"
+    collector = attach(model, optimizer=optimizer, run_dir=str(idle), flush_every=2)
+    collector.log("train/loss", 1.0)  # before any step
+    collector.close()
+    assert manifest(idle)["last_flushed_step"] is None
+    scalars = pl.read_parquet(idle / "collector" / "scalars" / "*.parquet")
+    assert scalars.filter(pl.col("name") == "train/loss")["step"].to_list() == [None]
+
+
 def buffered_rows_of(writer) -> int:
     return sum(len(rows) for rows in writer.rows.values())
 
