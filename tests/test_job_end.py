@@ -98,3 +98,22 @@ def test_a_collector_record_that_stops_early_is_not_the_jobs_end():
     assert job_end.job_end(alone, pl.DataFrame(), pl.DataFrame(), pl.DataFrame(), {}, None)["status"] == "incomplete"
     failed = pl.DataFrame([row(None, "launcher.log", "completed"), row(1, "rank_logs/x_rank1.log", "failed"), *manifests])
     assert job_end.job_end(failed, pl.DataFrame(), pl.DataFrame(), pl.DataFrame(), {}, None)["status"] == "failed"
+
+
+def test_records_that_end_unevenly_are_no_stall_when_every_process_exited_0():
+    """On a full disk the ranks' collector records stopped at different steps, and analyze said 'Rank 1 stopped
+    making progress first' of a job whose every process exited 0. Hand-made records: rank 0 to step 11, rank 1 to 5."""
+    import polars as pl
+    from steplens.analyze.analyses import job_end
+    from steplens.analyze.importers.base import conform
+
+    rows = [{"rank": rank, "source": f"collector/train_steps/rank{rank}-00000.parquet", "step": step, "micro_step": step,
+             "start_ns": step * 10**8, "end_ns": step * 10**8 + 5 * 10**7, "dur_ns": 5 * 10**7, "is_boundary": True}
+            for rank, last in ((0, 11), (1, 5)) for step in range(last + 1)]
+    train_steps = conform(rows, "train_steps")
+    launcher = pl.DataFrame({"rank": [None], "source": ["launcher.log"], "run_index": [0], "status": ["completed"],
+                             "exit_code": [0], "error": [None], "detail": ["2 process(es) exited successfully"]},
+                            schema_overrides={"rank": pl.Int64, "error": pl.String})
+    assert job_end.job_end(launcher, train_steps, pl.DataFrame(), pl.DataFrame(), {}, None) is None
+    unknown = launcher.with_columns(status=pl.lit("unknown"))
+    assert job_end.job_end(unknown, train_steps, pl.DataFrame(), pl.DataFrame(), {}, None)["first_stalled_rank"] == 1

@@ -113,11 +113,16 @@ def job_end(run_status: pl.DataFrame, train_steps: pl.DataFrame, step_timers: pl
     ranks = progress(train_steps, step_timers, scalars, facts)
     bad = run_status.filter(pl.col("status").is_in(ENDED_BADLY)) if not run_status.is_empty() else run_status
     # A collector manifest left 'running' says the collector's record stops there (its writes failed: a read-only
-    # or full disk), not that the job did, when the launcher saw every process exit 0.
-    if not bad.is_empty() and not run_status.filter(pl.col("rank").is_null() & (pl.col("status") == "completed")).is_empty():
+    # or full disk), not that the job did, when the launcher saw every process exit 0; nor do records that end at
+    # different steps then say a rank stalled.
+    launcher_completed = {"rank", "status"} <= set(run_status.columns) and not run_status.filter(
+        pl.col("rank").is_null() & (pl.col("status") == "completed")).is_empty()
+    if launcher_completed and not bad.is_empty():
         manifest = pl.col("source").str.contains(f"(^|/){layout.COLLECTOR_DIR}/{layout.MANIFEST_DIR}/", literal=False)
-        bad = bad.filter(~((pl.col("status") == "incomplete") & manifest.fill_null(False)))
-    uneven = ranks.height > 1 and (ranks["last_step"].n_unique() > 1 or ranks["manifest_status"].n_unique() > 1)
+        bad = bad.filter(~((pl.col("status") == "incomplete") & manifest.fill_null(False))) \
+            if "source" in bad.columns else bad
+    uneven = ranks.height > 1 and (ranks["last_step"].n_unique() > 1 or ranks["manifest_status"].n_unique() > 1) \
+        and not (launcher_completed and bad.is_empty())
     if bad.is_empty() and not uneven:
         return None
     errors = [e for e in (bad["error"].drop_nulls().to_list() if not bad.is_empty() else []) if e]
