@@ -35,7 +35,8 @@ _DECLARED = (
     IssueReason("special_file", ("warning",), "A FIFO, device or socket: skipped without opening it."),
     IssueReason("linked_folder", ("warning",), "A symbolic link to a folder: not followed (it may lead out of the "
                 "run or loop), named in run.json."),
-    IssueReason("unreadable", ("error",), "The file cannot be read (permissions, I/O error)."),
+    IssueReason("unreadable", ("error",), "The file cannot be read, or a sub-folder cannot be listed (permissions, I/O "
+                "error, a path past the system's limit): what it holds is lost."),
     IssueReason("empty_file", ("error", "warning"), "The file is empty (a log: warning, nothing expected was lost)."),
     IssueReason("not_a_trace", ("info",), "A .json/.gz file that is not a profiler trace, a SQLite file that is not an "
                 "Nsight Systems export, or an nsys report to export first; ignored."),
