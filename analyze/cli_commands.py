@@ -206,8 +206,16 @@ def _analysed(run_dir: Path) -> Path:
     for candidate in (run_dir, run_dir / schema.DEFAULT_OUT_DIR):
         if (candidate / schema.MANIFEST_FILE).exists():
             return candidate
+    from steplens.analyze.pipeline.ingest import discover
+    from steplens.analyze.pipeline.runs import split_appended_logs, split_runs
+
+    found = discover(run_dir, run_dir / schema.DEFAULT_OUT_DIR)
+    if len(runs := split_appended_logs(split_runs(run_dir, found))) > 1:  # analyze tells them apart; merged, they
+        names = ", ".join(run.name or str(run.path.relative_to(run_dir)) for run in runs[:3])  # would be judged as one
+        raise IngestError(f"{run_dir} holds {len(runs)} runs ({names}{', ...' if len(runs) > 3 else ''}): give one run "
+                          "folder, or the output folder analyze wrote for it")
     warn(f"analysing {file_name_text(str(run_dir))} first (default options) ...")
-    with staged(run_dir) as stage:
+    with staged(run_dir, found=found) as stage:
         analyse_and_report(stage.folder, runner.Options())
         return publish(stage).out_dir
 
@@ -240,6 +248,12 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
     from steplens.reports import compare, html, markdown
     from steplens.reports.data import DamagedRun, load, write_atomic
 
+    # analyze replaces its output folder whole and refuses one holding files it did not write: compare's files
+    # written into one would stop the next analyze of that run
+    if (held := next((p for p in (out_dir.resolve(), *out_dir.resolve().parents)
+                      if (p / schema.MANIFEST_FILE).is_file()), None)) is not None:
+        fail(f"--out {safe_text(out_dir)}: inside {safe_text(held)}, a folder analyze wrote; give compare a folder "
+             "of its own")
     try:
         base, new = load(_analysed(base_run)), load(_analysed(new_run))
     except (DamagedRun, IngestError) as e:

@@ -116,3 +116,44 @@ def test_compare_gives_no_median_of_two_unlike_steps(tmp_path):
     step = json.loads(done.stdout)["step_time"]
     assert step["base_steps"] == step["new_steps"] == 2 and step["base_median_ns"] is None is step["new_median_ns"]
     assert "<td>median step time</td><td>too few steps</td><td>too few steps</td>" in (tmp_path / "out" / "compare.html").read_text()
+
+
+def test_compare_refuses_a_folder_of_runs_and_an_output_folder_of_analyze(tmp_path):
+    """A folder holding two runs was analysed as one and its mixture judged ('within noise', exit 0); --out inside a
+    run's .steplens was taken, and the next analyze of that run then refused its own folder."""
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        shutil.copytree(ROOT / "sample_runs" / "synthetic_8rank", runs / name, ignore=shutil.ignore_patterns(".steplens"))
+    single = runs / "a"
+    env = {**os.environ, "COLUMNS": "80"}
+    mixed = subprocess.run([str(BIN / "steplens"), "compare", str(single), str(runs), "--out", str(tmp_path / "c")],
+                           capture_output=True, text=True, env=env)
+    assert mixed.returncode == 2 and f"{runs} holds 2 runs (a, b)" in " ".join(mixed.stderr.split())
+    assert not (runs / ".steplens").exists()
+    inside = subprocess.run([str(BIN / "steplens"), "compare", str(single), str(single), "--out",
+                             str(single / ".steplens" / "cmp")], capture_output=True, text=True, env=env)
+    assert inside.returncode == 2 and "a folder analyze wrote" in " ".join(inside.stderr.split())
+    assert not (single / ".steplens" / "cmp").exists()
+
+
+def test_a_run_compared_with_itself_lists_its_largest_kernels_the_same_way_every_time(tmp_path):
+    """Every delta is 0 comparing a run with itself: the rows were picked in hash order, a different compare.md each
+    time and often without the largest kernels. Ties now go by time: the largest first, the same bytes each time."""
+    import polars as pl
+
+    run = tmp_path / "run"
+    shutil.copytree(ROOT / "sample_runs" / "synthetic_8rank", run, ignore=shutil.ignore_patterns(".steplens"))
+    outputs = []
+    for i in range(2):
+        done = subprocess.run([str(BIN / "steplens"), "compare", str(run), str(run), "--out", str(tmp_path / f"c{i}"),
+                               "--format", "json"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        outputs.append((tmp_path / f"c{i}" / "compare.md").read_bytes())
+    assert outputs[0] == outputs[1]
+    from steplens.analyze.analyses import compare as comparison
+    from steplens.reports.data import load
+
+    listed = comparison.compare(load(run), load(run))["kernels"]["name"].to_list()
+    largest = pl.read_parquet(run / ".steplens" / "top_kernels").group_by("name").agg(pl.col("time_ns").sum()).sort(
+        "time_ns", "name", descending=[True, False])["name"].to_list()
+    assert listed == largest[:len(listed)] and len(listed) >= 2

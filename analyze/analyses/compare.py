@@ -178,7 +178,10 @@ def side_by_side(base: pl.DataFrame, new: pl.DataFrame, key: str, limit: int) ->
     joined = joined.rename({"time_ns": "base_ns", "time_ns_new": "new_ns"}).with_columns(
         delta_ns=pl.col("new_ns") - pl.col("base_ns"),
         delta=pl.when(pl.col("base_ns") > 0).then(pl.col("new_ns") / pl.col("base_ns") - 1))
-    return joined.sort(pl.col("delta_ns").abs(), descending=True).head(limit)
+    # the largest changes first; ties (two identical runs: every delta 0) by time, then name, so the rows shown
+    # are the biggest and the same on every run
+    return joined.sort(pl.col("delta_ns").abs(), pl.max_horizontal("base_ns", "new_ns"), key,
+                       descending=[True, True, False]).head(limit)
 
 
 def _kernel_tables(base, new) -> dict[str, pl.DataFrame]:
