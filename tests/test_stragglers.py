@@ -65,3 +65,18 @@ def test_binomial_tail_matches_the_exact_sum():
         for k in range(0, n + 1, max(1, n // 15)):
             exact = sum(comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
             assert binomial_tail(k, n, 1 / ranks) == pytest.approx(float(exact), rel=1e-9, abs=1e-300), (n, ranks, k)
+
+
+def test_wall_time_across_ranks_needs_every_rank_on_one_clock():
+    """A rank without a clock offset (no collective to match) was left out of 'wall time across ranks', which came
+    out shorter than that rank's own step (94 ms against 95.4). Hand-made: steps 1 and 2 of two ranks."""
+    import polars as pl
+    from steplens.analyze.analyses import steps
+
+    ms = 1_000_000
+    times = pl.DataFrame({"rank": [0, 1, 0, 1], "step": [1, 1, 2, 2], "cpu_dur_ns": [94 * ms, 95 * ms, 50 * ms, 52 * ms],
+                          "comm_wait_ns": [0, 0, 0, 0],
+                          "aligned_start_ns": [0, None, 100 * ms, 101 * ms],
+                          "aligned_end_ns": [94 * ms, None, 150 * ms, 153 * ms]})
+    stats = steps.step_stats(times).sort("step")
+    assert stats["aligned_dur_ns"].to_list() == [None, 53 * ms]  # step 2: 153 - 100

@@ -197,7 +197,10 @@ def step_stats(times: pl.DataFrame, judge_stragglers: bool = True) -> pl.DataFra
         max_dur_ns=pl.col("cpu_dur_ns").max(),
         slowest_rank=pl.col("rank").sort_by("cpu_dur_ns").last(),
         candidate=last_rank,
-        aligned_dur_ns=pl.col("aligned_end_ns").max() - pl.col("aligned_start_ns").min(),
+        # on one clock only when every rank of the step is aligned: a rank without an offset (no collective to
+        # match) left out would make it shorter than that rank's own step
+        aligned_dur_ns=pl.when(pl.col("aligned_start_ns").null_count() + pl.col("aligned_end_ns").null_count() == 0)
+        .then(pl.col("aligned_end_ns").max() - pl.col("aligned_start_ns").min()),
     )
     others = (
         times.join(stats.select("step", "candidate"), on="step")
@@ -364,7 +367,8 @@ STEP_STATS = schema.table_spec(
                                    "(straggler_basis) and the wait is >= 5% of the step."),
     ("others_waited_ns", pa.int64(), "Total collective wait of the other ranks in the step."),
     ("median_other_wait_ns", pa.int64(), "Median of it over the other ranks."),
-    ("aligned_dur_ns", pa.int64(), "Step wall time across ranks on the aligned clock (first start to last end)."),
+    ("aligned_dur_ns", pa.int64(), "Step wall time across ranks on the aligned clock (first start to last end); null "
+                                   "when a rank of the step has no clock offset."),
     ("straggler_basis", pa.string(), "How the straggler was shown to stand out from the run's noise (same_rank_last, "
                                      "beyond_rank_spread), with its numbers; null: no straggler."),
 )
