@@ -71,9 +71,11 @@ def display_tables(result: dict) -> list[dict]:
     """The comparison as titled tables of formatted cells."""
     verdict, step = result["verdict"], result["step_time"]
     rows = []
-    if verdict["unit"] != "ns" and verdict.get("base_median") is not None:
-        rows.append([f"median {verdict['metric']}", _fmt_value(verdict, verdict["base_median"]),
-                     _fmt_value(verdict, verdict["new_median"]), _fmt_delta(verdict["base_median"], verdict["new_median"]),
+    if verdict["unit"] != "ns" and verdict.get("base_n"):
+        shown = {side: "too few steps" if verdict[f"{side}_median"] is None else _fmt_value(verdict, verdict[f"{side}_median"])
+                 for side in ("base", "new")}  # (a median of a few unlike steps is a rate no step had)
+        rows.append([f"median {verdict['metric']}", shown["base"], shown["new"],
+                     _fmt_delta(verdict["base_median"], verdict["new_median"]),
                      f"{verdict['base_n']} / {verdict['new_n']}"])
         samples = verdict["samples_per_step"]
         rows.append(["samples per optimizer step (median)", f"{samples['base']:,.0f}", f"{samples['new']:,.0f}",

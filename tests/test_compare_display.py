@@ -157,3 +157,24 @@ def test_a_run_compared_with_itself_lists_its_largest_kernels_the_same_way_every
     largest = pl.read_parquet(run / ".steplens" / "top_kernels").group_by("name").agg(pl.col("time_ns").sum()).sort(
         "time_ns", "name", descending=[True, False])["name"].to_list()
     assert listed == largest[:len(listed)] and len(listed) >= 2
+
+
+def test_no_median_of_a_few_unlike_steps_is_compared(tmp_path):
+    """The sample's collector timed 2 kept steps, 403 ms and 85.6 ms: analyze gives them no median, but compare
+    printed 'median tokens/s base 3,626' (the mean of two per-step rates, a rate no step had) and '+2878.2%'."""
+    import json
+
+    gpu = ROOT.parent / "shared" / "gpu-runs" / "h200_zero2_gpu_check" / "job"
+    if not gpu.is_dir():
+        pytest.skip(f"the real GPU run is not at {gpu}")
+    base, new = tmp_path / "cpu", tmp_path / "gpu"
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", base, ignore=shutil.ignore_patterns(".steplens"))
+    shutil.copytree(gpu, new)
+    done = subprocess.run([str(BIN / "steplens"), "compare", str(base), str(new), "--out", str(tmp_path / "c"),
+                           "--format", "json"], capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stderr
+    verdict = json.loads(done.stdout)["verdict"]
+    assert verdict["base_n"] == 2 and verdict["base_median"] is None and verdict["delta"] is None
+    assert verdict["new_median"] is not None
+    text = (tmp_path / "c" / "compare.md").read_text()
+    assert "too few steps" in text and "2878" not in text

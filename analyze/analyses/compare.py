@@ -117,7 +117,8 @@ def _verdict(base, new, pair: tuple[StepSamples, StepSamples] | None, differs: l
     if not differs:
         return {"metric": "step time", "unit": "ns", "higher_is_better": False, "source": base_steps.source,
                 "why_metric": same_work,
-                **noise.two_run_verdict(base_steps.values_ns, new_steps.values_ns, higher_is_better=False)}
+                **_typical(noise.two_run_verdict(base_steps.values_ns, new_steps.values_ns, higher_is_better=False),
+                           base_steps.values_ns, new_steps.values_ns)}
     samples = {"base": samples_per_step(base, base_steps), "new": samples_per_step(new, new_steps)}
     seq = {"base": monitor.run_fact(facts(base), "seq_len"), "new": monitor.run_fact(facts(new), "seq_len")}
     changed = ", ".join(differs)
@@ -131,13 +132,22 @@ def _verdict(base, new, pair: tuple[StepSamples, StepSamples] | None, differs: l
     metric, unit = ("tokens/s", "tokens_per_s") if tokens else ("samples/s", "samples_per_s")
     rates = {side: samples[side] * (seq[side] if tokens else 1) / (steps.values_ns / 1e9)
              for side, steps in (("base", base_steps), ("new", new_steps))}
-    result = noise.two_run_verdict(rates["base"], rates["new"], higher_is_better=True)
+    result = _typical(noise.two_run_verdict(rates["base"], rates["new"], higher_is_better=True), rates["base"], rates["new"])
     return {"metric": metric, "unit": unit, "higher_is_better": True, "source": base_steps.source,
             "samples_per_step": {side: float(np.median(values)) for side, values in samples.items()},
             "seq_len": seq if tokens else None,
             "why_metric": f"{changed} differ(s) between the runs, so a step is not the same work: judged on {metric} "
                           f"per optimizer step ({'samples x sequence length' if tokens else 'samples'} per step / step time)",
             **result}
+
+
+def _typical(result: dict, base: np.ndarray, new: np.ndarray) -> dict:
+    """The verdict without the median of a side whose few values disagree (step_time's rule: the median of a 403 ms
+    and an 86 ms step is a time, or a rate, no step had), nor a change computed from it."""
+    for side, values in (("base", base), ("new", new)):
+        if not step_time.has_typical_time([float(v) for v in values]):
+            result.update({f"{side}_median": None, "delta": None})
+    return result
 
 
 def _step_time(pair: tuple[StepSamples, StepSamples] | None) -> dict:
@@ -224,9 +234,13 @@ def source_warnings(base, new, pair: tuple[StepSamples, StepSamples] | None) -> 
     for side, run in (("base", base), ("new", new)):
         best = step_samples(run)[0]
         if best.source != pair[0].source and len(best.values_ns):
+            gives = (f"a median of {np.median(best.values_ns) / 1e6:.3g} ms over {len(best.values_ns)} steps"
+                     if step_time.has_typical_time(list(best.values_ns)) else
+                     f"{len(best.values_ns)} steps too unlike for a median ({min(best.values_ns) / 1e6:.3g} to "
+                     f"{max(best.values_ns) / 1e6:.3g} ms)")
             found.append(f"step times from {SOURCE_WORDS.get(common, common)}, the only source both runs have; the "
                          f"{side} run's own best, {SOURCE_WORDS.get(_definition_key(best.source), best.source)}, gives "
-                         f"a median of {np.median(best.values_ns) / 1e6:.3g} ms over {len(best.values_ns)} steps.")
+                         f"{gives}.")
     return found
 
 
