@@ -178,3 +178,30 @@ def test_no_median_of_a_few_unlike_steps_is_compared(tmp_path):
     assert verdict["new_median"] is not None
     text = (tmp_path / "c" / "compare.md").read_text()
     assert "too few steps" in text and "2878" not in text
+
+
+def test_gpu_time_per_step_counts_the_steps_work_only(tmp_path):
+    """Kernels outside every profiled step (56.5 ms in trace_diff's test trace) were added to the per-step figures:
+    160.6 ms per step and rank against the steps' own 151.2."""
+    import polars as pl
+    from steplens.analyze.analyses import compare as comparison
+    from steplens.reports.data import load
+
+    from conftest import CORPUS
+
+    pair = CORPUS / "HolisticTraceAnalysis" / "trace_diff"
+    if not (pair / "control.json.gz").is_file():
+        pytest.skip(f"corpus pair not found at {pair}")
+    runs = {}
+    for name in ("control", "test"):
+        run = tmp_path / name
+        run.mkdir()
+        shutil.copy(pair / f"{name}.json.gz", run / f"{name}.json.gz")
+        assert subprocess.run([str(BIN / "analyze"), str(run), "-q"], capture_output=True).returncode in (0, 1)
+        runs[name] = load(run)
+    result = comparison.compare(runs["control"], runs["test"])
+    for side, name in (("base_ns", "control"), ("new_ns", "test")):
+        events = pl.read_parquet(tmp_path / name / ".steplens" / "trace_events" / "**" / "*.parquet", hive_partitioning=True)
+        steps = events.filter(pl.col("kind") == "cpu_op").select(pl.col("step").drop_nulls().n_unique()).item()
+        in_steps = events.filter(pl.col("kind").is_in(["kernel", "gpu_memcpy", "gpu_memset"]) & pl.col("step").is_not_null())
+        assert result["categories"][side].sum() == pytest.approx(in_steps["dur_ns"].sum() / steps, rel=1e-9)
