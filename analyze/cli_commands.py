@@ -290,6 +290,9 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
                     say(console, f"{label}: {pairs}")
         say(console, f"written: {out_dir / 'compare.html'}, {out_dir / 'compare.md'}", indent=0)
     if fail_pct is not None and comparison.regressed(result, fail_pct):
+        verdict = result["verdict"]
+        warn(f"{verdict['metric']} regressed by {abs(verdict['delta']):.1%}, beyond --fail-on-regression {fail_pct:g}%: "
+             f"exit {EXIT_REGRESSION}")
         sys.exit(EXIT_REGRESSION)
     if partial:
         sys.exit(EXIT_PARTIAL)

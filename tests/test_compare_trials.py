@@ -213,6 +213,12 @@ def test_a_bigger_batch_with_longer_steps_is_not_a_regression(tmp_path):
     assert verdict["base_median"] == pytest.approx((1024 / 0.103 + 1024 / 0.104) / 2)
     assert verdict["new_median"] == pytest.approx((4096 / 0.129 + 4096 / 0.130) / 2)
     assert verdict["statistic"] == 64 and verdict["p_value"] == pytest.approx(2 / math.comb(16, 8))
+    # the other way round it is a regression past the threshold: exit 3, with a line saying so (it said nothing)
+    worse = runner.invoke(steplens, ["compare", str(large), str(small), "--out", str(tmp_path / "b"),
+                                     "--fail-on-regression", "5"])
+    assert worse.exit_code == EXIT_REGRESSION
+    drop = 1 - ((1024 / 0.103 + 1024 / 0.104) / 2) / ((4096 / 0.129 + 4096 / 0.130) / 2)
+    assert f"tokens/s regressed by {drop:.1%}, beyond --fail-on-regression 5%" in " ".join(worse.stderr.split())
     assert json.loads(better.stdout)["step_time"]["new_median_ns"] == pytest.approx(129.5e6)
     worse = runner.invoke(steplens, ["compare", str(large), str(small), "--out", str(tmp_path / "b"),
                                      "--fail-on-regression", "5"])
