@@ -205,3 +205,32 @@ def test_gpu_time_per_step_counts_the_steps_work_only(tmp_path):
         steps = events.filter(pl.col("kind") == "cpu_op").select(pl.col("step").drop_nulls().n_unique()).item()
         in_steps = events.filter(pl.col("kind").is_in(["kernel", "gpu_memcpy", "gpu_memset"]) & pl.col("step").is_not_null())
         assert result["categories"][side].sum() == pytest.approx(in_steps["dur_ns"].sum() / steps, rel=1e-9)
+
+
+def test_a_verdict_without_step_times_says_which_run_lacks_them_and_what_it_would_judge(tmp_path):
+    """A run without steps compared with itself was 'no step-time source in common'; runs of different batch sizes
+    with no common source were 'step time: not comparable' while every warning said the verdict was on throughput."""
+    import json
+
+    from conftest import CORPUS
+
+    sources = {"alex": CORPUS / "HolisticTraceAnalysis" / "critical_path_alexnet",
+               "meg": CORPUS / "Megatron-DeepSpeed" / "random_ltd_gpt3_baseline",
+               "sft": CORPUS / "DeepSpeedExamples" / "deepspeed_chat_step1_sft"}
+    if not all(folder.is_dir() for folder in sources.values()):
+        pytest.skip("corpus runs not found")
+    for name, folder in sources.items():
+        (tmp_path / name).mkdir()
+        for path in [*folder.glob("*.json.gz"), *folder.glob("*.log")]:
+            shutil.copy(path, tmp_path / name / path.name)
+
+    def verdict(base: str, new: str) -> dict:
+        done = subprocess.run([str(BIN / "steplens"), "compare", str(tmp_path / base), str(tmp_path / new), "--out",
+                               str(tmp_path / f"c-{base}-{new}"), "--format", "json"], capture_output=True, text=True)
+        assert done.returncode in (0, 1), done.stderr
+        return json.loads(done.stdout)["verdict"]
+
+    alone = verdict("alex", "alex")
+    assert alone["verdict"] == "not comparable" and alone["why"].startswith("neither run has step times")
+    batches = verdict("meg", "sft")
+    assert batches["metric"] == "throughput" and batches["verdict"] == "not comparable"

@@ -110,9 +110,13 @@ def _verdict(base, new, pair: tuple[StepSamples, StepSamples] | None, differs: l
              same_work: str = "") -> dict:
     """The judged metric: step time when a step is the same work in both runs, throughput otherwise."""
     if pair is None:
-        return {"metric": "step time", "unit": "ns", "verdict": "not comparable", "established": None,
-                "why": "the runs have no step-time source in common (profiler steps, collector steps, DeepSpeed "
-                       "timers or Megatron iteration times)"}
+        without = [side for side, run in (("base", base), ("new", new)) if not step_samples(run)]
+        why = ("neither run has step times" if len(without) == 2 else f"the {without[0]} run has no step times"
+               if without else "the runs have no step-time source in common")
+        # with different work per step the verdict would be on throughput (the warnings say so): named as such
+        return {"metric": "throughput" if differs else "step time", "unit": None if differs else "ns",
+                "verdict": "not comparable", "established": None,
+                "why": f"{why} (profiler steps, collector steps, DeepSpeed timers or Megatron iteration times)"}
     base_steps, new_steps = pair
     if not differs:
         return {"metric": "step time", "unit": "ns", "higher_is_better": False, "source": base_steps.source,
