@@ -145,14 +145,21 @@ def test_a_hung_background_write_is_given_up_on(tmp_path):
     writer.close()
 
 
-HUNG_WRITE_JOB = """
-import sys, time, torch
+def job_script(steps: int, flush_every: int) -> str:
+    """A training script that attaches the collector to a tiny torch model and runs `steps` steps; the test adds
+    what happens next."""
+    return f"""
+import os, signal, sys, time, torch
 from steplens.collect import attach
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-col = attach(model, optimizer=opt, run_dir=sys.argv[1], samples_per_step=8, flush_every=2, profile=None)
-for step in range(4):
+col = attach(model, optimizer=opt, run_dir=sys.argv[1], samples_per_step=8, flush_every={flush_every}, profile=None)
+for step in range({steps}):
     model(torch.randn(8, 4)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+"""
+
+
+HUNG_WRITE_JOB = job_script(4, flush_every=2) + """
 started = time.monotonic()
 col.close()
 print(f"closed {time.monotonic() - started:.1f}", flush=True)
@@ -213,14 +220,7 @@ def test_a_part_that_fails_is_one_warning_line_without_a_traceback(tmp_path, cap
     assert "timers" in manifest(tmp_path)["disabled"]
 
 
-SIGTERM_IN_CLOSE_JOB = """
-import os, signal, sys, torch
-from steplens.collect import attach
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-col = attach(model, optimizer=opt, run_dir=sys.argv[1], samples_per_step=8, flush_every=1000, profile=None)
-for step in range(10):
-    model(torch.randn(8, 4)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+SIGTERM_IN_CLOSE_JOB = job_script(10, flush_every=1000) + """
 flush = col.writer.flush
 def flush_after_a_sigterm(*args, **kwargs):  # the launcher's SIGTERM lands in close()'s last flush
     os.kill(os.getpid(), signal.SIGTERM)

@@ -17,13 +17,17 @@ from steplens.analyze.pipeline import ingest, runs
 JOB = Path(__file__).resolve().parents[1].parent / "shared" / "deepspeed-cpu-runs" / "run3"
 
 
+def _real_copy(source: Path, marker: str, copy: Path) -> Path:
+    """A copy of a real run from ../shared (skipped where it is not), for a test to damage."""
+    if not (source / marker).is_file():
+        pytest.skip(f"real run not found under {source}")
+    shutil.copytree(source, copy)
+    return copy
+
+
 @pytest.fixture
 def job(tmp_path) -> Path:
-    if not (JOB / "comms" / "comms_dict_raw_rank0.json").is_file():
-        pytest.skip(f"real run not found under {JOB}")
-    copy = tmp_path / "job"
-    shutil.copytree(JOB, copy)
-    return copy
+    return _real_copy(JOB, "comms/comms_dict_raw_rank0.json", tmp_path / "job")
 
 
 def _runs(root: Path) -> list[Path]:
@@ -70,11 +74,7 @@ def _analyze(run: Path, *extra: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def autotuning(tmp_path) -> Path:
-    if not (AUTOTUNE / "autotuning_results" / "summary.txt").is_file():
-        pytest.skip(f"real autotuning run not found under {AUTOTUNE}")
-    copy = tmp_path / "at"
-    shutil.copytree(AUTOTUNE, copy)
-    return copy
+    return _real_copy(AUTOTUNE, "autotuning_results/summary.txt", tmp_path / "at")
 
 
 def test_an_experiment_never_launched_keeps_the_autotuning_run_one_run(autotuning, tmp_path):
