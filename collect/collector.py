@@ -418,11 +418,7 @@ class Collector:
             self.status = "terminated"
             self.guard("writer", self.flush, False)
             self.guard("manifest", self.write_manifest)  # the status, even when the flush failed
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+        _hand_on(previous, signum, frame)
 
     # --- lifecycle (end) ----------------------------------------------------------------------------------
 
@@ -462,11 +458,7 @@ class Collector:
         previous = self.sigterm_previous or signal.SIG_DFL
         self.guard("sigterm", self.restore_sigterm)
         if self.sigterm_deferred:  # a SIGTERM came during the above: now what the job would have done with it
-            if callable(previous):
-                previous(signal.SIGTERM, None)
-            elif previous == signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
+            _hand_on(previous, signal.SIGTERM, None)
 
     def close_at_exit(self) -> None:
         if os.getpid() != self.owner_pid:  # a forked child exiting: the parent's collector is not its to close
@@ -732,6 +724,15 @@ class TorchCollector(Collector):
             handle.remove()
         self.handles = []
         super().unhook(keep_sigterm)
+
+
+def _hand_on(previous, signum, frame) -> None:
+    """What the SIGTERM handler ours replaced does: call it, or (the default) die by SIGTERM as without us."""
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _attached_to(target) -> Collector | None:

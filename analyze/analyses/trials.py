@@ -22,7 +22,7 @@ import polars as pl
 
 from steplens.analyze.analyses import autotune, step_time
 from steplens.analyze.analyses.monitor import run_fact
-from steplens.analyze.contract.manifest import MAX_COUNT
+from steplens.analyze.contract.manifest import is_count
 from steplens.analyze.importers import autotune_results
 
 # Top-level ds_config keys that do not change the work of a step: the tuner's own block, where
@@ -107,7 +107,7 @@ def experiments_from_runs(runs: dict[str, tuple[pl.DataFrame, dict]]) -> tuple[p
 
 
 def _count(value) -> int | None:
-    return value if type(value) is int and 0 <= value <= MAX_COUNT else None
+    return value if is_count(value) else None
 
 
 def _untimed(steps: pl.DataFrame, kept: int, samples_known: bool) -> str:

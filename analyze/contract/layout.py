@@ -38,6 +38,11 @@ class CollectorPart:
     seq: int
 
 
+def run_folder_of(path: Path) -> Path | None:
+    """The folder holding the `collector/` a part or manifest is under (None for a path too short to be one)."""
+    return path.parents[2] if len(path.parents) > 2 else None
+
+
 def collector_root(run_dir: Path) -> Path:
     return Path(run_dir) / COLLECTOR_DIR
 

@@ -84,6 +84,11 @@ MAX_COUNT = 2**53
 MAX_STEP = 2**31 - 1
 
 
+def is_count(value, lowest: int = 0) -> bool:
+    """A whole number from `lowest` to MAX_COUNT (JSON's exact integers), not true/false."""
+    return type(value) is int and lowest <= value <= MAX_COUNT
+
+
 def fact_problem(key: str, value) -> str | None:
     """What is wrong with a run fact's value for the way it is read, or None when it is fine (or unknown here)."""
     if value is None:
@@ -91,7 +96,7 @@ def fact_problem(key: str, value) -> str | None:
     if key in OBJECT_FACTS and not isinstance(value, dict):
         return f"not a JSON object but {type(value).__name__}"
     lowest = 1 if key in POSITIVE_COUNT_FACTS else 0 if key in COUNT_FACTS else None
-    if lowest is not None and not (type(value) is int and lowest <= value <= MAX_COUNT):
+    if lowest is not None and not is_count(value, lowest):
         return f"not a whole number from {lowest} to 2**53: {str(value)[:40]!r}"
     if key == "checkpoint_steps" and not (isinstance(value, list)
                                           and all(type(s) is int and 0 <= s <= MAX_STEP for s in value)):

@@ -114,6 +114,12 @@ def _measure(value, what: str, problems: list[str]) -> float | None:
 
 # --- importer: one experiment ---------------------------------------------------------------------
 
+def tuning_folder(path: Path) -> Path:
+    """The folder an autotuning run wrote its RESULTS_DIR and EXPS_DIR into, from an experiment's exp.json
+    (RESULTS_DIR/<exp>/exp.json), a spec (EXPS_DIR/<exp>.json) or the summary (RESULTS_DIR/summary.txt)."""
+    return path.parents[2] if path.name == "exp.json" and len(path.parents) > 2 else path.parents[1]
+
+
 def claims_experiment(path: Path) -> bool:
     """A result folder's exp.json, or a spec in autotuning_exps/ whose experiment has no result folder."""
     if path.name == "exp.json":

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from steplens.analyze.contract import layout, schema
-from steplens.analyze.contract.manifest import MAX_COUNT
+from steplens.analyze.contract.manifest import is_count
 from steplens.analyze.importers.base import Imported, conform
 from steplens.analyze.importers.kineto import preview
 
@@ -163,7 +163,7 @@ def _counts(value) -> tuple[dict, bool]:
         return {}, False
     if not isinstance(value, dict):
         return {}, True
-    counts = {name: n for name, n in value.items() if type(n) is int and 0 <= n <= MAX_COUNT}
+    counts = {name: n for name, n in value.items() if is_count(n)}
     return counts, len(counts) < len(value)
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from steplens.analyze import importers
+from steplens.analyze.contract import layout
+from steplens.analyze.importers import autotune_results
 from steplens.analyze.importers.base import Importer, peek
 from steplens.analyze.contract.schema import rank_in_name
 from steplens.analyze.pipeline.ingest import Discovered
@@ -64,20 +66,11 @@ PER_RANK_KINDS = importers.TRACE_KINDS | {"deepspeed_comms_dict", "deepspeed_com
 SCATTERED_KINDS = {"deepspeed_log", "deepspeed_flops_profile"}
 
 
-# Inputs a run holds many of, laid out under one folder of the job's: the collector's parts and manifests
-# (RUN/collector/<table>/...) and an autotuning run's experiments and summary (RUN/autotuning_results/<exp>/,
-# RUN/autotuning_exps/). Two sub-folders holding them are one run when they hold those of one such folder.
-def _unit(path: Path, kind: str) -> Path | None:
-    if kind == "collector":
-        return path.parents[2] if len(path.parents) > 2 else None  # RUN/collector/<table or manifest>/<file>
-    if kind == "autotune_experiment":  # RUN/autotuning_results/<exp>/exp.json or RUN/autotuning_exps/<exp>.json
-        return path.parents[2] if path.name == "exp.json" and len(path.parents) > 2 else path.parents[1]
-    if kind == "autotune_summary":  # RUN/autotuning_results/summary.txt
-        return path.parents[1]
-    return None
-
-
-UNIT_KINDS = {"collector", "autotune_experiment", "autotune_summary"}
+# Inputs a run holds many of, laid out under one folder of the job's: the collector's parts and manifests and an
+# autotuning run's experiments and summary, each kind's folder as its layout states it. Two sub-folders holding them
+# are one run when they hold those of one such folder.
+UNIT_OF = {"collector": layout.run_folder_of, "autotune_experiment": autotune_results.tuning_folder,
+           "autotune_summary": autotune_results.tuning_folder}
 
 
 def _ranks(paths: list[Path]) -> list[int | None]:
@@ -112,8 +105,8 @@ def _clash(a: dict[str, list[Path]], b: dict[str, list[Path]], logs_only: bool) 
         if kind in SCATTERED_KINDS:
             if logs_only and _overlap(a[kind], b[kind]):
                 return True
-        elif kind in UNIT_KINDS:
-            if {_unit(p, kind) for p in a[kind]} != {_unit(p, kind) for p in b[kind]}:
+        elif kind in UNIT_OF:
+            if {UNIT_OF[kind](p) for p in a[kind]} != {UNIT_OF[kind](p) for p in b[kind]}:
                 return True
         elif kind not in PER_RANK_KINDS or (_overlap(a[kind], b[kind])
                                             and not (kind in importers.TRACE_KINDS and _backup(a[kind], b[kind]))):
