@@ -5,6 +5,7 @@ from __future__ import annotations
 from steplens.analyze.analyses import ANALYSES
 from steplens.analyze.analyses.job_end import job_end_lines
 from steplens.analyze.analyses.step_time import step_name
+from steplens.analyze.contract.units import binary_bytes
 
 from .data import Run, ms
 
@@ -104,7 +105,9 @@ def problem_headlines(f: dict) -> list[tuple[str, str]]:
     split = (f.get("step_breakdown") or {}).get("time_split") or {}
     top = (f.get("collectives") or {}).get("most_exposed_collective")
     if top and split.get("exposed_comm_share", 0) >= EXPOSED_WORTH_NAMING:
-        problems.append((f"Exposed comms: {top['op']} costs most, {ms(top['exposed_ns'])} on rank {top['rank']}",
+        # the collective of one message size (the Collectives table's first row), so the size is named
+        size = f" of {binary_bytes(top['bytes'])}" if top.get("bytes") is not None else " (size not in the traces)"
+        problems.append((f"Exposed comms: {top['op']}{size} costs most, {ms(top['exposed_ns'])} on rank {top['rank']}",
                          "collectives"))
     if (overflow := (f.get("step_time") or {}).get("fp16_overflow") or {}).get("frequent"):
         problems.append((f"fp16 overflow skipped {overflow['skipped_steps']} of {overflow['steps']} steps", "details"))

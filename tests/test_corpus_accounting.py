@@ -58,7 +58,12 @@ def _reference(path: Path) -> dict | None:
         union = _union(spans)
         span = union[-1][1] - union[0][0]
         windows.append((span, span - sum(end - start for start, end in union)))
-    # Per step: the span of the work launched in the step, idle against the whole device's union.
+    # Per step: the span of the work launched in the step, idle against the whole device's union; it opens earlier
+    # where the device sat idle just before that work with the step begun: at the latest of the step's start, the
+    # end of the device's work before and the end of earlier steps' spans.
+    step_start = {}
+    for start, _, number in _steps(events):
+        step_start[number] = min(start, step_start.get(number, start))
     by_step = defaultdict(list)
     for e in work:
         args = e.get("args") or {}
@@ -66,9 +71,16 @@ def _reference(path: Path) -> dict | None:
         if step is not None:
             start = int(Decimal(e["ts"]) * 1000)
             by_step[(args.get("device", e.get("pid")), step)].append((start, start + max(int(Decimal(e["dur"]) * 1000), 0)))
-    for (device, step), spans in by_step.items():
+    earlier_end = {}
+    for (device, step), spans in sorted(by_step.items(), key=lambda item: (str(item[0][0]), min(s for s, _ in item[1]), item[0][1])):
         lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
-        busy = sum(max(0, min(end, hi) - max(start, lo)) for start, end in _union(by_device[device]))
+        union = _union(by_device[device])
+        before = [end for start, end in union if end < lo]
+        if before and any(start == lo for start, _ in union):  # idle just before the step's first work
+            opened = max([step_start[step], before[-1]] + ([earlier_end[device]] if device in earlier_end else []))
+            lo = min(lo, opened)
+        earlier_end[device] = max(hi, earlier_end.get(device, hi))
+        busy = sum(max(0, min(end, hi) - max(start, lo)) for start, end in union)
         step_rows.append((step, hi - lo, hi - lo - busy))
     memcpy = sum(int(Decimal(e["dur"]) * 1000) for e in work if str(e.get("cat")).lower() in ("gpu_memcpy", "memcpy"))
     memset = sum(int(Decimal(e["dur"]) * 1000) for e in work if str(e.get("cat")).lower() in ("gpu_memset", "memset"))
@@ -86,14 +98,19 @@ def _union(spans: list) -> list:
     return merged
 
 
+def _steps(events: list) -> list:
+    """(start_ns, end_ns, number) of every ProfilerStep annotation on the host, by start."""
+    return sorted((int(Decimal(e["ts"]) * 1000), int(Decimal(e["ts"]) * 1000) + int(Decimal(e["dur"]) * 1000),
+                   int(e["name"].split("#")[1])) for e in events
+                  if str(e.get("name", "")).startswith("ProfilerStep#") and e.get("ph") == "X" and "dur" in e
+                  and str(e.get("cat")).lower() not in WORK_CATS | {"gpu_user_annotation"}  # the device's copy of the step
+                  and e["name"].split("#")[1].isdigit())
+
+
 def _launch_steps(events: list) -> dict:
     """correlation -> ProfilerStep of the launch call: the last step starting at or before the call,
     if the call starts before that step ends."""
-    steps = sorted((int(Decimal(e["ts"]) * 1000), int(Decimal(e["ts"]) * 1000) + int(Decimal(e["dur"]) * 1000),
-                    int(e["name"].split("#")[1])) for e in events
-                   if str(e.get("name", "")).startswith("ProfilerStep#") and e.get("ph") == "X" and "dur" in e
-                   and str(e.get("cat")).lower() not in WORK_CATS | {"gpu_user_annotation"}  # the device's copy of the step
-                   and e["name"].split("#")[1].isdigit())
+    steps = _steps(events)
     found = {}
     for e in events:
         correlation = (e.get("args") or {}).get("correlation")
@@ -152,7 +169,8 @@ def test_whole_window_idle_matches_exact_recomputation(analysed_corpus, path):
 @pytest.mark.skipif(not TRACE_FILES, reason="shared corpus not found")
 @pytest.mark.parametrize("path", CHECKED, ids=_rel)
 def test_step_idle_counts_only_time_no_stream_was_busy(analysed_corpus, path):
-    """Per-step device rows: the span of the step's own work, idle against every step's work."""
+    """Per-step device rows: the span of the step's own work (opened where the device went idle before it with the
+    step begun), idle against every step's work."""
     out, reference = analysed_corpus[_rel(path)]
     if reference is None:
         pytest.skip("too large for the stdlib reading")

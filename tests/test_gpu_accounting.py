@@ -113,10 +113,48 @@ def test_trace_without_steps_gets_every_analysis_that_needs_no_steps(tmp_path):
     assert calls.select("op", "dur_ns", "exposed_ns").rows() == [("allreduce", 20_000, 20_000)]
 
 
+def test_a_stall_that_opens_each_step_is_the_steps_idle(tmp_path):
+    """A data loader holds the CPU for the first 50 us of step 2 (100-200 us) while the GPU, done with step 1's
+    kernel at 95 us, waits: step 2's span opens at 100 us (its start; the device went idle at 95, in step 1)
+    and ends with its kernel at 195, so 55 us of its 95 are idle, host-bound (the launch came at 150). Step 1
+    has no device work before it: its span is its kernel alone. Over both steps idle is 55 / 135."""
+    events = [
+        _step(1, 0, 100), _launch(50, 1), _kernel(55, 40, 1, stream=7),
+        _step(2, 100, 100), _launch(150, 2), _kernel(155, 40, 2, stream=7),
+    ]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    out, findings, _ = _analyse(tmp_path / "run")
+    device = _table(out, "gpu_idle").filter((pl.col("stream") == -1) & pl.col("step").is_not_null()).sort("step")
+    assert device.select("step", "span_start_ns", "span_ns", "idle_ns", "host_bound_ns").rows() == [
+        (1, 55_000, 40_000, 0, 0), (2, 100_000, 95_000, 55_000, 55_000)]
+    breakdown = _table(out, "step_breakdown").sort("step")
+    assert breakdown.select("step", "span_ns", "compute_ns", "idle_ns", "host_bound_ns").rows() == [
+        (1, 40_000, 40_000, 0, 0), (2, 95_000, 40_000, 55_000, 55_000)]
+    split = findings["step_breakdown"]["time_split"]
+    assert (split["span_ns"], split["main_idle_cause"]) == (135_000, "host_bound")
+    assert split["idle_share"] == pytest.approx(55 / 135)
+
+
+def test_a_collective_call_is_counted_once_with_its_record_param_comms(tmp_path):
+    """Two c10d::allreduce_ calls, each holding its record_param_comms (as NCCL builds record them), a
+    record_param_comms on its own, and one on another thread at the same time: 4 calls, not 6."""
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+    events = [_step(1, 0, 1000),
+              op("c10d::allreduce_", 10, 50), op("record_param_comms", 12, 40),
+              op("c10d::allreduce_", 100, 50), op("record_param_comms", 100, 50),
+              op("record_param_comms", 300, 5), op("record_param_comms", 300, 5, tid=2)]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 2})
+    _, findings, _ = _analyse(tmp_path / "run")
+    assert findings["collectives"]["comms_note"].startswith(
+        "communication without NCCL/RCCL kernels: 4 collective op(s) on the CPU side")
+
+
 def test_work_launched_before_the_window_is_an_orphan_with_no_step(tmp_path):
     """A kernel whose launch is not in the file (correlation 99, enqueued before the window) runs
     0-40 us inside step 1's CPU window: it gets no step and no launch API, is counted in
-    ingest_issues, and still keeps the device busy."""
+    ingest_issues, and still keeps the device busy. Step 1's span opens where the device went idle
+    (40 us, the step having begun at -5 us) and ends with its own kernel (90 us)."""
     events = [
         _step(1, -5, 200), _launch(10, 1),
         _kernel(0, 40, 99, stream=7, name="void at::native::reduce_kernel<512, 1>(int)"),
@@ -132,7 +170,7 @@ def test_work_launched_before_the_window_is_an_orphan_with_no_step(tmp_path):
     window = _table(out, "gpu_idle").filter(pl.col("step").is_null()).row(0, named=True)
     assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (90_000, 70_000, 20_000)
     step1 = _table(out, "gpu_idle").filter((pl.col("step") == 1) & (pl.col("stream") == -1)).row(0, named=True)
-    assert (step1["span_ns"], step1["idle_ns"], step1["activities"]) == (30_000, 0, 1)  # only its own launch
+    assert (step1["span_ns"], step1["idle_ns"], step1["activities"]) == (50_000, 20_000, 1)  # only its own launch
     assert _table(out, "kernel_categories").filter(pl.col("step").is_null())["time_ns"].sum() == 40_000
 
 

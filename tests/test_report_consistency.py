@@ -149,21 +149,30 @@ def test_the_first_screen_is_at_most_six_lines_says_the_same_everywhere_and_link
 
 
 def _raw_trace_split(trace: Path) -> list[dict]:
-    """Per ProfilerStep of one raw trace: span, compute, exposed communication and idle (ns). The span runs from
-    the first start to the last end of the device work whose launch call started inside the step; compute is the
-    part of it covered by non-NCCL device work, exposed communication the part covered by NCCL kernels only."""
+    """Per ProfilerStep of one raw trace: span, compute, exposed communication and idle (ns). The span runs to the
+    last end of the device work whose launch call started inside the step, from its first start or, where the device
+    sat idle just before that with the step begun on the CPU, from the latest of the step's start, the end of the
+    device work before and the end of earlier steps' spans; compute is the part of it covered by non-NCCL device
+    work, exposed communication the part covered by NCCL kernels only."""
     opener = gzip.open if trace.suffix == ".gz" else open
     with opener(trace, "rt") as handle:
         events = [e for e in json.load(handle, parse_float=Decimal)["traceEvents"] if e.get("ph") == "X"]
     device = [(Decimal(e["ts"]) * 1000, (Decimal(e["ts"]) + Decimal(e["dur"])) * 1000, "nccl" in e["name"].lower(),
                e.get("args", {}).get("correlation")) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    steps = []
-    for window in (e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")):
+    steps, earlier_end = [], None
+    windows = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")),
+                     key=lambda e: Decimal(e["ts"]))
+    for window in windows:
         lo, hi = Decimal(window["ts"]), Decimal(window["ts"]) + Decimal(window["dur"])
         launched = {e["args"]["correlation"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
                     and "correlation" in e.get("args", {}) and lo <= Decimal(e["ts"]) < hi}
         mine = [(s, e) for s, e, _, corr in device if corr in launched]
         first, last = min(s for s, _ in mine), max(e for _, e in mine)
+        if not any(s < first < e for s, e, _, _ in device):  # the device sat idle just before `first`
+            ended_before = [e for _, e, _, _ in device if e <= first]
+            if ended_before and max(ended_before) < first:
+                first = min(first, max([lo * 1000, max(ended_before)] + ([earlier_end] if earlier_end else [])))
+        earlier_end = max(last, earlier_end or last)
 
         def covered(intervals):
             total, reach = Decimal(0), first
@@ -207,7 +216,8 @@ def test_the_collective_sentence_is_the_collectives_tables_first_row(analysed):
                                f"(its most exposed rank), {row['calls (all ranks)']} calls on 8 ranks at a median busbw "
                                f"of {float(row['median busbw GB/s']):.1f} GB/s")
     screen = next(line for line in report.first_screen if line.startswith("Exposed comms: "))
-    assert screen == f"Exposed comms: {row['collective']} costs most, {row['exposed, worst rank']} on rank {row['worst rank']}"
+    assert screen == (f"Exposed comms: {row['collective']} of {row['size S']} costs most, {row['exposed, worst rank']} "
+                      f"on rank {row['worst rank']}")
 
 
 def _kept_step_times(out: Path) -> list[int]:
@@ -249,12 +259,28 @@ def test_the_h200_first_screen_names_the_profilers_cost_and_the_mfu_of_its_table
     assert any(line.startswith("Profiling slowed the run: steps 1.2") for line in report.first_screen)
 
 
+def test_hfu_below_mfu_is_named_where_the_mfu_table_shows_it(analysed):
+    """Executed FLOPs cannot be fewer than the model's: where the mfu table's medians put HFU below MFU (on the H200
+    job the traces' op shapes count less than the FLOPs profile), the findings say so with both figures."""
+    out, _stdout, report = _run(analysed, "h200")
+    rows = pq.read_table(out / "mfu").to_pylist()
+    medians = {}
+    for metric in ("MFU", "HFU"):
+        kept = [r for r in rows if r["metric"] == metric and r["utilization"] is not None
+                and r["numerator"] != "profiler_flops"]
+        numerator = kept[0]["numerator"]
+        medians[metric] = statistics.median(r["utilization"] for r in kept if r["numerator"] == numerator)
+    assert medians["HFU"] < medians["MFU"]
+    line = next(line for line in report.details if line.startswith("HFU below MFU: "))
+    assert f"HFU {medians['HFU']:.1%} from the traces' op shapes against MFU {medians['MFU']:.1%} from" in line
+
+
 def test_the_busiest_op_names_tensor_inputs_only_and_is_skipped_below_one_percent():
     op = {"name": "aten::addmm", "shapes": "[[16], [4, 8], [8, 16], [], []]", "calls": 3, "ranks": 1,
           "device_ns": 2_000_000, "bound": "compute", "fraction_of_peak": 0.5}
     line = roofline_lines({"top_ops": [{**op, "step_share": 0.02}]})[0]
     assert line == ("Busiest modeled op: aten::addmm (16, 4x8, 8x16) x3: 2.000 ms, compute-bound, 50.0% of peak; "
-                    "2.0% of the profiled steps' device time.")
+                    "2.0% of the profiled steps' device spans (idle included).")
     assert roofline_lines({"top_ops": [{**op, "step_share": 0.009}]}) == []
 
 

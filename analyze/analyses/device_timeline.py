@@ -71,13 +71,18 @@ def device_timeline(inputs: Inputs) -> Output:
     gaps = launch.idle_gaps(launched, runtime)
     heavy = launched.join(work.filter(pl.col("category").is_in(module_perf.FLOPS_HEAVY_FAMILIES)).select("source", "event_id"),
                           on=["source", "event_id"], how="semi") if not modules.is_empty() else launched.clear()
-    # record_param_comms (NCCL builds) or the c10d ops themselves (gloo/CPU runs record no comms args)
+    # record_param_comms (NCCL builds) or the c10d ops themselves (gloo/CPU runs record no comms args), each call
+    # once: a record_param_comms inside its c10d:: op is the same call
+    thread = ["rank", "source", "pid", "tid"]
+    end = pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)
     cpu_comm_ops = cpu.filter((pl.col("name") == "record_param_comms") | pl.col("collective").is_not_null()
-                              | pl.col("name").str.starts_with("c10d::")).group_by("rank").agg(ops=pl.len())
+                              | pl.col("name").str.starts_with("c10d::")).sort(
+        *thread, "ts_ns", pl.col("dur_ns").fill_null(0), descending=[False] * 5 + [True]).filter(
+        ~(end.cum_max().shift(1).over(thread) > pl.col("ts_ns")).fill_null(False)).group_by("rank").agg(ops=pl.len())
     return Output(tables={
         "kernel_launches": launched,
         "op_perf": perf,
-        "_gpu_idle": launch.gpu_idle(launched, gaps),
+        "_gpu_idle": launch.gpu_idle(launched, gaps, inputs.table("steps", ["rank", "source", "step", "start_ns"])),
         "launch_summary": launch.launch_summary(launched),
         "kernel_categories": kernels.category_time(work),
         "_collective_calls": comms.with_call_sites(comms.collectives(work, context.world_size), runtime, threads),
@@ -167,7 +172,7 @@ KERNEL_CATEGORIES = schema.table_spec(
 )
 
 
-ANALYSIS = Analysis("device_timeline", "CPU launch and GPU execution, per rank", ("trace_events", "flows"),
+ANALYSIS = Analysis("device_timeline", "CPU launch and GPU execution, per rank", ("trace_events", "flows", "steps"),
              {"kernel_launches": KERNEL_LAUNCHES, "op_perf": OP_PERF, "launch_summary": LAUNCH_SUMMARY,
               "kernel_categories": KERNEL_CATEGORIES}, device_timeline,
              per_rank=True, parts=("kernel_launches", "op_perf"),

@@ -9,9 +9,11 @@ Definitions (one cause per gap; the same in tests/synthetic.py, which builds run
   * whole window (step null, stream -1): first start to last end of all device work in the window,
     idle against the device-busy timeline. Every trace with device activity has them, with or
     without ProfilerStep; the headline idle share is theirs.
-  * per step (stream -1): first start to last end of the work launched in the step, idle against the
-    same device-wide timeline, so time in which another step's work (or work launched before the
-    window) kept the device busy is never idle.
+  * per step (stream -1): the step's span (step_spans) to the last end of the work launched in it,
+    idle against the same device-wide timeline, so time in which another step's work (or work launched
+    before the window) kept the device busy is never idle. The span starts at the step's first work, or
+    where the device went idle before it if the step had begun on the CPU by then (from the later of the
+    two): the GPU waiting on the data loader at the start of every step is that step's idle.
   * per step and stream: the step's own work on that stream, idle against its own union.
 - Each gap between consecutive activities A (ends at g0) and B on a lane is
   * sync       when B's launch call started at or after g0 and, at g0, the launching thread was
@@ -109,9 +111,32 @@ GPU_IDLE_COLUMNS = ["rank", "device", "stream", "step", "span_start_ns", "span_e
                     "host_bound_ns", "sync_ns", "other_ns", "activities", "source"]
 
 
-def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame) -> pl.DataFrame:
-    """Per rank, device and window (step null, stream ALL_STREAMS), per step (stream ALL_STREAMS) and
-    per step and stream: span, busy, and idle split by cause (busy + idle causes == span)."""
+def step_spans(work: pl.DataFrame, device_gaps: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
+    """Each step's span on each device (rank, source, device, step, span_start_ns, span_end_ns, activities): from
+    when its work could have run to the last end of the work launched in it. It starts at its first work, or
+    earlier when the device sat idle before that work with the step already begun on the CPU: at the later of
+    the step's start (`steps`: rank, source, step, start_ns), the end of the device's work before and the end of
+    every earlier step's span. The idle that opens a step (a data loader, an input copy, the host preparing the
+    step) is then the step's, not nobody's, and no time is in two steps' spans that was not already. `device_gaps` are idle_gaps' ALL_STREAMS rows."""
+    keys = ["rank", "source", "device"]
+    spans = work.filter(pl.col("step").is_not_null()).group_by(*keys, "step").agg(
+        first_ns=pl.col("ts_ns").min(), span_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max(),
+        activities=pl.len())
+    before = device_gaps.select(*keys, first_ns="gap_end_ns", idle_from_ns="gap_start_ns").unique([*keys, "first_ns"])
+    began = steps.group_by("rank", "source", "step").agg(step_start_ns=pl.col("start_ns").min())
+    # never inside an earlier step's span (its later work may run after this step's first)
+    earlier_end = pl.col("span_end_ns").cum_max().shift(1).over(keys)
+    opened = pl.when(pl.col("idle_from_ns").is_not_null() & pl.col("step_start_ns").is_not_null()).then(
+        pl.max_horizontal("step_start_ns", "idle_from_ns", earlier_end))
+    return spans.join(before, on=[*keys, "first_ns"], how="left", nulls_equal=True).join(
+        began, on=["rank", "source", "step"], how="left", nulls_equal=True).sort(*keys, "first_ns", "step").select(
+        *keys, "step", span_start_ns=pl.when(opened < pl.col("first_ns")).then(opened).otherwise(pl.col("first_ns")),
+        span_end_ns="span_end_ns", activities="activities")
+
+
+def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
+    """Per rank, device and window (step null, stream ALL_STREAMS), per step (stream ALL_STREAMS, over
+    step_spans) and per step and stream: span, busy, and idle split by cause (busy + idle causes == span)."""
     work = launched.select("rank", "source", "device", "stream", "step", "ts_ns", "dur_ns").filter(pl.col("stream").is_not_null())
     span = dict(span_start_ns=pl.col("ts_ns").min(), span_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max(),
                 activities=pl.len())
@@ -122,8 +147,7 @@ def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame) -> pl.DataFrame:
     device_gaps = gaps.filter(pl.col("stream") == ALL_STREAMS)
     windows = work.group_by("rank", "source", "device").agg(**span).with_columns(step=pl.lit(None, pl.Int64))
     windows = windows.join(_cause_totals(device_gaps, ["rank", "source", "device"]), on=["rank", "source", "device"], how="left")
-    per_step = _clipped_causes(work.filter(pl.col("step").is_not_null()).group_by("rank", "source", "device", "step").agg(**span),
-                               device_gaps)
+    per_step = _clipped_causes(step_spans(work, device_gaps, steps), device_gaps)
     device_rows = pl.concat([windows, per_step], how="diagonal_relaxed").with_columns(stream=pl.lit(ALL_STREAMS, pl.Int64))
     table = pl.concat([device_rows, per_stream], how="diagonal_relaxed").with_columns(
         [pl.col(f"{c}_ns").fill_null(0) for c in CAUSES])
@@ -371,8 +395,10 @@ GPU_IDLE = schema.table_spec(
     ("stream", pa.int64(), "Stream, or -1: the whole device (idle only when no stream is busy)."),
     ("step", pa.int64(), "Step; null only on the whole-window rows (stream -1: all device work of the profiler "
                          "window)."),
-    ("span_start_ns", pa.int64(), "First start of the row's device work (the step's, the step's on the stream, or the "
-                                  "window's)."),
+    ("span_start_ns", pa.int64(), "First start of the row's device work (the step's on the stream, or the window's); "
+                                  "on a step's device row, earlier where the device sat idle before that work with the "
+                                  "step begun on the CPU: the later of the step's start and the device's previous work's "
+                                  "end."),
     ("span_end_ns", pa.int64(), "Last end."),
     ("span_ns", pa.int64(), "The span."),
     ("busy_ns", pa.int64(), "Part of the span the device (stream -1) or the stream was busy; stream -1 rows count "

@@ -265,6 +265,17 @@ def mfu_lines(utilization: list | dict, findings: dict) -> list[str]:
         a, b = (NUMERATOR_WORDS.get(n, n) for n in pair["numerators"])
         lines.append(f"MFU numerators disagree: {b} gives {pair['ratio']:.2f}x the FLOPs per step of {a} "
                      "(executed FLOPs count recomputation; an analytic count misses what the model does beyond its formula).")
+    # Executed FLOPs include everything the model's count does (and recomputation): fewer means the executed count
+    # missed work (ops without a FLOPs formula, fused or custom kernels), however close the two are.
+    model = [r for r in utilization if r["metric"] == "MFU" and r.get("utilization") is not None]
+    for row in (r for r in utilization if r["metric"] == "HFU" and r.get("utilization") is not None and model):
+        if row["utilization"] < model[0]["utilization"]:
+            lines.append(f"HFU below MFU: HFU {row['utilization']:.1%} from "
+                         f"{NUMERATOR_WORDS.get(row['numerator'], row['numerator'])} against MFU "
+                         f"{model[0]['utilization']:.1%} from {NUMERATOR_WORDS.get(model[0]['numerator'], model[0]['numerator'])}"
+                         "; executed FLOPs cannot be "
+                         "fewer than the model's, so that count misses work (ops without a FLOPs formula, fused or "
+                         "custom kernels).")
     if findings.get("mfu_refused"):
         lines.append(f"MFU: one numerator left out: {findings['mfu_refused']}.")
     return lines

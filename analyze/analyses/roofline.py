@@ -22,7 +22,7 @@ MODULE_FRACTION_DEFINITION = ("achieved TFLOP/s of the module's forward (FLOPs o
 
 def roofline_finding(op_totals: pl.DataFrame, modules: pl.DataFrame, module_mfu: pl.DataFrame, roof: op_perf.Roof,
                      dtype: str, family_time: pl.DataFrame | None = None, steps_device_ns: int = 0) -> dict:
-    """Top ops by device time with their roofline position and share of the profiled steps' device time
+    """Top ops by device time with their roofline position and share of the profiled steps' device spans
     (`steps_device_ns`: step_breakdown's spans summed over ranks and steps); the modules (of the most device time)
     furthest below peak."""
     top = op_perf.top_ops(op_totals, roof)
@@ -37,8 +37,8 @@ def roofline_finding(op_totals: pl.DataFrame, modules: pl.DataFrame, module_mfu:
                               "achieved_tflops", "achieved_tbps", "intensity", "bound", "fraction_of_peak",
                               "step_share").to_dicts()
         if not top.is_empty() else [],
-        "step_share_definition": "the op's device time over the profiled steps' device time (step_breakdown's spans), "
-                                 "both summed over ranks",
+        "step_share_definition": "the op's device time over the profiled steps' device spans (step_breakdown's "
+                                 "span_ns, idle included: not over the device's busy time), both summed over ranks",
         "top_ops_definition": "ops with a FLOPs/bytes model (ops without one, such as cuDNN's convolution backward "
                               "before PyTorch 1.11, are not ranked) not nested in another such op, grouped by name, "
                               "shapes and dtype, summed over ranks; device time = device work launched under the op "
@@ -113,7 +113,7 @@ def roofline_lines(finding: dict) -> list[str]:
     lines = []
     top = (finding.get("top_ops") or [None])[0]
     if top and (top.get("step_share") is None or top["step_share"] >= MIN_OP_SHARE):
-        share = (f"; {top['step_share']:.1%} of the profiled steps' device time" if top.get("step_share") is not None
+        share = (f"; {top['step_share']:.1%} of the profiled steps' device spans (idle included)" if top.get("step_share") is not None
                  else "")
         lines.append(f"Busiest modeled op: {op_line(top, finding.get('note'))}{share}.")
     if rated := [m for m in finding.get("modules_below_peak") or [] if m.get("fraction_of_peak") is not None]:

@@ -3,7 +3,9 @@ the timeline of the slowest profiled step across ranks on one clock.
 
 Definitions, per rank, profiler window (source), device and step, on the same device-busy timeline
 as gpu_idle (the union of all the device's work in the window, of every step, launched or not):
-- span_ns: first start to last end of the device work launched in the step (gpu_idle's step span);
+- span_ns: gpu_idle's step span (launch.step_spans): to the last end of the device work launched in the step, from
+  its first start or, where the device sat idle before it with the step begun on the CPU, from the later of the
+  step's start and the device's previous work's end (the idle that opens a step is the step's);
 - compute_ns: the part of the span covered by non-communication work (kernels, copies, sets);
 - exposed_comm_ns: the part covered by communication kernels (the `collectives` table) and not by
   compute, so overlapped communication is not counted twice;
@@ -55,9 +57,12 @@ def step_breakdown_tables(launch_parts: Iterable[pl.DataFrame], collectives: pl.
     # A trace refused as a rank of this job (steps.unalignable) is not drawn beside the others.
     refused = set() if offsets.is_empty() else set(
         offsets.filter(pl.col("method").str.starts_with(steps.REFUSED_PREFIX))["rank"].to_list())
+    keys = LANE + ["step"]
+    step_rows = gpu_idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_not_null())
+    spans = step_rows.select(*keys, "span_start_ns", "span_end_ns")
     breakdowns, timelines = [], []
     for part in launch_parts:
-        for lane in _lanes(_work(part, comm_ids)):
+        for lane in _lanes(_work(part, comm_ids), spans):
             breakdowns.append(lane.breakdown())
             rank = lane.key["rank"]
             if slowest is not None and rank not in refused:
@@ -65,9 +70,7 @@ def step_breakdown_tables(launch_parts: Iterable[pl.DataFrame], collectives: pl.
     breakdowns = [b for b in breakdowns if not b.is_empty()]
     if not breakdowns:
         return {"step_breakdown": pl.DataFrame(schema=BREAKDOWN_SCHEMA), "step_timeline": pl.DataFrame(schema=TIMELINE_SCHEMA)}
-    keys = LANE + ["step"]
-    causes = gpu_idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_not_null()).select(
-        *keys, *[pl.col(c).cast(pl.Int64) for c in ("host_bound_ns", "sync_ns", "other_ns")])
+    causes = step_rows.select(*keys, *[pl.col(c).cast(pl.Int64) for c in ("host_bound_ns", "sync_ns", "other_ns")])
     breakdown = pl.concat(breakdowns).join(causes, on=keys, how="left", nulls_equal=True).with_columns(
         idle_ns=pl.col("span_ns") - pl.col("compute_ns") - pl.col("exposed_comm_ns"))
     return {"step_breakdown": breakdown.select(list(BREAKDOWN_SCHEMA)).cast(BREAKDOWN_SCHEMA).sort("step", "rank", "device"),
@@ -91,7 +94,7 @@ def _work(launched: pl.DataFrame, comm_ids: pl.DataFrame) -> pl.DataFrame:
 
 class _Lane:
     """One device timeline (rank, window, device): the union of all its work and of its compute, and the
-    span of each of its steps (first start to last end of the work launched in it)."""
+    span of each of its steps (launch.step_spans)."""
 
     def __init__(self, key: dict, starts: np.ndarray, ends: np.ndarray, is_comm: np.ndarray, spans: pl.DataFrame):
         self.key = key
@@ -132,12 +135,12 @@ class _Lane:
 _NO_SPANS = pl.DataFrame(schema={"step": pl.Int64, "span_start_ns": pl.Int64, "span_end_ns": pl.Int64})
 
 
-def _lanes(work: pl.DataFrame) -> list[_Lane]:
-    """A rank's device timelines, in the order they first appear: one pass over its work for all of them."""
+def _lanes(work: pl.DataFrame, step_spans: pl.DataFrame) -> list[_Lane]:
+    """A rank's device timelines, in the order they first appear: one pass over its work for all of them.
+    `step_spans` holds the steps' spans (gpu_idle's per-step rows: launch.step_spans)."""
     if work.is_empty():
         return []
-    spans = dict(work.filter(pl.col("step").is_not_null()).group_by(*LANE, "step").agg(
-        span_start_ns=pl.col("ts_ns").min(), span_end_ns=pl.col("end_ns").max()).sort("step").partition_by(
+    spans = dict(step_spans.join(work.select(LANE).unique(), on=LANE, how="semi", nulls_equal=True).sort("step").partition_by(
         LANE, as_dict=True, maintain_order=True))
     lanes = []
     for key, group in work.partition_by(LANE, as_dict=True, maintain_order=True).items():
@@ -201,7 +204,8 @@ def time_split(breakdown: pl.DataFrame, unstepped_device_ns: int = 0) -> dict | 
         "main_idle_cause": main_cause,
         "unstepped_device_ns": int(unstepped_device_ns),
         "definition": "step_breakdown summed over ranks and profiled steps: each activity's share of the summed step "
-                      "spans (first to last device work launched in the step); median_step_span_ns: the median over "
+                      "spans (gpu_idle's step spans: to the last device work launched in the step, from its first, or from where "
+                      "the device went idle before it with the step begun); median_step_span_ns: the median over "
                       "steps of the longest rank's span; unstepped_device_ns: summed duration of the device work "
                       "whose launch is not in the trace (kernel_launches with no step), in no step's span",
     }
@@ -262,7 +266,8 @@ STEP_BREAKDOWN = schema.table_spec(
     ("source", pa.string(), "Trace file (profiler window)."),
     ("device", pa.int64(), "GPU."),
     ("step", pa.int64(), "Step."),
-    ("span_ns", pa.int64(), "First start to last end of the device work launched in the step (gpu_idle's step span)."),
+    ("span_ns", pa.int64(), "gpu_idle's step span: to the last end of the device work launched in the step, from its "
+                            "first start or from where the device went idle before it with the step begun on the CPU."),
     ("compute_ns", pa.int64(), "Part of the span covered by non-communication device work (kernels, copies, sets) of "
                                "any step."),
     ("exposed_comm_ns", pa.int64(), "Part of the span covered by communication kernels and not by compute."),
