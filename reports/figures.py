@@ -174,7 +174,7 @@ def step_gantt(timeline: pl.DataFrame) -> str:
               (lanes["end_ns"] - lanes["start_ns"]).to_numpy() / 1e6, 0.7, ACTIVITY_COLORS[activity], sticky=False,
               rasterized=raster)
     _rank_axis(ax, [str(r) for r in ranks])
-    ax.set_xlabel("time since the first rank's first device work (ms, reference clock)")
+    ax.set_xlabel("time since the step's span opened on the first rank (ms, reference clock)")
     handles = [matplotlib.patches.Patch(color=ACTIVITY_COLORS[a], label=a) for a in ("compute", "exposed communication", "idle")]
     ax.legend(handles=handles, frameon=False, ncols=3, loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=8)
     return _svg(fig)

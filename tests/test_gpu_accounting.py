@@ -114,13 +114,13 @@ def test_trace_without_steps_gets_every_analysis_that_needs_no_steps(tmp_path):
 
 
 def test_a_stall_that_opens_each_step_is_the_steps_idle(tmp_path):
-    """A data loader holds the CPU for the first 50 us of step 2 (100-200 us) while the GPU, done with step 1's
+    """A data loader holds the CPU for the first 50 us of step 2 (100-220 us) while the GPU, done with step 1's
     kernel at 95 us, waits: step 2's span opens at 100 us (its start; the device went idle at 95, in step 1)
     and ends with its kernel at 195, so 55 us of its 95 are idle, host-bound (the launch came at 150). Step 1
     has no device work before it: its span is its kernel alone. Over both steps idle is 55 / 135."""
     events = [
         _step(1, 0, 100), _launch(50, 1), _kernel(55, 40, 1, stream=7),
-        _step(2, 100, 100), _launch(150, 2), _kernel(155, 40, 2, stream=7),
+        _step(2, 100, 120), _launch(150, 2), _kernel(155, 40, 2, stream=7),
     ]
     write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
     out, findings, _ = _analyse(tmp_path / "run")
@@ -133,6 +133,9 @@ def test_a_stall_that_opens_each_step_is_the_steps_idle(tmp_path):
     split = findings["step_breakdown"]["time_split"]
     assert (split["span_ns"], split["main_idle_cause"]) == (135_000, "host_bound")
     assert split["idle_share"] == pytest.approx(55 / 135)
+    # the slowest step (2, 120 us on the CPU) over time: the idle that opens it, then its kernel
+    assert _table(out, "step_timeline").sort("start_ns").select("step", "activity", "start_ns", "end_ns").rows() == [
+        (2, "idle", 100_000, 155_000), (2, "compute", 155_000, 195_000)]
 
 
 def test_a_collective_call_is_counted_once_with_its_record_param_comms(tmp_path):

@@ -124,7 +124,11 @@ class _Lane:
         c_s, c_e = _closed(*_clip(*self.compute, lo, hi), min_gap)
         x_s, x_e = _closed(*_clip(*self.exposed, lo, hi), min_gap)
         b_s, b_e = _closed(*_clip(*self.busy, lo, hi), min_gap)
-        names, starts, ends = zip(("compute", c_s, c_e), ("exposed communication", x_s, x_e), ("idle", b_e[:-1], b_s[1:]))
+        # idle: between the busy blocks, and from the span's start to the first (the idle that opens the step)
+        idle_s, idle_e = np.concatenate([[lo], b_e]), np.concatenate([b_s, [hi]])
+        idle = idle_e > idle_s
+        names, starts, ends = zip(("compute", c_s, c_e), ("exposed communication", x_s, x_e),
+                                  ("idle", idle_s[idle], idle_e[idle]))
         lengths = [len(s) for s in starts]
         return pl.DataFrame({"rank": [self.key["rank"]] * sum(lengths), "step": [step] * sum(lengths),
                              "activity": np.repeat(names, lengths).tolist(),
