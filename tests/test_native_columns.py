@@ -284,6 +284,9 @@ EDGE_CASES = {
     "pretty-printed input dims": ['{"ph": "X", "name": "p", "pid": 0, "tid": 0, "ts": 1, "dur": 1, "args": '
                                   '{"Input Dims": [\n  [1, -2],\n  []\n], "Input type": ["a b", ""]}}',
                                   _event(**{"args_Input_Dims": [[1, 2], []], "args_Concrete_Inputs": ["", "[1, 2]"]})],
+    # damage mid-array: the first `]` is not the array's end when another follows it
+    "a stray ]] after an event": ['{"ph": "X", "name": "a", "pid": 0, "tid": 0, "ts": 1, "dur": 1}]]',
+                                  '{"ph": "X", "name": "b", "pid": 0, "tid": 0, "ts": 2, "dur": 1}] ]'],
     "pretty-printed floats and literals": ['{"ph": "X", "name": "p", "pid": 0, "tid": 0, "ts": 1, "dur": 1, "args": '
                                            '{"Concrete Inputs": [\n  1.50,\n  true, null, -0\n]}}'],
 }
@@ -294,6 +297,7 @@ EDGE_CASES = {
 @pytest.mark.parametrize("case", list(EDGE_CASES))
 def test_edge_cases_parse_the_same_natively(case, chunk_bytes, tmp_path, monkeypatch):
     monkeypatch.setattr(json_events, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(json_events, "SNIFF_BYTES", min(chunk_bytes, json_events.SNIFF_BYTES))  # small windows from the start
     events = _filler(8) + EDGE_CASES[case] + _filler(8)
     for name, text in (("trace.json", _trace_text(events)), ("array.json", _trace_text(events, top_level_array=True)),
                        ("after.json", _trace_text(events, after=', "baseTimeNanoseconds": 1000, "deviceProperties": []'))):

@@ -374,7 +374,7 @@ static int append_bytes(Column *c, Py_ssize_t row, const char *s, size_t n, int 
     }
     if (buf_grow(&c->values, n) || buf_grow(&c->offsets, 4)) return NO_MEMORY;
     if (c->values.len + n > INT32_MAX) return HAND_BACK;
-    memcpy(c->values.data + c->values.len, s, n);
+    if (n) memcpy(c->values.data + c->values.len, s, n);  /* a null or empty cell: s may be NULL */
     c->values.len += n;
     int32_t end = (int32_t)c->values.len;
     memcpy(c->offsets.data + c->offsets.len, &end, 4);
@@ -825,7 +825,11 @@ static PyObject *columnize(PyObject *self, PyObject *args) {
         if (p.cur >= p.end) break;
         if (*p.cur == ']') {  /* the end of traceEvents */
             p.cur++;
-            ended = 1;
+            /* ...unless another ']' follows: damage ("}]]," mid-array) the Python reader reads past */
+            const char *after = p.cur;
+            while (after < p.end && (*after == ' ' || *after == '\t' || *after == '\n' || *after == '\r')) after++;
+            if (after < p.end && *after == ']') rc = HAND_BACK;
+            else ended = 1;
             break;
         }
         if (*p.cur != ',') {
