@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from steplens.analyze.analyses import ANALYSES
 from steplens.analyze.analyses.job_end import job_end_lines
-from steplens.analyze.analyses.step_time import step_name
+from steplens.analyze.analyses.step_time import OUTSIDE_HEADLINE, outside_line, step_name
 from steplens.analyze.contract.units import binary_bytes
 
 from .data import Run, ms
@@ -109,6 +109,8 @@ def problem_headlines(f: dict) -> list[tuple[str, str]]:
         size = f" of {binary_bytes(top['bytes'])}" if top.get("bytes") is not None else " (size not in the traces)"
         problems.append((f"Exposed comms: {top['op']}{size} costs most, {ms(top['exposed_ns'])} on rank {top['rank']}",
                          "collectives"))
+    if ((outside := (f.get("step_time") or {}).get("outside_work")) or {}).get("share", 0) >= OUTSIDE_HEADLINE:
+        problems.append((first_clause(outside_line(outside)), "steps"))
     if (overflow := (f.get("step_time") or {}).get("fp16_overflow") or {}).get("frequent"):
         problems.append((f"fp16 overflow skipped {overflow['skipped_steps']} of {overflow['steps']} steps", "details"))
     alarms = dict(f.get("monitor_alarms") or {})

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from steplens.analyze.analyses import sanity
 from steplens.reports import data, verdict
+from test_step_time import collector_step_times
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank"
 
@@ -42,15 +43,12 @@ def test_mfu_above_100_percent_becomes_a_disagreement(tmp_path):
     forward = next(r["flops_total"] for r in pq.read_table(SAMPLE / "collector" / "flops_profile").to_pylist()
                    if r["path"] == "")
     flops = 3 * forward * manifest["grad_accum"] * manifest["dp_world_size"]
-    per_rank: dict[tuple, int] = {}
-    for row in pq.read_table(SAMPLE / "collector" / "train_steps").to_pylist():
-        per_rank[(row["step"], row["rank"])] = per_rank.get((row["step"], row["rank"]), 0) + row["dur_ns"]
-    times = {step: max(v for (s, _), v in per_rank.items() if s == step) for step, _ in per_rank}
+    times = collector_step_times(SAMPLE)  # each step's cycle, start to the next start (None: the last)
     profile, flops_step = manifest["settings"]["profile"], manifest["settings"]["flops_step"]
     window = profile["skip_first"] + profile["wait"]
     instrumented = {flops_step, *range(window, window + profile["warmup"] + profile["active"] + 1)}
     median = statistics.median(flops / (t * 1e-9 * manifest["world_size"] * peak_tflops * 1e12)
-                               for s, t in times.items() if s not in instrumented)
+                               for s, t in times.items() if s not in instrumented and t is not None)
     assert median > 1
     # every numerator's figure is above 100% (the traces' op shapes give one too); the collector's is checked here
     [entry] = [e for e in findings["inputs_disagree"] if "collector_flops_profile" in e["detail"]]
@@ -80,16 +78,13 @@ def test_clock_stepped_back_is_left_out_and_named(ds_steady_run, tmp_path):
                 row["dur_ns"] = row["end_ns"] - row["start_ns"]
         pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
     findings, lines, _ = analyse(run)
-    per_rank: dict[tuple, int] = {}
-    for part in (run / "collector" / "train_steps").glob("*.parquet"):
-        for row in pq.read_table(part).to_pylist():
-            per_rank[(row["step"], row["rank"])] = per_rank.get((row["step"], row["rank"]), 0) + row["dur_ns"]
+    times = collector_step_times(run)  # the step's cycle: its start to the next step's, slowest rank
     [entry] = findings["inputs_disagree"]
     assert entry["check"] == "negative_duration" and entry["steps"] == [bad_step]
-    assert entry["value"] == max(v for (s, _), v in per_rank.items() if s == bad_step)
+    assert entry["value"] == times[bad_step]  # the cycle is positive; a micro step in it ended before it started
     excluded = {e["reason"]: e["steps"] for e in findings["step_time"]["excluded_steps"]}
     assert excluded["negative_duration"] == [bad_step]
-    assert findings["step_time"]["steps"] == len({s for s, _ in per_rank}) - sum(len(v) for v in excluded.values())
+    assert findings["step_time"]["steps"] == len(times) - sum(len(v) for v in excluded.values())
     assert any(line.startswith(f"Inputs disagree: 1 step(s) with an impossible time: step {bad_step} ends before it "
                                "starts") for line in lines)
 

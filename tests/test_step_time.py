@@ -47,22 +47,24 @@ def shown(ns: float) -> str:
     return f"{ns:.0f} ns"
 
 
-def collector_step_times(run_dir: Path) -> dict[int, int]:
-    """Optimizer step -> slowest rank's sum of its micro steps, from the collector's raw parts."""
-    per_rank: dict[tuple[int, int], int] = {}
+def collector_step_times(run_dir: Path) -> dict[int, int | None]:
+    """Optimizer step -> the slowest rank's cycle, from its first micro step's start to the next step's first start,
+    from the collector's raw parts; None for a step that some rank has no next step for (the run's last)."""
+    starts: dict[tuple[int, int], int] = {}
     for part in sorted((run_dir / "collector" / "train_steps").glob("rank*.parquet")):
         for row in pq.read_table(part).to_pylist():
-            key = (row["step"], row["rank"])
-            per_rank[key] = per_rank.get(key, 0) + row["end_ns"] - row["start_ns"]
-    steps: dict[int, int] = {}
-    for (step, _), dur in per_rank.items():
-        steps[step] = max(steps.get(step, 0), dur)
+            key = (row["rank"], row["step"])
+            starts[key] = min(starts.get(key, row["start_ns"]), row["start_ns"])
+    steps: dict[int, int | None] = {}
+    for (rank, step), start in starts.items():
+        cycle = starts[(rank, step + 1)] - start if (rank, step + 1) in starts else None
+        steps[step] = None if cycle is None or (step in steps and steps[step] is None) else max(steps.get(step, 0), cycle)
     return steps
 
 
 def warm_up(times: dict[int, int], other_exclusions: set[int]) -> set[int]:
     """The documented rule: leading steps above median + max(3.5 MAD / 0.6745, 5% median), at most half."""
-    candidates = [(s, times[s]) for s in sorted(times) if s not in other_exclusions]
+    candidates = [(s, times[s]) for s in sorted(times) if s not in other_exclusions and times[s] is not None]
     values = [t for _, t in candidates]
     median = statistics.median(values)
     mad = statistics.median(abs(v - median) for v in values)
@@ -75,8 +77,8 @@ def warm_up(times: dict[int, int], other_exclusions: set[int]) -> set[int]:
     return found
 
 
-def expected_summary(times: dict[int, int], excluded: set[int]) -> dict:
-    kept = sorted(t for s, t in times.items() if s not in excluded)
+def expected_summary(times: dict[int, int | None], excluded: set[int]) -> dict:
+    kept = sorted(t for s, t in times.items() if s not in excluded and t is not None)
     return {"steps": len(kept), "total_steps": len(times), "median_ns": round(statistics.median(kept)),
             "p90_ns": kept[math.ceil(0.9 * len(kept)) - 1], "max_ns": kept[-1]}
 
@@ -111,8 +113,11 @@ def test_steady_run_step_time_from_train_steps(ds_steady_run, steady):
     block = findings["step_time"]
     assert block["source"] == "train_steps"
     assert {k: block[k] for k in ("steps", "total_steps", "median_ns", "p90_ns", "max_ns")} == expected_summary(times, warm)
+    last = REALRUN_STEADY_STEPS - 1  # no next step ends the run's last cycle
+    assert times[last] is None
     assert block["excluded_steps"] == ([{"reason": "warm_up", "count": len(warm), "steps": sorted(warm),
-                                         "step_times_ns": [times[s] for s in sorted(warm)]}] if warm else [])
+                                         "step_times_ns": [times[s] for s in sorted(warm)]}] if warm else []) + [
+        {"reason": "no_next_step", "count": 1, "steps": [last], "step_times_ns": [None]}]
     line = next(line for line in lines if line.startswith("Step time:"))
     expected = expected_summary(times, warm)
     assert (f"median {shown(expected['median_ns'])}, p90 {shown(expected['p90_ns'])}, max {shown(expected['max_ns'])}"
@@ -126,7 +131,7 @@ def test_slowest_step_only_beyond_noise(ds_steady_run, steady):
     findings, lines = steady
     times = collector_step_times(ds_steady_run)
     warm = warm_up(times, set())
-    kept = {s: t for s, t in times.items() if s not in warm}
+    kept = {s: t for s, t in times.items() if s not in warm and t is not None}
     median = statistics.median(kept.values())
     mad = statistics.median(abs(v - median) for v in kept.values())
     bound = median + max(3.5 * mad / 0.6745, 0.05 * median)
@@ -154,6 +159,7 @@ def test_instrumented_steps_excluded_and_named(ds_instrumented_run, instrumented
                 "profiler_export": [window_start + warmup + active]}
     instrumented_steps = {s for steps in expected.values() for s in steps}
     times = collector_step_times(ds_instrumented_run)
+    expected["no_next_step"] = [s for s, t in times.items() if t is None]  # the run's last step
     warm = warm_up(times, instrumented_steps)
     if warm:
         expected["warm_up"] = sorted(warm)
@@ -232,20 +238,26 @@ def test_a_step_whose_timers_read_0_or_below_0_is_left_out(tmp_path):
 
 
 def test_skipped_and_incomplete_steps_hand_computed():
-    """fp16 overflow and a step a rank never finished, on a hand-made train_steps table."""
+    """fp16 overflow and a step a rank never finished, on a hand-made train_steps table. Rank 0 starts its steps at
+    0, 120, 250, 320 and 455 ns, rank 1 each 2 ns a step later (0, 122, 254, 326, 463): the cycles (start to the next
+    start) are 120, 130, 70, 135 and 122, 132, 72, 137, so the slowest rank's are 122, 132, 72, 137; the last step
+    has no next one to end it. The micro steps' own durations (forward to engine.step(): 50-111 ns) are not it."""
     rows = []
+    starts = [0, 120, 250, 320, 455]
     for rank in (0, 1):
         for step, dur in enumerate([100, 110, 50, 105, 100]):
             last = step == 4 and rank == 1  # rank 1 stopped inside step 4: no boundary micro step
+            start = starts[step] + 2 * step * rank
             rows.append({"rank": rank, "source": f"collector/train_steps/rank{rank}-00000.parquet", "step": step,
-                         "micro_step": step, "start_ns": 1000 * step, "end_ns": 1000 * step + dur + rank, "dur_ns": dur + rank,
+                         "micro_step": step, "start_ns": start, "end_ns": start + dur + rank, "dur_ns": dur + rank,
                          "is_boundary": not last, "skipped": step == 2, "global_samples": 8 * (step + 1),
                          "global_tokens": None, "loss_scale": 2.0 ** (16 - (step >= 2)), "lr": 0.1})
     table = step_time.step_time_table(pl.DataFrame(rows))
-    assert table.select("step", "step_time_ns", "reason").rows() == [
-        (0, 101, None), (1, 111, None), (2, 51, "overflow_skipped"), (3, 106, None), (4, 101, "incomplete")]
+    assert table.select("step", "step_time_ns", "slowest_rank", "reason").rows() == [
+        (0, 122, 1, None), (1, 132, 1, None), (2, 72, 1, "overflow_skipped"), (3, 137, 1, None),
+        (4, None, None, "incomplete,no_next_step")]
     summary = step_time.step_time_summary(table)
-    assert (summary["steps"], summary["median_ns"], summary["max_ns"]) == (3, 106, 111)
+    assert (summary["steps"], summary["median_ns"], summary["max_ns"]) == (3, 132, 137)
     overflow = step_time.overflow_finding(table)
     assert (overflow["skipped_steps"], overflow["steps"], overflow["steps_skipped"]) == (1, 5, [2])
     assert overflow["frequent"] is False  # one skip: the loss scale settling, not a finding
@@ -433,7 +445,8 @@ def test_two_unlike_kept_steps_give_no_median_and_say_what_is_known(tmp_path):
     line = next(line for line in lines if line.startswith("Step time: "))
     assert line.startswith(f"Step time: too few steps for a typical time: 2 of {len(times)} kept (step 0 "
                            f"{shown(times[0])}, step 1 {shown(times[1])}; no median")
-    assert f"FLOPs profiler step 2 ({shown(times[2])})" in line and f"trace export step 5 ({shown(times[5])})" in line
+    assert f"FLOPs profiler step 2 ({shown(times[2])})" in line and times[5] is None
+    assert "no next step to end it step 5; trace export step 5." in line  # the run's last step: no cycle to time
     screen = verdict.first_screen(findings)
     assert screen[0] == (f"Steps: too few for a typical time (2 of {len(times)} kept, max {shown(max(times[0], times[1]))}; "
                          "collector)", "steps")
@@ -453,7 +466,7 @@ def test_trials_says_in_the_runs_terms_why_no_run_was_timed(tmp_path):
                           capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "80"})
     text = " ".join(done.stdout.split())
     assert ("no run could be timed: cpu: 2 of 6 steps kept (1 flops_profiler, 1 profiler_warmup, 1 profiler_window, 1 "
-            "profiler_export left out): a trial needs 3 kept steps and its samples per step") in text.lower()
+            "no_next_step, 1 profiler_export left out): a trial needs 3 kept steps and its samples per step") in text.lower()
     assert "no experiment produced metrics" not in text
     assert max(len(line) for line in done.stdout.splitlines()) <= 80
 
@@ -480,15 +493,16 @@ def test_a_profiler_step_after_the_last_recorded_step_is_no_step():
 def test_a_job_run_again_into_its_folder_is_timed_once_per_step():
     """The same job run twice into one folder (or resumed from an earlier checkpoint) repeats its micro steps; the
     step time summed both recordings (109 ms against 50-60 ms per job). Hand-made: steps 0-2 on ranks 0 and 1,
-    recorded at 10 ms then again at 20 ms (later); each step is 20 ms, and the repeat is named."""
+    recorded a step every 100 ms, then again (later) every 150 ms; each step is timed from the later recording, 150 ms
+    from one start to the next (the last has no next), and the repeat is named."""
     from steplens.analyze.analyses import step_time as st
 
     ms = 1_000_000
     rows = []
-    for job, (offset, dur) in enumerate([(0, 10 * ms), (10_000 * ms, 20 * ms)]):
+    for job, (offset, dur, every) in enumerate([(0, 10 * ms, 100 * ms), (10_000 * ms, 20 * ms, 150 * ms)]):
         for rank in (0, 1):
             for step in range(3):
-                start = offset + step * 100 * ms
+                start = offset + step * every
                 rows.append({"rank": rank, "source": f"collector/train_steps/rank{rank}-0000{job}.parquet", "step": step,
                              "micro_step": step, "start_ns": start, "end_ns": start + dur, "dur_ns": dur,
                              "is_boundary": True, "skipped": False, "global_samples": 8 * (step + 1)})
@@ -496,8 +510,38 @@ def test_a_job_run_again_into_its_folder_is_timed_once_per_step():
 
     train_steps = conform(rows, "train_steps")
     table = st.step_time_table(train_steps)
-    assert table.sort("step")["step_time_ns"].to_list() == [20 * ms] * 3
+    assert table.sort("step")["step_time_ns"].to_list() == [150 * ms, 150 * ms, None]
     assert st.repeated_steps(train_steps) == {"micro_steps": 6, "steps": [0, 1, 2], "step_count": 3, "ranks": [0, 1],
                                               "rank_count": 2}
     once = train_steps.filter(pl.col("start_ns") >= 10_000 * ms)
-    assert st.repeated_steps(once) is None and st.step_time_table(once)["step_time_ns"].to_list() == [20 * ms] * 3
+    assert st.repeated_steps(once) is None and st.step_time_table(once)["step_time_ns"].to_list() == [150 * ms, 150 * ms, None]
+
+
+def test_time_outside_the_steps_work_is_in_the_step_and_said():
+    """A data loader that takes 100 ms before every forward (the helper's slow-load job): each rank starts a step
+    every 120 ms and spends 20 ms (rank 1: 21 ms) in it. Hand-computed: the step time is the 120 ms cycle, not the
+    20 ms of work, so a 6x slower input pipeline is in the step time, the MFU and compare; 99 ms of each step (82%)
+    ran outside the work, and the verdict leads with it."""
+    from steplens.analyze.contract.units import duration
+    from steplens.reports.verdict import first_screen
+
+    ms = 1_000_000
+    rows = [{"rank": rank, "source": f"collector/train_steps/rank{rank}-00000.parquet", "step": step, "micro_step": step,
+             "start_ns": step * 120 * ms + rank * ms, "end_ns": step * 120 * ms + rank * ms + (20 + rank) * ms,
+             "dur_ns": (20 + rank) * ms, "is_boundary": True, "skipped": False, "global_samples": 8 * (step + 1),
+             "loss_scale": None}
+            for rank in (0, 1) for step in range(6)]
+    table = step_time.step_time_table(pl.DataFrame(rows))
+    assert table.select("step", "step_time_ns", "work_ns", "reason").rows() == [
+        *((step, 120 * ms, 21 * ms, None) for step in range(5)), (5, None, 21 * ms, "no_next_step")]
+    outside = step_time.outside_work(table)
+    assert (outside["median_outside_ns"], outside["median_step_ns"], outside["steps"]) == (99 * ms, 120 * ms, 5)
+    assert outside["share"] == pytest.approx(99 / 120)
+    summary = {**step_time.step_time_summary(table), "outside_work": outside}
+    assert f"Outside the steps' work: {duration(99 * ms)} of each {duration(120 * ms)} step (82%, median)" in \
+        " ".join(step_time.step_lines(summary))
+    assert (f"Outside the steps' work: {duration(99 * ms)} of each {duration(120 * ms)} step", "steps") in \
+        first_screen({"step_time": summary})
+    # work close to the cycle: nothing to say
+    busy = [{**row, "end_ns": row["start_ns"] + 115 * ms, "dur_ns": 115 * ms} for row in rows]
+    assert step_time.outside_work(step_time.step_time_table(pl.DataFrame(busy))) is None

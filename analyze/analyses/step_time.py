@@ -6,9 +6,11 @@ Every consumer (the verdict, MFU, compare, trials, the report) calls `step_time_
 Sources, best first (the first that has at least one step is used; `source` names it):
 
 * ``train_steps``: the collector's record of every micro step (rows written under ``collector/``).
-  Optimizer-step time = the slowest rank's sum of that step's micro-step durations (forward start to
-  the end of ``engine.step()``, so the gaps between micro steps, where the data loader runs, are
-  not counted).
+  Optimizer-step time = the slowest rank's cycle: from the step's first forward to the next step's
+  first forward, so the data loader, the gaps between micro steps and whatever runs between two
+  steps are the step's time, as they are the job's (a ProfilerStep window runs the same way, from
+  one prof.step() to the next). A step that no next step of every rank ends (the run's last)
+  has no time: ``no_next_step``.
 * ``log``: what the job's logs give, best first: `train_steps` rows read from logs (same
   definition); DeepSpeed's ``wall_clock_breakdown`` global timers fwd + bwd + step (summed over the
   step's micro steps by DeepSpeed), slowest rank; the throughput line's ``CurrSamplesPerSec``
@@ -33,7 +35,8 @@ Excluded steps, each named in ``reason`` (several joined by ","):
 * ``checkpoint_save``: the step that follows a checkpoint save (``facts["checkpoint_steps"]``: the
   optimizer steps done when the save began, from the DeepSpeed/Megatron log lines or the collector's
   wrapped ``save_checkpoint``). The save runs between steps: the ranks enter that step's first
-  collective as each finishes saving, and a log interval that holds it holds the save.
+  collective as each finishes saving, and a log interval that holds it holds the save. With the
+  collector's cycles the step before it too: the save is inside its cycle.
 * ``negative_duration``: the step (or one of its micro steps, or one of its timers) ends before it
   starts: clock trouble.
 * ``no_time``: the step's time is 0: nothing was measured (DeepSpeed's FLOPs profiler leaves the
@@ -81,9 +84,11 @@ PIPELINE_ITERATION = "iter time (s)"  # DeepSpeed's pipeline engine
 LOG_STEP_LABELS = {"log_megatron": "iteration", "log_throughput": "global_step=", "log_timers": "step=",
                    "log_train_steps": "step=", "log_pipeline": "steps:"}
 DEFINITIONS = {
-    "collector": "collector train_steps: per optimizer step, the slowest rank's sum of its micro steps "
-                 "(forward start to the end of engine.step())",
-    "log_train_steps": "train_steps read from the logs: per optimizer step, the slowest rank's sum of its micro steps",
+    "collector": "collector train_steps: per optimizer step, the slowest rank's time from the step's first forward to "
+                 "the next step's (the whole iteration: data loading, every micro step, engine.step() and what runs "
+                 "between steps)",
+    "log_train_steps": "train_steps read from the logs: per optimizer step, the slowest rank's time from the step's "
+                       "first forward to the next step's",
     "log_timers": "DeepSpeed wall_clock_breakdown: fwd + bwd + step of the step's global timer line, slowest rank",
     "log_throughput": "DeepSpeed throughput line: train_batch_size / CurrSamplesPerSec (rank 0's fwd-to-step time "
                       "of that step), every steps_per_print steps",
@@ -91,9 +96,11 @@ DEFINITIONS = {
     "log_pipeline": "DeepSpeed pipeline engine 'iter time (s)': mean iteration time over each steps_per_print interval",
     "profiler_steps": "ProfilerStep#N windows in the traces, slowest rank (every one ran the profiler)",
 }
+# The sources whose step time is a whole iteration (start to the next start), not the forward-to-step part of it.
+CYCLES = ("collector", "log_train_steps")
 COLUMNS = {
     "step": pl.Int64, "source": pl.String, "step_time_ns": pl.Int64, "slowest_rank": pl.Int64, "ranks": pl.Int64,
-    "micro_steps": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64, "samples": pl.Int64, "skipped": pl.Boolean,
+    "micro_steps": pl.Int64, "work_ns": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64, "samples": pl.Int64, "skipped": pl.Boolean,
     "loss_scale": pl.Float64, "excluded": pl.Boolean, "reason": pl.String,
 }
 
@@ -107,24 +114,33 @@ def _is_collector(source: pl.Expr) -> pl.Expr:
 
 
 def _from_micro_steps(micro: pl.DataFrame) -> pl.DataFrame:
-    """Per optimizer step: slowest rank's sum of micro steps; incomplete when a rank or the boundary is missing."""
+    """Per optimizer step: the slowest rank's cycle, from the step's first forward to the next step's (the whole
+    iteration); incomplete when a rank or the boundary is missing, no_next when a rank has no next step to end it."""
     micro = micro.filter(pl.col("step").is_not_null() & pl.col("rank").is_not_null())
     per_rank = micro.group_by("rank", "step").agg(
-        dur_ns=pl.col("dur_ns").sum(), micro_steps=pl.len(), negative=(pl.col("dur_ns") < 0).any(),
+        micro_steps=pl.len(), negative=(pl.col("dur_ns") < 0).any(), work_ns=pl.col("dur_ns").sum(),
         start_ns=pl.col("start_ns").min(), end_ns=pl.col("end_ns").max(), boundary=pl.col("is_boundary").fill_null(False).any(),
         skipped=pl.col("skipped").fill_null(False).any(),
         samples_after=pl.col("global_samples").filter(pl.col("is_boundary").fill_null(False)).max(),
         loss_scale=pl.col("loss_scale").sort_by("micro_step").last())
+    following = pl.col("step").shift(-1).over("rank") == pl.col("step") + 1
+    per_rank = per_rank.sort("rank", "step").with_columns(
+        dur_ns=pl.when(following).then(pl.col("start_ns").shift(-1).over("rank") - pl.col("start_ns")))
     all_ranks = micro["rank"].n_unique()
+    slowest_first = [pl.col("dur_ns").fill_null(-1), "rank"]
     steps = per_rank.group_by("step").agg(
-        step_time_ns=pl.col("dur_ns").max(), slowest_rank=pl.col("rank").sort_by("dur_ns", "rank").last(),
-        ranks=pl.col("rank").n_unique().cast(pl.Int64), micro_steps=pl.col("micro_steps").sort_by("dur_ns", "rank").last(),
+        step_time_ns=pl.col("dur_ns").max(), slowest_rank=pl.col("rank").sort_by(slowest_first).last(),
+        work_ns=pl.col("work_ns").max(),
+        ranks=pl.col("rank").n_unique().cast(pl.Int64), micro_steps=pl.col("micro_steps").sort_by(slowest_first).last(),
         start_ns=pl.col("start_ns").min(), end_ns=pl.col("end_ns").max(), complete=pl.col("boundary").all(),
-        skipped=pl.col("skipped").any(), samples_after=pl.col("samples_after").max(), negative=pl.col("negative").any(),
+        skipped=pl.col("skipped").any(), samples_after=pl.col("samples_after").max(),
+        negative=pl.col("negative").any() | (pl.col("dur_ns") < 0).any(), no_next=pl.col("dur_ns").is_null().any(),
         loss_scale=pl.col("loss_scale").drop_nulls().first())
     return steps.sort("step").with_columns(
         samples=(pl.col("samples_after") - pl.col("samples_after").shift(1)).fill_null(pl.col("samples_after")),
         incomplete=~pl.col("complete") | (pl.col("ranks") < all_ranks),
+        step_time_ns=pl.when(~pl.col("no_next")).then("step_time_ns"),
+        slowest_rank=pl.when(~pl.col("no_next")).then("slowest_rank"),
     ).drop("complete", "samples_after")
 
 
@@ -230,8 +246,11 @@ def _pick_source(train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: 
 
 
 
-def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict[int, set[str]]:
-    """Optimizer step -> instrumentation that ran in it (flops_profiler, profiler_warmup, profiler_window)."""
+def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps: pl.DataFrame,
+                       cycles: bool = False) -> dict[int, set[str]]:
+    """Optimizer step -> instrumentation that ran in it (flops_profiler, profiler_warmup, profiler_window, ...).
+    `cycles`: the step times run from a step's start to the next's, so what runs between two steps (a checkpoint
+    save) is in the earlier one's time too."""
     found: dict[int, set[str]] = {}
 
     def mark(step, reason: str) -> None:
@@ -255,6 +274,8 @@ def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps:
                 mark(step + 1, "profiler_export")
     for step in facts.get("checkpoint_steps") or []:
         mark(step, "checkpoint_save")
+        if cycles and type(step) is int:
+            mark(step - 1, "checkpoint_save")
     return found
 
 
@@ -305,14 +326,15 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
     source, key, frame = _pick_source(train_steps, step_timers, scalars, profiler_steps, facts)
     if frame.is_empty():
         return _empty()
-    flags = {"incomplete": pl.Boolean, "negative": pl.Boolean}  # set by the sources that can tell
+    flags = {"incomplete": pl.Boolean, "negative": pl.Boolean, "no_next": pl.Boolean}  # set by the sources that can tell
     frame = frame.with_columns([pl.lit(None, dtype).alias(c) for c, dtype in {**COLUMNS, **flags}.items()
                                 if c not in frame.columns])
     span = _run_span_ns(frame, scalars)
     frame = frame.with_columns(
         negative=(pl.col("step_time_ns") < 0) | pl.col("negative").fill_null(False),
         too_long=(pl.col("step_time_ns") > span) if span is not None else pl.lit(False))
-    instrumented = {} if source == "profiler_steps" else instrumented_steps(facts, flops_profile, profiler_steps)
+    instrumented = {} if source == "profiler_steps" else instrumented_steps(facts, flops_profile, profiler_steps,
+                                                                            cycles=key in CYCLES)
     reasons = pl.DataFrame({"step": list(instrumented), "instrumented": [",".join(sorted(r)) for r in instrumented.values()]},
                            schema={"step": pl.Int64, "instrumented": pl.String})
     frame = frame.join(reasons, on="step", how="left").with_columns(
@@ -321,6 +343,7 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
             pl.when(pl.col("step_time_ns") == 0).then(pl.lit("no_time")),
             pl.when(pl.col("too_long").fill_null(False)).then(pl.lit("longer_than_run")),
             pl.when(pl.col("incomplete").fill_null(False)).then(pl.lit("incomplete")),
+            pl.when(pl.col("no_next").fill_null(False)).then(pl.lit("no_next_step")),
             pl.when(pl.col("skipped").fill_null(False)).then(pl.lit("overflow_skipped")),
             pl.col("instrumented"), separator=",", ignore_nulls=True).replace("", None))
     warm = _warm_up(frame)
@@ -433,6 +456,28 @@ def slowest_step(table: pl.DataFrame) -> dict | None:
                      f"of the {kept.height} kept steps"}
 
 
+OUTSIDE_WORTH_SAYING = 0.10  # of the median step: what runs outside the steps' work from here on is said
+OUTSIDE_HEADLINE = 0.25  # and leads the verdict from here: a quarter of every step spent outside it
+
+
+def outside_work(table: pl.DataFrame) -> dict | None:
+    """What each kept step spends outside its micro steps (before its first forward, between micro steps: the data
+    loader, the job's own work between steps), when the source records both (the collector): the median over kept
+    steps of step_time_ns - work_ns against the median step; None below OUTSIDE_WORTH_SAYING of it."""
+    if table.is_empty() or "work_ns" not in table.columns:
+        return None
+    kept = table.filter(~pl.col("excluded") & pl.col("work_ns").is_not_null() & pl.col("step_time_ns").is_not_null())
+    if kept.is_empty() or not kept["step_time_ns"].median():
+        return None
+    outside, step = (kept["step_time_ns"] - kept["work_ns"]).median(), kept["step_time_ns"].median()
+    if outside < OUTSIDE_WORTH_SAYING * step:
+        return None
+    return {"median_outside_ns": round(outside), "median_step_ns": round(step), "share": outside / step,
+            "steps": kept.height,
+            "definition": "median over kept steps of step_time_ns - work_ns (the slowest rank's cycle minus the most any "
+                          "rank spent inside the step's micro steps, forward to the end of engine.step())"}
+
+
 def profiled_windows(table: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict | None:
     """Where the traced ProfilerStep windows sit in the run: each window's time (slowest rank), the
     same step's time from the run's step-time source, and the run's median step."""
@@ -490,7 +535,8 @@ EXCLUSION_WORDS = {"warm_up": "warm-up", "flops_profiler": "FLOPs profiler", "pr
                    "profiler_window": "profiler window", "profiler_export": "trace export",
                    "checkpoint_save": "checkpoint save", "overflow_skipped": "skipped on fp16 overflow",
                    "incomplete": "incomplete", "negative_duration": "ends before it starts",
-                   "longer_than_run": "longer than the run", "no_time": "no time measured"}
+                   "longer_than_run": "longer than the run", "no_time": "no time measured",
+                   "no_next_step": "no next step to end it"}
 
 
 SOURCE_WORDS = {"train_steps": "the collector's train_steps", "log": "the logs", "profiler_steps": "the profiled steps"}
@@ -565,7 +611,7 @@ def step_lines(summary: dict) -> list[str]:
                      f"{repeated['micro_steps']} micro step(s)): a job run again into the same folder, or resumed from "
                      "an earlier checkpoint; the later recording of each is the one timed.")
     profiled = summary.get("profiled_steps") or {}
-    for window in profiled.get("steps", [])[:3]:
+    for window in profiled.get("steps", [])[:PROFILED_SAID]:
         timed = (f"; {SOURCE_WORDS.get(profiled['source'], profiled['source'])} timed it {duration(window['step_time_ns'])}"
                  if window.get("step_time_ns") is not None else "")
         median = (f", the run's median step is {duration(profiled['run_median_ns'])}"
@@ -577,7 +623,22 @@ def step_lines(summary: dict) -> list[str]:
             continue
         lines.append(f"Profiled step {window['step']} took {duration(window['profiler_dur_ns'])} (ProfilerStep window, "
                      f"rank {window['rank']}{timed}){median}.")
+    if len(profiled.get("steps") or []) > PROFILED_SAID:
+        more = profiled["steps"][PROFILED_SAID:]
+        lines.append(f"{len(more)} more profiled step{'s' if len(more) > 1 else ''} "
+                     f"({_step_ranges([w['step'] for w in more], len(more))}): step_time's profiled_steps in findings.json.")
+    if outside := summary.get("outside_work"):
+        lines.append(outside_line(outside) + ".")
     return lines
+
+
+PROFILED_SAID = 3  # profiled steps given a sentence each; the rest are named
+
+
+def outside_line(outside: dict) -> str:
+    return (f"Outside the steps' work: {duration(outside['median_outside_ns'])} of each {duration(outside['median_step_ns'])} "
+            f"step ({outside['share']:.0%}, median) ran before a step's first forward or between its micro steps, in no "
+            "forward, backward or engine.step(): the data loader, or the job's own work between steps")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,6 +707,8 @@ def _step_time(inputs: Inputs) -> Output:
         finding["fp16_overflow"] = overflow
     if repeated := repeated_steps(inputs.table("train_steps", ["rank", "step", "micro_step", "start_ns"])):
         finding["repeated_steps"] = repeated
+    if outside := outside_work(table):
+        finding["outside_work"] = outside
     return Output(tables={"step_time": table}, finding=finding)
 
 
@@ -653,10 +716,15 @@ STEP_TIME = schema.table_spec(
     ("step", pa.int64(), "Optimizer step, from 0 (ProfilerStep#N when the source is profiler_steps)."),
     ("source", pa.string(), "train_steps (collector) | log | profiler_steps: the best source the run has "
                             "(analyze/analyses/step_time.py)."),
-    ("step_time_ns", pa.int64(), "Slowest rank's sum of the step's micro steps (logs: the stated time of the step)."),
+    ("step_time_ns", pa.int64(), "The slowest rank's cycle: the step's first forward to the next step's (collector, "
+                                 "train_steps from logs); logs: the stated time of the step; profiler_steps: the "
+                                 "ProfilerStep window."),
     ("slowest_rank", pa.int64(), "Rank with that time."),
     ("ranks", pa.int64(), "Ranks that recorded the step."),
     ("micro_steps", pa.int64(), "Micro steps of the slowest rank."),
+    ("work_ns", pa.int64(), "The most any rank spent inside the step's micro steps (forward to the end of "
+                            "engine.step(), summed); step_time_ns - work_ns is what ran outside them (the data "
+                            "loader, the job's own work between steps). Null for other sources."),
     ("start_ns", pa.int64(), "Earliest start over ranks (rank clocks)."),
     ("end_ns", pa.int64(), "Latest end."),
     ("samples", pa.int64(), "Samples the whole job consumed in the step."),
@@ -664,8 +732,8 @@ STEP_TIME = schema.table_spec(
     ("loss_scale", pa.float64(), "fp16 loss scale after the step."),
     ("excluded", pa.bool_(), "Left out of the run's step-time summary."),
     ("reason", pa.string(), "Why: warm_up, flops_profiler, profiler_warmup, profiler_window, profiler_export, "
-                            "checkpoint_save, overflow_skipped, incomplete, negative_duration, longer_than_run, "
-                            "no_time (comma-separated)."),
+                            "checkpoint_save, overflow_skipped, incomplete, no_next_step, negative_duration, "
+                            "longer_than_run, no_time (comma-separated)."),
     ("definition", pa.string(), "The step-time definition of the source, in words."),
 )
 
