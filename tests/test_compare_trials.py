@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from conftest import TRIAL_MICRO_BATCHES, TRIAL_REPEATS
 from steplens.analyze.importers import deepspeed_log
 from steplens.analyze.analyses import trials
+from steplens.analyze.analyses.mfu import NUMERATOR_WORDS as mfu_words_table
 from steplens.analyze.cli import EXIT_REGRESSION, analyze, steplens
 
 
@@ -416,3 +417,54 @@ def test_deepspeed_chat_logs_get_global_samples(corpus, name, batch):
     assert scalars.height == 2 * len(step_lines) + 4 * len(rate_lines)
     assert sorted(scalars["global_samples"].to_list()) == sorted(
         [int(n) * batch for n in step_lines] * 2 + [int(n) * batch for n in rate_lines] * 4)
+
+
+def test_compare_takes_mfu_of_one_numerator_and_peak_from_both_runs(tmp_path):
+    """compare states the first MFU figure both runs state with the same numerator and peak, recomputed here from
+    each run's mfu table (the median over its steps); over two different peaks it compares none and says why."""
+    sample = Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank"
+    runs = {}
+    for name, peak in (("a", "0.1"), ("b", "0.1"), ("c", "0.2")):
+        runs[name] = tmp_path / name
+        shutil.copytree(sample, runs[name], ignore=shutil.ignore_patterns(".steplens"))
+        assert CliRunner().invoke(analyze, [str(runs[name]), "-q", "--peak-tflops", peak]).exit_code in (0, 1)
+
+    def headline(run: Path) -> tuple[str, float]:
+        rows = [r for r in pq.read_table(run / ".steplens" / "mfu").to_pylist()
+                if r["metric"] == "MFU" and r["utilization"] is not None]
+        numerator = json.loads((run / ".steplens" / "findings.json").read_text())["mfu"][0]["numerator"]
+        return numerator, statistics.median(r["utilization"] for r in rows if r["numerator"] == numerator)
+
+    same = CliRunner().invoke(steplens, ["compare", str(runs["a"]), str(runs["b"]), "--out", str(tmp_path / "ab"),
+                                         "--format", "json"])
+    [mfu] = [m for m in json.loads(same.stdout)["metrics"] if m["metric"].startswith("MFU")]
+    numerator, value = headline(runs["a"])
+    assert mfu["metric"] == f"MFU (median, {mfu_words(numerator)})"
+    assert mfu["base"] == pytest.approx(value) and mfu["new"] == pytest.approx(headline(runs["b"])[1])
+    apart = CliRunner().invoke(steplens, ["compare", str(runs["a"]), str(runs["c"]), "--out", str(tmp_path / "ac"),
+                                          "--format", "json"])
+    result = json.loads(apart.stdout)
+    [mfu] = [m for m in result["metrics"] if m["metric"].startswith("MFU")]
+    assert mfu["base"] is None and mfu["new"] is None
+    assert any(w.startswith("MFU not compared: the runs' MFU figures share no numerator and peak") for w in result["warnings"])
+
+
+def mfu_words(numerator: str) -> str:
+    return mfu_words_table.get(numerator, numerator)
+
+
+def test_compare_never_takes_a_median_over_mfu_numerators():
+    """A run with two MFU numerators (the helper's ZeRO-3 job: the analytic count 3.395%, the FLOPs profile 3.05%):
+    compare printed their median, 3.2%, a figure with no definition. Hand-made findings: the analytic count is
+    compared, as analyze heads with it; a run without it is compared on the FLOPs profile both state."""
+    from steplens.analyze.analyses.compare import mfu_pair
+
+    class Run:
+        def __init__(self, *figures):
+            self.findings = {"mfu": [{"metric": "MFU", "numerator": n, "peak": "p", "utilization": u} for n, u in figures]}
+
+    both = Run(("palm", 0.03395), ("collector_flops_profile", 0.0305))
+    other = Run(("palm", 0.033), ("collector_flops_profile", 0.031))
+    assert mfu_pair(both, other) == (f"MFU (median, {mfu_words('palm')})", 0.03395, 0.033, None)
+    profile_only = Run(("collector_flops_profile", 0.029))
+    assert mfu_pair(both, profile_only) == (f"MFU (median, {mfu_words('collector_flops_profile')})", 0.0305, 0.029, None)

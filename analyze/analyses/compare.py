@@ -19,6 +19,7 @@ import numpy as np
 import polars as pl
 
 from steplens.analyze.analyses import monitor, noise, step_time
+from steplens.analyze.analyses.mfu import NUMERATOR_WORDS
 from steplens.analyze.contract import manifest
 
 # Fields that change the work of one optimizer step (monitor.COMPARABILITY_FIELDS names).
@@ -165,15 +166,36 @@ def _step_time(pair: tuple[StepSamples, StepSamples] | None) -> dict:
             "new_median_ns": float(np.median(n.values_ns)) if step_time.has_typical_time(list(n.values_ns)) else None}
 
 
+def _mfu_figures(run) -> list[dict]:
+    """The run's MFU figures as `analyze` states them (median over steps, one per numerator and peak), in its order."""
+    stated = run.findings.get("mfu")
+    return [r for r in stated if r.get("metric") == "MFU" and r.get("utilization") is not None] \
+        if isinstance(stated, list) else []
+
+
+def mfu_pair(base, new) -> tuple[str, float | None, float | None, str | None]:
+    """(label, base, new, why not) for MFU: the first of base's figures whose numerator and peak the new run's
+    figures share (a median over every numerator would mix definitions, and other peaks divide by other things)."""
+    theirs = {(r["numerator"], r["peak"]): r["utilization"] for r in _mfu_figures(new)}
+    for figure in _mfu_figures(base):
+        if (figure["numerator"], figure["peak"]) in theirs:
+            words = NUMERATOR_WORDS.get(figure["numerator"], figure["numerator"])
+            return (f"MFU (median, {words})", figure["utilization"], theirs[(figure["numerator"], figure["peak"])], None)
+    figures = {side: _mfu_figures(run) for side, run in (("base", base), ("new", new))}
+    if not all(figures.values()):
+        return "MFU (median)", None, None, None
+    stated = "; ".join(f"{side}: " + ", ".join(f"{NUMERATOR_WORDS.get(r['numerator'], r['numerator'])} over {r['peak']}"
+                                                for r in rows) for side, rows in figures.items())
+    return "MFU (median)", None, None, f"MFU not compared: the runs' MFU figures share no numerator and peak ({stated})"
+
+
 def metrics(run) -> dict[str, float | None]:
-    """The scalar metrics shown side by side; per step and rank where they add up over a run."""
+    """The scalar metrics shown side by side; per step and rank where they add up over a run (MFU: mfu_pair)."""
     f = run.findings
     step_count = max(run.table("step_stats").height, 1)
     ranks = max(len(run.manifest.get("trace_ranks", [])), 1)
     calls = run.table("collectives")
-    mfu = run.table("mfu").filter(pl.col("metric") == "MFU") if not run.table("mfu").is_empty() else pl.DataFrame()
     return {
-        "MFU (median)": float(mfu["utilization"].median()) if not mfu.is_empty() else None,
         "GPU idle share": (f.get("gpu_idle") or {}).get("idle_share"),
         "exposed communication per step and rank (ns)": float(calls.filter(pl.col("step").is_not_null())["exposed_ns"].sum())
         / step_count / ranks if not calls.is_empty() else None,
@@ -215,12 +237,15 @@ def compare(base, new) -> dict:
     pair = common_samples(base, new)
     table = comparability(base, new)
     base_metrics, new_metrics = metrics(base), metrics(new)
+    mfu_label, base_mfu, new_mfu, mfu_apart = mfu_pair(base, new)
     return {
         "base": base.name, "new": new.name, "verdict": _verdict(base, new, pair, _work_differs(table), _same_work(table)),
         "step_time": _step_time(pair),
-        "metrics": [{"metric": k, "base": base_metrics[k], "new": new_metrics[k]} for k in base_metrics],
+        "metrics": [{"metric": mfu_label, "base": base_mfu, "new": new_mfu}]
+        + [{"metric": k, "base": base_metrics[k], "new": new_metrics[k]} for k in base_metrics],
         **_kernel_tables(base, new), "comparability": table,
-        "warnings": warnings(table, base, new) + source_warnings(base, new, pair), "curves": curves(base, new),
+        "warnings": warnings(table, base, new) + source_warnings(base, new, pair) + ([mfu_apart] if mfu_apart else []),
+        "curves": curves(base, new),
     }
 
 
