@@ -440,8 +440,8 @@ def test_printed_summary_and_findings_match_truth(tmp_path):
 
 
 def test_mfu_from_the_collectors_flops_profile(tmp_path):
-    """3 x the profiled forward FLOPs x micro batches x data-parallel ranks over the slowest rank's step,
-    recomputed here from the collector's own Parquet parts and manifest."""
+    """3 x the profiled forward FLOPs x micro batches x data-parallel ranks over the slowest rank's step (its cycle:
+    the step's first start to the next step's), recomputed here from the collector's own Parquet parts and manifest."""
     import shutil
     from pathlib import Path
 
@@ -454,15 +454,19 @@ def test_mfu_from_the_collectors_flops_profile(tmp_path):
     profile = pl.read_parquet(run / "collector" / "flops_profile")
     forward = profile.filter(pl.col("path") == "")["flops_total"].item()
     steps = pl.read_parquet(run / "collector" / "train_steps")
-    step_time = steps.group_by("rank", "step").agg(pl.col("dur_ns").sum()).group_by("step").agg(pl.col("dur_ns").max())
+    starts = {(r, s): t for r, s, t in steps.group_by("rank", "step").agg(pl.col("start_ns").min()).iter_rows()}
+    cycles: dict[int, int | None] = {}
+    for (rank, step), start in starts.items():
+        cycle = starts[(rank, step + 1)] - start if (rank, step + 1) in starts else None
+        cycles[step] = None if cycle is None or cycles.get(step, 0) is None else max(cycles.get(step, 0), cycle)
     flops = 3 * forward * manifest["grad_accum"] * manifest["dp_world_size"]
     # Steps that ran instrumentation are left out: the FLOPs-profiled step and the profiler's warm-up,
     # active and trace-export steps, from the collector's settings.
     settings = manifest["settings"]
     window = settings["profile"]["skip_first"] + settings["profile"]["wait"]
     instrumented = {settings["flops_step"], *range(window, window + settings["profile"]["warmup"] + settings["profile"]["active"] + 1)}
-    expected = {step: flops / (ns * 1e-9 * manifest["world_size"] * 2e12) for step, ns in step_time.iter_rows()
-                if step not in instrumented}
+    expected = {step: flops / (ns * 1e-9 * manifest["world_size"] * 2e12) for step, ns in cycles.items()
+                if step not in instrumented and ns is not None}
     table = _table(run / ".steplens", "mfu").filter(pl.col("numerator") == "collector_flops_profile")
     assert dict(zip(table["step"], table["utilization"])) == pytest.approx(expected)
     assert "MFU" in result.output and "FLOPs profiler counted" in result.output

@@ -80,3 +80,22 @@ def test_wall_time_across_ranks_needs_every_rank_on_one_clock():
                           "aligned_end_ns": [94 * ms, None, 150 * ms, 153 * ms]})
     stats = steps.step_stats(times).sort("step")
     assert stats["aligned_dur_ns"].to_list() == [None, 53 * ms]  # step 2: 153 - 100
+
+
+def test_without_collective_timing_the_longest_step_is_no_straggler():
+    """A 2-rank gloo job (no communication kernels): in step 4 rank 1 began 14 ms before rank 0 and both ended
+    together, so rank 1's step is 14 ms longer: it waited for rank 0. The longest step was named the straggler
+    ('rank 1 ... decided by beyond_step_noise: the others waited 14.3 ms' while others_waited_ns was 0). Hand-made:
+    nothing in the step boundaries tells who waited, so nobody is named; the spread stays in step_stats."""
+    import polars as pl
+    from steplens.analyze.analyses import steps
+
+    ms = 1_000_000
+    durations = {0: [50, 51, 50, 52, 50, 51], 1: [51, 50, 51, 51, 64, 50]}
+    times = pl.DataFrame([{"rank": rank, "step": step, "cpu_dur_ns": d * ms, "comm_wait_ns": 0,
+                           "aligned_start_ns": None, "aligned_end_ns": None}
+                          for rank, ds in durations.items() for step, d in enumerate(ds)])
+    stats = steps.step_stats(times).sort("step")
+    assert stats["straggler_rank"].null_count() == stats.height
+    assert stats.filter(pl.col("step") == 4).select("spread_ns", "slowest_rank").row(0) == (14 * ms, 1)
+    assert steps.straggler_finding(stats) == {"stragglers": []}

@@ -7,8 +7,9 @@ is the median of the per-instance differences; its uncertainty is half their ran
 
 A straggler is the rank the others wait for: the last to arrive at the step's collectives. Each
 rank's wait in one collective instance is its kernel time minus the shortest kernel time of that
-instance over ranks (the transfer itself). Without collective timing (gloo/CPU runs) the candidate is
-the rank with the longest step.
+instance over ranks (the transfer itself). Without collective timing (gloo/CPU runs, no communication
+kernels) no straggler is named: in a synchronous job every rank ends a step with its last collective, so the
+rank with the longest step is the one that began it first and waited, as often as the one that was late.
 
 The candidate is called a straggler only when it stands out from the run's own noise, and
 `straggler_basis` says which test decided it (each also needs the lateness to be at least
@@ -213,7 +214,7 @@ def step_stats(times: pl.DataFrame, judge_stragglers: bool = True) -> pl.DataFra
     lateness = pl.col("median_other_wait_ns") if has_comm else pl.col("spread_ns")
     stats = stats.join(_rank_spread(times, has_comm), on="step", how="left").with_columns(lateness_ns=lateness)
     basis = _straggler_basis(stats.filter(pl.col("ranks") > 1).sort("step"))
-    if not judge_stragglers:
+    if not judge_stragglers or not has_comm:  # see the module's docstring: no waits, no straggler
         basis = basis.with_columns(straggler_basis=pl.lit(None, pl.String))
     stats = stats.join(basis, on="step", how="left")
     return stats.with_columns(straggler_rank=pl.when(pl.col("straggler_basis").is_not_null()).then(pl.col("candidate"))).select(
@@ -275,10 +276,8 @@ def straggler_finding(stats: pl.DataFrame) -> dict:
     if stats.is_empty():
         return {}
     stragglers = stats.filter(pl.col("straggler_rank").is_not_null())
-    # Without collective waits (gloo/CPU runs, or no NCCL kernels) the straggler is the longest CPU step.
-    basis = "collective_wait" if stats["others_waited_ns"].fill_null(0).sum() > 0 else "step_spread"
     return {"stragglers": [
-        {"step": s, "rank": r, "others_waited_ns": w, "spread_ns": d, "basis": basis, "decided_by": how}
+        {"step": s, "rank": r, "others_waited_ns": w, "spread_ns": d, "basis": "collective_wait", "decided_by": how}
         for s, r, w, d, how in
         stragglers.select("step", "straggler_rank", "others_waited_ns", "spread_ns", "straggler_basis").iter_rows()]}
 
@@ -300,12 +299,8 @@ def straggler_lines(finding: dict, limit: int = 2) -> list[str]:
     lines = []
     for s in finding.get("stragglers", [])[:limit]:
         how = f" Decided by {s['decided_by']}." if s.get("decided_by") else ""
-        if s["basis"] == "collective_wait":
-            lines.append(f"Straggler: rank {s['rank']} in step {s['step']}; the other ranks waited "
-                         f"{duration(s['others_waited_ns'])} in total for it in collectives.{how}")
-        else:
-            lines.append(f"Straggler: rank {s['rank']} in step {s['step']}, {duration(s['spread_ns'])} longer than the fastest "
-                         f"rank (no collective timing in the traces shows who waited).{how}")
+        lines.append(f"Straggler: rank {s['rank']} in step {s['step']}; the other ranks waited "
+                     f"{duration(s['others_waited_ns'])} in total for it in collectives.{how}")
     return lines
 
 
