@@ -117,3 +117,52 @@ def test_records_that_end_unevenly_are_no_stall_when_every_process_exited_0():
     assert job_end.job_end(launcher, train_steps, pl.DataFrame(), pl.DataFrame(), {}, None) is None
     unknown = launcher.with_columns(status=pl.lit("unknown"))
     assert job_end.job_end(unknown, train_steps, pl.DataFrame(), pl.DataFrame(), {}, None)["first_stalled_rank"] == 1
+
+
+LAUNCHED = ("[2026-12-07 01:18:44,451] [INFO] [launch.py:245:main] process 26634 spawned with command: ['python3', '-u', "
+            "'job.py', '--local_rank={r}']\n")
+EXITED = ("[2026-12-07 01:19:03,542] [ERROR] [launch.py:259:sigkill_handler] ['python3', '-u', 'job.py', "
+          "'--local_rank=1'] exits with return code = 1\n")
+PEER = ("[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:53144. This is typically caused by a remote worker crashing.\n")
+
+
+def test_a_crash_names_its_error_from_the_rank_logs_and_the_rank_the_launcher_saw_fail(tmp_path):
+    """A rank raised before DeepSpeed logged a line (its default level): its traceback, alone in DeepSpeed's
+    --enable_each_rank_log file, was ignored as 'no format steplens knows' and the verdict said only 'The job
+    failed'; the other rank's lost-peer error is what it set off. Hand-made from the helper's crashed job's lines."""
+    run = tmp_path / "run"
+    (run / "rank_logs").mkdir(parents=True)
+    (run / "launcher.log").write_text(LAUNCHED.format(r=0) + LAUNCHED.format(r=1) + EXITED)
+    (run / "rank_logs" / "20261207011844_rank1.log").write_text(
+        "[rank1]: Traceback (most recent call last):\n[rank1]:   File \"job.py\", line 81, in <module>\n"
+        "[rank1]:     raise RuntimeError(\"user bug: bad batch at step 5\")\n"
+        "[rank1]: RuntimeError: user bug: bad batch at step 5\n")
+    (run / "rank_logs" / "20261207011844_rank0.log").write_text("[rank0]: Traceback (most recent call last):\n" + PEER)
+    findings, _lines, stdout = analyse(run, tmp_path / "out")
+    end = findings["job_end"]
+    assert end["status"] == "failed" and end["cause"] == "peer_lost"
+    assert end["errors"][0] == "RuntimeError: user bug: bad batch at step 5"
+    assert "The job failed: RuntimeError: user bug: bad batch at step 5" in stdout
+    status = [r for r in pq.read_table(tmp_path / "out" / "run_status").to_pylist() if r["source"] == "launcher.log"]
+    assert status[0]["detail"].startswith("local rank 1 exited with return code 1")
+
+
+def test_a_failed_rank_whose_steps_were_all_flushed_lost_no_data(tmp_path):
+    """The collector's manifest says 'failed' after 5 steps with step 4 flushed last: every step the rank finished is
+    in its parts. That was an error-level 'collector_missing_tail ... everything after is missing' and exit 1
+    ('inputs could not be used'); it is the job's failure, not lost input. One unflushed step still is."""
+    sample = Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank"
+    for name, last in (("whole", 5), ("cut", 4)):
+        run = tmp_path / name
+        shutil.copytree(sample, run, ignore=shutil.ignore_patterns(".steplens"))
+        manifest = run / "collector" / "manifest" / "rank1.json"
+        doc = json.loads(manifest.read_text())
+        steps = doc["steps_completed"]
+        doc.update(status="failed", last_flushed_step=steps - 1 if name == "whole" else steps - 2)
+        manifest.write_text(json.dumps(doc))
+        done = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run), "-q"], capture_output=True, text=True)
+        issues = pq.read_table(run / ".steplens" / "ingest_issues").to_pylist()
+        tail = [i for i in issues if i["reason"] == "collector_missing_tail"]
+        assert (len(tail), done.returncode) == ((0, 0) if name == "whole" else (1, 1)), (name, done.stdout)
+        assert json.loads((run / ".steplens" / "findings.json").read_text())["job_end"]["status"] == "failed"

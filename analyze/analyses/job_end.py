@@ -126,6 +126,8 @@ def job_end(run_status: pl.DataFrame, train_steps: pl.DataFrame, step_timers: pl
     if bad.is_empty() and not uneven:
         return None
     errors = [e for e in (bad["error"].drop_nulls().to_list() if not bad.is_empty() else []) if e]
+    # the error that ended the job before those it set off: a lost peer or a watchdog timeout on the other ranks
+    errors.sort(key=lambda e: bool(WATCHDOG.search(e) or PEER_LOST.search(e)))
     cause = ("nccl_watchdog_timeout" if any(WATCHDOG.search(e) for e in errors)
              else "peer_lost" if any(PEER_LOST.search(e) for e in errors) else None)
     rank, basis = _first_stalled(ranks, median_step_ns) if ranks.height > 1 else (None, "one rank")

@@ -211,6 +211,11 @@ def _parse_manifest(path: Path, rel: str) -> Imported:
         run_status = "killed"
         detail = (f"collector manifest of rank {rank}: stopped by SIGTERM after {steps} steps; "
                   f"rows up to step {last} were flushed")
+    elif status == "failed" and is_count(steps) and last == steps - 1:
+        # the rank's job raised, and the collector flushed every step it finished first: the job's failure (job_end
+        # says it), not a loss of data
+        run_status = "failed"
+        detail = f"collector manifest of rank {rank}: the rank failed after {steps} steps; every one of them was flushed"
     else:
         run_status = "failed" if status == "failed" else "incomplete"
         flushed = "nothing was flushed" if last is None else f"rows up to step {last} were flushed"

@@ -156,6 +156,10 @@ CONFIG_ITEM = re.compile(r"\[config\.py:\d+:print\]\s+(\w+) \.+ (.*)$")
 CONFIG_JSON_START = re.compile(r"\[config\.py:\d+:print_user_config\]\s+json = (\{.*)$")
 EXIT_OK = re.compile(r"\[launch\.py:\d+:main\] Process (\d+) exits successfully")
 EXIT_CODE = re.compile(r"exits with return code = (-?\d+)")
+LAUNCHED_LOCAL_RANK = re.compile(r"--local_rank=(\d+)")  # the launcher's command of the process that exited
+# DeepSpeed's --enable_each_rank_log files ({timestamp}_rank{N}.log): a rank that crashed before any logger line
+# (DeepSpeed's default log level) leaves its traceback alone there
+EACH_RANK_LOG = re.compile(r"_rank\d+\.log$")
 KILLED = re.compile(r"(?:Main process )?received (SIG\w+)")
 TRACEBACK = "Traceback (most recent call last):"
 EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Fault))(?::.*)?$")
@@ -201,6 +205,7 @@ class Run:
     exits_ok: int = 0
     local_procs: int | None = None
     exit_codes: list = field(default_factory=list)
+    failed_local_ranks: list = field(default_factory=list)  # of the processes that exited nonzero, when the line says
     signal: str | None = None
     exceptions: list = field(default_factory=list)  # (rank, last exception line)
     steps_done: dict = field(default_factory=dict)  # rank -> optimizer steps closed by a global timer line
@@ -244,6 +249,7 @@ def claims(path: Path) -> bool:
     if not path.name.endswith(SUFFIXES) or (path.name == "output.log" and path.parent.name == "files"
                                             and "run-" in path.parent.parent.name):
         return False
+    each_rank = EACH_RANK_LOG.search(path.name) is not None
     try:
         with open(path, "rb") as f:
             carried, read = b"", 0
@@ -254,6 +260,8 @@ def claims(path: Path) -> bool:
                 # and the regexes cost 10-25 ms a MiB
                 if (any(marker in data for marker in RECORD_MARKERS) or read == len(block)) and _has_a_record(
                         data.decode("utf-8", "replace")):
+                    return True
+                if each_rank and TRACEBACK.encode() in data:
                     return True
                 carried = data[data.rfind(b"\n") + 1:][-MAX_CARRIED_CHARS:]  # the line the block's end cut
     except OSError:
@@ -829,12 +837,16 @@ def _launcher_or_status(state: LogState, line: str, i: int, previous: str = "") 
         state.run.exits_ok += 1
     elif m := EXIT_CODE.search(line):
         state.run.exit_codes.append(int(m[1]))
+        if (local := LAUNCHED_LOCAL_RANK.search(line)) and int(m[1]) != 0:
+            state.run.failed_local_ranks.append(int(local[1]))
     elif (m := KILLED.search(line)) and "sigkill_handler" in line:
         state.run.signal = m[1]
     elif (line.startswith(TRACEBACK) or line.endswith(TRACEBACK)) and COLLECTOR_WARNING not in previous:
         state.run.exceptions.append([_rank(state, line), None])
-    elif state.run.exceptions and (m := EXCEPTION_LINE.match(line.strip())) and not line[:1].isspace():
-        state.run.exceptions[-1][1] = line.strip()
+    elif state.run.exceptions and (m := EXCEPTION_LINE.match(unprefixed := TORCH_RANK_PREFIX.sub("", line).lstrip(" ")
+                                                           if TORCH_RANK_PREFIX.match(line) else line)) \
+            and not unprefixed[:1].isspace():
+        state.run.exceptions[-1][1] = unprefixed.strip()
 
 
 def _status(run: Run, file_rank: int | None) -> dict:
@@ -849,7 +861,8 @@ def _status(run: Run, file_rank: int | None) -> dict:
         detail = f"a rank exited with return code {signalled[0]} (launcher sigkill_handler)"
     elif failed_codes:
         status, error = "failed", errors[-1] if errors else None
-        detail = f"a rank exited with return code {failed_codes[0]} (launcher sigkill_handler)"
+        who = (f"local rank {run.failed_local_ranks[0]}" if run.failed_local_ranks else "a rank")
+        detail = f"{who} exited with return code {failed_codes[0]} (launcher sigkill_handler)"
     elif run.exits_ok and (run.local_procs is None or run.exits_ok >= run.local_procs):
         # Every process exited 0: a traceback before that was caught and printed, not fatal.
         status, error = "completed", None
