@@ -163,7 +163,8 @@ def test_curves_align_on_samples_not_steps():
     x = {run: frame["x"].to_list() for (run,), frame in curves.group_by("run")}
     assert x["run1"] == [8 * k for k in range(1, 13)] and x["run2"] == [16 * k for k in range(1, 11)]
     with_steps = monitor.with_axes(monitor.one_origin(run2[0]), run2[1])
-    assert with_steps.filter(pl.col("name") == "Train/Samples/lr")["step"].to_list() == list(range(1, 11))
+    # the point at 16 samples ends optimizer step 0 (0-based, as the collector and step_time number them)
+    assert with_steps.filter(pl.col("name") == "Train/Samples/lr")["step"].to_list() == list(range(0, 10))
 
 
 def test_tokens_axis_needs_a_sequence_length():
@@ -183,3 +184,23 @@ def test_alarms_on_a_real_run_name_real_points():
     assert np.isfinite(scalars["value"].to_numpy()).all()
     status = dict(tables["run_comparability"].select("field", "status").iter_rows())
     assert status["train_batch_size"] == "recorded" and status["code_revision"] == "missing"
+
+
+def test_a_monitor_series_skips_the_profiled_steps_it_is_numbered_by_its_samples():
+    """DeepSpeed's CSV monitor numbers its points by global samples: the forward time at 72 samples (batch 8) is
+    optimizer step 8. It fired slow_step there although step 8 was a profiler window step (the README: post-hoc
+    alarms skip instrumented steps), and was named step 9. Hand-made series: steady 3 ms, 10.4 ms at 72 samples."""
+    from steplens.analyze.analyses import monitor
+
+    values = [3.0 + 0.01 * (k % 3) for k in range(1, 13)]
+    values[8] = 10.4  # the point at 72 samples: over 3x the trailing median
+    scalars = pl.DataFrame({"name": "Train/Samples/elapsed_time_ms_forward", "origin": "csv_monitor",
+                            "source": "csv/Train_Samples_elapsed_time_ms_forward.csv", "rank": None, "segment": None,
+                            "global_samples": [8 * k for k in range(1, 13)], "step": None, "global_tokens": None,
+                            "value": values, "wall_ns": None},
+                           schema_overrides={"rank": pl.Int64, "segment": pl.Int64, "step": pl.Int64,
+                                             "global_tokens": pl.Int64, "wall_ns": pl.Int64})
+    facts = {"train_batch_size": 8}
+    fired = monitor.monitor_alarms(scalars, facts)
+    assert fired.select("rule", "step", "global_samples").rows() == [("slow_step", 8, 72)]
+    assert monitor.monitor_alarms(scalars, facts, instrumented=frozenset({8})).is_empty()

@@ -83,11 +83,13 @@ def one_origin(scalars: pl.DataFrame) -> pl.DataFrame:
 
 
 def with_axes(scalars: pl.DataFrame, facts: dict) -> pl.DataFrame:
-    """Fill step (= global_samples / train_batch_size) and global_tokens (x seq_len) where the run facts allow."""
+    """Fill step (the 0-based optimizer step whose end the point is: global_samples / train_batch_size - 1, as the
+    collector numbers them) and global_tokens (x seq_len) where the run facts allow."""
     batch, seq_len = run_fact(facts, "train_batch_size"), run_fact(facts, "seq_len")
     columns = []
     if isinstance(batch, int) and batch > 0:
-        columns.append(pl.col("step").fill_null(pl.col("global_samples") // batch))
+        after = pl.col("global_samples")
+        columns.append(pl.col("step").fill_null(pl.when(after >= batch).then(after // batch - 1)))
     if isinstance(seq_len, int) and seq_len > 0:
         columns.append(pl.col("global_tokens").fill_null(pl.col("global_samples") * seq_len))
     return scalars.with_columns(columns) if columns else scalars
@@ -145,13 +147,17 @@ def monitor_alarms(scalars: pl.DataFrame, facts: dict | None = None, grad_norm_t
     series in global-sample order: nan_inf, loss_spike, grad_norm_high (above the threshold when one is given,
     and robust-z spikes), throughput_drop (a rate falls, or a step time rises: slow_step), memory_growth.
     The step rules skip the `instrumented` optimizer steps in the collector's series (whose `step` is the
-    optimizer step; other loggers number their points their own way)."""
+    optimizer step) and in series whose steps come from global_samples (with_axes); other loggers number their
+    points their own way."""
     rules = post_hoc_rules(facts, grad_norm_threshold) if rules is None else rules
-    series = with_axes(one_origin(scalars), facts or {})
+    series = one_origin(scalars)
+    if not series.is_empty():  # a step told from global_samples is the optimizer step too
+        series = with_axes(series.with_columns(numbered=pl.col("step").is_not_null()), facts or {})
     alarms = []
     for _, frame in series.group_by("name", maintain_order=True):
         rows = frame.sort("global_samples", maintain_order=True).to_dicts()
-        skip = instrumented if frame["origin"][0] == "collector" else frozenset()
+        optimizer_steps = frame["origin"][0] == "collector" or not frame["numbered"].any()
+        skip = instrumented if optimizer_steps else frozenset()
         for alarm in series_alarms(rules, rows, skip):
             row = rows[alarm["position"]]
             alarms.append({"alarm": ALARM_OF_RULE[alarm["rule"]], "rule": alarm["rule"], "name": alarm["name"],
