@@ -116,3 +116,49 @@ def test_a_failed_write_leaves_no_temporary_file_and_names_the_file(tmp_path, mo
         export_trace._write_atomic(target, b"{}")
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(target)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ranks_without_a_clock_offset_are_named_not_passed_off_as_aligned(tmp_path):
+    """A gloo run has no collective kernels to match: rank 1 of the bundled CPU sample has no clock offset, and the
+    export said every rank was on the reference clock while it left rank 1 on its own. The ranks with a null offset
+    in clock_offsets (read here with pyarrow) are named in the summary and in the file."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+    from steplens.analyze.cli import analyze, steplens
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "sample_runs" / "deepspeed_cpu_2rank", run,
+                    ignore=shutil.ignore_patterns(".steplens"))
+    assert CliRunner().invoke(analyze, [str(run), "-q"]).exit_code in (0, 1)
+    offsets = pq.read_table(run / ".steplens" / "clock_offsets").to_pylist()
+    unaligned = sorted(r["rank"] for r in offsets if r["offset_ns"] is None)
+    assert unaligned  # the sample's gloo ranks: nothing to align on
+    done = CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(tmp_path / "t.json")])
+    assert done.exit_code == 0, done.output
+    said = " ".join(done.output.split())
+    assert f"rank(s) {', '.join(map(str, unaligned))} not aligned (no collectives to match): on their own clocks" in said
+    assert f"ranks {unaligned} on their own clocks" in json.loads((tmp_path / "t.json").read_text())["otherData"]["steplens"]
+
+
+@pytest.mark.parametrize("synchronized", [[False, False, None], [True, False, True]])
+def test_the_comms_logger_caveat_says_how_the_calls_were_timed(synchronized):
+    """A CPU run's comms records force no synchronization: the caveat read '3 communication calls were timed with a
+    synchronizing logger (0 forced a synchronization)'. Hand-made comms_calls rows."""
+    import polars as pl
+    from steplens.analyze.analyses import caveats
+
+    class Run:
+        def table(self, name):
+            return pl.DataFrame({"latency_origin": ["measured"] * 3, "synchronized": synchronized}) \
+                if name == "comms_calls" else pl.DataFrame()
+
+    [caveat] = caveats._comms_logger_timings(Run())
+    forced = sum(bool(s) for s in synchronized)
+    expected = (f"3 communication calls were timed with a synchronizing logger ({forced} forced a synchronization)."
+                if forced else "3 communication calls were timed one by one by the comms logger (none forced a device "
+                               "synchronization).")
+    assert caveat["detail"].startswith(expected)

@@ -33,8 +33,11 @@ def _comms_logger_timings(run: Inputs) -> list[dict]:
         return []
     origins = set(calls["latency_origin"].drop_nulls().to_list())
     synced = calls["synchronized"].fill_null(False).sum()
-    detail = (f"{calls.height:,} communication calls were timed with a synchronizing logger "
-              f"({synced:,} forced a synchronization). Their latencies show which op and message size is slow, "
+    timed = (f"{calls.height:,} communication calls were timed with a synchronizing logger ({synced:,} forced a "
+             "synchronization)" if synced else
+             f"{calls.height:,} communication calls were timed one by one by the comms logger (none forced a device "
+             "synchronization)")
+    detail = (f"{timed}. Their latencies show which op and message size is slow, "
               "but not the throughput of the real job: the job overlaps communication that the logger serialises.")
     if "repaired_cumulative" in origins:
         detail += (" DeepSpeed's comms logger wrote running totals (DeepSpeed >= 0.18.3); steplens took per-call "

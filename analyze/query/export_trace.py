@@ -61,6 +61,9 @@ def export_trace(run_dir: Path, out_path: Path, steps: tuple[int, int] | None = 
                          "device", "step", "launch_event_id").collect()
     offsets = _scan(run_dir, "clock_offsets")
     offsets = offsets.select("rank", "offset_ns").collect() if offsets is not None else None
+    # ranks whose offset is unknown (no collective to match) stay on their own clocks, and are named
+    unaligned = [] if offsets is None else sorted(
+        set(events["rank"].unique().to_list()) & set(offsets.filter(pl.col("offset_ns").is_null())["rank"].to_list()))
     if offsets is not None:
         events = events.join(offsets, on="rank", how="left").with_columns(
             ts_ns=pl.col("ts_ns") - pl.col("offset_ns").fill_null(0)).drop("offset_ns")
@@ -94,12 +97,13 @@ def export_trace(run_dir: Path, out_path: Path, steps: tuple[int, int] | None = 
     trace_events.extend(flows)
 
     doc = {"traceEvents": trace_events, "displayTimeUnit": "ns",
-           "otherData": {"steplens": "ranks aligned on the reference rank's clock (clock_offsets)",
+           "otherData": {"steplens": "ranks aligned on the reference rank's clock (clock_offsets)" + (
+                             f"; ranks {unaligned} on their own clocks (no collectives to match)" if unaligned else ""),
                          "origin_ns": origin}}
     if events.height:  # nothing to export writes nothing (an earlier export stays as it was)
         _write_atomic(out_path, msgspec.json.encode(doc))
     return {"events": events.height, "flows": len(flows) // 2, "ranks": events["rank"].n_unique(),
-            "partial_overlaps": overlaps}
+            "partial_overlaps": overlaps, "unaligned_ranks": unaligned}
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
