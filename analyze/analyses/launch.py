@@ -117,7 +117,8 @@ def step_spans(work: pl.DataFrame, device_gaps: pl.DataFrame, steps: pl.DataFram
     earlier when the device sat idle before that work with the step already begun on the CPU: at the later of
     the step's start (`steps`: rank, source, step, start_ns), the end of the device's work before and the end of
     every earlier step's span. The idle that opens a step (a data loader, an input copy, the host preparing the
-    step) is then the step's, not nobody's, and no time is in two steps' spans that was not already. `device_gaps` are idle_gaps' ALL_STREAMS rows."""
+    step) is then the step's, not nobody's, and no time is in two steps' spans that was not already.
+    `device_gaps` are idle_gaps' ALL_STREAMS rows."""
     keys = ["rank", "source", "device"]
     spans = work.filter(pl.col("step").is_not_null()).group_by(*keys, "step").agg(
         first_ns=pl.col("ts_ns").min(), span_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max(),
