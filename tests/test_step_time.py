@@ -186,8 +186,9 @@ def test_profiled_window_placed_in_the_run(ds_instrumented_run, instrumented):
     assert placed["steps"][0]["step_time_ns"] == times[active_step]
     assert placed["run_median_ns"] == findings["step_time"]["median_ns"]
     assert (f"Profiled step {active_step} took {shown(windows[active_step])} (ProfilerStep window, rank "
-            f"{placed['steps'][0]['rank']}; the collector's train_steps timed it {shown(times[active_step])}), the run's "
-            f"median step is {shown(placed['run_median_ns'])}.") in lines
+            f"{placed['steps'][0]['rank']}; the collector's train_steps timed it {shown(times[active_step])}, the trace "
+            f"export after the window included), the run's median step is {shown(placed['run_median_ns'])}.") in lines
+    assert placed["steps"][0]["export_after"] is True  # its cycle ends where the step after the export begins
 
 
 TIMER_LINE = re.compile(r"\[Rank (\d+)\] time \(ms\) \| fwd: ([\d.]+) \| bwd: ([\d.]+) \|.*\| step: ([\d.]+)$")

@@ -490,10 +490,17 @@ def profiled_windows(table: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict 
         # A ProfilerStep after the last step the run recorded is the profiler's closing span (stopped inside its
         # window when the job ended), no step of training: it is flagged, and the sentence says so.
         last = table["step"].max()
-        windows = windows.join(table.select("step", "step_time_ns"), on="step", how="left").with_columns(
-            after_last_step=pl.col("step") > last)
+        # a cycle (start to the next start) of a window's last step holds the trace export that follows it
+        cycles = "definition" in table.columns and table["definition"][0] in [DEFINITIONS[key] for key in CYCLES]
+        exported = table.filter(pl.col("reason").fill_null("").str.contains("profiler_export")).select(
+            step=pl.col("step") - 1, export_after=pl.lit(True)) if cycles else pl.DataFrame(
+            schema={"step": pl.Int64, "export_after": pl.Boolean})
+        windows = windows.join(table.select("step", "step_time_ns"), on="step", how="left").join(
+            exported, on="step", how="left").with_columns(
+            after_last_step=pl.col("step") > last, export_after=pl.col("export_after").fill_null(False))
     else:
-        windows = windows.with_columns(step_time_ns=pl.lit(None, pl.Int64), after_last_step=pl.lit(False))
+        windows = windows.with_columns(step_time_ns=pl.lit(None, pl.Int64), after_last_step=pl.lit(False),
+                                       export_after=pl.lit(False))
     values = kept["step_time_ns"].drop_nulls().to_list()
     return {"steps": windows.sort("step").to_dicts(), "source": source,
             "run_median_ns": round(statistics.median(values)) if has_typical_time(values) else None}
@@ -612,8 +619,9 @@ def step_lines(summary: dict) -> list[str]:
                      "an earlier checkpoint; the later recording of each is the one timed.")
     profiled = summary.get("profiled_steps") or {}
     for window in profiled.get("steps", [])[:PROFILED_SAID]:
+        export = ", the trace export after the window included" if window.get("export_after") else ""
         timed = (f"; {SOURCE_WORDS.get(profiled['source'], profiled['source'])} timed it {duration(window['step_time_ns'])}"
-                 if window.get("step_time_ns") is not None else "")
+                 f"{export}" if window.get("step_time_ns") is not None else "")
         median = (f", the run's median step is {duration(profiled['run_median_ns'])}"
                   if profiled.get("run_median_ns") is not None else "")
         if window.get("after_last_step"):
