@@ -200,7 +200,8 @@ def step_time_series(step_time: pl.DataFrame, profiled: list[int], p90_ns: float
     draw(kept, "o-" if step_time.height <= MANY_STEPS else "-", ms=3, lw=1, color=ACTIVITY_COLORS["compute"],
          label="in the summary")
     markers = iter("xsD^v<>P*")
-    for (reason,), group in excluded.group_by("reason", maintain_order=True):
+    # a step without a time (the last cycle, which no next step ends) has no point, and so no legend entry
+    for (reason,), group in excluded.drop_nulls("step_time_ns").group_by("reason", maintain_order=True):
         draw(group, next(markers, "x"), ms=6, ls="none", label="excluded: " + str(reason).replace("_", " ").replace(",", ", "))
     for step in profiled:
         ax.axvspan(step - 0.5, step + 0.5, color="#f2c14e", alpha=0.35, lw=0)
