@@ -441,7 +441,7 @@ def test_printed_summary_and_findings_match_truth(tmp_path):
 
 def test_mfu_from_the_collectors_flops_profile(tmp_path):
     """3 x the profiled forward FLOPs x micro batches x data-parallel ranks over the slowest rank's step (its cycle:
-    the step's first start to the next step's), recomputed here from the collector's own Parquet parts and manifest."""
+    the end of the step before to this one's end), recomputed here from the collector's own Parquet parts and manifest."""
     import shutil
     from pathlib import Path
 
@@ -454,10 +454,10 @@ def test_mfu_from_the_collectors_flops_profile(tmp_path):
     profile = pl.read_parquet(run / "collector" / "flops_profile")
     forward = profile.filter(pl.col("path") == "")["flops_total"].item()
     steps = pl.read_parquet(run / "collector" / "train_steps")
-    starts = {(r, s): t for r, s, t in steps.group_by("rank", "step").agg(pl.col("start_ns").min()).iter_rows()}
+    ends = {(r, s): t for r, s, t in steps.group_by("rank", "step").agg(pl.col("end_ns").max()).iter_rows()}
     cycles: dict[int, int | None] = {}
-    for (rank, step), start in starts.items():
-        cycle = starts[(rank, step + 1)] - start if (rank, step + 1) in starts else None
+    for (rank, step), end in ends.items():
+        cycle = end - ends[(rank, step - 1)] if (rank, step - 1) in ends else None
         cycles[step] = None if cycle is None or cycles.get(step, 0) is None else max(cycles.get(step, 0), cycle)
     flops = 3 * forward * manifest["grad_accum"] * manifest["dp_world_size"]
     # Steps that ran instrumentation are left out: the FLOPs-profiled step and the profiler's warm-up,

@@ -28,19 +28,19 @@ from steplens.analyze.cli import EXIT_REGRESSION, analyze, steplens
 
 
 def _raw_steps(run: Path) -> list[tuple[int, int, int]]:
-    """(step, step time ns, samples) per optimizer step: the slowest rank's cycle (its first micro step's start to
-    the next step's; the last step has none and is left out), samples from global_samples after the boundary; the
+    """(step, step time ns, samples) per optimizer step: the slowest rank's cycle (the end of its step before to the
+    end of this one; the first step has none and is left out), samples from global_samples after the boundary; the
     leading warm-up steps left out (above median + max(3.5 MAD / 0.6745, 5% of the median), at most half the steps)."""
-    starts: dict[int, dict[int, int]] = {}
+    ends: dict[int, dict[int, int]] = {}
     samples_after: dict[int, int] = {}
     for part in sorted((run / "collector" / "train_steps").glob("*.parquet")):
         for row in pq.read_table(part).to_pylist():
-            ranks = starts.setdefault(row["step"], {})
-            ranks[row["rank"]] = min(ranks.get(row["rank"], row["start_ns"]), row["start_ns"])
+            ranks = ends.setdefault(row["step"], {})
+            ranks[row["rank"]] = max(ranks.get(row["rank"], row["end_ns"]), row["end_ns"])
             if row["is_boundary"]:
                 samples_after[row["step"]] = max(samples_after.get(row["step"], 0), row["global_samples"])
-    steps = [s for s in sorted(starts) if s + 1 in starts and starts[s + 1].keys() >= starts[s].keys()]
-    times = [max(starts[s + 1][rank] - start for rank, start in starts[s].items()) for s in steps]
+    steps = [s for s in sorted(ends) if s - 1 in ends and ends[s - 1].keys() >= ends[s].keys()]
+    times = [max(end - ends[s - 1][rank] for rank, end in ends[s].items()) for s in steps]
     warm = _warm_up(times)
     return [(s, times[i], samples_after[s] - samples_after.get(s - 1, 0)) for i, s in enumerate(steps) if i >= warm]
 
@@ -171,9 +171,9 @@ def test_compare_judges_throughput_when_the_micro_batch_differs(ds_trial_runs, t
 
 def _collector_run(folder: Path, micro_batch: int, step_ms: list[float], seq_len: int = 64) -> Path:
     """A 2-rank collector run folder: the bundled sample's manifests with another micro batch, and
-    optimizer steps of the given durations on both ranks: each starts where the one before it began plus its
-    duration (a step's time is its cycle, start to the next start; its forward-to-step part is 1 ms shorter),
-    and one more step after them ends the last one's cycle (it has no next step itself)."""
+    optimizer steps of the given durations on both ranks: each ends its duration after the one before it ended (a
+    step's time is its cycle, the end of the step before to its own end; its forward-to-step part is 1 ms shorter),
+    after one more step first that starts the first one's cycle (it has no step before it itself)."""
     import pyarrow as pa
 
     from steplens.analyze.contract import schema
@@ -189,7 +189,7 @@ def _collector_run(folder: Path, micro_batch: int, step_ms: list[float], seq_len
         manifest["run"]["settings"].update(profile=None, flops_step=None)  # no instrumented steps
         (folder / "collector" / "manifest" / f"rank{rank}.json").write_text(json.dumps(manifest))
         start, rows = 1_000_000_000, []
-        for step, ms in enumerate([*step_ms, step_ms[-1]]):
+        for step, ms in enumerate([step_ms[0], *step_ms]):
             end = start + round(ms * 1e6) - 1_000_000
             rows.append({"rank": rank, "source": "collector", "step": step, "micro_step": step, "start_ns": start,
                          "end_ns": end, "dur_ns": end - start, "is_boundary": True,

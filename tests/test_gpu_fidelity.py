@@ -86,10 +86,9 @@ def test_a_slow_down_after_the_windows_is_measured_and_named(ds_two_windows_run,
     first_traced = job["skip_first"] + job["window"][0]
     last_window = first_traced + sum(job["window"][:3]) + job["window"][1]
     assert (effect["first_window_step"], effect["last_window_step"]) == (first_traced, last_window)
-    raw = collector_step_times(ds_two_windows_run)  # cycles: a step's start to the next's (None: the last step)
-    # after: past the last window's export step, without the steps around the checkpoint save and the last
-    after = [raw[s] for s in range(last_window + 2, job["steps"]) if s not in (job["checkpoint"], job["checkpoint"] + 1)
-             and raw[s] is not None]
+    raw = collector_step_times(ds_two_windows_run)  # cycles: the end of the step before to this one's (None: the first)
+    # after: past the last window's export step, without the step after the checkpoint save
+    after = [raw[s] for s in range(last_window + 2, job["steps"]) if s != job["checkpoint"] + 1]
     assert effect["steps_after"] == len(after) and effect["after_median_ns"] == round(statistics.median(after))
     table = pq.read_table(tmp_path / "out" / "step_time").to_pylist()
     excluded = {r["step"] for r in table if r["excluded"]}
@@ -110,17 +109,16 @@ def test_cupti_left_attached_on_a_real_h200_job_is_reported_and_released_is_not(
     attached = _findings(H200 / "z3_attached", tmp_path / "a")["profiler_after_effect"]
     released = _findings(H200 / "z3_released", tmp_path / "r")["profiler_after_effect"]
     for effect, name in ((attached, "z3_attached"), (released, "z3_released")):
-        raw = collector_step_times(H200 / name)  # cycles; step 49, the last, has none
-        after = [raw[s] for s in range(17, 49) if s not in (35, 36)]  # windows 12, 15, exports 13, 16, save after 35
+        raw = collector_step_times(H200 / name)  # cycles; step 0, the first, has none
+        after = [raw[s] for s in range(17, 50) if s != 36]  # windows 12 and 15, exports 13 and 16, save before 36
         assert effect["after_median_ns"] == round(statistics.median(after)) and effect["last_window_step"] == 15
     assert attached["beyond_noise"] and attached["ratio"] > 1.15 and attached["cupti_teardown"] is False
     assert released["beyond_noise"] is False and released["ratio"] <= 1.02 and released["cupti_teardown"] is True
     text = " ".join(runner_lines(tmp_path / "a" / "out"))
     assert "TEARDOWN_CUPTI=1" in text and "slower after the profiler windows" in text
     # the window steps ran over 1.2x the median kept step: figures measured in them (idle, exposed comms) say so
-    # (on the steps' own work, forward to engine.step(): a window's cycle also holds the trace export after it)
-    raw = _raw_step_times(H200 / "z3_attached" / "collector")
-    kept = [raw[r["step"]] for r in pq.read_table(tmp_path / "a" / "out" / "step_time").to_pylist() if not r["excluded"]]
+    raw = collector_step_times(H200 / "z3_attached")
+    kept = [r["step_time_ns"] for r in pq.read_table(tmp_path / "a" / "out" / "step_time").to_pylist() if not r["excluded"]]
     assert attached["window_slowed"] and attached["window_ratio_max"] == pytest.approx(
         max(raw[12], raw[15]) / statistics.median(kept))
 

@@ -48,16 +48,16 @@ def shown(ns: float) -> str:
 
 
 def collector_step_times(run_dir: Path) -> dict[int, int | None]:
-    """Optimizer step -> the slowest rank's cycle, from its first micro step's start to the next step's first start,
-    from the collector's raw parts; None for a step that some rank has no next step for (the run's last)."""
-    starts: dict[tuple[int, int], int] = {}
+    """Optimizer step -> the slowest rank's cycle, from the end of its step before (the last micro step's end) to the
+    end of this one, from the collector's raw parts; None for a step that some rank has no step before (the first)."""
+    ends: dict[tuple[int, int], int] = {}
     for part in sorted((run_dir / "collector" / "train_steps").glob("rank*.parquet")):
         for row in pq.read_table(part).to_pylist():
             key = (row["rank"], row["step"])
-            starts[key] = min(starts.get(key, row["start_ns"]), row["start_ns"])
+            ends[key] = max(ends.get(key, row["end_ns"]), row["end_ns"])
     steps: dict[int, int | None] = {}
-    for (rank, step), start in starts.items():
-        cycle = starts[(rank, step + 1)] - start if (rank, step + 1) in starts else None
+    for (rank, step), end in ends.items():
+        cycle = end - ends[(rank, step - 1)] if (rank, step - 1) in ends else None
         steps[step] = None if cycle is None or (step in steps and steps[step] is None) else max(steps.get(step, 0), cycle)
     return steps
 
@@ -113,11 +113,10 @@ def test_steady_run_step_time_from_train_steps(ds_steady_run, steady):
     block = findings["step_time"]
     assert block["source"] == "train_steps"
     assert {k: block[k] for k in ("steps", "total_steps", "median_ns", "p90_ns", "max_ns")} == expected_summary(times, warm)
-    last = REALRUN_STEADY_STEPS - 1  # no next step ends the run's last cycle
-    assert times[last] is None
-    assert block["excluded_steps"] == ([{"reason": "warm_up", "count": len(warm), "steps": sorted(warm),
-                                         "step_times_ns": [times[s] for s in sorted(warm)]}] if warm else []) + [
-        {"reason": "no_next_step", "count": 1, "steps": [last], "step_times_ns": [None]}]
+    assert times[0] is None  # no step before the run's first starts its cycle
+    assert block["excluded_steps"] == [{"reason": "no_previous_step", "count": 1, "steps": [0], "step_times_ns": [None]}] + (
+        [{"reason": "warm_up", "count": len(warm), "steps": sorted(warm),
+          "step_times_ns": [times[s] for s in sorted(warm)]}] if warm else [])
     line = next(line for line in lines if line.startswith("Step time:"))
     expected = expected_summary(times, warm)
     assert (f"median {shown(expected['median_ns'])}, p90 {shown(expected['p90_ns'])}, max {shown(expected['max_ns'])}"
@@ -159,7 +158,7 @@ def test_instrumented_steps_excluded_and_named(ds_instrumented_run, instrumented
                 "profiler_export": [window_start + warmup + active]}
     instrumented_steps = {s for steps in expected.values() for s in steps}
     times = collector_step_times(ds_instrumented_run)
-    expected["no_next_step"] = [s for s, t in times.items() if t is None]  # the run's last step
+    expected["no_previous_step"] = [s for s, t in times.items() if t is None]  # the run's first step
     warm = warm_up(times, instrumented_steps)
     if warm:
         expected["warm_up"] = sorted(warm)
@@ -186,9 +185,8 @@ def test_profiled_window_placed_in_the_run(ds_instrumented_run, instrumented):
     assert placed["steps"][0]["step_time_ns"] == times[active_step]
     assert placed["run_median_ns"] == findings["step_time"]["median_ns"]
     assert (f"Profiled step {active_step} took {shown(windows[active_step])} (ProfilerStep window, rank "
-            f"{placed['steps'][0]['rank']}; the collector's train_steps timed it {shown(times[active_step])}, the trace "
-            f"export after the window included), the run's median step is {shown(placed['run_median_ns'])}.") in lines
-    assert placed["steps"][0]["export_after"] is True  # its cycle ends where the step after the export begins
+            f"{placed['steps'][0]['rank']}; the collector's train_steps timed it {shown(times[active_step])}), the run's "
+            f"median step is {shown(placed['run_median_ns'])}.") in lines
 
 
 TIMER_LINE = re.compile(r"\[Rank (\d+)\] time \(ms\) \| fwd: ([\d.]+) \| bwd: ([\d.]+) \|.*\| step: ([\d.]+)$")
@@ -240,9 +238,11 @@ def test_a_step_whose_timers_read_0_or_below_0_is_left_out(tmp_path):
 
 def test_skipped_and_incomplete_steps_hand_computed():
     """fp16 overflow and a step a rank never finished, on a hand-made train_steps table. Rank 0 starts its steps at
-    0, 120, 250, 320 and 455 ns, rank 1 each 2 ns a step later (0, 122, 254, 326, 463): the cycles (start to the next
-    start) are 120, 130, 70, 135 and 122, 132, 72, 137, so the slowest rank's are 122, 132, 72, 137; the last step
-    has no next one to end it. The micro steps' own durations (forward to engine.step(): 50-111 ns) are not it."""
+    0, 120, 250, 320 and 455 ns, rank 1 each 2 ns a step later (0, 122, 254, 326, 463); they end 100 + rank, 110 + rank,
+    50 + rank, 105 + rank and 100 + rank ns after their start: rank 0 at 100, 230, 300, 425, 555, rank 1 at 101, 233,
+    305, 432, 564. The cycles (the end of the step before to this one's end) are 130, 70, 125, 130 and 132, 72, 127,
+    132: the slowest rank's, 132, 72, 127, 132; the first step has no step before it. The micro steps' own durations
+    (forward to engine.step(): 50-111 ns) are not it."""
     rows = []
     starts = [0, 120, 250, 320, 455]
     for rank in (0, 1):
@@ -255,10 +255,10 @@ def test_skipped_and_incomplete_steps_hand_computed():
                          "global_tokens": None, "loss_scale": 2.0 ** (16 - (step >= 2)), "lr": 0.1})
     table = step_time.step_time_table(pl.DataFrame(rows))
     assert table.select("step", "step_time_ns", "slowest_rank", "reason").rows() == [
-        (0, 122, 1, None), (1, 132, 1, None), (2, 72, 1, "overflow_skipped"), (3, 137, 1, None),
-        (4, None, None, "incomplete,no_next_step")]
+        (0, None, None, "no_previous_step"), (1, 132, 1, None), (2, 72, 1, "overflow_skipped"), (3, 127, 1, None),
+        (4, 132, 1, "incomplete")]
     summary = step_time.step_time_summary(table)
-    assert (summary["steps"], summary["median_ns"], summary["max_ns"]) == (3, 132, 137)
+    assert (summary["steps"], summary["median_ns"], summary["max_ns"]) == (2, 130, 132)
     overflow = step_time.overflow_finding(table)
     assert (overflow["skipped_steps"], overflow["steps"], overflow["steps_skipped"]) == (1, 5, [2])
     assert overflow["frequent"] is False  # one skip: the loss scale settling, not a finding
@@ -432,25 +432,30 @@ def test_deepspeeds_pipeline_engine_lines_give_interval_mean_step_times(tmp_path
 
 
 def test_two_unlike_kept_steps_give_no_median_and_say_what_is_known(tmp_path):
-    """deepspeed_cpu_2rank keeps steps 0 and 1 (the others ran the FLOPs profiler, the profiler or its export):
-    no median of a warm-up step and a steady one; the sentence gives each kept and left-out step's time,
-    recomputed from the collector's raw parts."""
+    """Two kept steps of 400 and 92 ms (hand-made: one rank's steps end at 0, 400, 492 ms): no median of a warm-up
+    step and a steady one; the sentence gives each kept step's time. The bundled sample keeps one step (step 0 has no
+    step before it; the others ran the FLOPs profiler, the profiler or its export), recomputed from its raw parts."""
+    ms = 1_000_000
+    rows = [{"rank": 0, "source": "collector/train_steps/rank0-00000.parquet", "step": step, "micro_step": step,
+             "start_ns": end - 10 * ms, "end_ns": end, "dur_ns": 10 * ms, "is_boundary": True, "skipped": False,
+             "global_samples": 8 * (step + 1), "loss_scale": None} for step, end in enumerate([0, 400 * ms, 492 * ms])]
+    summary = step_time.step_time_summary(step_time.step_time_table(pl.DataFrame(rows)))
+    assert summary["median_ns"] is None and summary["p90_ns"] is None and summary["note"].startswith("too few steps")
+    assert summary["kept_steps"] == [{"step": 1, "step_time_ns": 400 * ms}, {"step": 2, "step_time_ns": 92 * ms}]
+    line = next(line for line in step_time.step_lines(summary) if line.startswith("Step time: "))
+    assert line.startswith(f"Step time: too few steps for a typical time: 2 of 3 kept (step 1 {shown(400 * ms)}, step 2 "
+                           f"{shown(92 * ms)}; no median")
+    assert verdict.first_screen({"step_time": summary})[0] == (
+        f"Steps: too few for a typical time (2 of 3 kept, max {shown(400 * ms)}; collector)", "steps")
+
     sample = ROOT / "sample_runs" / "deepspeed_cpu_2rank"
     shutil.copytree(sample, tmp_path / "run", ignore=shutil.ignore_patterns(".steplens"))
     findings, lines = analyse(tmp_path / "run", tmp_path / "out")
     times = collector_step_times(sample)
-    summary = findings["step_time"]
-    assert summary["median_ns"] is None and summary["p90_ns"] is None and summary["note"].startswith("too few steps")
-    assert summary["kept_steps"] == [{"step": 0, "step_time_ns": times[0]}, {"step": 1, "step_time_ns": times[1]}]
-    assert abs(times[0] - times[1]) > 0.05 * min(times[0], times[1])
     line = next(line for line in lines if line.startswith("Step time: "))
-    assert line.startswith(f"Step time: too few steps for a typical time: 2 of {len(times)} kept (step 0 "
-                           f"{shown(times[0])}, step 1 {shown(times[1])}; no median")
-    assert f"FLOPs profiler step 2 ({shown(times[2])})" in line and times[5] is None
-    assert "no next step to end it step 5; trace export step 5." in line  # the run's last step: no cycle to time
-    screen = verdict.first_screen(findings)
-    assert screen[0] == (f"Steps: too few for a typical time (2 of {len(times)} kept, max {shown(max(times[0], times[1]))}; "
-                         "collector)", "steps")
+    assert line.startswith(f"Step time: {shown(times[1])} (step 1, the only one of {len(times)} kept)")
+    assert "FLOPs profiler step 2; profiler warm-up step 3" in line and times[0] is None
+    assert "no step before it to start it step 0" in line  # the run's first step: no cycle to time
 
 
 @pytest.mark.parametrize(("values", "typical"), [([100, 105], True), ([100, 106], False), ([100], True), ([], False),
@@ -466,8 +471,8 @@ def test_trials_says_in_the_runs_terms_why_no_run_was_timed(tmp_path):
     done = subprocess.run([str(Path(sys.executable).parent / "steplens"), "trials", str(tmp_path / "runs")],
                           capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "80"})
     text = " ".join(done.stdout.split())
-    assert ("no run could be timed: cpu: 2 of 6 steps kept (1 flops_profiler, 1 profiler_warmup, 1 profiler_window, 1 "
-            "no_next_step, 1 profiler_export left out): a trial needs 3 kept steps and its samples per step") in text.lower()
+    assert ("no run could be timed: cpu: 1 of 6 steps kept (1 no_previous_step, 1 flops_profiler, 1 profiler_warmup, 1 "
+            "profiler_window, 1 profiler_export left out): a trial needs 3 kept steps and its samples per step") in text.lower()
     assert "no experiment produced metrics" not in text
     assert max(len(line) for line in done.stdout.splitlines()) <= 80
 
@@ -495,7 +500,7 @@ def test_a_job_run_again_into_its_folder_is_timed_once_per_step():
     """The same job run twice into one folder (or resumed from an earlier checkpoint) repeats its micro steps; the
     step time summed both recordings (109 ms against 50-60 ms per job). Hand-made: steps 0-2 on ranks 0 and 1,
     recorded a step every 100 ms, then again (later) every 150 ms; each step is timed from the later recording, 150 ms
-    from one start to the next (the last has no next), and the repeat is named."""
+    from the end of one to the end of the next (the first has no step before it), and the repeat is named."""
     from steplens.analyze.analyses import step_time as st
 
     ms = 1_000_000
@@ -511,18 +516,18 @@ def test_a_job_run_again_into_its_folder_is_timed_once_per_step():
 
     train_steps = conform(rows, "train_steps")
     table = st.step_time_table(train_steps)
-    assert table.sort("step")["step_time_ns"].to_list() == [150 * ms, 150 * ms, None]
+    assert table.sort("step")["step_time_ns"].to_list() == [None, 150 * ms, 150 * ms]
     assert st.repeated_steps(train_steps) == {"micro_steps": 6, "steps": [0, 1, 2], "step_count": 3, "ranks": [0, 1],
                                               "rank_count": 2}
     once = train_steps.filter(pl.col("start_ns") >= 10_000 * ms)
-    assert st.repeated_steps(once) is None and st.step_time_table(once)["step_time_ns"].to_list() == [150 * ms, 150 * ms, None]
+    assert st.repeated_steps(once) is None and st.step_time_table(once)["step_time_ns"].to_list() == [None, 150 * ms, 150 * ms]
 
 
 def test_time_outside_the_steps_work_is_in_the_step_and_said():
     """A data loader that takes 100 ms before every forward (the helper's slow-load job): each rank starts a step
     every 120 ms and spends 20 ms (rank 1: 21 ms) in it. Hand-computed: the step time is the 120 ms cycle, not the
     20 ms of work, so a 6x slower input pipeline is in the step time, the MFU and compare; 99 ms of each step (82%)
-    ran outside the work, and the verdict leads with it."""
+    ran outside the work, and the verdict leads with it. The first step has no step before it to start its cycle."""
     from steplens.analyze.contract.units import duration
     from steplens.reports.verdict import first_screen
 
@@ -534,7 +539,7 @@ def test_time_outside_the_steps_work_is_in_the_step_and_said():
             for rank in (0, 1) for step in range(6)]
     table = step_time.step_time_table(pl.DataFrame(rows))
     assert table.select("step", "step_time_ns", "work_ns", "reason").rows() == [
-        *((step, 120 * ms, 21 * ms, None) for step in range(5)), (5, None, 21 * ms, "no_next_step")]
+        (0, None, 21 * ms, "no_previous_step"), *((step, 120 * ms, 21 * ms, None) for step in range(1, 6))]
     outside = step_time.outside_work(table)
     assert (outside["median_outside_ns"], outside["median_step_ns"], outside["steps"]) == (99 * ms, 120 * ms, 5)
     assert outside["share"] == pytest.approx(99 / 120)

@@ -98,4 +98,5 @@ def test_without_collective_timing_the_longest_step_is_no_straggler():
     stats = steps.step_stats(times).sort("step")
     assert stats["straggler_rank"].null_count() == stats.height
     assert stats.filter(pl.col("step") == 4).select("spread_ns", "slowest_rank").row(0) == (14 * ms, 1)
+    assert stats["others_waited_ns"].null_count() == stats.height  # no wait was timed: unknown, not 0 ns
     assert steps.straggler_finding(stats) == {"stragglers": []}

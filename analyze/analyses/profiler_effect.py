@@ -43,19 +43,14 @@ def after_effect(step_time: pl.DataFrame, facts: dict) -> dict | None:
         return None
     first, last = min(traced), max(windows)
     kept = step_time.filter(~pl.col("excluded") & pl.col("step_time_ns").is_not_null())
-    # The window steps against the kept ones on the steps' own work where the source has it (a window's cycle also
-    # holds the trace export that follows it, which no figure of the trace was measured in), else their times.
-    worked = "work_ns" in step_time.columns and step_time["work_ns"].is_not_null().any()
-    timed = "work_ns" if worked else "step_time_ns"
-    run_median = kept[timed].median()
-    window_times = step_time.filter(pl.col("step").is_in(windows))[timed].drop_nulls()
+    run_median = kept["step_time_ns"].median()
+    window_times = step_time.filter(pl.col("step").is_in(windows))["step_time_ns"].drop_nulls()
     before = kept.filter(pl.col("step") < first)["step_time_ns"]
     after = kept.filter(pl.col("step") > last)["step_time_ns"]
     finding = {"first_window_step": first, "last_window_step": last, "steps_before": before.len(),
                "steps_after": after.len(), "before_median_ns": None, "after_median_ns": None, "ratio": None,
                "p_value": None, "beyond_noise": None,
-               # each window step's time (its work: forward to engine.step()) over the run's median kept step's:
-               # what the traces' figures were measured in
+               # each window step's time over the run's median kept step: what the traces' figures were measured in
                "window_ratio_min": window_times.min() / run_median if run_median and window_times.len() else None,
                "window_ratio_max": window_times.max() / run_median if run_median and window_times.len() else None,
                "window_slowed": bool(run_median and window_times.len() and window_times.max() > SLOW_WINDOW * run_median),

@@ -6,11 +6,11 @@ Every consumer (the verdict, MFU, compare, trials, the report) calls `step_time_
 Sources, best first (the first that has at least one step is used; `source` names it):
 
 * ``train_steps``: the collector's record of every micro step (rows written under ``collector/``).
-  Optimizer-step time = the slowest rank's cycle: from the step's first forward to the next step's
-  first forward, so the data loader, the gaps between micro steps and whatever runs between two
-  steps are the step's time, as they are the job's (a ProfilerStep window runs the same way, from
-  one prof.step() to the next). A step that no next step of every rank ends (the run's last)
-  has no time: ``no_next_step``.
+  Optimizer-step time = the slowest rank's cycle: from the end of the step before (its
+  ``engine.step()``) to the end of this one, so the step's data loading, the gaps between its micro
+  steps and whatever else runs before its first forward are the step's time, as they are the job's
+  (a ProfilerStep window runs the same way: the collector calls prof.step() after engine.step()).
+  The run's first step has no step before it to start its cycle: ``no_previous_step``.
 * ``log``: what the job's logs give, best first: `train_steps` rows read from logs (same
   definition); DeepSpeed's ``wall_clock_breakdown`` global timers fwd + bwd + step (summed over the
   step's micro steps by DeepSpeed), slowest rank; the throughput line's ``CurrSamplesPerSec``
@@ -35,8 +35,8 @@ Excluded steps, each named in ``reason`` (several joined by ","):
 * ``checkpoint_save``: the step that follows a checkpoint save (``facts["checkpoint_steps"]``: the
   optimizer steps done when the save began, from the DeepSpeed/Megatron log lines or the collector's
   wrapped ``save_checkpoint``). The save runs between steps: the ranks enter that step's first
-  collective as each finishes saving, and a log interval that holds it holds the save. With the
-  collector's cycles the step before it too: the save is inside its cycle.
+  collective as each finishes saving, and a log interval that holds it holds the save (and the
+  collector's cycle of that step holds the save itself).
 * ``negative_duration``: the step (or one of its micro steps, or one of its timers) ends before it
   starts: clock trouble.
 * ``no_time``: the step's time is 0: nothing was measured (DeepSpeed's FLOPs profiler leaves the
@@ -84,11 +84,11 @@ PIPELINE_ITERATION = "iter time (s)"  # DeepSpeed's pipeline engine
 LOG_STEP_LABELS = {"log_megatron": "iteration", "log_throughput": "global_step=", "log_timers": "step=",
                    "log_train_steps": "step=", "log_pipeline": "steps:"}
 DEFINITIONS = {
-    "collector": "collector train_steps: per optimizer step, the slowest rank's time from the step's first forward to "
-                 "the next step's (the whole iteration: data loading, every micro step, engine.step() and what runs "
-                 "between steps)",
-    "log_train_steps": "train_steps read from the logs: per optimizer step, the slowest rank's time from the step's "
-                       "first forward to the next step's",
+    "collector": "collector train_steps: per optimizer step, the slowest rank's time from the end of the step before "
+                 "(engine.step()) to the end of this one (the whole iteration: its data loading, every micro step and "
+                 "engine.step())",
+    "log_train_steps": "train_steps read from the logs: per optimizer step, the slowest rank's time from the end of the "
+                       "step before to the end of this one",
     "log_timers": "DeepSpeed wall_clock_breakdown: fwd + bwd + step of the step's global timer line, slowest rank",
     "log_throughput": "DeepSpeed throughput line: train_batch_size / CurrSamplesPerSec (rank 0's fwd-to-step time "
                       "of that step), every steps_per_print steps",
@@ -96,8 +96,6 @@ DEFINITIONS = {
     "log_pipeline": "DeepSpeed pipeline engine 'iter time (s)': mean iteration time over each steps_per_print interval",
     "profiler_steps": "ProfilerStep#N windows in the traces, slowest rank (every one ran the profiler)",
 }
-# The sources whose step time is a whole iteration (start to the next start), not the forward-to-step part of it.
-CYCLES = ("collector", "log_train_steps")
 COLUMNS = {
     "step": pl.Int64, "source": pl.String, "step_time_ns": pl.Int64, "slowest_rank": pl.Int64, "ranks": pl.Int64,
     "micro_steps": pl.Int64, "work_ns": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64, "samples": pl.Int64, "skipped": pl.Boolean,
@@ -114,8 +112,8 @@ def _is_collector(source: pl.Expr) -> pl.Expr:
 
 
 def _from_micro_steps(micro: pl.DataFrame) -> pl.DataFrame:
-    """Per optimizer step: the slowest rank's cycle, from the step's first forward to the next step's (the whole
-    iteration); incomplete when a rank or the boundary is missing, no_next when a rank has no next step to end it."""
+    """Per optimizer step: the slowest rank's cycle, from the end of the step before to the end of this one (the whole
+    iteration); incomplete when a rank or the boundary is missing, no_previous when a rank has no step before it."""
     micro = micro.filter(pl.col("step").is_not_null() & pl.col("rank").is_not_null())
     per_rank = micro.group_by("rank", "step").agg(
         micro_steps=pl.len(), negative=(pl.col("dur_ns") < 0).any(), work_ns=pl.col("dur_ns").sum(),
@@ -123,9 +121,9 @@ def _from_micro_steps(micro: pl.DataFrame) -> pl.DataFrame:
         skipped=pl.col("skipped").fill_null(False).any(),
         samples_after=pl.col("global_samples").filter(pl.col("is_boundary").fill_null(False)).max(),
         loss_scale=pl.col("loss_scale").sort_by("micro_step").last())
-    following = pl.col("step").shift(-1).over("rank") == pl.col("step") + 1
+    preceded = pl.col("step").shift(1).over("rank") == pl.col("step") - 1
     per_rank = per_rank.sort("rank", "step").with_columns(
-        dur_ns=pl.when(following).then(pl.col("start_ns").shift(-1).over("rank") - pl.col("start_ns")))
+        dur_ns=pl.when(preceded).then(pl.col("end_ns") - pl.col("end_ns").shift(1).over("rank")))
     all_ranks = micro["rank"].n_unique()
     slowest_first = [pl.col("dur_ns").fill_null(-1), "rank"]
     steps = per_rank.group_by("step").agg(
@@ -134,13 +132,13 @@ def _from_micro_steps(micro: pl.DataFrame) -> pl.DataFrame:
         ranks=pl.col("rank").n_unique().cast(pl.Int64), micro_steps=pl.col("micro_steps").sort_by(slowest_first).last(),
         start_ns=pl.col("start_ns").min(), end_ns=pl.col("end_ns").max(), complete=pl.col("boundary").all(),
         skipped=pl.col("skipped").any(), samples_after=pl.col("samples_after").max(),
-        negative=pl.col("negative").any() | (pl.col("dur_ns") < 0).any(), no_next=pl.col("dur_ns").is_null().any(),
+        negative=pl.col("negative").any() | (pl.col("dur_ns") < 0).any(), no_previous=pl.col("dur_ns").is_null().any(),
         loss_scale=pl.col("loss_scale").drop_nulls().first())
     return steps.sort("step").with_columns(
         samples=(pl.col("samples_after") - pl.col("samples_after").shift(1)).fill_null(pl.col("samples_after")),
         incomplete=~pl.col("complete") | (pl.col("ranks") < all_ranks),
-        step_time_ns=pl.when(~pl.col("no_next")).then("step_time_ns"),
-        slowest_rank=pl.when(~pl.col("no_next")).then("slowest_rank"),
+        step_time_ns=pl.when(~pl.col("no_previous")).then("step_time_ns"),
+        slowest_rank=pl.when(~pl.col("no_previous")).then("slowest_rank"),
     ).drop("complete", "samples_after")
 
 
@@ -246,11 +244,8 @@ def _pick_source(train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: 
 
 
 
-def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps: pl.DataFrame,
-                       cycles: bool = False) -> dict[int, set[str]]:
-    """Optimizer step -> instrumentation that ran in it (flops_profiler, profiler_warmup, profiler_window, ...).
-    `cycles`: the step times run from a step's start to the next's, so what runs between two steps (a checkpoint
-    save) is in the earlier one's time too."""
+def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict[int, set[str]]:
+    """Optimizer step -> instrumentation that ran in it (flops_profiler, profiler_warmup, profiler_window, ...)."""
     found: dict[int, set[str]] = {}
 
     def mark(step, reason: str) -> None:
@@ -274,8 +269,6 @@ def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps:
                 mark(step + 1, "profiler_export")
     for step in facts.get("checkpoint_steps") or []:
         mark(step, "checkpoint_save")
-        if cycles and type(step) is int:
-            mark(step - 1, "checkpoint_save")
     return found
 
 
@@ -326,15 +319,14 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
     source, key, frame = _pick_source(train_steps, step_timers, scalars, profiler_steps, facts)
     if frame.is_empty():
         return _empty()
-    flags = {"incomplete": pl.Boolean, "negative": pl.Boolean, "no_next": pl.Boolean}  # set by the sources that can tell
+    flags = {"incomplete": pl.Boolean, "negative": pl.Boolean, "no_previous": pl.Boolean}  # set by the sources that can tell
     frame = frame.with_columns([pl.lit(None, dtype).alias(c) for c, dtype in {**COLUMNS, **flags}.items()
                                 if c not in frame.columns])
     span = _run_span_ns(frame, scalars)
     frame = frame.with_columns(
         negative=(pl.col("step_time_ns") < 0) | pl.col("negative").fill_null(False),
         too_long=(pl.col("step_time_ns") > span) if span is not None else pl.lit(False))
-    instrumented = {} if source == "profiler_steps" else instrumented_steps(facts, flops_profile, profiler_steps,
-                                                                            cycles=key in CYCLES)
+    instrumented = {} if source == "profiler_steps" else instrumented_steps(facts, flops_profile, profiler_steps)
     reasons = pl.DataFrame({"step": list(instrumented), "instrumented": [",".join(sorted(r)) for r in instrumented.values()]},
                            schema={"step": pl.Int64, "instrumented": pl.String})
     frame = frame.join(reasons, on="step", how="left").with_columns(
@@ -343,7 +335,7 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
             pl.when(pl.col("step_time_ns") == 0).then(pl.lit("no_time")),
             pl.when(pl.col("too_long").fill_null(False)).then(pl.lit("longer_than_run")),
             pl.when(pl.col("incomplete").fill_null(False)).then(pl.lit("incomplete")),
-            pl.when(pl.col("no_next").fill_null(False)).then(pl.lit("no_next_step")),
+            pl.when(pl.col("no_previous").fill_null(False)).then(pl.lit("no_previous_step")),
             pl.when(pl.col("skipped").fill_null(False)).then(pl.lit("overflow_skipped")),
             pl.col("instrumented"), separator=",", ignore_nulls=True).replace("", None))
     warm = _warm_up(frame)
@@ -490,17 +482,10 @@ def profiled_windows(table: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict 
         # A ProfilerStep after the last step the run recorded is the profiler's closing span (stopped inside its
         # window when the job ended), no step of training: it is flagged, and the sentence says so.
         last = table["step"].max()
-        # a cycle (start to the next start) of a window's last step holds the trace export that follows it
-        cycles = "definition" in table.columns and table["definition"][0] in [DEFINITIONS[key] for key in CYCLES]
-        exported = table.filter(pl.col("reason").fill_null("").str.contains("profiler_export")).select(
-            step=pl.col("step") - 1, export_after=pl.lit(True)) if cycles else pl.DataFrame(
-            schema={"step": pl.Int64, "export_after": pl.Boolean})
-        windows = windows.join(table.select("step", "step_time_ns"), on="step", how="left").join(
-            exported, on="step", how="left").with_columns(
-            after_last_step=pl.col("step") > last, export_after=pl.col("export_after").fill_null(False))
+        windows = windows.join(table.select("step", "step_time_ns"), on="step", how="left").with_columns(
+            after_last_step=pl.col("step") > last)
     else:
-        windows = windows.with_columns(step_time_ns=pl.lit(None, pl.Int64), after_last_step=pl.lit(False),
-                                       export_after=pl.lit(False))
+        windows = windows.with_columns(step_time_ns=pl.lit(None, pl.Int64), after_last_step=pl.lit(False))
     values = kept["step_time_ns"].drop_nulls().to_list()
     return {"steps": windows.sort("step").to_dicts(), "source": source,
             "run_median_ns": round(statistics.median(values)) if has_typical_time(values) else None}
@@ -543,7 +528,7 @@ EXCLUSION_WORDS = {"warm_up": "warm-up", "flops_profiler": "FLOPs profiler", "pr
                    "checkpoint_save": "checkpoint save", "overflow_skipped": "skipped on fp16 overflow",
                    "incomplete": "incomplete", "negative_duration": "ends before it starts",
                    "longer_than_run": "longer than the run", "no_time": "no time measured",
-                   "no_next_step": "no next step to end it"}
+                   "no_previous_step": "no step before it to start it"}
 
 
 SOURCE_WORDS = {"train_steps": "the collector's train_steps", "log": "the logs", "profiler_steps": "the profiled steps"}
@@ -619,9 +604,8 @@ def step_lines(summary: dict) -> list[str]:
                      "an earlier checkpoint; the later recording of each is the one timed.")
     profiled = summary.get("profiled_steps") or {}
     for window in profiled.get("steps", [])[:PROFILED_SAID]:
-        export = ", the trace export after the window included" if window.get("export_after") else ""
         timed = (f"; {SOURCE_WORDS.get(profiled['source'], profiled['source'])} timed it {duration(window['step_time_ns'])}"
-                 f"{export}" if window.get("step_time_ns") is not None else "")
+                 if window.get("step_time_ns") is not None else "")
         median = (f", the run's median step is {duration(profiled['run_median_ns'])}"
                   if profiled.get("run_median_ns") is not None else "")
         if window.get("after_last_step"):
@@ -724,9 +708,9 @@ STEP_TIME = schema.table_spec(
     ("step", pa.int64(), "Optimizer step, from 0 (ProfilerStep#N when the source is profiler_steps)."),
     ("source", pa.string(), "train_steps (collector) | log | profiler_steps: the best source the run has "
                             "(analyze/analyses/step_time.py)."),
-    ("step_time_ns", pa.int64(), "The slowest rank's cycle: the step's first forward to the next step's (collector, "
-                                 "train_steps from logs); logs: the stated time of the step; profiler_steps: the "
-                                 "ProfilerStep window."),
+    ("step_time_ns", pa.int64(), "The slowest rank's cycle: the end of the step before to the end of this one "
+                                 "(collector, train_steps from logs); logs: the stated time of the step; "
+                                 "profiler_steps: the ProfilerStep window."),
     ("slowest_rank", pa.int64(), "Rank with that time."),
     ("ranks", pa.int64(), "Ranks that recorded the step."),
     ("micro_steps", pa.int64(), "Micro steps of the slowest rank."),
@@ -740,7 +724,7 @@ STEP_TIME = schema.table_spec(
     ("loss_scale", pa.float64(), "fp16 loss scale after the step."),
     ("excluded", pa.bool_(), "Left out of the run's step-time summary."),
     ("reason", pa.string(), "Why: warm_up, flops_profiler, profiler_warmup, profiler_window, profiler_export, "
-                            "checkpoint_save, overflow_skipped, incomplete, no_next_step, negative_duration, "
+                            "checkpoint_save, overflow_skipped, incomplete, no_previous_step, negative_duration, "
                             "longer_than_run, no_time (comma-separated)."),
     ("definition", pa.string(), "The step-time definition of the source, in words."),
 )

@@ -211,6 +211,8 @@ def step_stats(times: pl.DataFrame, judge_stragglers: bool = True) -> pl.DataFra
              median_other_wait_ns=pl.col("comm_wait_ns").median().round().cast(pl.Int64))
     )
     stats = stats.join(others, on="step", how="left").with_columns(spread_ns=pl.col("max_dur_ns") - pl.col("min_dur_ns"))
+    if not has_comm:  # nothing timed the waits: unknown, not 0
+        stats = stats.with_columns(others_waited_ns=pl.lit(None, pl.Int64), median_other_wait_ns=pl.lit(None, pl.Int64))
     lateness = pl.col("median_other_wait_ns") if has_comm else pl.col("spread_ns")
     stats = stats.join(_rank_spread(times, has_comm), on="step", how="left").with_columns(lateness_ns=lateness)
     basis = _straggler_basis(stats.filter(pl.col("ranks") > 1).sort("step"))
@@ -360,7 +362,8 @@ STEP_STATS = schema.table_spec(
     ("straggler_rank", pa.int64(), "Rank the others waited for (last to arrive at collectives; without collective "
                                    "timing the longest step), when it stands out from the run's noise "
                                    "(straggler_basis) and the wait is >= 5% of the step."),
-    ("others_waited_ns", pa.int64(), "Total collective wait of the other ranks in the step."),
+    ("others_waited_ns", pa.int64(), "Total collective wait of the other ranks in the step; null when no communication "
+                                     "kernel timed the waits (gloo/CPU runs)."),
     ("median_other_wait_ns", pa.int64(), "Median of it over the other ranks."),
     ("aligned_dur_ns", pa.int64(), "Step wall time across ranks on the aligned clock (first start to last end); null "
                                    "when a rank of the step has no clock offset."),
