@@ -200,7 +200,7 @@ def step_time_series(step_time: pl.DataFrame, profiled: list[int], p90_ns: float
     draw(kept, "o-" if step_time.height <= MANY_STEPS else "-", ms=3, lw=1, color=ACTIVITY_COLORS["compute"],
          label="in the summary")
     markers = iter("xsD^v<>P*")
-    # a step without a time (the last cycle, which no next step ends) has no point, and so no legend entry
+    # a step without a time (the first cycle, which no step before it starts) has no point, and so no legend entry
     for (reason,), group in excluded.drop_nulls("step_time_ns").group_by("reason", maintain_order=True):
         draw(group, next(markers, "x"), ms=6, ls="none", label="excluded: " + str(reason).replace("_", " ").replace(",", ", "))
     for step in profiled:

@@ -547,11 +547,11 @@ def test_a_figure_that_fails_becomes_a_note_and_the_rest_of_the_report_stands(tm
 
 
 def test_a_step_without_a_time_has_no_legend_entry_in_the_step_time_figure():
-    """The run's last cycle has no time (no next step ends it): its reason was in the legend with no point beside it."""
+    """The run's first cycle has no time (no step before starts it): its reason was in the legend with no point beside it."""
     import polars as pl
     from steplens.reports import figures
 
-    table = pl.DataFrame({"step": [0, 1, 2, 3], "step_time_ns": [100_000_000, 90_000_000, 95_000_000, None],
-                          "excluded": [True, False, False, True], "reason": ["warm_up", None, None, "no_next_step"]})
+    table = pl.DataFrame({"step": [0, 1, 2, 3], "step_time_ns": [None, 90_000_000, 95_000_000, 100_000_000],
+                          "excluded": [True, False, False, True], "reason": ["no_previous_step", None, None, "warm_up"]})
     svg = figures.step_time_series(table, [], 95_000_000)
-    assert "excluded: warm up" in svg and "no next step" not in svg
+    assert "excluded: warm up" in svg and "no previous step" not in svg
