@@ -103,13 +103,14 @@ def test_a_damaged_result_is_named_by_compare_and_left_out_by_trials(tmp_path):
 
 
 def test_compare_gives_no_median_of_two_unlike_steps(tmp_path):
-    """deepspeed_cpu_2rank keeps 2 steps 403 ms and 85.6 ms apart: compare shows no median step time for them (step
-    time's rule), as analyze does."""
+    """A collector run that keeps 2 steps, 403 ms and 85.6 ms (as the bundled sample did): compare shows no median step
+    time for them (step time's rule), as analyze does."""
     import json
 
+    from test_compare_trials import _collector_run
+
     for side in ("base", "new"):
-        shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", tmp_path / side,
-                        ignore=shutil.ignore_patterns(".steplens"))
+        _collector_run(tmp_path / side, 4, [403, 85.6])
     done = subprocess.run([str(BIN / "steplens"), "compare", str(tmp_path / "base"), str(tmp_path / "new"), "--out",
                            str(tmp_path / "out"), "--format", "json"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -160,15 +161,18 @@ def test_a_run_compared_with_itself_lists_its_largest_kernels_the_same_way_every
 
 
 def test_no_median_of_a_few_unlike_steps_is_compared(tmp_path):
-    """The sample's collector timed 2 kept steps, 403 ms and 85.6 ms: analyze gives them no median, but compare
-    printed 'median tokens/s base 3,626' (the mean of two per-step rates, a rate no step had) and '+2878.2%'."""
+    """A collector run that timed 2 kept steps, 403 ms and 85.6 ms (as the bundled sample did): analyze gives them no
+    median, but compare printed 'median tokens/s base 3,626' (the mean of two per-step rates, a rate no step had) and
+    '+2878.2%'."""
     import json
+
+    from test_compare_trials import _collector_run
 
     gpu = ROOT.parent / "shared" / "gpu-runs" / "h200_zero2_gpu_check" / "job"
     if not gpu.is_dir():
         pytest.skip(f"the real GPU run is not at {gpu}")
     base, new = tmp_path / "cpu", tmp_path / "gpu"
-    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", base, ignore=shutil.ignore_patterns(".steplens"))
+    _collector_run(base, 4, [403, 85.6])
     shutil.copytree(gpu, new)
     done = subprocess.run([str(BIN / "steplens"), "compare", str(base), str(new), "--out", str(tmp_path / "c"),
                            "--format", "json"], capture_output=True, text=True)

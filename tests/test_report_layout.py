@@ -316,8 +316,14 @@ SECTIONS = ("verdict", "time", "steps", "cpu-gpu", "kernels", "collectives", "mf
 
 def _look(driver, report: Path, shot: Path, sections: tuple[str, ...] = SECTIONS) -> dict:
     """Open the report, screenshot it, and return each section's (figures, figures drawn at a readable size)."""
+    from selenium.common.exceptions import TimeoutException
+
     driver.get(report.resolve().as_uri())
-    driver.save_screenshot(str(shot))
+    try:
+        driver.save_screenshot(str(shot))
+    except TimeoutException:  # Chromium on a loaded 2-core machine: "aborted by navigation" once; the page again
+        driver.get(report.resolve().as_uri())
+        driver.save_screenshot(str(shot))
     assert shot.stat().st_size > 20_000  # a picture, not a blank page
     assert driver.execute_script("return document.scripts.length") == 0
     seen = {}

@@ -268,8 +268,9 @@ def test_verdict_says_how_a_killed_job_ended(tmp_path, corpus):
 
 
 def _trial_run(folder: Path, step_ms: float, zero_stage: int) -> None:
-    """A collector run folder: the sample's rank-0 manifest with another ds_config, and 6 optimizer
-    steps of a known duration (8 samples each)."""
+    """A collector run folder: the sample's rank-0 manifest with another ds_config (its instrumented steps 2-5), and 8
+    optimizer steps of a known duration (8 samples each): steps 1, 6 and 7 are timed and kept (step 0 has no step
+    before it to start its cycle)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -280,7 +281,7 @@ def _trial_run(folder: Path, step_ms: float, zero_stage: int) -> None:
     (folder / "collector" / "manifest").mkdir(parents=True)
     (folder / "collector" / "manifest" / "rank0.json").write_text(json.dumps(manifest))
     start, rows = 1_000_000_000, []
-    for step in range(6):
+    for step in range(8):
         end = start + int(step_ms * 1e6)
         rows.append({"rank": 0, "source": "collector", "step": step, "micro_step": step, "start_ns": start, "end_ns": end,
                      "dur_ns": end - start, "is_boundary": True, "global_samples": 8 * (step + 1)})
