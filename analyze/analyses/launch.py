@@ -123,7 +123,9 @@ def step_spans(work: pl.DataFrame, device_gaps: pl.DataFrame, steps: pl.DataFram
     spans = work.filter(pl.col("step").is_not_null()).group_by(*keys, "step").agg(
         first_ns=pl.col("ts_ns").min(), span_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max(),
         activities=pl.len())
-    before = device_gaps.select(*keys, first_ns="gap_end_ns", idle_from_ns="gap_start_ns").unique([*keys, "first_ns"])
+    # only the gaps that end where a step's work begins (a few of thousands): filtered before anything else
+    before = device_gaps.filter(pl.col("gap_end_ns").is_in(spans["first_ns"].implode())).select(
+        *keys, first_ns="gap_end_ns", idle_from_ns="gap_start_ns").unique([*keys, "first_ns"])
     began = steps.group_by("rank", "source", "step").agg(step_start_ns=pl.col("start_ns").min())
     # never inside an earlier step's span (its later work may run after this step's first)
     earlier_end = pl.col("span_end_ns").cum_max().shift(1).over(keys)
