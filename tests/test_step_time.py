@@ -551,3 +551,12 @@ def test_time_outside_the_steps_work_is_in_the_step_and_said():
     # work close to the cycle: nothing to say
     busy = [{**row, "end_ns": row["start_ns"] + 115 * ms, "dur_ns": 115 * ms} for row in rows]
     assert step_time.outside_work(step_time.step_time_table(pl.DataFrame(busy))) is None
+
+
+def test_profiled_steps_past_the_third_are_named():
+    """A job with two windows of two steps (4, 5, 8, 9) printed steps 4, 5 and 8 and nothing of 9."""
+    windows = [{"step": s, "profiler_dur_ns": 10_000_000, "rank": 0, "step_time_ns": 11_000_000, "after_last_step": False}
+               for s in (4, 5, 8, 9)]
+    lines = step_time.step_lines({"profiled_steps": {"steps": windows, "source": "train_steps", "run_median_ns": None}})
+    assert [line.split(" took")[0] for line in lines[:3]] == ["Profiled step 4", "Profiled step 5", "Profiled step 8"]
+    assert lines[3] == "1 more profiled step (9): step_time's profiled_steps in findings.json."

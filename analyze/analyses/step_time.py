@@ -98,8 +98,8 @@ DEFINITIONS = {
 }
 COLUMNS = {
     "step": pl.Int64, "source": pl.String, "step_time_ns": pl.Int64, "slowest_rank": pl.Int64, "ranks": pl.Int64,
-    "micro_steps": pl.Int64, "work_ns": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64, "samples": pl.Int64, "skipped": pl.Boolean,
-    "loss_scale": pl.Float64, "excluded": pl.Boolean, "reason": pl.String,
+    "micro_steps": pl.Int64, "work_ns": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64, "samples": pl.Int64,
+    "skipped": pl.Boolean, "loss_scale": pl.Float64, "excluded": pl.Boolean, "reason": pl.String,
 }
 
 
