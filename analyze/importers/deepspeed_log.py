@@ -843,10 +843,10 @@ def _launcher_or_status(state: LogState, line: str, i: int, previous: str = "") 
         state.run.signal = m[1]
     elif (line.startswith(TRACEBACK) or line.endswith(TRACEBACK)) and COLLECTOR_WARNING not in previous:
         state.run.exceptions.append([_rank(state, line), None])
-    elif state.run.exceptions and (m := EXCEPTION_LINE.match(unprefixed := TORCH_RANK_PREFIX.sub("", line).lstrip(" ")
-                                                           if TORCH_RANK_PREFIX.match(line) else line)) \
+    elif state.run.exceptions and (m := EXCEPTION_LINE.match(
+            (unprefixed := TORCH_RANK_PREFIX.sub("", line, count=1).removeprefix(" ")).rstrip())) \
             and not unprefixed[:1].isspace():
-        state.run.exceptions[-1][1] = unprefixed.strip()
+        state.run.exceptions[-1][1] = unprefixed.strip()  # torch's "[rankN]: " prefix off, the line as printed
 
 
 def _status(run: Run, file_rank: int | None) -> dict:
