@@ -43,8 +43,9 @@ def _table(out, name):
 
 def test_overlapping_steps_idle_only_when_no_stream_is_busy(tmp_path):
     """The issue's minimal case: step 1's kernels run 1020-1030 us and 1300-1310 us, step 2's kernel
-    1150-1290 us on another stream. Step 1's span is 290 us; the device was busy 10 + 140 + 10 us of it,
-    so idle 130 us (the old per-step figure counted 270 us)."""
+    1150-1290 us on another stream. Step 1's span is 310 us (from its start at 1000 us: the device had done
+    nothing before its first kernel); the device was busy 10 + 140 + 10 us of it, so idle 150 us (the old
+    per-step figure counted 270 us)."""
     events = [
         _step(1, 1000, 100), _launch(1010, 1), _launch(1050, 2),
         _step(2, 1100, 100), _launch(1110, 3),
@@ -54,16 +55,17 @@ def test_overlapping_steps_idle_only_when_no_stream_is_busy(tmp_path):
     out, findings, _ = _analyse(tmp_path / "run")
     device = _table(out, "gpu_idle").filter(pl.col("stream") == -1)
     step1 = device.filter(pl.col("step") == 1).row(0, named=True)
-    assert (step1["span_ns"], step1["busy_ns"], step1["idle_ns"]) == (290_000, 160_000, 130_000)
+    assert (step1["span_ns"], step1["busy_ns"], step1["idle_ns"]) == (310_000, 160_000, 150_000)
     step2 = device.filter(pl.col("step") == 2).row(0, named=True)
     assert (step2["span_ns"], step2["idle_ns"]) == (140_000, 0)
     window = device.filter(pl.col("step").is_null()).row(0, named=True)
-    # 1020-1310 us with 160 us busy; gaps 1030-1150 (step 2's kernel, launched at 1110 after 1030: host-bound)
-    # and 1290-1300 (step 1's second kernel, queued at 1050 before 1290: other).
-    assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (290_000, 160_000, 130_000)
-    assert (window["host_bound_ns"], window["other_ns"], window["sync_ns"]) == (120_000, 10_000, 0)
-    assert (step1["host_bound_ns"], step1["other_ns"]) == (120_000, 10_000)
-    assert findings["gpu_idle"]["idle_share"] == pytest.approx(130 / 290)
+    # 1000 (step 1's start) - 1310 us with 160 us busy; gaps 1000-1020 (before the first kernel, launched at 1010:
+    # host-bound), 1030-1150 (step 2's kernel, launched at 1110 after 1030: host-bound) and 1290-1300 (step 1's
+    # second kernel, queued at 1050 before 1290: other).
+    assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (310_000, 160_000, 150_000)
+    assert (window["host_bound_ns"], window["other_ns"], window["sync_ns"]) == (140_000, 10_000, 0)
+    assert (step1["host_bound_ns"], step1["other_ns"]) == (140_000, 10_000)
+    assert findings["gpu_idle"]["idle_share"] == pytest.approx(150 / 310)
     assert findings["gpu_idle"]["main_cause"] == "host_bound"
     # The per-stream rows keep their meaning: step 1 on stream 7 idles 270 us between its own kernels.
     own_stream = _table(out, "gpu_idle").filter((pl.col("stream") == 7) & (pl.col("step") == 1)).row(0, named=True)
@@ -73,8 +75,9 @@ def test_overlapping_steps_idle_only_when_no_stream_is_busy(tmp_path):
 def test_idle_under_one_percent_names_no_cause(tmp_path):
     """Back-to-back kernels (seen in real rocprofiler-sdk traces): 10 kernels of 100 us launched long before,
     each starting 0.5 us after the last ends: 4.5 us idle in a 1004.5 us span (0.45%), all of it "other"
-    (queued, no sync). Idle that small has no cause worth naming; the headline gives the share alone."""
-    events = [_step(1, 0, 2000)] + [_launch(5 + i, i) for i in range(10)]
+    (queued, no sync). Idle that small has no cause worth naming; the headline gives the share alone. The step
+    spans the kernels exactly (its launches came before it), so the window is theirs."""
+    events = [_step(1, 100, 1004.5)] + [_launch(5 + i, i) for i in range(10)]
     events += [_kernel(100 + i * 100.5, 100, i, stream=7) for i in range(10)]
     write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
     out, findings, _ = _analyse(tmp_path / "run")
@@ -84,7 +87,7 @@ def test_idle_under_one_percent_names_no_cause(tmp_path):
     assert findings["gpu_idle"]["main_cause"] is None
     result = CliRunner().invoke(analyze, [str(tmp_path / "run"), "--out", str(tmp_path / "out"), "-q"])
     text = " ".join(result.output.split())
-    assert "GPU idle: 0.4% of the profiled time (first to last device activity of each window, no stream busy)." in text
+    assert "GPU idle: 0.4% of the profiled time (no stream busy, from the first device activity or profiled step to the last)." in text
     assert "main cause" not in text
 
 
@@ -116,8 +119,10 @@ def test_trace_without_steps_gets_every_analysis_that_needs_no_steps(tmp_path):
 def test_a_stall_that_opens_each_step_is_the_steps_idle(tmp_path):
     """A data loader holds the CPU for the first 50 us of step 2 (100-220 us) while the GPU, done with step 1's
     kernel at 95 us, waits: step 2's span opens at 100 us (its start; the device went idle at 95, in step 1)
-    and ends with its kernel at 195, so 55 us of its 95 are idle, host-bound (the launch came at 150). Step 1
-    has no device work before it: its span is its kernel alone. Over both steps idle is 55 / 135."""
+    and runs to its end on the CPU at 220 (its kernel ends at 195), so 80 us of its 120 are idle, host-bound (the
+    launch came at 150; nothing was left after 195). Step 1 had the same stall: the device did nothing before its
+    kernel (55 us, launched at 50) and sat idle from 95 to the step's end at 100: 60 of its 100 us. Over both
+    steps idle is 140 / 220."""
     events = [
         _step(1, 0, 100), _launch(50, 1), _kernel(55, 40, 1, stream=7),
         _step(2, 100, 120), _launch(150, 2), _kernel(155, 40, 2, stream=7),
@@ -126,16 +131,16 @@ def test_a_stall_that_opens_each_step_is_the_steps_idle(tmp_path):
     out, findings, _ = _analyse(tmp_path / "run")
     device = _table(out, "gpu_idle").filter((pl.col("stream") == -1) & pl.col("step").is_not_null()).sort("step")
     assert device.select("step", "span_start_ns", "span_ns", "idle_ns", "host_bound_ns").rows() == [
-        (1, 55_000, 40_000, 0, 0), (2, 100_000, 95_000, 55_000, 55_000)]
+        (1, 0, 100_000, 60_000, 60_000), (2, 100_000, 120_000, 80_000, 80_000)]
     breakdown = _table(out, "step_breakdown").sort("step")
     assert breakdown.select("step", "span_ns", "compute_ns", "idle_ns", "host_bound_ns").rows() == [
-        (1, 40_000, 40_000, 0, 0), (2, 95_000, 40_000, 55_000, 55_000)]
+        (1, 100_000, 40_000, 60_000, 60_000), (2, 120_000, 40_000, 80_000, 80_000)]
     split = findings["step_breakdown"]["time_split"]
-    assert (split["span_ns"], split["main_idle_cause"]) == (135_000, "host_bound")
-    assert split["idle_share"] == pytest.approx(55 / 135)
-    # the slowest step (2, 120 us on the CPU) over time: the idle that opens it, then its kernel
+    assert (split["span_ns"], split["main_idle_cause"]) == (220_000, "host_bound")
+    assert split["idle_share"] == pytest.approx(140 / 220)
+    # the slowest step (2, 120 us on the CPU) over time: the idle that opens it, its kernel, the idle that closes it
     assert _table(out, "step_timeline").sort("start_ns").select("step", "activity", "start_ns", "end_ns").rows() == [
-        (2, "idle", 100_000, 155_000), (2, "compute", 155_000, 195_000)]
+        (2, "idle", 100_000, 155_000), (2, "compute", 155_000, 195_000), (2, "idle", 195_000, 220_000)]
 
 
 def test_a_collective_call_is_counted_once_with_its_record_param_comms(tmp_path):
@@ -157,7 +162,8 @@ def test_work_launched_before_the_window_is_an_orphan_with_no_step(tmp_path):
     """A kernel whose launch is not in the file (correlation 99, enqueued before the window) runs
     0-40 us inside step 1's CPU window: it gets no step and no launch API, is counted in
     ingest_issues, and still keeps the device busy. Step 1's span opens where the device went idle
-    (40 us, the step having begun at -5 us) and ends with its own kernel (90 us)."""
+    (40 us, the step having begun at -5 us) and ends with the step on the CPU (195 us; its kernel ended at 90).
+    The window runs from the step's start (-5 us) to its end: 70 us busy of 200."""
     events = [
         _step(1, -5, 200), _launch(10, 1),
         _kernel(0, 40, 99, stream=7, name="void at::native::reduce_kernel<512, 1>(int)"),
@@ -171,9 +177,11 @@ def test_work_launched_before_the_window_is_an_orphan_with_no_step(tmp_path):
     assert issues["count"].to_list() == [1] and "40000 ns" in issues["detail"][0]
     assert result.sources[0].status == "ingested"
     window = _table(out, "gpu_idle").filter(pl.col("step").is_null()).row(0, named=True)
-    assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (90_000, 70_000, 20_000)
+    assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (200_000, 70_000, 130_000)
+    # before the orphan (launched ahead of the window) and 40-60 us (its kernel queued at 10 us): other; after: host-bound
+    assert (window["other_ns"], window["host_bound_ns"]) == (25_000, 105_000)
     step1 = _table(out, "gpu_idle").filter((pl.col("step") == 1) & (pl.col("stream") == -1)).row(0, named=True)
-    assert (step1["span_ns"], step1["idle_ns"], step1["activities"]) == (50_000, 20_000, 1)  # only its own launch
+    assert (step1["span_ns"], step1["idle_ns"], step1["activities"]) == (155_000, 125_000, 1)  # only its own launch
     assert _table(out, "kernel_categories").filter(pl.col("step").is_null())["time_ns"].sum() == 40_000
 
 
@@ -192,8 +200,8 @@ def test_device_work_whose_time_cannot_be_used_is_counted_not_timed(tmp_path, da
     write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
     out, findings, _ = _analyse(tmp_path / "run")
     window = _table(out, "gpu_idle").filter((pl.col("stream") == -1) & pl.col("step").is_null()).row(0, named=True)
-    assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (290_000, 160_000, 130_000)
-    assert findings["gpu_idle"]["idle_share"] == pytest.approx(130 / 290)
+    assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (310_000, 160_000, 150_000)
+    assert findings["gpu_idle"]["idle_share"] == pytest.approx(150 / 310)
     assert _table(out, "kernel_categories")["time_ns"].sum() == 160_000
     assert "glitch_kernel" not in set(_table(out, "top_kernels")["name"])
     kept = pl.read_parquet(out / "trace_events" / "*" / "*.parquet", hive_partitioning=False)
@@ -219,7 +227,7 @@ def test_host_events_spanning_most_of_int64_judge_no_device_work(tmp_path):
     write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
     out, findings, _ = _analyse(tmp_path / "run")
     window = _table(out, "gpu_idle").filter((pl.col("stream") == -1) & pl.col("step").is_null()).row(0, named=True)
-    assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (290_000, 160_000, 130_000)
+    assert (window["span_ns"], window["busy_ns"], window["idle_ns"]) == (310_000, 160_000, 150_000)
     assert "device_activity_outside_window" not in set(_table(out, "ingest_issues")["reason"])
 
 
@@ -305,7 +313,8 @@ def test_windows_of_one_process_share_a_rank_without_error(tmp_path):
     assert _table(out, "ingest_issues").filter(pl.col("reason") == "duplicate_rank").is_empty()
     windows = _table(out, "gpu_idle").filter(pl.col("step").is_null())
     assert windows.height == 2 and sorted(windows["source"].to_list()) == ["w1_rank0.json", "w2_rank0.json"]
-    assert json.loads((out / "findings.json").read_text())["gpu_idle"]["idle_share"] == 0
+    # each window: the step's 100 us, its kernel busy 50 of them
+    assert json.loads((out / "findings.json").read_text())["gpu_idle"]["idle_share"] == 0.5
 
 
 @pytest.mark.parametrize("launches", [0, 5])

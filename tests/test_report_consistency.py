@@ -149,29 +149,35 @@ def test_the_first_screen_is_at_most_six_lines_says_the_same_everywhere_and_link
 
 
 def _raw_trace_split(trace: Path) -> list[dict]:
-    """Per ProfilerStep of one raw trace: span, compute, exposed communication and idle (ns). The span runs to the
-    last end of the device work whose launch call started inside the step, from its first start or, where the device
-    sat idle just before that with the step begun on the CPU, from the latest of the step's start, the end of the
-    device work before and the end of earlier steps' spans; compute is the part of it covered by non-NCCL device
-    work, exposed communication the part covered by NCCL kernels only."""
+    """Per ProfilerStep of one raw trace: span, compute, exposed communication and idle (ns). The span opens at the
+    first start of the device work whose launch call started inside the step or, where the device sat idle just
+    before that with the step begun on the CPU, at the latest of the step's start, the end of the device work before
+    (none: the step's start) and the end of earlier steps' spans; it closes at the last end of that work or, if
+    later, at the step's end on the CPU (but not past the next step's first work); compute is the part of it covered
+    by non-NCCL device work, exposed communication the part covered by NCCL kernels only."""
     opener = gzip.open if trace.suffix == ".gz" else open
     with opener(trace, "rt") as handle:
         events = [e for e in json.load(handle, parse_float=Decimal)["traceEvents"] if e.get("ph") == "X"]
     device = [(Decimal(e["ts"]) * 1000, (Decimal(e["ts"]) + Decimal(e["dur"])) * 1000, "nccl" in e["name"].lower(),
                e.get("args", {}).get("correlation")) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    steps, earlier_end = [], None
     windows = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")),
                      key=lambda e: Decimal(e["ts"]))
+    own = []  # (window, lo, hi, first and last of its own work), ns
     for window in windows:
         lo, hi = Decimal(window["ts"]), Decimal(window["ts"]) + Decimal(window["dur"])
         launched = {e["args"]["correlation"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
                     and "correlation" in e.get("args", {}) and lo <= Decimal(e["ts"]) < hi}
         mine = [(s, e) for s, e, _, corr in device if corr in launched]
-        first, last = min(s for s, _ in mine), max(e for _, e in mine)
+        own.append((window, lo * 1000, hi * 1000, min(s for s, _ in mine), max(e for _, e in mine)))
+    steps, earlier_end = [], None
+    for i, (window, lo, hi, first, last) in enumerate(own):
         if not any(s < first < e for s, e, _, _ in device):  # the device sat idle just before `first`
             ended_before = [e for _, e, _, _ in device if e <= first]
-            if ended_before and max(ended_before) < first:
-                first = min(first, max([lo * 1000, max(ended_before)] + ([earlier_end] if earlier_end else [])))
+            if not ended_before or max(ended_before) < first:
+                opened = [lo] + ([max(ended_before)] if ended_before else []) + ([earlier_end] if earlier_end else [])
+                first = min(first, max(opened))
+        next_first = own[i + 1][3] if i + 1 < len(own) else hi
+        last = max(last, min(hi, next_first))
         earlier_end = max(last, earlier_end or last)
 
         def covered(intervals):

@@ -65,12 +65,13 @@ def two_ranks(tmp_path_factory) -> Path:
 
 def test_step_breakdown_splits_the_step_as_computed_by_hand(two_ranks):
     table = pl.read_parquet(two_ranks / "step_breakdown").sort("rank")
-    # span 100..700 = 600 µs; compute = 200 + 100; the all-reduce outside compute = 300..500;
-    # idle = 500..600, host-bound (the next launch came at 550, after the GPU ran dry at 500).
+    # span 0..1000 = the step on the CPU (the device did nothing before its first kernel, and nothing after 700);
+    # compute = 200 + 100; the all-reduce outside compute = 300..500; idle, all host-bound: 0..100 (the first
+    # launch came at 50), 500..600 (the next launch came at 550, after the GPU ran dry at 500), 700..1000.
     for row in table.iter_rows(named=True):
         assert (row["step"], row["span_ns"], row["compute_ns"], row["exposed_comm_ns"], row["idle_ns"]) == \
-               (1, 600_000, 300_000, 200_000, 100_000)
-        assert (row["host_bound_ns"], row["sync_ns"], row["other_ns"]) == (100_000, 0, 0)
+               (1, 1_000_000, 300_000, 200_000, 500_000)
+        assert (row["host_bound_ns"], row["sync_ns"], row["other_ns"]) == (500_000, 0, 0)
     assert table["rank"].to_list() == [0, 1]
 
 
@@ -79,16 +80,18 @@ def test_step_timeline_puts_the_ranks_on_one_clock(two_ranks):
     for rank in (0, 1):  # rank 1's segments, moved back by its 5 ms offset, land on rank 0's
         segments = sorted(timeline.filter(pl.col("rank") == rank).select("activity", "start_ns", "end_ns").rows())
         assert segments == [("compute", 100_000, 300_000), ("compute", 600_000, 700_000),
-                            ("exposed communication", 300_000, 500_000), ("idle", 500_000, 600_000)]
+                            ("exposed communication", 300_000, 500_000), ("idle", 0, 100_000), ("idle", 500_000, 600_000),
+                            ("idle", 700_000, 1_000_000)]
 
 
 def _raw_step_breakdown(trace: Path, step: int) -> dict[str, int]:
     """span, compute and exposed communication (ns) of one ProfilerStep, from the raw JSON. The span
-    runs to the last end of the device work whose launch call (by correlation id) started inside the
-    step annotation, from that work's first start or, where the device sat idle just before it with
-    the step begun, from the latest of the step's start, the end of the device work before and the
-    end of earlier steps' spans; compute is the part of it covered by any non-NCCL device work of the
-    trace, exposed communication the part covered by NCCL kernels only."""
+    opens at the first start of the device work whose launch call (by correlation id) started inside the
+    step annotation or, where the device sat idle just before it with the step begun, at the latest of
+    the step's start, the end of the device work before (none: the step's start) and the end of earlier
+    steps' spans; it closes at that work's last end or, if later, at the step's end (not past the next
+    step's first work); compute is the part of it covered by any non-NCCL device work of the trace,
+    exposed communication the part covered by NCCL kernels only."""
     doc = json.loads(trace.read_text(), parse_float=Decimal)
     events = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
     all_device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -104,14 +107,24 @@ def _raw_step_breakdown(trace: Path, step: int) -> dict[str, int]:
                e.get("args", {}).get("correlation") in launched) for e in all_device]
     first = min(s for s, _, _, mine in device if mine)
     last = max(e for _, e, _, mine in device if mine)
-    earlier_ends = [max((Decimal(e["ts"]) + Decimal(e["dur"])) * 1000 for e in all_device
-                        if e.get("args", {}).get("correlation") in launched_in(other)[1])
-                    for other in events if other.get("cat") == "user_annotation"
-                    and other["name"].startswith("ProfilerStep#") and Decimal(other["ts"]) < lo
-                    and any(e.get("args", {}).get("correlation") in launched_in(other)[1] for e in all_device)]
+    windows = sorted((other for other in events if other.get("cat") == "user_annotation"
+                      and other["name"].startswith("ProfilerStep#")), key=lambda other: Decimal(other["ts"]))
+
+    def own_work(other) -> list[tuple[Decimal, Decimal]]:
+        return [(Decimal(e["ts"]) * 1000, (Decimal(e["ts"]) + Decimal(e["dur"])) * 1000) for e in all_device
+                if e.get("args", {}).get("correlation") in launched_in(other)[1]]
+
+    def closing(other) -> Decimal:  # the end of another step's span, by the same rule
+        work, later = own_work(other), [min(s for s, _ in own_work(w)) for w in windows
+                                        if Decimal(w["ts"]) > Decimal(other["ts"]) and own_work(w)]
+        hi = (Decimal(other["ts"]) + Decimal(other["dur"])) * 1000
+        return max(max(e for _, e in work), min([hi] + later[:1]))
+
+    earlier_ends = [closing(other) for other in windows if Decimal(other["ts"]) < lo and own_work(other)]
     ended_before = [e for s, e, _, _ in device if e <= first]
-    if ended_before and max(ended_before) < first and not any(s < first < e for s, e, _, _ in device):
-        first = min(first, max([lo * 1000, max(ended_before)] + earlier_ends))
+    if (not ended_before or max(ended_before) < first) and not any(s < first < e for s, e, _, _ in device):
+        first = min(first, max([lo * 1000] + ([max(ended_before)] if ended_before else []) + earlier_ends))
+    last = closing(window)
 
     def covered(intervals):
         total, reach = Decimal(0), first

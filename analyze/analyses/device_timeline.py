@@ -82,7 +82,7 @@ def device_timeline(inputs: Inputs) -> Output:
     return Output(tables={
         "kernel_launches": launched,
         "op_perf": perf,
-        "_gpu_idle": launch.gpu_idle(launched, gaps, inputs.table("steps", ["rank", "source", "step", "start_ns"])),
+        "_gpu_idle": launch.gpu_idle(launched, gaps, inputs.table("steps", ["rank", "source", "step", "start_ns", "end_ns"])),
         "launch_summary": launch.launch_summary(launched),
         "kernel_categories": kernels.category_time(work),
         "_collective_calls": comms.with_call_sites(comms.collectives(work, context.world_size), runtime, threads),

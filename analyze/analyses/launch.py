@@ -7,13 +7,18 @@ Definitions (one cause per gap; the same in tests/synthetic.py, which builds run
   launch (work enqueued before the window opened included). The device is idle only where it is not.
 - `gpu_idle` rows, all with busy_ns + idle_ns == span_ns:
   * whole window (step null, stream -1): first start to last end of all device work in the window,
-    idle against the device-busy timeline. Every trace with device activity has them, with or
+    widened to the profiled steps' CPU span (first step's start to last step's end) where that reaches
+    further, idle against the device-busy timeline. Every trace with device activity has them, with or
     without ProfilerStep; the headline idle share is theirs.
-  * per step (stream -1): the step's span (step_spans) to the last end of the work launched in it,
-    idle against the same device-wide timeline, so time in which another step's work (or work launched
-    before the window) kept the device busy is never idle. The span starts at the step's first work, or
-    where the device went idle before it if the step had begun on the CPU by then (from the later of the
-    two): the GPU waiting on the data loader at the start of every step is that step's idle.
+  * per step (stream -1): the step's span (step_spans), idle against the same device-wide timeline, so
+    time in which another step's work (or work launched before the window) kept the device busy is never
+    idle. The span starts at the step's first work, or where the device went idle before it if the step
+    had begun on the CPU by then (from the later of the two): the GPU waiting on the data loader at the
+    start of every step is that step's idle. It ends at the last end of the work launched in it, or at the
+    step's end on the CPU if that is later (the host finishing the step, a CUDA-graph capture that ran
+    nothing): the GPU waiting at the end of a step is that step's idle.
+  * idle before the device's first work and after its last, within the profiled steps' CPU span
+    (edge_gaps): host-bound (other before work launched ahead of the window).
   * per step and stream: the step's own work on that stream, idle against its own union.
 - Each gap between consecutive activities A (ends at g0) and B on a lane is
   * sync       when B's launch call started at or after g0 and, at g0, the launching thread was
@@ -113,28 +118,62 @@ GPU_IDLE_COLUMNS = ["rank", "device", "stream", "step", "span_start_ns", "span_e
 
 def step_spans(work: pl.DataFrame, device_gaps: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     """Each step's span on each device (rank, source, device, step, span_start_ns, span_end_ns, activities): from
-    when its work could have run to the last end of the work launched in it. It starts at its first work, or
-    earlier when the device sat idle before that work with the step already begun on the CPU: at the later of
-    the step's start (`steps`: rank, source, step, start_ns), the end of the device's work before and the end of
-    every earlier step's span. The idle that opens a step (a data loader, an input copy, the host preparing the
-    step) is then the step's, not nobody's, and no time is in two steps' spans that was not already.
-    `device_gaps` are idle_gaps' ALL_STREAMS rows."""
+    when its work could have run to when the step was over on both sides. It starts at its first work, or earlier
+    when the device sat idle before that work with the step already begun on the CPU: at the later of the step's
+    start (`steps`: rank, source, step, start_ns, end_ns), the end of the device's work before (none: the device
+    had done nothing yet in the window) and the end of every earlier step's span. It ends at the last end of the
+    work launched in it, or later when the step went on on the CPU after that work: at the step's end, or at
+    the next step's first work if that came sooner. The idle that opens a step (a data loader, an input copy,
+    the host preparing the step) and the idle that closes it (the host finishing the step, a CUDA-graph capture
+    that ran nothing) are then the step's, not nobody's, and no time is in two steps' spans that was not
+    already. `device_gaps` are idle_gaps' ALL_STREAMS rows."""
     keys = ["rank", "source", "device"]
+    device_first = work.group_by(keys).agg(device_first_ns=pl.col("ts_ns").min())
     spans = work.filter(pl.col("step").is_not_null()).group_by(*keys, "step").agg(
-        first_ns=pl.col("ts_ns").min(), span_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max(),
+        first_ns=pl.col("ts_ns").min(), last_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max(),
         activities=pl.len())
     # only the gaps that end where a step's work begins (a few of thousands): filtered before anything else
     before = device_gaps.filter(pl.col("gap_end_ns").is_in(spans["first_ns"].implode())).select(
         *keys, first_ns="gap_end_ns", idle_from_ns="gap_start_ns").unique([*keys, "first_ns"])
-    began = steps.group_by("rank", "source", "step").agg(step_start_ns=pl.col("start_ns").min())
+    began = steps.group_by("rank", "source", "step").agg(step_start_ns=pl.col("start_ns").min(),
+                                                          step_end_ns=pl.col("end_ns").max())
+    spans = spans.join(before, on=[*keys, "first_ns"], how="left", nulls_equal=True).join(
+        began, on=["rank", "source", "step"], how="left", nulls_equal=True).join(
+        device_first, on=keys, how="left", nulls_equal=True).sort(*keys, "first_ns", "step")
+    # the step's own end on the CPU, before the next step's work on this device (spans stay apart)
+    next_first = pl.col("first_ns").shift(-1).over(keys)
+    closed = pl.max_horizontal("last_end_ns", pl.min_horizontal("step_end_ns", next_first))
+    spans = spans.with_columns(span_end_ns=closed)
+    # the device's first work in the window: idle since before the step began
+    idle_from = pl.coalesce("idle_from_ns", pl.when(pl.col("first_ns") == pl.col("device_first_ns")).then("step_start_ns"))
     # never inside an earlier step's span (its later work may run after this step's first)
     earlier_end = pl.col("span_end_ns").cum_max().shift(1).over(keys)
-    opened = pl.when(pl.col("idle_from_ns").is_not_null() & pl.col("step_start_ns").is_not_null()).then(
-        pl.max_horizontal("step_start_ns", "idle_from_ns", earlier_end))
-    return spans.join(before, on=[*keys, "first_ns"], how="left", nulls_equal=True).join(
-        began, on=["rank", "source", "step"], how="left", nulls_equal=True).sort(*keys, "first_ns", "step").select(
+    opened = pl.when(idle_from.is_not_null() & pl.col("step_start_ns").is_not_null()).then(
+        pl.max_horizontal("step_start_ns", idle_from, earlier_end))
+    return spans.select(
         *keys, "step", span_start_ns=pl.when(opened < pl.col("first_ns")).then(opened).otherwise(pl.col("first_ns")),
         span_end_ns="span_end_ns", activities="activities")
+
+
+def edge_gaps(launched: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
+    """The device's idle before its first work and after its last in the window, as far as the profiled steps
+    reach on the CPU (idle_gaps' ALL_STREAMS columns): only steps' spans (step_spans) cover them, the window's
+    span (first to last device work) never does. Before: host-bound when the first work's launch call started in
+    it (nothing was queued), else other (work launched before the window); after: host-bound (no work was left)."""
+    keys = ["rank", "source", "device"]
+    work = launched.filter(pl.col("stream").is_not_null())
+    reach = steps.group_by("rank", "source").agg(from_ns=pl.col("start_ns").min(), to_ns=pl.col("end_ns").max())
+    device = work.sort("ts_ns").group_by(keys).agg(
+        first_ns=pl.col("ts_ns").first(), first_launch_ns=pl.col("launch_ts_ns").first(),
+        last_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max()).join(reach, on=["rank", "source"], how="inner")
+    columns = dict(stream=pl.lit(ALL_STREAMS, pl.Int64), step=pl.lit(None, pl.Int64), sync_event_id=pl.lit(None, pl.Int64),
+                   sync_name=pl.lit(None, pl.String))
+    lead = device.filter(pl.col("from_ns") < pl.col("first_ns")).select(
+        *keys, gap_start_ns="from_ns", gap_end_ns="first_ns", cause=pl.when(pl.col("first_launch_ns") >= pl.col("from_ns"))
+        .then(pl.lit("host_bound")).otherwise(pl.lit("other")), **columns)
+    trail = device.filter(pl.col("to_ns") > pl.col("last_end_ns")).select(
+        *keys, gap_start_ns="last_end_ns", gap_end_ns="to_ns", cause=pl.lit("host_bound"), **columns)
+    return pl.concat([lead, trail]).with_columns(idle_ns=pl.col("gap_end_ns") - pl.col("gap_start_ns"))
 
 
 def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
@@ -148,9 +187,16 @@ def gpu_idle(launched: pl.DataFrame, gaps: pl.DataFrame, steps: pl.DataFrame) ->
     stream_gaps = gaps.filter(pl.col("stream") != ALL_STREAMS)
     per_stream = per_stream.join(_cause_totals(stream_gaps, stream_keys), on=stream_keys, how="left")
     device_gaps = gaps.filter(pl.col("stream") == ALL_STREAMS)
-    windows = work.group_by("rank", "source", "device").agg(**span).with_columns(step=pl.lit(None, pl.Int64))
-    windows = windows.join(_cause_totals(device_gaps, ["rank", "source", "device"]), on=["rank", "source", "device"], how="left")
-    per_step = _clipped_causes(step_spans(work, device_gaps, steps), device_gaps)
+    device = ["rank", "source", "device"]
+    edges = edge_gaps(launched, steps).select(device_gaps.columns).cast(device_gaps.schema)
+    all_gaps = pl.concat([device_gaps, edges])
+    # the window: first to last device work, widened to the profiled steps' CPU span where that reaches further
+    reach = edges.group_by(device).agg(edge_from_ns=pl.col("gap_start_ns").min(), edge_to_ns=pl.col("gap_end_ns").max())
+    windows = work.group_by(device).agg(**span).join(reach, on=device, how="left", nulls_equal=True).with_columns(
+        span_start_ns=pl.min_horizontal("span_start_ns", "edge_from_ns"), span_end_ns=pl.max_horizontal("span_end_ns", "edge_to_ns"),
+        step=pl.lit(None, pl.Int64)).drop("edge_from_ns", "edge_to_ns")
+    windows = windows.join(_cause_totals(all_gaps, device), on=device, how="left", nulls_equal=True)
+    per_step = _clipped_causes(step_spans(work, device_gaps, steps), all_gaps)
     device_rows = pl.concat([windows, per_step], how="diagonal_relaxed").with_columns(stream=pl.lit(ALL_STREAMS, pl.Int64))
     table = pl.concat([device_rows, per_stream], how="diagonal_relaxed").with_columns(
         [pl.col(f"{c}_ns").fill_null(0) for c in CAUSES])
@@ -321,7 +367,8 @@ def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0) -> dict:
         "main_cause": max(causes, key=causes.get) if share is not None and share >= MAIN_CAUSE_MIN_IDLE_SHARE else None,
         **{f"{c}_ns": v for c, v in causes.items()},
         "definition": "time no stream of the device was busy (every step's work and work launched before the window "
-                      "included), over the span from the first to the last device activity of each profiler window; "
+                      "included), over the span from the first to the last device activity of each profiler window (widened to "
+                      "the profiled steps where they start earlier or end later); "
                       "summed over ranks, devices and windows",
     }
 
@@ -342,8 +389,8 @@ def gpu_idle_lines(idle: dict, findings: dict) -> list[str]:
     if idle.get("idle_share") is None:
         return []
     cause = f"; main cause {IDLE_CAUSE_WORDS[idle['main_cause']]}" if idle.get("main_cause") in IDLE_CAUSE_WORDS else ""
-    return [f"GPU idle: {idle['idle_share']:.1%} of the profiled time (first to last device activity of each window, no "
-            f"stream busy){cause}{profiler_effect.window_note(findings.get('profiler_after_effect'))}."]
+    return [f"GPU idle: {idle['idle_share']:.1%} of the profiled time (no stream busy, from the first device activity "
+            f"or profiled step to the last){cause}{profiler_effect.window_note(findings.get('profiler_after_effect'))}."]
 
 
 # ---------------------------------------------------------------------------------------------
