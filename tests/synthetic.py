@@ -88,13 +88,15 @@ idle[step] (all within the GPU span, stream 7 only):
   compute_stream_busy_ns = total duration of stream-7 activity (kernels, memcpy,
   memset; they never overlap); every gap between consecutive stream-7 activities
   A (ends g0) -> B (launch call of B starts at l_B) is
+  (the first two only when B then waited in the queue no longer than its call took from g0:
+  c_B - g0 >= b0 - c_B, c_B the end of B's launch call)
   * sync_idle     if l_B >= g0 and the host thread is inside a synchronising call
     (cudaStreamSynchronize, cudaDeviceSynchronize, blocking cudaMemcpy) with
     call.start <= g0 < call.end;
   * host_bound    if l_B >= g0 otherwise (the GPU had nothing queued: it waited
     for the CPU to issue work);
   * other         if l_B < g0 (B was already queued: here always the cross-stream
-    wait of the optimizer on the allreduce).
+    wait of the optimizer on the allreduce), or B queued longer than that.
   busy + host_bound + sync + other == gpu_end_ns - gpu_start_ns exactly.
 exposed_comm_ns[step] = sum over that step's collectives (launched inside the
 ProfilerStep) of the NCCL kernel time on stream 20 not overlapped by any ``kernel``
@@ -530,8 +532,9 @@ class _Rank:
         return self.corr
 
     # ---- stream-7 placement + idle accounting
-    def _place(self, l, lat, dur, is_kernel, dep=0):
-        """Place an activity launched at ``l`` on stream 7.  Returns (l, start)."""
+    def _place(self, l, lat, dur, is_kernel, dep=0, call=None):
+        """Place an activity launched at ``l`` on stream 7 (its launch call lasting ``call``; None: a call that
+        returns only after the work started).  Returns (l, start)."""
         s7 = self.s7
         if l + lat <= s7:
             start = s7
@@ -547,7 +550,8 @@ class _Rank:
         else:
             gap = start - s7
             if gap > 0:
-                if l >= s7:
+                # issued after the stream drained, and queued no longer than the host took to issue it
+                if l >= s7 and (call is None or l + call - s7 >= start - (l + call)):
                     if dep_bound:
                         self.mixed += 1
                     for (a, b) in self.syncs:
@@ -575,7 +579,7 @@ class _Rank:
         call = call_lo + int(rnd() * call_rng)
         lat = call + 1000 + int(rnd() * 1000)
         dur = base_dur + int(rnd() * 800)
-        l, ks = self._place(t + 2000 + int(rnd() * 3000), lat, dur, True, dep)
+        l, ks = self._place(t + 2000 + int(rnd() * 3000), lat, dur, True, dep, call)
         ce = l + call
         oe = ce + 1000 + int(rnd() * 1500)
         self.cpu = oe
@@ -627,7 +631,7 @@ class _Rank:
         lat = call + 1500 + int(rnd() * 1000)
         kname0, d0, ka0 = graph[0]
         d0 += int(rnd() * 800)
-        l, ks = self._place(t + 3000 + int(rnd() * 2000), lat, d0, True)
+        l, ks = self._place(t + 3000 + int(rnd() * 2000), lat, d0, True, call=call)
         ce = l + call
         oe = ce + 1000 + int(rnd() * 1000)
         self.cpu = oe
@@ -665,7 +669,7 @@ class _Rank:
         starts = [t + i * (800 + int(rnd() * 700)) for i in range(len(op_names))]
         call = 5000 + int(rnd() * 3000)
         lat = call + 1500 + int(rnd() * 1000)
-        l, ds = self._place(starts[-1] + 1500 + int(rnd() * 1500), lat, dur, False)
+        l, ds = self._place(starts[-1] + 1500 + int(rnd() * 1500), lat, dur, False, call=call)
         ce = l + call
         e = ce
         ends = []

@@ -340,3 +340,83 @@ def test_launches_without_recorded_device_work_say_the_gpu_was_not_measured(tmp_
         assert ">Collectives</h2>" not in page
     else:
         assert "runtime_calls_without_device_work" not in findings["gpu_idle"] and "GPU idle" not in text
+
+
+def test_work_issued_then_queued_for_most_of_a_gap_is_not_host_bound(tmp_path):
+    """Kernel 1 ends at 100 us. Kernel 2 is launched at 105 (call to 110) and starts at 112: the host issued it for
+    most of the 12 us gap, host-bound. Kernel 3 is launched at 130 (call to 135) and starts only at 600 behind an
+    event wait the trace shows no work for (the sglang decode trace's 463 ms): 35 us to issue, 465 us queued,
+    other. The step (100-700 us on the CPU, after its first launch at 95) is 600 us: 100 busy... worked below."""
+    events = [
+        _step(1, 90, 610), _launch(95, 1, dur=3), _kernel(98, 2, 1, stream=7),
+        _launch(105, 2, dur=5), _kernel(112, 8, 2, stream=7),  # gap 100-112: host-bound
+        _launch(130, 3, dur=5), _kernel(600, 50, 3, stream=7),  # gap 120-600: other (queued 465 of 480)
+    ]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    out, findings, _ = _analyse(tmp_path / "run")
+    window = _table(out, "gpu_idle").filter((pl.col("stream") == -1) & pl.col("step").is_null()).row(0, named=True)
+    # span 90 (the step's start) - 700 (its end) = 610 us; busy 2 + 8 + 50 = 60; idle: 90-98 host-bound (the first
+    # launch, 95-98, issued it all), 100-112 host-bound, 120-600 other, 650-700 host-bound (nothing left to run)
+    assert (window["span_ns"], window["busy_ns"]) == (610_000, 60_000)
+    assert (window["host_bound_ns"], window["other_ns"], window["sync_ns"]) == (8_000 + 12_000 + 50_000, 480_000, 0)
+    assert findings["gpu_idle"]["main_cause"] == "other"
+
+
+def test_a_rocm_blocking_copy_is_a_synchronization(tmp_path):
+    """ROCm's PyTorch copies to the host with hipMemcpyWithStream, which returns once the device is done: the thread
+    sits in it from 100 us, the kernel it waited for ends at 110, the next launch comes at 150 (call to 152) and
+    starts at 155: the 45 us gap is the synchronization's, not host-bound."""
+    events = [
+        _step(1, 0, 200), _launch(5, 1, name="hipLaunchKernel"), _kernel(10, 100, 1, stream=7),
+        _launch(100, 2, name="hipMemcpyWithStream", dur=40),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "pid": 0, "tid": 7, "ts": 111, "dur": 1,
+         "args": {"correlation": 2, "stream": 7, "device": 0}},
+        _launch(150, 3, name="hipLaunchKernel"), _kernel(155, 45, 3, stream=7),
+    ]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    out, _, _ = _analyse(tmp_path / "run")
+    window = _table(out, "gpu_idle").filter((pl.col("stream") == -1) & pl.col("step").is_null()).row(0, named=True)
+    # gaps: 0-10 (host-bound: launched at 5), 110-111 (the copy itself, issued at 100 before the gap: other),
+    # 112-155 (sync: the launching thread was in hipMemcpyWithStream at 112, until 140)
+    assert (window["host_bound_ns"], window["other_ns"], window["sync_ns"]) == (10_000, 1_000, 43_000)
+    points = _table(out, "sync_points")
+    assert points.select("name", "idle_caused_ns").rows() == [("hipMemcpyWithStream", 43_000)]
+
+
+def _op(name, ts, dur, dims, types=None, tid=1):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur,
+            "args": {"Input Dims": dims, "Input type": types or ["float"] * len(dims)}}
+
+
+def test_a_step_that_captures_a_graph_has_no_op_shape_flops(tmp_path):
+    """An H100 step that captures its matmuls into a CUDA graph (recorded, not run: no kernel of theirs runs in it)
+    and a step that only replays the graph (cudaGraphLaunch, no op shapes): the traces' op shapes count neither,
+    so there is no MFU, and the reason names the graph steps; a third, plain step's matmul is counted."""
+    mm = [[1024, 1024], [1024, 1024]]
+    events = [
+        _step(1, 0, 100), _launch(1, 90, name="cudaStreamBeginCapture"), _op("aten::mm", 5, 20, mm),
+        _launch(30, 91, name="cudaStreamEndCapture"),
+        _step(2, 100, 100), _launch(101, 1, name="cudaGraphLaunch"), _kernel(105, 80, 1, stream=7),
+    ]
+    device = {"name": "NVIDIA H100 80GB HBM3", "computeMajor": 9, "computeMinor": 0, "totalGlobalMem": 85e9, "numSms": 132}
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1},
+                deviceProperties=[{"id": 0, **device}])
+    _, findings, _ = _analyse(tmp_path / "run")
+    assert findings["mfu"]["note"].startswith("the traces' op shapes cannot count the profiled step(s) 1, 2: "
+                                              "they capture or replay CUDA/HIP graphs")
+    plain = events + [_step(3, 200, 100), _op("aten::mm", 205, 20, mm), _launch(206, 2), _kernel(210, 80, 2, stream=7)]
+    write_trace(tmp_path / "run2" / "rank0.json", plain, distributedInfo={"rank": 0, "world_size": 1},
+                deviceProperties=[{"id": 0, **device}])
+    out, findings, _ = _analyse(tmp_path / "run2")
+    mfu = _table(out, "mfu").filter(pl.col("numerator") == "trace_shapes")
+    assert mfu["flops"].unique().to_list() == [2 * 1024**3]  # step 3's matmul alone: 2 x 1024^3
+
+
+def test_shapes_without_a_step_time_say_so(tmp_path):
+    """Op shapes but no ProfilerStep (an unscheduled profiler): MFU needs a step time, not shapes."""
+    events = [_op("aten::mm", 5, 20, [[64, 64], [64, 64]]), _launch(6, 1), _kernel(10, 80, 1, stream=7)]
+    device = {"name": "NVIDIA H100 80GB HBM3", "computeMajor": 9, "computeMinor": 0, "totalGlobalMem": 85e9, "numSms": 132}
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1},
+                deviceProperties=[{"id": 0, **device}])
+    _, findings, _ = _analyse(tmp_path / "run")
+    assert findings["mfu"]["note"].startswith("no step time to divide by")

@@ -124,9 +124,9 @@ def test_slices_nest(run):
 
 
 def _steps_and_launches(d):
-    """ProfilerStep windows and, per correlation id, the launching call's start (ns, rank clock)."""
+    """ProfilerStep windows and, per correlation id, the launching call's start and end (ns, rank clock)."""
     B = d["baseTimeNanoseconds"]
-    steps, launch, syncs = [], {}, []
+    steps, launch, syncs, call_end = [], {}, [], {}
     for e in d["traceEvents"]:
         if e["ph"] != "X":
             continue
@@ -135,10 +135,11 @@ def _steps_and_launches(d):
         elif e["cat"] in ("cuda_runtime", "cuda_driver"):
             s = B + _ns(e["ts"])
             launch[e["args"]["correlation"]] = s
+            call_end[e["args"]["correlation"]] = s + _ns(e["dur"])
             if e["name"] in SYNC_CALLS:
                 syncs.append((s, s + _ns(e["dur"])))
     steps.sort()
-    return steps, launch, syncs
+    return steps, launch, syncs, call_end
 
 
 def _step_of(steps, t):
@@ -154,7 +155,7 @@ def test_steps_idle_and_exposed_comm_recomputed(run):
     for r, (_, d) in traces.items():
         rt = truth["ranks"][str(r)]
         B = d["baseTimeNanoseconds"]
-        steps, launch, syncs = _steps_and_launches(d)
+        steps, launch, syncs, call_end = _steps_and_launches(d)
         assert [(s["step"], s["start_ns"], s["end_ns"]) for s in rt["steps"]] == steps
         s7 = defaultdict(list)
         nccl = defaultdict(list)
@@ -162,7 +163,7 @@ def test_steps_idle_and_exposed_comm_recomputed(run):
         for e in d["traceEvents"]:
             if e["ph"] == "X" and e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset"):
                 s = B + _ns(e["ts"])
-                iv = (s, s + _ns(e["dur"]), launch[e["args"]["correlation"]])
+                iv = (s, s + _ns(e["dur"]), launch[e["args"]["correlation"]], call_end[e["args"]["correlation"]])
                 step = _step_of(steps, iv[2])
                 if e["tid"] == 7:
                     s7[step].append(iv)
@@ -174,7 +175,7 @@ def test_steps_idle_and_exposed_comm_recomputed(run):
         for n, _, _ in steps:
             acts = sorted(s7[n])
             idle = Counter()
-            for (a0, a1, _), (b0, b1, lb) in zip(acts, acts[1:]):
+            for (a0, a1, _, _), (b0, b1, lb, cb) in zip(acts, acts[1:]):
                 gap = b0 - a1
                 assert gap >= 0
                 if gap == 0:
@@ -184,15 +185,15 @@ def test_steps_idle_and_exposed_comm_recomputed(run):
                     idle["sync_idle_ns" if in_sync else "host_bound_idle_ns"] += gap
                 else:
                     idle["other_idle_ns"] += gap
-            idle["compute_stream_busy_ns"] = sum(b - a for a, b, _ in acts)
+            idle["compute_stream_busy_ns"] = sum(b - a for a, b, _, _ in acts)
             want = rt["idle"][str(n)]
             assert {k: idle[k] for k in want} == want
             st = rt["steps"][n - steps[0][0]]
             assert (st["gpu_start_ns"], st["gpu_end_ns"]) == (acts[0][0], acts[-1][1])
             assert sum(want.values()) == acts[-1][1] - acts[0][0]
             exposed = 0
-            for c0, c1, _ in nccl[n]:
-                ov = sum(max(0, min(c1, k1) - max(c0, k0)) for k0, k1, _ in k7)
+            for c0, c1, _, _ in nccl[n]:
+                ov = sum(max(0, min(c1, k1) - max(c0, k0)) for k0, k1, _, _ in k7)
                 exposed += (c1 - c0) - ov
             assert exposed == rt["exposed_comm_ns"][str(n)]
         assert rt["mixed_cause_gaps"] == 0

@@ -90,15 +90,29 @@ def device_timeline(inputs: Inputs) -> Output:
         "_kernel_totals": kernels.kernel_totals(work),
         "_gpu_spans": steps.gpu_spans(work),
         "_step_flops": mfu.step_flops(cpu),
-        # executed FLOPs from shapes per rank and profiled step: the outermost ops with a FLOPs formula
-        "_trace_step_flops": perf.filter(~pl.col("nested") & pl.col("flops").is_not_null() & pl.col("step").is_not_null())
-        .group_by("rank", "step").agg(flops=pl.col("flops").sum()),
+        "_trace_step_flops": trace_step_flops(perf, runtime),
         "_cpu_comm_ops": cpu_comm_ops,
         "_op_totals": op_perf.op_totals(perf),
         "_family_time": op_perf.family_time(cpu, launched),
         "_module_rows": module_perf.module_perf(modules, ops, perf, launched,
                                                module_perf.backward_points(links, linked, launched), heavy),
     })
+
+
+# A CUDA/HIP graph's ops are recorded once, when it is captured (their kernels do not run then), and not at all
+# when it is replayed (one graph-launch call runs them all): a step doing either has no op-shape FLOPs count.
+GRAPH_API = r"^(cuda|cu|hip)Graph(Exec)?Launch|^(cuda|cu|hip)StreamBeginCapture"
+
+
+def trace_step_flops(perf: pl.DataFrame, runtime: pl.DataFrame) -> pl.DataFrame:
+    """Executed FLOPs from shapes per rank and profiled step (rank, step, flops, graphs): the outermost ops with a
+    FLOPs formula; `graphs` marks the steps that capture or replay a CUDA/HIP graph, whose count it is not."""
+    flops = perf.filter(~pl.col("nested") & pl.col("flops").is_not_null() & pl.col("step").is_not_null()).group_by(
+        "rank", "step").agg(flops=pl.col("flops").sum().cast(pl.Float64))
+    graphs = runtime.filter(pl.col("name").str.contains(GRAPH_API) & pl.col("step").is_not_null()).select(
+        "rank", "step").unique().with_columns(graphs=pl.lit(True))
+    return flops.join(graphs, on=["rank", "step"], how="full", coalesce=True).with_columns(
+        pl.col("graphs").fill_null(False)).select("rank", "step", "flops", "graphs")
 
 
 KERNEL_LAUNCHES = schema.table_spec(

@@ -20,13 +20,16 @@ Definitions (one cause per gap; the same in tests/synthetic.py, which builds run
   * idle before the device's first work and after its last, within the profiled steps' CPU span
     (edge_gaps): host-bound (other before work launched ahead of the window).
   * per step and stream: the step's own work on that stream, idle against its own union.
-- Each gap between consecutive activities A (ends at g0) and B on a lane is
-  * sync       when B's launch call started at or after g0 and, at g0, the launching thread was
-               inside a synchronizing call (stream/device/event synchronize, blocking memcpy);
-  * host-bound when B's launch call started at or after g0 otherwise: nothing was queued, the GPU
-               waited for the CPU to issue work;
-  * other      when B was already queued before A ended (a cross-stream dependency), or B has no
-               recorded launch.
+- Each gap between consecutive activities A (ends at g0) and B (starts at g1) on a lane, B's launch call
+  running from c0 to c1, is
+  * sync       when c0 >= g0 and c1 - g0 >= g1 - c1 and, at g0, the launching thread was inside a
+               synchronizing call (stream/device/event synchronize, blocking memcpy);
+  * host-bound when c0 >= g0 and c1 - g0 >= g1 - c1 otherwise: nothing was queued, the GPU waited
+               for the CPU to issue work for most of the gap;
+  * other      when B was already queued before A ended (a cross-stream dependency), when B, issued,
+               then waited in the queue longer than the host took to issue it (c1 - g0 < g1 - c1: an
+               event or cross-stream wait on something the trace shows no device work for), or B has
+               no recorded launch.
 - queue_ns = start on the GPU - end of the launch call. It is negative where the call returns only
   after the work started: blocking copies (cudaMemcpy returns once the copy is done) and graph
   launches (cudaGraphLaunch is still enqueueing when its first kernels start). launch_summary's
@@ -49,7 +52,11 @@ from steplens.analyze.analyses import profiler_effect
 from steplens.analyze.contract.text import sentence
 from steplens.analyze.contract import schema
 
-SYNC_API = r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^(cuda|hip)Memcpy(To|From)Symbol$|^cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?$"
+# Calls that return only once the device has caught up: the synchronizes and the blocking copies. ROCm's PyTorch
+# makes its blocking copies with hipMemcpyWithStream (c10/hip memcpy_and_sync), CUDA's with cudaMemcpyAsync and a
+# stream synchronize; hipMemcpy{DtoH,HtoD,DtoD} and cuMemcpy* are the blocking driver-style copies.
+SYNC_API = (r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^hipMemcpyWithStream$|^(cuda|hip)Memcpy(To|From)Symbol$"
+            r"|^(cuda|hip)MemcpyPeer$|^hipMemcpy(DtoH|HtoD|DtoD)$|^cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?$")
 
 
 def kernel_launches(device: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
@@ -83,6 +90,7 @@ def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     `launched` must be in time order within each (rank, source), as kernel_launches leaves it."""
     # Only the columns the gaps need: a filter copies every column it holds
     work = launched.select("rank", "source", "device", "stream", "step", "launch_pid", "launch_tid", "launch_ts_ns", "ts_ns",
+                           launch_end_ns=pl.col("launch_ts_ns") + pl.col("api_ns").fill_null(0),
                            end_ns=pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).filter(pl.col("stream").is_not_null())
     lanes = []
     for lane_keys, stream, rows in (
@@ -92,7 +100,7 @@ def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
         prev_end = pl.col("end_ns").cum_max().shift(1).over(lane_keys)
         lanes.append(rows.with_columns(prev_end_ns=prev_end).filter(pl.col("ts_ns") > pl.col("prev_end_ns")).select(
             "rank", "source", "device", stream.alias("stream"), "step", "launch_pid", "launch_tid", "launch_ts_ns",
-            gap_start_ns="prev_end_ns", gap_end_ns="ts_ns"))
+            "launch_end_ns", gap_start_ns="prev_end_ns", gap_end_ns="ts_ns"))
     gaps = pl.concat(lanes)
     syncs = calls.lazy().filter(pl.col("name").str.contains(SYNC_API)).select(
         "rank", "source", sync_pid="pid", sync_tid="tid", sync_event_id="event_id", sync_name="name",
@@ -103,7 +111,9 @@ def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
         strategy="backward", check_sortedness=False,
     )
     in_sync = pl.col("sync_end_ns").is_not_null() & (pl.col("sync_end_ns") > pl.col("gap_start_ns"))
-    issued_after = pl.col("launch_ts_ns").is_not_null() & (pl.col("launch_ts_ns") >= pl.col("gap_start_ns"))
+    # issued after the GPU ran dry, and not then left waiting in the queue longer than the host took to issue it
+    issued_after = pl.col("launch_ts_ns").is_not_null() & (pl.col("launch_ts_ns") >= pl.col("gap_start_ns")) & (
+        pl.col("launch_end_ns") - pl.col("gap_start_ns") >= pl.col("gap_end_ns") - pl.col("launch_end_ns"))
     cause = pl.when(issued_after & in_sync).then(pl.lit("sync")).when(issued_after).then(pl.lit("host_bound")).otherwise(pl.lit("other"))
     return gaps.with_columns(cause=cause, idle_ns=pl.col("gap_end_ns") - pl.col("gap_start_ns")).with_columns(
         sync_event_id=pl.when(pl.col("cause") == "sync").then(pl.col("sync_event_id")),
@@ -159,18 +169,21 @@ def edge_gaps(launched: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     """The device's idle before its first work and after its last in the window, as far as the profiled steps
     reach on the CPU (idle_gaps' ALL_STREAMS columns): only steps' spans (step_spans) cover them, the window's
     span (first to last device work) never does. Before: host-bound when the first work's launch call started in
-    it (nothing was queued), else other (work launched before the window); after: host-bound (no work was left)."""
+    it as for a gap (idle_gaps), else other (work launched before the window); after: host-bound (no work was left)."""
     keys = ["rank", "source", "device"]
     work = launched.filter(pl.col("stream").is_not_null())
     reach = steps.group_by("rank", "source").agg(from_ns=pl.col("start_ns").min(), to_ns=pl.col("end_ns").max())
     device = work.sort("ts_ns").group_by(keys).agg(
         first_ns=pl.col("ts_ns").first(), first_launch_ns=pl.col("launch_ts_ns").first(),
+        first_launch_end_ns=(pl.col("launch_ts_ns") + pl.col("api_ns").fill_null(0)).first(),
         last_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max()).join(reach, on=["rank", "source"], how="inner")
     columns = dict(stream=pl.lit(ALL_STREAMS, pl.Int64), step=pl.lit(None, pl.Int64), sync_event_id=pl.lit(None, pl.Int64),
                    sync_name=pl.lit(None, pl.String))
+    issued_in = (pl.col("first_launch_ns") >= pl.col("from_ns")) & (
+        pl.col("first_launch_end_ns") - pl.col("from_ns") >= pl.col("first_ns") - pl.col("first_launch_end_ns"))
     lead = device.filter(pl.col("from_ns") < pl.col("first_ns")).select(
-        *keys, gap_start_ns="from_ns", gap_end_ns="first_ns", cause=pl.when(pl.col("first_launch_ns") >= pl.col("from_ns"))
-        .then(pl.lit("host_bound")).otherwise(pl.lit("other")), **columns)
+        *keys, gap_start_ns="from_ns", gap_end_ns="first_ns",
+        cause=pl.when(issued_in).then(pl.lit("host_bound")).otherwise(pl.lit("other")), **columns)
     trail = device.filter(pl.col("to_ns") > pl.col("last_end_ns")).select(
         *keys, gap_start_ns="last_end_ns", gap_end_ns="to_ns", cause=pl.lit("host_bound"), **columns)
     return pl.concat([lead, trail]).with_columns(idle_ns=pl.col("gap_end_ns") - pl.col("gap_start_ns"))
@@ -378,7 +391,8 @@ def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0) -> dict:
 
 
 IDLE_CAUSE_WORDS = {"host_bound": "host-bound: the GPU waited for the CPU to launch work",
-                    "sync": "synchronization: the CPU waited on the GPU", "other": "cross-stream waits or unrecorded launches"}
+                    "sync": "synchronization: the CPU waited on the GPU",
+                    "other": "queued work waiting (cross-stream or event waits) or unrecorded launches"}
 
 
 def gpu_idle_lines(idle: dict, findings: dict) -> list[str]:

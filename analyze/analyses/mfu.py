@@ -155,12 +155,28 @@ def _collector_flops(flops_profile: pl.DataFrame, facts: dict, world_size: int) 
 
 
 def trace_flops_per_step(step_flops: pl.DataFrame, gpus: int) -> float | None:
-    """The traces' executed FLOPs of one optimizer step (`_trace_step_flops`: rank, step, flops): per profiled
-    step the mean over the traced ranks x gpus, then the median over the profiled steps."""
+    """The traces' executed FLOPs of one optimizer step (`_trace_step_flops`: rank, step, flops, graphs): per
+    profiled step the mean over the traced ranks x gpus, then the median over the profiled steps; a step that
+    captures or replays a CUDA/HIP graph (on any rank) is not counted."""
     if step_flops.is_empty():
         return None
-    per_step = step_flops.group_by("step").agg(flops=pl.col("flops").mean() * gpus)
+    graph_steps = step_flops.filter(pl.col("graphs"))["step"].unique().implode()
+    counted = step_flops.filter(pl.col("flops").is_not_null() & ~pl.col("step").is_in(graph_steps))
+    if counted.is_empty():
+        return None
+    per_step = counted.group_by("step").agg(flops=pl.col("flops").mean() * gpus)
     return float(per_step["flops"].median())
+
+
+def graph_steps_note(step_flops: pl.DataFrame) -> str:
+    """Why the traces' op shapes count no step, when the steps with modelled ops all capture or replay graphs."""
+    graphs = step_flops.filter(pl.col("graphs"))["step"].unique().sort() if not step_flops.is_empty() else []
+    if not len(graphs):
+        return ""
+    steps = ", ".join(str(s) for s in graphs.head(5).to_list()) + (", ..." if len(graphs) > 5 else "")
+    return (f"the traces' op shapes cannot count the profiled step(s) {steps}: they capture or replay CUDA/HIP graphs "
+            "(a graph's ops are recorded when it is captured, when its kernels do not run, and not when it is "
+            "replayed)")
 
 
 def step_time_mfu(step_time: pl.DataFrame, flops_profile: pl.DataFrame, facts: dict, peak: Peak | None, world_size: int,
@@ -327,15 +343,21 @@ def _mfu(inputs: Inputs) -> Output:
     # the user asked for the analytic count and it cannot be completed: say what it lacks
     missing = (f"the analytic numerator lacks {lacking}: give them (--params --layers --hidden --seq-len --tokens-per-step)"
                if inputs.options.shape and shape is None else "")
-    trace_flops = trace_flops_per_step(inputs.table("_trace_step_flops"), world_size) if inputs.ranks else None
+    step_flops = inputs.table("_trace_step_flops") if inputs.ranks else pl.DataFrame()
+    trace_flops = trace_flops_per_step(step_flops, world_size) if inputs.ranks else None
+    graphs_note = graph_steps_note(step_flops) if trace_flops is None and inputs.ranks else ""
     run_rows, problem = step_time_mfu(inputs.table("step_time"), inputs.table("flops_profile"), facts, context.peak,
                                       world_size, shape, inputs.options.recompute, origin, trace_flops)
     log_rows, log_problem = log_mfu.megatron_mfu(inputs.table("step_time"), facts, context.peak, world_size)
     # a logs-only Megatron run: the shape from its arguments
     found = [r for r in rows + [run_rows, log_rows] if not r.is_empty()]
     table = pl.concat(found, how="diagonal_relaxed") if found else pl.DataFrame()
+    timed = inputs.table("step_time")
+    no_step_time = ("no step time to divide by: no step was kept (the traces hold no ProfilerStep# window, and no "
+                    "collector or log timed a step)" if timed.is_empty() or timed.filter(
+                        ~pl.col("excluded") & (pl.col("step_time_ns") > 0)).is_empty() else "")
     table, finding = sanity.mark_impossible_mfu(
-        table, mfu_finding(table, problem or log_problem or context.peak_problem or missing))
+        table, mfu_finding(table, problem or log_problem or context.peak_problem or missing or no_step_time or graphs_note))
     qualified = {}
     if isinstance(finding, list) and (disagree := numerators_disagree(finding)):
         qualified["mfu_numerators_disagree"] = disagree
