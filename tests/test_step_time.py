@@ -526,8 +526,9 @@ def test_a_job_run_again_into_its_folder_is_timed_once_per_step():
 def test_time_outside_the_steps_work_is_in_the_step_and_said():
     """A data loader that takes 100 ms before every forward (the helper's slow-load job): each rank starts a step
     every 120 ms and spends 20 ms (rank 1: 21 ms) in it. Hand-computed: the step time is the 120 ms cycle, not the
-    20 ms of work, so a 6x slower input pipeline is in the step time, the MFU and compare; 99 ms of each step (82%)
-    ran outside the work, and the verdict leads with it. The first step has no step before it to start its cycle."""
+    20 ms of work, so a 6x slower input pipeline is in the step time, the MFU and compare; rank 0 spent 100 ms of
+    each step (83%) outside its work, rank 1 99 ms: every rank's loader, and the verdict leads with it. The first
+    step has no step before it to start its cycle."""
     from steplens.analyze.contract.units import duration
     from steplens.reports.verdict import first_screen
 
@@ -541,16 +542,37 @@ def test_time_outside_the_steps_work_is_in_the_step_and_said():
     assert table.select("step", "step_time_ns", "work_ns", "reason").rows() == [
         (0, None, 21 * ms, "no_previous_step"), *((step, 120 * ms, 21 * ms, None) for step in range(1, 6))]
     outside = step_time.outside_work(table)
-    assert (outside["median_outside_ns"], outside["median_step_ns"], outside["steps"]) == (99 * ms, 120 * ms, 5)
-    assert outside["share"] == pytest.approx(99 / 120)
+    assert (outside["median_outside_ns"], outside["median_step_ns"], outside["steps"]) == (100 * ms, 120 * ms, 5)
+    assert (outside["rank"], outside["least_outside_ns"], outside["share"]) == (0, 99 * ms, pytest.approx(100 / 120))
     summary = {**step_time.step_time_summary(table), "outside_work": outside}
-    assert f"Outside the steps' work: {duration(99 * ms)} of each {duration(120 * ms)} step (82%, median)" in \
-        " ".join(step_time.step_lines(summary))
-    assert (f"Outside the steps' work: {duration(99 * ms)} of each {duration(120 * ms)} step", "steps") in \
+    assert f"Outside the steps' work: {duration(100 * ms)} of each {duration(120 * ms)} step (83%, median) on every " \
+           "rank ran before" in " ".join(step_time.step_lines(summary))
+    assert (f"Outside the steps' work: {duration(100 * ms)} of each {duration(120 * ms)} step", "steps") in \
         first_screen({"step_time": summary})
     # work close to the cycle: nothing to say
     busy = [{**row, "end_ns": row["start_ns"] + 115 * ms, "dur_ns": 115 * ms} for row in rows]
     assert step_time.outside_work(step_time.step_time_table(pl.DataFrame(busy))) is None
+
+
+def test_one_ranks_slow_loader_is_named_though_the_others_wait_inside_their_work():
+    """The helper's job E: rank 1 loads data for 123 ms before each forward, rank 0 for 0.4 ms, and rank 0 then waits
+    in its all-reduce for rank 1 (its work 215 - 0.4 ms, rank 1's 92 ms). Every cycle is 215 ms. Hand-computed: rank
+    1 spends 123 ms of each 215 ms step outside its work (57%), rank 0 0.4 ms; the most any rank spent inside its
+    work (215 - 0.4 ms) had hidden it (215 - 214.6 = 0.4 ms outside, nothing said)."""
+    ms, us = 1_000_000, 1_000
+    loader = {0: 400 * us, 1: 123 * ms}
+    rows = [{"rank": rank, "source": f"collector/train_steps/rank{rank}-00000.parquet", "step": step, "micro_step": step,
+             "start_ns": step * 215 * ms + loader[rank], "end_ns": (step + 1) * 215 * ms,
+             "dur_ns": 215 * ms - loader[rank], "is_boundary": True, "skipped": False, "global_samples": 8 * (step + 1),
+             "loss_scale": None}
+            for rank in (0, 1) for step in range(6)]
+    table = step_time.step_time_table(pl.DataFrame(rows))
+    outside = step_time.outside_work(table)
+    assert (outside["median_outside_ns"], outside["rank"], outside["least_outside_ns"]) == (123 * ms, 1, 400 * us)
+    line = step_time.outside_line(outside)
+    assert line.startswith("Outside the steps' work: rank 1 spends 123 ms of each 215 ms step (57%, median) before a "
+                           "step's first forward")
+    assert line.endswith("the other ranks as little as 400 µs, waiting for it inside their work (in their collectives)")
 
 
 def test_profiled_steps_past_the_third_are_named():

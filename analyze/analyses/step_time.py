@@ -98,7 +98,8 @@ DEFINITIONS = {
 }
 COLUMNS = {
     "step": pl.Int64, "source": pl.String, "step_time_ns": pl.Int64, "slowest_rank": pl.Int64, "ranks": pl.Int64,
-    "micro_steps": pl.Int64, "work_ns": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64, "samples": pl.Int64,
+    "micro_steps": pl.Int64, "work_ns": pl.Int64, "outside_ns": pl.Int64, "outside_rank": pl.Int64,
+    "least_outside_ns": pl.Int64, "start_ns": pl.Int64, "end_ns": pl.Int64, "samples": pl.Int64,
     "skipped": pl.Boolean, "loss_scale": pl.Float64, "excluded": pl.Boolean, "reason": pl.String,
 }
 
@@ -123,12 +124,15 @@ def _from_micro_steps(micro: pl.DataFrame) -> pl.DataFrame:
         loss_scale=pl.col("loss_scale").sort_by("micro_step").last())
     preceded = pl.col("step").shift(1).over("rank") == pl.col("step") - 1
     per_rank = per_rank.sort("rank", "step").with_columns(
-        dur_ns=pl.when(preceded).then(pl.col("end_ns") - pl.col("end_ns").shift(1).over("rank")))
+        dur_ns=pl.when(preceded).then(pl.col("end_ns") - pl.col("end_ns").shift(1).over("rank"))).with_columns(
+        outside_ns=pl.col("dur_ns") - pl.col("work_ns"))  # this rank's own cycle outside its own micro steps
     all_ranks = micro["rank"].n_unique()
     slowest_first = [pl.col("dur_ns").fill_null(-1), "rank"]
     steps = per_rank.group_by("step").agg(
         step_time_ns=pl.col("dur_ns").max(), slowest_rank=pl.col("rank").sort_by(slowest_first).last(),
-        work_ns=pl.col("work_ns").max(),
+        work_ns=pl.col("work_ns").max(), outside_ns=pl.col("outside_ns").max(),
+        outside_rank=pl.col("rank").sort_by(pl.col("outside_ns").fill_null(-1), "rank", descending=[False, True]).last(),
+        least_outside_ns=pl.col("outside_ns").min(),
         ranks=pl.col("rank").n_unique().cast(pl.Int64), micro_steps=pl.col("micro_steps").sort_by(slowest_first).last(),
         start_ns=pl.col("start_ns").min(), end_ns=pl.col("end_ns").max(), complete=pl.col("boundary").all(),
         skipped=pl.col("skipped").any(), samples_after=pl.col("samples_after").max(),
@@ -139,6 +143,9 @@ def _from_micro_steps(micro: pl.DataFrame) -> pl.DataFrame:
         incomplete=~pl.col("complete") | (pl.col("ranks") < all_ranks),
         step_time_ns=pl.when(~pl.col("no_previous")).then("step_time_ns"),
         slowest_rank=pl.when(~pl.col("no_previous")).then("slowest_rank"),
+        outside_ns=pl.when(~pl.col("no_previous")).then("outside_ns"),
+        outside_rank=pl.when(~pl.col("no_previous")).then("outside_rank"),
+        least_outside_ns=pl.when(~pl.col("no_previous")).then("least_outside_ns"),
     ).drop("complete", "samples_after")
 
 
@@ -454,20 +461,27 @@ OUTSIDE_HEADLINE = 0.25  # and leads the verdict from here: a quarter of every s
 
 def outside_work(table: pl.DataFrame) -> dict | None:
     """What each kept step spends outside its micro steps (before its first forward, between micro steps: the data
-    loader, the job's own work between steps), when the source records both (the collector): the median over kept
-    steps of step_time_ns - work_ns against the median step; None below OUTSIDE_WORTH_SAYING of it."""
-    if table.is_empty() or "work_ns" not in table.columns:
+    loader, the job's own work between steps), when the source records both (the collector), rank by rank: each
+    rank's own cycle minus its own work, the most of any rank (outside_ns, by outside_rank) and the least
+    (least_outside_ns). Their medians over kept steps against the median step; None below OUTSIDE_WORTH_SAYING of
+    it. A rank whose data loader is slow spends the time outside its work; the others wait for it inside theirs
+    (in their collectives), so the rank with the most outside is the one the others waited for."""
+    if table.is_empty() or "outside_ns" not in table.columns:
         return None
-    kept = table.filter(~pl.col("excluded") & pl.col("work_ns").is_not_null() & pl.col("step_time_ns").is_not_null())
+    kept = table.filter(~pl.col("excluded") & pl.col("outside_ns").is_not_null() & pl.col("step_time_ns").is_not_null())
     if kept.is_empty() or not kept["step_time_ns"].median():
         return None
-    outside, step = (kept["step_time_ns"] - kept["work_ns"]).median(), kept["step_time_ns"].median()
+    outside, step = kept["outside_ns"].median(), kept["step_time_ns"].median()
     if outside < OUTSIDE_WORTH_SAYING * step:
         return None
+    ranks = int(kept["ranks"].max() or 1)
     return {"median_outside_ns": round(outside), "median_step_ns": round(step), "share": outside / step,
-            "steps": kept.height,
-            "definition": "median over kept steps of step_time_ns - work_ns (the slowest rank's cycle minus the most any "
-                          "rank spent inside the step's micro steps, forward to the end of engine.step())"}
+            "steps": kept.height, "ranks": ranks,
+            "rank": int(kept["outside_rank"].mode().sort()[0]) if ranks > 1 else None,
+            "least_outside_ns": round(kept["least_outside_ns"].median()) if ranks > 1 else None,
+            "definition": "median over kept steps of the most any rank spent outside its own micro steps in its own "
+                          "cycle (its cycle minus its forward-to-engine.step() time); the least any rank spent so "
+                          "beside it"}
 
 
 def profiled_windows(table: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict | None:
@@ -624,13 +638,23 @@ def step_lines(summary: dict) -> list[str]:
     return lines
 
 
+ONE_RANK_OUTSIDE = 0.5  # the other ranks spend less than this share of it outside theirs: one rank's, not all's
+
+
 PROFILED_SAID = 3  # profiled steps given a sentence each; the rest are named
 
 
 def outside_line(outside: dict) -> str:
+    where = ("before a step's first forward or between its micro steps, in no forward, backward or engine.step(): the "
+             "data loader, or the job's own work between steps")
+    least = outside.get("least_outside_ns")
+    if outside.get("rank") is not None and least is not None and least < ONE_RANK_OUTSIDE * outside["median_outside_ns"]:
+        return (f"Outside the steps' work: rank {outside['rank']} spends {duration(outside['median_outside_ns'])} of "
+                f"each {duration(outside['median_step_ns'])} step ({outside['share']:.0%}, median) {where}; the other "
+                f"ranks as little as {duration(least)}, waiting for it inside their work (in their collectives)")
+    every = " on every rank" if outside.get("rank") is not None else ""
     return (f"Outside the steps' work: {duration(outside['median_outside_ns'])} of each {duration(outside['median_step_ns'])} "
-            f"step ({outside['share']:.0%}, median) ran before a step's first forward or between its micro steps, in no "
-            "forward, backward or engine.step(): the data loader, or the job's own work between steps")
+            f"step ({outside['share']:.0%}, median){every} ran {where}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -715,8 +739,12 @@ STEP_TIME = schema.table_spec(
     ("ranks", pa.int64(), "Ranks that recorded the step."),
     ("micro_steps", pa.int64(), "Micro steps of the slowest rank."),
     ("work_ns", pa.int64(), "The most any rank spent inside the step's micro steps (forward to the end of "
-                            "engine.step(), summed); step_time_ns - work_ns is what ran outside them (the data "
-                            "loader, the job's own work between steps). Null for other sources."),
+                            "engine.step(), summed). Null for other sources."),
+    ("outside_ns", pa.int64(), "The most any rank spent outside its own micro steps in its own cycle (the data "
+                               "loader, the job's own work between steps); null for other sources."),
+    ("outside_rank", pa.int64(), "The rank with that time: where a slow data loader is, the others wait for it "
+                                 "inside their work."),
+    ("least_outside_ns", pa.int64(), "The least any rank spent outside its own micro steps in its own cycle."),
     ("start_ns", pa.int64(), "Earliest start over ranks (rank clocks)."),
     ("end_ns", pa.int64(), "Latest end."),
     ("samples", pa.int64(), "Samples the whole job consumed in the step."),
