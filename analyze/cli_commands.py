@@ -15,8 +15,8 @@ from steplens.analyze import analyses
 from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, FiniteNumber, analyse_and_report, fail
 from steplens.analyze.cli_rerun import say, warn
 from steplens.analyze.analyses import runner
-from steplens.analyze.contract import schema
-from steplens.analyze.contract.manifest import lost_inputs, run_facts
+from steplens.analyze.contract import reuse, schema
+from steplens.analyze.contract.manifest import damage, lost_inputs, run_facts
 from steplens.analyze.pipeline.ingest import IngestError, publish, staged
 from steplens.analyze.contract.text import file_name_text, safe_text
 
@@ -68,8 +68,7 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
         # csv and json stream the whole result a batch at a time; the table holds the first TABLE_ROWS rows
         batches = query_batches(runs_dir, query, skipped, limit=None if fmt in ("csv", "json") else TABLE_ROWS + 1)
         first = next(batches)
-        for run, why in skipped:
-            warn(f"warning: {run}: damaged run.json ({why}); this run is left out")
+        _warn_skipped(skipped)
         if fmt == "table":
             result = pl.concat([first, *batches], how="vertical")
             _print_result_table(result.head(TABLE_ROWS))
@@ -79,9 +78,15 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
             for index, frame in enumerate(itertools.chain([first], batches)):
                 click.echo(frame.write_csv(include_header=index == 0) if fmt == "csv" else frame.write_ndjson(), nl=False)
     except QueryError as e:
+        _warn_skipped(skipped)
         fail(str(e))
     if skipped:
         sys.exit(EXIT_PARTIAL)
+
+
+def _warn_skipped(skipped: list[tuple[str, str]]) -> None:
+    for run, why in skipped:
+        warn(f"warning: {run}: {why}; this run is left out")
 
 
 def _print_result_table(result) -> None:
@@ -157,6 +162,9 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
         if not (out_dir / schema.MANIFEST_FILE).exists():
             fail(f"{run_dir}: not an analysed run (no run.json); run `analyze {run_dir}` first")
         out_path = out_path or out_dir / "merged_trace.json"
+        manifest = reuse.read_manifest(out_dir)
+        if why := (damage(manifest) if manifest else "run.json is not a JSON object") or schema.result_problem(out_dir, manifest):
+            fail(f"{safe_text(out_dir)}: damaged result ({safe_text(why)}); analyse the run again")
     if out_path.exists() and not _is_export(out_path):
         fail(f"{safe_text(out_path)} exists and is not a trace steplens exported: give a new file with --out")
     counts = export_trace(out_dir, out_path, _step_range(steps))

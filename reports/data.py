@@ -60,6 +60,8 @@ def load(out_dir: Path) -> Run:
         raise DamagedRun(f"{out_dir}: damaged result ({type(e).__name__} in its JSON); analyse the run again") from None
     if why := damage(manifest) or (None if isinstance(findings, dict) else "findings.json is not an object"):
         raise DamagedRun(f"{manifest_path}: damaged ({why}); analyse the run again")
+    if why := schema.result_problem(out_dir, manifest):
+        raise DamagedRun(f"{out_dir}: damaged result ({why}); analyse the run again")
     return Run(out_dir, manifest, findings)
 
 

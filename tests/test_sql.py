@@ -125,3 +125,64 @@ def test_runs_view_carries_the_facts_that_group_runs(tmp_path):
     assert row["train_batch_size"] == (config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
                                        * manifest["run"]["world_size"])
     assert row["code_revision"] == manifest["run"]["git"]["commit"]
+
+
+def _damaged_copy(runs_root: Path, tmp_path: Path, damage: str) -> tuple[Path, str]:
+    """A copy of run a's result with one kind of damage; the damaged file's path in it."""
+    out = tmp_path / damage / ".steplens"
+    shutil.copytree(runs_root / "a" / ".steplens", out)
+    part = sorted((out / "trace_events" / "rank=1").glob("*.parquet"))[0]
+    name = part.relative_to(out).as_posix()
+    if damage == "fifo":
+        part.unlink()
+        os.mkfifo(part)
+    elif damage == "link":
+        target = tmp_path / "elsewhere.parquet"
+        shutil.copy(part, target)
+        part.unlink()
+        part.symlink_to(target)
+    elif damage == "cut":
+        part.write_bytes(part.read_bytes()[:1000])
+    elif damage == "missing":
+        part.unlink()
+    elif damage == "rank_folder":
+        shutil.copytree(part.parent, out / "trace_events" / "rank=abc")
+        name = "trace_events/rank=abc"
+    return out, name
+
+
+@pytest.mark.parametrize("damage", ["fifo", "link", "cut", "missing", "rank_folder"])
+def test_a_damaged_result_is_refused_by_name_not_read(runs, tmp_path, damage):
+    """A result with a FIFO where a part was (reading it blocked sql and export-trace for good, SIGTERM included),
+    a part linked to a file outside it, cut short, deleted (sql said 7 of 8 ranks, silently) or a stray rank
+    folder: sql leaves the run out and says why, export-trace and compare refuse it, each naming the file."""
+    import subprocess
+    import sys
+
+    out, name = _damaged_copy(runs[0], tmp_path, damage)
+    binary = Path(sys.executable).parent / "steplens"
+    for args in (["sql", str(out), "SELECT count(*) FROM trace_events"], ["export-trace", str(out), "--out", str(tmp_path / "t.json")],
+                 ["compare", str(runs[0] / "a"), str(out), "--out", str(tmp_path / "cmp")]):
+        done = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+        said = " ".join((done.stdout + done.stderr).split())
+        assert done.returncode == 2, (args[0], said)
+        assert name in said and "damaged result" in said and "a steplens bug" not in said, (args[0], said)
+
+
+def test_analyze_parses_again_what_a_damaged_earlier_result_holds(runs, tmp_path):
+    """The FIFO in the earlier result of a run whose input changed: analyze once hung on it; it parses that rank's
+    trace again and publishes plain files."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0] / "a", run)
+    part = sorted((run / ".steplens" / "trace_events" / "rank=1").glob("*.parquet"))[0]
+    part.unlink()
+    os.mkfifo(part)
+    os.utime(next(run.glob("rank-0*")))  # another input touched: the run is analysed again, reusing what it can
+    import subprocess
+    import sys
+
+    done = subprocess.run([str(Path(sys.executable).parent / "analyze"), str(run), "-q"], capture_output=True, text=True,
+                          timeout=120)  # it hung here
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert schema.stray_files(run / ".steplens") == []
+    assert sql.query(run, "SELECT count(DISTINCT rank) AS n FROM trace_events")["n"].to_list() == [2]

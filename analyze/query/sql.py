@@ -105,7 +105,10 @@ def connect(root: Path, skipped: list[tuple[str, str]] | None = None) -> duckdb.
     rows, parts, seen_ids = [], {}, set()
     for run, manifest in runs:
         if why := damage(manifest):
-            skipped.append((str(run), why))
+            skipped.append((str(run), f"damaged run.json ({why})"))
+            continue
+        if not isinstance(run, str) and (why := schema.result_problem(run, manifest)):  # a FIFO would block the query
+            skipped.append((str(run), f"damaged result: {why}; analyse the run again"))
             continue
         run_id = str(manifest.get("run_id") or run)
         if run_id in seen_ids:  # a copied output folder: still a run of its own
@@ -173,7 +176,11 @@ def query_batches(root: Path, sql: str, skipped: list[tuple[str, str]] | None = 
         raise QueryError(str(e).splitlines()[0]) from None
     if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
         raise QueryError("only a single SELECT (or WITH ... SELECT) statement is accepted")
+    skipped = [] if skipped is None else skipped
+    left_out = len(skipped)
     con = connect(root, skipped)
+    if len(skipped) > left_out and not con.execute("SELECT count(*) FROM runs").fetchone()[0]:
+        raise QueryError(f"no run under {root} can be read (each is named above)")
     try:
         relation = con.sql(sql)
         reader = (relation.limit(limit) if limit is not None else relation).to_arrow_reader(BATCH_ROWS)
