@@ -131,7 +131,7 @@ def analyze(run_dir: Path, out_dir: Path | None, jobs: int | None, quiet: bool, 
             grad_norm_threshold: float | None, fmt: str, kernel_categories: Path | None, scheduler: str | None,
             step_range: str | None, nsys_export: bool) -> None:
     use_system_allocator()
-    console = Console(stderr=False, highlight=False)
+    console = Console(stderr=False, highlight=False, emoji=False)
     if not remote.is_url(run_dir) and not run_dir.exists():
         fail(f"{safe_text(run_dir)}: no such file or folder")
     if step_range is not None:
@@ -247,7 +247,7 @@ def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, optio
     status of them all."""
     statuses, results = [], []
     pending = list(runs)
-    console = Console(stderr=False, highlight=False)
+    console = Console(stderr=False, highlight=False, emoji=False)
     while pending:
         run, out = pending.pop(0)
         name = safe_text(run.name or _run_name(run, run_dir))
@@ -404,7 +404,7 @@ def _analyse_run(run: RunFolder, out: Path | str, jobs, options: runner.Options,
             pass
     progress = Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                         TextColumn("{task.fields[files]} files"), TimeRemainingColumn(),
-                        console=Console(stderr=True), transient=True, disable=not (show_progress and sys.stderr.isatty()))
+                        console=Console(stderr=True, emoji=False), transient=True, disable=not (show_progress and sys.stderr.isatty()))
     with progress:
         task = progress.add_task("ingest", total=total or None, files=0)
 

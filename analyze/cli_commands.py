@@ -92,7 +92,7 @@ def _warn_skipped(skipped: list[tuple[str, str]]) -> None:
 def _print_result_table(result) -> None:
     """The result as a table when it fits the terminal (80 columns when piped); otherwise one block per row,
     `column | value`, as psql's expanded display, each value cut into lines under its column."""
-    width = max(Console().width, 40)
+    width = max(Console(emoji=False).width, 40)
     with pl_config():
         table = safe_text(str(result))  # a value's control characters (ESC ] ... BEL sets the title) shown as ?
     if max((len(line) for line in table.splitlines()), default=0) <= width:
@@ -100,7 +100,7 @@ def _print_result_table(result) -> None:
         return
     names = result.columns
     if result.is_empty():  # no row blocks to show: the columns at least
-        say(Console(), f"no rows; columns: {', '.join(names)}", indent=0)
+        say(Console(emoji=False), f"no rows; columns: {', '.join(names)}", indent=0)
         return
     pad = min(max(len(name) for name in names), width // 3)
     for index, row in enumerate(result.iter_rows()):
@@ -174,7 +174,7 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
         _list_as_output(out_dir, out_path.name)
     unaligned = (f"; rank(s) {', '.join(map(str, counts['unaligned_ranks']))} not aligned (no collectives to match): "
                  "on their own clocks" if counts["unaligned_ranks"] else "")
-    say(Console(highlight=False), f"{out_path}: {counts['events']:,} events and {counts['flows']:,} launch flows from "
+    say(Console(highlight=False, emoji=False), f"{out_path}: {counts['events']:,} events and {counts['flows']:,} launch flows from "
         f"{counts['ranks']} rank(s); {counts['partial_overlaps']:,} slices overlap without nesting{unaligned}", indent=0)
 
 
@@ -282,7 +282,7 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
     elif fmt == "json":
         click.echo(json.dumps(comparison.as_data(result), indent=1, default=str))
     else:
-        console = Console(highlight=False)
+        console = Console(highlight=False, emoji=False)
         verdict = result["verdict"]
         why = f": {verdict['why']}" if verdict.get("why") else ""
         say(console, f"{verdict['metric']}: {verdict['verdict']}{why}", indent=0)
@@ -372,7 +372,7 @@ def _print_trials(result: dict, fmt: str) -> None:
         click.echo("\n".join([f"**{escape(result['verdict']['detail'])}**", "", escape(ignored) + ".", ""]
                              + table_lines(columns, rows) + ["", escape(result["ignored_rule"]) + "."]))
         return
-    console = Console(highlight=False)
+    console = Console(highlight=False, emoji=False)
     say(console, result["verdict"]["detail"], indent=0)
     say(console, ignored, indent=0)
     # Narrow enough for an 80-column CI log: the configuration's first run names it (--format json lists every run).

@@ -21,7 +21,7 @@ import unicodedata
 from pathlib import Path
 
 from steplens.analyze.contract import reuse
-from steplens.analyze.contract.text import safe_text
+from steplens.analyze.contract.text import path_text, safe_text
 
 DEFAULT_OUT_DIR = ".steplens"  # schema.DEFAULT_OUT_DIR (test_rerun checks they agree)
 # What a recording this code wrote can hold; anything else (an edited run.json) goes to the full command.
@@ -67,7 +67,7 @@ def warn(text: str, lead: str = "") -> None:
     when piped), continuation indented."""
     from rich.console import Console
 
-    say(Console(stderr=True, highlight=False), text, indent=0, lead=lead)
+    say(Console(stderr=True, highlight=False, emoji=False), text, indent=0, lead=lead)
 
 
 def print_result(console, summary: list[tuple[str, int]], verdict: list[str], finding_texts: list[str], out_dir: Path,
@@ -95,8 +95,8 @@ def print_findings(console, summary: list[tuple[str, int]], verdict: list[str], 
 
 def print_report_line(console, out_dir: Path, rendered: str) -> None:
     """print_result's last line: where report.html and summary.md are."""
-    console.print(f"report: {safe_text(out_dir / 'report.html')} ({rendered})\nPR summary: "
-                  f"{safe_text(out_dir / 'summary.md')}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"report: {path_text(out_dir / 'report.html')} ({rendered})\nPR summary: "
+                  f"{path_text(out_dir / 'summary.md')}", markup=False, highlight=False, soft_wrap=True)
 
 
 def record(key: str, out_token: str, summary: list[tuple[str, int]], verdict: list[str], findings: list[str],
@@ -157,7 +157,7 @@ def answer(argv: list[str]) -> int | None:
         return None
     from rich.console import Console  # as the full command prints: same width, same styles
 
-    console = Console(stderr=False, highlight=False)
+    console = Console(stderr=False, highlight=False, emoji=False)
     print_result(console, summary, verdict, findings, out_dir, "unchanged")
     if warning:
         warn(warning)

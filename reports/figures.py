@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import io
+import warnings
 
 import matplotlib
 import matplotlib.collections
@@ -22,6 +23,7 @@ from matplotlib.backends.backend_agg import RendererAgg
 from matplotlib.figure import Figure
 
 from steplens.analyze.analyses.roofline import on_the_roofline
+from steplens.analyze.contract.text import safe_text
 from steplens.analyze.contract.units import binary_bytes
 
 # Figures are made with the object API, never pyplot: no GUI backend, no global figure registry, and
@@ -64,12 +66,15 @@ def _svg(fig) -> str:
     savefig's bbox_inches="tight" finds that box by a whole SVG draw to nowhere before the real one;
     measuring the same artists with an Agg renderer costs a third of that draw (0.03-0.05 s a figure),
     and the box, padded as "tight" pads it, is then given to savefig."""
-    box = fig.get_tightbbox(_measuring_renderer(fig.dpi))
     buffer = io.StringIO()
-    fig.savefig(buffer, format="svg", bbox_inches=box.padded(matplotlib.rcParams["savefig.pad_inches"]),
-                metadata={"Date": None}, dpi=RASTER_DPI)
+    with warnings.catch_warnings():  # a label from a trace in a script the font lacks (or a control character)
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font", category=UserWarning)
+        box = fig.get_tightbbox(_measuring_renderer(fig.dpi))
+        fig.savefig(buffer, format="svg", bbox_inches=box.padded(matplotlib.rcParams["savefig.pad_inches"]),
+                    metadata={"Date": None}, dpi=RASTER_DPI)
     text = buffer.getvalue()
-    return text[text.index("<svg"):]  # drop the XML prolog and doctype: inline SVG does not take them
+    # Labels come from traces and logs: matplotlib escapes markup in them, not control or invisible characters.
+    return safe_text(text[text.index("<svg"):])  # the XML prolog and doctype dropped: inline SVG does not take them
 
 
 def step_heatmap(step_times: pl.DataFrame) -> str:

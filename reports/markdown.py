@@ -20,14 +20,22 @@ from .data import kernel_labels, load, ms, size, write_atomic
 from .html import SUMMARY_FILE, key_numbers
 from .verdict import first_screen, verdict
 
-MD_SPECIAL = re.compile(r"([\\`*_\[\]|<>#])")
+MD_SPECIAL = re.compile(r"([\\`*_\[\]|<>#~&])")
+# What GitHub turns into a notification or a link in plain text: @mentions (a user, or a team: @org/team) and the
+# autolinked www. and scheme:// addresses. A zero-width space after the @ and in the address keeps the text as it
+# reads and makes it neither (as Renovate does in its PR bodies).
+NOT_LINKED = [(re.compile(r"@(?=\w)"), "@&#8203;"), (re.compile(r"(?i)\bwww\."), "www&#8203;."),
+              (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*):(?=//)"), "\\1:&#8203;")]
 TOP_ROWS = 5
 MAX_CELL = 80  # long C++ kernel names would make the table unreadable in a PR comment
 
 
 def escape(text) -> str:
     """Markdown-escaped, on one line, with no control characters (names come from traces and logs)."""
-    return MD_SPECIAL.sub(r"\\\1", safe_text(str(text).replace("\n", " ")))
+    text = MD_SPECIAL.sub(r"\\\1", safe_text(str(text).replace("\n", " ")))
+    for pattern, replacement in NOT_LINKED:
+        text = pattern.sub(replacement, text)
+    return text
 
 
 def _cell(text) -> str:

@@ -357,3 +357,49 @@ def test_names_that_are_not_utf8_are_shown_replaced_and_their_files_read(synthet
     assert sources == {"rank-0.pt.trace.json.gz", "rank-1\ufffd.pt.trace.json.gz"}
     assert json.loads((out / "run.json").read_text())["run_name"] == "run\ufffd"
     assert "run\ufffd" in (out / "summary.md").read_text()
+
+
+HIDDEN = ["\u00ad", "\u061c", "\u180e", "\u200b", "\u200e", "\u2028", "\u2029", "\u202e", "\u2060", "\u2064", "\u2066",
+          "\ufe0f", "\ufeff", "\U000e0041", "\U000e0101", "\x1b", "\x07", "\x9b"]
+
+
+def test_every_character_that_hides_reorders_or_breaks_text_is_shown_as_a_question_mark():
+    """Bidi controls (U+061C is one too), zero-width and invisible characters, the line separators, variation
+    selectors and the tag characters that carry hidden text, as well as C0/C1 controls."""
+    from steplens.analyze.contract.text import path_text, safe_text
+
+    assert safe_text("a" + "".join(HIDDEN) + "b") == "a" + "?" * len(HIDDEN) + "b"
+    assert safe_text("ünïcødé 日本 ok\tand\nlines") == "ünïcødé 日本 ok\tand\nlines"
+    assert path_text("run\nname/report.html") == "run?name/report.html"
+
+
+def test_markdown_gives_no_mention_link_or_strikethrough_from_trace_text():
+    """Posted as a PR comment, `@org/team` in a kernel name notified a team and `www.` became a link."""
+    from steplens.reports.markdown import escape
+
+    text = escape("hi @octocat @org/team www.evil.example https://x.example/y ~~gone~~ &#64;bob a|b")
+    assert "@octocat" not in text and "@org" not in text and "@&#8203;octocat" in text
+    assert "www." not in text and "https://" not in text
+    assert "~~" not in text and "\\~\\~gone\\~\\~" in text and "\\&\\#64;bob" in text and "a\\|b" in text
+
+
+def test_figure_text_from_traces_carries_no_control_or_invisible_character():
+    """A monitor tag with an OSC 8 hyperlink, a BEL and a bidi override: matplotlib escapes markup, not these."""
+    import polars as pl
+
+    from steplens.reports import figures
+
+    name = "train/loss\x1b]8;;https://evil\x07\u202eevil"
+    scalars = pl.DataFrame({"name": [name] * 3, "global_samples": [8, 16, 24], "value": [3.0, 2.5, 2.0], "rank": [0] * 3})
+    svg = figures.curves(scalars, "global_samples", [name])
+    assert not any(ch in svg for ch in ("\x1b", "\x07", "\u202e"))
+    assert "train/loss?]8;;https://evil??evil" in svg
+
+
+def test_a_name_with_emoji_codes_prints_as_written(synthetic_run, tmp_path):
+    """rich turned `:smiley:` in a folder name into an emoji: a path that does not exist, shown as one."""
+    run = _copy(synthetic_run, tmp_path / ":smiley: :warning: run")
+    done = subprocess.run([str(Path(sys.executable).parent / "analyze"), str(run), "-q"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "COLUMNS": "300"})
+    assert done.returncode == 0, done.stderr
+    assert ":smiley: :warning: run/.steplens/report.html" in done.stdout and "\U0001f603" not in done.stdout

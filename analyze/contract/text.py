@@ -12,8 +12,12 @@ import re
 
 # C0 and C1 control characters (ESC, BEL, CSI, ...) except tab and newline; DEL too.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-# Characters that reorder or hide text on screen (bidirectional overrides, zero-width marks).
-_INVISIBLE = re.compile(r"[\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+# Characters that reorder, hide or break text on screen: bidirectional controls and marks (U+061C, U+200E-F,
+# U+202A-E, U+2066-9), zero-width and invisible characters (U+00AD soft hyphen, U+180E, U+200B-D, U+2060-4,
+# U+FEFF), the line and paragraph separators U+2028-9, variation selectors (U+FE00-F, U+E0100-EF) and the tag
+# characters U+E0000-7F, which carry hidden text.
+_INVISIBLE = re.compile("[\u00ad\u061c\u180e\u200b-\u200f\u2028\u2029\u202a-\u202e\u2060-\u2064\u2066-\u2069"
+                        "\ufe00-\ufe0f\ufeff\U000e0000-\U000e007f\U000e0100-\U000e01ef]")
 
 
 def file_name_text(name: str) -> str:
@@ -29,6 +33,11 @@ def file_name_text(name: str) -> str:
 def safe_text(value: object) -> str:
     """`value` as text with control and bidi-override characters replaced by `?` (one line per line)."""
     return _INVISIBLE.sub("?", _CONTROL.sub("?", str(value)))
+
+
+def path_text(path: object) -> str:
+    """A path for one line of output: safe_text, with a newline in a file name shown as `?` too."""
+    return safe_text(path).replace("\n", "?").replace("\t", "?")
 
 
 def shapes_text(shapes: object) -> str:
