@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from steplens.analyze.analyses import ANALYSES
 from steplens.analyze.analyses.job_end import job_end_lines
+from steplens.analyze.analyses.monitor import distinct_alarms
 from steplens.analyze.analyses.step_time import OUTSIDE_HEADLINE, outside_line, step_name
 from steplens.analyze.contract.units import binary_bytes
 
@@ -113,11 +114,7 @@ def problem_headlines(f: dict) -> list[tuple[str, str]]:
         problems.append((first_clause(outside_line(outside)), "steps"))
     if (overflow := (f.get("step_time") or {}).get("fp16_overflow") or {}).get("frequent"):
         problems.append((f"fp16 overflow skipped {overflow['skipped_steps']} of {overflow['steps']} steps", "details"))
-    alarms = dict(f.get("monitor_alarms") or {})
-    for alarm in (f.get("alarm_agreement") or {}).get("listed", []):  # the in-job rules replayed on the recorded rows
-        if alarm["post_hoc"]:
-            alarms[alarm["rule"]] = alarms.get(alarm["rule"], 0) + 1
-    if alarms:
+    if alarms := distinct_alarms(f):
         problems.append(("Alarms: " + ", ".join(f"{kind} x{n}" for kind, n in sorted(alarms.items())), "alarms"))
     if errors := f.get("ingest_errors"):
         problems.append((f"{errors} input problem(s) lost data", "issues"))

@@ -148,5 +148,5 @@ def test_the_verdict_shows_in_job_alarms_next_to_the_replay_and_where_they_agree
     monitor = pl.read_parquet(result.out_dir / "monitor_alarms")
     nan_rows = monitor.filter((pl.col("alarm") == "nan_inf") & (pl.col("name") == "train/loss"))
     assert nan_rows["step"].to_list() == [NAN_AT]
-    assert any(line.startswith("Monitor alarms: ") and "nan_inf x" in line
+    assert any(line.startswith("Monitor alarms: ") and "nonfinite x" in line
                for line in monitor_analysis.alarms_lines(findings["monitor_alarms"], findings))

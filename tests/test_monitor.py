@@ -204,3 +204,21 @@ def test_a_monitor_series_skips_the_profiled_steps_it_is_numbered_by_its_samples
     fired = monitor.monitor_alarms(scalars, facts)
     assert fired.select("rule", "step", "global_samples").rows() == [("slow_step", 8, 72)]
     assert monitor.monitor_alarms(scalars, facts, instrumented=frozenset({8})).is_empty()
+
+
+def test_each_alarm_of_the_run_is_counted_once_by_the_rule_that_fired():
+    """The helper's slow-loader job: the in-job rules raised 5 slow_step and 1 throughput_drop, the replay of the same
+    rules the same 6, and the post-hoc pass over every series 4 of those slow_steps again (its `alarm` column says
+    throughput_drop for them). The verdict said "slow_step x5, throughput_drop x4"; each alarm once is 5 and 1."""
+    from steplens.reports.verdict import first_screen
+
+    timers = [("Train/Samples/elapsed_time_ms_backward_inner", 10), ("Train/Samples/elapsed_time_ms_step", 10),
+              ("Train/Samples/elapsed_time_ms_backward", 11), ("Train/Samples/elapsed_time_ms_backward_allreduce", 11)]
+    post_hoc = pl.DataFrame([{"rule": "slow_step", "alarm": "throughput_drop", "name": n, "step": s} for n, s in timers])
+    finding = monitor.alarms_finding(post_hoc)
+    assert finding["by_rule"] == {"slow_step": 4}
+    assert monitor.alarms_lines(finding, {}) == ["Monitor alarms: slow_step x4 (table monitor_alarms)."]
+    replayed = [("slow_step", n, s) for n, s in timers] + [("slow_step", "step_time", 11), ("throughput_drop", "samples_per_s", 17)]
+    findings = {"monitor_alarms": finding, "alarm_agreement": {"replayed": replayed, "listed": []}}
+    assert monitor.distinct_alarms(findings) == {"slow_step": 5, "throughput_drop": 1}
+    assert ("Alarms: slow_step x5, throughput_drop x1", "alarms") in first_screen(findings)

@@ -81,7 +81,8 @@ LISTED = 5  # alarms named in findings.json (the table holds them all)
 
 def agreement_summary(table: pl.DataFrame) -> dict:
     """For findings.json: counts of alarms in the job, in the replay, in both; and the first LISTED alarms, most
-    severe first, then by step (`listed`: rule, name, step, rank, severity, in_job, post_hoc, value, detail)."""
+    severe first, then by step (`listed`: rule, name, step, rank, severity, in_job, post_hoc, value, detail), and
+    every alarm the replay raised (`replayed`: rule, name, step)."""
     both = table.filter(pl.col("in_job") & pl.col("post_hoc")).height
     judged = ~pl.col("instrumented").fill_null(False)
     listed = (table.with_columns(order=pl.col("severity").replace_strict(SEVERITY_ORDER, default=len(SEVERITY_ORDER)))
@@ -92,7 +93,9 @@ def agreement_summary(table: pl.DataFrame) -> dict:
             "only_in_job": table.filter(pl.col("in_job") & ~pl.col("post_hoc") & judged).height,
             "on_instrumented_steps": table.filter(~judged).height,
             "only_post_hoc": table.filter(~pl.col("in_job") & pl.col("post_hoc")).height,
-            "listed": listed.to_dicts()}
+            "listed": listed.to_dicts(),
+            # every alarm the replay raised, (rule, series, step): the verdict counts each alarm of the run once
+            "replayed": table.filter("post_hoc").select("rule", "name", "step").sort("step", "rule", "name").rows()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,16 +138,18 @@ ALARM_HEADER = ["step", "alarm", "series", "raised", "value", "detail"]
 
 def alarm_rows(run) -> list[list]:
     """Every alarm of the run, in step order: the in-job alarms beside the same rules replayed (alarm_agreement),
-    then the post-hoc alarms over every scalar series (monitor_alarms)."""
-    rows = []
+    then the post-hoc alarms over every scalar series (monitor_alarms) that are not one of those."""
+    rows, replayed = [], set()
     for a in run.table("alarm_agreement").iter_rows(named=True):
+        replayed.add((a["rule"], a["name"], a["step"]))
         raised = ("in the job and the replay" if a["in_job"] and a["post_hoc"] else
                   "in the job, on an instrumented step" if a.get("instrumented") else
                   "in the job only" if a["in_job"] else "in the replay only")
         value = a["value_in_job"] if a["value_in_job"] is not None else a["value_post_hoc"]
         rows.append([a["step"], a["rule"], a["name"], raised, value, a["detail"]])
     for a in run.table("monitor_alarms").iter_rows(named=True):
-        rows.append([a["step"], a["rule"], a["name"], f"post hoc ({a['origin']})", a["value"], a["detail"]])
+        if (a["rule"], a["name"], a["step"]) not in replayed:  # the same alarm as the replay's: listed once, above
+            rows.append([a["step"], a["rule"], a["name"], f"post hoc ({a['origin']})", a["value"], a["detail"]])
     return sorted(rows, key=lambda row: (row[0] is None, row[0] if row[0] is not None else 0))
 
 

@@ -204,8 +204,12 @@ def monitor_tables(scalars: pl.DataFrame, facts: dict, grad_norm_threshold: floa
 
 
 def alarms_finding(alarms: pl.DataFrame) -> dict | None:
-    """Post-hoc alarms by kind."""
-    return dict(alarms.group_by("alarm").len().sort("alarm").iter_rows()) if not alarms.is_empty() else None
+    """Post-hoc alarms by the rule that fired (`by_rule`), and each one's (rule, series name, step) (`alarms`), by
+    which the verdict tells them from the in-job rules' replay of the same series (alarm_agreement)."""
+    if alarms.is_empty():
+        return None
+    return {"by_rule": dict(alarms.group_by("rule").len().sort("rule").iter_rows()),
+            "alarms": alarms.select("rule", "name", "step").sort("step", "rule", "name", nulls_last=True).rows()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +217,20 @@ def alarms_finding(alarms: pl.DataFrame) -> dict | None:
 
 
 def alarms_lines(alarms: dict, findings: dict) -> list[str]:
-    return ["Monitor alarms: " + ", ".join(f"{kind} x{n}" for kind, n in alarms.items()) + " (table monitor_alarms)."]
+    return ["Monitor alarms: " + ", ".join(f"{rule} x{n}" for rule, n in alarms["by_rule"].items()) +
+            " (table monitor_alarms)."]
+
+
+def distinct_alarms(findings: dict) -> dict[str, int]:
+    """Every alarm of the run once, by rule: the post-hoc ones over every series (monitor_alarms) and the in-job
+    rules replayed on the recorded rows (alarm_agreement), an alarm of one rule on one series at one step counted
+    once however many of them raised it."""
+    seen = {tuple(a) for a in ((findings.get("monitor_alarms") or {}).get("alarms") or [])}
+    seen |= {tuple(a) for a in (findings.get("alarm_agreement") or {}).get("replayed", [])}
+    counts: dict[str, int] = {}
+    for rule, _name, _step in seen:
+        counts[rule] = counts.get(rule, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 # ---------------------------------------------------------------------------------------------
