@@ -238,15 +238,25 @@ def compare(base, new) -> dict:
     table = comparability(base, new)
     base_metrics, new_metrics = metrics(base), metrics(new)
     mfu_label, base_mfu, new_mfu, mfu_apart = mfu_pair(base, new)
+    verdict = _verdict(base, new, pair, _work_differs(table), _same_work(table))
     return {
-        "base": base.name, "new": new.name, "verdict": _verdict(base, new, pair, _work_differs(table), _same_work(table)),
+        "base": base.name, "new": new.name, "verdict": verdict,
         "step_time": _step_time(pair),
         "metrics": [{"metric": mfu_label, "base": base_mfu, "new": new_mfu}]
         + [{"metric": k, "base": base_metrics[k], "new": new_metrics[k]} for k in base_metrics],
         **_kernel_tables(base, new), "comparability": table,
-        "warnings": warnings(table, base, new) + source_warnings(base, new, pair) + ([mfu_apart] if mfu_apart else []),
+        "warnings": warnings(table, base, new) + source_warnings(base, new, pair) + ([mfu_apart] if mfu_apart else [])
+        + ([ONE_RUN_EACH] if verdict.get("established") else []),
         "curves": curves(base, new),
     }
+
+
+# The rank test takes the steps of each run as its samples: it tells these two runs apart. What moves a run's
+# median from one run to the next (the node, the machine's other load, the hour, the data order) is in neither.
+ONE_RUN_EACH = ("one run on each side: the test takes each run's steps as its samples, so it tells these two runs "
+                "apart, not the two configurations; what changes from one run to the next (another node, the "
+                "machine's other load) is in neither. Repeat each run and compare them with `steplens trials` "
+                "before trusting the difference.")
 
 
 SOURCE_WORDS = {"collector": "the collector's train_steps", "profiler_steps": "the profiled ProfilerSteps",
