@@ -265,6 +265,13 @@ NUMERATOR_WORDS = {"palm": "the analytic count", "megatron_args": "Megatron's co
                    "collector_flops_profile": "the collector's FLOPs profile", "profiler_flops": "torch.profiler with_flops"}
 
 
+# Why two FLOPs counts of one step differ, in either direction: what each counts.
+COUNTS_DIFFER = ("the counts differ in what they hold: recomputation (in executed counts only), ops without a FLOPs "
+                 "formula such as fused or custom kernels (missing from executed counts), and attention under a causal "
+                 "mask (halved in the traces' op shapes, counted in full by DeepSpeed's FLOPs profiler and the analytic "
+                 "count)")
+
+
 def mfu_lines(utilization: list | dict, findings: dict) -> list[str]:
     """One headline figure with its numerator named, the other numerators beside it; where they disagree."""
     if isinstance(utilization, dict) and utilization.get("note"):
@@ -280,18 +287,15 @@ def mfu_lines(utilization: list | dict, findings: dict) -> list[str]:
     for pair in findings.get("mfu_numerators_disagree") or []:
         a, b = (NUMERATOR_WORDS.get(n, n) for n in pair["numerators"])
         lines.append(f"MFU numerators disagree: {b} gives {pair['ratio']:.2f}x the FLOPs per step of {a} "
-                     "(executed FLOPs count recomputation; an analytic count misses what the model does beyond its formula).")
-    # Executed FLOPs include everything the model's count does (and recomputation): fewer means the executed count
-    # missed work (ops without a FLOPs formula, fused or custom kernels), however close the two are.
+                     f"({COUNTS_DIFFER}).")
+    # An executed count below the model's is not always missed work: the model's count may hold work never executed.
     model = [r for r in utilization if r["metric"] == "MFU" and r.get("utilization") is not None]
     for row in (r for r in utilization if r["metric"] == "HFU" and r.get("utilization") is not None and model):
         if row["utilization"] < model[0]["utilization"]:
             lines.append(f"HFU below MFU: HFU {row['utilization']:.1%} from "
                          f"{NUMERATOR_WORDS.get(row['numerator'], row['numerator'])} against MFU "
                          f"{model[0]['utilization']:.1%} from {NUMERATOR_WORDS.get(model[0]['numerator'], model[0]['numerator'])}"
-                         "; executed FLOPs cannot be "
-                         "fewer than the model's, so that count misses work (ops without a FLOPs formula, fused or "
-                         "custom kernels).")
+                         f" ({COUNTS_DIFFER}).")
     if findings.get("mfu_refused"):
         lines.append(f"MFU: one numerator left out: {findings['mfu_refused']}.")
     return lines
