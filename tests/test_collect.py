@@ -499,3 +499,24 @@ def test_a_zero3_flops_profile_has_its_linear_flops_halved(ingested):
     forward = profile.filter(pl.col("depth") == 0)["flops_total"][0] - linear["flops_total"].sum() / 2
     rows = pl.read_parquet(out / "mfu").filter(pl.col("numerator") == "collector_flops_profile")
     assert rows["flops"].unique().to_list() == [3 * forward * facts["grad_accum"] * facts["dp_world_size"]]
+
+
+def test_a_zero3_profile_of_multihead_attention_has_its_projections_halved_too():
+    """nn.MultiheadAttention makes its projections with functional linear calls of its own (its out_proj child never
+    runs), which ZeRO-3 counts twice as it does a Linear's: the helper's job A read 496.5M forward FLOPs per micro
+    batch for DeepSpeed's own 395.8M without ZeRO-3. A hand-made profile, E = 8, 2 x 4 tokens: the attention's
+    4 E^2 = 256 projection weights x 8 tokens = 2048 MACs, doubled, plus 512 MACs of q.k and attn.v; a Linear of
+    144 parameters, 1152 MACs, doubled. Counted once: (2048 + 512 + 1152) x 2 = 7424 FLOPs."""
+    from steplens.analyze.analyses import mfu
+
+    def row(path, depth, cls, params, macs):
+        return {"path": path, "depth": depth, "module_class": cls, "params": params, "macs_total": macs,
+                "flops_total": 2 * macs}
+
+    profile = pl.DataFrame([row("", 0, "LM", 288 + 144, 4608 + 2304), row("attn", 1, "MultiheadAttention", 288, 4608),
+                            row("attn.out_proj", 2, "NonDynamicallyQuantizableLinear", 72, 0), row("ff", 1, "Linear", 144, 2304)])
+    assert mfu._zero3_corrected(profile, {"micro_batch": 2, "seq_len": 4}) == (7424, "")
+    # an attention whose projections cannot be told apart (kdim != E: no 4 E^2 layout) leaves the profile out
+    odd = profile.with_columns(params=pl.when(pl.col("path") == "attn").then(300).otherwise(pl.col("params")))
+    forward, why = mfu._zero3_corrected(odd, {"micro_batch": 2, "seq_len": 4})
+    assert forward is None and "attn (MultiheadAttention)" in why

@@ -10,6 +10,8 @@ numerator's definition. An unknown device gives no MFU and says how to supply a 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import polars as pl
@@ -120,21 +122,44 @@ SINGLE_LINEAR_RATIO = (0.95, 1.0)
 
 
 def _zero3_corrected(exact: pl.DataFrame, facts: dict) -> tuple[float | None, str]:
-    """The profile's total under ZeRO-3 with the double-counted Linear FLOPs halved, when every Linear shows the
-    doubling exactly (MACs = 2 x its parameters x the micro batch's tokens, the bias aside); else None and why."""
+    """The profile's total under ZeRO-3 with the double-counted linear FLOPs halved, when every linear call shows the
+    doubling exactly; else None and why. ZeRO-3 counts each functional linear call twice: in a Linear module (any
+    class named *Linear that ran) its MACs are 2 x its parameters x the micro batch's tokens, the bias aside; an
+    nn.MultiheadAttention makes its input and output projections with functional linear calls of its own (its
+    out_proj child never runs), 4 E^2 weights, so 2 x 4 E^2 x tokens of its MACs are the doubled projections."""
     tokens = (facts.get("micro_batch") or 0) * (facts.get("seq_len") or 0)
-    linear = exact.filter(pl.col("module_class") == "Linear")
-    if not tokens or linear.is_empty():
+    linear = exact.filter(pl.col("module_class").str.ends_with("Linear") & (pl.col("macs_total") > 0))
+    attention = exact.filter(pl.col("module_class") == "MultiheadAttention")
+    if not tokens or (linear.is_empty() and attention.is_empty()):
         return None, ("the FLOPs profile was taken under ZeRO-3, which counts Linear FLOPs twice, and the micro batch's "
                       "tokens are unknown, so the double count cannot be checked: no MFU from it")
+    root = float(exact.filter(pl.col("depth") == 0)["flops_total"].max())
     ratio = linear["macs_total"] / (linear["params"] * tokens)
-    if ((ratio > ZERO3_LINEAR_RATIO[0]) & (ratio <= ZERO3_LINEAR_RATIO[1])).all():
-        root = exact.filter(pl.col("depth") == 0)["flops_total"].max()
-        return float(root) - float(linear["flops_total"].sum()) / 2, ""
-    if ((ratio > SINGLE_LINEAR_RATIO[0]) & (ratio <= SINGLE_LINEAR_RATIO[1])).all():  # a DeepSpeed that counts once
-        return float(exact.filter(pl.col("depth") == 0)["flops_total"].max()), ""
-    return None, ("the FLOPs profile was taken under ZeRO-3, which counts Linear FLOPs twice, and not every Linear "
-                  "shows exactly twice its work: no MFU from it")
+    if ((ratio > SINGLE_LINEAR_RATIO[0]) & (ratio <= SINGLE_LINEAR_RATIO[1])).all() and attention.is_empty():
+        return root, ""  # a DeepSpeed that counts once
+    if not ((ratio > ZERO3_LINEAR_RATIO[0]) & (ratio <= ZERO3_LINEAR_RATIO[1])).all():
+        return None, ("the FLOPs profile was taken under ZeRO-3, which counts Linear FLOPs twice, and not every Linear "
+                      "shows exactly twice its work: no MFU from it")
+    doubled = float(linear["flops_total"].sum()) / 2
+    for module in attention.iter_rows(named=True):  # rowwise-ok: one row per attention module
+        weights = _attention_projection_weights(module["params"])
+        ran_children = exact.filter(pl.col("path").str.starts_with(f"{module['path']}.") & (pl.col("macs_total") > 0))
+        if weights is None or not ran_children.is_empty() or module["macs_total"] < 2 * weights * tokens:
+            return None, (f"the FLOPs profile was taken under ZeRO-3, which counts linear FLOPs twice, and the doubled "
+                          f"projections of {module['path'] or module['module_class']} (MultiheadAttention) cannot be "
+                          "told from its attention: no MFU from it")
+        doubled += 2 * weights * tokens  # FLOPs = 2 x the doubled MACs counted once too many
+    return root - doubled, ""
+
+
+def _attention_projection_weights(params: int) -> int | None:
+    """The weights of an nn.MultiheadAttention's four E x E projections (4 E^2) from its parameter count: 4 E^2 + 4 E
+    with biases, 4 E^2 without; None for another layout (kdim or vdim apart from E, bias_kv)."""
+    for biases in (True, False):
+        embed = round((-4 + math.sqrt(16 + 16 * params)) / 8) if biases else round(math.sqrt(params / 4))
+        if 4 * embed * embed + (4 * embed if biases else 0) == params and embed > 0:
+            return 4 * embed * embed
+    return None
 
 
 def _collector_flops(flops_profile: pl.DataFrame, facts: dict, world_size: int) -> tuple[float | None, str]:
