@@ -420,3 +420,22 @@ def test_shapes_without_a_step_time_say_so(tmp_path):
                 deviceProperties=[{"id": 0, **device}])
     _, findings, _ = _analyse(tmp_path / "run")
     assert findings["mfu"]["note"].startswith("no step time to divide by")
+
+
+def test_a_graph_launch_queues_its_first_kernel_only():
+    """One cudaGraphLaunch (100-110 us) runs three kernels back to back from 112 us; one cudaLaunchKernel (200-202)
+    starts its kernel at 205. The graph's queueing is its first kernel's 2 us: its second and third wait for the
+    kernel before them (the sglang decode trace read a 3.47 ms median queue inside one 9.9 ms replay)."""
+    from steplens.analyze.analyses import launch
+
+    ms = 1_000
+    launched = pl.DataFrame({
+        "rank": [0] * 4, "source": ["t"] * 4, "launch_pid": [1] * 4, "launch_tid": [1] * 4,
+        "launch_api": ["cudaGraphLaunch"] * 3 + ["cudaLaunchKernel"],
+        "launch_ts_ns": [100 * ms] * 3 + [200 * ms], "api_ns": [10 * ms] * 3 + [2 * ms],
+        "ts_ns": [112 * ms, 150 * ms, 180 * ms, 205 * ms], "dur_ns": [38 * ms, 30 * ms, 10 * ms, 5 * ms]})
+    launched = launched.with_columns(queue_ns=pl.col("ts_ns") - pl.col("launch_ts_ns") - pl.col("api_ns"))
+    summary = {r["launch_api"]: r for r in launch.launch_summary(launched).iter_rows(named=True)}
+    assert (summary["cudaGraphLaunch"]["activities"], summary["cudaGraphLaunch"]["queue_ns_median"]) == (3, 2 * ms)
+    assert summary["cudaGraphLaunch"]["gpu_ns_total"] == 78 * ms
+    assert summary["cudaLaunchKernel"]["queue_ns_median"] == 3 * ms

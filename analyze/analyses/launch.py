@@ -341,10 +341,17 @@ def named(names: pl.Series, found: np.ndarray) -> pl.Series:
     return names.gather(np.maximum(found, 0)).scatter(np.flatnonzero(found < 0), None)
 
 
+GRAPH_LAUNCH = r"^(cuda|cu|hip)Graph(Exec)?Launch"
+
+
 def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
     """Per rank and launch API: how many, CPU cost and queueing (median, p90; queue_ns clipped at 0:
-    work that started before its call returned did not queue)."""
-    linked = launched.filter(pl.col("launch_api").is_not_null()).with_columns(queued=pl.col("queue_ns").clip(lower_bound=0))
+    work that started before its call returned did not queue; of a graph launch, its first kernel's only)."""
+    linked = launched.filter(pl.col("launch_api").is_not_null())
+    # A graph launch runs many kernels, each after the one before: only its first waited in a queue for the call.
+    call = ["rank", "source", "launch_pid", "launch_tid", "launch_ts_ns"]
+    later_in_graph = pl.col("launch_api").str.contains(GRAPH_LAUNCH) & (pl.col("ts_ns") > pl.col("ts_ns").min().over(call))
+    linked = linked.with_columns(queued=pl.when(~later_in_graph).then(pl.col("queue_ns").clip(lower_bound=0)))
     return linked.group_by("rank", "launch_api").agg(
         activities=pl.len(),
         api_ns_median=pl.col("api_ns").median(),
