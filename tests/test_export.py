@@ -145,20 +145,28 @@ def test_ranks_without_a_clock_offset_are_named_not_passed_off_as_aligned(tmp_pa
 
 
 @pytest.mark.parametrize("synchronized", [[False, False, None], [True, False, True]])
-def test_the_comms_logger_caveat_says_how_the_calls_were_timed(synchronized):
+@pytest.mark.parametrize("sources", [["rank_logs/r0.log"] * 3, ["collector/comms_calls/rank0-00000.parquet"] * 3])
+def test_the_comms_logger_caveat_says_how_and_by_whom_the_calls_were_timed(synchronized, sources):
     """A CPU run's comms records force no synchronization: the caveat read '3 communication calls were timed with a
-    synchronizing logger (0 forced a synchronization)'. Hand-made comms_calls rows."""
+    synchronizing logger (0 forced a synchronization)', and a run with the collector alone was said to be timed by
+    the comms logger. Hand-made comms_calls rows."""
     import polars as pl
-    from steplens.analyze.analyses import caveats
+    from steplens.analyze.analyses import caveats, comms_log
 
     class Run:
         def table(self, name):
-            return pl.DataFrame({"latency_origin": ["measured"] * 3, "synchronized": synchronized}) \
+            return pl.DataFrame({"latency_origin": ["measured"] * 3, "synchronized": synchronized, "source": sources}) \
                 if name == "comms_calls" else pl.DataFrame()
 
     [caveat] = caveats._comms_logger_timings(Run())
     forced = sum(bool(s) for s in synchronized)
-    expected = (f"3 communication calls were timed with a synchronizing logger ({forced} forced a synchronization)."
-                if forced else "3 communication calls were timed one by one by the comms logger (none forced a device "
-                               "synchronization).")
+    who = "the collector" if sources[0].startswith("collector/") else "DeepSpeed's comms logger"
+    expected = (f"3 communication calls were timed with synchronizing timers by {who} ({forced} forced a "
+                "synchronization)." if forced else
+                f"3 communication calls were timed one by one by {who} (none forced a device synchronization).")
     assert caveat["detail"].startswith(expected)
+    logged = {"op": "all_reduce", "nccl_bytes": 8, "total_latency_ns": 3_000_000, "calls": 3, "median_latency_ns": 10**6,
+              "median_busbw_gbps": None, "latency_origin": "measured", "synchronized": bool(forced)}
+    line = comms_log.logged_lines(logged, {})[0]
+    assert line.endswith("synchronizing timers: per-op cost, not throughput)." if forced else
+                         "each call timed on its own: per-op cost, not throughput).")

@@ -33,9 +33,12 @@ def _comms_logger_timings(run: Inputs) -> list[dict]:
         return []
     origins = set(calls["latency_origin"].drop_nulls().to_list())
     synced = calls["synchronized"].fill_null(False).sum()
-    timed = (f"{calls.height:,} communication calls were timed with a synchronizing logger ({synced:,} forced a "
-             "synchronization)" if synced else
-             f"{calls.height:,} communication calls were timed one by one by the comms logger (none forced a device "
+    collector = calls["source"].cast(pl.String).str.contains(r"(^|/)collector/").fill_null(False)
+    who = ("the collector" if collector.all() else "DeepSpeed's comms logger" if not collector.any()
+           else "DeepSpeed's comms logger and the collector")
+    timed = (f"{calls.height:,} communication calls were timed with synchronizing timers by {who} ({synced:,} forced "
+             "a synchronization)" if synced else
+             f"{calls.height:,} communication calls were timed one by one by {who} (none forced a device "
              "synchronization)")
     detail = (f"{timed}. Their latencies show which op and message size is slow, "
               "but not the throughput of the real job: the job overlaps communication that the logger serialises.")

@@ -86,7 +86,9 @@ def logged_lines(logged: dict, findings: dict) -> list[str]:
     return [f"Logged comms: {logged['op']} of {logged['nccl_bytes']:,} B costs most, "
             f"{duration(logged['total_latency_ns'])} over {logged['calls']} calls (median "
             f"{duration(logged['median_latency_ns'])}" + (f", busbw {busbw:.2f} GB/s" if busbw is not None else "")
-            + f"; latencies {logged['latency_origin']}; synchronizing timers: per-op cost, not throughput)."]
+            + f"; latencies {logged['latency_origin']}; "
+            + ("synchronizing timers" if logged.get("synchronized") else "each call timed on its own")
+            + ": per-op cost, not throughput)."]
 
 
 # ---------------------------------------------------------------------------------------------
