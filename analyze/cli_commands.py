@@ -172,7 +172,7 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
         fail(f"{run_dir}: no events to export" + (f" in steps {steps}" if steps else ""))
     if not remote.is_url(run_dir) and out_path.resolve().parent == out_dir.resolve():
         _list_as_output(out_dir, out_path.name)
-    unaligned = (f"; rank(s) {', '.join(map(str, counts['unaligned_ranks']))} not aligned (no collectives to match): "
+    unaligned = (f"; rank(s) {', '.join(map(str, counts['unaligned_ranks']))} not aligned (no collective kernels to match): "
                  "on their own clocks" if counts["unaligned_ranks"] else "")
     say(Console(highlight=False, emoji=False), f"{out_path}: {counts['events']:,} events and {counts['flows']:,} launch flows from "
         f"{counts['ranks']} rank(s); {counts['partial_overlaps']:,} slices overlap without nesting{unaligned}", indent=0)

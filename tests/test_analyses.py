@@ -381,7 +381,7 @@ def test_step_missing_on_one_rank(tmp_path):
     stats = pl.read_parquet(tmp_path / "run" / ".steplens" / "step_stats" / "part-0.parquet").sort("step")
     assert stats.select("step", "ranks").rows() == [(1, 2), (2, 1), (3, 2)]
     offsets = pl.read_parquet(tmp_path / "run" / ".steplens" / "clock_offsets" / "part-0.parquet").sort("rank")
-    assert offsets["method"].to_list() == ["reference", "none (no collectives to match)"]
+    assert offsets["method"].to_list() == ["reference", "none (no collective kernels to match)"]
     assert findings["collectives"]["comms_note"] == "no collectives in the traces"
 
 

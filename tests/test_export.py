@@ -140,7 +140,7 @@ def test_ranks_without_a_clock_offset_are_named_not_passed_off_as_aligned(tmp_pa
     done = CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(tmp_path / "t.json")])
     assert done.exit_code == 0, done.output
     said = " ".join(done.output.split())
-    assert f"rank(s) {', '.join(map(str, unaligned))} not aligned (no collectives to match): on their own clocks" in said
+    assert f"rank(s) {', '.join(map(str, unaligned))} not aligned (no collective kernels to match): on their own clocks" in said
     assert f"ranks {unaligned} on their own clocks" in json.loads((tmp_path / "t.json").read_text())["otherData"]["steplens"]
 
 

@@ -356,6 +356,14 @@ def test_the_step_line_of_one_kept_step_is_that_step():
     assert step_headline({"step_time": two}) == "Steps: too few for a typical time (2 of 6 kept, max 403 ms; profiled steps)"
 
 
+def _binary_size(n: int) -> str:
+    """A byte count as the sentences give sizes: three significant figures in the largest binary unit reached."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}" if n / scale < 100 else f"{n / scale:,.0f} {unit}"
+    return f"{n} B"
+
+
 def _ms3(ns: float) -> str:
     """Three significant digits, whole units from 100 up: how the report prints a duration."""
     for unit, scale in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
@@ -380,7 +388,7 @@ def test_the_other_verdict_sentences_are_their_tables_rows(analysed):
             checked.add("slowest")
         if (out / "comms_log_stats").exists() and "Logged comms: " in detail:
             costliest = max(pq.read_table(out / "comms_log_stats").to_pylist(), key=lambda r: r["total_latency_ns"])
-            assert f"{costliest['op']} of {costliest['nccl_bytes']:,} B" in detail
+            assert f"{costliest['op']} of {_binary_size(costliest['nccl_bytes'])}" in detail
             assert f"{_ms3(costliest['total_latency_ns'])} over {costliest['calls']} calls" in detail
             checked.add("comms")
         if "Peak memory: " in detail:

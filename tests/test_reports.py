@@ -322,7 +322,8 @@ def test_printed_logged_comms_line_counts_the_collectors_calls(tmp_path):
                  .sort("latency_ns", descending=True).row(0, named=True))
     findings = result.stdout.replace("\n    ", " ")  # a finding wraps at the console width, continued indented
     line = next(line for line in findings.splitlines() if "Logged comms:" in line)
-    assert f"{costliest['op']} of {costliest['nccl_bytes']:,} B costs most" in line
+    size = costliest["nccl_bytes"] / 2**20  # the sample's all_reduce is MiB-sized: three figures, as the logs round
+    assert f"{costliest['op']} of {size:.3g} MiB costs most" in line and 1 <= size < 100
     assert f"over {costliest['calls']} calls" in line and "latencies measured" in line
 
 

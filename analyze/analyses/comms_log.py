@@ -14,7 +14,7 @@ import polars as pl
 import pyarrow as pa
 
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
-from steplens.analyze.contract.units import duration
+from steplens.analyze.contract.units import binary_bytes, duration
 from steplens.analyze.contract import schema
 
 # A call within a group of one rank moves nothing: its latency is the synchronizing timer waiting for the device work
@@ -80,10 +80,12 @@ def logged_lines(logged: dict, findings: dict) -> list[str]:
     busbw = logged["median_busbw_gbps"]
     if logged.get("no_op"):
         return [f"Logged comms: every call was within a group of one rank ({logged['op']} of "
-                f"{logged['nccl_bytes']:,} B: {duration(logged['total_latency_ns'])} over {logged['calls']} calls): "
+                f"{binary_bytes(logged['nccl_bytes'])}: {duration(logged['total_latency_ns'])} over {logged['calls']} calls): "
                 "nothing crossed a link, no bus bandwidth; the synchronizing timers measured the wait for queued "
                 "device work."]
-    return [f"Logged comms: {logged['op']} of {logged['nccl_bytes']:,} B costs most, "
+    # the size as the logs print it, to two figures (DeepSpeed's "3.3 MB" is no exact byte count; the table has
+    # the collector's exact ones)
+    return [f"Logged comms: {logged['op']} of {binary_bytes(logged['nccl_bytes'])} costs most, "
             f"{duration(logged['total_latency_ns'])} over {logged['calls']} calls (median "
             f"{duration(logged['median_latency_ns'])}" + (f", busbw {busbw:.2f} GB/s" if busbw is not None else "")
             + f"; latencies {logged['latency_origin']}; "

@@ -112,7 +112,7 @@ def _estimated_offsets(calls: pl.DataFrame, ranks: list[int]) -> pl.DataFrame:
     if calls.is_empty():
         return pl.DataFrame(
             [{"rank": r, "offset_ns": 0 if r == reference else None, "uncertainty_ns": 0 if r == reference else None,
-              "matched": 0, "method": "reference" if r == reference else "none (no collectives to match)",
+              "matched": 0, "method": "reference" if r == reference else "none (no collective kernels to match)",
               "reference_rank": reference} for r in ranks], schema=schema)
     ends = calls.select("rank", "instance", end=pl.col("ts_ns") + pl.col("dur_ns"))
     ref = ends.filter(pl.col("rank") == reference).select("instance", ref_end="end")

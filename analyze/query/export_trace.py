@@ -98,7 +98,7 @@ def export_trace(run_dir: Path, out_path: Path, steps: tuple[int, int] | None = 
 
     doc = {"traceEvents": trace_events, "displayTimeUnit": "ns",
            "otherData": {"steplens": "ranks aligned on the reference rank's clock (clock_offsets)" + (
-                             f"; ranks {unaligned} on their own clocks (no collectives to match)" if unaligned else ""),
+                             f"; ranks {unaligned} on their own clocks (no collective kernels to match)" if unaligned else ""),
                          "origin_ns": origin}}
     if events.height:  # nothing to export writes nothing (an earlier export stays as it was)
         _write_atomic(out_path, msgspec.json.encode(doc))
