@@ -165,8 +165,9 @@ def test_the_comms_logger_caveat_says_how_and_by_whom_the_calls_were_timed(synch
                 "synchronization)." if forced else
                 f"3 communication calls were timed one by one by {who} (none forced a device synchronization).")
     assert caveat["detail"].startswith(expected)
-    logged = {"op": "all_reduce", "nccl_bytes": 8, "total_latency_ns": 3_000_000, "calls": 3, "median_latency_ns": 10**6,
-              "median_busbw_gbps": None, "latency_origin": "measured", "synchronized": bool(forced)}
-    line = comms_log.logged_lines(logged, {})[0]
+    calls = pl.DataFrame({"rank": [0, 0, 1], "source": sources, "latency_origin": ["measured"] * 3, "op": ["all_reduce"] * 3,
+                          "msg_bytes": [8] * 3, "nccl_bytes": [8] * 3, "group_size": [2] * 3, "latency_ns": [10**6] * 3,
+                          "algbw_gbps": [0.008] * 3, "busbw_gbps": [0.008] * 3, "synchronized": synchronized})
+    line = comms_log.logged_lines(comms_log.costliest_finding(comms_log.comms_log_stats(calls)), {})[0]
     assert line.endswith("synchronizing timers: per-op cost, not throughput)." if forced else
                          "each call timed on its own: per-op cost, not throughput).")

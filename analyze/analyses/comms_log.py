@@ -66,7 +66,7 @@ def costliest_finding(stats: pl.DataFrame) -> dict | None:
         return None
     top = stats.sort(NO_OP, pl.col("total_latency_ns"), descending=[False, True]).row(0, named=True)
     return {**{k: top[k] for k in ("op", "nccl_bytes", "calls", "median_latency_ns", "total_latency_ns",
-                                   "median_busbw_gbps", "latency_origin", "group_size")},
+                                   "median_busbw_gbps", "latency_origin", "group_size", "synchronized")},
             "no_op": (top["group_size"] or 2) <= 1}
 
 
