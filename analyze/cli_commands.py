@@ -55,7 +55,8 @@ def _folder_or_url(ctx, param, value: str) -> Path | str:
 @click.argument("query")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="table for reading (control characters in values shown as ?), csv or json (one object per row, "
-                   "values exactly as stored) for other tools.")
+                   "values exactly as stored when written to a file or pipe; to a terminal, control characters "
+                   "shown as ?) for other tools.")
 def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
     import polars as pl
 
@@ -75,8 +76,11 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
             if result.height > TABLE_ROWS:
                 warn(f"the first {TABLE_ROWS} rows; --format csv or json gives them all (or add LIMIT)")
         else:
+            # values exactly as stored for the tool that reads them; on a terminal, its escape sequences shown as ?
+            shown = safe_text if sys.stdout.isatty() else str
             for index, frame in enumerate(itertools.chain([first], batches)):
-                click.echo(frame.write_csv(include_header=index == 0) if fmt == "csv" else frame.write_ndjson(), nl=False)
+                click.echo(shown(frame.write_csv(include_header=index == 0) if fmt == "csv" else frame.write_ndjson()),
+                           nl=False)
     except QueryError as e:
         _warn_skipped(skipped)
         fail(str(e))

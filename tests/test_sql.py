@@ -186,3 +186,29 @@ def test_analyze_parses_again_what_a_damaged_earlier_result_holds(runs, tmp_path
     assert done.returncode == 0, done.stdout + done.stderr
     assert schema.stray_files(run / ".steplens") == []
     assert sql.query(run, "SELECT count(DISTINCT rank) AS n FROM trace_events")["n"].to_list() == [2]
+
+
+def test_csv_to_a_terminal_shows_escape_sequences_as_question_marks(runs):
+    """`--format csv` keeps values as stored for a pipe or file; printed on a terminal, an OSC 52 clipboard write and a
+    bidi override in a value no longer reach it."""
+    import pty
+    import sys
+
+    query = "SELECT chr(27) || ']52;c;QQ==' || chr(7) || chr(8238) AS v"
+    binary = str(Path(sys.executable).parent / "steplens")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: steplens on the pseudo-terminal
+        os.execv(binary, [binary, "sql", str(runs[0]), query, "--format", "csv"])
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.waitpid(pid, 0)
+    assert shown.replace(b"\r\n", b"\n") == b"v\n?]52;c;QQ==??\n"
+    piped = CliRunner().invoke(steplens, ["sql", str(runs[0]), query, "--format", "csv"])
+    assert piped.output == "v\n\x1b]52;c;QQ==\x07\u202e\n"
