@@ -195,7 +195,8 @@ def trace_flops_per_step(step_flops: pl.DataFrame, gpus: int) -> float | None:
 
 def graph_steps_note(step_flops: pl.DataFrame) -> str:
     """Why the traces' op shapes count no step, when the steps with modelled ops all capture or replay graphs."""
-    graphs = step_flops.filter(pl.col("graphs"))["step"].unique().sort() if not step_flops.is_empty() else []
+    graphs = step_flops.filter(pl.col("graphs") & pl.col("flops").is_not_null())["step"].unique().sort() \
+        if not step_flops.is_empty() else []
     if not len(graphs):
         return ""
     steps = ", ".join(str(s) for s in graphs.head(5).to_list()) + (", ..." if len(graphs) > 5 else "")
