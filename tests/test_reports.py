@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 from synthetic import generate_run
@@ -210,9 +211,10 @@ def test_hostile_names_render_as_text_in_chromium(browser, tmp_path):
 
 def test_compare_uses_the_step_source_both_runs_have(tmp_path, corpus):
     """The collector sample (profiler, collector and log timers) against a run that left only logs:
-    the shared source is DeepSpeed's timer lines, read here independently of the importer, with the
-    step-time definition's exclusions (instrumented steps from the run's own settings, then the
-    leading warm-up steps beyond the noise)."""
+    the shared source is DeepSpeed's wall_clock_breakdown timers, read here independently of the importer
+    (the sample's as the collector recorded them on both ranks, every flushed part: its log has rank 0's
+    lines only; run5's from its log lines), with the step-time definition's exclusions (instrumented steps
+    from the run's own settings, then the leading warm-up steps beyond the noise)."""
     import statistics
 
     runs = {}
@@ -223,13 +225,27 @@ def test_compare_uses_the_step_source_both_runs_have(tmp_path, corpus):
     result = compare.compare(runs["sample"], runs["run5"])["step_time"]
     assert "wall_clock_breakdown" in result["source"]
 
-    def kept_steps(folder: Path, instrumented: set[int]) -> list[float]:
+    def logged_steps(folder: Path) -> dict[int, float]:
         per_step: dict[int, float] = {}
         for log in (folder / "rank_logs").glob("*.log"):
             lines = [line for line in log.read_text().splitlines() if "time (ms) | fwd: " in line]
             for step, line in enumerate(lines):
                 total = sum(float(v) for v in re.findall(r"\b(?:fwd|bwd|step): ([\d.]+)", line))
                 per_step[step] = max(per_step.get(step, 0.0), total)
+        return per_step
+
+    def collected_steps(folder: Path) -> dict[int, float]:
+        per_rank: dict[tuple[int, int], float] = {}
+        for part in sorted((folder / "collector" / "step_timers").glob("rank*.parquet")):
+            for row in pq.read_table(part).to_pylist():
+                if row["scope"] == "global" and row["timer"] in ("fwd", "bwd", "step"):
+                    per_rank[(row["rank"], row["step"])] = per_rank.get((row["rank"], row["step"]), 0.0) + row["ms"]
+        per_step: dict[int, float] = {}
+        for (_, step), total in per_rank.items():
+            per_step[step] = max(per_step.get(step, 0.0), total)
+        return per_step
+
+    def kept_steps(per_step: dict[int, float], instrumented: set[int]) -> list[float]:
         times = [per_step[s] for s in sorted(per_step) if s not in instrumented]
         if len(times) >= 3:
             median = statistics.median(times)
@@ -243,9 +259,10 @@ def test_compare_uses_the_step_source_both_runs_have(tmp_path, corpus):
     manifest = json.loads((tmp_path / "sample" / "collector" / "manifest" / "rank0.json").read_text())["run"]["settings"]
     window = manifest["profile"]  # one window: warm-up, active, then the export step after it
     first = window["skip_first"] + window["wait"]
-    sample = kept_steps(tmp_path / "sample", {manifest["flops_step"], *range(first, first + window["warmup"] + window["active"] + 1)})
+    sample = kept_steps(collected_steps(tmp_path / "sample"),
+                        {manifest["flops_step"], *range(first, first + window["warmup"] + window["active"] + 1)})
     ds_config = json.loads((tmp_path / "run5" / "ds_config.json").read_text())
-    run5 = kept_steps(tmp_path / "run5", {ds_config["flops_profiler"]["profile_step"]})
+    run5 = kept_steps(logged_steps(tmp_path / "run5"), {ds_config["flops_profiler"]["profile_step"]})
     assert (result["base_steps"], result["new_steps"]) == (len(sample), len(run5))
 
     def median_ns(times: list[float]):  # step time's rule: no median of fewer than 3 steps more than 5% apart

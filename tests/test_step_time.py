@@ -433,8 +433,9 @@ def test_deepspeeds_pipeline_engine_lines_give_interval_mean_step_times(tmp_path
 
 def test_two_unlike_kept_steps_give_no_median_and_say_what_is_known(tmp_path):
     """Two kept steps of 400 and 92 ms (hand-made: one rank's steps end at 0, 400, 492 ms): no median of a warm-up
-    step and a steady one; the sentence gives each kept step's time. The bundled sample keeps one step (step 0 has no
-    step before it; the others ran the FLOPs profiler, the profiler or its export), recomputed from its raw parts."""
+    step and a steady one; the sentence gives each kept step's time. The bundled sample's line, recomputed from its
+    raw parts: step 0 has no step before it; the FLOPs profiler's step and the profiler's warm-up, window and export
+    steps (from the collector's settings) are left out and named; the median of the rest."""
     ms = 1_000_000
     rows = [{"rank": 0, "source": "collector/train_steps/rank0-00000.parquet", "step": step, "micro_step": step,
              "start_ns": end - 10 * ms, "end_ns": end, "dur_ns": 10 * ms, "is_boundary": True, "skipped": False,
@@ -452,10 +453,18 @@ def test_two_unlike_kept_steps_give_no_median_and_say_what_is_known(tmp_path):
     shutil.copytree(sample, tmp_path / "run", ignore=shutil.ignore_patterns(".steplens"))
     findings, lines = analyse(tmp_path / "run", tmp_path / "out")
     times = collector_step_times(sample)
+    settings = json.loads((sample / "collector" / "manifest" / "rank0.json").read_text())["run"]["settings"]
+    window = settings["profile"]["skip_first"] + settings["profile"]["wait"]  # warm-up, active, then the export
+    left_out = {settings["flops_step"]: "FLOPs profiler", window: "profiler warm-up", window + 1: "profiler window",
+                window + 2: "trace export"}
+    warm = warm_up(times, set(left_out))  # leading steps beyond the noise, if this recording has any
+    kept = [t for s, t in times.items() if s not in left_out and s not in warm and t is not None]
     line = next(line for line in lines if line.startswith("Step time: "))
-    assert line.startswith(f"Step time: {shown(times[1])} (step 1, the only one of {len(times)} kept)")
-    assert "FLOPs profiler step 2; profiler warm-up step 3" in line and times[0] is None
+    assert line.startswith(f"Step time: median {shown(statistics.median(kept))}")
+    assert f"over {len(kept)} of {len(times)} steps" in line and times[0] is None
     assert "no step before it to start it step 0" in line  # the run's first step: no cycle to time
+    for step, why in sorted(left_out.items()):
+        assert f"{why} step {step}" in line
 
 
 @pytest.mark.parametrize(("values", "typical"), [([100, 105], True), ([100, 106], False), ([100], True), ([], False),
@@ -465,14 +474,23 @@ def test_a_median_needs_three_steps_or_steps_that_agree(values, typical):
 
 
 def test_trials_says_in_the_runs_terms_why_no_run_was_timed(tmp_path):
-    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", tmp_path / "runs" / "cpu",
-                    ignore=shutil.ignore_patterns(".steplens"))
-    subprocess.run([*ANALYZE, str(tmp_path / "runs" / "cpu"), "-q"], capture_output=True, check=True)
+    """The bundled sample cut to its first two steps (the collector's first flush of train_steps: the later parts
+    removed): step 0 has no step before it, so one step is kept, and trials says so in the run's own terms."""
+    run = tmp_path / "runs" / "cpu"
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", run, ignore=shutil.ignore_patterns(".steplens"))
+    first_flush = {part.name for part in (run / "collector" / "train_steps").glob("rank*-00000.parquet")}
+    for part in (run / "collector" / "train_steps").glob("rank*.parquet"):
+        if part.name not in first_flush:
+            part.unlink()
+    steps = {row["step"] for part in (run / "collector" / "train_steps").glob("rank*.parquet")
+             for row in pq.read_table(part).to_pylist()}
+    assert steps == {0, 1}
+    subprocess.run([*ANALYZE, str(run), "-q"], capture_output=True)
     done = subprocess.run([str(Path(sys.executable).parent / "steplens"), "trials", str(tmp_path / "runs")],
                           capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "80"})
     text = " ".join(done.stdout.split())
-    assert ("no run could be timed: cpu: 1 of 6 steps kept (1 no_previous_step, 1 flops_profiler, 1 profiler_warmup, 1 "
-            "profiler_window, 1 profiler_export left out): a trial needs 3 kept steps and its samples per step") in text.lower()
+    assert ("no run could be timed: cpu: 1 of 2 steps kept (1 no_previous_step left out): a trial needs 3 kept steps "
+            "and its samples per step") in text.lower()
     assert "no experiment produced metrics" not in text
     assert max(len(line) for line in done.stdout.splitlines()) <= 80
 

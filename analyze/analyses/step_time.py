@@ -155,12 +155,16 @@ def _from_timers(timers: pl.DataFrame) -> pl.DataFrame:
     main = timers.filter((pl.col("scope") == "global") & pl.col("timer").is_in(names) & pl.col("step").is_not_null())
     if main.is_empty():
         return pl.DataFrame()
-    # The collector and the log may both hold a rank's timers: keep the source with more lines.
-    fullest = (main.group_by("rank", "source").agg(lines=pl.col("line").n_unique())
-               .sort("lines", "source", descending=[True, False]).group_by("rank").first())
-    main = main.join(fullest.select("rank", "source"), on=["rank", "source"])
+    # The collector and the log may both hold a rank's timers: keep the record with more lines. The collector's
+    # record of a rank is all its flushed parts (rank1-00000.parquet, rank1-00001.parquet, ...), one source each.
+    record = pl.when(_is_collector(pl.col("source"))).then(pl.col("source").str.replace(r"-\d+\.parquet$", "")) \
+        .otherwise(pl.col("source"))
+    main = main.with_columns(record=record)
+    fullest = (main.group_by("rank", "record").agg(lines=pl.struct("source", "line").n_unique())
+               .sort("lines", "record", descending=[True, False]).group_by("rank").first())
+    main = main.join(fullest.select("rank", "record"), on=["rank", "record"])
     # One global line per step and rank; a step printed twice (runs appended to one log) keeps its last line.
-    per_line = main.group_by("rank", "step", "line").agg(  # importers bound each timer; a sum past int64 is null
+    per_line = main.group_by("rank", "step", "source", "line").agg(  # importers bound each timer; a sum past int64 is null
         dur_ns=(pl.col("ms").sum() * 1e6).round().cast(pl.Int64, strict=False))
     per_rank = per_line.sort("line").group_by("rank", "step").agg(pl.col("dur_ns").last())
     # Any timer of the step below 0 (a bwd_inner of -298701 ms beside fwd, bwd and step of 0 in a real

@@ -179,7 +179,7 @@ def query_batches(root: Path, sql: str, skipped: list[tuple[str, str]] | None = 
     skipped = [] if skipped is None else skipped
     left_out = len(skipped)
     con = connect(root, skipped)
-    if len(skipped) > left_out and not con.execute("SELECT count(*) FROM runs").fetchone()[0]:
+    if len(skipped) > left_out and not con.execute("SELECT count(*) FROM runs").fetchall()[0][0]:
         raise QueryError(f"no run under {root} can be read (each is named above)")
     try:
         relation = con.sql(sql)

@@ -2,8 +2,8 @@
 
     .venv/bin/python tests/realrun/make_sample_run.py [OUT_DIR]
 
-A real 2-rank DeepSpeed CPU job (ZeRO-2, 6 steps) with the collector on (flushes every 2 steps, FLOPs
-on step 2, one active profiler step without stack) beside DeepSpeed's own csv_monitor, comms logger
+A real 2-rank DeepSpeed CPU job (ZeRO-2, 14 steps) with the collector on (flushes every 2 steps, FLOPs
+on step 2, one active profiler step without stack, step 8, with five kept steps before it and four after) beside DeepSpeed's own csv_monitor, comms logger
 (verbose) and wall_clock_breakdown output, so both kinds of input can be compared in one folder.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from launch import REPO, run_tiny_gpt
 
-ARGS = ("--zero_stage", "2", "--steps", "6", "--flush_every", "2", "--flops_step", "2", "--profile_window", "1,1,1,1",
-        "--profile_skip_first", "2", "--wall_clock_breakdown", "--csv_monitor", "--comms_logger", "verbose",
+ARGS = ("--zero_stage", "2", "--steps", "14", "--flush_every", "2", "--flops_step", "2", "--profile_window", "1,1,1,1",
+        "--profile_skip_first", "6", "--wall_clock_breakdown", "--csv_monitor", "--comms_logger", "verbose",
         "--log_level", "info")
 
 README = """# deepspeed_cpu_2rank: a real DeepSpeed job with the steplens collector
@@ -26,11 +26,11 @@ Made by `.venv/bin/python tests/realrun/make_sample_run.py` (torch {torch}, deep
     {command}
 
 with `DS_ACCELERATOR=cpu OMP_NUM_THREADS=1`: a tiny GPT (536,704 parameters, random tokens), ZeRO-2, 2 ranks,
-micro batch 4, 6 optimizer steps.
+micro batch 4, 14 optimizer steps.
 
 * `collector/<table>/rank<r>-<seq>.parquet`: the collector's rows (train_steps, step_timers, scalars, comms_calls,
   flops_profile), flushed every 2 steps; `collector/manifest/rank<r>.json`: what the run was, and its status.
-* `traces/rank<r>.<ns>.pt.trace.json.gz`: the torch.profiler window (step 4), standard Kineto JSON.
+* `traces/rank<r>.<ns>.pt.trace.json.gz`: the torch.profiler window (step 8), standard Kineto JSON.
 * DeepSpeed's own output of the same job: `csv_monitor/`, `rank_logs/` (comms logger verbose lines,
   wall_clock_breakdown timers), `comms/log_summary_rank<r>.json`.
 * `script/rank<r>.json`: the training script's own step times and the engine's global_samples.
