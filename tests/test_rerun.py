@@ -79,7 +79,36 @@ def test_anything_else_goes_to_the_full_command(run, change):
 
 
 def test_the_shortcut_constants_agree_with_the_contract():
+    from steplens.analyze import importers
+    from steplens.analyze.pipeline import ingest
+
     assert reuse.MANIFEST_FILE == schema.MANIFEST_FILE and cli_rerun.DEFAULT_OUT_DIR == schema.DEFAULT_OUT_DIR
+    assert reuse.TRACE_KINDS == importers.TRACE_KINDS and reuse.TRACE_TABLES == ingest.PARSED_TABLES
+    assert all(schema.TABLES[table][2] for table in reuse.TRACE_TABLES)  # per-rank tables: their parts in rank=N
+
+
+@pytest.mark.parametrize("damage", ["fifo", "cut", "link"])
+def test_a_rerun_repairs_a_damaged_result_instead_of_keeping_it(tmp_path, damage):
+    """With nothing changed, analyze kept a result whose part had become a FIFO, a file cut short or a link, and sql,
+    compare and export-trace kept saying "analyse the run again": the re-run now parses what it must again."""
+    from synthetic import generate_run
+
+    run = tmp_path / "run"
+    generate_run(run, ranks=2, steps=3, kernels_per_step=20, seed=3, write_truth=False)
+    analyze = str(Path(sys.executable).parent / "analyze")
+    assert subprocess.run([analyze, str(run), "-q"], capture_output=True, timeout=300).returncode == 0
+    part = sorted((run / ".steplens" / "steps" / "rank=0").glob("*.parquet"))[0]
+    if damage == "fifo":
+        part.unlink()
+        os.mkfifo(part)
+    elif damage == "cut":
+        part.write_bytes(part.read_bytes()[:100])
+    else:
+        shutil.move(part, tmp_path / "elsewhere.parquet")
+        part.symlink_to(tmp_path / "elsewhere.parquet")
+    done = subprocess.run([analyze, str(run), "-q"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "nothing changed" not in done.stdout, done.stdout + done.stderr
+    assert reuse.result_problem(run / ".steplens", reuse.read_manifest(run / ".steplens")) is None
 
 
 @pytest.mark.parametrize("edit", [{"status": 7}, {"summary": [["x", 10**9]]}, {"findings": [3]}, {"warning": ["w"]},

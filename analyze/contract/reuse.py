@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -29,16 +30,92 @@ def read_manifest(folder: Path) -> dict:
 
 
 def complete(out_dir: Path, manifest: dict) -> bool:
-    """A result steplens published whole: every entry run.json lists is there, and nothing else is."""
+    """A result steplens published whole: every entry run.json lists is there, nothing else is, and nothing in it is
+    damaged (result_problem)."""
     entries = manifest.get("output_entries")
     if manifest.get("created_by") != OUTPUT_CREATOR or not isinstance(entries, list):
         return False
     if not all(isinstance(e, str) and os.sep not in e and (out_dir / e).exists() for e in entries):
         return False
     try:
-        return set(os.listdir(out_dir)) <= set(entries)
+        return set(os.listdir(out_dir)) <= set(entries) and result_problem(out_dir, manifest) is None
     except OSError:
         return False
+
+
+TRACE_KINDS = frozenset({"kineto", "nsys"})  # importers.TRACE_KINDS (test_contract checks they agree)
+TRACE_TABLES = ("trace_events", "flows", "steps")  # the tables every parsed trace writes a part of, for its rank
+PARQUET_MAGIC = b"PAR1"  # a Parquet file's first and last four bytes (the format's spec)
+_RANK_FOLDER = re.compile(r"rank=\d+")
+
+
+def plain_file_inside(path: Path, folder: Path) -> bool:
+    """`path` is a regular file (not a link, FIFO or device) whose real location is inside `folder`: the only kind
+    of file steplens opens in an output folder it did not just write (a FIFO blocks the reader, a link leads out)."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        return os.path.commonpath([os.path.realpath(path), os.path.realpath(folder)]) == os.path.realpath(folder)
+    except (OSError, ValueError):
+        return False
+
+
+def stray_files(folder: Path) -> list[str]:
+    """What in an output folder is not a plain file or folder of its own (links, FIFOs, devices, sockets), by
+    relative path: a result holding one is damaged, and none of its files is opened."""
+    found = []
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                continue
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                found.append(os.path.relpath(path, folder))
+    return sorted(found)
+
+
+def result_problem(out_dir: Path, manifest: dict) -> str | None:
+    """What makes a published result unreadable, naming the file, or None: a file that is not a plain one (a
+    FIFO blocks a reader, a link leads outside), a Parquet file cut short, a folder inside a table's folder that is
+    not a rank's (`rank=N`), or a part that run.json's sources list and the folder lacks. Only the first bytes and
+    the last of each file are read (a result of any size is checked in a moment)."""
+    out_dir = Path(out_dir)
+    if stray := stray_files(out_dir):
+        return f"{stray[0]} is not a plain file (a link, FIFO or device)"
+    for root, dirs, files in os.walk(out_dir):
+        depth = len(Path(root).relative_to(out_dir).parts)
+        if depth == 1:  # a table's folder: its folders are ranks'
+            for name in sorted(d for d in dirs if not d.startswith(".")):
+                if not _RANK_FOLDER.fullmatch(name):
+                    return f"{Path(root).name}/{name} is not a rank's folder (rank=N)"
+        for name in sorted(f for f in files if f.endswith(".parquet")):
+            path = os.path.join(root, name)
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(4)
+                    size = os.fstat(f.fileno()).st_size
+                    f.seek(max(size - 4, 0))
+                    tail = f.read(4)
+            except OSError as e:
+                return f"{os.path.relpath(path, out_dir)} cannot be read ({e.strerror or e})"
+            if head != PARQUET_MAGIC or tail != PARQUET_MAGIC or size < 12:
+                return f"{os.path.relpath(path, out_dir)} is not a whole Parquet file (cut short or overwritten)"
+    sources = manifest.get("sources")
+    for source in sources if isinstance(sources, list) else []:
+        if not isinstance(source, dict) or source.get("status") not in ("ingested", "reused"):
+            continue
+        part_id, rank = source.get("part_id"), source.get("rank")
+        tables = TRACE_TABLES if source.get("kind") in TRACE_KINDS else source.get("tables")
+        if not isinstance(part_id, str) or not isinstance(tables, (list, tuple)) or not (rank is None or type(rank) is int):
+            continue
+        for table in (t for t in tables if isinstance(t, str) and t.isidentifier()):
+            name = f"part-{part_id}.parquet"  # in the table's folder, or its rank's for a per-rank table
+            if not ((out_dir / table / name).is_file() or (out_dir / table / f"rank={rank}" / name).is_file()):
+                where = f"{table}/rank={rank}/{name}" if rank is not None and table in TRACE_TABLES else f"{table}/{name}"
+                return f"{where} is missing (run.json lists it for {source.get('path')})"
+    return None
 
 
 def file_prefix_hash(path: Path) -> str:

@@ -22,13 +22,11 @@ Bump SCHEMA_VERSION whenever a table's columns or meaning change; readers refuse
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import stat
-from pathlib import Path
 
 import pyarrow as pa
 
+from steplens.analyze.contract import reuse
 from steplens.analyze.contract.traces import INT64_RANGE
 
 SCHEMA_VERSION = 1
@@ -379,79 +377,10 @@ def part_dir(table: str, rank: int | None) -> str:
     return f"{table}/rank={rank}" if partitioned else table
 
 
-def plain_file_inside(path: Path, folder: Path) -> bool:
-    """`path` is a regular file (not a link, FIFO or device) whose real location is inside `folder`: the only kind
-    of file steplens opens in an output folder it did not just write (a FIFO blocks the reader, a link leads out)."""
-    try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            return False
-        return os.path.commonpath([os.path.realpath(path), os.path.realpath(folder)]) == os.path.realpath(folder)
-    except (OSError, ValueError):
-        return False
-
-
-def stray_files(folder: Path) -> list[str]:
-    """What in an output folder is not a plain file or folder of its own (links, FIFOs, devices, sockets), by
-    relative path: a result holding one is damaged, and none of its files is opened."""
-    found = []
-    for root, dirs, files in os.walk(folder, followlinks=False):
-        for name in dirs + files:
-            path = os.path.join(root, name)
-            try:
-                mode = os.lstat(path).st_mode
-            except OSError:
-                continue
-            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                found.append(os.path.relpath(path, folder))
-    return sorted(found)
-
-
-TRACE_TABLES = ("trace_events", "flows", "steps")  # the tables every parsed trace writes a part of, for its rank
-PARQUET_MAGIC = b"PAR1"  # a Parquet file's first and last four bytes (the format's spec)
-_RANK_FOLDER = re.compile(r"rank=\d+")
-
-
-def result_problem(out_dir: Path, manifest: dict) -> str | None:
-    """What makes a published result unreadable, naming the file, or None: a file that is not a plain one (a
-    FIFO blocks a reader, a link leads outside), a Parquet file cut short, a rank folder that is not `rank=N`,
-    or a part that run.json's sources list and the folder lacks. Only the first bytes and the last of each
-    file are read (a result of any size is checked in a moment)."""
-    from steplens.analyze.importers import TRACE_KINDS  # the registry alone (importers import this module)
-
-    out_dir = Path(out_dir)
-    if stray := stray_files(out_dir):
-        return f"{stray[0]} is not a plain file (a link, FIFO or device)"
-    for table in TABLES:
-        folder = out_dir / table
-        if TABLES[table][2] and folder.is_dir():
-            for entry in sorted(os.listdir(folder)):
-                if not entry.startswith(".") and not _RANK_FOLDER.fullmatch(entry):
-                    return f"{table}/{entry} is not a rank's folder (rank=N)"
-    for root, _, files in os.walk(out_dir):
-        for name in sorted(f for f in files if f.endswith(".parquet")):
-            path = os.path.join(root, name)
-            try:
-                with open(path, "rb") as f:
-                    head = f.read(4)
-                    f.seek(max(os.fstat(f.fileno()).st_size - 4, 0))
-                    tail = f.read(4)
-            except OSError as e:
-                return f"{os.path.relpath(path, out_dir)} cannot be read ({e.strerror or e})"
-            if head != PARQUET_MAGIC or tail != PARQUET_MAGIC or os.path.getsize(path) < 12:
-                return f"{os.path.relpath(path, out_dir)} is not a whole Parquet file (cut short or overwritten)"
-    for source in manifest.get("sources") or []:
-        if not isinstance(source, dict) or source.get("status") not in ("ingested", "reused"):
-            continue
-        part_id, rank = source.get("part_id"), source.get("rank")
-        tables = TRACE_TABLES if source.get("kind") in TRACE_KINDS else source.get("tables")
-        if not isinstance(part_id, str) or not isinstance(tables, list | tuple) or not (rank is None or type(rank) is int):
-            continue
-        for table in tables:
-            if table not in TABLES or (TABLES[table][2] and rank is None):
-                continue
-            if not (out_dir / part_dir(table, rank) / f"part-{part_id}.parquet").is_file():
-                return f"{part_dir(table, rank)}/part-{part_id}.parquet is missing (run.json lists it for {source.get('path')})"
-    return None
+# An output folder's damage checks (plain files only, whole Parquet files, rank folders, the parts run.json lists)
+# are stdlib-only, in reuse: the `analyze` script runs them before it imports pyarrow.
+plain_file_inside, stray_files, result_problem = reuse.plain_file_inside, reuse.stray_files, reuse.result_problem
+TRACE_TABLES = reuse.TRACE_TABLES
 
 
 # The analyses' tables are declared by the analyses that write them (their ANALYSIS.writes); the catalogue
