@@ -58,17 +58,6 @@ def _reference(path: Path) -> dict | None:
     for start, end, number in _steps(events):
         step_start[number] = min(start, step_start.get(number, start))
         step_end[number] = max(end, step_end.get(number, end))
-    # The window: first to last device work, widened to the profiled steps (first start to last end) on the host.
-    for spans in by_device.values():
-        union = _union(spans)
-        lo, hi = union[0][0], union[-1][1]
-        if step_start:
-            lo, hi = min(lo, min(step_start.values())), max(hi, max(step_end.values()))
-        windows.append((hi - lo, hi - lo - sum(end - start for start, end in union)))
-    # Per step: the span of the work launched in the step, idle against the whole device's union; it opens earlier
-    # where the device sat idle just before that work with the step begun (or had done nothing yet): at the latest
-    # of the step's start, the end of the device's work before and the end of earlier steps' spans; it closes later
-    # where the step ran on on the host after that work: at the step's end, or the next step's first work if sooner.
     by_step = defaultdict(list)
     for e in work:
         args = e.get("args") or {}
@@ -76,7 +65,21 @@ def _reference(path: Path) -> dict | None:
         if step is not None:
             start = int(Decimal(e["ts"]) * 1000)
             by_step[(args.get("device", e.get("pid")), step)].append((start, start + max(int(Decimal(e["dur"]) * 1000), 0)))
-    earlier_end = {}
+    # The window: first to last device work, widened to the profiled steps with work on the device (first start to
+    # last end on the host).
+    for device, spans in by_device.items():
+        union = _union(spans)
+        lo, hi = union[0][0], union[-1][1]
+        worked = [step for d, step in by_step if d == device]
+        if worked:
+            lo, hi = min(lo, min(step_start[s] for s in worked)), max(hi, max(step_end[s] for s in worked))
+        windows.append((hi - lo, hi - lo - sum(end - start for start, end in union)))
+    # Per step: the span of the work launched in the step, idle against the whole device's union; it opens earlier
+    # where the device sat idle just before that work with the step begun (or had done nothing yet): at the latest
+    # of the step's start, the end of the device's work before and the end of earlier steps' spans; it closes later
+    # where the step ran on on the host after that work: at the step's end, or the next step's first work if sooner,
+    # unless an earlier step's work ran on past this step's.
+    earlier_end, earlier_work_end = {}, {}
     ordered = sorted(by_step.items(), key=lambda item: (str(item[0][0]), min(s for s, _ in item[1]), item[0][1]))
     for i, ((device, step), spans) in enumerate(ordered):
         lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
@@ -86,7 +89,10 @@ def _reference(path: Path) -> dict | None:
             opened = max([step_start[step]] + before[-1:] + ([earlier_end[device]] if device in earlier_end else []))
             lo = min(lo, opened)
         later = [min(s for s, _ in other) for (other_device, _), other in ordered[i + 1:i + 2] if other_device == device]
-        hi = max(hi, min([step_end[step]] + later))
+        own_end = hi
+        if earlier_work_end.get(device, hi) <= hi:
+            hi = max(hi, min([step_end[step]] + later))
+        earlier_work_end[device] = max(own_end, earlier_work_end.get(device, own_end))
         earlier_end[device] = max(hi, earlier_end.get(device, hi))
         busy = sum(max(0, min(end, hi) - max(start, lo)) for start, end in union)
         step_rows.append((step, hi - lo, hi - lo - busy))

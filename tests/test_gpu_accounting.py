@@ -440,3 +440,45 @@ def test_a_graph_launch_queues_its_first_kernel_only():
     assert (summary["cudaGraphLaunch"]["activities"], summary["cudaGraphLaunch"]["queue_ns_median"]) == (3, 2 * ms)
     assert summary["cudaGraphLaunch"]["gpu_ns_total"] == 78 * ms
     assert summary["cudaLaunchKernel"]["queue_ns_median"] == 3 * ms
+
+
+def test_a_step_without_device_work_widens_nothing():
+    """Step 1 (0-100 us) runs a kernel 10-50 us; step 2 (100-130 us) runs none (a capture that ran nothing): it gets
+    no per-step row, and the window reaches step 1's end only, so the headline and the steps' idle agree: 60 of
+    100 us (0-10 before the kernel launched at 5, 50-100 after it, host-bound)."""
+    _edge_case_check([_step(1, 0, 100), _launch(5, 1), _kernel(10, 40, 1, stream=7), _step(2, 100, 30)],
+                            window=(100_000, 60_000, 60_000), steps={1: (0, 100_000, 60_000)})
+
+
+def test_a_step_inside_an_earlier_steps_work_is_not_stretched_to_its_end():
+    """Step 1 (0-20 us) launches a kernel that runs 20-500 us; step 2 (100-400 us) launches one 120-200 us on another
+    stream. Step 2's span is its kernel's 80 us: the device was busy with step 1's kernel until 500 us, so step 2 is
+    not closed at its CPU end (400 us), which would lay 200 more us of step 1's time inside it."""
+    _edge_case_check([_step(1, 0, 20), _launch(10, 1), _kernel(20, 480, 1, stream=7),
+                             _step(2, 100, 300), _launch(110, 2), _kernel(120, 80, 2, stream=8)],
+                            window=(500_000, 20_000, 20_000), steps={1: (0, 500_000, 20_000), 2: (120_000, 80_000, 0)})
+
+
+def _edge_case_check(events, window, steps):
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_trace(Path(tmp) / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+        out, findings, _ = _analyse(Path(tmp) / "run")
+        idle = _table(out, "gpu_idle").filter(pl.col("stream") == -1)
+        row = idle.filter(pl.col("step").is_null()).row(0, named=True)
+        assert (row["span_ns"], row["idle_ns"], row["host_bound_ns"]) == window
+        per_step = {r["step"]: (r["span_start_ns"] - idle["span_start_ns"].min(), r["span_ns"], r["idle_ns"])
+                    for r in idle.filter(pl.col("step").is_not_null()).iter_rows(named=True)}
+        assert per_step == steps
+
+
+def test_ordinary_launch_latency_stays_host_bound():
+    """A launch-bound loop: each kernel is launched 1 us after the last ends (a 2 us call) and starts 6 us after the
+    call returns, as every kernel of the rank does: its 9 us gaps are the host's, though the queueing (6 us) is longer
+    than the issuing (3 us). Step 100-500 us, kernels 109-200, 209-300, 309-400, 409-500: 36 us host-bound."""
+    events = [_step(1, 100, 400)]
+    for i in range(1, 5):
+        events += [_launch(100 * i + 1, i, dur=2), _kernel(100 * i + 9, 91, i, stream=7)]
+    _edge_case_check(events, window=(400_000, 36_000, 36_000), steps={1: (0, 400_000, 36_000)})

@@ -222,3 +222,6 @@ def test_each_alarm_of_the_run_is_counted_once_by_the_rule_that_fired():
     findings = {"monitor_alarms": finding, "alarm_agreement": {"replayed": replayed, "listed": []}}
     assert monitor.distinct_alarms(findings) == {"slow_step": 5, "throughput_drop": 1}
     assert ("Alarms: slow_step x5, throughput_drop x1", "alarms") in first_screen(findings)
+    # a result an older steplens wrote (counts by kind): counted as it was, not as none
+    assert monitor.distinct_alarms({"monitor_alarms": {"throughput_drop": 4}}) == {"throughput_drop": 4}
+    assert monitor.alarms_lines({"throughput_drop": 4}, {}) == ["Monitor alarms: throughput_drop x4 (table monitor_alarms)."]

@@ -153,7 +153,8 @@ def _raw_trace_split(trace: Path) -> list[dict]:
     first start of the device work whose launch call started inside the step or, where the device sat idle just
     before that with the step begun on the CPU, at the latest of the step's start, the end of the device work before
     (none: the step's start) and the end of earlier steps' spans; it closes at the last end of that work or, if
-    later, at the step's end on the CPU (but not past the next step's first work); compute is the part of it covered
+    later, at the step's end on the CPU (but not past the next step's first work, and not where an earlier step's
+    work ran on past this step's); compute is the part of it covered
     by non-NCCL device work, exposed communication the part covered by NCCL kernels only."""
     opener = gzip.open if trace.suffix == ".gz" else open
     with opener(trace, "rt") as handle:
@@ -169,7 +170,7 @@ def _raw_trace_split(trace: Path) -> list[dict]:
                     and "correlation" in e.get("args", {}) and lo <= Decimal(e["ts"]) < hi}
         mine = [(s, e) for s, e, _, corr in device if corr in launched]
         own.append((window, lo * 1000, hi * 1000, min(s for s, _ in mine), max(e for _, e in mine)))
-    steps, earlier_end = [], None
+    steps, earlier_end, earlier_work_end = [], None, None
     for i, (window, lo, hi, first, last) in enumerate(own):
         if not any(s < first < e for s, e, _, _ in device):  # the device sat idle just before `first`
             ended_before = [e for _, e, _, _ in device if e <= first]
@@ -177,7 +178,10 @@ def _raw_trace_split(trace: Path) -> list[dict]:
                 opened = [lo] + ([max(ended_before)] if ended_before else []) + ([earlier_end] if earlier_end else [])
                 first = min(first, max(opened))
         next_first = own[i + 1][3] if i + 1 < len(own) else hi
-        last = max(last, min(hi, next_first))
+        own_last = last
+        if earlier_work_end is None or earlier_work_end <= last:  # no earlier step's work ran on past it
+            last = max(last, min(hi, next_first))
+        earlier_work_end = max(own_last, earlier_work_end or own_last)
         earlier_end = max(last, earlier_end or last)
 
         def covered(intervals):

@@ -7,8 +7,8 @@ Definitions (one cause per gap; the same in tests/synthetic.py, which builds run
   launch (work enqueued before the window opened included). The device is idle only where it is not.
 - `gpu_idle` rows, all with busy_ns + idle_ns == span_ns:
   * whole window (step null, stream -1): first start to last end of all device work in the window,
-    widened to the profiled steps' CPU span (first step's start to last step's end) where that reaches
-    further, idle against the device-busy timeline. Every trace with device activity has them, with or
+    widened to the CPU span of the profiled steps with work on the device (first step's start to last
+    step's end) where that reaches further, idle against the device-busy timeline. Every trace with device activity has them, with or
     without ProfilerStep; the headline idle share is theirs.
   * per step (stream -1): the step's span (step_spans), idle against the same device-wide timeline, so
     time in which another step's work (or work launched before the window) kept the device busy is never
@@ -16,20 +16,22 @@ Definitions (one cause per gap; the same in tests/synthetic.py, which builds run
     had begun on the CPU by then (from the later of the two): the GPU waiting on the data loader at the
     start of every step is that step's idle. It ends at the last end of the work launched in it, or at the
     step's end on the CPU if that is later (the host finishing the step, a CUDA-graph capture that ran
-    nothing): the GPU waiting at the end of a step is that step's idle.
+    almost nothing): the GPU waiting at the end of a step is that step's idle. A step with no device work
+    has no row.
   * idle before the device's first work and after its last, within the profiled steps' CPU span
     (edge_gaps): host-bound (other before work launched ahead of the window).
   * per step and stream: the step's own work on that stream, idle against its own union.
 - Each gap between consecutive activities A (ends at g0) and B (starts at g1) on a lane, B's launch call
   running from c0 to c1, is
-  * sync       when c0 >= g0 and c1 - g0 >= g1 - c1 and, at g0, the launching thread was inside a
-               synchronizing call (stream/device/event synchronize, blocking memcpy);
-  * host-bound when c0 >= g0 and c1 - g0 >= g1 - c1 otherwise: nothing was queued, the GPU waited
-               for the CPU to issue work for most of the gap;
+  * sync       when c0 >= g0, B then queued no longer than below, and, at g0, the launching thread was
+               inside a synchronizing call (stream/device/event synchronize, blocking memcpy);
+  * host-bound when c0 >= g0 and B then queued no longer than below, otherwise: nothing was queued,
+               the GPU waited for the CPU to issue work;
   * other      when B was already queued before A ended (a cross-stream dependency), when B, issued,
-               then waited in the queue longer than the host took to issue it (c1 - g0 < g1 - c1: an
-               event or cross-stream wait on something the trace shows no device work for), or B has
-               no recorded launch.
+               then waited in the queue longer than the host took to issue it and than the rank's work
+               usually waits after its call (g1 - c1 > max(c1 - g0, the median queue_ns): an event or
+               cross-stream wait on something the trace shows no device work for), or B has no recorded
+               launch.
 - queue_ns = start on the GPU - end of the launch call. It is negative where the call returns only
   after the work started: blocking copies (cudaMemcpy returns once the copy is done) and graph
   launches (cudaGraphLaunch is still enqueueing when its first kernels start). launch_summary's
@@ -54,9 +56,10 @@ from steplens.analyze.contract import schema
 
 # Calls that return only once the device has caught up: the synchronizes and the blocking copies. ROCm's PyTorch
 # makes its blocking copies with hipMemcpyWithStream (c10/hip memcpy_and_sync), CUDA's with cudaMemcpyAsync and a
-# stream synchronize; hipMemcpy{DtoH,HtoD,DtoD} and cuMemcpy* are the blocking driver-style copies.
+# stream synchronize; hipMemcpy{DtoH,HtoD} and cuMemcpy* are the blocking driver-style copies (a device-to-device
+# or peer copy returns before it is done).
 SYNC_API = (r"Synchronize$|^(cuda|hip)Memcpy(2D|3D)?$|^hipMemcpyWithStream$|^(cuda|hip)Memcpy(To|From)Symbol$"
-            r"|^(cuda|hip)MemcpyPeer$|^hipMemcpy(DtoH|HtoD|DtoD)$|^cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?$")
+            r"|^hipMemcpy(DtoH|HtoD)$|^cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?$")
 
 
 def kernel_launches(device: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
@@ -79,6 +82,13 @@ def kernel_launches(device: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
 
 
 CAUSES = ("host_bound", "sync", "other")
+
+
+def usual_queue(launched: pl.DataFrame) -> pl.DataFrame:
+    """Per rank and window, the median time its work waited after its launch call returned (clipped at 0): the
+    launch latency of an idle device, or the backlog of a busy one (rank, source, usual_queue_ns)."""
+    return launched.filter(pl.col("queue_ns").is_not_null()).group_by("rank", "source").agg(
+        usual_queue_ns=pl.col("queue_ns").clip(lower_bound=0).median())
 
 
 def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
@@ -111,9 +121,12 @@ def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
         strategy="backward", check_sortedness=False,
     )
     in_sync = pl.col("sync_end_ns").is_not_null() & (pl.col("sync_end_ns") > pl.col("gap_start_ns"))
-    # issued after the GPU ran dry, and not then left waiting in the queue longer than the host took to issue it
+    # issued after the GPU ran dry, and not then left in the queue longer than the host took to issue it or than
+    # the rank's work usually waits after its call (launch latency)
+    gaps = gaps.join(usual_queue(launched), on=["rank", "source"], how="left", nulls_equal=True)
     issued_after = pl.col("launch_ts_ns").is_not_null() & (pl.col("launch_ts_ns") >= pl.col("gap_start_ns")) & (
-        pl.col("launch_end_ns") - pl.col("gap_start_ns") >= pl.col("gap_end_ns") - pl.col("launch_end_ns"))
+        pl.col("gap_end_ns") - pl.col("launch_end_ns") <= pl.max_horizontal(
+            pl.col("launch_end_ns") - pl.col("gap_start_ns"), pl.col("usual_queue_ns").fill_null(0)))
     cause = pl.when(issued_after & in_sync).then(pl.lit("sync")).when(issued_after).then(pl.lit("host_bound")).otherwise(pl.lit("other"))
     return gaps.with_columns(cause=cause, idle_ns=pl.col("gap_end_ns") - pl.col("gap_start_ns")).with_columns(
         sync_event_id=pl.when(pl.col("cause") == "sync").then(pl.col("sync_event_id")),
@@ -135,7 +148,7 @@ def step_spans(work: pl.DataFrame, device_gaps: pl.DataFrame, steps: pl.DataFram
     work launched in it, or later when the step went on on the CPU after that work: at the step's end, or at
     the next step's first work if that came sooner. The idle that opens a step (a data loader, an input copy,
     the host preparing the step) and the idle that closes it (the host finishing the step, a CUDA-graph capture
-    that ran nothing) are then the step's, not nobody's, and no time is in two steps' spans that was not
+    that ran almost nothing) are then the step's, not nobody's, and no time is in two steps' spans that was not
     already. `device_gaps` are idle_gaps' ALL_STREAMS rows."""
     keys = ["rank", "source", "device"]
     device_first = work.group_by(keys).agg(device_first_ns=pl.col("ts_ns").min())
@@ -150,9 +163,12 @@ def step_spans(work: pl.DataFrame, device_gaps: pl.DataFrame, steps: pl.DataFram
     spans = spans.join(before, on=[*keys, "first_ns"], how="left", nulls_equal=True).join(
         began, on=["rank", "source", "step"], how="left", nulls_equal=True).join(
         device_first, on=keys, how="left", nulls_equal=True).sort(*keys, "first_ns", "step")
-    # the step's own end on the CPU, before the next step's work on this device (spans stay apart)
+    # the step's own end on the CPU, before the next step's work on this device (spans stay apart); not where an
+    # earlier step's work still ran past this step's (the device was busy, and that span holds the time already)
     next_first = pl.col("first_ns").shift(-1).over(keys)
-    closed = pl.max_horizontal("last_end_ns", pl.min_horizontal("step_end_ns", next_first))
+    earlier_work_end = pl.col("last_end_ns").cum_max().shift(1).over(keys)
+    closed = pl.when(earlier_work_end > pl.col("last_end_ns")).then(pl.col("last_end_ns")).otherwise(
+        pl.max_horizontal("last_end_ns", pl.min_horizontal("step_end_ns", next_first)))
     spans = spans.with_columns(span_end_ns=closed)
     # the device's first work in the window: idle since before the step began
     idle_from = pl.coalesce("idle_from_ns", pl.when(pl.col("first_ns") == pl.col("device_first_ns")).then("step_start_ns"))
@@ -166,21 +182,28 @@ def step_spans(work: pl.DataFrame, device_gaps: pl.DataFrame, steps: pl.DataFram
 
 
 def edge_gaps(launched: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
-    """The device's idle before its first work and after its last in the window, as far as the profiled steps
-    reach on the CPU (idle_gaps' ALL_STREAMS columns): only steps' spans (step_spans) cover them, the window's
-    span (first to last device work) never does. Before: host-bound when the first work's launch call started in
-    it as for a gap (idle_gaps), else other (work launched before the window); after: host-bound (no work was left)."""
+    """The device's idle before its first work and after its last in the window, as far as the profiled steps with
+    work on that device reach on the CPU (idle_gaps' ALL_STREAMS columns): only steps' spans (step_spans) and the
+    window's widened span cover them. Before: as for a gap (idle_gaps: host-bound when the first work's launch call
+    started in it and the work then queued no longer than usual, else other: work launched before the window);
+    after: host-bound (no work was left)."""
     keys = ["rank", "source", "device"]
-    work = launched.filter(pl.col("stream").is_not_null())
-    reach = steps.group_by("rank", "source").agg(from_ns=pl.col("start_ns").min(), to_ns=pl.col("end_ns").max())
-    device = work.sort("ts_ns").group_by(keys).agg(
-        first_ns=pl.col("ts_ns").first(), first_launch_ns=pl.col("launch_ts_ns").first(),
-        first_launch_end_ns=(pl.col("launch_ts_ns") + pl.col("api_ns").fill_null(0)).first(),
-        last_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max()).join(reach, on=["rank", "source"], how="inner")
+    work = launched.select(*keys, "stream", "step", "ts_ns", "dur_ns", "launch_ts_ns", "api_ns").filter(
+        pl.col("stream").is_not_null())
+    worked = work.filter(pl.col("step").is_not_null()).select(*keys, "step").unique()
+    reach = steps.join(worked, on=["rank", "source", "step"], how="inner", nulls_equal=True).group_by(keys).agg(
+        from_ns=pl.col("start_ns").min(), to_ns=pl.col("end_ns").max())
+    first = pl.col("ts_ns").arg_min()
+    device = work.group_by(keys).agg(
+        first_ns=pl.col("ts_ns").min(), first_launch_ns=pl.col("launch_ts_ns").get(first),
+        first_launch_end_ns=(pl.col("launch_ts_ns") + pl.col("api_ns").fill_null(0)).get(first),
+        last_end_ns=(pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)).max()).join(reach, on=keys, how="inner", nulls_equal=True)
+    device = device.join(usual_queue(launched), on=["rank", "source"], how="left", nulls_equal=True)
     columns = dict(stream=pl.lit(ALL_STREAMS, pl.Int64), step=pl.lit(None, pl.Int64), sync_event_id=pl.lit(None, pl.Int64),
                    sync_name=pl.lit(None, pl.String))
     issued_in = (pl.col("first_launch_ns") >= pl.col("from_ns")) & (
-        pl.col("first_launch_end_ns") - pl.col("from_ns") >= pl.col("first_ns") - pl.col("first_launch_end_ns"))
+        pl.col("first_ns") - pl.col("first_launch_end_ns") <= pl.max_horizontal(
+            pl.col("first_launch_end_ns") - pl.col("from_ns"), pl.col("usual_queue_ns").fill_null(0)))
     lead = device.filter(pl.col("from_ns") < pl.col("first_ns")).select(
         *keys, gap_start_ns="from_ns", gap_end_ns="first_ns",
         cause=pl.when(issued_in).then(pl.lit("host_bound")).otherwise(pl.lit("other")), **columns)
@@ -468,9 +491,13 @@ GPU_IDLE = schema.table_spec(
                          "window)."),
     ("span_start_ns", pa.int64(), "First start of the row's device work (the step's on the stream, or the window's); "
                                   "on a step's device row, earlier where the device sat idle before that work with the "
-                                  "step begun on the CPU: the later of the step's start and the device's previous work's "
-                                  "end."),
-    ("span_end_ns", pa.int64(), "Last end."),
+                                  "step begun on the CPU: the latest of the step's start, the device's previous work's "
+                                  "end (none: the step's start) and earlier steps' spans' ends; on a window row, "
+                                  "earlier where its first step with work on the device began earlier on the CPU."),
+    ("span_end_ns", pa.int64(), "Last end of the row's device work; on a step's device row, later where the device sat "
+                                "idle after it with the step still running on the CPU: the step's end, or the next "
+                                "step's first work if sooner (not where an earlier step's work ran on past it); on a "
+                                "window row, later where its last step with work on the device ended later."),
     ("span_ns", pa.int64(), "The span."),
     ("busy_ns", pa.int64(), "Part of the span the device (stream -1) or the stream was busy; stream -1 rows count "
                             "every step's work and work launched before the window."),

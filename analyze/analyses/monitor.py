@@ -217,15 +217,18 @@ def alarms_finding(alarms: pl.DataFrame) -> dict | None:
 
 
 def alarms_lines(alarms: dict, findings: dict) -> list[str]:
-    return ["Monitor alarms: " + ", ".join(f"{rule} x{n}" for rule, n in alarms["by_rule"].items()) +
-            " (table monitor_alarms)."]
+    by_rule = alarms.get("by_rule", alarms)  # (counts by kind alone in a result of steplens before 2026-12)
+    return ["Monitor alarms: " + ", ".join(f"{rule} x{n}" for rule, n in by_rule.items()) + " (table monitor_alarms)."]
 
 
 def distinct_alarms(findings: dict) -> dict[str, int]:
     """Every alarm of the run once, by rule: the post-hoc ones over every series (monitor_alarms) and the in-job
     rules replayed on the recorded rows (alarm_agreement), an alarm of one rule on one series at one step counted
     once however many of them raised it."""
-    seen = {tuple(a) for a in ((findings.get("monitor_alarms") or {}).get("alarms") or [])}
+    posted = findings.get("monitor_alarms") or {}
+    if "by_rule" not in posted and posted:  # a result of steplens before 2026-12: counts by kind, no alarms to match
+        return dict(sorted(posted.items()))
+    seen = {tuple(a) for a in (posted.get("alarms") or [])}
     seen |= {tuple(a) for a in (findings.get("alarm_agreement") or {}).get("replayed", [])}
     counts: dict[str, int] = {}
     for rule, _name, _step in seen:

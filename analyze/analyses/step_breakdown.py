@@ -3,9 +3,11 @@ the timeline of the slowest profiled step across ranks on one clock.
 
 Definitions, per rank, profiler window (source), device and step, on the same device-busy timeline
 as gpu_idle (the union of all the device's work in the window, of every step, launched or not):
-- span_ns: gpu_idle's step span (launch.step_spans): to the last end of the device work launched in the step, from
-  its first start or, where the device sat idle before it with the step begun on the CPU, from the later of the
-  step's start and the device's previous work's end (the idle that opens a step is the step's);
+- span_ns: gpu_idle's step span (launch.step_spans): from the first start of the device work launched in the step
+  or, where the device sat idle before it with the step begun on the CPU, from the later of the step's start and
+  the device's previous work's end (the idle that opens a step is the step's); to that work's last end or, where
+  the device sat idle after it with the step still running on the CPU, to the step's end (or the next step's first
+  work; the idle that closes a step is the step's too);
 - compute_ns: the part of the span covered by non-communication work (kernels, copies, sets);
 - exposed_comm_ns: the part covered by communication kernels (the `collectives` table) and not by
   compute, so overlapped communication is not counted twice;
@@ -208,8 +210,9 @@ def time_split(breakdown: pl.DataFrame, unstepped_device_ns: int = 0) -> dict | 
         "main_idle_cause": main_cause,
         "unstepped_device_ns": int(unstepped_device_ns),
         "definition": "step_breakdown summed over ranks and profiled steps: each activity's share of the summed step "
-                      "spans (gpu_idle's step spans: to the last device work launched in the step, from its first, or from where "
-                      "the device went idle before it with the step begun); median_step_span_ns: the median over "
+                      "spans (gpu_idle's step spans: the device work launched in the step, opened where the device "
+                      "went idle before it with the step begun and closed where it sat idle after it with the step "
+                      "still running on the CPU); median_step_span_ns: the median over "
                       "steps of the longest rank's span; unstepped_device_ns: summed duration of the device work "
                       "whose launch is not in the trace (kernel_launches with no step), in no step's span",
     }
@@ -270,8 +273,9 @@ STEP_BREAKDOWN = schema.table_spec(
     ("source", pa.string(), "Trace file (profiler window)."),
     ("device", pa.int64(), "GPU."),
     ("step", pa.int64(), "Step."),
-    ("span_ns", pa.int64(), "gpu_idle's step span: to the last end of the device work launched in the step, from its "
-                            "first start or from where the device went idle before it with the step begun on the CPU."),
+    ("span_ns", pa.int64(), "gpu_idle's step span: the device work launched in the step, from where the device went "
+                            "idle before it with the step begun on the CPU, to where the step ended on the CPU when "
+                            "the device sat idle after it (launch.step_spans)."),
     ("compute_ns", pa.int64(), "Part of the span covered by non-communication device work (kernels, copies, sets) of "
                                "any step."),
     ("exposed_comm_ns", pa.int64(), "Part of the span covered by communication kernels and not by compute."),
