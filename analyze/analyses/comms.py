@@ -252,8 +252,9 @@ def collectives_section(page, run):
                              "calls": ("calls (all ranks)", "num"), "max_rank_exposed_ns": ("exposed, worst rank", "ms"),
                              "max_exposed_rank": ("worst rank", "text")}, "collective_call_sites")
     if not logged.is_empty():
-        section.text("Communication calls timed by DeepSpeed's comms logger or the collector (synchronizing timers, "
-                     "one source per rank: see Method and caveats):")
+        timers = "synchronizing timers" if logged["synchronized"].any() else "each call timed on its own"
+        section.text(f"Communication calls timed by DeepSpeed's comms logger or the collector ({timers}, one source per "
+                     "rank: see Method and caveats):")
         section.rows(logged.sort("total_latency_ns", descending=True), {
             "op": ("op", "text"), "nccl_bytes": ("size S", "size"), "group_size": ("ranks in group", "text"),
             "calls": ("calls", "num"), "median_latency_ns": ("median latency", "ms"),
