@@ -86,7 +86,9 @@ def result_problem(out_dir: Path, manifest: dict) -> str | None:
         return f"{stray[0]} is not a plain file (a link, FIFO or device)"
     for root, dirs, files in os.walk(out_dir):
         depth = len(Path(root).relative_to(out_dir).parts)
-        if depth == 1:  # a table's folder: its folders are ranks'
+        if depth == 0:  # a result being staged holds its scratch (_scratch) and hidden files: not the result's
+            dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]
+        if depth == 1 and any(d.startswith("rank=") for d in dirs):  # a per-rank table's folder: its folders are ranks'
             for name in sorted(d for d in dirs if not d.startswith(".")):
                 if not _RANK_FOLDER.fullmatch(name):
                     return f"{Path(root).name}/{name} is not a rank's folder (rank=N)"
