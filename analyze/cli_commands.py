@@ -167,7 +167,7 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
             fail(f"{run_dir}: not an analysed run (no run.json); run `analyze {run_dir}` first")
         out_path = out_path or out_dir / "merged_trace.json"
         manifest = reuse.read_manifest(out_dir)
-        if why := (damage(manifest) if manifest else "run.json is not a JSON object") or schema.result_problem(out_dir, manifest):
+        if why := (damage(manifest) if manifest else "run.json is not a JSON object") or reuse.result_problem(out_dir, manifest):
             fail(f"{safe_text(out_dir)}: damaged result ({safe_text(why)}); analyse the run again")
     if out_path.exists() and not _is_export(out_path):
         fail(f"{safe_text(out_path)} exists and is not a trace steplens exported: give a new file with --out")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import polars as pl
 
-from steplens.analyze.contract import schema
+from steplens.analyze.contract import reuse, schema
 from steplens.analyze.contract.manifest import damage
 from steplens.analyze.contract.units import binary_bytes as size  # (the reports' name for it: sizes in tables)
 from steplens.analyze.contract.units import duration as ms  # (the reports' short name for it)
@@ -60,7 +60,7 @@ def load(out_dir: Path) -> Run:
         raise DamagedRun(f"{out_dir}: damaged result ({type(e).__name__} in its JSON); analyse the run again") from None
     if why := damage(manifest) or (None if isinstance(findings, dict) else "findings.json is not an object"):
         raise DamagedRun(f"{manifest_path}: damaged ({why}); analyse the run again")
-    if why := schema.result_problem(out_dir, manifest):
+    if why := reuse.result_problem(out_dir, manifest):
         raise DamagedRun(f"{out_dir}: damaged result ({why}); analyse the run again")
     return Run(out_dir, manifest, findings)
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from steplens.analyze import analyses
-from steplens.analyze.contract import schema
+from steplens.analyze.contract import reuse, schema
 from steplens.analyze.query import sql
 from steplens.analyze.cli import steplens
 from steplens.analyze.pipeline import analyse
@@ -184,7 +184,7 @@ def test_analyze_parses_again_what_a_damaged_earlier_result_holds(runs, tmp_path
     done = subprocess.run([str(Path(sys.executable).parent / "analyze"), str(run), "-q"], capture_output=True, text=True,
                           timeout=120)  # it hung here
     assert done.returncode == 0, done.stdout + done.stderr
-    assert schema.stray_files(run / ".steplens") == []
+    assert reuse.stray_files(run / ".steplens") == []
     assert sql.query(run, "SELECT count(DISTINCT rank) AS n FROM trace_events")["n"].to_list() == [2]
 
 

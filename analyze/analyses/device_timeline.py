@@ -101,7 +101,7 @@ def device_timeline(inputs: Inputs) -> Output:
 
 # A CUDA/HIP graph's ops are recorded once, when it is captured (their kernels do not run then), and not at all
 # when it is replayed (one graph-launch call runs them all): a step doing either has no op-shape FLOPs count.
-GRAPH_API = r"^(cuda|cu|hip)Graph(Exec)?Launch|^(cuda|cu|hip)StreamBeginCapture"
+GRAPH_API = launch.GRAPH_LAUNCH + r"|^(cuda|cu|hip)StreamBeginCapture"
 
 
 def trace_step_flops(perf: pl.DataFrame, runtime: pl.DataFrame) -> pl.DataFrame:

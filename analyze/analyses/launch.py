@@ -91,6 +91,15 @@ def usual_queue(launched: pl.DataFrame) -> pl.DataFrame:
         usual_queue_ns=pl.col("queue_ns").clip(lower_bound=0).median())
 
 
+def issued_in_gap(call_start: str, call_end: str, gap_start: str, gap_end: str) -> pl.Expr:
+    """The gap's next work was issued in it (its launch call started after the device ran dry) and then waited in the
+    queue no longer than the call took from the gap's start or than the rank's work usually waits (usual_queue_ns):
+    the host's gap, not a queued one."""
+    return pl.col(call_start).is_not_null() & (pl.col(call_start) >= pl.col(gap_start)) & (
+        pl.col(gap_end) - pl.col(call_end) <= pl.max_horizontal(
+            pl.col(call_end) - pl.col(gap_start), pl.col("usual_queue_ns").fill_null(0)))
+
+
 def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     """Every gap with its cause and, for sync gaps, the sync call: per step and stream (inside the
     step's work on that stream), and for the whole device (stream = ALL_STREAMS, step = the step of
@@ -124,9 +133,7 @@ def idle_gaps(launched: pl.DataFrame, calls: pl.DataFrame) -> pl.DataFrame:
     # issued after the GPU ran dry, and not then left in the queue longer than the host took to issue it or than
     # the rank's work usually waits after its call (launch latency)
     gaps = gaps.join(usual_queue(launched), on=["rank", "source"], how="left", nulls_equal=True)
-    issued_after = pl.col("launch_ts_ns").is_not_null() & (pl.col("launch_ts_ns") >= pl.col("gap_start_ns")) & (
-        pl.col("gap_end_ns") - pl.col("launch_end_ns") <= pl.max_horizontal(
-            pl.col("launch_end_ns") - pl.col("gap_start_ns"), pl.col("usual_queue_ns").fill_null(0)))
+    issued_after = issued_in_gap("launch_ts_ns", "launch_end_ns", "gap_start_ns", "gap_end_ns")
     cause = pl.when(issued_after & in_sync).then(pl.lit("sync")).when(issued_after).then(pl.lit("host_bound")).otherwise(pl.lit("other"))
     return gaps.with_columns(cause=cause, idle_ns=pl.col("gap_end_ns") - pl.col("gap_start_ns")).with_columns(
         sync_event_id=pl.when(pl.col("cause") == "sync").then(pl.col("sync_event_id")),
@@ -201,9 +208,7 @@ def edge_gaps(launched: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     device = device.join(usual_queue(launched), on=["rank", "source"], how="left", nulls_equal=True)
     columns = dict(stream=pl.lit(ALL_STREAMS, pl.Int64), step=pl.lit(None, pl.Int64), sync_event_id=pl.lit(None, pl.Int64),
                    sync_name=pl.lit(None, pl.String))
-    issued_in = (pl.col("first_launch_ns") >= pl.col("from_ns")) & (
-        pl.col("first_ns") - pl.col("first_launch_end_ns") <= pl.max_horizontal(
-            pl.col("first_launch_end_ns") - pl.col("from_ns"), pl.col("usual_queue_ns").fill_null(0)))
+    issued_in = issued_in_gap("first_launch_ns", "first_launch_end_ns", "from_ns", "first_ns")
     lead = device.filter(pl.col("from_ns") < pl.col("first_ns")).select(
         *keys, gap_start_ns="from_ns", gap_end_ns="first_ns",
         cause=pl.when(issued_in).then(pl.lit("host_bound")).otherwise(pl.lit("other")), **columns)

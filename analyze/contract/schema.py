@@ -26,7 +26,6 @@ import re
 
 import pyarrow as pa
 
-from steplens.analyze.contract import reuse
 from steplens.analyze.contract.traces import INT64_RANGE
 
 SCHEMA_VERSION = 2  # 2: step_time outside_ns, outside_rank, least_outside_ns; gpu_idle and step_breakdown spans widened to the steps (2026-12)
@@ -375,12 +374,6 @@ def part_dir(table: str, rank: int | None) -> str:
     """Relative folder of a table's part files for one rank (or the run-level folder)."""
     partitioned = TABLES[table][2]
     return f"{table}/rank={rank}" if partitioned else table
-
-
-# An output folder's damage checks (plain files only, whole Parquet files, rank folders, the parts run.json lists)
-# are stdlib-only, in reuse: the `analyze` script runs them before it imports pyarrow.
-plain_file_inside, stray_files, result_problem = reuse.plain_file_inside, reuse.stray_files, reuse.result_problem
-TRACE_TABLES = reuse.TRACE_TABLES
 
 
 # The analyses' tables are declared by the analyses that write them (their ANALYSIS.writes); the catalogue

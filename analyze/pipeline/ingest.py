@@ -42,7 +42,7 @@ HASH_PREFIX_BYTES = reuse.PREFIX_BYTES
 # surfaces as pyo3's PanicException, a BaseException that `except Exception` lets through.
 FILE_FAILURES = (Exception, pl.exceptions.PanicException)
 IGNORED_LISTED = 200  # run.json lists this many unrecognised files by name (a checkpoint folder has thousands)
-PARSED_TABLES = schema.TRACE_TABLES
+PARSED_TABLES = reuse.TRACE_TABLES
 
 
 class IngestError(Exception):
@@ -880,7 +880,7 @@ def _reusable(old: dict, out_dir: Path) -> Source | None:
         return None
     for table in tables:
         part = out_dir / schema.part_dir(table, rank) / f"part-{restored.part_id}.parquet"
-        if not schema.plain_file_inside(part, out_dir):  # a FIFO would block the read, a link leads elsewhere
+        if not reuse.plain_file_inside(part, out_dir):  # a FIFO would block the read, a link leads elsewhere
             return None
         try:
             pq.read_metadata(part)

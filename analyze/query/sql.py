@@ -20,7 +20,7 @@ import polars as pl
 
 from steplens.analyze import analyses
 from steplens.analyze.analyses import monitor
-from steplens.analyze.contract import schema
+from steplens.analyze.contract import reuse, schema
 from steplens.analyze.contract.manifest import damage
 from steplens.analyze.pipeline import remote
 
@@ -107,7 +107,7 @@ def connect(root: Path, skipped: list[tuple[str, str]] | None = None) -> duckdb.
         if why := damage(manifest):
             skipped.append((str(run), f"damaged run.json ({why})"))
             continue
-        if not isinstance(run, str) and (why := schema.result_problem(run, manifest)):  # a FIFO would block the query
+        if not isinstance(run, str) and (why := reuse.result_problem(run, manifest)):  # a FIFO would block the query
             skipped.append((str(run), f"damaged result: {why}; analyse the run again"))
             continue
         run_id = str(manifest.get("run_id") or run)
