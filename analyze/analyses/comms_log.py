@@ -14,6 +14,7 @@ import polars as pl
 import pyarrow as pa
 
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.analyses.percentile import nearest_rank_expr
 from steplens.analyze.contract.units import binary_bytes, duration
 from steplens.analyze.contract import schema
 
@@ -46,7 +47,7 @@ def comms_log_stats(comms_calls: pl.DataFrame) -> pl.DataFrame:
         calls=pl.len(),
         ranks=pl.col("rank").n_unique(),
         median_latency_ns=pl.col("latency_ns").median().round().cast(pl.Int64),
-        p90_latency_ns=pl.col("latency_ns").quantile(0.9, "linear").round().cast(pl.Int64),
+        p90_latency_ns=nearest_rank_expr("latency_ns", 90),
         total_latency_ns=pl.col("latency_ns").sum(),
         median_algbw_gbps=pl.col("algbw_gbps").median(),
         median_busbw_gbps=pl.col("busbw_gbps").filter(~NO_OP).median(),  # rows written before the rule carry 0
@@ -111,7 +112,7 @@ COMMS_LOG_STATS = schema.table_spec(
     ("calls", pa.int64(), "Calls timed, over all ranks (one source per rank: the comms dump before the log)."),
     ("ranks", pa.int64(), "Ranks that timed them."),
     ("median_latency_ns", pa.int64(), "Median per-call latency."),
-    ("p90_latency_ns", pa.int64(), "90th percentile."),
+    ("p90_latency_ns", pa.int64(), "90th percentile (nearest rank: analyze/analyses/percentile.py)."),
     ("total_latency_ns", pa.int64(), "Summed latency."),
     ("median_algbw_gbps", pa.float64(), "Median nccl-tests algbw, GB/s."),
     ("median_busbw_gbps", pa.float64(), "Median nccl-tests busbw, GB/s."),

@@ -50,6 +50,7 @@ import pyarrow as pa
 from steplens.analyze.contract.schema import ALL_STREAMS, WORK_KINDS
 from steplens.analyze.trace import intervals
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.analyses.percentile import nearest_rank_expr
 from steplens.analyze.analyses import profiler_effect
 from steplens.analyze.contract.text import sentence
 from steplens.analyze.contract import schema
@@ -383,9 +384,9 @@ def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
     return linked.group_by("rank", "launch_api").agg(
         activities=pl.len(),
         api_ns_median=pl.col("api_ns").median(),
-        api_ns_p90=pl.col("api_ns").quantile(0.9),
+        api_ns_p90=nearest_rank_expr("api_ns", 90),
         queue_ns_median=pl.col("queued").median(),
-        queue_ns_p90=pl.col("queued").quantile(0.9),
+        queue_ns_p90=nearest_rank_expr("queued", 90),
         gpu_ns_total=pl.col("dur_ns").sum(),
     ).sort("rank", "activities", "launch_api", descending=[False, True, False])  # a total order: the same rows, the same order
 

@@ -58,7 +58,6 @@ step had it): ``note`` says so and ``kept_steps`` lists them.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 
@@ -68,6 +67,7 @@ import pyarrow as pa
 from steplens.analyze.contract import alarm_rules, schema
 from steplens.analyze.contract.manifest import MAX_STEP
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.analyses.percentile import nearest_rank
 from steplens.analyze.contract.units import duration
 
 MAD_Z_SCALE = 0.6745  # modified z-score (Iglewicz & Hoaglin 1993): 0.6745 (x - median) / MAD
@@ -369,12 +369,6 @@ def instrumented(table: pl.DataFrame) -> set[int]:
     return set(table.filter(pl.any_horizontal(reasons.list.contains(r) for r in INSTRUMENTATION))["step"].to_list())
 
 
-def nearest_rank(values: list[int], share: float) -> int:
-    """The ceil(share x n)-th smallest value (nearest-rank percentile)."""
-    ordered = sorted(values)
-    return ordered[max(math.ceil(share * len(ordered)), 1) - 1]
-
-
 def step_time_summary(table: pl.DataFrame) -> dict:
     """The `step_time` block of findings.json: source, steps kept, median/p90/max, excluded steps by reason."""
     if table.is_empty():
@@ -392,7 +386,7 @@ def step_time_summary(table: pl.DataFrame) -> dict:
     summary = {
         "source": table["source"][0], "definition": table["definition"][0], "steps": len(values),
         "total_steps": table.height, "median_ns": round(statistics.median(values)) if typical else None,
-        "p90_ns": nearest_rank(values, 0.9) if typical else None, "max_ns": max(values) if values else None,
+        "p90_ns": nearest_rank(values, 90) if typical else None, "max_ns": max(values) if values else None,
         "max_step": kept.sort("step_time_ns", "step", descending=[True, False])["step"][0] if values else None,
         "excluded_steps": excluded,
         # Megatron logs one mean per logging interval: each value stands for several steps.

@@ -13,6 +13,7 @@ import polars as pl
 import pyarrow as pa
 
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output, conformed
+from steplens.analyze.analyses.percentile import nearest_rank_expr
 from steplens.analyze.contract import schema
 
 COLLECTIVE_SUMMARY = schema.table_spec(
@@ -27,8 +28,8 @@ COLLECTIVE_SUMMARY = schema.table_spec(
     ("median_rank_exposed_ns", pa.int64(), "Median over ranks of each rank's exposed time."),
     ("overlapped_ns", pa.int64(), "Kernel time hidden behind compute, all ranks."),
     ("busbw_median_gbps", pa.float64(), "Median busbw over calls, GB/s."),
-    ("busbw_p10_gbps", pa.float64(), "10th percentile."),
-    ("busbw_p90_gbps", pa.float64(), "90th percentile."),
+    ("busbw_p10_gbps", pa.float64(), "10th percentile (nearest rank: analyze/analyses/percentile.py)."),
+    ("busbw_p90_gbps", pa.float64(), "90th percentile (nearest rank)."),
 )
 
 COLLECTIVE_CALL_SITES = schema.table_spec(
@@ -90,7 +91,7 @@ def _per_rank_exposure(calls: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
     totals = calls.group_by(keys).agg(
         calls=pl.len(), ranks=pl.col("rank").n_unique(), kernel_ns=pl.col("dur_ns").sum(),
         overlapped_ns=pl.col("overlapped_ns").sum(), busbw_median_gbps=busbw.median(),
-        busbw_p10_gbps=busbw.quantile(0.1, "linear"), busbw_p90_gbps=busbw.quantile(0.9, "linear"))
+        busbw_p10_gbps=nearest_rank_expr("busbw_gbps", 10), busbw_p90_gbps=nearest_rank_expr("busbw_gbps", 90))
     return (totals.join(_exposure(calls, keys), on=keys, how="left", nulls_equal=True)
             .sort("max_rank_exposed_ns", "op", descending=[True, False]).pipe(conformed, COLLECTIVE_SUMMARY, "collective_summary"))
 
