@@ -312,7 +312,21 @@ class Collector:
         self.samples_at_last_step = self.guard("alarms", self.samples_now)
         self.guard("profiler", self.profiler_step)
         if self.completed_steps % self.settings.flush_every == 0:
-            self.guard("writer", self.flush)
+            self.guard("writer", self.flush_between_steps)
+
+    def next_step(self) -> int:
+        """The number the next optimizer step's rows will carry."""
+        return self.completed_steps
+
+    def flush_between_steps(self) -> None:
+        """The periodic flush: its write runs on the writer thread during the next step, whose time (on a machine
+        with few cores) holds some of it. The run fact first_flush_step says which step that was (the others follow
+        every flush_every steps: analyze leaves them out of the step time), and the alarms' step rules skip them."""
+        step = self.next_step()
+        self.run_facts.setdefault("first_flush_step", step)
+        if self.alarms is not None:
+            self.alarms.engine.skip_steps.add(step)
+        self.flush()
 
     def last_finished_step(self) -> int | None:
         """The last optimizer step finished; None before the first (not -1, which no step is)."""
@@ -568,8 +582,11 @@ class EngineCollector(Collector):
             return save_checkpoint(*args, **kwargs)
         return save_recorded
 
+    def next_step(self) -> int:
+        return int(self.engine.global_steps)  # a resumed job's steps go on from its checkpoint's
+
     def checkpoint_started(self) -> None:
-        step = int(self.engine.global_steps)  # the step the save precedes: its time holds the save's wait
+        step = self.next_step()  # the step the save precedes: its time holds the save's wait
         self.run_facts.setdefault("checkpoint_steps", []).append(step)
         if self.alarms is not None:
             self.alarms.engine.skip_steps.add(step)

@@ -233,7 +233,7 @@ def test_a_step_whose_timers_read_0_or_below_0_is_left_out(tmp_path):
         (3, 0, "negative_duration,no_time"), (4, 57_045_300_000, None)]
     block = findings["step_time"]  # the median of the 4 measured steps: (57 057.50 + 57 082.62) / 2 ms
     assert (block["steps"], block["total_steps"], block["median_ns"]) == (4, 5, 57_070_060_000)
-    assert any("left out: ends before it starts step 3; no time measured step 3" in line for line in lines)
+    assert any("left out: step 3 (end before start); step 3 (no time measured)" in line for line in lines)
 
 
 def test_skipped_and_incomplete_steps_hand_computed():
@@ -462,7 +462,7 @@ def test_two_unlike_kept_steps_give_no_median_and_say_what_is_known(tmp_path):
     line = next(line for line in lines if line.startswith("Step time: "))
     assert line.startswith(f"Step time: median {shown(statistics.median(kept))}")
     assert f"over {len(kept)} of {len(times)} steps" in line and times[0] is None
-    assert "no step before it to start it step 0" in line  # the run's first step: no cycle to time
+    assert "step 0 (no step before to time from)" in line  # the run's first step: no cycle to time
     for step, why in sorted(left_out.items()):
         assert f"{why} step {step}" in line
 
@@ -600,3 +600,59 @@ def test_profiled_steps_past_the_third_are_named():
     lines = step_time.step_lines({"profiled_steps": {"steps": windows, "source": "train_steps", "run_median_ns": None}})
     assert [line.split(" took")[0] for line in lines[:3]] == ["Profiled step 4", "Profiled step 5", "Profiled step 8"]
     assert lines[3] == "1 more profiled step (9): step_time's profiled_steps in findings.json."
+
+
+def _steady_rows(cycles: list[int]) -> list[dict]:
+    """One rank's train_steps rows whose cycles (the end of the step before to this one's end) are `cycles` ns."""
+    rows, end = [], 0
+    for step, cycle in enumerate(cycles):
+        end += cycle
+        rows.append({"rank": 0, "source": "collector/train_steps/rank0-00000.parquet", "step": step, "micro_step": step,
+                     "start_ns": end - cycle // 2, "end_ns": end, "dur_ns": cycle // 2, "is_boundary": True,
+                     "skipped": False, "global_samples": 8 * (step + 1), "global_tokens": None, "loss_scale": None,
+                     "lr": 0.1})
+    return rows
+
+
+def test_the_steps_the_collector_flushed_in_are_left_out_and_their_cost_said():
+    """A collector flushing every 10 steps (first after step 9: first_flush_step 10) on 31 steps of 1000 ns whose
+    steps 10, 20 and 30 took 2500 ns: those three are left out as the collector's, the kept median is 1000 ns, no
+    step is the run's slowest, and one line gives the flushes' cost (median 2500 against 1000)."""
+    cycles = [2500 if step in (10, 20, 30) else 1000 for step in range(31)]
+    facts = {"first_flush_step": 10, "settings": {"flush_every": 10}}
+    table = step_time.step_time_table(pl.DataFrame(_steady_rows(cycles)), facts=facts)
+    flagged = table.filter(pl.col("reason") == "collector_flush")["step"].to_list()
+    assert flagged == [10, 20, 30]
+    summary = step_time.step_time_summary(table)
+    assert (summary["steps"], summary["median_ns"], summary["max_ns"]) == (27, 1000, 1000)  # 31 less step 0 and three
+    assert summary["flush_cost"] == {"steps": 3, "median_ns": 2500, "kept_median_ns": 1000}
+    assert step_time.slowest_step(table) is None
+    lines = step_time.step_lines(summary)
+    assert "left out: step 0 (no step before to time from); steps 10, 20, 30 (the collector's flushes)" in lines[0]
+    assert any(line.startswith("The collector's flushes slowed the steps they ran in: median 2.5 µs over 3 such steps "
+                               "against 1 µs") for line in lines), lines
+    # the replayed alarms skip them as the job's own alarms did (the collector adds each flush step to skip_steps)
+    assert {10, 20, 30} <= step_time.instrumented(table)
+
+
+@pytest.mark.parametrize("facts", [
+    {"first_flush_step": 10, "settings": {"flush_every": 4}},  # flushing this often, every step holds its share
+    {"settings": {"flush_every": 10}},  # a collector from before first_flush_step: nothing to place them by
+    {"first_flush_step": "10", "settings": {"flush_every": 10}},
+    {"first_flush_step": 10, "settings": {"flush_every": True}},
+])
+def test_flush_steps_are_marked_only_when_known_and_sparse(facts):
+    cycles = [2500 if step in (10, 20, 30) else 1000 for step in range(31)]
+    table = step_time.step_time_table(pl.DataFrame(_steady_rows(cycles)), facts=facts)
+    assert table.filter(pl.col("reason").str.contains("collector_flush")).is_empty()
+    assert "flush_cost" not in step_time.step_time_summary(table)
+
+
+def test_the_collector_notes_the_step_its_first_flush_ran_in(ds_steady_run):
+    """The real job's manifests: the first flush follows the flush_every-th step, so the step it runs in is the
+    first recorded step + flush_every (train_steps' own numbering, from the parts)."""
+    for manifest_path in sorted((ds_steady_run / "collector" / "manifest").glob("rank*.json")):
+        manifest = json.loads(manifest_path.read_text())
+        rank = manifest["rank"]
+        steps = pl.read_parquet(ds_steady_run / "collector" / "train_steps" / f"rank{rank}-*.parquet")["step"]
+        assert manifest["run"]["first_flush_step"] == steps.min() + manifest["run"]["settings"]["flush_every"]

@@ -32,6 +32,10 @@ Excluded steps, each named in ``reason`` (several joined by ","):
 * ``profiler_export``: the step after a window's last step. Each rank writes its trace
   (on_trace_ready) before starting it, each at its own pace, so its collectives wait for the
   slowest writer.
+* ``collector_flush``: a step during which the steplens collector wrote a flush (every ``flush_every``-th
+  step's rows, on its writer thread: on a machine with few cores that thread takes CPU from the step); from
+  the run fact ``first_flush_step`` and the collector's ``flush_every`` (5 or more; flushing more often, every
+  step holds its share of the cost and none is left out).
 * ``checkpoint_save``: the step that follows a checkpoint save (``facts["checkpoint_steps"]``: the
   optimizer steps done when the save began, from the DeepSpeed/Megatron log lines or the collector's
   wrapped ``save_checkpoint``). The save runs between steps: the ranks enter that step's first
@@ -255,8 +259,10 @@ def _pick_source(train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: 
 
 
 
-def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict[int, set[str]]:
-    """Optimizer step -> instrumentation that ran in it (flops_profiler, profiler_warmup, profiler_window, ...)."""
+def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps: pl.DataFrame,
+                       last_step: int | None = None) -> dict[int, set[str]]:
+    """Optimizer step -> instrumentation that ran in it (flops_profiler, profiler_warmup, profiler_window, ...), for
+    the steps up to `last_step` (the collector's flushes recur to the end of the run)."""
     found: dict[int, set[str]] = {}
 
     def mark(step, reason: str) -> None:
@@ -280,7 +286,24 @@ def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps:
                 mark(step + 1, "profiler_export")
     for step in facts.get("checkpoint_steps") or []:
         mark(step, "checkpoint_save")
+    for step in flush_steps(facts, last_step):
+        mark(step, "collector_flush")
     return found
+
+
+# A collector flushing at least this many steps apart has steps without a flush to compare with; flushing more often,
+# its cost is in every step's time, and no step is left out for it.
+FLUSH_MARK_MIN_EVERY = 5
+
+
+def flush_steps(facts: dict, last_step: int | None) -> range:
+    """The optimizer steps that ran while the collector wrote a flush on its writer thread (the step after every
+    flush_every-th one, from the run fact first_flush_step up to `last_step`); empty for a collector that did not
+    note its first flush (written before it did) or flushed more often than every FLUSH_MARK_MIN_EVERY steps."""
+    first, every = facts.get("first_flush_step"), (facts.get("settings") or {}).get("flush_every")
+    if not (type(first) is int and type(every) is int and every >= FLUSH_MARK_MIN_EVERY and last_step is not None):
+        return range(0)
+    return range(first, min(last_step, MAX_STEP) + 1, every)
 
 
 def _run_span_ns(frame: pl.DataFrame, scalars: pl.DataFrame) -> int | None:
@@ -337,7 +360,8 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
     frame = frame.with_columns(
         negative=(pl.col("step_time_ns") < 0) | pl.col("negative").fill_null(False),
         too_long=(pl.col("step_time_ns") > span) if span is not None else pl.lit(False))
-    instrumented = {} if source == "profiler_steps" else instrumented_steps(facts, flops_profile, profiler_steps)
+    instrumented = {} if source == "profiler_steps" else instrumented_steps(
+        facts, flops_profile, profiler_steps, frame["step"].max())
     reasons = pl.DataFrame({"step": list(instrumented), "instrumented": [",".join(sorted(r)) for r in instrumented.values()]},
                            schema={"step": pl.Int64, "instrumented": pl.String})
     frame = frame.join(reasons, on="step", how="left").with_columns(
@@ -358,7 +382,8 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
 
 
 # Reasons that mark a step the run instrumented: its time is partly the instrument's (profilers, checkpoint saves).
-INSTRUMENTATION = ("flops_profiler", "profiler_warmup", "profiler_window", "profiler_export", "checkpoint_save")
+INSTRUMENTATION = ("flops_profiler", "profiler_warmup", "profiler_window", "profiler_export", "checkpoint_save",
+                   "collector_flush")
 
 
 def instrumented(table: pl.DataFrame) -> set[int]:
@@ -393,6 +418,10 @@ def step_time_summary(table: pl.DataFrame) -> dict:
         "interval_means": table["definition"][0] in (DEFINITIONS["log_megatron"], DEFINITIONS["log_pipeline"]),
         "log_step_label": LOG_STEP_LABELS.get(next((k for k, d in DEFINITIONS.items() if d == table["definition"][0]), "")),
     }
+    flushed = table.filter(pl.col("reason") == "collector_flush")["step_time_ns"].drop_nulls()
+    if typical and flushed.len() and flushed.median() > (1 + MIN_EXCESS_SHARE) * summary["median_ns"]:
+        summary["flush_cost"] = {"steps": flushed.len(), "median_ns": round(flushed.median()),
+                                 "kept_median_ns": summary["median_ns"]}
     if not values:
         summary["note"] = "every step was excluded (see excluded_steps)"
     elif not typical:
@@ -535,12 +564,15 @@ def overflow_finding(table: pl.DataFrame, scalars: pl.DataFrame | None = None) -
 # What it says
 
 
-EXCLUSION_WORDS = {"warm_up": "warm-up", "flops_profiler": "FLOPs profiler", "profiler_warmup": "profiler warm-up",
-                   "profiler_window": "profiler window", "profiler_export": "trace export",
-                   "checkpoint_save": "checkpoint save", "overflow_skipped": "skipped on fp16 overflow",
-                   "incomplete": "incomplete", "negative_duration": "ends before it starts",
-                   "longer_than_run": "longer than the run", "no_time": "no time measured",
-                   "no_previous_step": "no step before it to start it"}
+# How the step line names the steps left out for each reason ({steps}: "step 4" or "steps 10-13, 20").
+EXCLUSION_WORDS = {"warm_up": "warm-up {steps}", "flops_profiler": "FLOPs profiler {steps}",
+                   "profiler_warmup": "profiler warm-up {steps}", "profiler_window": "profiler window {steps}",
+                   "profiler_export": "trace export {steps}", "checkpoint_save": "checkpoint save {steps}",
+                   "collector_flush": "{steps} (the collector's flushes)",
+                   "overflow_skipped": "{steps} (skipped on fp16 overflow)",
+                   "incomplete": "{steps} (incomplete: a rank's record is missing, or the job stopped inside)",
+                   "negative_duration": "{steps} (end before start)", "longer_than_run": "{steps} (longer than the run)",
+                   "no_time": "{steps} (no time measured)", "no_previous_step": "{steps} (no step before to time from)"}
 
 
 SOURCE_WORDS = {"train_steps": "the collector's train_steps", "log": "the logs", "profiler_steps": "the profiled steps"}
@@ -593,8 +625,9 @@ def step_lines(summary: dict) -> list[str]:
     if summary.get("steps"):
         if excluded := summary.get("excluded_steps"):
             line += "; left out: " + "; ".join(
-                f"{EXCLUSION_WORDS.get(e['reason'], e['reason'])} {'step' if e['count'] == 1 else 'steps'} "
-                f"{_step_ranges(e['steps'], e['count'])}" + (_times(e) if few else "") for e in excluded)
+                EXCLUSION_WORDS.get(e["reason"], e["reason"] + " {steps}").format(
+                    steps=f"{'step' if e['count'] == 1 else 'steps'} {_step_ranges(e['steps'], e['count'])}")
+                + (_times(e) if few else "") for e in excluded)
         lines.append(line + ".")
     elif summary.get("source"):
         lines.append(f"Step time: none of the {summary['total_steps']} steps is typical ({summary.get('note')}).")
@@ -631,6 +664,11 @@ def step_lines(summary: dict) -> list[str]:
         more = profiled["steps"][PROFILED_SAID:]
         lines.append(f"{len(more)} more profiled step{'s' if len(more) > 1 else ''} "
                      f"({_step_ranges([w['step'] for w in more], len(more))}): step_time's profiled_steps in findings.json.")
+    if flush := summary.get("flush_cost"):
+        lines.append(f"The collector's flushes slowed the steps they ran in: median {duration(flush['median_ns'])} over "
+                     f"{flush['steps']} such step{'s' if flush['steps'] > 1 else ''} against {duration(flush['kept_median_ns'])} "
+                     "(its writer thread takes CPU from the step); left out of the step time; a larger flush_every "
+                     "spreads the cost.")
     if outside := summary.get("outside_work"):
         lines.append(outside_line(outside) + ".")
     return lines
@@ -750,8 +788,8 @@ STEP_TIME = schema.table_spec(
     ("loss_scale", pa.float64(), "fp16 loss scale after the step."),
     ("excluded", pa.bool_(), "Left out of the run's step-time summary."),
     ("reason", pa.string(), "Why: warm_up, flops_profiler, profiler_warmup, profiler_window, profiler_export, "
-                            "checkpoint_save, overflow_skipped, incomplete, no_previous_step, negative_duration, "
-                            "longer_than_run, no_time (comma-separated)."),
+                            "checkpoint_save, collector_flush, overflow_skipped, incomplete, no_previous_step, "
+                            "negative_duration, longer_than_run, no_time (comma-separated)."),
     ("definition", pa.string(), "The step-time definition of the source, in words."),
 )
 

@@ -79,7 +79,7 @@ OBJECT_FACTS = ("ds_config", "settings", "collector_flags", "environment", "git"
 POSITIVE_COUNT_FACTS = ("world_size", "dp_world_size", "train_batch_size", "gradient_accumulation_steps", "micro_batch",
                         "grad_accum", "seq_len", "sequence_length", "train_micro_batch_size_per_gpu",
                         "data_parallel_size", "model_parallel_size", "batch_size_per_gpu")
-COUNT_FACTS = ("zero_stage", "profile_step", "param_count")
+COUNT_FACTS = ("zero_stage", "profile_step", "param_count", "first_flush_step")
 MAX_COUNT = 2**53
 MAX_STEP = 2**31 - 1
 

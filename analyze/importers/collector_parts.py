@@ -25,7 +25,7 @@ from steplens.analyze.importers.kineto import preview
 # Run facts every rank's manifest gives alike; the rest is per rank, under collector_rank<r>.
 RUN_FACTS = ("world_size", "zero_stage", "dtype", "dp_world_size", "micro_batch", "grad_accum", "train_batch_size",
              "seq_len", "param_count", "ds_config", "wall_clock_breakdown", "environment", "git", "settings",
-             "checkpoint_steps", "model_shape")
+             "checkpoint_steps", "model_shape", "first_flush_step")
 # Bounds of one part as read (_read_bounded). The collector writes a part per table per flush (flush_every=50
 # steps by default): a real part holds up to a few 10k rows (comms_calls of a large job); 1 M rows of the widest
 # table (comms_calls) take about 300 MB as frames.
