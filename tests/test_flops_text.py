@@ -279,3 +279,71 @@ def test_the_2020_layout_is_read():
     assert type(imported.facts["profile_step"]) is int and not imported.issues
     rows = imported.tables["flops_profile"].select("path", "params", "macs_total", "duration_ns", "profile_step").rows()
     assert rows == [("", 12_500, 20_000_000, 4_000_000, 3), ("fc", 12_500, 20_000_000, 3_000_000, 3)]
+
+
+def _summary_value(text: str, label: str) -> float:
+    """A summary line's number as DeepSpeed printed it ("471.76 M" -> 471.76e6), read here with a regex of its own."""
+    import re
+
+    number, unit = re.search(rf"^{re.escape(label)}:\s+([\d.]+) ?([KMGT]?)", text, re.M).groups()
+    return float(number) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[unit]
+
+
+def _native_copy(tmp_path: Path, name: str) -> Path:
+    """A copy of a real CPU DeepSpeed run's native artifacts (no collector)."""
+    import shutil
+
+    run = tmp_path / name
+    shutil.copytree(_need(RUNS / name), run)
+    return run
+
+
+def test_mfu_from_deepspeed_s_own_flops_profile(tmp_path):
+    """A native run whose only FLOPs count is DeepSpeed's flops_profiler output: MFU = 3 x its 'fwd flops per GPU' x
+    gradient accumulation x data-parallel ranks (ds_config and the summary, read here) over each kept step's time x
+    GPUs x the given peak."""
+    from steplens.analyze.pipeline import analyse
+
+    run = _native_copy(tmp_path, "run5")
+    text = (run / "flops_profiler" / "flops_profile.txt").read_text()
+    config = json.loads((run / "ds_config.json").read_text())
+    expected = 3 * _summary_value(text, "fwd flops per GPU") * config["gradient_accumulation_steps"] * \
+        _summary_value(text, "data parallel size") * _summary_value(text, "model parallel size")
+    from steplens.analyze.analyses.runner import Options
+
+    _, findings = analyse(run, tmp_path / "out", Options(peak_tflops=1.0), jobs=1)
+    mfu = pl.read_parquet(tmp_path / "out" / "mfu" / "*.parquet").filter(pl.col("numerator") == "deepspeed_flops_profile")
+    assert mfu.height > 0 and (mfu["flops"] == expected).all()
+    assert mfu["utilization"].to_list() == pytest.approx(
+        [expected / (ns * 1e-9 * 2 * 1e12) for ns in mfu["step_time_ns"].to_list()], rel=1e-12)
+    assert findings["mfu"][0]["numerator"] == "deepspeed_flops_profile"
+
+
+def test_no_mfu_from_deepspeed_s_profile_under_zero3(tmp_path):
+    """ZeRO-3 doubles the profiler's Linear counts and its rounded per-module numbers cannot show it exactly."""
+    from steplens.analyze.analyses.runner import Options
+    from steplens.analyze.pipeline import analyse
+
+    run = _native_copy(tmp_path, "run3")
+    _, findings = analyse(run, tmp_path / "out", Options(peak_tflops=1.0), jobs=1)
+    numerators = [row["numerator"] for row in findings["mfu"]] if isinstance(findings["mfu"], list) else []
+    assert "deepspeed_flops_profile" not in numerators
+    refused = findings.get("mfu_refused") or findings["mfu"].get("note", "")
+    assert "ZeRO-3" in refused and "DeepSpeed's FLOPs profile" in refused
+
+
+def test_profiles_of_different_forwards_give_no_mfu(tmp_path):
+    """Two of DeepSpeed's profiles in one run that disagree (the API can profile any model or batch): neither is
+    taken, and the message names both."""
+    from steplens.analyze.analyses.runner import Options
+    from steplens.analyze.pipeline import analyse
+
+    run = _native_copy(tmp_path, "run5")
+    api = run / "flops_profiler" / "api_print_model_profile.txt"
+    api.write_text(api.read_text().replace("fwd flops per GPU:                                                      471.76 M",
+                                           "fwd flops per GPU:                                                      943.52 M"))
+    _, findings = analyse(run, tmp_path / "out", Options(peak_tflops=1.0), jobs=1)
+    numerators = [row["numerator"] for row in findings["mfu"]] if isinstance(findings["mfu"], list) else []
+    assert "deepspeed_flops_profile" not in numerators
+    refused = findings.get("mfu_refused") or findings["mfu"].get("note", "")
+    assert "disagree" in refused and "471,760,000" in refused and "943,520,000" in refused

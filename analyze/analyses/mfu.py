@@ -111,6 +111,9 @@ def step_flops(cpu: pl.DataFrame) -> pl.DataFrame:
 COLLECTOR_DEFINITION = ("3 x the forward FLOPs DeepSpeed's FLOPs profiler counted for one micro batch on rank 0 "
                         "(forward + backward = 3 forward, no recompute; under ZeRO-3 its doubled Linear FLOPs halved), "
                         "x micro batches per step x data-parallel ranks")
+DEEPSPEED_PROFILE_DEFINITION = ("3 x the 'fwd flops per GPU' of DeepSpeed's FLOPs-profiler summary (one micro batch's "
+                                "forward; forward + backward = 3 forward, no recompute; printed with 2 decimals of its "
+                                "unit, so within 0.5%), x micro batches per step x data-parallel x model-parallel ranks")
 STEP_TIME_NOTE = "; step time: the run's step_time table, steps the summary keeps (warm-up and instrumented steps left out)"
 COLUMNS = {"step": pl.Int64, "rank": pl.Int64, "metric": pl.String, "numerator": pl.String, "flops": pl.Float64,
            "step_time_ns": pl.Int64, "gpus": pl.Int64, "peak_flops": pl.Float64, "utilization": pl.Float64,
@@ -179,6 +182,31 @@ def _collector_flops(flops_profile: pl.DataFrame, facts: dict, world_size: int) 
     return 3 * forward * micro * data_parallel, ""
 
 
+PROFILES_AGREE = 0.01  # two of DeepSpeed's profiles of one forward, each rounded to 2 decimals of its unit
+
+
+def _deepspeed_profile_flops(flops_profile: pl.DataFrame, facts: dict, world_size: int) -> tuple[float | None, str]:
+    """FLOPs per optimizer step from the summary of DeepSpeed's own FLOPs-profiler output (the root module's
+    flops_total: its 'fwd flops per GPU'), or None and why not."""
+    native = flops_profile.filter(~pl.col("source").str.starts_with("collector") & (pl.col("depth") == 0)
+                                  & pl.col("flops_total").is_not_null() & (pl.col("flops_total") > 0)) \
+        if not flops_profile.is_empty() else flops_profile
+    if native.is_empty():
+        return None, ""
+    if facts.get("zero_stage") == 3:
+        return None, ("DeepSpeed's FLOPs profile was taken under ZeRO-3, which counts Linear FLOPs twice, and its "
+                      "rounded numbers cannot show the doubling exactly: no MFU from it")
+    low, high = native["flops_total"].min(), native["flops_total"].max()
+    if high > low * (1 + PROFILES_AGREE):  # a profile of another model or batch (print_model_profile can take any)
+        shown = ", ".join(f"{row['flops_total']:,} in {row['source']}" for row in
+                          native.unique("flops_total").sort("flops_total").head(3).iter_rows(named=True))
+        return None, f"DeepSpeed's FLOPs profiles in the run disagree on the forward FLOPs ({shown}): no MFU from them"
+    forward = float(high)
+    micro = facts.get("gradient_accumulation_steps") or facts.get("grad_accum") or 1
+    model_parallel = facts.get("model_parallel_size") or 1
+    return 3 * forward * micro * data_parallel_size(facts, max(world_size // model_parallel, 1)) * model_parallel, ""
+
+
 def trace_flops_per_step(step_flops: pl.DataFrame, gpus: int) -> float | None:
     """The traces' executed FLOPs of one optimizer step (`_trace_step_flops`: rank, step, flops, graphs): per
     profiled step the mean over the traced ranks x gpus, then the median over the profiled steps; a step that
@@ -215,6 +243,9 @@ def step_time_mfu(step_time: pl.DataFrame, flops_profile: pl.DataFrame, facts: d
     FLOPs from op shapes, executed work (recomputation included): HFU beside another numerator, else the MFU.
     Only the steps the step-time summary keeps count. Returns the rows and, when a numerator was refused, why."""
     collector_flops, problem = _collector_flops(flops_profile, facts, world_size)
+    native_flops, native_problem = (None, "") if collector_flops is not None else \
+        _deepspeed_profile_flops(flops_profile, facts, world_size)
+    problem = problem or native_problem
     kept = step_time.filter(~pl.col("excluded") & (pl.col("step_time_ns") > 0)) if not step_time.is_empty() else step_time
     if peak is None or kept.is_empty():
         return pl.DataFrame(schema=COLUMNS), problem
@@ -227,6 +258,8 @@ def step_time_mfu(step_time: pl.DataFrame, flops_profile: pl.DataFrame, facts: d
                              PALM_DEFINITION + " + one forward recompute" + origin))
     if collector_flops is not None:
         variants.append(("MFU", "collector_flops_profile", collector_flops, COLLECTOR_DEFINITION))
+    if native_flops is not None:
+        variants.append(("MFU", "deepspeed_flops_profile", native_flops, DEEPSPEED_PROFILE_DEFINITION))
     if trace_flops:
         variants.append(("HFU" if variants else "MFU", "trace_shapes", trace_flops, TRACE_DEFINITION))
     frames = [kept.select(
@@ -257,7 +290,8 @@ def profiler_hfu(step_times: pl.DataFrame, counted_flops: pl.DataFrame, peak: Pe
         definition=pl.lit(PROFILER_DEFINITION), peak=pl.lit(peak.label)).cast(COLUMNS).sort("step", "rank")
 
 
-NUMERATOR_ORDER = ("palm", "megatron_args", "collector_flops_profile", "trace_shapes", "profiler_flops")
+NUMERATOR_ORDER = ("palm", "megatron_args", "collector_flops_profile", "deepspeed_flops_profile", "trace_shapes",
+                   "profiler_flops")
 DISAGREE = 0.15  # two numerators of one step further apart than this (relative to the smaller) are named
 
 
@@ -266,7 +300,8 @@ def mfu_finding(table: pl.DataFrame, problem: str | None) -> list[dict] | dict:
     analytic count before the profile before the traces), or why there is none."""
     if table.is_empty():
         return {"note": problem or "no FLOPs numerator: give the model shape (--params --layers --hidden), record op "
-                                   "shapes (torch.profiler record_shapes=True), or let the collector take a FLOPs profile"}
+                                   "shapes (torch.profiler record_shapes=True), or take a FLOPs profile (the "
+                                   "collector's, or DeepSpeed's flops_profiler)"}
     summary = table.group_by("metric", "numerator", "definition", "peak").agg(
         utilization=pl.col("utilization").median(), flops_per_step=pl.col("flops").median())
     order = {name: i for i, name in enumerate(NUMERATOR_ORDER)}
@@ -288,7 +323,8 @@ def numerators_disagree(rows: list[dict]) -> list[dict]:
 
 
 NUMERATOR_WORDS = {"palm": "the analytic count", "megatron_args": "Megatron's count", "trace_shapes": "the traces' op shapes",
-                   "collector_flops_profile": "the collector's FLOPs profile", "profiler_flops": "torch.profiler with_flops"}
+                   "collector_flops_profile": "the collector's FLOPs profile",
+                   "deepspeed_flops_profile": "DeepSpeed's FLOPs profile", "profiler_flops": "torch.profiler with_flops"}
 
 
 # Why two FLOPs counts of one step differ, in either direction: what each counts.
@@ -400,8 +436,9 @@ MFU = schema.table_spec(
     ("step", pa.int64(), "Step."),
     ("rank", pa.int64(), "Rank (null: the whole job)."),
     ("metric", pa.string(), "MFU (model FLOPs) or HFU (executed FLOPs)."),
-    ("numerator", pa.string(), "palm (6N + 12LHQT per token), profiler_flops (torch.profiler with_flops) or "
-                               "collector_flops_profile (3 x the collector's profiled forward FLOPs)."),
+    ("numerator", pa.string(), "palm (6N + 12LHQT per token), megatron_args, profiler_flops (torch.profiler "
+                               "with_flops), trace_shapes, collector_flops_profile (3 x the collector's profiled "
+                               "forward FLOPs) or deepspeed_flops_profile (3 x DeepSpeed's profiler summary's)."),
     ("flops", pa.float64(), "FLOPs in the step."),
     ("step_time_ns", pa.int64(), "Step time divided by."),
     ("gpus", pa.int64(), "GPUs."),
