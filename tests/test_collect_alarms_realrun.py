@@ -150,3 +150,31 @@ def test_the_verdict_shows_in_job_alarms_next_to_the_replay_and_where_they_agree
     assert nan_rows["step"].to_list() == [NAN_AT]
     assert any(line.startswith("Monitor alarms: ") and "nonfinite x" in line
                for line in monitor_analysis.alarms_lines(findings["monitor_alarms"], findings))
+
+
+def test_logged_comms_name_the_rank_that_waits_least(alarm_run, tmp_path):
+    """Rank SLOW_RANK sleeps before each forward, so the other rank reaches every all_reduce early and waits for it:
+    the per-rank medians, from the collector's raw comms_calls parts, are the op on the late rank and the op plus
+    the wait on the early one. comms_log_stats and the sentence name the late rank as the one that waits least."""
+    import statistics
+
+    import pyarrow.parquet as pq
+    from steplens.analyze.analyses import comms_log
+
+    latencies: dict[tuple[str, int], dict[int, list[int]]] = {}
+    for part in sorted((alarm_run / "collector" / "comms_calls").glob("rank*.parquet")):
+        for row in pq.read_table(part, columns=["rank", "op", "msg_bytes", "latency_ns"]).to_pylist():
+            latencies.setdefault((row["op"], row["msg_bytes"]), {}).setdefault(row["rank"], []).append(row["latency_ns"])
+    costliest = max(latencies, key=lambda key: sum(sum(v) for v in latencies[key].values()))
+    medians = {rank: statistics.median(values) for rank, values in latencies[costliest].items()}
+    assert min(medians, key=medians.get) == SLOW_RANK  # the job as built: the slow rank waits least
+    out = shutil.copytree(alarm_run, tmp_path / "run", ignore=shutil.ignore_patterns(".steplens"))
+    result = ingest.ingest(out, jobs=1)
+    findings = runner.run(result.out_dir, runner.Options())
+    row = pl.read_parquet(result.out_dir / "comms_log_stats").filter(
+        (pl.col("op") == costliest[0]) & (pl.col("msg_bytes") == costliest[1])).row(0, named=True)
+    assert row["least_wait_rank"] == SLOW_RANK
+    assert row["least_wait_median_latency_ns"] == round(medians[SLOW_RANK])
+    assert row["most_wait_median_latency_ns"] == round(max(medians.values()))
+    line = " ".join(comms_log.logged_lines(findings["comms_log"], findings)[0].split())
+    assert f"mostly waiting: the median call takes" in line and f"on rank {SLOW_RANK}, the rank that waits least" in line

@@ -258,6 +258,7 @@ def collectives_section(page, run):
         section.rows(logged.sort("total_latency_ns", descending=True), {
             "op": ("op", "text"), "nccl_bytes": ("size S", "size"), "group_size": ("ranks in group", "text"),
             "calls": ("calls", "num"), "median_latency_ns": ("median latency", "ms"),
+            "least_wait_median_latency_ns": ("median, rank waiting least", "ms"),
             "p90_latency_ns": ("p90 latency", "ms"), "total_latency_ns": ("total latency", "ms"),
             "median_busbw_gbps": ("median busbw GB/s", "num"), "latency_origin": ("latency from", "text")},
             "comms_log_stats")

@@ -54,10 +54,23 @@ def comms_log_stats(comms_calls: pl.DataFrame) -> pl.DataFrame:
         latency_origin=pl.col("latency_origin").unique().sort().str.join(","),
         synchronized=pl.col("synchronized").any(),
     )
+    # Each rank's own median: a rank that reaches a collective early times its wait for the last one too, so the
+    # rank whose median is lowest is the best measure of the op itself, and the others' excess is waiting.
+    keys = ["op", "nccl_bytes", "group_size"]
+    per_rank = calls.group_by(*keys, "rank").agg(
+        rank_latency_ns=pl.col("latency_ns").median(),
+        rank_busbw_gbps=pl.col("busbw_gbps").filter(~NO_OP).median())
+    least = per_rank.sort(*keys, "rank_latency_ns", "rank", nulls_last=True).group_by(keys, maintain_order=True).agg(
+        least_wait_rank=pl.col("rank").first(),
+        least_wait_median_latency_ns=pl.col("rank_latency_ns").first().round().cast(pl.Int64),
+        least_wait_median_busbw_gbps=pl.col("rank_busbw_gbps").first(),
+        most_wait_median_latency_ns=pl.col("rank_latency_ns").max().round().cast(pl.Int64))
+    stats = stats.join(least, on=keys, how="left", nulls_equal=True)
     caveat = pl.when(pl.col("synchronized")).then(pl.lit(CAVEAT)).otherwise(pl.lit(None, pl.String))
     return stats.with_columns(caveat=caveat).sort(NO_OP, pl.col("total_latency_ns"), descending=[False, True]).select(
         "op", "msg_bytes", "nccl_bytes", "group_size", "calls", "ranks", "median_latency_ns", "p90_latency_ns",
-        "total_latency_ns", "median_algbw_gbps", "median_busbw_gbps", "latency_origin", "synchronized", "caveat",
+        "total_latency_ns", "median_algbw_gbps", "median_busbw_gbps", "least_wait_rank", "least_wait_median_latency_ns",
+        "least_wait_median_busbw_gbps", "most_wait_median_latency_ns", "latency_origin", "synchronized", "caveat",
     )
 
 
@@ -67,7 +80,9 @@ def costliest_finding(stats: pl.DataFrame) -> dict | None:
         return None
     top = stats.sort(NO_OP, pl.col("total_latency_ns"), descending=[False, True]).row(0, named=True)
     return {**{k: top[k] for k in ("op", "nccl_bytes", "calls", "median_latency_ns", "total_latency_ns",
-                                   "median_busbw_gbps", "latency_origin", "group_size", "synchronized")},
+                                   "median_busbw_gbps", "latency_origin", "group_size", "synchronized",
+                                   "least_wait_rank", "least_wait_median_latency_ns", "least_wait_median_busbw_gbps",
+                                   "most_wait_median_latency_ns")},
             "no_op": (top["group_size"] or 2) <= 1}
 
 
@@ -86,12 +101,25 @@ def logged_lines(logged: dict, findings: dict) -> list[str]:
                 "device work."]
     # the size as the logs print it, to two figures (DeepSpeed's "3.3 MB" is no exact byte count; the table has
     # the collector's exact ones)
+    timing = (f"latencies {logged['latency_origin']}; "
+              + ("synchronizing timers" if logged.get("synchronized") else "each call timed on its own")
+              + ": per-op cost, not throughput")
+    least, most = logged.get("least_wait_median_latency_ns"), logged.get("most_wait_median_latency_ns")
+    if least and most and most > WAITING_RATIO * least:  # one rank's median is mostly waiting for the others
+        busbw = logged.get("least_wait_median_busbw_gbps")
+        return [f"Logged comms: {logged['op']} of {binary_bytes(logged['nccl_bytes'])} costs most, "
+                f"{duration(logged['total_latency_ns'])} over {logged['calls']} calls, mostly waiting: the median call "
+                f"takes {duration(least)} on rank {logged['least_wait_rank']}, the rank that waits least (the op "
+                + (f"itself, busbw {busbw:.2f} GB/s" if busbw is not None else "itself")
+                + f"), and up to {duration(most)} on a rank that reaches it early and waits for a later one ({timing})."]
     return [f"Logged comms: {logged['op']} of {binary_bytes(logged['nccl_bytes'])} costs most, "
             f"{duration(logged['total_latency_ns'])} over {logged['calls']} calls (median "
             f"{duration(logged['median_latency_ns'])}" + (f", busbw {busbw:.2f} GB/s" if busbw is not None else "")
-            + f"; latencies {logged['latency_origin']}; "
-            + ("synchronizing timers" if logged.get("synchronized") else "each call timed on its own")
-            + ": per-op cost, not throughput)."]
+            + f"; {timing})."]
+
+
+# One rank's median call this many times another's: the difference is waiting for a late rank, not the collective.
+WAITING_RATIO = 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +144,12 @@ COMMS_LOG_STATS = schema.table_spec(
     ("total_latency_ns", pa.int64(), "Summed latency."),
     ("median_algbw_gbps", pa.float64(), "Median nccl-tests algbw, GB/s."),
     ("median_busbw_gbps", pa.float64(), "Median nccl-tests busbw, GB/s."),
+    ("least_wait_rank", pa.int64(), "The rank whose median latency is lowest: it reached the op last, so it waited "
+                                    "least for the others; its calls measure the op itself best."),
+    ("least_wait_median_latency_ns", pa.int64(), "That rank's median latency."),
+    ("least_wait_median_busbw_gbps", pa.float64(), "That rank's median busbw, GB/s."),
+    ("most_wait_median_latency_ns", pa.int64(), "The highest median latency of a rank: beyond the op's, its wait for "
+                                                "later ranks."),
     ("latency_origin", pa.string(), "measured | repaired_cumulative | as_logged (several joined by commas)."),
     ("synchronized", pa.bool_(), "The timer synchronized around the op (DeepSpeed's comms logger always does)."),
     ("caveat", pa.string(), "Why these are not free-running throughput numbers."),

@@ -28,7 +28,9 @@ import pyarrow as pa
 
 from steplens.analyze.contract.traces import INT64_RANGE
 
-SCHEMA_VERSION = 2  # 2: step_time outside_ns, outside_rank, least_outside_ns; gpu_idle and step_breakdown spans widened to the steps (2026-12)
+# 2: step_time outside_ns, outside_rank, least_outside_ns; gpu_idle and step_breakdown spans widened to the steps
+# 3: every percentile the nearest rank; comms_log_stats least_wait_* and most_wait_median_latency_ns (2026-12)
+SCHEMA_VERSION = 3
 MANIFEST_FILE = "run.json"
 FINDINGS_FILE = "findings.json"  # the analyses' findings, beside the tables
 # A rank named in a file name (rank3.json, rank-3.pt.trace.json, worker_rank_3.log): what a file without a recorded

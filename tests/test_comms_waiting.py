@@ -1,0 +1,38 @@
+"""Logged collective latencies where one rank reaches every call early and waits for the other: the op's own cost is
+the median of the rank that waits least, not the median over every call (which sits between the two ranks)."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from steplens.analyze.analyses import comms_log
+
+
+def _calls(per_rank: dict[int, list[int]]) -> pl.DataFrame:
+    rows = [{"rank": rank, "source": f"rank{rank}.json", "op": "all_reduce", "msg_bytes": 1 << 20, "nccl_bytes": 1 << 20,
+             "group_size": 2, "latency_ns": ns, "algbw_gbps": (1 << 20) / ns, "busbw_gbps": (1 << 20) / ns,
+             "latency_origin": "measured", "synchronized": False}
+            for rank, values in per_rank.items() for ns in values]
+    return pl.DataFrame(rows)
+
+
+def test_a_rank_that_waits_is_told_apart_from_the_op():
+    """Rank 0 waits about 31 ms in every call for rank 1, whose calls take about 1 ms: the median over all six
+    calls is 16.05 ms (the mean of the middle two, 1.1 and 31 ms), neither rank's; rank 1's median 1.0 ms is the op,
+    its busbw 1 MiB / 1.0 ms."""
+    stats = comms_log.comms_log_stats(_calls({0: [32_000_000, 31_000_000, 33_000_000], 1: [1_000_000, 900_000, 1_100_000]}))
+    row = stats.row(0, named=True)
+    assert row["median_latency_ns"] == 16_050_000  # (1_100_000 + 31_000_000) / 2: no call took it
+    assert (row["least_wait_rank"], row["least_wait_median_latency_ns"], row["most_wait_median_latency_ns"]) == \
+        (1, 1_000_000, 32_000_000)
+    assert row["least_wait_median_busbw_gbps"] == (1 << 20) / 1_000_000
+    line = comms_log.logged_lines(comms_log.costliest_finding(stats), {})[0]
+    assert "the median call takes 1 ms on rank 1, the rank that waits least" in " ".join(line.split())
+    assert "up to 32 ms on a rank that reaches it early" in " ".join(line.split())
+
+
+def test_ranks_that_agree_keep_the_plain_median():
+    """Ranks within twice each other's median: the line gives the median over every call, as before."""
+    stats = comms_log.comms_log_stats(_calls({0: [1_200_000, 1_300_000, 1_250_000], 1: [1_000_000, 900_000, 1_100_000]}))
+    line = " ".join(comms_log.logged_lines(comms_log.costliest_finding(stats), {})[0].split())
+    assert "(median 1.15 ms" in line and "waits least" not in line
