@@ -292,8 +292,11 @@ def test_the_busiest_op_names_tensor_inputs_only_and_is_skipped_below_one_percen
     op = {"name": "aten::addmm", "shapes": "[[16], [4, 8], [8, 16], [], []]", "calls": 3, "ranks": 1,
           "device_ns": 2_000_000, "bound": "compute", "fraction_of_peak": 0.5}
     line = roofline_lines({"top_ops": [{**op, "step_share": 0.02}]})[0]
-    assert line == ("Busiest modeled op: aten::addmm (16, 4x8, 8x16) x3: 2.000 ms, compute-bound, 50.0% of peak; "
+    assert line == ("Busiest modeled op: aten::addmm (16, 4x8, 8x16) x3: 2.000 ms, compute-bound, 50.0% of peak FLOP/s; "
                     "2.0% of the profiled steps' device spans (idle included).")
+    # a memory-bound op's fraction is of the memory bandwidth (op_perf.with_roofline), and the line says so
+    memory = roofline_lines({"top_ops": [{**op, "bound": "memory", "fraction_of_peak": 0.042, "step_share": 0.02}]})[0]
+    assert "compute-bound" not in memory and "memory-bound, 4.2% of memory bandwidth;" in memory
     assert roofline_lines({"top_ops": [{**op, "step_share": 0.009}]}) == []
 
 

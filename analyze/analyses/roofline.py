@@ -95,16 +95,20 @@ def _family_shares(family_time: pl.DataFrame | None) -> list[dict]:
 MIN_OP_SHARE = 0.01  # a busiest op below 1% of the steps' device time says nothing worth a reviewer's line
 
 
+# What a bound op's fraction_of_peak divides by (op_perf.with_roofline): the FLOP/s peak, or the memory bandwidth.
+PEAK_OF_BOUND = {"compute": "peak FLOP/s", "memory": "memory bandwidth"}
+
+
 def op_line(op: dict, note: str | None = None) -> str:
     """One op of the roofline: name, tensor shapes, calls, device time, where it sits against the roof."""
-    where = (f"{op['bound']}-bound, {op['fraction_of_peak']:.1%} of peak" if op.get("fraction_of_peak") is not None
-             else note or "no roofline")
+    where = (f"{op['bound']}-bound, {op['fraction_of_peak']:.1%} of {PEAK_OF_BOUND.get(op['bound'], 'peak')}"
+             if op.get("fraction_of_peak") is not None else note or "no roofline")
     over = f" over {op['ranks']} ranks" if (op.get("ranks") or 1) > 1 else ""  # calls and time are summed over them
     return f"{op['name']} ({tensor_shapes_text(op['shapes'])}) x{op['calls']}{over}: {op['device_ns'] / 1e6:.3f} ms, {where}"
 
 
 def module_line(module: dict) -> str:
-    return (f"{module['module']}, {module['fraction_of_peak']:.1%} of peak over {module['device_ns'] / 1e6:.3f} ms of "
+    return (f"{module['module']}, {module['fraction_of_peak']:.1%} of peak FLOP/s over {module['device_ns'] / 1e6:.3f} ms of "
             "forward device time")
 
 
@@ -127,10 +131,10 @@ def roofline_lines(finding: dict) -> list[str]:
 
 OP_COLUMNS = {"name": "op", "shapes": "shapes", "dtype": "dtype", "calls": "calls", "device_ns": "device time",
               "achieved_tflops": "TFLOP/s", "achieved_tbps": "TB/s", "intensity": "FLOPs/byte", "bound": "bound",
-              "fraction_of_peak": "of peak"}
+              "fraction_of_peak": "of peak (FLOP/s or bandwidth, as bound)"}
 MODULE_COLUMNS = {"module": "module", "module_class": "class", "profile_path": "profile path",
                   "device_ns": "forward device time", "unknown_flops_share": "unknown FLOPs", "achieved_tflops": "TFLOP/s",
-                  "fraction_of_peak": "of peak", "backward_device_ns": "backward device time",
+                  "fraction_of_peak": "of peak FLOP/s", "backward_device_ns": "backward device time",
                   "training_fraction_of_peak": "of peak, fwd+bwd", "flag": "flag"}
 
 
