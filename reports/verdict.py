@@ -43,7 +43,8 @@ MAX_PROBLEMS = 3
 EXPOSED_WORTH_NAMING = 0.05  # exposed communication below 5% of the step is not the first thing to fix
 STEP_SOURCE_WORDS = {"train_steps": "collector", "log": "logs", "profiler_steps": "profiled steps"}
 NUMERATOR_SHORT = {"palm": "analytic count", "megatron_args": "Megatron's count", "trace_shapes": "trace op shapes",
-                   "collector_flops_profile": "FLOPs profile", "profiler_flops": "profiler FLOPs"}
+                   "collector_flops_profile": "FLOPs profile", "deepspeed_flops_profile": "DeepSpeed's FLOPs profile",
+                   "profiler_flops": "profiler FLOPs"}
 
 
 def share(value: float) -> str:
@@ -60,6 +61,10 @@ def first_clause(text: str) -> str:
 
 def time_headline(f: dict) -> str | None:
     split = (f.get("step_breakdown") or {}).get("time_split")
+    idle = f.get("gpu_idle") or {}
+    if not split and idle.get("idle_share") is not None:  # device work but no ProfilerStep: the whole window's idle
+        cause = f" ({idle['main_cause'].replace('_', '-')})" if idle.get("main_cause") else ""
+        return f"GPU idle {share(idle['idle_share'])} of the profiled time{cause}; no profiled steps to split it by"
     if not split:
         return None
     cause = f" ({split['main_idle_cause'].replace('_', '-')})" if split.get("main_idle_cause") else ""

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from steplens.analyze.cli import analyze
 from steplens.analyze.pipeline import analyse
+from steplens.reports import verdict
 
 from conftest import write_trace
 
@@ -114,6 +115,10 @@ def test_trace_without_steps_gets_every_analysis_that_needs_no_steps(tmp_path):
     assert _table(out, "launch_summary")["activities"].sum() == 3
     calls = _table(out, "collectives")
     assert calls.select("op", "dur_ns", "exposed_ns").rows() == [("allreduce", 20_000, 20_000)]
+    # the verdict leads with the window's idle, as there are no steps to split it by: both gaps (100-120 and 140-150)
+    # end at work launched before them (at -5 and 130), so their cause is "other"
+    assert verdict.first_screen(findings)[0] == (
+        "GPU idle 15% of the profiled time (other); no profiled steps to split it by", "time")
 
 
 def test_a_stall_that_opens_each_step_is_the_steps_idle(tmp_path):

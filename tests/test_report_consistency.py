@@ -317,6 +317,11 @@ def test_the_gpu_idle_sentence_and_tile_are_the_gpu_idle_tables_whole_windows(an
     idle = sum(r["idle_ns"] for r in rows) / sum(r["span_ns"] for r in rows)
     sentence = next(line for line in report.details if line.startswith("GPU idle: "))
     assert sentence.startswith(f"GPU idle: {idle:.1%} of the profiled time")
+    # the steps' idle (the verdict's, step_breakdown's rows summed) is named beside it where the two differ
+    steps = pq.read_table(out / "step_breakdown").to_pylist()
+    inside = sum(r["idle_ns"] for r in steps) / sum(r["span_ns"] for r in steps)
+    assert (f"; {inside:.1%} inside the profiled steps' device spans, the verdict's figure)" in sentence) == \
+        (abs(inside - idle) >= 0.001)
     html = (out / "report.html").read_text()
     assert f"<dt>GPU idle</dt><dd>{idle:.1%}</dd>" in html
 

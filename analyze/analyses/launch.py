@@ -428,7 +428,8 @@ def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0) -> dict:
 
 IDLE_CAUSE_WORDS = {"host_bound": "host-bound: the GPU waited for the CPU to launch work",
                     "sync": "synchronization: the CPU waited on the GPU",
-                    "other": "queued work waiting (cross-stream or event waits) or unrecorded launches"}
+                    "other": "other: the next work was already queued (the device's own gaps between kernels, "
+                             "cross-stream or event waits) or its launch is not in the trace"}
 
 
 def gpu_idle_lines(idle: dict, findings: dict) -> list[str]:
@@ -439,8 +440,13 @@ def gpu_idle_lines(idle: dict, findings: dict) -> list[str]:
     if idle.get("idle_share") is None:
         return []
     cause = f"; main cause {IDLE_CAUSE_WORDS[idle['main_cause']]}" if idle.get("main_cause") in IDLE_CAUSE_WORDS else ""
+    # the verdict's idle is the steps' (step_breakdown): where it differs, say both are right and what each covers
+    split = (findings.get("step_breakdown") or {}).get("time_split") or {}
+    steps = (f"; {split['idle_share']:.1%} inside the profiled steps' device spans, the verdict's figure"
+             if split.get("idle_share") is not None and abs(split["idle_share"] - idle["idle_share"]) >= 0.001 else "")
     return [f"GPU idle: {idle['idle_share']:.1%} of the profiled time (no stream busy, from the first device activity "
-            f"or profiled step to the last){cause}{profiler_effect.window_note(findings.get('profiler_after_effect'))}."]
+            f"or profiled step to the last{steps}){cause}"
+            f"{profiler_effect.window_note(findings.get('profiler_after_effect'))}."]
 
 
 # ---------------------------------------------------------------------------------------------
