@@ -487,3 +487,35 @@ def test_ordinary_launch_latency_stays_host_bound():
     for i in range(1, 5):
         events += [_launch(100 * i + 1, i, dur=2), _kernel(100 * i + 9, 91, i, stream=7)]
     _edge_case_check(events, window=(400_000, 36_000, 36_000), steps={1: (0, 400_000, 36_000)})
+
+
+def test_the_longest_launch_call_is_named_beside_host_bound_idle(corpus, tmp_path):
+    """The MI250 trace's host-bound idle is mostly one hipLaunchKernel call: its longest call and the API's median,
+    recomputed from the raw JSON (each kernel's launch call found by correlation id), are the ones the idle
+    sentence names; launch_summary's max and total are the calls' own."""
+    import gzip
+    import statistics
+
+    from steplens.analyze.analyses import launch
+
+    source = corpus / "HolisticTraceAnalysis" / "amd_trace" / "mi250_minitoy_train_ROCm6_2_kineto.json.gz"
+    events = json.loads(gzip.decompress(source.read_bytes()))["traceEvents"]
+    calls = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
+             and "correlation" in e.get("args", {})}
+    durations = [round(float(calls[e["args"]["correlation"]]["dur"]) * 1000) for e in events
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                 and calls.get(e.get("args", {}).get("correlation"), {}).get("name") == "hipLaunchKernel"]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / source.name).symlink_to(source)
+    _, findings = analyse(run, jobs=1)
+    row = pl.read_parquet(run / ".steplens" / "launch_summary" / "*.parquet").filter(
+        pl.col("launch_api") == "hipLaunchKernel").row(0, named=True)
+    assert (row["api_ns_max"], row["api_ns_total"]) == (max(durations), sum(durations))
+    slow = findings["gpu_idle"]["slowest_launch"]
+    assert (slow["launch_api"], slow["api_ns"], slow["api_ns_median"]) == ("hipLaunchKernel", max(durations),
+                                                                          statistics.median(durations))
+    line = " ".join(launch.gpu_idle_lines(findings["gpu_idle"], findings)[0].split())
+    share = max(durations) / findings["gpu_idle"]["host_bound_ns"]
+    assert f"the longest launch call took 6.54 ms (hipLaunchKernel, rank 0; its median" in line
+    assert f"{share:.0%} of the host-bound idle" in line and share > 0.5

@@ -101,3 +101,4 @@ def test_collective_busbw_p10_and_p90_are_observed_values():
     row = summaries.collective_summary(calls).row(0, named=True)
     assert row["busbw_p10_gbps"] == _by_hand(busbw, 10) == 70.0  # the 2nd smallest of 11 (ceil(1.1))
     assert row["busbw_p90_gbps"] == _by_hand(busbw, 90) == 81.0  # the 10th smallest (ceil(9.9))
+

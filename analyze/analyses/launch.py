@@ -53,6 +53,7 @@ from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.analyses.percentile import nearest_rank_expr
 from steplens.analyze.analyses import profiler_effect
 from steplens.analyze.contract.text import sentence
+from steplens.analyze.contract.units import duration
 from steplens.analyze.contract import schema
 
 # Calls that return only once the device has caught up: the synchronizes and the blocking copies. ROCm's PyTorch
@@ -385,6 +386,8 @@ def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
         activities=pl.len(),
         api_ns_median=pl.col("api_ns").median(),
         api_ns_p90=nearest_rank_expr("api_ns", 90),
+        api_ns_max=pl.col("api_ns").max(),
+        api_ns_total=pl.col("api_ns").sum(),
         queue_ns_median=pl.col("queued").median(),
         queue_ns_p90=nearest_rank_expr("queued", 90),
         gpu_ns_total=pl.col("dur_ns").sum(),
@@ -396,9 +399,27 @@ def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
 MAIN_CAUSE_MIN_IDLE_SHARE = 0.01
 
 
-def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0) -> dict:
+# A launch call at least this share of the host-bound idle is named beside it (the medians hide one long stall).
+SLOW_LAUNCH_SHARE = 0.1
+
+
+def slowest_launch(launches: pl.DataFrame, host_bound_ns: int) -> dict | None:
+    """The longest launch call of the run (launch_summary's api_ns_max), when it is at least SLOW_LAUNCH_SHARE of the
+    host-bound idle: rank, launch_api, api_ns and its API's median."""
+    if launches.is_empty() or not host_bound_ns or "api_ns_max" not in launches.columns:
+        return None
+    top = launches.filter(pl.col("api_ns_max").is_not_null()).sort("api_ns_max", "rank", descending=[True, False])
+    if top.is_empty() or top["api_ns_max"][0] < SLOW_LAUNCH_SHARE * host_bound_ns:
+        return None
+    row = top.row(0, named=True)
+    return {"rank": row["rank"], "launch_api": row["launch_api"], "api_ns": row["api_ns_max"],
+            "api_ns_median": row["api_ns_median"]}
+
+
+def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0, launches: pl.DataFrame | None = None) -> dict:
     """Device idle share over the whole profiled windows (the whole-window rows of gpu_idle); its main cause
-    where the idle is at least MAIN_CAUSE_MIN_IDLE_SHARE of them. `runtime_calls`: the traces' CUDA/HIP
+    where the idle is at least MAIN_CAUSE_MIN_IDLE_SHARE of them, and with host-bound idle the longest launch call
+    where it is a good part of it (`launches`: launch_summary). `runtime_calls`: the traces' CUDA/HIP
     runtime and driver calls, which say a GPU was used where no device activity was recorded."""
     windows = idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_null())
     if windows.is_empty() and runtime_calls:
@@ -411,9 +432,12 @@ def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0) -> dict:
     totals = windows.select(pl.col("span_ns", "idle_ns", "host_bound_ns", "sync_ns", "other_ns").sum()).row(0, named=True)
     causes = {c: totals[f"{c}_ns"] for c in CAUSES}
     share = totals["idle_ns"] / totals["span_ns"] if totals["span_ns"] else None
+    main = max(causes, key=causes.get) if share is not None and share >= MAIN_CAUSE_MIN_IDLE_SHARE else None
     return {
         "idle_share": share,
-        "main_cause": max(causes, key=causes.get) if share is not None and share >= MAIN_CAUSE_MIN_IDLE_SHARE else None,
+        "main_cause": main,
+        "slowest_launch": slowest_launch(launches if launches is not None else pl.DataFrame(), causes["host_bound"])
+        if main == "host_bound" else None,
         **{f"{c}_ns": v for c, v in causes.items()},
         "definition": "time no stream of the device was busy (every step's work and work launched before the window "
                       "included), over the span from the first to the last device activity of each profiler window (widened to "
@@ -444,6 +468,10 @@ def gpu_idle_lines(idle: dict, findings: dict) -> list[str]:
     split = (findings.get("step_breakdown") or {}).get("time_split") or {}
     steps = (f"; {split['idle_share']:.1%} inside the profiled steps' device spans, the verdict's figure"
              if split.get("idle_share") is not None and abs(split["idle_share"] - idle["idle_share"]) >= 0.001 else "")
+    if slow := idle.get("slowest_launch"):
+        cause += (f"; the longest launch call took {duration(slow['api_ns'])} ({slow['launch_api']}, rank "
+                  f"{slow['rank']}; its median {duration(slow['api_ns_median'])}), {slow['api_ns'] / idle['host_bound_ns']:.0%} "
+                  "of the host-bound idle")
     return [f"GPU idle: {idle['idle_share']:.1%} of the profiled time (no stream busy, from the first device activity "
             f"or profiled step to the last{steps}){cause}"
             f"{profiler_effect.window_note(findings.get('profiler_after_effect'))}."]
@@ -492,7 +520,8 @@ def _idle(inputs: Inputs) -> Output:
     idle, sync_points = inputs.table("_gpu_idle"), inputs.table("_sync_points")
     return Output(tables={"gpu_idle": idle,
                           "sync_points": sync_points.sort("idle_caused_ns", descending=True).head(SYNC_POINTS_KEPT)},
-                  finding=idle_finding(idle, inputs.context.runtime_calls if inputs.context else 0))
+                  finding=idle_finding(idle, inputs.context.runtime_calls if inputs.context else 0,
+                                       inputs.table("launch_summary")))
 
 
 GPU_IDLE = schema.table_spec(
@@ -516,7 +545,8 @@ GPU_IDLE = schema.table_spec(
     ("idle_ns", pa.int64(), "span_ns - busy_ns."),
     ("host_bound_ns", pa.int64(), "Idle with nothing queued: the GPU waited for the CPU to launch."),
     ("sync_ns", pa.int64(), "Idle while the launching thread sat in a synchronizing call."),
-    ("other_ns", pa.int64(), "Idle with work queued (cross-stream waits) or launches not recorded."),
+    ("other_ns", pa.int64(), "Idle with the next work already queued (the device's own gaps between kernels, "
+                             "cross-stream or event waits) or its launch not recorded."),
     ("activities", pa.int64(), "Device activities of the row (the step's, the stream's, or the window's)."),
     ("source", pa.string(), "Profiler window (trace file) the row belongs to."),
 )
@@ -532,5 +562,5 @@ SYNC_POINTS = schema.table_spec(
 )
 
 
-ANALYSIS = Analysis("gpu_idle", "GPU idle", ("_gpu_idle", "_sync_points"), {"gpu_idle": GPU_IDLE, "sync_points": SYNC_POINTS},
+ANALYSIS = Analysis("gpu_idle", "GPU idle", ("_gpu_idle", "_sync_points", "launch_summary"), {"gpu_idle": GPU_IDLE, "sync_points": SYNC_POINTS},
                     _idle, former_keys={"traces": "no_traces"}, phrase=gpu_idle_lines, section=cpu_gpu_section)
