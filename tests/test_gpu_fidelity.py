@@ -291,7 +291,11 @@ def test_after_effect_sentences_follow_the_figures(after_ms, released, words):
     assert finding["before_median_ns"] == round(statistics.median(before) * 1e6)
     assert finding["after_median_ns"] == round(statistics.median(after) * 1e6)
     assert finding["window_ratio_max"] == pytest.approx(300.0 / statistics.median(before + after))
-    assert words in " ".join(profiler_effect.after_effect_lines(finding))
+    text = " ".join(profiler_effect.after_effect_lines(finding))
+    assert words in text
+    # the counts are the kept steps compared (1-8 and 12-19), the window named apart from them
+    assert "over the 8 kept steps after the profiler windows of steps 9-10, against" in text
+    assert "over the 8 before them" in text
 
 
 def test_after_effect_needs_a_whole_run_record_and_enough_steps():

@@ -81,12 +81,13 @@ def window_note(finding: dict | None) -> str:
 
 def after_effect_lines(finding: dict) -> list[str]:
     first, last = finding["first_window_step"], finding["last_window_step"]
-    where = f"window, step {first}" if first == last else f"windows, steps {first}-{last}"
+    where = f"window of step {first}" if first == last else f"windows of steps {first}-{last}"
     if finding["ratio"] is None or finding["beyond_noise"] is None:
         return [f"Profiler after-effect: not judged: {finding['steps_before']} kept step(s) before the profiler "
                 f"{where}, and {finding['steps_after']} after them; {MIN_STEPS} on each side are needed."]
-    figures = (f"median {duration(finding['after_median_ns'])} over {finding['steps_after']} steps after the profiler "
-               f"{where}, against {duration(finding['before_median_ns'])} over {finding['steps_before']} before")
+    figures = (f"median {duration(finding['after_median_ns'])} over the {finding['steps_after']} kept steps after the "
+               f"profiler {where}, against {duration(finding['before_median_ns'])} over the {finding['steps_before']} "
+               "before them")
     if not finding["beyond_noise"]:
         return [f"Profiler after-effect: none beyond the step-to-step noise ({finding['ratio']:.2f}x: {figures})."]
     if finding["ratio"] < 1:
