@@ -274,3 +274,18 @@ def test_a_cpu_accelerators_throughput_memory_is_host_memory_and_left_out(tmp_pa
     _, findings = _analysed(folder, tmp_path)
     recorded = findings["memory"]["device_memory_recorded"] if findings.get("memory") else False
     assert recorded is (accelerator == "cuda")
+
+
+def test_a_logged_figure_keeps_the_unit_and_digits_the_log_gave():
+    """DeepSpeed's throughput line printed MemAllocated=0.39GB (GiB, two decimals): the peak is said as 0.39 GiB, not
+    as 399.36 MiB, digits the log never had; an exact figure keeps the two-decimal binary unit that fits it."""
+    from steplens.analyze.analyses.memory import memory_lines
+
+    logged = round(0.39 * 2**30)
+    peaks = [{"rank": 0, "peak_allocated_bytes": logged, "peak_reserved_bytes": None, "step": 15,
+              "source": "deepspeed_throughput"},
+             {"rank": 1, "peak_allocated_bytes": 300 * 2**20, "peak_reserved_bytes": None, "step": 15, "source": "collector"}]
+    lines = memory_lines({"out_of_memory": None, "device_memory_recorded": True, "collector_without_device": False,
+                          "peak_by_rank": peaks, "growth": []})
+    assert lines[0].startswith("Peak memory: 0.39 GiB allocated on rank 0 (step 15, from deepspeed_throughput)")
+    assert "the lowest of the 2 ranks peaks at 300.00 MiB" in lines[0] and "399" not in lines[0]

@@ -215,8 +215,15 @@ def _peak_row(rank_rows: pl.DataFrame) -> dict:
     return near.sort("resolution_bytes", "peak_allocated_bytes", descending=[False, True]).row(0, named=True)
 
 
-def size_text(num_bytes: float) -> str:
-    """Memory with two decimals, as PyTorch's memory_summary and DeepSpeed's see_memory_usage print it."""
+# Log lines that print memory in GiB with two decimals (DeepSpeed: round(bytes / 1024**3, 2), labelled "GB").
+LOGGED_IN_GIB = ("see_memory_usage", "deepspeed_throughput")
+
+
+def size_text(num_bytes: float, source: str | None = None) -> str:
+    """Memory with two decimals, as PyTorch's memory_summary and DeepSpeed's see_memory_usage print it; a figure
+    from a log that printed it in GiB stays in GiB (0.39 GiB, not a false 399.36 MiB)."""
+    if source in LOGGED_IN_GIB:
+        return f"{num_bytes / 2**30:.2f} GiB"
     return binary_bytes(num_bytes, decimals=2)
 
 
@@ -237,22 +244,26 @@ def memory_lines(finding: dict) -> list[str]:
     if peaks := finding["peak_by_rank"]:
         top = max(peaks, key=lambda p: (p["peak_allocated_bytes"], -p["rank"]))
         where = f"step {top['step']}" if top["step"] is not None else "outside the steps"
-        reserved = f", {size_text(top['peak_reserved_bytes'])} reserved" if top["peak_reserved_bytes"] is not None else ""
+        reserved = (f", {size_text(top['peak_reserved_bytes'], top['source'])} reserved"
+                    if top["peak_reserved_bytes"] is not None else "")
         others = ""
         if len(peaks) > 1:
-            low = min(p["peak_allocated_bytes"] for p in peaks)
-            others = (f"; every one of the {len(peaks)} ranks peaks at the same" if low == top["peak_allocated_bytes"]
-                      else f"; the lowest of the {len(peaks)} ranks peaks at {size_text(low)}")
-        lines.append(f"Peak memory: {size_text(top['peak_allocated_bytes'])} allocated{reserved} on rank {top['rank']} "
+            low = min(peaks, key=lambda p: (p["peak_allocated_bytes"], p["rank"]))
+            others = (f"; every one of the {len(peaks)} ranks peaks at the same"
+                      if low["peak_allocated_bytes"] == top["peak_allocated_bytes"]
+                      else f"; the lowest of the {len(peaks)} ranks peaks at "
+                           f"{size_text(low['peak_allocated_bytes'], low['source'])}")
+        lines.append(f"Peak memory: {size_text(top['peak_allocated_bytes'], top['source'])} allocated{reserved} on rank {top['rank']} "
                      f"({where}, from {top['source']}){others}.")
     growing = [g for g in finding["growth"] if g["growing"]]
     if growing:
         worst = max(growing, key=lambda g: g["slope_bytes_per_step"])
         ranks = ", ".join(str(g["rank"]) for g in growing)
+        logged = worst["source"]
         lines.append(f"Memory grows on rank(s) {ranks}: up to {size_text(worst['slope_bytes_per_step'])} per step on rank "
-                     f"{worst['rank']} over steps {worst['first_step']}-{worst['last_step']} ({size_text(worst['first_bytes'])} "
-                     f"-> {size_text(worst['last_bytes'])}, {worst['source']}), beyond the step-to-step noise "
-                     f"({size_text(worst['noise_bytes'])}).")
+                     f"{worst['rank']} over steps {worst['first_step']}-{worst['last_step']} "
+                     f"({size_text(worst['first_bytes'], logged)} -> {size_text(worst['last_bytes'], logged)}, "
+                     f"{worst['source']}), beyond the step-to-step noise ({size_text(worst['noise_bytes'])}).")
     elif finding["growth"]:
         lines.append(f"No memory growth beyond the step-to-step noise on the {len(finding['growth'])} rank(s) with enough "
                      "steps to judge.")
