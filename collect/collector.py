@@ -324,7 +324,8 @@ class Collector:
         every flush_every steps: analyze leaves them out of the step time), and the alarms' step rules skip them."""
         step = self.next_step()
         self.run_facts.setdefault("first_flush_step", step)
-        if self.alarms is not None:
+        if self.alarms is not None and step in alarm_rules.flush_steps(
+                self.run_facts["first_flush_step"], self.settings.flush_every, step):
             self.alarms.engine.skip_steps.add(step)
         self.flush()
 

@@ -37,7 +37,9 @@ def in_job_alarms(tmp_path: Path, points: dict[str, dict[int, float]], rules: li
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     got = []
-    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), samples_per_step=8, flush_every=25,
+    # flushing every 4 steps: often, so the rules run on many flushed batches, and too often for the collector to set
+    # the steps its flushes ran in apart (alarm_rules.FLUSH_MARK_MIN_EVERY), which the plain series after do not know
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), samples_per_step=8, flush_every=4,
                        alarms=rules, on_alarm=got.append)
     last = max(max(series) for series in points.values())
     for step in range(last + 1):
@@ -132,3 +134,22 @@ def test_a_real_deepspeed_chat_log_with_a_throughput_drop_agrees(tmp_path):
     after = post_hoc_alarms(scalars, facts, rules)
     assert ("throughput_drop", "CurrSamplesPerSec", steps[401]) in after
     assert in_job_alarms(tmp_path, points, rule_dicts(rules)) == after
+
+
+@pytest.mark.parametrize("flush_every, set_apart", [(10, [10, 20, 30]), (4, [])])
+def test_the_job_sets_apart_the_steps_its_flushes_ran_in_as_the_replay_does(tmp_path, flush_every, set_apart):
+    """A 35-step job flushing every 10 steps: its step rules skip steps 10, 20 and 30 (the step after each flush, as
+    the first_flush_step it notes and the step time's collector_flush say); flushing every 4 steps, none."""
+    from steplens.analyze.contract import alarm_rules
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), samples_per_step=8, flush_every=flush_every)
+    for _ in range(35):
+        model(torch.zeros(1, 2)).sum().backward()
+        optimizer.step()
+    skipped = sorted(collector.alarms.engine.skip_steps)
+    facts = collector.run_facts
+    collector.close()
+    assert facts["first_flush_step"] == flush_every
+    assert skipped == set_apart == list(alarm_rules.flush_steps(facts["first_flush_step"], flush_every, 34))

@@ -35,7 +35,7 @@ Excluded steps, each named in ``reason`` (several joined by ","):
 * ``collector_flush``: a step during which the steplens collector wrote a flush (every ``flush_every``-th
   step's rows, on its writer thread: on a machine with few cores that thread takes CPU from the step); from
   the run fact ``first_flush_step`` and the collector's ``flush_every`` (5 or more; flushing more often, every
-  step holds its share of the cost and none is left out).
+  step holds its share of the cost and none is left out: contract/alarm_rules.py ``flush_steps``).
 * ``checkpoint_save``: the step that follows a checkpoint save (``facts["checkpoint_steps"]``: the
   optimizer steps done when the save began, from the DeepSpeed/Megatron log lines or the collector's
   wrapped ``save_checkpoint``). The save runs between steps: the ranks enter that step's first
@@ -291,19 +291,11 @@ def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps:
     return found
 
 
-# A collector flushing at least this many steps apart has steps without a flush to compare with; flushing more often,
-# its cost is in every step's time, and no step is left out for it.
-FLUSH_MARK_MIN_EVERY = 5
-
-
 def flush_steps(facts: dict, last_step: int | None) -> range:
-    """The optimizer steps that ran while the collector wrote a flush on its writer thread (the step after every
-    flush_every-th one, from the run fact first_flush_step up to `last_step`); empty for a collector that did not
-    note its first flush (written before it did) or flushed more often than every FLUSH_MARK_MIN_EVERY steps."""
-    first, every = facts.get("first_flush_step"), (facts.get("settings") or {}).get("flush_every")
-    if not (type(first) is int and type(every) is int and every >= FLUSH_MARK_MIN_EVERY and last_step is not None):
-        return range(0)
-    return range(first, min(last_step, MAX_STEP) + 1, every)
+    """The optimizer steps that ran while the collector wrote a flush on its writer thread, up to `last_step`
+    (alarm_rules.flush_steps), from the run fact first_flush_step and the collector's flush_every."""
+    return alarm_rules.flush_steps(facts.get("first_flush_step"), (facts.get("settings") or {}).get("flush_every"),
+                                   last_step)
 
 
 def _run_span_ns(frame: pl.DataFrame, scalars: pl.DataFrame) -> int | None:

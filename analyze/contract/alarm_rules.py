@@ -350,6 +350,22 @@ def profiled_steps(schedule) -> list[tuple[int, str]]:
     return marks
 
 
+# A collector flushing at least this many steps apart has steps without a flush to compare with; flushing more often,
+# its cost is in every step's time, and no step is set apart for it (by the step time, the alarms, the replay).
+FLUSH_MARK_MIN_EVERY = 5
+
+
+def flush_steps(first_flush_step, flush_every, last_step: int | None) -> range:
+    """The optimizer steps during which the collector wrote a flush on its writer thread (the step after every
+    flush_every-th one, from first_flush_step, which the collector notes, up to `last_step`); empty for values that
+    are not whole step numbers, for a collector that noted no first flush, or one flushing more often than every
+    FLUSH_MARK_MIN_EVERY steps."""
+    if not (type(first_flush_step) is int and 0 <= first_flush_step <= MAX_STEP and type(flush_every) is int
+            and flush_every >= FLUSH_MARK_MIN_EVERY and type(last_step) is int):
+        return range(0)
+    return range(first_flush_step, min(last_step, MAX_STEP) + 1, flush_every)
+
+
 def replay(rules: list[Rule], scalars: list[dict], steps_by_rank: dict[int, list[dict]],
            comms_by_rank: dict[int, list[dict]], rank: int = 0, skip_steps=frozenset()) -> list[dict]:
     """The rules over recorded rows, as the job evaluated them: `scalars` (rank `rank`'s collector scalars, in
