@@ -171,3 +171,19 @@ def test_the_comms_logger_caveat_says_how_and_by_whom_the_calls_were_timed(synch
     line = comms_log.logged_lines(comms_log.costliest_finding(comms_log.comms_log_stats(calls)), {})[0]
     assert line.endswith("synchronizing timers: per-op cost, not throughput)." if forced else
                          "each call timed on its own: per-op cost, not throughput).")
+
+
+@pytest.mark.parametrize("special", ["device", "fifo"])
+def test_an_output_that_is_no_plain_file_is_refused_unread(exported, tmp_path, special):
+    """--out /dev/full (a device that never ends) was read whole to see whether export-trace wrote it: 22 GB and an
+    out-of-memory kill; a FIFO blocked for good. Neither is read: the file exists and is no export, so it is refused."""
+    import os
+
+    run, _, _, _ = exported
+    out = tmp_path / "out.json"
+    if special == "fifo":
+        os.mkfifo(out)
+    else:
+        out.symlink_to("/dev/zero")
+    done = CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(out)])
+    assert done.exit_code == 2 and "is not a trace steplens exported" in " ".join(done.output.split())

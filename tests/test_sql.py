@@ -212,3 +212,40 @@ def test_csv_to_a_terminal_shows_escape_sequences_as_question_marks(runs):
     assert shown.replace(b"\r\n", b"\n") == b"v\n?]52;c;QQ==??\n"
     piped = CliRunner().invoke(steplens, ["sql", str(runs[0]), query, "--format", "csv"])
     assert piped.output == "v\n\x1b]52;c;QQ==\x07\u202e\n"
+
+
+def test_a_result_being_written_or_replaced_is_no_run_of_its_own(runs, tmp_path):
+    """analyze stages a result in .NAME.tmp-PID beside the published one and moves the one it replaces to
+    .NAME.old-PID: both hold a run.json while it runs (and after a SIGKILL), and sql counted each as another run,
+    doubling every aggregate. Only the published result is a run."""
+    run = tmp_path / "a"
+    shutil.copytree(runs[0] / "a", run)
+    for staged in ("..steplens.tmp-4242", "..steplens.old-4243"):
+        shutil.copytree(run / ".steplens", run / staged)
+    assert sql.find_runs(tmp_path) == [run / ".steplens"]
+    assert sql.query(tmp_path, "SELECT count(*) AS n FROM runs")["n"].to_list() == [1]
+    # a folder of the user's own that merely looks hidden is still searched
+    shutil.copytree(run / ".steplens", tmp_path / ".archive" / ".steplens")
+    assert sql.find_runs(tmp_path) == [tmp_path / ".archive" / ".steplens", run / ".steplens"]
+
+
+@pytest.mark.parametrize("special", ["fifo", "device"])
+def test_a_run_json_that_is_no_plain_file_is_not_read(runs, tmp_path, special):
+    """run.json as a FIFO blocked sql and analyze for good; as a link to /dev/zero, reading it never ended (a
+    traceback from analyze's re-run check, an out-of-memory kill elsewhere). Neither is read: sql finds no run there,
+    and analyze of the run parses it again."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "a"
+    shutil.copytree(runs[0] / "a", run)
+    manifest = run / ".steplens" / schema.MANIFEST_FILE
+    manifest.unlink()
+    if special == "fifo":
+        os.mkfifo(manifest)
+    else:
+        manifest.symlink_to("/dev/zero")
+    assert sql.find_runs(tmp_path) == [] and reuse.read_manifest(manifest.parent) == {}
+    binary = Path(sys.executable).parent / "analyze"
+    done = subprocess.run([str(binary), str(run), "-q"], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr and done.returncode in (0, 1, 2, 4), done.stderr

@@ -20,10 +20,20 @@ OUTPUT_CREATOR = "steplens ingest"  # run.json created_by: marks an output folde
 PREFIX_BYTES = 64 << 10  # how much of each file its fingerprint reads
 
 
+# run.json above this size is not one steplens wrote (a run of 100k sources writes a few tens of MB).
+MAX_MANIFEST_BYTES = 256 << 20
+
+
 def read_manifest(folder: Path) -> dict:
-    """run.json of an output folder, {} when it is missing or not a JSON object."""
+    """run.json of an output folder, {} when it is missing, not a plain file in it (a FIFO would block the reader, a
+    device never end), larger than MAX_MANIFEST_BYTES or not a JSON object."""
+    path = Path(folder) / MANIFEST_FILE
+    if not plain_file_inside(path, folder):
+        return {}
     try:
-        manifest = json.loads((Path(folder) / MANIFEST_FILE).read_text())
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_MANIFEST_BYTES + 1)
+        manifest = json.loads(data) if len(data) <= MAX_MANIFEST_BYTES else None
     except (OSError, ValueError, RecursionError):
         return {}
     return manifest if isinstance(manifest, dict) else {}

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
+import re
 from pathlib import Path
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -58,14 +58,16 @@ def find_runs(root: Path | str) -> list[Path] | list[str]:
     if remote.is_url(root):
         return [url for url, _ in remote.committed_runs(str(root))]
     found = []
-    for manifest in sorted(Path(root).rglob(schema.MANIFEST_FILE)):
-        try:
-            doc = json.loads(manifest.read_bytes())
-        except (OSError, ValueError, RecursionError):
-            continue
-        if isinstance(doc, dict) and "schema_version" in doc:
-            found.append(manifest.parent)
-    return found
+    for folder, subfolders, files in os.walk(root, followlinks=False):
+        # an analysis being written (.NAME.tmp-PID) or one being replaced (.NAME.old-PID) is no run of its own
+        subfolders[:] = sorted(d for d in subfolders if not STAGED.match(d))
+        if schema.MANIFEST_FILE in files and "schema_version" in reuse.read_manifest(Path(folder)):
+            found.append(Path(folder))
+    return sorted(found)
+
+
+# The folders `analyze` stages a result in and moves a replaced one to (pipeline/ingest.py).
+STAGED = re.compile(r"^\..+\.(tmp|old)-\d+$")
 
 
 def _quote(text: str) -> str:
@@ -83,10 +85,10 @@ def _part_files(run: Path, table: str, partitioned: bool) -> list[str]:
 def _local_runs(root: Path, skipped: list[tuple[str, str]]) -> list[tuple[Path, dict]]:
     runs = []
     for run in find_runs(root):
-        try:
-            runs.append((run, json.loads((run / schema.MANIFEST_FILE).read_bytes())))
-        except (OSError, ValueError, RecursionError) as e:  # changed since find_runs read it
-            skipped.append((str(run), f"run.json cannot be read ({type(e).__name__})"))
+        if manifest := reuse.read_manifest(run):
+            runs.append((run, manifest))
+        else:  # changed since find_runs read it
+            skipped.append((str(run), "run.json cannot be read"))
     return runs
 
 
