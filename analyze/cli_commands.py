@@ -13,7 +13,7 @@ from rich.table import Table
 
 from steplens.analyze import analyses
 from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, FiniteNumber, analyse_and_report, fail
-from steplens.analyze.cli_rerun import say, warn
+from steplens.analyze.cli_rerun import EXIT_INTERRUPTED, Terminated, say, warn
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import reuse, schema
 from steplens.analyze.contract.manifest import damage, lost_inputs, run_facts
@@ -79,13 +79,31 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
             # values exactly as stored for the tool that reads them; on a terminal, its escape sequences shown as ?
             shown = safe_text if sys.stdout.isatty() else str
             for index, frame in enumerate(itertools.chain([first], batches)):
-                click.echo(shown(frame.write_csv(include_header=index == 0) if fmt == "csv" else frame.write_ndjson()),
-                           nl=False)
+                click.echo(shown(_csv(frame, index == 0) if fmt == "csv" else frame.write_ndjson()), nl=False)
+                sys.stdout.flush()
+                if getattr(sys.stdout, "reader_left", False):  # `| head`: the rest of the result is for no one
+                    break
     except QueryError as e:
         _warn_skipped(skipped)
         fail(str(e))
+    except (KeyboardInterrupt, Terminated):  # the query is stopped (sql.interruptible); nothing was written
+        warn("interrupted")
+        sys.exit(EXIT_INTERRUPTED)
     if skipped:
         sys.exit(EXIT_PARTIAL)
+
+
+def _csv(frame, header: bool) -> str:
+    """CSV text of a result batch; a list or struct value (list(rank), a struct pack) as its JSON text, which CSV
+    cannot hold otherwise."""
+    import polars as pl
+
+    nested = [name for name, dtype in frame.schema.items() if dtype.is_nested()]
+    if nested:
+        # {"v":VALUE} -> VALUE: the JSON of the value alone
+        frame = frame.with_columns(pl.struct(pl.col(name).alias("v")).struct.json_encode().str.slice(5).str.head(-1)
+                                   .alias(name) for name in nested)
+    return frame.write_csv(include_header=header)
 
 
 def _warn_skipped(skipped: list[tuple[str, str]]) -> None:

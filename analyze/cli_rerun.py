@@ -171,6 +171,7 @@ class ReaderMayLeave:
 
     def __init__(self, stream) -> None:
         self._stream = stream
+        self.reader_left = False  # a command whose output is all it does (sql) stops when it is
 
     def write(self, text: str) -> int:
         try:
@@ -186,6 +187,7 @@ class ReaderMayLeave:
             self._to_devnull()
 
     def _to_devnull(self) -> None:
+        self.reader_left = True
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, self._stream.fileno())  # what the stream still buffers is flushed there too
         os.close(devnull)

@@ -249,3 +249,57 @@ def test_a_run_json_that_is_no_plain_file_is_not_read(runs, tmp_path, special):
     binary = Path(sys.executable).parent / "analyze"
     done = subprocess.run([str(binary), str(run), "-q"], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in done.stderr and done.returncode in (0, 1, 2, 4), done.stderr
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_and_sigterm_stop_a_long_query(runs, signum):
+    """A query that runs for minutes inside DuckDB (where Python runs no signal handler) stops at Ctrl-C or SIGTERM:
+    exit 130, 'interrupted', within seconds."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    binary = Path(sys.executable).parent / "steplens"
+    proc = subprocess.Popen([str(binary), "sql", str(runs[0]), "SELECT count(*) FROM range(100000000000) a"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)  # past the start-up, into the query
+    assert proc.poll() is None
+    proc.send_signal(getattr(signal, signum))
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130 and err.strip() == "interrupted"
+
+
+def test_a_reader_that_leaves_ends_the_query(runs):
+    """`sql ... | head -1`: the query went on to its end with its output thrown away (30 M rows took as long as without
+    head); it stops when the reader is gone."""
+    import subprocess
+    import sys
+    import time
+
+    binary = Path(sys.executable).parent / "steplens"
+    started = time.monotonic()
+    proc = subprocess.Popen([str(binary), "sql", str(runs[0]), "SELECT * FROM range(100000000000)", "--format", "csv"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline() == b"range\n"
+    proc.stdout.close()
+    proc.wait(timeout=60)
+    assert time.monotonic() - started < 60 and proc.returncode == 0
+
+
+def test_csv_gives_list_and_struct_values_as_json(runs):
+    """CSV has no nested values: a list or struct cell is its JSON text (it was an internal error)."""
+    import csv
+    import io
+
+    root = runs[0]
+    done = CliRunner().invoke(steplens, ["sql", str(root), "SELECT step, list(DISTINCT rank ORDER BY rank) AS ranks, "
+                                         "{'n': 1, 'q': 'a\"b'} AS s FROM steps WHERE run_id = (SELECT min(run_id) "
+                                         "FROM runs) GROUP BY step ORDER BY step", "--format", "csv"])
+    assert done.exit_code == 0, done.output
+    rows = list(csv.DictReader(io.StringIO(done.output)))
+    ranks = sql.query(root, "SELECT step, rank FROM steps WHERE run_id = (SELECT min(run_id) FROM runs)")
+    for row in rows:
+        expected = sorted(set(ranks.filter(pl.col("step") == int(row["step"]))["rank"].to_list()))
+        assert json.loads(row["ranks"]) == expected
+        assert json.loads(row["s"]) == {"n": 1, "q": 'a"b'}

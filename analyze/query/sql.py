@@ -8,10 +8,14 @@ outside the folder: querying never changes a run, nor shows anything else.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
 import re
+import signal
+import threading
+import types
 from pathlib import Path
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -183,14 +187,50 @@ def query_batches(root: Path, sql: str, skipped: list[tuple[str, str]] | None = 
     con = connect(root, skipped)
     if len(skipped) > left_out and not con.execute("SELECT count(*) FROM runs").fetchall()[0][0]:
         raise QueryError(f"no run under {root} can be read (each is named above)")
+    with interruptible(con) as stop:
+        try:
+            relation = con.sql(sql)
+            reader = (relation.limit(limit) if limit is not None else relation).to_arrow_reader(BATCH_ROWS)
+            empty = True
+            for batch in reader:
+                empty = False
+                yield pl.from_arrow(batch)
+            if empty:
+                yield pl.from_arrow(reader.schema.empty_table())
+        except Exception as e:
+            if stop.interrupted:  # DuckDB's InterruptException, or Arrow's reader saying "Query interrupted"
+                raise KeyboardInterrupt from None
+            if isinstance(e, duckdb.Error):
+                raise QueryError(str(e).splitlines()[0]) from None
+            raise
+
+
+@contextlib.contextmanager
+def interruptible(con: duckdb.DuckDBPyConnection):
+    """Ctrl-C and SIGTERM stop a query DuckDB is running: Python runs its signal handlers only between bytecodes, and
+    a query runs in DuckDB's C++ for as long as it takes (a `range(1e11)` ran on after both), so the signal's wakeup
+    byte (signal.set_wakeup_fd, written by the C-level handler) wakes a thread that interrupts the connection; the
+    handler then runs as the query returns. In the main thread only (where signals are delivered). Yields an object
+    whose `interrupted` says whether it stopped the query."""
+    stop = types.SimpleNamespace(interrupted=False)
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd)
+
+    def watch() -> None:
+        if os.read(read_fd, 1):  # b"": the query ended and the pipe closed
+            stop.interrupted = True
+            con.interrupt()
+
+    watcher = threading.Thread(target=watch, name="steplens-sql-interrupt", daemon=True)
+    watcher.start()
     try:
-        relation = con.sql(sql)
-        reader = (relation.limit(limit) if limit is not None else relation).to_arrow_reader(BATCH_ROWS)
-        empty = True
-        for batch in reader:
-            empty = False
-            yield pl.from_arrow(batch)
-        if empty:
-            yield pl.from_arrow(reader.schema.empty_table())
-    except duckdb.Error as e:
-        raise QueryError(str(e).splitlines()[0]) from None
+        yield stop
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(write_fd)
+        watcher.join()
+        os.close(read_fd)
