@@ -178,7 +178,7 @@ def test_work_launched_before_the_window_is_an_orphan_with_no_step(tmp_path):
     out, _, result = _analyse(tmp_path / "run")
     launches = _table(out, "kernel_launches").sort("ts_ns")
     assert launches.select("step", "launch_api").rows() == [(None, None), (1, "cudaLaunchKernel")]
-    issues = _table(out, "ingest_issues").filter(pl.col("reason") == "orphan_device_activity")
+    issues = pl.read_parquet(out / "ingest_issues" / "**" / "*.parquet").filter(pl.col("reason") == "orphan_device_activity")
     assert issues["count"].to_list() == [1] and "40000 ns" in issues["detail"][0]
     assert result.sources[0].status == "ingested"
     window = _table(out, "gpu_idle").filter(pl.col("step").is_null()).row(0, named=True)
@@ -519,3 +519,20 @@ def test_the_longest_launch_call_is_named_beside_host_bound_idle(corpus, tmp_pat
     share = max(durations) / findings["gpu_idle"]["host_bound_ns"]
     assert f"the longest launch call took 6.54 ms (hipLaunchKernel, rank 0; its median" in line
     assert f"{share:.0%} of the host-bound idle" in line and share > 0.5
+
+
+def test_a_step_number_marking_spans_one_after_another_is_no_step(tmp_path):
+    """Four annotations all named ProfilerStep#5, one after another (200, 300, 250 and 150 us): merged they made one
+    'step 5' of 1.1 ms that no step took. They are left out of the steps with a warning naming them; a number
+    annotated on two threads at once is still one step."""
+    events = [_step(5, 0, 200), _step(5, 300, 300), _step(5, 700, 250), _step(5, 1000, 150),
+              _step(7, 2000, 100), {**_step(7, 2010, 80), "tid": 2}]
+    for i, ts in enumerate((10, 310, 710, 1010, 2020)):
+        events += [_launch(ts, i + 1), _kernel(ts + 5, 20, i + 1, stream=7)]
+    write_trace(tmp_path / "run" / "rank0.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    out, findings, result = _analyse(tmp_path / "run")
+    assert pl.read_parquet(out / "steps" / "*" / "*.parquet")["step"].unique().to_list() == [7]
+    issues = pl.read_parquet(out / "ingest_issues" / "**" / "*.parquet").filter(pl.col("reason") == "reused_step_number")
+    assert issues["count"].to_list() == [4] and issues["severity"].to_list() == ["warning"]
+    assert "step 5: 4 spans, 0.15-0.3 ms each" in issues["detail"][0]
+    assert _table(out, "kernel_launches").filter(pl.col("step").is_not_null())["step"].to_list() == [7]

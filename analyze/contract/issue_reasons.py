@@ -89,6 +89,8 @@ _DECLARED = (
     IssueReason("unrepresentable_value", ("warning",), "Values out of range for their meaning (a trace arg) or their "
                 "column (a log's number past int64, nan where a count belongs); stored as null."),
     IssueReason("bad_step_number", ("warning",), "ProfilerStep numbers too large to be steps; kept as plain events."),
+    IssueReason("reused_step_number", ("warning",), "A step number marking spans one after another (a restarted "
+                "counter, copied annotations): left out of the steps; the events are kept, with no step."),
     IssueReason("flow_without_end", ("info",), "Flow starts whose end is outside the trace window."),
     IssueReason("flow_unbound", ("info",), "Flow pairs whose start or end matches no slice; not linked."),
     IssueReason("device_activity_outside_window", ("warning",), "Device activities further from the trace's host events "

@@ -141,7 +141,27 @@ def step_windows(events: pl.DataFrame, issues: list[Issue], step_name: re.Patter
         .drop_nulls("step")
         .sort("start_ns")
     )
-    return steps
+    return _without_reused_numbers(steps, issues)
+
+
+def _without_reused_numbers(steps: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
+    """A step number marking spans one after another (the profiler's counter restarted within one trace, or
+    annotations copied) names no one step: every analysis would merge them into one from the first start to the last
+    end. Such numbers are left out of the steps (their events stay, with no step) and counted; spans of one number
+    that overlap (the step annotated on several threads) are one step."""
+    earlier_end = pl.col("end_ns").cum_max().shift(1).over("step")
+    reused = steps.filter(pl.col("start_ns") >= earlier_end)["step"].unique().sort()
+    if reused.is_empty():
+        return steps
+    spans = steps.filter(pl.col("step").is_in(reused.implode()))
+    first = spans.filter(pl.col("step") == reused[0])
+    issues.append(Issue("warning", "reused_step_number", spans.height,
+                        f"step number(s) {', '.join(map(str, reused.head(5).to_list()))}"
+                        f"{' and more' if reused.len() > 5 else ''} each mark spans one after another (step "
+                        f"{reused[0]}: {first.height} spans, {first['dur_ns'].min() / 1e6:.3g}-"
+                        f"{first['dur_ns'].max() / 1e6:.3g} ms each): a number must name one step, so they are left "
+                        "out of the steps (their events are kept, with no step)"))
+    return steps.filter(~pl.col("step").is_in(reused.implode()))
 
 
 def assign_steps(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
