@@ -373,6 +373,17 @@ def test_cpu_sample_report_in_chromium(browser, tmp_path):
     headings = [h.get_attribute("id") for h in browser.find_elements("css selector", "h2")]
     assert "cpu-gpu" not in headings and "kernels" not in headings  # said once, in the first section
     assert seen["steps"][1] == 1  # the step-time curve over the whole run
+    # A table whose names are long in two columns beside many numbers (a module table of 170-character module and
+    # class names was 1553 px wide in a 1385 px window: the page scrolled sideways) scrolls by itself, in the page.
+    assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+    wide = browser.execute_script(
+        "const t = document.querySelector('table'); const row = t.querySelector('tr:last-child');"
+        "for (let i = 0; i < 12; i++) { const c = document.createElement('td'); c.textContent = '0.249 ms';"
+        " row.appendChild(c); }"
+        "row.cells[0].textContent = row.cells[1].textContent = 'M'.repeat(60) + ' <img> (javascript:x)|'.repeat(5);"
+        "return t.scrollWidth > t.clientWidth;")
+    assert wide  # the table is wider than the page: it scrolls inside
+    assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
 
 
 # ---------------------------------------------------------------------------------------------
