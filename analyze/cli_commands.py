@@ -82,11 +82,12 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
                 click.echo(shown(_csv(frame, index == 0) if fmt == "csv" else frame.write_ndjson()), nl=False)
                 sys.stdout.flush()
                 if getattr(sys.stdout, "reader_left", False):  # `| head`: the rest of the result is for no one
+                    batches.close()  # the query stops now, not when the generator is collected
                     break
     except QueryError as e:
         _warn_skipped(skipped)
         fail(str(e))
-    except (KeyboardInterrupt, Terminated):  # the query is stopped (sql.interruptible); nothing was written
+    except (KeyboardInterrupt, Terminated):  # the query is stopped (sql.interruptible)
         warn("interrupted")
         sys.exit(EXIT_INTERRUPTED)
     if skipped:

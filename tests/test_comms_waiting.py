@@ -36,3 +36,16 @@ def test_ranks_that_agree_keep_the_plain_median():
     stats = comms_log.comms_log_stats(_calls({0: [1_200_000, 1_300_000, 1_250_000], 1: [1_000_000, 900_000, 1_100_000]}))
     line = " ".join(comms_log.logged_lines(comms_log.costliest_finding(stats), {})[0].split())
     assert "(median 1.15 ms" in line and "waits least" not in line
+
+
+def test_a_rank_with_a_stray_call_is_not_the_op_or_the_wait():
+    """Rank 0 timed one 0.1 ms call, ranks 1-3 a hundred each at about 1, 1.05 and 3 ms: rank 0 is left out of the
+    comparison (fewer than half the calls of the rank that timed most), so rank 1 is the one that waits least and 3 ms
+    is the most; with one rank alone there is nothing to compare."""
+    stats = comms_log.comms_log_stats(_calls({0: [100_000], 1: [1_000_000] * 100, 2: [1_050_000] * 100,
+                                              3: [3_000_000] * 100}))
+    row = stats.row(0, named=True)
+    assert (row["least_wait_rank"], row["least_wait_median_latency_ns"], row["most_wait_median_latency_ns"]) == \
+        (1, 1_000_000, 3_000_000)
+    alone = comms_log.comms_log_stats(_calls({0: [1_000_000, 30_000_000]})).row(0, named=True)
+    assert alone["least_wait_rank"] is None and alone["most_wait_median_latency_ns"] is None

@@ -347,3 +347,19 @@ def test_profiles_of_different_forwards_give_no_mfu(tmp_path):
     assert "deepspeed_flops_profile" not in numerators
     refused = findings.get("mfu_refused") or findings["mfu"].get("note", "")
     assert "disagree" in refused and "471,760,000" in refused and "943,520,000" in refused
+
+
+@pytest.mark.parametrize("facts, why", [
+    ({"train_micro_batch_size_per_gpu": 8, "batch_size_per_gpu": 4}, "counts a batch of 4 per GPU and the run trains 8"),
+    ({"data_parallel_size": 2, "model_parallel_size": 2}, "not its 2 data-parallel x 2 model-parallel ranks"),
+])
+def test_a_profile_of_another_batch_or_layout_gives_no_mfu(facts, why):
+    """A profile of 4 samples per GPU in a run training 8, or of a 2 x 2 layout in 8 processes (pipeline stages: each
+    GPU's forward one stage's share): refused, saying why."""
+    from steplens.analyze.analyses import mfu
+
+    profile = pl.DataFrame({"source": ["flops_profile.txt"], "depth": [0], "flops_total": [471_760_000]})
+    flops, problem = mfu._deepspeed_profile_flops(profile, facts, world_size=8)
+    assert flops is None and why in problem
+    layout = {"data_parallel_size": 4, "model_parallel_size": 2, "gradient_accumulation_steps": 2}
+    assert mfu._deepspeed_profile_flops(profile, layout, world_size=8) == (3 * 471_760_000 * 2 * 4 * 2, "")

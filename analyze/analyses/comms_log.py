@@ -55,12 +55,17 @@ def comms_log_stats(comms_calls: pl.DataFrame) -> pl.DataFrame:
         synchronized=pl.col("synchronized").any(),
     )
     # Each rank's own median: a rank that reaches a collective early times its wait for the last one too, so the
-    # rank whose median is lowest is the best measure of the op itself, and the others' excess is waiting.
+    # rank whose median is lowest is the nearest to the op itself, and the others' excess is waiting. Only ranks that
+    # timed at least half as many calls as the rank that timed most are compared (a stray call is no rank's
+    # median), and at least two of them.
     keys = ["op", "nccl_bytes", "group_size"]
     per_rank = calls.group_by(*keys, "rank").agg(
-        rank_latency_ns=pl.col("latency_ns").median(),
+        rank_calls=pl.len(), rank_latency_ns=pl.col("latency_ns").median(),
         rank_busbw_gbps=pl.col("busbw_gbps").filter(~NO_OP).median())
-    least = per_rank.sort(*keys, "rank_latency_ns", "rank", nulls_last=True).group_by(keys, maintain_order=True).agg(
+    per_rank = per_rank.filter((2 * pl.col("rank_calls") >= pl.col("rank_calls").max().over(keys))
+                               & pl.col("rank_latency_ns").is_not_null())
+    per_rank = per_rank.filter(pl.len().over(keys) >= 2)
+    least = per_rank.sort(*keys, "rank_latency_ns", "rank").group_by(keys, maintain_order=True).agg(
         least_wait_rank=pl.col("rank").first(),
         least_wait_median_latency_ns=pl.col("rank_latency_ns").first().round().cast(pl.Int64),
         least_wait_median_busbw_gbps=pl.col("rank_busbw_gbps").first(),
@@ -109,8 +114,8 @@ def logged_lines(logged: dict, findings: dict) -> list[str]:
         busbw = logged.get("least_wait_median_busbw_gbps")
         return [f"Logged comms: {logged['op']} of {binary_bytes(logged['nccl_bytes'])} costs most, "
                 f"{duration(logged['total_latency_ns'])} over {logged['calls']} calls, mostly waiting: the median call "
-                f"takes {duration(least)} on rank {logged['least_wait_rank']}, the rank that waits least (the op "
-                + (f"itself, busbw {busbw:.2f} GB/s" if busbw is not None else "itself")
+                f"takes {duration(least)} on rank {logged['least_wait_rank']}, the rank that waits least (nearest the "
+                + (f"op's own time, busbw {busbw:.2f} GB/s" if busbw is not None else "op's own time")
                 + f"), and up to {duration(most)} on a rank that reaches it early and waits for a later one ({timing})."]
     return [f"Logged comms: {logged['op']} of {binary_bytes(logged['nccl_bytes'])} costs most, "
             f"{duration(logged['total_latency_ns'])} over {logged['calls']} calls (median "
@@ -144,8 +149,10 @@ COMMS_LOG_STATS = schema.table_spec(
     ("total_latency_ns", pa.int64(), "Summed latency."),
     ("median_algbw_gbps", pa.float64(), "Median nccl-tests algbw, GB/s."),
     ("median_busbw_gbps", pa.float64(), "Median nccl-tests busbw, GB/s."),
-    ("least_wait_rank", pa.int64(), "The rank whose median latency is lowest: it reached the op last, so it waited "
-                                    "least for the others; its calls measure the op itself best."),
+    ("least_wait_rank", pa.int64(), "The rank whose median latency is lowest (among the ranks that timed at least "
+                                    "half as many calls as the rank that timed most; null with fewer than two): it "
+                                    "reached the op last, so it waited least for the others; its calls are nearest "
+                                    "the op's own time."),
     ("least_wait_median_latency_ns", pa.int64(), "That rank's median latency."),
     ("least_wait_median_busbw_gbps", pa.float64(), "That rank's median busbw, GB/s."),
     ("most_wait_median_latency_ns", pa.int64(), "The highest median latency of a rank: beyond the op's, its wait for "

@@ -201,10 +201,18 @@ def _deepspeed_profile_flops(flops_profile: pl.DataFrame, facts: dict, world_siz
         shown = ", ".join(f"{row['flops_total']:,} in {row['source']}" for row in
                           native.unique("flops_total").sort("flops_total").head(3).iter_rows(named=True))
         return None, f"DeepSpeed's FLOPs profiles in the run disagree on the forward FLOPs ({shown}): no MFU from them"
-    forward = float(high)
-    micro = facts.get("gradient_accumulation_steps") or facts.get("grad_accum") or 1
+    micro_batch, profiled_batch = facts.get("train_micro_batch_size_per_gpu"), facts.get("batch_size_per_gpu")
+    if micro_batch and profiled_batch and micro_batch != profiled_batch:
+        return None, (f"DeepSpeed's FLOPs profile counts a batch of {profiled_batch} per GPU and the run trains "
+                      f"{micro_batch}: no MFU from it")
     model_parallel = facts.get("model_parallel_size") or 1
-    return 3 * forward * micro * data_parallel_size(facts, max(world_size // model_parallel, 1)) * model_parallel, ""
+    data_parallel = facts.get("data_parallel_size") or data_parallel_size(facts, max(world_size // model_parallel, 1))
+    if world_size > 1 and data_parallel * model_parallel != world_size:  # pipeline stages: each GPU one stage's share
+        return None, (f"DeepSpeed's FLOPs profile is one GPU's share of the forward, and the run's {world_size} "
+                      f"processes are not its {data_parallel} data-parallel x {model_parallel} model-parallel ranks "
+                      "(pipeline stages?): no MFU from it")
+    micro = facts.get("gradient_accumulation_steps") or facts.get("grad_accum") or 1
+    return 3 * float(high) * micro * data_parallel * model_parallel, ""
 
 
 def trace_flops_per_step(step_flops: pl.DataFrame, gpus: int) -> float | None:

@@ -32,6 +32,8 @@ CHECK_MFU = {  # by numerator
             "optimizer step), " + CHECK_PEAK,
     "collector_flops_profile": "gradient_accumulation_steps and dp_world_size in the run facts (the profile is one "
                                "micro batch on one rank), " + CHECK_PEAK,
+    "deepspeed_flops_profile": "gradient_accumulation_steps and the profile's data- and model-parallel sizes (its "
+                               "summary is one micro batch per GPU), " + CHECK_PEAK,
 }
 CHECK_CLOCK = ("the hosts' clocks (an NTP step during the run moves wall-clock times) and whether the input files "
                "are complete and unmodified")

@@ -27,11 +27,15 @@ MAX_MANIFEST_BYTES = 256 << 20
 def read_manifest(folder: Path) -> dict:
     """run.json of an output folder, {} when it is missing, not a plain file in it (a FIFO would block the reader, a
     device never end), larger than MAX_MANIFEST_BYTES or not a JSON object."""
-    path = Path(folder) / MANIFEST_FILE
-    if not plain_file_inside(path, folder):
+    try:
+        # not following a link, not waiting on a FIFO; what was opened is then checked, not what the name was before
+        fd = os.open(Path(folder) / MANIFEST_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
         return {}
     try:
-        with open(path, "rb") as handle:
+        with open(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                return {}
             data = handle.read(MAX_MANIFEST_BYTES + 1)
         manifest = json.loads(data) if len(data) <= MAX_MANIFEST_BYTES else None
     except (OSError, ValueError, RecursionError):

@@ -218,19 +218,23 @@ def interruptible(con: duckdb.DuckDBPyConnection):
         return
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    previous = signal.set_wakeup_fd(write_fd)
 
     def watch() -> None:
-        if os.read(read_fd, 1):  # b"": the query ended and the pipe closed
-            stop.interrupted = True
-            con.interrupt()
+        while byte := os.read(read_fd, 1):  # b"": the query ended and the pipe closed
+            if byte[0] in (signal.SIGINT, signal.SIGTERM):  # the byte is the signal's number; others are not a stop
+                stop.interrupted = True
+                con.interrupt()
 
     watcher = threading.Thread(target=watch, name="steplens-sql-interrupt", daemon=True)
-    watcher.start()
+    previous = None
     try:
+        previous = signal.set_wakeup_fd(write_fd)
+        watcher.start()
         yield stop
     finally:
-        signal.set_wakeup_fd(previous)
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(previous)
         os.close(write_fd)
-        watcher.join()
+        if watcher.is_alive():
+            watcher.join()
         os.close(read_fd)
