@@ -26,6 +26,17 @@ def write_trace(path: Path, events: list, gz: bool = False, **top) -> Path:
     return path
 
 
+def launch_call_durations_ns(trace: Path, api: str) -> list[int]:
+    """From a raw Kineto trace (json and gzip only, no steplens code): for each device activity whose launch call
+    (found by its correlation id) is `api`, that call's duration in ns."""
+    events = json.loads(gzip.decompress(trace.read_bytes()) if trace.name.endswith(".gz") else trace.read_bytes())
+    calls = {e["args"]["correlation"]: e for e in events["traceEvents"] if e.get("ph") == "X"
+             and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    return [round(float(calls[e["args"]["correlation"]]["dur"]) * 1000) for e in events["traceEvents"]
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+            and calls.get(e.get("args", {}).get("correlation"), {}).get("name") == api]
+
+
 # Real 2-rank DeepSpeed CPU jobs (tests/realrun/train_tiny_gpt.py, gloo, DS_ACCELERATOR=cpu,
 # OMP_NUM_THREADS=1) shared by the step-time, verdict, compare and trials tests: each is made once per
 # test session, about 30 s on 2 cores. STEPLENS_REALRUN_DIR=<folder> keeps them there and reuses them.

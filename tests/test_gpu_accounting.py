@@ -13,7 +13,7 @@ from steplens.analyze.cli import analyze
 from steplens.analyze.pipeline import analyse
 from steplens.reports import verdict
 
-from conftest import write_trace
+from conftest import launch_call_durations_ns, write_trace
 
 LAUNCH = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "dur": 2}
 
@@ -493,18 +493,12 @@ def test_the_longest_launch_call_is_named_beside_host_bound_idle(corpus, tmp_pat
     """The MI250 trace's host-bound idle is mostly one hipLaunchKernel call: its longest call and the API's median,
     recomputed from the raw JSON (each kernel's launch call found by correlation id), are the ones the idle
     sentence names; launch_summary's max and total are the calls' own."""
-    import gzip
     import statistics
 
     from steplens.analyze.analyses import launch
 
     source = corpus / "HolisticTraceAnalysis" / "amd_trace" / "mi250_minitoy_train_ROCm6_2_kineto.json.gz"
-    events = json.loads(gzip.decompress(source.read_bytes()))["traceEvents"]
-    calls = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
-             and "correlation" in e.get("args", {})}
-    durations = [round(float(calls[e["args"]["correlation"]]["dur"]) * 1000) for e in events
-                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-                 and calls.get(e.get("args", {}).get("correlation"), {}).get("name") == "hipLaunchKernel"]
+    durations = launch_call_durations_ns(source, "hipLaunchKernel")
     run = tmp_path / "run"
     run.mkdir()
     (run / source.name).symlink_to(source)

@@ -4,16 +4,13 @@ the slowest of them, an observed value."""
 
 from __future__ import annotations
 
-import gzip
-import json
-
 import polars as pl
 import pytest
 
 from steplens.analyze.analyses import comms_log, percentile, summaries
 from steplens.analyze.pipeline import analyse
 
-from conftest import write_trace
+from conftest import launch_call_durations_ns, write_trace
 
 
 def _by_hand(values: list, percent: int):
@@ -65,12 +62,7 @@ def test_launch_summary_p90_on_a_real_rocm_trace(corpus, tmp_path):
     """The torch.compile ROCm trace's seven hipExtModuleLaunchKernel calls, recomputed from the raw JSON: each
     kernel's launch call found by its correlation id; the p90 of the calls' durations by nearest rank."""
     source = corpus / "TraceLens" / "torch_compile_triton" / "trace.json.gz"
-    events = json.loads(gzip.decompress(source.read_bytes()))["traceEvents"]
-    calls = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
-             and "correlation" in e.get("args", {})}
-    durations = [round(float(calls[e["args"]["correlation"]]["dur"]) * 1000) for e in events
-                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-                 and calls.get(e.get("args", {}).get("correlation"), {}).get("name") == "hipExtModuleLaunchKernel"]
+    durations = launch_call_durations_ns(source, "hipExtModuleLaunchKernel")
     assert len(durations) == 7
     run = tmp_path / "run"
     run.mkdir()
