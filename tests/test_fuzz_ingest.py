@@ -452,6 +452,9 @@ def test_special_files_are_skipped_unopened(tmp_path, traces):
     (run / "rank-4.json").symlink_to("/dev/zero")  # an endless device
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(run / "rank-5.json"))
+    (run / "loop-1").symlink_to("loop-2")  # links that lead to no file: nothing to read, nothing lost
+    (run / "loop-2").symlink_to("loop-1")
+    (run / "rank-6.json").symlink_to("gone.json")
     analyze_script = Path(sys.executable).with_name("analyze")
     try:
         proc = subprocess.run([sys.executable, "-m", "steplens.analyze", str(run), "-q", "--ingest-only"],
@@ -462,11 +465,13 @@ def test_special_files_are_skipped_unopened(tmp_path, traces):
     finally:
         listener.close()
     assert proc.returncode in DOCUMENTED_EXITS and "Traceback" not in proc.stderr, proc.stderr
-    assert fresh.returncode == replayed.returncode == 0, fresh.stderr + replayed.stderr
+    assert fresh.returncode == replayed.returncode == 0, fresh.stderr + replayed.stderr  # nothing was lost
     assert "unchanged" in replayed.stdout + replayed.stderr
     manifest = json.loads((run / ".steplens" / "run.json").read_text())
-    special = {s["path"]: s["issues"][0][1] for s in manifest["sources"] if s["path"].startswith("rank-")}
-    assert special == {"rank-3.json": "special_file", "rank-4.json": "special_file", "rank-5.json": "special_file"}
+    special = {s["path"]: s["issues"][0][:2] for s in manifest["sources"] if s["path"].startswith(("rank-", "loop-"))}
+    assert special == {"rank-3.json": ["warning", "special_file"], "rank-4.json": ["warning", "special_file"],
+                       "rank-5.json": ["warning", "special_file"], "rank-6.json": ["warning", "broken_link"],
+                       "loop-1": ["warning", "broken_link"], "loop-2": ["warning", "broken_link"]}
     assert sorted(manifest["trace_ranks"]) == [0, 1]
 
 

@@ -33,6 +33,8 @@ class IssueReason:
 _DECLARED = (
     # Files and folders (pipeline/ingest.py)
     IssueReason("special_file", ("warning",), "A FIFO, device or socket: skipped without opening it."),
+    IssueReason("broken_link", ("warning",), "A symbolic link to no file (a missing target, or links in a loop): "
+                "nothing to read."),
     IssueReason("linked_folder", ("warning",), "A symbolic link to a folder: not followed (it may lead out of the "
                 "run or loop), named in run.json."),
     IssueReason("unreadable", ("error",), "The file cannot be read, or a sub-folder cannot be listed (permissions, I/O "

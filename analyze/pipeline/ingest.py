@@ -10,6 +10,7 @@ number of ranks.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -193,7 +194,11 @@ def _regular_files(files: list[Path]) -> tuple[list[Path], list[tuple[Path, list
         try:
             mode = path.stat().st_mode
         except OSError as e:
-            special.append((path, ["error", "unreadable", 1, f"cannot read: {e.strerror or e}"]))
+            if e.errno in (errno.ELOOP, errno.ENOENT) and path.is_symlink():  # no file behind it: nothing to lose
+                special.append((path, ["warning", "broken_link", 1, "a symbolic link that leads to no file (its target "
+                                       f"is missing, or the links loop: {e.strerror or e}): nothing to read"]))
+            else:
+                special.append((path, ["error", "unreadable", 1, f"cannot read: {e.strerror or e}"]))
             continue
         if stat.S_ISREG(mode):
             regular.append(path)
