@@ -31,7 +31,7 @@ Exit status:
   {EXIT_PARTIAL}    results written, but some inputs could not be used (see the issues)
   {EXIT_NOTHING}    nothing usable, or bad arguments
   {EXIT_REGRESSION}    compare: a regression beyond --fail-on-regression
-  {EXIT_UNWRITABLE}    the output cannot be written (read-only or full disk)
+  {EXIT_UNWRITABLE}    the output cannot be written (read-only or full disk, another analyze writing it)
   {EXIT_INTERNAL}    internal error (STEPLENS_DEBUG=1 shows the traceback)
   {EXIT_INTERRUPTED}  interrupted by Ctrl-C or SIGTERM (the last result is kept)
 """

@@ -202,3 +202,26 @@ def test_a_reader_that_leaves_early_loses_no_result(run):
         out = run / schema.DEFAULT_OUT_DIR
         assert (out / "report.html").stat().st_size > 0 and (out / "summary.md").stat().st_size > 0
         assert reuse.complete(out, __import__("json").loads((out / schema.MANIFEST_FILE).read_text()))
+
+
+def test_a_second_analyze_into_an_output_being_written_is_refused(tmp_path):
+    """Two analyze runs writing one --out both said they succeeded, the later one's result replacing the other's.
+    While another live process stages a result there (its .NAME.tmp-PID folder), analyze refuses with exit 4 and says
+    which; once that process is gone, its leftover is cleaned and the run goes ahead."""
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns(".steplens"))
+    out = tmp_path / "out"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / f".out.tmp-{other.pid}" / "_scratch").mkdir(parents=True)
+        refused = subprocess.run([str(SCRIPT), str(run), "--out", str(out), "-q"], capture_output=True, text=True,
+                                 timeout=300)
+        assert refused.returncode == 4, refused.stderr
+        assert f"is being written by another analyze (process {other.pid})" in " ".join(refused.stderr.split())
+        assert not out.exists()
+    finally:
+        other.kill()
+        other.wait()
+    done = subprocess.run([str(SCRIPT), str(run), "--out", str(out), "-q"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode in (0, 1) and (out / "run.json").exists() and not (tmp_path / f".out.tmp-{other.pid}").exists()

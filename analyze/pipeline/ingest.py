@@ -593,6 +593,21 @@ def _recover(out_dir: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+def _other_writer(out_dir: Path) -> int | None:
+    """The process id of another live analyze staging a result for out_dir (its .NAME.tmp-PID folder), or None:
+    two runs writing one output would each publish over the other, and both say they succeeded."""
+    for staging in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        pid = staging.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid() or not _alive(int(pid)):
+            continue
+        try:
+            if staging.is_dir() and not staging.is_symlink() and _is_staging(staging):
+                return int(pid)
+        except OSError:  # it finished (or gave up) as we looked
+            continue
+    return None
+
+
 def _is_staging(folder: Path) -> bool:
     """A staging folder holds steplens's scratch space or manifest, or nothing yet."""
     names = set(os.listdir(folder))
@@ -806,6 +821,9 @@ def staged(
             if staging.exists() and _is_staging(staging):
                 shutil.rmtree(staging)
             (staging / "_scratch").mkdir(parents=True)
+            if writer := _other_writer(out_dir):  # checked with our own staging in place: of two, one sees the other
+                raise OutputUnwritable(f"{out_dir} is being written by another analyze (process {writer}): wait for "
+                                       "it to finish, or give another folder with --out")
             with nullcontext(workers) if workers else Workers(jobs) as parse_workers:
                 stage = _stage(run_dir, out_dir, staging, found, parse_workers, progress, started, client, store)
             yield stage  # analyses write here too
