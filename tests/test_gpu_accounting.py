@@ -556,3 +556,17 @@ def test_a_graph_launch_is_one_call_and_a_blocking_copy_no_launch_stall(tmp_path
     idle = findings["gpu_idle"]
     assert (idle["main_cause"], idle["host_bound_ns"], idle["sync_ns"]) == ("host_bound", 430_000, 0)
     assert (idle["slowest_launch"]["launch_api"], idle["slowest_launch"]["api_ns"]) == ("cudaGraphLaunch", 60_000)
+
+
+def test_the_idle_sentence_names_the_steps_idle_where_it_differs():
+    """A window idle 8.1% whose profiled steps are idle 9.3% (work launched before the window fills some of its time):
+    both figures, each said for what it covers; equal figures, one."""
+    from steplens.analyze.analyses import launch
+
+    idle = {"idle_share": 0.081, "main_cause": "other", "host_bound_ns": 0, "sync_ns": 0, "other_ns": 1}
+    line = " ".join(launch.gpu_idle_lines(idle, {"step_breakdown": {"time_split": {"idle_share": 0.093}}})[0].split())
+    assert line.startswith("GPU idle: 8.1% of the profiled time (no stream busy, from the first device activity or "
+                           "profiled step to the last; 9.3% inside the profiled steps' device spans, the verdict's figure)")
+    assert "main cause other: the next work was already queued" in line
+    same = launch.gpu_idle_lines(idle, {"step_breakdown": {"time_split": {"idle_share": 0.0812}}})[0]
+    assert "inside the profiled steps" not in same
