@@ -256,9 +256,14 @@ def _raise_terminated(signum, frame) -> None:
 
 def catch_interrupts() -> None:
     """SIGTERM and Ctrl-C raise Terminated from here on: set first, so that one during the imports exits 130
-    as one later does, not 143 or a KeyboardInterrupt traceback."""
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    signal.signal(signal.SIGINT, _raise_terminated)
+    as one later does, not 143 or a KeyboardInterrupt traceback. One that arrives while the handlers are being set
+    (the handler runs inside signal.signal's own return) exits 130 here."""
+    try:
+        signal.signal(signal.SIGTERM, _raise_terminated)
+        signal.signal(signal.SIGINT, _raise_terminated)
+    except Terminated:
+        print("interrupted: the last published result is unchanged", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 def main() -> None:
