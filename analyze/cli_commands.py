@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -225,14 +226,13 @@ def _list_as_output(out_dir: Path, name: str) -> None:
 def _is_export(path: Path) -> bool:
     """A plain file export-trace wrote (its otherData, written last, names steplens): the only kind it replaces (a
     device such as /dev/zero never ends, a FIFO blocks the reader)."""
-    import stat
-
+    handle = reuse.open_plain_file(path)
+    if handle is None:
+        return False
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            return False
-        with open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - 4096))
-            tail = f.read(4096)
+        with handle:
+            handle.seek(max(0, os.fstat(handle.fileno()).st_size - 4096))
+            tail = handle.read(4096)
     except OSError:
         return False
     return b'"steplens":' in tail and b'"origin_ns":' in tail

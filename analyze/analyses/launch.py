@@ -380,9 +380,10 @@ def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
     linked = launched.filter(pl.col("launch_api").is_not_null())
     # A graph launch runs many kernels, each after the one before: only its first waited in a queue for the call.
     call = ["rank", "source", "launch_pid", "launch_tid", "launch_ts_ns"]
-    later_in_graph = pl.col("launch_api").str.contains(GRAPH_LAUNCH) & (pl.col("ts_ns") > pl.col("ts_ns").min().over(call))
+    first_of_call = pl.int_range(pl.len()).over(call) == 0  # `launched` is in time order
+    later_in_graph = pl.col("launch_api").str.contains(GRAPH_LAUNCH) & ~first_of_call
     linked = linked.with_columns(queued=pl.when(~later_in_graph).then(pl.col("queue_ns").clip(lower_bound=0)),
-                                 call_ns=pl.when(pl.int_range(pl.len()).over(call) == 0).then(pl.col("api_ns")))
+                                 call_ns=pl.when(first_of_call).then(pl.col("api_ns")))
     return linked.group_by("rank", "launch_api").agg(
         activities=pl.len(),
         api_ns_median=pl.col("api_ns").median(),
@@ -407,7 +408,7 @@ SLOW_LAUNCH_SHARE = 0.1
 def slowest_launch(launches: pl.DataFrame, host_bound_ns: int) -> dict | None:
     """The longest launch call of the run (launch_summary's api_ns_max), when it is at least SLOW_LAUNCH_SHARE of the
     host-bound idle: rank, launch_api, api_ns and its API's median."""
-    if launches.is_empty() or not host_bound_ns or "api_ns_max" not in launches.columns:
+    if launches.is_empty() or not host_bound_ns:
         return None
     # a blocking copy's call waits for the device: its length is the device's, not a launch stall
     top = launches.filter(pl.col("api_ns_max").is_not_null() & ~pl.col("launch_api").str.contains(SYNC_API)).sort(

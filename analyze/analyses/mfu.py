@@ -165,6 +165,11 @@ def _attention_projection_weights(params: int) -> int | None:
     return None
 
 
+def _micro_batches(facts: dict) -> int:
+    """Micro batches per optimizer step (gradient accumulation), 1 when the run does not say."""
+    return facts.get("gradient_accumulation_steps") or facts.get("grad_accum") or 1
+
+
 def _collector_flops(flops_profile: pl.DataFrame, facts: dict, world_size: int) -> tuple[float | None, str]:
     """FLOPs per optimizer step from the collector's exact profile (under ZeRO-3 corrected where exact), or None and why not."""
     exact = flops_profile.filter(pl.col("exact").fill_null(False) & pl.col("source").str.starts_with("collector")) \
@@ -177,9 +182,7 @@ def _collector_flops(flops_profile: pl.DataFrame, facts: dict, world_size: int) 
             return None, problem
     else:
         forward = float(exact.filter(pl.col("depth") == 0)["flops_total"].max())
-    micro = facts.get("gradient_accumulation_steps") or facts.get("grad_accum") or 1
-    data_parallel = data_parallel_size(facts, world_size)
-    return 3 * forward * micro * data_parallel, ""
+    return 3 * forward * _micro_batches(facts) * data_parallel_size(facts, world_size), ""
 
 
 PROFILES_AGREE = 0.01  # two of DeepSpeed's profiles of one forward, each rounded to 2 decimals of its unit
@@ -211,8 +214,7 @@ def _deepspeed_profile_flops(flops_profile: pl.DataFrame, facts: dict, world_siz
         return None, (f"DeepSpeed's FLOPs profile is one GPU's share of the forward, and the run's {world_size} "
                       f"processes are not its {data_parallel} data-parallel x {model_parallel} model-parallel ranks "
                       "(pipeline stages?): no MFU from it")
-    micro = facts.get("gradient_accumulation_steps") or facts.get("grad_accum") or 1
-    return 3 * float(high) * micro * data_parallel * model_parallel, ""
+    return 3 * float(high) * _micro_batches(facts) * data_parallel * model_parallel, ""
 
 
 def trace_flops_per_step(step_flops: pl.DataFrame, gpus: int) -> float | None:

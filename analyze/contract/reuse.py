@@ -23,19 +23,36 @@ PREFIX_BYTES = 64 << 10  # how much of each file its fingerprint reads
 # run.json above this size is not one steplens wrote (a run of 100k sources writes a few tens of MB).
 MAX_MANIFEST_BYTES = 256 << 20
 
+# Where `analyze` stages a result for OUT (.OUT.tmp-PID) and moves the one it replaces (.OUT.old-PID), beside OUT.
+STAGED = re.compile(r"^\..+\.(tmp|old)-\d+$")
+
+
+def staged_folder(out_dir: Path, kind: str, pid: int | str = "*") -> Path:
+    """out_dir's staging ("tmp") or replaced ("old") folder of process `pid` (a glob pattern by default)."""
+    return Path(out_dir).parent / f".{Path(out_dir).name}.{kind}-{pid}"
+
+
+def open_plain_file(path: Path):
+    """`path` opened for reading in binary when it is a regular file, else None: it is opened without following a link
+    or waiting on a FIFO, and what was opened is checked (not what the name was a moment before)."""
+    try:
+        handle = open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb")
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+        handle.close()
+        return None
+    return handle
+
 
 def read_manifest(folder: Path) -> dict:
     """run.json of an output folder, {} when it is missing, not a plain file in it (a FIFO would block the reader, a
     device never end), larger than MAX_MANIFEST_BYTES or not a JSON object."""
-    try:
-        # not following a link, not waiting on a FIFO; what was opened is then checked, not what the name was before
-        fd = os.open(Path(folder) / MANIFEST_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+    handle = open_plain_file(Path(folder) / MANIFEST_FILE)
+    if handle is None:
         return {}
     try:
-        with open(fd, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                return {}
+        with handle:
             data = handle.read(MAX_MANIFEST_BYTES + 1)
         manifest = json.loads(data) if len(data) <= MAX_MANIFEST_BYTES else None
     except (OSError, ValueError, RecursionError):

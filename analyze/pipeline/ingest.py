@@ -578,14 +578,14 @@ def _recover(out_dir: Path) -> None:
     parent = out_dir.parent
     if not parent.exists():
         return
-    for leftover in parent.glob(f".{out_dir.name}.old-*"):
+    for leftover in parent.glob(reuse.staged_folder(out_dir, "old").name):
         if not leftover.is_dir() or leftover.is_symlink() or not _written_by_steplens(leftover):
             continue
         if not out_dir.exists():
             leftover.rename(out_dir)
         else:
             shutil.rmtree(leftover, ignore_errors=True)
-    for leftover in parent.glob(f".{out_dir.name}.tmp-*"):
+    for leftover in parent.glob(reuse.staged_folder(out_dir, "tmp").name):
         pid = leftover.name.rsplit("-", 1)[-1]
         if not pid.isdigit() or leftover.is_symlink() or not leftover.is_dir():
             continue
@@ -596,7 +596,7 @@ def _recover(out_dir: Path) -> None:
 def _other_writer(out_dir: Path) -> int | None:
     """The process id of another live analyze staging a result for out_dir (its .NAME.tmp-PID folder), or None:
     two runs writing one output would each publish over the other, and both say they succeeded."""
-    for staging in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+    for staging in out_dir.parent.glob(reuse.staged_folder(out_dir, "tmp").name):
         pid = staging.name.rsplit("-", 1)[-1]
         if not pid.isdigit() or int(pid) == os.getpid() or not _alive(int(pid)):
             continue
@@ -627,7 +627,7 @@ def _alive(pid: int) -> bool:
 def _swap_in(staging: Path, out_dir: Path, run_dir: Path) -> None:
     """Publish: the staged result replaces the last one in two renames (checked again just before)."""
     check_output_folder(run_dir, out_dir)
-    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    old = reuse.staged_folder(out_dir, "old", os.getpid())
     if out_dir.exists():
         out_dir.rename(old)
     staging.rename(out_dir)
@@ -812,7 +812,7 @@ def staged(
         not_followed = f"; linked folders not followed: {', '.join(links)}" if links else ""
         raise IngestError(f"{run_dir}: nothing steplens reads here (no traces, collector output or DeepSpeed artifacts"
                           f"; {len(found.unknown)} other file(s){not_followed})")
-    staging = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    staging = reuse.staged_folder(out_dir, "tmp", os.getpid())
     try:
         try:
             out_dir.parent.mkdir(parents=True, exist_ok=True)

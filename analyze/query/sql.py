@@ -12,7 +12,6 @@ import contextlib
 import glob
 import hashlib
 import os
-import re
 import signal
 import threading
 import types
@@ -61,17 +60,18 @@ def find_runs(root: Path | str) -> list[Path] | list[str]:
     the committed results."""
     if remote.is_url(root):
         return [url for url, _ in remote.committed_runs(str(root))]
+    return [run for run, _ in _runs_with_manifests(Path(root))]
+
+
+def _runs_with_manifests(root: Path) -> list[tuple[Path, dict]]:
+    """The local runs under root, each with its run.json, read once."""
     found = []
     for folder, subfolders, files in os.walk(root, followlinks=False):
         # an analysis being written (.NAME.tmp-PID) or one being replaced (.NAME.old-PID) is no run of its own
-        subfolders[:] = sorted(d for d in subfolders if not STAGED.match(d))
-        if schema.MANIFEST_FILE in files and "schema_version" in reuse.read_manifest(Path(folder)):
-            found.append(Path(folder))
-    return sorted(found)
-
-
-# The folders `analyze` stages a result in and moves a replaced one to (pipeline/ingest.py).
-STAGED = re.compile(r"^\..+\.(tmp|old)-\d+$")
+        subfolders[:] = sorted(d for d in subfolders if not reuse.STAGED.match(d))
+        if schema.MANIFEST_FILE in files and "schema_version" in (manifest := reuse.read_manifest(Path(folder))):
+            found.append((Path(folder), manifest))
+    return sorted(found, key=lambda run: run[0])
 
 
 def _quote(text: str) -> str:
@@ -86,16 +86,6 @@ def _part_files(run: Path, table: str, partitioned: bool) -> list[str]:
     return [glob.escape(str(f)) for f in files]
 
 
-def _local_runs(root: Path, skipped: list[tuple[str, str]]) -> list[tuple[Path, dict]]:
-    runs = []
-    for run in find_runs(root):
-        if manifest := reuse.read_manifest(run):
-            runs.append((run, manifest))
-        else:  # changed since find_runs read it
-            skipped.append((str(run), "run.json cannot be read"))
-    return runs
-
-
 def connect(root: Path, skipped: list[tuple[str, str]] | None = None) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per table over every run under root. A run whose run.json is
     damaged is left out and added to `skipped` as (run, why): the other runs still answer."""
@@ -107,7 +97,7 @@ def connect(root: Path, skipped: list[tuple[str, str]] | None = None) -> duckdb.
         runs = remote.committed_runs(str(root))
         con.register_filesystem(remote.filesystem(str(root))[0])
     else:
-        runs = _local_runs(root, skipped)
+        runs = _runs_with_manifests(Path(root))
     rows, parts, seen_ids = [], {}, set()
     for run, manifest in runs:
         if why := damage(manifest):
