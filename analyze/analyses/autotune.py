@@ -12,12 +12,13 @@ import polars as pl
 import pyarrow as pa
 
 from steplens.analyze.analyses.noise import ALPHA
+from steplens.analyze.analyses.rank_test import mann_whitney_u
 from steplens.analyze.importers.autotune_results import TUNED_KEYS, METRIC_COLUMNS, DEFAULT_METRIC
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.contract import schema
 
 # The noise-aware verdict. With repeated trials: exact one-sided Mann-Whitney U test of the winner
-# against the runner-up (scipy.stats.mannwhitneyu), significant at ALPHA. With fewer trials no
+# against the runner-up (rank_test.mann_whitney_u, scipy's definition), significant at ALPHA. With fewer trials no
 # rank test can separate two configs: the smallest exact one-sided p-value with n trials each is
 # 1 / C(2n, n) (all winner trials above all runner-up trials): 1/6 for n=2, 1/20 = 0.05 for n=3,
 # 1/70 for n=4. So MIN_TRIALS = 4 per config is the floor, whatever the gap. ALPHA is the one level
@@ -107,8 +108,6 @@ VERDICT_FIELDS = ("winner", "winner_median", "winner_trials", "runner_up", "runn
 
 def verdict(ranked: pl.DataFrame, higher_is_better: bool = True, alpha: float = ALPHA) -> dict:
     """Does the best configuration beat the runner-up by more than the run-to-run noise?"""
-    from scipy import stats
-
     measured = ranked.filter(pl.col("median").is_not_null())
     out = dict.fromkeys(VERDICT_FIELDS) | {"established": False}
     if measured.height == 0:
@@ -136,21 +135,21 @@ def verdict(ranked: pl.DataFrame, higher_is_better: bool = True, alpha: float = 
                           f"Mann-Whitney test needs at least {floor} trials per config to reach p < {alpha} "
                           f"(1/C(2n,n)); more if the noise is comparable to the gap.")
         return out
-    test = stats.mannwhitneyu(winner["values"], runner["values"], method="exact",
-                              alternative="greater" if higher_is_better else "less")
-    established = bool(test.pvalue < alpha)
-    out.update(test="mann_whitney_u_exact_one_sided", statistic=float(test.statistic), p_value=float(test.pvalue),
+    statistic, p_value = mann_whitney_u(winner["values"], runner["values"], "greater" if higher_is_better else "less",
+                                        method="exact")
+    established = bool(p_value < alpha)
+    out.update(test="mann_whitney_u_exact_one_sided", statistic=statistic, p_value=p_value,
                established=established,
                trials_needed=None if established else trials_needed(difference, noise_sd or 0.0, alpha))
     spread = f"spread {winner['min']:.4g}..{winner['max']:.4g} vs {runner['min']:.4g}..{runner['max']:.4g}"
     if established:
         out["detail"] = (f"{winner['experiment']} beats {runner['experiment']} beyond the noise: median "
                          f"{winner['median']:.4g} vs {runner['median']:.4g} ({spread}); Mann-Whitney U = "
-                         f"{test.statistic:g}, one-sided exact p = {test.pvalue:.3g} < {alpha}")
+                         f"{statistic:g}, one-sided exact p = {p_value:.3g} < {alpha}")
     else:
         out["detail"] = (f"not established: {winner['experiment']} vs {runner['experiment']} median "
                          f"{winner['median']:.4g} vs {runner['median']:.4g} ({spread}); Mann-Whitney U = "
-                         f"{test.statistic:g}, one-sided exact p = {test.pvalue:.3g} >= {alpha}; "
+                         f"{statistic:g}, one-sided exact p = {p_value:.3g} >= {alpha}; "
                          + (f"about {out['trials_needed']} trials per config would settle it (80% power)"
                             if out["trials_needed"] is not None else
                             "the medians are equal: no number of trials would tell these two apart"))

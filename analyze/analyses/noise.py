@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from steplens.analyze.analyses.rank_test import mann_whitney_u
+
 ALPHA = 0.05
 CONFIDENCE = 0.95
 # Below this a two-sided rank test cannot reach p < 0.05: U's exact p floor is 0.029 with 4 vs 4
@@ -36,7 +38,7 @@ def two_run_verdict(base: np.ndarray, new: np.ndarray, higher_is_better: bool = 
     samples, test, statistic (U of new against base), p_value, ci_low, ci_high; then verdict
     (regression | improvement | within noise | not established), established (whether the change
     is beyond the noise) and why, in words."""
-    # Imported here: scipy.stats is slow to import, and importers reach this module for ALPHA alone.
+    # Imported here: scipy.stats (for its bootstrap) is slow to import, and importers reach this module for ALPHA alone.
     from scipy import stats
 
     b, n = np.asarray(base, dtype=float), np.asarray(new, dtype=float)
@@ -51,21 +53,21 @@ def two_run_verdict(base: np.ndarray, new: np.ndarray, higher_is_better: bool = 
                       why=f"{len(b)} and {len(n)} samples; a rank test needs at least {MIN_SAMPLES} per run to detect "
                           f"anything at p < {ALPHA}. Record more steps.")
         return result
-    test = stats.mannwhitneyu(n, b, alternative="two-sided")
+    statistic, p_value = mann_whitney_u(n, b)
     interval = stats.bootstrap((b, n), _relative_median_change, n_resamples=BOOTSTRAP_RESAMPLES,
                                confidence_level=CONFIDENCE, method="percentile", vectorized=True,
                                rng=np.random.default_rng(SEED)).confidence_interval
     low, high = float(interval.low), float(interval.high)
-    result.update(test=TEST_NAME, statistic=float(test.statistic), p_value=float(test.pvalue), ci_low=low, ci_high=high)
-    if not (test.pvalue < ALPHA and (low > 0 or high < 0)):
+    result.update(test=TEST_NAME, statistic=float(statistic), p_value=float(p_value), ci_low=low, ci_high=high)
+    if not (p_value < ALPHA and (low > 0 or high < 0)):
         result.update(verdict="within noise",
                       why=f"{CONFIDENCE:.0%} interval of the median change {low:+.1%} to {high:+.1%} includes 0 or "
-                          f"Mann-Whitney p = {test.pvalue:.3g} >= {ALPHA}")
+                          f"Mann-Whitney p = {p_value:.3g} >= {ALPHA}")
         return result
     worse = result["delta"] < 0 if higher_is_better else result["delta"] > 0
     result.update(established=True, verdict="regression" if worse else "improvement",
                   why=f"median {result['delta']:+.1%}, {CONFIDENCE:.0%} interval {low:+.1%} to {high:+.1%}, "
-                      f"Mann-Whitney U = {test.statistic:.0f}, p = {test.pvalue:.3g}")
+                      f"Mann-Whitney U = {statistic:.0f}, p = {p_value:.3g}")
     return result
 
 

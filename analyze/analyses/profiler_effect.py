@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from steplens.analyze.analyses.rank_test import mann_whitney_u
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.contract.units import duration
 
@@ -62,9 +63,7 @@ def after_effect(step_time: pl.DataFrame, facts: dict) -> dict | None:
         finding["after_median_ns"] = round(after.median())
         finding["ratio"] = after.median() / before.median()
     if before.len() >= MIN_STEPS and after.len() >= MIN_STEPS:
-        from scipy.stats import mannwhitneyu
-
-        p_value = float(mannwhitneyu(before.to_list(), after.to_list(), alternative="two-sided").pvalue)
+        p_value = mann_whitney_u(before.to_list(), after.to_list())[1]
         finding["p_value"] = p_value
         finding["beyond_noise"] = p_value < P_VALUE and abs(finding["ratio"] - 1) >= MIN_CHANGE
     return finding
