@@ -435,7 +435,9 @@ def render_compare(result: dict) -> str:
 
     figure = Markup(draw([Drawing("run_curves", (result["curves"],))])[0]) if not result["curves"].is_empty() else None
     return TEMPLATES.get_template("compare.html.j2").render(r=result, tables=display_tables(result), method=METHOD,
-                                                            curves=figure, headline=headline(result))
+                                                            curves=figure, headline=headline(result),
+                                                            shown_curves=result["curves"]["name"].n_unique()
+                                                            if figure else 0)
 
 
 def write(out_dir: Path, drawer=draw, not_drawn: list[str] | None = None) -> Path:

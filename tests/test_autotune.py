@@ -354,3 +354,49 @@ def test_collector_trial_runs_are_ranked_the_same_way():
     verdict = autotune.autotune_tables(experiments, {})["autotune_verdict"].row(0, named=True)
     assert verdict["winner"] == "fast0" and verdict["runner_up"] == "slow0" and verdict["winner_trials"] == 4
     assert verdict["established"] is True and verdict["p_value"] == pytest.approx(1 / 70)
+
+
+class _Tables:
+    """The one thing a caveat reads of a run: its tables by name."""
+
+    def __init__(self, **tables: pl.DataFrame):
+        self.tables = tables
+
+    def table(self, name: str) -> pl.DataFrame:
+        return self.tables.get(name, pl.DataFrame())
+
+
+def test_trials_under_their_own_names_are_not_called_single_measurements():
+    """Repeated trials in result folders of their own names (mbs4_run0..3) were 'Each of the 8 measured
+    configurations ran once' beside a verdict that ranked 2 configurations of 4 trials each."""
+    from steplens.analyze.analyses import caveats
+
+    repeated = trials({"mbs4": [100.0, 101.0, 102.0, 103.0], "mbs2": [90.0, 91.0, 92.0, 93.0]})
+    assert caveats._single_samples(_Tables(autotune_experiments=repeated)) == []
+    once = trials({"mbs4": [100.0], "mbs2": [90.0], "mbs8": [95.0]})
+    (caveat,) = caveats._single_samples(_Tables(autotune_experiments=once))
+    assert "Each of the 3 measured configurations ran once" in caveat["detail"]
+    # one trial has no spread to show (0.0 read as 'no noise')
+    ranking = autotune.autotune_tables(once, {})["autotune_ranking"]
+    assert ranking["spread"].is_null().all()
+    spread = autotune.autotune_tables(repeated, {})["autotune_ranking"].filter(pl.col("tuning_space") == "global")
+    assert spread["spread"].to_list() == [3.0, 3.0]
+
+
+def _pick(name: str, value: float, space: str = "global") -> dict:
+    return {"autotune_summary": {"spaces": [{"tuning_space": space, "best_exp_name": name, "best_metric_val": value}]}}
+
+
+def test_a_pick_of_the_largest_latency_is_not_called_a_stale_metric():
+    """DeepSpeed's autotuner keeps the largest value of any metric, latency included (reference: parse_results,
+    get_best_space_record); its pick recorded with its own latency was blamed on 'a stale metric'."""
+    rows = [{"experiment": name, "trial": 0, "zero_stage": 1, "micro_batch": mb, "config_json": json.dumps({"mb": mb}),
+             "status": "ok", "latency_us": latency} for name, mb, latency in (("z1_mbs8", 8, 104557.75), ("z1_mbs6", 6, 44529.4))]
+    experiments = conform(rows, "autotune_experiments")
+    facts = {"autotune_metric": "latency", **_pick("z1_mbs8", 104558.0)}
+    verdict = autotune.autotune_tables(experiments, facts)["autotune_verdict"].row(0, named=True)
+    assert verdict["winner"] == "z1_mbs6" and verdict["pick_mismatch"] is True
+    assert "so for latency it picks the slowest" in verdict["pick_detail"] and "stale" not in verdict["pick_detail"]
+    # the pick's recorded value other than its own metrics.json: that is a stale metric
+    stale = autotune.autotune_tables(experiments, {"autotune_metric": "latency", **_pick("z1_mbs8", 30000.0)})
+    assert "DeepSpeed recorded a stale metric" in stale["autotune_verdict"]["pick_detail"][0]

@@ -238,3 +238,78 @@ def test_a_verdict_without_step_times_says_which_run_lacks_them_and_what_it_woul
     assert alone["verdict"] == "not comparable" and alone["why"].startswith("neither run has step times")
     batches = verdict("meg", "sft")
     assert batches["metric"] == "throughput" and batches["verdict"] == "not comparable"
+
+
+def _global_timer_ms(log: Path) -> list[float]:
+    """fwd + bwd + step of each global wall_clock_breakdown line of a DeepSpeed log, read with a regex."""
+    import re
+
+    pattern = re.compile(r"time \(ms\) \| fwd: ([\d.]+) \| bwd: ([\d.]+) \|.*\| step: ([\d.]+)")
+    return [sum(map(float, m.groups())) for line in log.read_text().splitlines() if (m := pattern.search(line))]
+
+
+def test_step_times_of_the_same_ranks_in_both_runs(tmp_path):
+    """A run with DeepSpeed's logs only (its timers printed on rank 0 alone) against the same job with the collector,
+    whose timers a slower rank 1 also recorded: compare took the slowest of two ranks in one run and of one in the
+    other, a change on the same job (+10% in a sweep's real job). Both sides now come from rank 0."""
+    import json
+
+    import pyarrow as pa
+
+    sample = ROOT / "sample_runs" / "deepspeed_cpu_2rank"
+    logs_only, full, slow_rank = tmp_path / "logs_only", tmp_path / "full", tmp_path / "slow_rank"
+    logs_only.mkdir()
+    shutil.copytree(sample / "rank_logs", logs_only / "rank_logs")
+    shutil.copy(sample / "ds_config.json", logs_only)
+    shutil.copytree(sample, full)
+    shutil.copytree(sample, slow_rank)
+    # rank 1's global timers, 1.5x rank 0's, beside rank 0's in the collector's parts
+    timers = slow_rank / "collector" / "step_timers"
+    rank0 = pa.concat_tables(pq.read_table(p) for p in sorted(timers.glob("rank0-*.parquet"))).to_pylist()
+    slower = [{**row, "rank": 1, "ms": row["ms"] * 1.5} for row in rank0 if row["scope"] == "global"]
+    pq.write_table(pa.Table.from_pylist(slower, schema=pq.read_schema(timers / "rank0-00000.parquet")),
+                   timers / "rank1-00099.parquet")
+
+    def compared(new: Path) -> dict:
+        done = subprocess.run([str(BIN / "steplens"), "compare", str(logs_only), str(new), "--out",
+                               str(tmp_path / f"c-{new.name}"), "--format", "json"], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    data = compared(slow_rank)
+    assert data["verdict"]["source"].startswith("DeepSpeed wall_clock_breakdown")
+    # the logs-only side: the global timer lines of the rank-0 log (the log knows no instrumented step) but the
+    # first, a warm-up step more than twice as long as the others' median
+    (log,) = (logs_only / "rank_logs").glob("*rank0.log")
+    first, *rest = _global_timer_ms(log)
+    assert first > 2 * statistics.median(rest)
+    assert data["step_time"]["base_median_ns"] == pytest.approx(statistics.median(rest) * 1e6)
+    # the collector side is rank 0's alone: the slower rank 1 changes nothing (it made the median 1.5x)
+    assert data["step_time"]["new_median_ns"] == compared(full)["step_time"]["new_median_ns"]
+    assert data["step_time"]["new_median_ns"] < 1.1 * data["step_time"]["base_median_ns"]
+    assert any("step times of rank 0 in both runs" in w and "the base run's cover 1 of its 2 ranks" in w
+               for w in data["warnings"]), data["warnings"]
+
+
+def test_compare_shows_the_loss_before_the_log_s_memory_lines(tmp_path):
+    """Of the scalars both runs have, compare drew the first four by name: the log's CurrSamplesPerSec,
+    MaxMemAllocated_GB, MemAllocated_GB and RunningAvgSamplesPerSec (upper case sorts first), never the loss."""
+    import pyarrow.parquet as pq_
+
+    from steplens.analyze.analyses import compare
+    from steplens.reports.data import load
+
+    run = shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", tmp_path / "run")
+    assert subprocess.run([str(BIN / "analyze"), str(run), "-q"], capture_output=True, timeout=600).returncode == 0
+    names = set(pq_.read_table(run / ".steplens" / "scalars", columns=["name"]).column("name").to_pylist())
+    analysed = load(run)
+    shown, shared = compare.curves(analysed, analysed)
+    assert shared == len(names) > compare.MAX_CURVES
+    # the reviewer's order: loss, gradient norm, learning rate, throughput, memory
+    assert set(shown["name"].unique()) == {"train/loss", "Train/Samples/lr", "lr", "CurrSamplesPerSec"}
+    done = subprocess.run([str(BIN / "steplens"), "compare", str(run), str(run), "--out", str(tmp_path / "c")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    page = " ".join((tmp_path / "c" / "compare.html").read_text().split())
+    assert f"4 of the {len(names)} scalars both runs have: loss, gradient norm" in page

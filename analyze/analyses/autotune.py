@@ -56,12 +56,16 @@ def _space_stage(space: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+# Experiments with the same ds_config are trials of one configuration, whatever their names.
+CONFIGURATION = pl.coalesce("config_json", "experiment")
+
+
 def rank_experiments(experiments: pl.DataFrame, metric: str = DEFAULT_METRIC) -> pl.DataFrame:
     """One row per configuration (experiments with the same ds_config are trials of it), ranked by
     the median of the metric from its own metrics.json; failed configurations rank last."""
     column, higher_is_better = METRIC_COLUMNS[metric]
     frame = experiments.with_columns(
-        config=pl.coalesce("config_json", "experiment"),
+        config=CONFIGURATION,
         measured=pl.when(pl.col("status") == "ok").then(pl.col(column)),
     )
     environments = frame["environment"].drop_nulls()
@@ -84,7 +88,7 @@ def rank_experiments(experiments: pl.DataFrame, metric: str = DEFAULT_METRIC) ->
         )
         .with_columns(
             metric=pl.lit(metric),
-            spread=pl.col("max") - pl.col("min"),
+            spread=pl.when(pl.col("ok_trials") > 1).then(pl.col("max") - pl.col("min")),  # one trial: no spread to tell
             environment_differs=pl.col("environment").ne_missing(usual_env) | (pl.col("environments") > 1),
         )
         .sort(["median"], descending=higher_is_better, nulls_last=True)
@@ -209,12 +213,18 @@ def _check_pick(space: str, picks: dict, ranked: pl.DataFrame, higher_is_better:
     best_name, best_value = (best["experiment"][0], best["median"][0]) if best.height else (None, None)
     problems = []
     # summary.txt rounds to 6 significant digits (tabulate's default floatfmt "g").
-    if own_value is not None and not math.isclose(own_value, recorded, rel_tol=1e-5):
+    stale = own_value is not None and not math.isclose(own_value, recorded, rel_tol=1e-5)
+    if stale:
         problems.append(f"DeepSpeed recorded {recorded:g} for {name}, its own metrics.json says {own_value:.6g}")
     if best_name is not None and best_name != name and own_value is not None and (
             best_value > own_value if higher_is_better else best_value < own_value):
+        # DeepSpeed's autotuner keeps the largest value of any metric (parse_results, get_best_space_record), latency
+        # included: with a lower-is-better metric and the pick's own value recorded, that, not a stale metric, is why
+        cause = ("DeepSpeed recorded a stale metric for it" if stale else
+                 "DeepSpeed's autotuner keeps the largest value of every metric, so for latency it picks the slowest"
+                 if not higher_is_better else "not a stale metric: DeepSpeed recorded the pick's own value")
         problems.append(f"DeepSpeed picked {name} ({own_value:.6g}) but {best_name} measured {best_value:.6g} "
-                        f"in its own metrics.json (DeepSpeed recorded a stale metric for it)")
+                        f"in its own metrics.json ({cause})")
     if own_value is None:
         problems.append(f"DeepSpeed picked {name}, which has no metrics here")
     return {"deepspeed_pick": name, "deepspeed_recorded": recorded, "pick_mismatch": bool(problems),
@@ -302,7 +312,7 @@ AUTOTUNE_RANKING = schema.table_spec(
     ("median", pa.float64(), "Median metric over the trials."),
     ("min", pa.float64(), "Smallest."),
     ("max", pa.float64(), "Largest."),
-    ("spread", pa.float64(), "max - min."),
+    ("spread", pa.float64(), "max - min over the measured trials; null with fewer than two."),
     ("environment", pa.string(), "Hosts, launcher, command (tuned values blanked) and versions, as JSON."),
     ("environment_differs", pa.bool_(), "The environment differs from the most common one (or between its own "
                                         "trials)."),

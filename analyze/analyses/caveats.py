@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from steplens.analyze.analyses import autotune
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 
 # A profiler window of more steps than this is "tracing the run", not a bounded window: the
@@ -99,7 +100,7 @@ def _single_samples(run: Inputs) -> list[dict]:
     experiments = run.table("autotune_experiments")
     if experiments.is_empty():
         return []
-    repeats = experiments.filter(pl.col("status") == "ok").group_by("experiment").len()
+    repeats = experiments.filter(pl.col("status") == "ok").group_by(autotune.CONFIGURATION).len()
     if repeats.is_empty() or repeats["len"].max() > 1:
         return []
     return [{"title": "Autotuning ranks single measurements",

@@ -32,6 +32,7 @@ class StepSamples:
     values_ns: np.ndarray  # kept optimizer steps' times (step_time's exclusions applied)
     samples: np.ndarray  # samples each of those steps consumed, where the source records it (else null)
     source: str  # the step_time definition they come from
+    ranks: tuple[int, ...] = ()  # the ranks whose records they come from (empty: not known)
 
 
 # Which input table each step_time definition comes from: dropped to fall back to the next source.
@@ -40,15 +41,18 @@ _INPUT_OF_DEFINITION = {"collector": "train_steps", "log_train_steps": "train_st
                         "profiler_steps": "profiler_steps"}
 
 
-def step_samples(run) -> list[StepSamples]:
+def step_samples(run, ranks: tuple[int, ...] | None = None) -> list[StepSamples]:
     """The run's optimizer-step times from every source it has, best first, each by the one step-time
     definition (`step_time.step_time_table`): the best source, then the next once that one's input
-    is set aside, and so on."""
+    is set aside, and so on; from the records of `ranks` only, when given."""
     steps = run.table("steps")
     inputs = {"train_steps": run.table("train_steps"), "step_timers": run.table("step_timers"),
               "scalars": run.table("scalars"),
               "profiler_steps": steps.select("rank", "step", "start_ns", "end_ns") if not steps.is_empty() else steps,
               "flops_profile": run.table("flops_profile")}
+    if ranks is not None:
+        inputs = {name: frame.filter(pl.col("rank").is_in(list(ranks))) if "rank" in frame.columns else frame
+                  for name, frame in inputs.items()}
     by_text = {text: key for key, text in step_time.DEFINITIONS.items()}
     found = []
     while True:
@@ -57,17 +61,39 @@ def step_samples(run) -> list[StepSamples]:
             return found
         kept = table.filter(~pl.col("excluded") & pl.col("step_time_ns").is_not_null())
         definition = table["definition"][0]
-        found.append(StepSamples(kept["step_time_ns"].to_numpy(), kept["samples"].to_numpy(), definition))
         source_input = _INPUT_OF_DEFINITION.get(by_text.get(definition))
+        covered = inputs[source_input] if source_input else pl.DataFrame()
+        found.append(StepSamples(kept["step_time_ns"].to_numpy(), kept["samples"].to_numpy(), definition,
+                                 tuple(sorted(covered["rank"].drop_nulls().unique())) if "rank" in covered.columns else ()))
         if source_input is None:  # a definition this module does not know how to set aside: no fallback
             return found
         inputs[source_input] = pl.DataFrame()
 
 
 def common_samples(base, new) -> tuple[StepSamples, StepSamples] | None:
-    """The best source of the base run that the new run also has (the same definition in both)."""
+    """The best source of the base run that the new run also has (the same definition in both), from the same
+    ranks when one run's source covers only some of its ranks (DeepSpeed prints its timers on rank 0 alone; the
+    collector times every rank): a slowest rank taken over two ranks in one run and over one in the other differs
+    by the other rank's lag, not by any change."""
     new_by_source = {s.source: s for s in step_samples(new)}
-    return next(((s, new_by_source[s.source]) for s in step_samples(base) if s.source in new_by_source), None)
+    for ours in step_samples(base):
+        theirs = new_by_source.get(ours.source)
+        if theirs is None:
+            continue
+        if ours.ranks == theirs.ranks or not (_partial(base, ours) or _partial(new, theirs)):
+            return ours, theirs
+        shared = tuple(sorted(set(ours.ranks) & set(theirs.ranks)))
+        again = [next((s for s in step_samples(run, shared) if s.source == ours.source), None) if shared else None
+                 for run in (base, new)]
+        if again[0] is not None and again[1] is not None:
+            return again[0], again[1]
+    return None
+
+
+def _partial(run, samples: StepSamples) -> bool:
+    """Whether `samples` come from fewer ranks than the run has (as far as the run states its world size)."""
+    world_size = facts(run).get("world_size")
+    return bool(samples.ranks) and isinstance(world_size, int) and len(samples.ranks) < world_size
 
 
 def facts(run) -> dict:
@@ -239,15 +265,17 @@ def compare(base, new) -> dict:
     base_metrics, new_metrics = metrics(base), metrics(new)
     mfu_label, base_mfu, new_mfu, mfu_apart = mfu_pair(base, new)
     verdict = _verdict(base, new, pair, _work_differs(table), _same_work(table))
+    shown_curves, shared_curves = curves(base, new)
     return {
         "base": base.name, "new": new.name, "verdict": verdict,
         "step_time": _step_time(pair),
         "metrics": [{"metric": mfu_label, "base": base_mfu, "new": new_mfu}]
         + [{"metric": k, "base": base_metrics[k], "new": new_metrics[k]} for k in base_metrics],
         **_kernel_tables(base, new), "comparability": table,
-        "warnings": warnings(table, base, new) + source_warnings(base, new, pair) + ([mfu_apart] if mfu_apart else [])
+        "warnings": warnings(table, base, new) + source_warnings(base, new, pair) + rank_warnings(base, new, pair)
+        + ([mfu_apart] if mfu_apart else [])
         + ([ONE_RUN_EACH] if verdict.get("established") else []),
-        "curves": curves(base, new),
+        "curves": shown_curves, "shared_curves": shared_curves,
     }
 
 
@@ -285,6 +313,23 @@ def source_warnings(base, new, pair: tuple[StepSamples, StepSamples] | None) -> 
     return found
 
 
+def rank_warnings(base, new, pair: tuple[StepSamples, StepSamples] | None) -> list[str]:
+    """Which ranks the step times come from, when a run's source covers only some of its ranks."""
+    if pair is None:
+        return []
+    ranks, source = pair[0].ranks, pair[0].source
+    if not (_partial(base, pair[0]) or _partial(new, pair[1])):
+        return []
+    # what each run's source covers before both were taken from the same ranks
+    covered = {side: next(s for s in step_samples(run) if s.source == source) for side, run in (("base", base), ("new", new))}
+    partial = [f"the {side} run's cover {len(covered[side].ranks)} of its {facts(run)['world_size']} ranks"
+               for side, run in (("base", base), ("new", new)) if _partial(run, covered[side])]
+    words = SOURCE_WORDS.get(_definition_key(source), source)
+    return [f"step times of rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} in both runs, from "
+            f"{words}: {' and '.join(partial)} (DeepSpeed prints its timers and throughput lines on rank 0 alone); a "
+            "slowest rank over more ranks in one run would differ by the other ranks' lag, not by any change."]
+
+
 def _definition_key(definition: str) -> str:
     return next((key for key, text in step_time.DEFINITIONS.items() if text == definition), definition)
 
@@ -311,15 +356,16 @@ def warnings(table: pl.DataFrame, base, new) -> list[str]:
 MAX_CURVES = 4
 
 
-def curves(base, new) -> pl.DataFrame:
-    """Monitor curves of both runs on global samples (never on step), for the names both have."""
+def curves(base, new) -> tuple[pl.DataFrame, int]:
+    """Monitor curves of both runs on global samples (never on step): the MAX_CURVES of the names both have that a
+    reviewer looks at first (loss before memory, as the run's own report), and how many names both have."""
     runs = {"base": (base.table("scalars"), facts(base)), "new": (new.table("scalars"), facts(new))}
     if any(frame.is_empty() for frame, _ in runs.values()):
-        return pl.DataFrame()
+        return pl.DataFrame(), 0
     aligned = monitor.aligned_curves(runs, "global_samples").filter(pl.col("value").is_finite())
     common = (aligned.group_by("name").agg(pl.col("run").n_unique().alias("runs")).filter(pl.col("runs") == 2)
-              .sort("name")["name"].to_list())
-    return aligned.filter(pl.col("name").is_in(common[:MAX_CURVES]))
+              ["name"].to_list())
+    return aligned.filter(pl.col("name").is_in(monitor.preferred_curves(common, MAX_CURVES))), len(common)
 
 
 def regressed(result: dict, threshold_pct: float) -> bool:

@@ -246,11 +246,12 @@ PREFERRED_CURVES = [re.compile(p) for p in (r"loss", r"grad.?norm", r"(^|[/_])lr
 MAX_CURVES = 6
 
 
-def _preferred(names: list[str]) -> list[str]:
+def preferred_curves(names: list[str], limit: int = MAX_CURVES) -> list[str]:
+    """The `limit` names a reviewer looks at first (PREFERRED_CURVES' order, then by name)."""
     def rank(name: str) -> int:
         return next((i for i, pattern in enumerate(PREFERRED_CURVES) if pattern.search(name.lower())), len(PREFERRED_CURVES))
 
-    return sorted(names, key=lambda n: (rank(n), n))[:MAX_CURVES]
+    return sorted(names, key=lambda n: (rank(n), n))[:limit]
 
 
 def monitor_sections(page, run) -> list:
@@ -264,7 +265,7 @@ def monitor_sections(page, run) -> list:
         section = page.section("Monitor curves", "monitor")
         names = sorted(set(series.filter(pl.col("aligned_points") > 1)["name"].to_list()))
         if names:
-            shown = _preferred(names)
+            shown = preferred_curves(names)
             scalars = run.table("scalars").filter(pl.col("name").is_in(shown) & pl.col("global_samples").is_not_null()
                                                   & pl.col("value").is_finite())
             section.figure("curves", scalars, "global_samples", shown)
