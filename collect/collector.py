@@ -171,12 +171,13 @@ class Collector:
     def disable(self, part: str, reason: str, exc_info: bool = False) -> None:
         self.disabled[part] = reason
         # One line: a traceback in the job's log reads as the job's own crash (analyze took a job that exited 0
-        # for a failed one); where it failed is logged at debug level.
-        log.warning("steplens collector: %s disabled on rank %d after %s", part, self.rank, reason)
-        if exc_info:
-            log.debug("steplens collector: where %s failed", part, exc_info=True)
+        # for a failed one); where it failed is logged at debug level. A writer that stops says so itself, once.
         if part == "writer":
             self.writer.fail(reason, {})  # nothing is buffered from here on
+        else:
+            log.warning("steplens collector: %s disabled on rank %d after %s", part, self.rank, reason)
+        if exc_info:
+            log.debug("steplens collector: where %s failed", part, exc_info=True)
 
     # --- rows -----------------------------------------------------------------------------------
 

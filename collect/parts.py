@@ -5,7 +5,10 @@ Layout under the run folder (the folder `analyze` is later given), built by anal
     collector/manifest/rank<r>.json               the rank's manifest, rewritten whole after each flush
 
 Every file is written to a hidden temporary name and renamed into place: a rename is atomic on POSIX, so
-a job killed at any moment leaves each part either complete or absent, and ranks never share a file.
+a job killed at any moment leaves each part either complete or absent, and ranks never share a file. Each rank
+holds a lock on collector/manifest/.rank<r>.lock while its job runs (released by the kernel when the process
+ends, however it ends): a second job started into the same folder finds a rank's lock held, by itself or by
+another job, and writes nothing (`FolderLock`), so one job's files are never replaced or mixed with another's.
 Periodic flushes run on one background thread (in order), so the training step does not wait for Parquet
 encoding; the last flush, at close, runs in the caller.
 
@@ -18,6 +21,7 @@ up the job's exit).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import logging
@@ -68,6 +72,81 @@ def to_frame(rows: list[dict], table: str) -> pl.DataFrame:
     return pl.DataFrame(rows, schema={f.name: POLARS_TYPES[f.type] for f in schema.TABLES[table][0]})
 
 
+# What tells one job from another: set by the launchers (torchrun, the deepspeed launcher, SLURM) alike on every
+# rank of a job; two jobs running at once differ in at least the master port.
+JOB_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")
+
+
+def job_identity() -> dict:
+    """The launcher's variables naming this job; a process started without a launcher is a job of its own."""
+    found = {name: os.environ[name] for name in JOB_VARIABLES if name in os.environ}
+    return found or {"pid": os.getpid(), "hostname": os.uname().nodename}
+
+
+class FolderLock:
+    """This rank's lock on the collector folder, held for the life of the process.
+
+    `other_writer` says why this rank must not write here: its own rank's lock is held by another live process,
+    or another job's process holds some other rank's lock (a second job started into a folder the first is still
+    writing). flock is released by the kernel when its holder ends, so a killed job leaves no stale lock."""
+
+    def __init__(self, root: Path, rank: int):
+        self.file = None
+        self.other_writer: str | None = None
+        job = job_identity()
+        path = layout.lock_path(root, rank)
+        try:
+            lock = open(path, "a+")
+        except OSError:  # a folder that takes no file: the writes fail and say so
+            return
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            if _read(path).get("pid") != os.getpid():  # else an earlier attach of this process holds it
+                self.other_writer = f"another process writes this rank's files in {root} ({_holder(path)})"
+            return
+        lock.truncate(0)
+        lock.write(json.dumps({"job": job, "pid": os.getpid(), "hostname": os.uname().nodename}))
+        lock.flush()
+        self.file = lock
+        for other in sorted(path.parent.glob(layout.LOCK_GLOB)):
+            if other != path and _held(other) and (holder := _read(other)).get("job") != job:
+                self.other_writer = f"another job writes {root} ({_holder(other)}): give each job a folder of its own"
+                self.release()
+                return
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()  # closing the last descriptor releases the lock
+            self.file = None
+
+
+def _read(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _holder(path: Path) -> str:
+    holder = _read(path)
+    return f"pid {holder.get('pid', '?')} on {holder.get('hostname', '?')}" if holder else "a process still starting"
+
+
+def _held(path: Path) -> bool:
+    """Whether a live process holds `path`'s lock."""
+    try:
+        with open(path) as probe:
+            fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 class PartWriter:
     """Rows per table in memory until `flush()`; columns exactly as in `schema.TABLES`."""
 
@@ -89,6 +168,9 @@ class PartWriter:
         self.worker = BackgroundWriter(f"steplens-writer-rank{rank}")
         self.last: Future | None = None
         layout.manifest_path(self.root, rank).parent.mkdir(parents=True, exist_ok=True)
+        self.folder_lock = FolderLock(self.root, rank)
+        if self.folder_lock.other_writer is not None:  # nothing of this job is written: the folder is another's
+            self.fail(self.folder_lock.other_writer, {})
 
     def warm_up(self) -> None:
         """Run the write path once on empty frames, in memory, before training starts: the first use of
@@ -187,12 +269,15 @@ class PartWriter:
             fn(*args)
 
     def write_manifest(self, manifest: dict) -> None:
+        if self.folder_lock.other_writer is not None:  # the manifest there is the other writer's
+            return
         data = json.dumps(manifest, indent=1, default=str).encode()
         write_atomically(layout.manifest_path(self.root, self.rank), data)
 
     def close(self) -> None:
         self.wait()
         self.worker.shutdown()  # a hung write (already given up on) must not hold up the exit
+        self.folder_lock.release()
 
 
 class BackgroundWriter:

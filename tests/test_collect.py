@@ -89,7 +89,10 @@ def script_record(run: Path, rank: int) -> dict:
 @pytest.mark.parametrize("name", ["z1_gas2_fault", "z2", "z3"])
 def test_analyze_reads_every_collector_file(ingested, runs, name):
     result = ingested[name]
-    collector_files = sorted(str(p.relative_to(runs[name])) for p in (runs[name] / "collector").rglob("*") if p.is_file())
+    # every file but the ranks' hidden locks (collector/manifest/.rank<r>.lock, held while the job ran)
+    collector_files = sorted(str(p.relative_to(runs[name])) for p in (runs[name] / "collector").rglob("*")
+                             if p.is_file() and not p.name.startswith("."))
+    assert {p.name for p in (runs[name] / "collector" / "manifest").glob(".*")} == {".rank0.lock", ".rank1.lock"}
     sources = {s.path: s for s in result.sources}
     assert collector_files and all(sources[f].kind == "collector" and sources[f].status == "ingested"
                                    for f in collector_files)
@@ -464,7 +467,7 @@ def test_manifest_values_of_the_wrong_type_are_left_out(tmp_path):
     profiler = {"collector_profiler"} if "profiler" in manifest else set()  # what the profiler left attached, if said
     assert set(result.facts) == {"collector_flags", "collector_rank3"} | profiler  # no run facts from a `run` that is a number
     assert [issue[:3] for issue in result.issues] == [["warning", "collector_rank_mismatch", 1],
-                                                      ["warning", "collector_rows_dropped", 3],
+                                                      ["error", "collector_rows_dropped", 3],
                                                       ["warning", "bad_fact", 4]]
     assert all(key in result.issues[2][3] for key in ("run", "disabled", "dropped_rows", "rejected_values"))
 

@@ -126,7 +126,8 @@ def test_a_failed_writer_stops_buffering_and_counts_what_it_dropped(tmp_path):
         part.rename(folder / part.name)
     result = ingest.ingest(tmp_path, jobs=1)
     issues = pl.read_parquet(result.out_dir / "ingest_issues").filter(pl.col("reason") == "collector_rows_dropped")
-    assert issues["count"].to_list() == [sum(doc["dropped_rows"].values())]
+    # rows the job never wrote are lost data (the verdict says so; analyze exits 1), not a note
+    assert issues.select("severity", "count").rows() == [("error", sum(doc["dropped_rows"].values()))]
 
 
 def test_a_hung_background_write_is_given_up_on(tmp_path):
@@ -461,3 +462,55 @@ def test_a_model_with_a_collector_can_still_be_deep_copied(tmp_path):
     ema = copy.deepcopy(model)
     assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), model.parameters()))
     collector.close()
+
+
+HOLD_RANK_0 = """
+import sys, time
+from pathlib import Path
+from steplens.collect.parts import FolderLock
+lock = FolderLock(Path(sys.argv[1]) / "collector", 0)
+print("holding", lock.other_writer, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_job_into_a_folder_another_job_writes_writes_nothing(tmp_path, monkeypatch, caplog):
+    """Two jobs started into one folder both numbered their parts from 0: one job's rank-0 files and the other's
+    rank-1 files were left, and analyze read them as one run. A rank whose folder another live job holds writes
+    nothing and says so once; a killed job leaves no lock behind."""
+    import logging
+    import subprocess
+
+    from steplens.collect.parts import FolderLock
+
+    (tmp_path / "collector" / "manifest").mkdir(parents=True)
+    first = subprocess.Popen([sys.executable, "-c", HOLD_RANK_0, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "MASTER_ADDR": "node1", "MASTER_PORT": "29500"})
+    try:
+        assert first.stdout.readline().split() == ["holding", "None"]
+        monkeypatch.setenv("MASTER_ADDR", "node1")
+        monkeypatch.setenv("MASTER_PORT", "29501")  # the second job
+        model, optimizer = tiny_model()
+        with caplog.at_level(logging.WARNING, logger="steplens.collect"):
+            collector = attach(model, optimizer=optimizer, run_dir=str(tmp_path), flush_every=1)
+            losses = [train_step(model, optimizer) for _ in range(3)]
+            collector.close()
+        assert all(math.isfinite(x) for x in losses)
+        assert not list((tmp_path / "collector").glob("*/rank*")), "the second job wrote into the first one's folder"
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(said) == 1 and f"pid {first.pid}" in said[0] and "rank 0 stops writing" in said[0], said
+        # another rank of the second job: the first job holds this folder
+        other = FolderLock(tmp_path / "collector", 1)
+        assert other.other_writer is not None and "another job writes" in other.other_writer
+        # another rank of the first job itself may write beside its rank 0
+        monkeypatch.setenv("MASTER_PORT", "29500")
+        same_job = FolderLock(tmp_path / "collector", 1)
+        assert same_job.other_writer is None
+        same_job.release()
+    finally:
+        first.kill()
+        first.wait()
+    monkeypatch.setenv("MASTER_PORT", "29501")
+    after = FolderLock(tmp_path / "collector", 0)  # the first job was killed: its lock went with it
+    assert after.other_writer is None
+    after.release()

@@ -166,3 +166,20 @@ def test_a_failed_rank_whose_steps_were_all_flushed_lost_no_data(tmp_path):
         tail = [i for i in issues if i["reason"] == "collector_missing_tail"]
         assert (len(tail), done.returncode) == ((0, 0) if name == "whole" else (1, 1)), (name, done.stdout)
         assert json.loads((run / ".steplens" / "findings.json").read_text())["job_end"]["status"] == "failed"
+
+
+def test_a_killed_rank_s_last_step_is_its_last_recorded_one():
+    """A rank SIGKILLed after step 17 with the collector flushing every 5 steps had written its rows up to step 14:
+    it was 'its last finished step is 14' (a real sweep's job: both ranks finished step 17). The step is the
+    last the rank recorded, and may have been passed."""
+    import polars as pl
+
+    from steplens.analyze.analyses import job_end
+
+    ranks = pl.DataFrame({"rank": [0, 1], "last_step": [17, 14], "last_record_ns": [2_000, 1_000],
+                          "manifest_status": ["terminated", "running"], "manifest_updated_ns": [2_000, 1_000]})
+    rank, basis = job_end._first_stalled(ranks, 10.0)
+    assert rank == 1 and basis.startswith("its last recorded step is 14, the others reached step 17")
+    assert "may have got further" in basis
+    closed = ranks.with_columns(manifest_status=pl.lit("terminated"))
+    assert job_end._first_stalled(closed, 10.0)[1] == "its last finished step is 14, the others reached step 17"

@@ -650,3 +650,46 @@ def test_any_column_or_table_missing_is_read_around(tmp_path):
         elif column is not None:  # one of alternative name columns, or one not read: no gap to tell
             assert not any(table in detail for detail in gaps), (table, column, gaps)
         assert parsed.events["ts_ns"].is_not_null().all(), (table, column)
+
+
+def test_each_process_counts_its_own_rows_problems(tmp_path):
+    """Two processes, one range left open in each: every rank was given the file's count (2 and 2, 4 in all for 2
+    open ranges). Each rank now counts its own (1 and 1); the file's own problems go with one rank only."""
+    run = tmp_path / "run"
+    run.mkdir()
+    export = _build_export(run / "node0.sqlite", second_process=True)
+    db = sqlite3.connect(export)
+    for pid in (PID, PID + 100):
+        db.execute("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid) VALUES (9500, NULL, 59, 'open', ?)",
+                   (_global_id(pid, pid + 1),))
+    db.execute("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid) VALUES (0, 99999, 59, 'launch', ?)",
+               (_global_id(99, 99),))  # a launcher's range: the file's, belonging to no rank
+    db.commit()
+    db.close()
+    ingest(run, jobs=1)
+    issues = _table(run / ".steplens", "ingest_issues")
+    open_ranges = issues.filter(pl.col("reason") == "missing_duration").sort("rank").select("rank", "count").rows()
+    assert open_ranges == [(0, 1), (1, 1)]
+    assert issues.filter(pl.col("reason") == "several_processes")["count"].to_list() == [1]
+
+
+def test_a_trace_whose_every_row_is_left_out_says_why(tmp_path):
+    """Every start beyond 146 years of the session start: 'a trace with no complete events (empty or cut before the
+    first event)' named neither the problem nor its count."""
+    run = tmp_path / "run"
+    run.mkdir()
+    export = _build_export(run / "a.sqlite")
+    db = sqlite3.connect(export)
+    rows = 0
+    for table in ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_RUNTIME", "CUPTI_ACTIVITY_KIND_MEMCPY",
+                  "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION", "NVTX_EVENTS"):
+        rows += db.execute(f"UPDATE {table} SET start = start + ?", (2**62,)).rowcount
+    rows -= db.execute("SELECT count(*) FROM NVTX_EVENTS WHERE eventType = 75").fetchone()[0]  # domain names: no events
+    db.commit()
+    db.close()
+    from steplens.analyze.pipeline.ingest import IngestError
+
+    with pytest.raises(IngestError) as refused:
+        ingest(run, jobs=1)
+    assert (f"nothing usable among 1 file(s) (a.sqlite: a trace with no events left once rows with problems were "
+            f"left out: bad_timestamp ({rows:,}))") in str(refused.value)

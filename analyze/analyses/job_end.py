@@ -68,6 +68,11 @@ def _first_stalled(ranks: pl.DataFrame, median_step_ns: float | None) -> tuple[i
     if stepped["last_step"].n_unique() > 1:
         fewest = stepped.filter(pl.col("last_step") == pl.col("last_step").min())
         if fewest.height == 1:
+            if fewest["manifest_status"][0] == "running":  # died without its exit hooks: its last rows unflushed
+                return fewest["rank"][0], (
+                    f"its last recorded step is {fewest['last_step'][0]}, the others reached step "
+                    f"{stepped['last_step'].max()} (its collector manifest never closed: the steps after its last "
+                    "flush were lost with the process, so it may have got further)")
             return fewest["rank"][0], (f"its last finished step is {fewest['last_step'][0]}, the others reached "
                                        f"step {stepped['last_step'].max()}")
     else:

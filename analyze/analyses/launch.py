@@ -455,7 +455,11 @@ def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0, launches: pl.DataFr
 
 
 IDLE_CAUSE_WORDS = {"host_bound": "host-bound: the GPU waited for the CPU to launch work",
-                    "sync": "synchronization: the CPU waited on the GPU",
+                    # the whole gap: the call emptied the queue, so the host's own work after it (a loader, the
+                    # step's Python) was not overlapped with the GPU's; most of it is often after the call returned
+                    "sync": "synchronization: a synchronizing call (a stream or device synchronize, .item(), a blocking "
+                            "copy) emptied the GPU's queue, and the GPU idled until the CPU launched again, through "
+                            "the host's own work after the call",
                     "other": "other: the next work was already queued (the device's own gaps between kernels, "
                              "cross-stream or event waits) or its launch is not in the trace"}
 
@@ -503,7 +507,8 @@ def cpu_gpu_section(page, run):
         "api_ns_median": ("API call median", "ms"), "queue_ns_median": ("queueing median", "ms"),
         "queue_ns_p90": ("queueing p90", "ms"), "gpu_ns_total": ("GPU time launched", "ms")}, "launch_summary")
     if not sync.is_empty():
-        section.text("Synchronization points that left the GPU idle longest (the CPU waited on the GPU):")
+        section.text("Synchronization points that left the GPU idle longest (the idle after each, until the CPU "
+                     "launched again: the call itself and the host's work after it):")
         section.rows(sync, {
             "rank": ("rank", "text"), "step": ("step", "text"), "name": ("call", "text"),
             "issuing_op": ("issued by", "text"), "dur_ns": ("call duration", "ms"),

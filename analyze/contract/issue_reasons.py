@@ -113,7 +113,8 @@ _DECLARED = (
     IssueReason("collector_rank_mismatch", ("warning",), "A collector part's file name and rows name different ranks."),
     IssueReason("not_a_collector_manifest", ("warning",), "A file in collector/manifest/ that is not a collector manifest."),
     IssueReason("collector_missing_tail", ("error",), "A rank's collector did not finish; rows after its last flush are missing."),
-    IssueReason("collector_rows_dropped", ("warning",), "The collector could not write and dropped rows."),
+    IssueReason("collector_rows_dropped", ("error",), "The collector could not write and dropped rows: the run's "
+                "record misses them (its steps, timers, scalars or calls)."),
     IssueReason("collector_values_implausible", ("warning",), "Collector rows with values no run can have (a negative "
                 "latency or size, a NaN bandwidth, a duration past 104 days): dropped."),
     IssueReason("collector_values_rejected", ("warning",), "log() values that were not numbers were dropped in the job."),

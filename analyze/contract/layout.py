@@ -3,6 +3,7 @@ parsed here by the analyzer (importers/collector_parts.py), so the two never dis
 
     collector/<table>/rank<r>-<seq:05d>.parquet   one part per telemetry table per flush (seq counts flushes)
     collector/manifest/rank<r>.json               the rank's manifest, rewritten whole after each flush
+    collector/manifest/.rank<r>.lock              locked by the rank while its job runs (who holds it, as JSON)
 
 This layout is a public interface (jobs written by an older steplens are read by a newer one): change it
 only with a reader for the old one. The folder `analyze` writes (run.json and one folder per table) is
@@ -59,6 +60,14 @@ def rank_parts_glob(rank: int) -> str:
 
 def manifest_path(root: Path, rank: int) -> Path:
     return root / MANIFEST_DIR / f"rank{rank}.json"
+
+
+def lock_path(root: Path, rank: int) -> Path:
+    """The file a writing rank holds locked while its job runs (hidden: `analyze` does not read it)."""
+    return root / MANIFEST_DIR / f".rank{rank}.lock"
+
+
+LOCK_GLOB = ".rank*.lock"
 
 
 def parse_part(path: Path) -> CollectorPart | None:

@@ -227,7 +227,7 @@ def _parse_manifest(path: Path, rel: str) -> Imported:
     rejected, rejected_damaged = _counts(doc.get("rejected_values"))
     damaged += [key for key, bad in (("dropped_rows", dropped_damaged), ("rejected_values", rejected_damaged)) if bad]
     if dropped := {table: n for table, n in dropped.items() if n}:
-        issues.append(["warning", "collector_rows_dropped", sum(dropped.values()),
+        issues.append(["error", "collector_rows_dropped", sum(dropped.values()),
                        f"rank {rank}: the collector could not write and dropped rows {dropped}"])
     if rejected:
         issues.append(["warning", "collector_values_rejected", sum(rejected.values()),

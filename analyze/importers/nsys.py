@@ -474,6 +474,35 @@ def _decode_export(export: _Export) -> DecodedTrace | list[DecodedTrace]:
         shown = ", ".join(f"{column} ({n})" for column, n in export.mistyped.items())
         issues.append(Issue("warning", "unrepresentable_value", sum(export.mistyped.values()),
                             f"values not of their column's type, read as null: {shown}"[:400]))
+    if export.missing:
+        issues.append(Issue("info", "nsys_schema_gap", len(export.missing),
+                            f"tables or columns this export lacks (Nsight Systems {_export_facts(export).get('EXPORT_PRODUCT_VERSION', '?')}): "
+                            + "; ".join(export.missing)[:400]))
+    facts = _export_facts(export)
+    meta = TraceMeta(base_time_ns=base_ns or None)
+    meta.schema_version = checked(facts.get("EXPORT_SCHEMA_VERSION"), "EXPORT_SCHEMA_VERSION", meta.problems, (int, str))
+    meta.producer_version = checked(facts.get("EXPORT_PRODUCT_VERSION"), "EXPORT_PRODUCT_VERSION", meta.problems, str)
+    meta.devices = _devices(export, meta.problems)
+    processes = _processes(events, issues)
+    if len(processes) <= 1:
+        # One process: the environment nsys captured for the process it launched is this rank's
+        _rank_from_environment(_capture_environment(export), meta)
+        frame, row_issues = _checked_rows(processes[0][1], base_ns)
+        return _rank_trace(frame, base_ns, meta, issues + row_issues)
+    traces = []
+    for index, (process, frame) in enumerate(processes):
+        # the file's own problems once, with the first process; each process's rows' problems with it
+        frame, row_issues = _checked_rows(frame, base_ns)
+        trace = _rank_trace(frame, base_ns, replace(meta, problems=list(meta.problems)),
+                            (list(issues) if index == 0 else []) + row_issues)
+        trace.unit = f"process {process}"
+        traces.append(trace)
+    return traces
+
+
+def _checked_rows(events: pl.DataFrame, base_ns: int) -> tuple[pl.DataFrame, list[Issue]]:
+    """One process's events without the rows no time can be given, and the problems of its rows, counted."""
+    issues: list[Issue] = []
     # Times once the session start is added must stay within ±TIME_LIMIT_NS: one beyond would wrap int64.
     def in_range(column: str) -> pl.Expr:
         return pl.col(column).is_between(-TIME_LIMIT_NS - base_ns, TIME_LIMIT_NS - base_ns)
@@ -499,26 +528,7 @@ def _decode_export(export: _Export) -> DecodedTrace | list[DecodedTrace]:
     negative = events.filter(pl.col("end_ns") < pl.col("ts_ns")).height
     if negative:
         issues.append(Issue("warning", "negative_duration", negative, "events whose end is before their start, kept as written"))
-    if export.missing:
-        issues.append(Issue("info", "nsys_schema_gap", len(export.missing),
-                            f"tables or columns this export lacks (Nsight Systems {_export_facts(export).get('EXPORT_PRODUCT_VERSION', '?')}): "
-                            + "; ".join(export.missing)[:400]))
-    facts = _export_facts(export)
-    meta = TraceMeta(base_time_ns=base_ns or None)
-    meta.schema_version = checked(facts.get("EXPORT_SCHEMA_VERSION"), "EXPORT_SCHEMA_VERSION", meta.problems, (int, str))
-    meta.producer_version = checked(facts.get("EXPORT_PRODUCT_VERSION"), "EXPORT_PRODUCT_VERSION", meta.problems, str)
-    meta.devices = _devices(export, meta.problems)
-    processes = _processes(events, issues)
-    if len(processes) <= 1:
-        # One process: the environment nsys captured for the process it launched is this rank's
-        _rank_from_environment(_capture_environment(export), meta)
-        return _rank_trace(processes[0][1], base_ns, meta, issues)
-    traces = []
-    for process, frame in processes:
-        trace = _rank_trace(frame, base_ns, replace(meta, problems=list(meta.problems)), list(issues))
-        trace.unit = f"process {process}"
-        traces.append(trace)
-    return traces
+    return events, issues
 
 
 def _rank_trace(events: pl.DataFrame, base_ns: int, meta: TraceMeta, issues: list[Issue]) -> DecodedTrace:

@@ -314,7 +314,11 @@ def _write_parsed(parsed: ParsedTrace, source: Source, scratch: str, started: fl
     if parsed.events.is_empty():
         source.status = "error"
         source.issues.extend([i.severity, i.reason, i.count, i.detail] for i in parsed.issues)
-        source.issues.append(["error", "no_events", 1, "a trace with no complete events (empty or cut before the first event)"])
+        # rows left out for a reason of their own (times beyond any session, say) can be every row: say which
+        dropped = [f"{i.reason} ({i.count:,})" for i in parsed.issues if i.severity != "info"]
+        source.issues.append(["error", "no_events", 1, "a trace with no events left once rows with problems were left "
+                              f"out: {', '.join(dropped)}" if dropped else
+                              "a trace with no complete events (empty or cut before the first event)"])
         return source
     out = Path(scratch) / source.part_id
     out.mkdir(parents=True, exist_ok=True)
