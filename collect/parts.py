@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -91,42 +92,58 @@ class FolderLock:
     writing). flock is released by the kernel when its holder ends, so a killed job leaves no stale lock."""
 
     def __init__(self, root: Path, rank: int):
-        self.file = None
+        self.fd: int | None = None
         self.other_writer: str | None = None
         job = job_identity()
         path = layout.lock_path(root, rank)
-        try:
-            lock = open(path, "a+")
-        except OSError:  # a folder that takes no file: the writes fail and say so
+        fd = _open_plain(path, os.O_RDWR | os.O_CREAT)
+        if fd is None:  # a folder that takes no file (the writes fail and say so), or a link or FIFO in its place
             return
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            lock.close()
+            os.close(fd)
             if _read(path).get("pid") != os.getpid():  # else an earlier attach of this process holds it
                 self.other_writer = f"another process writes this rank's files in {root} ({_holder(path)})"
             return
-        lock.truncate(0)
-        lock.write(json.dumps({"job": job, "pid": os.getpid(), "hostname": os.uname().nodename}))
-        lock.flush()
-        self.file = lock
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"job": job, "pid": os.getpid(), "hostname": os.uname().nodename}).encode(), 0)
+        self.fd = fd
         for other in sorted(path.parent.glob(layout.LOCK_GLOB)):
-            if other != path and _held(other) and (holder := _read(other)).get("job") != job:
+            if other != path and _held(other) and _read(other).get("job") != job:
                 self.other_writer = f"another job writes {root} ({_holder(other)}): give each job a folder of its own"
                 self.release()
                 return
 
     def release(self) -> None:
-        if self.file is not None:
-            self.file.close()  # closing the last descriptor releases the lock
-            self.file = None
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor releases the lock
+            self.fd = None
+
+
+def _open_plain(path: Path, flags: int) -> int | None:
+    """A descriptor of `path` if it is a plain file (never following a link, never waiting on a FIFO), else None."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
 
 
 def _read(path: Path) -> dict:
+    """Who holds a lock file, as it wrote itself there ({} when unreadable)."""
+    fd = _open_plain(path, os.O_RDONLY)
+    if fd is None:
+        return {}
     try:
-        found = json.loads(path.read_text())
+        found = json.loads(os.pread(fd, 4096, 0))
     except (OSError, ValueError):
         return {}
+    finally:
+        os.close(fd)
     return found if isinstance(found, dict) else {}
 
 
@@ -137,13 +154,15 @@ def _holder(path: Path) -> str:
 
 def _held(path: Path) -> bool:
     """Whether a live process holds `path`'s lock."""
+    fd = _open_plain(path, os.O_RDONLY)
+    if fd is None:
+        return False
     try:
-        with open(path) as probe:
-            fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
-    except OSError:
-        return False
+    finally:
+        os.close(fd)
     return False
 
 

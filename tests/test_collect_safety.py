@@ -514,3 +514,22 @@ def test_a_second_job_into_a_folder_another_job_writes_writes_nothing(tmp_path, 
     after = FolderLock(tmp_path / "collector", 0)  # the first job was killed: its lock went with it
     assert after.other_writer is None
     after.release()
+
+
+def test_a_lock_file_that_is_a_link_or_a_fifo_is_not_followed_or_waited_on(tmp_path):
+    """The lock is written to: one linked to another file would have truncated that file, and reading a FIFO in its
+    place would hang the job's start."""
+    from steplens.collect.parts import FolderLock
+
+    manifest_dir = tmp_path / "collector" / "manifest"
+    manifest_dir.mkdir(parents=True)
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    (manifest_dir / ".rank0.lock").symlink_to(precious)
+    os.mkfifo(manifest_dir / ".rank1.lock")
+    lock = FolderLock(tmp_path / "collector", 0)
+    assert lock.other_writer is None and lock.fd is None
+    beside = FolderLock(tmp_path / "collector", 2)  # looks at rank 1's FIFO: no wait
+    assert beside.other_writer is None and beside.fd is not None
+    beside.release()
+    assert precious.read_text() == "keep me"
