@@ -80,7 +80,7 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
             # values exactly as stored for the tool that reads them; on a terminal, its escape sequences shown as ?
             shown = safe_text if sys.stdout.isatty() else str
             for index, frame in enumerate(itertools.chain([first], batches)):
-                click.echo(shown(_csv(frame, index == 0) if fmt == "csv" else frame.write_ndjson()), nl=False)
+                click.echo(shown(_csv(frame, index == 0) if fmt == "csv" else _ndjson(frame)), nl=False)
                 sys.stdout.flush()
                 if getattr(sys.stdout, "reader_left", False):  # `| head`: the rest of the result is for no one
                     batches.close()  # the query stops now, not when the generator is collected
@@ -106,6 +106,17 @@ def _csv(frame, header: bool) -> str:
         frame = frame.with_columns(pl.struct(pl.col(name).alias("v")).struct.json_encode().str.slice(5).str.head(-1)
                                    .alias(name) for name in nested)
     return frame.write_csv(include_header=header)
+
+
+def _ndjson(frame) -> str:
+    """JSON lines of a result batch, every number a JSON number: DuckDB's sum() of integers is a HUGEINT, a
+    DECIMAL(38,0) here, which polars writes as a quoted string (kept exact as a 128-bit integer; a decimal with a
+    fraction as the float a JSON reader would make of it)."""
+    import polars as pl
+
+    decimals = {name: pl.Int128 if dtype.scale == 0 else pl.Float64
+                for name, dtype in frame.schema.items() if isinstance(dtype, pl.Decimal)}
+    return frame.cast(decimals).write_ndjson() if decimals else frame.write_ndjson()
 
 
 def _warn_skipped(skipped: list[tuple[str, str]]) -> None:

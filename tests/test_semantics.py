@@ -88,3 +88,22 @@ def test_damaged_step_number_is_a_plain_event():
     _, steps, _ = semantics.apply(_events(rows), _endpoints(), issues)
     assert steps["step"].to_list() == [3]
     assert [(i.reason, i.count) for i in issues] == [("bad_step_number", 1)]
+
+
+def test_ranges_of_one_step_nested_on_a_thread_are_one_step_row_per_thread():
+    """An NVTX 'iteration 3' holding 'step 3' on one thread gave two rows of step 3 (a query over `steps` counted
+    it twice); the step on another thread keeps its own row, as ProfilerStep on several threads does."""
+    import re
+
+    from steplens.analyze.importers.nsys import DEFAULT_STEP_RANGE
+
+    rows = [(1_000, 1_000, "user_annotation", "iteration 3", 1, 1, None),
+            (1_010, 980, "user_annotation", "step 3", 1, 1, None),
+            (1_005, 990, "user_annotation", "step 3", 1, 2, None),
+            (2_000, 1_000, "user_annotation", "iteration 4", 1, 1, None),
+            (2_010, 980, "user_annotation", "step 4", 1, 1, None)]
+    issues = []
+    _, steps, _ = semantics.apply(_events(rows), _endpoints(), issues, step_name=re.compile(DEFAULT_STEP_RANGE))
+    assert steps.select("step", "start_ns", "end_ns", "dur_ns", "tid").rows() == [
+        (3, 1_000, 2_000, 1_000, 1), (3, 1_005, 1_995, 990, 2), (4, 2_000, 3_000, 1_000, 1)]
+    assert issues == []

@@ -304,3 +304,20 @@ def test_csv_gives_list_and_struct_values_as_json(runs):
         expected = sorted(set(ranks.filter(pl.col("step") == int(row["step"]))["rank"].to_list()))
         assert json.loads(row["ranks"]) == expected
         assert json.loads(row["s"]) == {"n": 1, "q": 'a"b'}
+
+
+def test_json_gives_sums_as_numbers(runs):
+    """DuckDB's sum() of BIGINT is a HUGEINT (DECIMAL(38,0) in the result): it came out as the string "60022283"."""
+    import pyarrow.parquet as pq_
+
+    root = runs[0]
+    done = CliRunner().invoke(steplens, ["sql", str(root), "SELECT count(*) AS n, sum(dur_ns) AS total, "
+                                         "sum(dur_ns)::DECIMAL(30, 2) / 4 AS quarter FROM trace_events "
+                                         "WHERE dur_ns IS NOT NULL", "--format", "json"])
+    assert done.exit_code == 0, done.output
+    (row,) = [json.loads(line) for line in done.output.splitlines()]
+    # recomputed from the Parquet parts with pyarrow alone
+    durations = [d for part in sorted(root.rglob("trace_events/*/*.parquet"))
+                 for d in pq_.read_table(part, columns=["dur_ns"]).column("dur_ns").to_pylist() if d is not None]
+    assert row == {"n": len(durations), "total": sum(durations), "quarter": pytest.approx(sum(durations) / 4)}
+    assert isinstance(row["total"], int)

@@ -141,7 +141,12 @@ def step_windows(events: pl.DataFrame, issues: list[Issue], step_name: re.Patter
         .drop_nulls("step")
         .sort("start_ns")
     )
-    return _without_reused_numbers(steps, issues)
+    steps = _without_reused_numbers(steps, issues)
+    # Ranges of one number nested on one thread ("iteration 3" holding "step 3") are one step: one row a thread
+    # (the spans left of a number overlap, so their hull is each thread's span of the step)
+    return steps.group_by("step", "pid", "tid", maintain_order=True).agg(
+        pl.col("start_ns").min(), pl.col("end_ns").max()).select(
+        "step", "start_ns", "end_ns", dur_ns=pl.col("end_ns") - pl.col("start_ns"), pid="pid", tid="tid").sort("start_ns")
 
 
 def _without_reused_numbers(steps: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
