@@ -693,3 +693,29 @@ def test_a_trace_whose_every_row_is_left_out_says_why(tmp_path):
         ingest(run, jobs=1)
     assert (f"nothing usable among 1 file(s) (a.sqlite: a trace with no events left once rows with problems were "
             f"left out: bad_timestamp ({rows:,}))") in str(refused.value)
+
+
+def test_the_processes_of_one_export_share_its_clock(tmp_path):
+    """Two processes of one export (one host's clock) were aligned by their collectives' end times: the second
+    one, whose work runs 10 ns later, was moved by an offset of 10 ns as if its clock were another's."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _build_export(run / "node0.sqlite", second_process=True)
+    result = CliRunner().invoke(analyze, [str(run), "-q"])
+    assert result.exit_code == 0, result.output
+    offsets = _table(run / ".steplens", "clock_offsets").sort("rank")
+    assert offsets.select("rank", "offset_ns", "uncertainty_ns").rows() == [(0, 0, 0), (1, 0, 0)]
+    assert offsets["method"].to_list() == ["reference", "one clock with the reference rank (same file)"]
+
+
+def test_ranks_of_another_file_get_one_offset():
+    """Two hosts' exports: the second host's ranks share its clock, one offset for both (their estimates' median)."""
+    from steplens.analyze.analyses import steps
+
+    calls = pl.DataFrame({"rank": [0, 1, 2, 3] * 2, "instance": [0] * 4 + [1] * 4,
+                          "ts_ns": [1_000, 1_000, 1_100, 1_120, 5_000, 5_000, 5_100, 5_120], "dur_ns": [10] * 8})
+    files = {0: "node0.sqlite", 1: "node0.sqlite", 2: "node1.sqlite", 3: "node1.sqlite"}
+    offsets = steps.clock_offsets(calls, [0, 1, 2, 3], files=files).sort("rank")
+    assert offsets["offset_ns"].to_list() == [0, 0, 110, 110]
+    alone = steps.clock_offsets(calls, [0, 1, 2, 3]).sort("rank")
+    assert alone["offset_ns"].to_list() == [0, 0, 100, 120]

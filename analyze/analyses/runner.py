@@ -48,6 +48,9 @@ class RunContext:
     backend: str | None = None  # the process group backend the traces record (distributedInfo.backend)
     # rank -> the world size its trace records (distributedInfo.world_size); ranks without one are absent
     world_size_of_rank: dict = field(default_factory=dict)
+    # rank -> the trace file it came from, for the ranks that share one (one Nsight Systems export of several
+    # processes: one host's clock)
+    file_of_rank: dict = field(default_factory=dict)
 
 
 def _device(manifest: dict) -> tuple[str | None, int | None]:
@@ -68,6 +71,14 @@ def _world_size_of_rank(manifest: dict) -> dict[int, int]:
     """The world size each rank's trace records (run.json sources: only a trace's has one)."""
     return {s["rank"]: s["world_size"] for s in manifest.get("sources", []) if isinstance(s, dict)
             and s.get("rank") is not None and s.get("world_size") and s.get("status") in ("ingested", "reused")}
+
+
+def _shared_files(manifest: dict) -> dict[int, str]:
+    """rank -> its trace file, for the ranks whose file holds other ranks too (each a `unit` of it)."""
+    files = {s["rank"]: s.get("path") for s in manifest.get("sources", []) if isinstance(s, dict) and s.get("unit")
+             and s.get("rank") is not None and s.get("status") in ("ingested", "reused")}
+    shared = {path for path in files.values() if path is not None and list(files.values()).count(path) > 1}
+    return {rank: path for rank, path in files.items() if path in shared}
 
 
 def _write(out_dir: Path, table: str, frame: pl.DataFrame, spec, part: str = "part-0") -> pl.DataFrame:
@@ -177,7 +188,7 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
                          roof, peak, peak_problem, process_count(manifest), device_activity,
                          _kind_count(manifest, "cuda_runtime") + _kind_count(manifest, "cuda_driver"),
                          ", ".join(manifest.get("environment", {}).get("backend") or []) or None,
-                         _world_size_of_rank(manifest))
+                         _world_size_of_rank(manifest), _shared_files(manifest))
     ordered = registry.ordered(ANALYSES)
     for analysis in ordered:
         for table in analysis.writes:

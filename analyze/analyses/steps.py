@@ -47,10 +47,11 @@ MIN_NOISE_STEPS = 4  # below this a step's wait has too few others to be judged 
 
 
 def clock_offsets(calls: pl.DataFrame, ranks: list[int], world_sizes: dict[int, int] | None = None,
-                  steps: pl.DataFrame | None = None) -> pl.DataFrame:
+                  steps: pl.DataFrame | None = None, files: dict[int, str] | None = None) -> pl.DataFrame:
     """offset_ns per rank: add it to the reference rank's clock to get this rank's (aligned = ts - offset).
-    A rank that cannot be one job with the reference rank (`unalignable`) gets no offset and says why."""
-    offsets = _estimated_offsets(calls, ranks)
+    A rank that cannot be one job with the reference rank (`unalignable`) gets no offset and says why. Ranks from
+    one trace file (`files`: rank -> file, for the files of several ranks) were recorded on one clock."""
+    offsets = _one_clock_per_file(_estimated_offsets(calls, ranks), files or {})
     refusals = unalignable(offsets, world_sizes or {}, steps)
     if not refusals:
         return offsets
@@ -103,6 +104,30 @@ def unalignable(offsets: pl.DataFrame, world_sizes: dict[int, int], steps: pl.Da
                                   f"than a step ({step / 1e6:,.1f} ms): its collectives do not end with rank {ref}'s, "
                                   "so they are not one job's")
     return refusals
+
+
+def _one_clock_per_file(offsets: pl.DataFrame, files: dict[int, str]) -> pl.DataFrame:
+    """Ranks of one file (an Nsight Systems export of one host's processes) share one clock: the file's ranks get
+    one offset, 0 with the reference rank among them, else the median of their estimates (each measures the same
+    offset), not each its own collectives' skew."""
+    if not files or offsets.is_empty():
+        return offsets
+    reference = offsets["reference_rank"][0]
+    by_file = pl.DataFrame({"rank": list(files), "file": list(files.values())}, schema={"rank": pl.Int64, "file": pl.String})
+    grouped = offsets.join(by_file, on="rank", how="left").with_columns(
+        has_reference=(pl.col("rank") == reference).any().over("file"),
+        file_offset=pl.col("offset_ns").median().over("file").round().cast(pl.Int64),
+        file_uncertainty=pl.col("uncertainty_ns").max().over("file"))
+    shared = pl.col("file").is_not_null() & (pl.col("rank") != reference)
+    return grouped.with_columns(
+        offset_ns=pl.when(shared & pl.col("has_reference")).then(0).when(shared).then("file_offset")
+        .otherwise("offset_ns"),
+        uncertainty_ns=pl.when(shared & pl.col("has_reference")).then(0).when(shared).then("file_uncertainty")
+        .otherwise("uncertainty_ns"),
+        method=pl.when(shared & pl.col("has_reference")).then(pl.lit("one clock with the reference rank (same file)"))
+        .when(shared & pl.col("file_offset").is_not_null())
+        .then(pl.lit("collective end times, one clock for the ranks of its file"))
+        .otherwise("method")).select(offsets.columns)
 
 
 def _estimated_offsets(calls: pl.DataFrame, ranks: list[int]) -> pl.DataFrame:
@@ -319,7 +344,9 @@ def _steps(inputs: Inputs) -> Output:
         return Output()
     calls = inputs.table("_collective_calls")
     profiled = inputs.table("steps", ["rank", "step", "start_ns", "end_ns"])
-    offsets = clock_offsets(calls, inputs.ranks, inputs.context.world_size_of_rank if inputs.context else {}, profiled)
+    context = inputs.context
+    offsets = clock_offsets(calls, inputs.ranks, context.world_size_of_rank if context else {}, profiled,
+                            context.file_of_rank if context else {})
     times = step_times(profiled, inputs.table("_gpu_spans"), collective_waits(calls), offsets)
     refused = refused_alignment(offsets)
     stats = step_stats(times, judge_stragglers=not refused)
@@ -332,7 +359,8 @@ CLOCK_OFFSETS = schema.table_spec(
     ("offset_ns", pa.int64(), "This rank's clock minus the reference rank's (aligned time = ts_ns - offset_ns)."),
     ("uncertainty_ns", pa.int64(), "Half the range of the per-collective estimates."),
     ("matched", pa.int64(), "Collective instances shared with the reference rank."),
-    ("method", pa.string(), "How it was estimated (collective end times, reference, or none), or 'refused: ' and why "
+    ("method", pa.string(), "How it was estimated (collective end times, reference, one clock with the ranks of its "
+                            "file, or none), or 'refused: ' and why "
                             "the trace cannot be aligned as a rank of the same job."),
     ("reference_rank", pa.int64(), "The rank whose clock is the reference (the lowest)."),
 )
