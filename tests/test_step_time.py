@@ -656,3 +656,18 @@ def test_the_collector_notes_the_step_its_first_flush_ran_in(ds_steady_run):
         rank = manifest["rank"]
         steps = pl.read_parquet(ds_steady_run / "collector" / "train_steps" / f"rank{rank}-*.parquet")["step"]
         assert manifest["run"]["first_flush_step"] == steps.min() + manifest["run"]["settings"]["flush_every"]
+
+
+def test_a_profiler_window_after_the_last_step_is_named_as_why_there_is_no_trace():
+    """skip_first 25 in a 20-step job: no trace, and the report said only 'no profiler traces'."""
+    from steplens.analyze.analyses import launch
+
+    profile = {"skip_first": 25, "wait": 1, "warmup": 1, "active": 2, "repeat": 1}
+    facts = {"settings": {"profile": profile}, "collector_rank0": {"steps_completed": 20},
+             "collector_rank1": {"steps_completed": 20}}
+    # window steps: skip 25, wait 1, warm-up 1 -> steps 27 and 28 traced
+    assert launch._unopened_window(facts) == (
+        "no profiler traces: the collector's profiler window was to open at step 27, after the run's last step (19); "
+        "open it earlier (profile skip_first and wait) to trace this run")
+    assert launch._unopened_window({**facts, "collector_rank0": {"steps_completed": 40}}) is None
+    assert launch._unopened_window({"collector_rank0": {"steps_completed": 20}}) is None  # no window asked for

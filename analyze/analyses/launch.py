@@ -54,7 +54,7 @@ from steplens.analyze.analyses.percentile import nearest_rank_expr
 from steplens.analyze.analyses import profiler_effect
 from steplens.analyze.contract.text import sentence
 from steplens.analyze.contract.units import duration
-from steplens.analyze.contract import schema
+from steplens.analyze.contract import alarm_rules, schema
 
 # Calls that return only once the device has caught up: the synchronizes and the blocking copies. ROCm's PyTorch
 # makes its blocking copies with hipMemcpyWithStream (c10/hip memcpy_and_sync), CUDA's with cudaMemcpyAsync and a
@@ -522,9 +522,22 @@ def cpu_gpu_section(page, run):
 NO_TRACES = "no profiler traces: step, GPU and collective analyses need them"
 
 
+def _unopened_window(facts: dict) -> str | None:
+    """Why the collector's profiler wrote no trace when its first window was to open after the run's last step."""
+    windows = [step for step, reason in alarm_rules.profiled_steps((facts.get("settings") or {}).get("profile"))
+               if reason == "profiler_window"]
+    completed = [state.get("steps_completed") for key, state in facts.items()
+                 if key.startswith("collector_rank") and isinstance(state, dict)]
+    completed = [n for n in completed if type(n) is int and n >= 0]
+    if not windows or not completed or min(windows) < max(completed):
+        return None
+    return (f"no profiler traces: the collector's profiler window was to open at step {min(windows)}, after the "
+            f"run's last step ({max(completed) - 1}); open it earlier (profile skip_first and wait) to trace this run")
+
+
 def _idle(inputs: Inputs) -> Output:
     if not inputs.ranks:
-        return Output(finding={"no_traces": NO_TRACES})
+        return Output(finding={"no_traces": _unopened_window(inputs.facts) or NO_TRACES})
     idle, sync_points = inputs.table("_gpu_idle"), inputs.table("_sync_points")
     return Output(tables={"gpu_idle": idle,
                           "sync_points": sync_points.sort("idle_caused_ns", descending=True).head(SYNC_POINTS_KEPT)},
