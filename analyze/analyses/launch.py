@@ -457,9 +457,8 @@ def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0, launches: pl.DataFr
 IDLE_CAUSE_WORDS = {"host_bound": "host-bound: the GPU waited for the CPU to launch work",
                     # the whole gap: the call emptied the queue, so the host's own work after it (a loader, the
                     # step's Python) was not overlapped with the GPU's; most of it is often after the call returned
-                    "sync": "synchronization: a synchronizing call (a stream or device synchronize, .item(), a blocking "
-                            "copy) emptied the GPU's queue, and the GPU idled until the CPU launched again, through "
-                            "the host's own work after the call",
+                    "sync": "synchronization: a synchronize, .item() or blocking copy emptied the GPU's queue, "
+                            "which then stayed empty until the CPU launched again",
                     "other": "other: the next work was already queued (the device's own gaps between kernels, "
                              "cross-stream or event waits) or its launch is not in the trace"}
 
