@@ -47,8 +47,8 @@ from steplens.analyze.pipeline.runs import RunFolder, split_appended_logs, split
 from steplens.analyze.cli_commands import compare_command, export_trace_command, sql_command, trials_command
 from steplens.analyze.cli_render import (FiniteNumber, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PARTIAL,  # noqa: F401 - EXIT_* are public here too
                                          EXIT_REGRESSION, EXIT_STATUS_HELP, EXIT_UNWRITABLE, analyse_and_report,
-                                         fail, import_figures, ranges, summary_lines)
-from steplens.analyze.contract.text import safe_text
+                                         fail, import_figures, summary_lines)
+from steplens.analyze.contract.text import number_ranges, safe_text
 from steplens.reports.verdict import finding_lines, first_screen
 
 ANALYZE_HELP = f"""Turn what a training job left in RUN_DIR into queryable Parquet tables, analyses and a report.
@@ -268,7 +268,7 @@ def _analyse_each(run_dir: Path, runs: list[tuple[RunFolder, Path]], jobs, optio
         if fmt == "md" and findings:
             click.echo((result.out_dir / "summary.md").read_text())
             continue
-        ranks = ranges(result.manifest.get("ranks", []))
+        ranks = number_ranges(result.manifest.get("ranks", []))
         problems = sum(1 for s in result.sources for i in s.issues if i[0] == "error")
         report = result.out_dir / ("report.html" if findings else schema.MANIFEST_FILE)
         cli_rerun.say(console, f"{name}: {len(result.sources)} input(s), ranks {ranks or 'none'}, {problems} error(s)")

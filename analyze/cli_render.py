@@ -15,6 +15,7 @@ import click
 from steplens.analyze import importers
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import schema
+from steplens.analyze.contract.text import number_ranges
 from steplens.analyze.cli_rerun import EXIT_INTERRUPTED
 from steplens.analyze.pipeline.ingest import IngestResult, Source
 from steplens.analyze.pipeline.workers import imports_without_collections
@@ -82,9 +83,11 @@ def summary_lines(result: IngestResult, analysis_seconds: float | None = None) -
         lines.append((f"nothing changed since the last analysis ({result.reused} input(s), same options and steplens): "
                       "the result is reused as it is", 2))
     else:
-        lines.append((f"{parsed} parsed, {result.reused} unchanged; {mb:.1f} MB of trace data in {ingest_seconds:.2f}s{speed}{analysed}", 2))
+        traces = any(s.kind in importers.TRACE_KINDS and s.status == "ingested" for s in result.sources)
+        read = f"; {mb:.1f} MB of trace data in {ingest_seconds:.2f}s{speed}" if traces else f" in {ingest_seconds:.2f}s"
+        lines.append((f"{parsed} parsed, {result.reused} unchanged{read}{analysed}", 2))
     world = f" of world size {m['world_size']}" if m.get("world_size") else ""
-    lines.append((f"ranks: {ranges(m['ranks']) or 'none'}{world}", 0))
+    lines.append((f"ranks: {number_ranges(m['ranks']) or 'none'}{world}", 0))
     if artifacts:
         lines.append(("other inputs: " + ", ".join(f"{kind}={n}" for kind, n in sorted(artifacts.items())), 0))
     if m.get("ignored_count"):
@@ -107,8 +110,8 @@ def _trace_table_lines(used: list[Source]) -> list[tuple[str, int]]:
               if all(s.kind == "nsys" for s in used) else "ProfilerStep#; NVTX step ranges in Nsight Systems exports")
     lines = [(f"profiled steps ({marked}):", 0)]
     for (windows, numbers), ranks in same_steps.items():
-        steps = f"{len(numbers)} step(s) {ranges(list(numbers))}" if numbers else "no steps"
-        lines.append((f"rank{'s' if len(ranks) > 1 else ''} {ranges(ranks)}: {windows} window(s), {steps}", 2))
+        steps = f"{len(numbers)} step(s) {number_ranges(list(numbers))}" if numbers else "no steps"
+        lines.append((f"rank{'s' if len(ranks) > 1 else ''} {number_ranges(ranks)}: {windows} window(s), {steps}", 2))
     kinds = Counter()
     for s in used:
         kinds.update(s.kind_counts)
@@ -139,22 +142,6 @@ def _issue_lines(result: IngestResult) -> list[tuple[str, int]]:
         files = f"{files} file{'s' if files > 1 else ''}"
         lines.append((f"{severity} {reason}: {sum(r[1] for r in rows):,} in {files}; e.g. {path}: {detail}", 2))
     return lines
-
-
-def ranges(numbers: list[int]) -> str:
-    """[0,1,2,5,7,8] -> '0-2, 5, 7-8'."""
-    parts, start, prev = [], None, None
-    for n in sorted(set(numbers)):
-        if start is None:
-            start = prev = n
-        elif n == prev + 1:
-            prev = n
-        else:
-            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = n
-    if start is not None:
-        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-    return ", ".join(parts)
 
 
 

@@ -23,7 +23,7 @@ import polars as pl
 from markupsafe import Markup, escape
 
 from steplens.analyze.analyses import ANALYSES
-from steplens.analyze.contract.text import safe_text, sentence, text_value
+from steplens.analyze.contract.text import number_ranges, safe_text, sentence, text_value
 
 from .data import Run, kernel_labels, load, ms, size, write_atomic
 from .verdict import NUMERATOR_SHORT, STEP_SOURCE_WORDS, first_screen, verdict
@@ -209,8 +209,8 @@ def key_numbers(run: Run) -> list[tuple[str, str]]:
     numbers = []
     devices = m.get("environment", {}).get("device_names") or []
     # "none" without traces of any rank, as the terminal says: a bare "0" read as rank 0
-    numbers.append(("ranks", f"{len(m.get('ranks', []))} of world size {m['world_size']}" if m.get("world_size")
-                    else str(len(m["ranks"])) if m.get("ranks") else "none"))
+    traced = f"{len(m['ranks'])} ({number_ranges(m['ranks'])})" if m.get("ranks") else "none"
+    numbers.append(("ranks", f"{traced} of world size {m['world_size']}" if m.get("world_size") else traced))
     if devices:
         numbers.append(("device", ", ".join(devices)))
     step = f.get("step_time") or {}
@@ -222,7 +222,7 @@ def key_numbers(run: Run) -> list[tuple[str, str]]:
         numbers.append(("profiled step time", f"median {ms(slow.get('median_step_ns'))}"))
     idle = f.get("gpu_idle") or {}
     if idle.get("idle_share") is not None:
-        numbers.append(("GPU idle", f"{idle['idle_share']:.1%}"))
+        numbers.append(("GPU idle, whole traced window", f"{idle['idle_share']:.1%}"))
     if isinstance(f.get("mfu"), list) and f["mfu"]:  # the headline figure; the verdict gives the others beside it
         head = f["mfu"][0]
         numbers.append((f"{head['metric']} ({NUMERATOR_SHORT.get(head['numerator'], head['numerator'])})",

@@ -106,7 +106,7 @@ def problem_headlines(f: dict) -> list[tuple[str, str]]:
         problems.append((f"Not one job: rank(s) {ranks} not aligned with rank "
                          f"{steps['clock_alignment']['reference_rank']}", "steps"))
     problems += [(text, analysis.name.replace("_", "-")) for analysis in ANALYSES  # its section's id
-                 if isinstance(f.get(analysis.name), dict) and (text := analysis.headline(f[analysis.name]))]
+                 if isinstance(f.get(analysis.name), (dict, list)) and (text := analysis.headline(f[analysis.name]))]
     problems += [(f"Straggler: rank {s['rank']} in step {s['step']}", "steps") for s in steps.get("stragglers", [])[:1]]
     split = (f.get("step_breakdown") or {}).get("time_split") or {}
     top = (f.get("collectives") or {}).get("most_exposed_collective")

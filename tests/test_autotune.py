@@ -400,3 +400,18 @@ def test_a_pick_of_the_largest_latency_is_not_called_a_stale_metric():
     # the pick's recorded value other than its own metrics.json: that is a stale metric
     stale = autotune.autotune_tables(experiments, {"autotune_metric": "latency", **_pick("z1_mbs8", 30000.0)})
     assert "DeepSpeed recorded a stale metric" in stale["autotune_verdict"]["pick_detail"][0]
+
+
+def test_the_first_screen_says_what_autotuning_found():
+    """An autotuning folder's first screen said only 'MFU: not computed'; the ranking was below four empty sections."""
+    from steplens.reports.verdict import first_screen
+
+    experiments, facts, *_ = import_folder(autotune1())
+    finding = autotune.verdict_finding(autotune.autotune_tables(experiments, facts)["autotune_verdict"])
+    own = {d.name: json.loads((d / "metrics.json").read_text())["throughput"]
+           for d in (autotune1() / "autotuning_results").iterdir() if (d / "metrics.json").exists()}
+    best = max(own, key=own.get)  # every config measured once: a best, not beyond the noise
+    assert (f"Autotuning: best {best} (not beyond the noise)", "autotune") in first_screen({"autotune": finding})
+    repeated = autotune.verdict_finding(autotune.autotune_tables(
+        trials({"mbs4": [100.0, 101.0, 102.0, 103.0], "mbs2": [90.0, 91.0, 92.0, 93.0]}), {})["autotune_verdict"])
+    assert autotune.autotune_headline(repeated) == "Autotuning: best mbs4_run0 (beyond the noise)"

@@ -125,9 +125,10 @@ def test_alarms_reach_the_callback_the_table_and_agree_with_the_replay(tmp_path,
     table = pl.read_parquet(result.out_dir / "alarms")
     assert set(zip(table["rule"], table["name"], table["step"])) == EXPECTED
     findings = runner.run(result.out_dir, runner.Options())
-    counts = {k: v for k, v in findings["alarm_agreement"].items() if k not in ("listed", "replayed")}
+    counts = {k: v for k, v in findings["alarm_agreement"].items() if k not in ("listed", "replayed", "raised_in_job")}
     assert counts == {"in_job": 4, "post_hoc": 4, "agree": 4, "only_in_job": 0, "only_post_hoc": 0, "on_instrumented_steps": 0}
     assert {tuple(a) for a in findings["alarm_agreement"]["replayed"]} == EXPECTED  # every alarm the replay raised
+    assert {tuple(a) for a in findings["alarm_agreement"]["raised_in_job"]} == EXPECTED  # and the job
     # Listed most severe first, then by step: all are warnings here (as configured), so by step.
     assert [(a["rule"], a["step"]) for a in findings["alarm_agreement"]["listed"]] == sorted(
         ((rule, step) for rule, _, step in EXPECTED), key=lambda key: (key[1], key[0]))

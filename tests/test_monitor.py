@@ -222,6 +222,12 @@ def test_each_alarm_of_the_run_is_counted_once_by_the_rule_that_fired():
     findings = {"monitor_alarms": finding, "alarm_agreement": {"replayed": replayed, "listed": []}}
     assert monitor.distinct_alarms(findings) == {"slow_step": 5, "throughput_drop": 1}
     assert ("Alarms: slow_step x5, throughput_drop x1", "alarms") in first_screen(findings)
+    # the real H200 job: the job raised a loss spike at step 10 and a throughput drop at step 14 (a profiled step,
+    # which neither the replay nor the verdict judges), the replay a throughput drop at step 17. The verdict said
+    # "throughput_drop x1", the loss spike the job printed left out.
+    h200 = {"alarm_agreement": {"replayed": [["throughput_drop", "samples_per_s", 17]],
+                                "raised_in_job": [["loss_spike", "train/loss", 10]]}}
+    assert monitor.distinct_alarms(h200) == {"loss_spike": 1, "throughput_drop": 1}
     # a result an older steplens wrote (counts by kind): counted as it was, not as none
     assert monitor.distinct_alarms({"monitor_alarms": {"throughput_drop": 4}}) == {"throughput_drop": 4}
     assert monitor.alarms_lines({"throughput_drop": 4}, {}) == ["Monitor alarms: throughput_drop x4 (table monitor_alarms)."]

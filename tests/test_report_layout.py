@@ -358,7 +358,7 @@ def test_sample_and_corpus_reports_show_where_the_time_went_in_chromium(browser,
         seen = _look(browser, out / "report.html", tmp_path / f"{out.parent.name}.png")
         assert seen["time"] == [2, 2]  # stacked bars and timeline, drawn at a readable size
         numbers = browser.find_element("css selector", "dl.numbers").text
-        assert "ranks\n8 of world size 8" in numbers and "GPU idle" in numbers
+        assert "ranks\n8 (0-7) of world size 8" in numbers and "GPU idle, whole traced window" in numbers
     seen = _look(browser, dlrm / "report.html", tmp_path / "dlrm.png")
     assert seen["collectives"] == [0, 0] and seen["steps"] == [0, 0]  # nothing to plot: no bare axes
 

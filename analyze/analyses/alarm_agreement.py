@@ -81,8 +81,9 @@ LISTED = 5  # alarms named in findings.json (the table holds them all)
 
 def agreement_summary(table: pl.DataFrame) -> dict:
     """For findings.json: counts of alarms in the job, in the replay, in both; and the first LISTED alarms, most
-    severe first, then by step (`listed`: rule, name, step, rank, severity, in_job, post_hoc, value, detail), and
-    every alarm the replay raised (`replayed`: rule, name, step)."""
+    severe first, then by step (`listed`: rule, name, step, rank, severity, in_job, post_hoc, value, detail),
+    every alarm the replay raised (`replayed`: rule, name, step) and every one the job raised on a step it did not
+    instrument (`raised_in_job`)."""
     both = table.filter(pl.col("in_job") & pl.col("post_hoc")).height
     judged = ~pl.col("instrumented").fill_null(False)
     listed = (table.with_columns(order=pl.col("severity").replace_strict(SEVERITY_ORDER, default=len(SEVERITY_ORDER)))
@@ -94,8 +95,11 @@ def agreement_summary(table: pl.DataFrame) -> dict:
             "on_instrumented_steps": table.filter(~judged).height,
             "only_post_hoc": table.filter(~pl.col("in_job") & pl.col("post_hoc")).height,
             "listed": listed.to_dicts(),
-            # every alarm the replay raised, (rule, series, step): the verdict counts each alarm of the run once
-            "replayed": table.filter("post_hoc").select("rule", "name", "step").sort("step", "rule", "name").rows()}
+            # every alarm the replay raised and every one the job raised on a step it did not instrument, (rule,
+            # series, step): the verdict counts each alarm of the run once
+            "replayed": table.filter("post_hoc").select("rule", "name", "step").sort("step", "rule", "name").rows(),
+            "raised_in_job": table.filter(pl.col("in_job") & judged).select("rule", "name", "step")
+            .sort("step", "rule", "name").rows()}
 
 
 # ---------------------------------------------------------------------------------------------

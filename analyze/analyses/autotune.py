@@ -235,8 +235,20 @@ def verdict_finding(verdicts: pl.DataFrame) -> list[dict] | None:
     """Each tuning space's verdict, for findings.json."""
     if verdicts.is_empty():
         return None
-    return verdicts.select("tuning_space", "winner", "established", "trials_needed", "pick_mismatch", "pick_detail",
-                           "detail").to_dicts()
+    return verdicts.select("tuning_space", "winner", "established", "trials_needed", "deepspeed_pick", "pick_mismatch",
+                           "pick_detail", "detail").to_dicts()
+
+
+def autotune_headline(spaces: list[dict]) -> str | None:
+    """The first screen's line: the best configuration over every experiment, whether that is beyond the noise,
+    and DeepSpeed's own pick where it differs."""
+    space = next((s for s in spaces if s.get("tuning_space") == "global"), None)
+    if space is None or not space.get("winner"):
+        return None
+    ranked = {True: "beyond the noise", False: "not beyond the noise"}.get(space["established"],
+                                                                           "nothing to rank it against")
+    pick = f"; DeepSpeed picked {space['deepspeed_pick']}" if space.get("pick_mismatch") and space.get("deepspeed_pick") else ""
+    return f"Autotuning: best {space['winner']} ({ranked}){pick}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,4 +363,4 @@ AUTOTUNE_VERDICT = schema.table_spec(
 
 
 ANALYSIS = Analysis("autotune", "Autotuning", ("autotune_experiments",), {"autotune_ranking": AUTOTUNE_RANKING, "autotune_verdict": AUTOTUNE_VERDICT},
-                    _autotune, phrase=autotune_lines, section=autotune_sections)
+                    _autotune, phrase=autotune_lines, section=autotune_sections, headline=autotune_headline)

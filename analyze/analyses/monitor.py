@@ -222,14 +222,15 @@ def alarms_lines(alarms: dict, findings: dict) -> list[str]:
 
 
 def distinct_alarms(findings: dict) -> dict[str, int]:
-    """Every alarm of the run once, by rule: the post-hoc ones over every series (monitor_alarms) and the in-job
-    rules replayed on the recorded rows (alarm_agreement), an alarm of one rule on one series at one step counted
-    once however many of them raised it."""
+    """Every alarm of the run once, by rule: the post-hoc ones over every series (monitor_alarms), the in-job
+    rules replayed on the recorded rows and the alarms the job itself raised on steps it did not instrument
+    (alarm_agreement), an alarm of one rule on one series at one step counted once however many of them raised it."""
     posted = findings.get("monitor_alarms") or {}
     if "by_rule" not in posted and posted:  # a result of steplens before 2026-12: counts by kind, no alarms to match
         return dict(sorted(posted.items()))
     seen = {tuple(a) for a in (posted.get("alarms") or [])}
-    seen |= {tuple(a) for a in (findings.get("alarm_agreement") or {}).get("replayed", [])}
+    agreement = findings.get("alarm_agreement") or {}
+    seen |= {tuple(a) for a in agreement.get("replayed", []) + agreement.get("raised_in_job", [])}
     counts: dict[str, int] = {}
     for rule, _name, _step in seen:
         counts[rule] = counts.get(rule, 0) + 1

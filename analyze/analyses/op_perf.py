@@ -20,10 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import polars as pl
 
-from steplens.analyze.trace import intervals
 from steplens.analyze.analyses import devices, launch, op_model
 from steplens.analyze.analyses.op_model import family
 

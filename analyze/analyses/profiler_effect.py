@@ -17,7 +17,7 @@ from __future__ import annotations
 import polars as pl
 
 from steplens.analyze.analyses.rank_test import mann_whitney_u
-from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.analyses.registry import Analysis, Output
 from steplens.analyze.contract.units import duration
 
 P_VALUE = 0.01

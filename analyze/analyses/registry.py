@@ -102,7 +102,7 @@ class Analysis:
     # reports/html.py's PAGE formats and draws them. None: the analysis shows no section of its own.
     section: Callable[[Any, Any], Any] | None = None
     # What the first screen says of the finding when it is a problem, in one short line (None: nothing wrong).
-    headline: Callable[[dict], str | None] = lambda finding: None
+    headline: Callable[[dict | list], str | None] = lambda finding: None
     # Per-rank analyses run before any run-level one, over one batch of ranks at a time (runner.batches),
     # reading only those ranks' rows; their outputs are concatenated over ranks, except `parts`, written
     # batch by batch as part-<first rank> and never held for all ranks at once (the large per-rank tables).

@@ -70,6 +70,7 @@ import pyarrow as pa
 
 from steplens.analyze.contract import alarm_rules, schema
 from steplens.analyze.contract.manifest import MAX_STEP
+from steplens.analyze.contract.text import number_ranges
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.analyses.percentile import nearest_rank
 from steplens.analyze.contract.units import duration
@@ -572,14 +573,8 @@ SOURCE_WORDS = {"train_steps": "the collector's train_steps", "log": "the logs",
 
 def _step_ranges(steps: list[int], count: int) -> str:
     """[8, 9, 10, 12] -> "8-10, 12" (and how many more when the list was cut)."""
-    parts, start = [], None
-    for i, step in enumerate(steps):
-        start = step if start is None else start
-        if i + 1 == len(steps) or steps[i + 1] != step + 1:
-            parts.append(str(step) if start == step else f"{start}-{step}")
-            start = None
     more = f" and {count - len(steps)} more" if count > len(steps) else ""
-    return ", ".join(parts) + more
+    return number_ranges(steps) + more
 
 
 def step_name(step: int, summary: dict, aside: str = ", {}") -> str:

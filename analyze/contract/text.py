@@ -85,3 +85,19 @@ def text_value(value) -> str:
 def sentence(note: str) -> str:
     """A note as a sentence: a capital first letter and one full stop."""
     return note[0].upper() + note[1:] + ("" if note.endswith(".") else ".")
+
+
+def number_ranges(numbers: list[int]) -> str:
+    """[0,1,2,5,7,8] -> '0-2, 5, 7-8'."""
+    parts, start, prev = [], None, None
+    for n in sorted(set(numbers)):
+        if start is None:
+            start = prev = n
+        elif n == prev + 1:
+            prev = n
+        else:
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = n
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ", ".join(parts)

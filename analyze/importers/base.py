@@ -12,7 +12,6 @@ from typing import Callable
 import polars as pl
 
 from steplens.analyze.contract import schema
-from steplens.analyze.contract.issue_reasons import Issue
 
 
 @dataclass

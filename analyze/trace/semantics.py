@@ -18,6 +18,7 @@ import polars as pl
 from steplens.analyze.contract import schema
 from steplens.analyze.contract.issue_reasons import Issue
 from steplens.analyze.contract.schema import WORK_KINDS
+from steplens.analyze.contract.units import duration
 
 STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 MAX_STEP = 2**31 - 1  # ProfilerStep numbers; a step counter past 2 billion is damage
@@ -259,7 +260,8 @@ def links(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue]) ->
     orphans = events.select("kind", "event_id", "dur_ns").filter(pl.col("kind").is_in(WORK_KINDS) & ~pl.col("event_id").is_in(launched))
     if orphans.height:
         issues.append(Issue("warning", "orphan_device_activity", orphans.height,
-                            f"device activities ({orphans['dur_ns'].fill_null(0).clip(lower_bound=0).sum()} ns of GPU time) whose launch is not "
+                            f"device activities ({duration(orphans['dur_ns'].fill_null(0).clip(lower_bound=0).sum())} of GPU "
+                            "time) whose launch is not "
                             "in the trace (enqueued before the profiler window opened, or the call cut from the file): no step, "
                             "no launch API; they still count as device busy time"))
     return flows
