@@ -376,7 +376,7 @@ class Collector:
         self.host = self.guard("manifest", environment.describe_host) or {}
         self.write_manifest()  # a run folder that cannot take even the manifest: attach gives up, the job goes on
         self.guard("writer", self.writer.warm_up)
-        if self.settings.profile is not None:
+        if self.settings.profile is not None and self.writer.folder_lock.other_writer is None:  # (its traces too)
             self.guard("profiler", self.start_profiler)
         atexit.register(self.close_at_exit)
         self.guard("sigterm", self.install_sigterm)

@@ -7,8 +7,8 @@ Layout under the run folder (the folder `analyze` is later given), built by anal
 Every file is written to a hidden temporary name and renamed into place: a rename is atomic on POSIX, so
 a job killed at any moment leaves each part either complete or absent, and ranks never share a file. Each rank
 holds a lock on collector/manifest/.rank<r>.lock while its job runs (released by the kernel when the process
-ends, however it ends): a second job started into the same folder finds a rank's lock held, by itself or by
-another job, and writes nothing (`FolderLock`), so one job's files are never replaced or mixed with another's.
+ends, however it ends): a rank of a second job started into the same folder finds its rank's lock held and
+writes nothing (`FolderLock`), so one job's files are never replaced by another's.
 Periodic flushes run on one background thread (in order), so the training step does not wait for Parquet
 encoding; the last flush, at close, runs in the caller.
 
@@ -73,47 +73,41 @@ def to_frame(rows: list[dict], table: str) -> pl.DataFrame:
     return pl.DataFrame(rows, schema={f.name: POLARS_TYPES[f.type] for f in schema.TABLES[table][0]})
 
 
-# What tells one job from another: set by the launchers (torchrun, the deepspeed launcher, SLURM) alike on every
-# rank of a job; two jobs running at once differ in at least the master port.
-JOB_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")
-
-
-def job_identity() -> dict:
-    """The launcher's variables naming this job; a process started without a launcher is a job of its own."""
-    found = {name: os.environ[name] for name in JOB_VARIABLES if name in os.environ}
-    return found or {"pid": os.getpid(), "hostname": os.uname().nodename}
-
-
 class FolderLock:
-    """This rank's lock on the collector folder, held for the life of the process.
+    """This rank's lock on its files in the collector folder, held for the life of the process.
 
-    `other_writer` says why this rank must not write here: its own rank's lock is held by another live process,
-    or another job's process holds some other rank's lock (a second job started into a folder the first is still
-    writing). flock is released by the kernel when its holder ends, so a killed job leaves no stale lock."""
+    `other_writer` says why this rank must not write here: another live process holds this rank's lock (a second
+    job started into a folder the first is still writing, whose rank-r files it would replace). flock is released by
+    the kernel when its holder ends, so a killed job leaves no stale lock. Where the file system has no flock
+    (Lustre without -o flock, NFS without its lock daemon) or the lock file cannot be made, the rank writes
+    unlocked, as before locks. Only this rank's own file is looked at: ranks of one job never wait on each other."""
 
     def __init__(self, root: Path, rank: int):
         self.fd: int | None = None
         self.other_writer: str | None = None
-        job = job_identity()
         path = layout.lock_path(root, rank)
         fd = _open_plain(path, os.O_RDWR | os.O_CREAT)
         if fd is None:  # a folder that takes no file (the writes fail and say so), or a link or FIFO in its place
             return
+        me = {"pid": os.getpid(), "hostname": os.uname().nodename}
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            if _read(path).get("pid") != os.getpid():  # else an earlier attach of this process holds it
-                self.other_writer = f"another process writes this rank's files in {root} ({_holder(path)})"
+            holder = _read(path)
+            if {k: holder.get(k) for k in me} != me:  # else an earlier attach of this very process holds it
+                self.other_writer = (f"another process writes this rank's files in {root} ({_holder(holder)}): "
+                                     "give each job a folder of its own")
             return
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"job": job, "pid": os.getpid(), "hostname": os.uname().nodename}).encode(), 0)
+        except OSError:  # no flock here (ENOSYS, ENOLCK): unlocked
+            os.close(fd)
+            return
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+        except OSError:  # the holder stays unnamed; the lock holds all the same
+            pass
         self.fd = fd
-        for other in sorted(path.parent.glob(layout.LOCK_GLOB)):
-            if other != path and _held(other) and _read(other).get("job") != job:
-                self.other_writer = f"another job writes {root} ({_holder(other)}): give each job a folder of its own"
-                self.release()
-                return
 
     def release(self) -> None:
         if self.fd is not None:
@@ -147,23 +141,8 @@ def _read(path: Path) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def _holder(path: Path) -> str:
-    holder = _read(path)
+def _holder(holder: dict) -> str:
     return f"pid {holder.get('pid', '?')} on {holder.get('hostname', '?')}" if holder else "a process still starting"
-
-
-def _held(path: Path) -> bool:
-    """Whether a live process holds `path`'s lock."""
-    fd = _open_plain(path, os.O_RDONLY)
-    if fd is None:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 class PartWriter:

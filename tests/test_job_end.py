@@ -183,3 +183,9 @@ def test_a_killed_rank_s_last_step_is_its_last_recorded_one():
     assert "may have got further" in basis
     closed = ranks.with_columns(manifest_status=pl.lit("terminated"))
     assert job_end._first_stalled(closed, 10.0)[1] == "its last finished step is 14, the others reached step 17"
+    # every rank killed at once (a scheduler's time limit), flushing every 5 steps: 3 steps behind is no stall;
+    # a rank 5 or more behind stopped first
+    killed = ranks.with_columns(manifest_status=pl.lit("running"))
+    rank, basis = job_end._first_stalled(killed, 10.0, flush_every=5)
+    assert rank is None and "tells no rank apart" in basis
+    assert job_end._first_stalled(killed, 10.0, flush_every=3)[0] == 1

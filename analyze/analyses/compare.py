@@ -322,12 +322,13 @@ def rank_warnings(base, new, pair: tuple[StepSamples, StepSamples] | None) -> li
         return []
     # what each run's source covers before both were taken from the same ranks
     covered = {side: next(s for s in step_samples(run) if s.source == source) for side, run in (("base", base), ("new", new))}
-    partial = [f"the {side} run's cover {len(covered[side].ranks)} of its {facts(run)['world_size']} ranks"
+    partial = [f"in the {side} run they cover {len(covered[side].ranks)} of its {facts(run)['world_size']} ranks"
                for side, run in (("base", base), ("new", new)) if _partial(run, covered[side])]
     words = SOURCE_WORDS.get(_definition_key(source), source)
     return [f"step times of rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} in both runs, from "
-            f"{words}: {' and '.join(partial)} (DeepSpeed prints its timers and throughput lines on rank 0 alone); a "
-            "slowest rank over more ranks in one run would differ by the other ranks' lag, not by any change."]
+            f"{words}: {' and '.join(partial)} (DeepSpeed prints its timers and throughput lines on rank 0 alone, or "
+            "a rank's records are missing); a slowest rank over more ranks in one run would differ by the other "
+            "ranks' lag, not by any change."]
 
 
 def _definition_key(definition: str) -> str:

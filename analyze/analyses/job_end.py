@@ -56,7 +56,8 @@ def progress(train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: pl.D
     return seen.join(pl.DataFrame(manifests, schema=schema), on="rank", how="full", coalesce=True).sort("rank")
 
 
-def _first_stalled(ranks: pl.DataFrame, median_step_ns: float | None) -> tuple[int | None, str]:
+def _first_stalled(ranks: pl.DataFrame, median_step_ns: float | None,
+                   flush_every: int | None = None) -> tuple[int | None, str]:
     status = ranks["manifest_status"]
     if status.is_in(["running"]).any() and status.is_in(["completed", "failed"]).any():
         open_ranks = ranks.filter(pl.col("manifest_status") == "running").sort("manifest_updated_ns", nulls_last=True)
@@ -68,6 +69,12 @@ def _first_stalled(ranks: pl.DataFrame, median_step_ns: float | None) -> tuple[i
     if stepped["last_step"].n_unique() > 1:
         fewest = stepped.filter(pl.col("last_step") == pl.col("last_step").min())
         if fewest.height == 1:
+            spread = stepped["last_step"].max() - stepped["last_step"].min()
+            if stepped["manifest_status"].eq_missing("running").all() and type(flush_every) is int \
+                    and spread < flush_every:  # the whole job killed: each record ends at its rank's last flush
+                return None, (f"every rank's collector manifest stayed open (the whole job was killed); their last "
+                              f"recorded steps ({stepped['last_step'].min()}-{stepped['last_step'].max()}) differ by "
+                              f"less than a flush ({flush_every} steps), which tells no rank apart")
             if fewest["manifest_status"][0] == "running":  # died without its exit hooks: its last rows unflushed
                 return fewest["rank"][0], (
                     f"its last recorded step is {fewest['last_step'][0]}, the others reached step "
@@ -135,7 +142,8 @@ def job_end(run_status: pl.DataFrame, train_steps: pl.DataFrame, step_timers: pl
     errors.sort(key=lambda e: bool(WATCHDOG.search(e) or PEER_LOST.search(e)))
     cause = ("nccl_watchdog_timeout" if any(WATCHDOG.search(e) for e in errors)
              else "peer_lost" if any(PEER_LOST.search(e) for e in errors) else None)
-    rank, basis = _first_stalled(ranks, median_step_ns) if ranks.height > 1 else (None, "one rank")
+    flush_every = (facts.get("settings") or {}).get("flush_every")  # the collector's
+    rank, basis = _first_stalled(ranks, median_step_ns, flush_every) if ranks.height > 1 else (None, "one rank")
     lines = last_log_lines(facts)
     if rank is None and (silent := _silent_first(lines, median_step_ns))[0] is not None:
         rank, basis = silent

@@ -5,7 +5,8 @@ whose only use of it is this one test (the profiler after-effect). Same definiti
 (scipy/stats/_mannwhitneyu.py): U1 = R1 - n1 (n1 + 1) / 2 from average ranks; the exact null distribution when
 the samples have no ties and at most one has more than 8 values, else the normal approximation with the tie
 correction and a continuity correction of 0.5; a two-sided p is twice the one-sided one, at most 1.
-tests/test_rank_test.py checks it against scipy on random samples.
+tests/test_rank_test.py checks it against scipy on random samples. Its callers give it samples of at least one
+value each, none NaN (scipy answers NaN there).
 """
 
 from __future__ import annotations

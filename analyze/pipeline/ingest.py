@@ -310,12 +310,16 @@ def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
     return _write_parsed(parsed, source, scratch, started)
 
 
+# The issues whose events are left out of a trace's tables (issue_reasons: "skipped", "dropped").
+EVENTS_LEFT_OUT = ("malformed_event", "nesting_too_deep", "oversized_event", "missing_timestamp", "bad_timestamp")
+
+
 def _write_parsed(parsed: ParsedTrace, source: Source, scratch: str, started: float) -> Source:
     if parsed.events.is_empty():
         source.status = "error"
         source.issues.extend([i.severity, i.reason, i.count, i.detail] for i in parsed.issues)
-        # rows left out for a reason of their own (times beyond any session, say) can be every row: say which
-        dropped = [f"{i.reason} ({i.count:,})" for i in parsed.issues if i.severity != "info"]
+        # events left out for a reason of their own (a time beyond any session, say) can be every event: say which
+        dropped = [f"{i.reason} ({i.count:,})" for i in parsed.issues if i.reason in EVENTS_LEFT_OUT]
         source.issues.append(["error", "no_events", 1, "a trace with no events left once rows with problems were left "
                               f"out: {', '.join(dropped)}" if dropped else
                               "a trace with no complete events (empty or cut before the first event)"])
