@@ -43,6 +43,15 @@ TEMPLATES = jinja2.Environment(
     trim_blocks=True,
     lstrip_blocks=True,
 )
+
+
+def _code_spans(text: str) -> Markup:
+    """Text whose `command` spans (the terminal's and markdown's way of naming a command) read as code, the
+    rest escaped."""
+    return Markup(re.sub(r"`([^`\n]+)`", r"<code>\1</code>", str(escape(safe_text(text)))))
+
+
+TEMPLATES.filters["code_spans"] = _code_spans
 TABLE_ROWS = 10  # rows shown per table; the Parquet tables hold the rest
 REPORT_FILE = "report.html"
 SUMMARY_FILE = "summary.md"

@@ -90,7 +90,8 @@ def render(out_dir: Path) -> str:
         lines += ["<details><summary>Method and caveats</summary>", ""]
         lines += [f"- **{escape(c['title'])}**: {escape(c['detail'])}" for c in notes]
         lines += ["", "</details>", ""]
-    lines.append("Full report: report.html beside this file; tables: Parquet, queryable with `steplens sql`.")
+    lines.append("Full report: report.html in the run's output folder (beside summary.md); tables: Parquet, queryable "
+                 "with `steplens sql`.")
     return "\n".join(lines) + "\n"
 
 

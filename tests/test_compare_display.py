@@ -313,3 +313,12 @@ def test_compare_shows_the_loss_before_the_log_s_memory_lines(tmp_path):
     assert done.returncode == 0, done.stderr
     page = " ".join((tmp_path / "c" / "compare.html").read_text().split())
     assert f"4 of the {len(names)} scalars both runs have: loss, gradient norm" in page
+
+
+def test_a_command_in_a_warning_reads_as_code_in_the_page_and_the_rest_stays_text():
+    """compare.html showed the warnings' `steplens trials` with its backticks."""
+    from steplens.reports.html import _code_spans
+
+    assert str(_code_spans("compare them with `steplens trials` <b>first</b>")) == (
+        "compare them with <code>steplens trials</code> &lt;b&gt;first&lt;/b&gt;")
+    assert str(_code_spans("a `<script>` name")) == "a <code>&lt;script&gt;</code> name"

@@ -237,7 +237,7 @@ def test_sentences_stay_few_however_many_ranks():
     lines = memory_lines({"out_of_memory": None, "device_memory_recorded": True, "collector_without_device": False,
                           "peak_by_rank": peaks, "growth": growth})
     assert len(lines) == 2
-    assert lines[0].startswith("Peak memory: 16.00 GiB allocated, 20.00 GiB reserved on rank 6 (step 5, from collector)")
+    assert lines[0].startswith("Peak memory: 16.00 GiB allocated, 20.00 GiB reserved on rank 6 (step 5, from the collector's step records)")
     assert "the lowest of the 64 ranks peaks at 10.00 GiB" in lines[0]
     assert lines[1].startswith("Memory grows on rank(s) 3, 9: up to 10.00 MiB per step on rank 9")
 
@@ -287,5 +287,5 @@ def test_a_logged_figure_keeps_the_unit_and_digits_the_log_gave():
              {"rank": 1, "peak_allocated_bytes": 300 * 2**20, "peak_reserved_bytes": None, "step": 15, "source": "collector"}]
     lines = memory_lines({"out_of_memory": None, "device_memory_recorded": True, "collector_without_device": False,
                           "peak_by_rank": peaks, "growth": []})
-    assert lines[0].startswith("Peak memory: 0.39 GiB allocated on rank 0 (step 15, from deepspeed_throughput)")
+    assert lines[0].startswith("Peak memory: 0.39 GiB allocated on rank 0 (step 15, from DeepSpeed's throughput lines)")
     assert "the lowest of the 2 ranks peaks at 300.00 MiB" in lines[0] and "399" not in lines[0]

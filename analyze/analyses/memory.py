@@ -217,6 +217,10 @@ def _peak_row(rank_rows: pl.DataFrame) -> dict:
 
 # Log lines that print memory in GiB with two decimals (DeepSpeed: round(bytes / 1024**3, 2), labelled "GB").
 LOGGED_IN_GIB = ("see_memory_usage", "deepspeed_throughput")
+# Where a peak was read, in words for the sentences (the table keeps the source's key)
+SOURCE_WORDS = {"collector": "the collector's step records", "trace": "the traces' [memory] events",
+                "megatron_report_memory": "Megatron's memory report", "see_memory_usage": "DeepSpeed's see_memory_usage",
+                "deepspeed_throughput": "DeepSpeed's throughput lines"}
 
 
 def size_text(num_bytes: float, source: str | None = None) -> str:
@@ -239,7 +243,8 @@ def memory_lines(finding: dict) -> list[str]:
         lines.append(f"The job ended out of {oom['kind']} memory on {who}{when}{sizes}: {oom['error'][:200]}")
     if not finding["device_memory_recorded"]:
         lines.append("No device memory was recorded: " + (
-            "the collector ran without a CUDA/ROCm device (a CPU job), and no trace or log gave memory figures."
+            "the collector ran without a CUDA/ROCm device (a CPU job), and no trace or log gave device memory figures "
+            "(a CPU job's logged MemAllocated is host memory, left out)."
             if finding["collector_without_device"] else "no [memory] events, collector peaks or memory log lines."))
     if peaks := finding["peak_by_rank"]:
         top = max(peaks, key=lambda p: (p["peak_allocated_bytes"], -p["rank"]))
@@ -254,7 +259,7 @@ def memory_lines(finding: dict) -> list[str]:
                       else f"; the lowest of the {len(peaks)} ranks peaks at "
                            f"{size_text(low['peak_allocated_bytes'], low['source'])}")
         lines.append(f"Peak memory: {size_text(top['peak_allocated_bytes'], top['source'])} allocated{reserved} on rank {top['rank']} "
-                     f"({where}, from {top['source']}){others}.")
+                     f"({where}, from {SOURCE_WORDS.get(top['source'], top['source'])}){others}.")
     growing = [g for g in finding["growth"] if g["growing"]]
     if growing:
         worst = max(growing, key=lambda g: g["slope_bytes_per_step"])

@@ -97,7 +97,7 @@ PALM_DEFINITION = ("analytic model FLOPs (PaLM): (6N + 12*L*d*T) per token x tok
                    "parameters (attention not causal-halved)")
 PROFILER_DEFINITION = ("FLOPs counted by torch.profiler(with_flops=True) on the ops it knows (matmul, conv, "
                        "elementwise) in the step, forward and backward as executed: hardware FLOPs")
-TRACE_DEFINITION = ("FLOPs from the traces' op shapes (analyze/analyses/op_model.py): the outermost modelled ops of each "
+TRACE_DEFINITION = ("FLOPs from the traces' op shapes (steplens' formula for each op family): the outermost modelled ops of each "
                     "profiled step, forward and backward as executed (recomputation counted), mean over the traced ranks "
                     "x GPUs, median over the profiled steps")
 

@@ -239,9 +239,9 @@ def time_section(page, run):
         refused = [] if offsets.is_empty() else offsets.filter(pl.col("method").str.starts_with("refused: "))["rank"].to_list()
         offsets = offsets.filter(~pl.col("rank").is_in(refused)) if refused else offsets
         aligned = not offsets.is_empty() and offsets["offset_ns"].is_not_null().all() and offsets.height > 1
-        clock = ("ranks aligned on collective end times (clock_offsets)" if aligned
+        clock = ("ranks aligned on collective end times (table clock_offsets)" if aligned
                  else "one rank" if offsets.height <= 1 else "ranks NOT aligned (no collective kernels to match): each on its own clock")
-        left_out = (f"; rank(s) {', '.join(map(str, refused))} left out: not one job with the others (clock_offsets)"
+        left_out = (f"; rank(s) {', '.join(map(str, refused))} left out: not one job with the others (table clock_offsets)"
                     if refused else "")
         section.text(f"The same step over time ({clock}{left_out}); gaps under 1/1000 of the step are not drawn.")
         section.figure("step_gantt", timeline)
