@@ -82,13 +82,19 @@ def _rows(frame: pl.DataFrame | list[dict], columns: dict[str, tuple[str, callab
     """A table for the template: header and formatted cells (escaped later by the template), at most
     `limit` rows of a frame (or of rows as dicts); the rest are counted and named by their Parquet table."""
     shown = frame[:limit] if isinstance(frame, list) else list(frame.head(limit).iter_rows(named=True))
+    rows = [[_keep_units(fmt(row[name])) if row.get(name) is not None else "" for name, (_, fmt) in columns.items()]
+            for row in shown]
     return {
         "header": [label for label, _ in columns.values()],
-        "rows": [[_keep_units(fmt(row[name])) if row.get(name) is not None else "" for name, (_, fmt) in columns.items()]
-                 for row in shown],
+        "rows": rows,
+        # columns of sentences keep a reading width on a narrow page (the table scrolls instead of a word a line)
+        "prose": {i for i in range(len(columns)) if any(len(str(row[i])) > PROSE_CHARS for row in rows)},
         "more": max(len(frame) - limit, 0),
         "table": table,
     }
+
+
+PROSE_CHARS = 60  # a cell longer than this is read as a sentence
 
 
 def _pct(value) -> str:
@@ -218,7 +224,8 @@ def key_numbers(run: Run) -> list[tuple[str, str]]:
     numbers = []
     devices = m.get("environment", {}).get("device_names") or []
     # "none" without traces of any rank, as the terminal says: a bare "0" read as rank 0
-    traced = f"{len(m['ranks'])} ({number_ranges(m['ranks'])})" if m.get("ranks") else "none"
+    count = len(m.get("ranks") or [])
+    traced = f"{count} (rank{'s' if count > 1 else ''} {number_ranges(m['ranks'])})" if count else "none"
     numbers.append(("ranks", f"{traced} of world size {m['world_size']}" if m.get("world_size") else traced))
     if devices:
         numbers.append(("device", ", ".join(devices)))
@@ -297,7 +304,7 @@ def _manifest_section(run: Run) -> dict:
         sources.setdefault((_input_kind(s), s["status"]), []).append(s["path"])
     table = {"header": ["input kind", "status", "files", "example"],
              "rows": [[kind, status, str(len(paths)), paths[0]] for (kind, status), paths in sorted(sources.items())],
-             "more": 0, "table": "run.json sources"}
+             "prose": set(), "more": 0, "table": "run.json sources"}
     section = Section("Run and environment", "run", module="analyze/pipeline/ingest.py", facts=[(k, text_value(v)) for k, v in pairs if v not in (None, "")])
     section.table(table)
     if m.get("ignored_count"):

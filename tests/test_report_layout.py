@@ -358,7 +358,7 @@ def test_sample_and_corpus_reports_show_where_the_time_went_in_chromium(browser,
         seen = _look(browser, out / "report.html", tmp_path / f"{out.parent.name}.png")
         assert seen["time"] == [2, 2]  # stacked bars and timeline, drawn at a readable size
         numbers = browser.find_element("css selector", "dl.numbers").text
-        assert "ranks\n8 (0-7) of world size 8" in numbers and "GPU idle, whole traced window" in numbers
+        assert "ranks\n8 (ranks 0-7) of world size 8" in numbers and "GPU idle, whole traced window" in numbers
     seen = _look(browser, dlrm / "report.html", tmp_path / "dlrm.png")
     assert seen["collectives"] == [0, 0] and seen["steps"] == [0, 0]  # nothing to plot: no bare axes
 
@@ -775,3 +775,23 @@ def test_verdict_says_when_most_device_work_has_no_launch_and_no_step(tmp_path):
     headline = first_screen(findings)[0][0]
     assert headline.startswith("Inside profiled steps") and \
         f"; {unlaunched / 1e6:.2f} ms more device work has no recorded launch, so no step" in headline
+
+
+def test_a_column_of_sentences_keeps_a_reading_width_on_a_narrow_page(browser, tmp_path):
+    """An autotuning folder at 800 px: the verdict table's detail column shrank to a word a line, cut at the edge."""
+    from conftest import CORPUS
+
+    source = CORPUS.parent / "deepspeed-cpu-runs" / "autotune1"
+    if not source.is_dir():
+        pytest.skip("shared autotune run not found")
+    run = shutil.copytree(source, tmp_path / "autotune1")
+    out = _analyse(run)
+    browser.set_window_size(800, 2000)
+    try:
+        browser.get((out / "report.html").as_uri())
+        widths = browser.execute_script(
+            "return Array.from(document.querySelectorAll('td.prose')).map(c => c.getBoundingClientRect().width)")
+        detail = [len(row["detail"] or "") for row in pl.read_parquet(out / "autotune_verdict").to_dicts()]
+        assert max(detail) > 60 and widths and min(widths) >= 250
+    finally:
+        browser.set_window_size(1280, 4000)
