@@ -39,8 +39,13 @@ def escape(text) -> str:
 
 
 def _cell(text) -> str:
+    """A table cell, a long one cut at a word (or mid-word where a word is half the cell)."""
     text = str(text)
-    return escape(text if len(text) <= MAX_CELL else text[: MAX_CELL - 1] + "…")
+    if len(text) <= MAX_CELL:
+        return escape(text)
+    cut = text[: MAX_CELL - 1]
+    space = cut.rfind(" ")
+    return escape((cut[:space] if space > MAX_CELL // 2 else cut) + "…")
 
 
 def table_lines(header: list[str], rows: list[list]) -> list[str]:

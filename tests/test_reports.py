@@ -576,3 +576,14 @@ def test_a_step_without_a_time_has_no_legend_entry_in_the_step_time_figure():
                           "excluded": [True, False, False, True], "reason": ["no_previous_step", None, None, "warm_up"]})
     svg = figures.step_time_series(table, [], 95_000_000)
     assert "excluded: warm up" in svg and "no previous step" not in svg
+
+
+def test_a_long_markdown_cell_is_cut_at_a_word():
+    """summary.md cut an alarm's detail mid-word ('robus…'); a kernel name with no space is still cut at the limit."""
+    from steplens.reports.markdown import MAX_CELL, _cell
+
+    detail = ("train/loss = 10.6391 against a trailing median of 10.5731 over 10 points; robust z = 3.6 > 3.5 "
+              "(Iglewicz & Hoaglin)")
+    assert _cell(detail) == "train/loss = 10.6391 against a trailing median of 10.5731 over 10 points;…"  # not "robus…"
+    kernel = "void at::native::elementwise_kernel<128, 2, " + "x" * 100
+    assert _cell(kernel).endswith("…") and len(_cell(kernel)) <= MAX_CELL + 20

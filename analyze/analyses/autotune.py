@@ -291,9 +291,18 @@ def autotune_sections(page, run) -> list:
         if frame.is_empty():
             continue
         section = page.section(title, name.replace("_", "-"))
-        section.rows(frame, {c: (header, "value") for c, header in columns}, name)
+        if name == "autotune_verdict":
+            section.text(NAMES_AND_SPACES)
+        section.rows(frame, {c: (header, FORMATS.get(c, "value")) for c, header in columns}, name)
         sections.append(section)
     return sections
+
+
+NAMES_AND_SPACES = ("Experiment names are DeepSpeed's: z1_gas2_tmbspg4 is ZeRO stage 1, gradient accumulation 2, micro "
+                    "batch 4 per GPU. Each tuning space is ranked on its own: global over every experiment, z1, z2 ... "
+                    "over one ZeRO stage's; difference is the winner's lead over the runner-up, relative to the "
+                    "runner-up.")
+FORMATS = {"relative_difference": "pct"}  # the rest as their values
 
 
 # ---------------------------------------------------------------------------------------------
