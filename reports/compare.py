@@ -43,15 +43,14 @@ def _median_text(ns: float | None) -> str:
     return ms(ns) if ns is not None else "too few steps"
 
 
-def _values_text(values_json: str) -> str:
-    """run_comparability's values ({"base": 4, "new": null}) as words: 'base 4, new not recorded'."""
+def _value_of(values_json: str, run: str) -> str:
+    """One run's value in run_comparability's values ({"base": 4, "new": null}), 'not recorded' for none."""
     try:
         values = json.loads(values_json)
     except (TypeError, ValueError):
-        return str(values_json)
-    if not isinstance(values, dict):
-        return str(values_json)
-    return ", ".join(f"{run} {'not recorded' if value is None else value}" for run, value in values.items())
+        return ""
+    value = values.get(run) if isinstance(values, dict) else None
+    return "not recorded" if value is None else str(value)
 
 
 def _fmt_value(verdict: dict, value: float | None) -> str:
@@ -91,8 +90,10 @@ def display_tables(result: dict) -> list[dict]:
                    "rows": [[_label(m["metric"]), _fmt_metric(m["metric"], m["base"]), _fmt_metric(m["metric"], m["new"]),
                              _fmt_change(m["metric"], m["base"], m["new"])] for m in result["metrics"]]})
     comparable = result["comparability"]
-    tables.append({"title": "What a step is in each run", "note": "", "header": ["field", "status", "values", "detail"],
-                   "rows": [[r["field"], r["status"], _values_text(r["values"]), r["detail"]]
+    # each run's value, and what a difference means (what is missing, the warnings above say)
+    tables.append({"title": "What a step is in each run", "note": "", "header": ["field", "base", "new", "status", "detail"],
+                   "rows": [[r["field"], _value_of(r["values"], "base"), _value_of(r["values"], "new"), r["status"],
+                             r["detail"] if r["status"] == "different" else ""]
                             for r in comparable.iter_rows(named=True)]})
     for key, title, label in (("categories", "Kernel categories", "category"), ("kernels", "Top kernels", "name")):
         frame = result[key]

@@ -5,6 +5,7 @@ step is the same work when the work is not recorded. On the real H200 job agains
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from steplens.reports.compare import _fmt_change, _fmt_metric, _label, _values_text
+from steplens.reports.compare import _fmt_change, _fmt_metric, _label, _value_of
 
 ROOT = Path(__file__).resolve().parents[1]
 H200_JOB = ROOT.parent / "shared" / "gpu-runs" / "h200_zero2_gpu_check" / "job"
@@ -30,8 +31,8 @@ def test_a_share_changes_in_points_and_a_duration_relative_to_itself():
 
 
 def test_run_facts_read_as_words():
-    assert _values_text('{"base": null, "new": 1}') == "base not recorded, new 1"
-    assert _values_text('{"base": 8, "new": 8}') == "base 8, new 8"
+    assert [_value_of('{"base": null, "new": 1}', run) for run in ("base", "new")] == ["not recorded", "1"]
+    assert _value_of('{"base": 8, "new": 8}', "new") == "8"
 
 
 @pytest.fixture(scope="module")
@@ -322,3 +323,15 @@ def test_a_command_in_a_warning_reads_as_code_in_the_page_and_the_rest_stays_tex
     assert str(_code_spans("compare them with `steplens trials` <b>first</b>")) == (
         "compare them with <code>steplens trials</code> &lt;b&gt;first&lt;/b&gt;")
     assert str(_code_spans("a `<script>` name")) == "a <code>&lt;script&gt;</code> name"
+
+
+def test_what_a_step_is_reads_one_field_a_line_with_each_runs_value(compared):
+    """Each field printed 'status missing, values base not recorded, new not recorded, detail not recorded for the
+    base and new runs: ...', repeating the warnings above it."""
+    _, stdout = compared
+    block = stdout.split("What a step is in each run\n", 1)[1].split("\nKernel categories", 1)[0]
+    fields = " ".join(line.strip() if line.startswith("    ") else "\n" + line.strip() for line in block.splitlines())
+    fields = [field.strip() for field in fields.split("\n") if field.strip()]  # a field's wrapped lines joined
+    assert fields and all(re.fullmatch(r"[a-z_]+: base .+, new .+, status (same|different|missing)(, detail .+)?", f)
+                          for f in fields), fields
+    assert "values base" not in block and "detail not recorded" not in block
