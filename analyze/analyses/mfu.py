@@ -49,7 +49,9 @@ def peak_for(device_name: str | None, dtype: str, num_sms: int | None = None,
         return None, f"unknown device {device_name!r}; pass --peak-tflops (dense, per GPU) to compute MFU"
     tflops = DEVICES[key].peak_tflops.get(dtype)
     if tflops is None:
-        return None, f"no {dtype} peak for {key}; pass --peak-tflops or another --dtype"
+        known = ", ".join(sorted(DEVICES[key].peak_tflops))  # the dtypes of this device's datasheet
+        return None, (f"no {dtype} peak for {key} (its datasheet's: {known}); pass --dtype with the job's compute "
+                      "dtype, or --peak-tflops")
     return Peak(tflops * 1e12, f"{tflops:g} TFLOP/s dense {dtype}, {key} ({DEVICES[key].peak_source})"), ""
 
 
