@@ -288,17 +288,21 @@ def test_a_reader_that_leaves_ends_the_query(runs):
     assert time.monotonic() - started < 60 and proc.returncode == 0
 
 
+def _sql_output(root: Path, query: str, fmt: str) -> str:
+    done = CliRunner().invoke(steplens, ["sql", str(root), query, "--format", fmt])
+    assert done.exit_code == 0, done.output
+    return done.output
+
+
 def test_csv_gives_list_and_struct_values_as_json(runs):
     """CSV has no nested values: a list or struct cell is its JSON text (it was an internal error)."""
     import csv
     import io
 
     root = runs[0]
-    done = CliRunner().invoke(steplens, ["sql", str(root), "SELECT step, list(DISTINCT rank ORDER BY rank) AS ranks, "
-                                         "{'n': 1, 'q': 'a\"b'} AS s FROM steps WHERE run_id = (SELECT min(run_id) "
-                                         "FROM runs) GROUP BY step ORDER BY step", "--format", "csv"])
-    assert done.exit_code == 0, done.output
-    rows = list(csv.DictReader(io.StringIO(done.output)))
+    output = _sql_output(root, "SELECT step, list(DISTINCT rank ORDER BY rank) AS ranks, {'n': 1, 'q': 'a\"b'} AS s "
+                         "FROM steps WHERE run_id = (SELECT min(run_id) FROM runs) GROUP BY step ORDER BY step", "csv")
+    rows = list(csv.DictReader(io.StringIO(output)))
     ranks = sql.query(root, "SELECT step, rank FROM steps WHERE run_id = (SELECT min(run_id) FROM runs)")
     for row in rows:
         expected = sorted(set(ranks.filter(pl.col("step") == int(row["step"]))["rank"].to_list()))
@@ -311,11 +315,9 @@ def test_json_gives_sums_as_numbers(runs):
     import pyarrow.parquet as pq_
 
     root = runs[0]
-    done = CliRunner().invoke(steplens, ["sql", str(root), "SELECT count(*) AS n, sum(dur_ns) AS total, "
-                                         "sum(dur_ns)::DECIMAL(30, 2) / 4 AS quarter FROM trace_events "
-                                         "WHERE dur_ns IS NOT NULL", "--format", "json"])
-    assert done.exit_code == 0, done.output
-    (row,) = [json.loads(line) for line in done.output.splitlines()]
+    output = _sql_output(root, "SELECT count(*) AS n, sum(dur_ns) AS total, sum(dur_ns)::DECIMAL(30, 2) / 4 AS quarter "
+                         "FROM trace_events WHERE dur_ns IS NOT NULL", "json")
+    (row,) = [json.loads(line) for line in output.splitlines()]
     # recomputed from the Parquet parts with pyarrow alone
     durations = [d for part in sorted(root.rglob("trace_events/*/*.parquet"))
                  for d in pq_.read_table(part, columns=["dur_ns"]).column("dur_ns").to_pylist() if d is not None]
