@@ -94,7 +94,10 @@ def test_part_writer_files_are_claimed_by_the_analyzer(tmp_path):
     writer.flush({"format": layout.COLLECTOR_MANIFEST_FORMAT, "rank": 2, "status": "completed"}, background=False)
     writer.close()
     written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
-    assert written == ["collector/manifest/rank2.json", "collector/train_steps/rank2-00000.parquet"]
+    # the rank's lock, held while it wrote (hidden: no reader takes it for data)
+    assert written == ["collector/manifest/.rank2.lock", "collector/manifest/rank2.json",
+                       "collector/train_steps/rank2-00000.parquet"]
+    written = written[1:]
     part = collector_parts.parse(tmp_path / written[1], written[1])
     assert part.issues == [] and part.tables["train_steps"].select("rank", "step", "dur_ns").rows() == [(2, 0, 15)]
     manifest = collector_parts.parse(tmp_path / written[0], written[0])
