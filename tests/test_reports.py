@@ -176,11 +176,24 @@ def test_analyze_compare_is_the_same_command(ab_runs, tmp_path):
 
 
 
+def _screenshot(driver, screenshot: Path) -> None:
+    """A screenshot once the page has loaded; again once if chromedriver answers that a navigation was still being
+    attached (a race of its own, seen once in a CI run: "aborted by navigation: Not attached to an active page")."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(driver, 60).until(lambda d: d.execute_script("return document.readyState") == "complete")
+    try:
+        driver.save_screenshot(str(screenshot))
+    except TimeoutException:
+        driver.save_screenshot(str(screenshot))
+
+
 def _open(driver, path: Path, screenshot: Path) -> tuple[list, list]:
     driver.get_log("performance")  # drop what earlier pages logged
     driver.get_log("browser")
     driver.get(path.resolve().as_uri())
-    driver.save_screenshot(str(screenshot))
+    _screenshot(driver, screenshot)
     requests = [json.loads(entry["message"])["message"] for entry in driver.get_log("performance")]
     urls = [m["params"]["request"]["url"] for m in requests if m["method"] == "Network.requestWillBeSent"]
     return urls, driver.get_log("browser")
