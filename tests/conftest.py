@@ -176,3 +176,18 @@ def browser():
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     yield driver
     driver.quit()
+
+
+def python_children() -> set[int]:
+    """This process's live Python descendants (the workers); not the session's Chromium, which starts and ends
+    helper processes of its own at any time (one did between two looks in a CI run)."""
+    import psutil
+
+    found = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "python" in child.name():
+                found.add(child.pid)
+        except psutil.NoSuchProcess:  # ended between the listing and the look
+            pass
+    return found

@@ -315,18 +315,17 @@ def test_readme_python_examples_run(tmp_path):
 def test_per_rank_analyses_on_workers_match_this_process(tmp_path, monkeypatch):
     """The parse's workers also run the per-rank analyses: every table and finding is what one process
     computes, and no worker outlives `analyze`."""
-    import psutil
-
+    from conftest import python_children
     from synthetic import generate_run
 
     run = tmp_path / "run"
     generate_run(run, ranks=4, steps=3, kernels_per_step=20, seed=3, write_truth=False)
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = python_children()
     one = CliRunner().invoke(analyze, [str(run), "--out", str(tmp_path / "one"), "--jobs", "1", "--quiet"])
     monkeypatch.setattr(workers_module, "WORKER_WORTH_BYTES", 0)  # small inputs would stay in this process
     many = CliRunner().invoke(analyze, [str(run), "--out", str(tmp_path / "many"), "--jobs", "3", "--quiet"])
     assert one.exit_code == many.exit_code == 0, (one.output, many.output)
-    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    assert python_children() <= before
     tables = sorted(p.name for p in (tmp_path / "one").iterdir() if p.is_dir())
     assert tables == sorted(p.name for p in (tmp_path / "many").iterdir() if p.is_dir())
     for table in tables:

@@ -9,14 +9,13 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from steplens.analyze import cli, cli_rerun
 from steplens.analyze.pipeline import workers as workers_module
 from steplens.analyze.pipeline.workers import Workers
 
-from conftest import write_trace
+from conftest import python_children, write_trace
 
 
 def _square_where(item: int) -> tuple[int, int]:
@@ -36,12 +35,8 @@ def _polars_threads(_=None) -> int:
     return pl.thread_pool_size()
 
 
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
-
-
 def test_share_gives_every_item_once_from_the_workers_and_this_process():
-    before = _children()
+    before = python_children()
     with Workers(3) as workers:
         workers.pool(2)
         done = list(workers.share(_square_where, list(range(40))))
@@ -49,7 +44,7 @@ def test_share_gives_every_item_once_from_the_workers_and_this_process():
     assert all(result[0] == item * item for item, result in done)
     pids = {result[1] for _, result in done}
     assert os.getpid() in pids and len(pids) >= 2  # this process and at least one worker took items
-    assert _children() <= before
+    assert python_children() <= before
 
 
 def test_share_takes_items_from_the_back_here_and_from_the_front_on_the_workers():
@@ -62,13 +57,13 @@ def test_share_takes_items_from_the_back_here_and_from_the_front_on_the_workers(
 
 
 def test_a_failing_item_is_raised_and_no_worker_is_left():
-    before = _children()
+    before = python_children()
     workers = Workers(2)
     workers.pool(1)
     with pytest.raises(ValueError, match="item 3 is bad"):
         with workers:
             dict(workers.share(_fails_on_three, list(range(8))))
-    assert _children() <= before
+    assert python_children() <= before
 
 
 def test_workers_run_polars_on_one_thread():
@@ -88,39 +83,39 @@ def test_workers_started_early_are_taken_by_the_first_pool(tmp_path, monkeypatch
     monkeypatch.setattr(workers_module, "WORKER_WORTH_BYTES", 0)
     monkeypatch.setenv("POLARS_MAX_THREADS", "")  # recorded, so that what start_early_for sets is undone
     monkeypatch.delenv("POLARS_MAX_THREADS")
-    before = _children()
+    before = python_children()
     workers_module.start_early_for(_two_traces(tmp_path / "run"), jobs=2)
-    early = _children() - before
+    early = python_children() - before
     assert len(early) >= 1  # started before any Workers asked
     assert os.environ["POLARS_MAX_THREADS"] == str(max(1, os.cpu_count() - 1))  # for this process, not yet importing polars
     with Workers(2) as workers:
         assert workers.available
         workers.pool(1)
-        assert workers.size == 1 and early <= _children()  # the same processes, no new ones
+        assert workers.size == 1 and early <= python_children()  # the same processes, no new ones
         assert workers.submit(_polars_threads).result() == 1
-    assert _children() <= before
+    assert python_children() <= before
 
 
 def test_workers_started_early_that_no_run_takes_are_stopped(tmp_path, monkeypatch):
     monkeypatch.setattr(workers_module, "WORKER_WORTH_BYTES", 0)
     monkeypatch.setenv("POLARS_MAX_THREADS", "2")  # a user's setting stands
-    before = _children()
+    before = python_children()
     workers_module.start_early_for(_two_traces(tmp_path / "run"), jobs=2)
     assert os.environ["POLARS_MAX_THREADS"] == "2"
-    assert _children() - before
+    assert python_children() - before
     workers_module.stop_early()
-    assert _children() <= before
+    assert python_children() <= before
 
 
 def test_no_early_workers_below_the_threshold_or_for_one_file(tmp_path, monkeypatch):
-    before = _children()
+    before = python_children()
     workers_module.start_early_for(_two_traces(tmp_path / "small"), jobs=2)  # a few bytes: the default threshold
     monkeypatch.setattr(workers_module, "WORKER_WORTH_BYTES", 0)
     one = tmp_path / "one"
     write_trace(one / "rank0.pt.trace.json", [{"ph": "X", "cat": "cpu_op", "name": "op", "pid": 1, "tid": 1, "ts": 1, "dur": 1}])
     workers_module.start_early_for(one, jobs=2)
     workers_module.start_early_for(_two_traces(tmp_path / "jobs1"), jobs=1)
-    assert workers_module._early is None and _children() <= before
+    assert workers_module._early is None and python_children() <= before
 
 
 def test_early_workers_for_many_traces_however_small_but_not_for_many_small_json_files(tmp_path, monkeypatch):
@@ -136,17 +131,17 @@ def test_early_workers_for_many_traces_however_small_but_not_for_many_small_json
     assert workers_module.WORKER_WORTH_FILES * workers_module.TRACE_GUESS_MIN_BYTES * 10 < workers_module.WORKER_WORTH_BYTES
     monkeypatch.setenv("POLARS_MAX_THREADS", "")  # recorded, so that what start_early_for sets is undone
     monkeypatch.delenv("POLARS_MAX_THREADS")
-    before = _children()
+    before = python_children()
     try:
         jobs = workers_module.FILES_WORKERS_MIN + 1
         workers_module.start_early_for(small, jobs=jobs)
         workers_module.start_early_for(many, jobs=2)
-        assert workers_module._early is None and _children() <= before
+        assert workers_module._early is None and python_children() <= before
         workers_module.start_early_for(many, jobs=jobs)
-        assert workers_module._early is not None and _children() - before
+        assert workers_module._early is not None and python_children() - before
     finally:
         workers_module.stop_early()
-    assert _children() <= before
+    assert python_children() <= before
 
 
 def test_worth_workers_by_bytes_or_by_many_files_on_enough_cores():
