@@ -12,6 +12,7 @@ import functools
 import json
 import shutil
 from dataclasses import dataclass, field
+from collections import Counter
 from pathlib import Path
 
 import polars as pl
@@ -77,8 +78,8 @@ def _shared_files(manifest: dict) -> dict[int, str]:
     """rank -> its trace file, for the ranks whose file holds other ranks too (each a `unit` of it)."""
     files = {s["rank"]: s.get("path") for s in manifest.get("sources", []) if isinstance(s, dict) and s.get("unit")
              and s.get("rank") is not None and s.get("status") in ("ingested", "reused")}
-    shared = {path for path in files.values() if path is not None and list(files.values()).count(path) > 1}
-    return {rank: path for rank, path in files.items() if path in shared}
+    ranks_in = Counter(files.values())
+    return {rank: path for rank, path in files.items() if path is not None and ranks_in[path] > 1}
 
 
 def _write(out_dir: Path, table: str, frame: pl.DataFrame, spec, part: str = "part-0") -> pl.DataFrame:
