@@ -23,7 +23,7 @@ import polars as pl
 from markupsafe import Markup, escape
 
 from steplens.analyze.analyses import ANALYSES
-from steplens.analyze.contract.text import number_ranges, safe_text, sentence, text_value
+from steplens.analyze.contract.text import number_ranges, safe_text, sentence, text_value, utilization_text
 
 from .data import Run, kernel_labels, load, ms, size, write_atomic
 from .verdict import NUMERATOR_SHORT, STEP_SOURCE_WORDS, first_screen, verdict
@@ -242,7 +242,7 @@ def key_numbers(run: Run) -> list[tuple[str, str]]:
     if isinstance(f.get("mfu"), list) and f["mfu"]:  # the headline figure; the verdict gives the others beside it
         head = f["mfu"][0]
         numbers.append((f"{head['metric']} ({NUMERATOR_SHORT.get(head['numerator'], head['numerator'])})",
-                        f"{head['utilization']:.1%}"))
+                        utilization_text(head['utilization'])))
     return numbers
 
 

@@ -6,6 +6,7 @@ from steplens.analyze.analyses import ANALYSES
 from steplens.analyze.analyses.job_end import job_end_lines
 from steplens.analyze.analyses.monitor import distinct_alarms
 from steplens.analyze.analyses.step_time import OUTSIDE_HEADLINE, outside_line, step_name
+from steplens.analyze.contract.text import utilization_text
 from steplens.analyze.contract.units import binary_bytes
 
 from .data import Run, ms
@@ -133,8 +134,11 @@ def mfu_headline(f: dict) -> str | None:
     if not isinstance(utilization, list) or not utilization:
         return None
     head = utilization[0]
-    return (f"{head['metric']}: {head['utilization']:.1%} ({NUMERATOR_SHORT.get(head['numerator'], head['numerator'])}; "
-            f"peak {first_clause(head['peak'])})")
+    # a peak whose dtype nothing in the run states is a guess: said on the line that divides by it
+    assumed = ", dtype assumed" if (f.get("dtype") or {}).get("origin", "").startswith("assumed") \
+        and "--peak-tflops" not in head["peak"] else ""
+    return (f"{head['metric']}: {utilization_text(head['utilization'])} ({NUMERATOR_SHORT.get(head['numerator'], head['numerator'])}; "
+            f"peak {first_clause(head['peak'])}{assumed})")
 
 
 def first_screen(f: dict) -> list[tuple[str, str]]:

@@ -113,6 +113,51 @@ def test_nested_marks_ops_inside_another_modeled_op_only():
     assert perf["device_ns"].to_list() == [0, 0, 0, 0] and perf["bound"].is_null().all()  # no device work, no roofline
 
 
+def test_innermost_marks_the_op_that_ran_the_arithmetic():
+    """Autocast: an fp32 aten::linear [0, 100] holds the bf16 aten::addmm [10, 60] that ran it; an mm of zero length
+    at 100 is beside the linear and holds nothing; an op without FLOPs is never innermost."""
+    lin, addmm = json.dumps([[64, 128], [32, 128], [32]]), json.dumps([[32], [64, 128], [128, 32], [], []])
+    mm = json.dumps([[64, 128], [128, 32]])
+    rows = [("my::wrapper", -5, 200, "[[1]]", '["float"]'), ("aten::linear", 0, 100, lin, json.dumps([F32] * 3)),
+            ("aten::addmm", 10, 50, addmm, json.dumps([BF16] * 3 + ["Scalar"] * 2)), ("aten::mm", 100, 0, mm, json.dumps([F32] * 2))]
+    ops = pl.DataFrame({"rank": [0] * 4, "source": ["s"] * 4, "event_id": [1, 2, 3, 4], "ts_ns": [r[1] for r in rows],
+                        "dur_ns": [r[2] for r in rows], "name": [r[0] for r in rows], "pid": [1] * 4, "tid": [1] * 4,
+                        "step": [None] * 4, "external_id": [1, 2, 3, 4], "input_dims": [r[3] for r in rows],
+                        "input_types": [r[4] for r in rows], "concrete_inputs": [None] * 4})
+    launched = pl.DataFrame(schema={"rank": pl.Int64, "source": pl.String, "launch_pid": pl.Int64, "launch_tid": pl.Int64,
+                                    "launch_ts_ns": pl.Int64, "dur_ns": pl.Int64})
+    perf = op_perf.op_perf(ops, launched, op_perf.Roof())
+    assert dict(perf.select("name", "innermost").iter_rows()) == {"my::wrapper": False, "aten::linear": False,
+                                                                   "aten::addmm": True, "aten::mm": True}
+    by_dtype = dict(op_perf.dtype_flops(perf).select("dtype", "flops").iter_rows())
+    # addmm 2*64*32*128 + 64*32 (bf16); mm 2*64*32*128 (fp32): the linear's own count is not added
+    assert by_dtype == {"bf16": 2 * 64 * 32 * 128 + 64 * 32, "fp32": 2 * 64 * 32 * 128}
+
+
+def _dtype_flops(rows: list[tuple[str, bool, float]]) -> pl.DataFrame:
+    return pl.DataFrame({"rank": [0] * len(rows), "dtype": [r[0] for r in rows], "conv": [r[1] for r in rows],
+                         "flops": [r[2] for r in rows]}, schema={"rank": pl.Int64, "dtype": pl.String, "conv": pl.Boolean,
+                                                                 "flops": pl.Float64})
+
+
+@pytest.mark.parametrize("given, rows, facts, device, dtype, origin", [
+    ("fp8", [("bf16", False, 9.0)], {}, "h100-sxm", "fp8", "--dtype"),
+    (None, [("fp32", False, 7.0), ("bf16", False, 3.0)], {"dtype": "bf16"}, "a100", "fp32", "70% of the FLOPs"),
+    (None, [("fp32", True, 7.0), ("fp32", False, 3.0)], {}, "a100", "tf32", "70%"),  # convolutions on TF32 cores
+    (None, [("fp32", True, 7.0), ("fp32", False, 3.0)], {}, "v100-sxm", "fp32", "100%"),  # V100: no TF32
+    (None, [(None, False, 5.0)], {"dtype": "fp16"}, "a100", "fp16", "DeepSpeed config"),  # no op dtype: the config
+    (None, [], {"ds_config": {"bf16": {"enabled": True}}}, None, "bf16", "DeepSpeed config"),
+    (None, [], {"ds_config": {"bf16": {"enabled": "auto"}, "fp16": {"enabled": True}}}, None, "fp16", "DeepSpeed config"),
+    (None, [], {"ds_config": {"train_batch_size": 8}}, None, "fp32", "DeepSpeed config"),  # neither enabled
+    (None, [], {"ds_config": {"torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}}}, None, "bf16", "config"),
+    (None, [], {"bfloat16_enabled": False, "fp16_enabled": True}, None, "fp16", "DeepSpeed config"),  # the log's lines
+    (None, [], {}, None, "bf16", "assumed"),
+])
+def test_the_peaks_dtype_is_the_runs_own(given, rows, facts, device, dtype, origin):
+    got, said = mfu.compute_dtype(given, _dtype_flops(rows), facts, device)
+    assert got == dtype and origin in said
+
+
 def test_roofline_position_by_hand():
     """H100 SXM: bf16 989.5 TFLOP/s, tf32 494.5, fp32 67, 3.35 TB/s. 1e9 FLOPs and 1e6 bytes in 10 us:
     100 TFLOP/s, 0.1 TB/s, 1000 FLOPs/byte."""
@@ -219,8 +264,10 @@ def corpus_op_perf(tmp_path_factory):
         out = tmp_path_factory.mktemp("opperf") / "out"
         analyse(path.parent, out, files=[path], jobs=1)
         launched = pl.read_parquet(out / "kernel_launches").filter(pl.col("launch_api").is_not_null())["dur_ns"].sum()
-        families = json.loads((out / "findings.json").read_text())["roofline"]["time_by_op_family"]
-        results[path.relative_to(CORPUS).as_posix()] = (path, pl.read_parquet(out / "op_perf"), launched, families)
+        findings = json.loads((out / "findings.json").read_text())
+        families = findings["roofline"]["time_by_op_family"]
+        results[path.relative_to(CORPUS).as_posix()] = (path, pl.read_parquet(out / "op_perf"), launched, families,
+                                                        findings)
     return results
 
 
@@ -228,7 +275,7 @@ def test_corpus_gemm_flops_and_device_time_match_the_raw_json(corpus_op_perf):
     if not corpus_op_perf:
         pytest.skip("no corpus")
     checked = 0
-    for name, (path, perf, _, _) in corpus_op_perf.items():
+    for name, (path, perf, _, _, _) in corpus_op_perf.items():
         expected = _reference(path)
         gemms = perf.filter(pl.col("name").is_in(list(GEMMS)))
         got = {x: (f, d) for x, f, d in gemms.select("external_id", "flops", "device_ns").iter_rows()}
@@ -240,10 +287,41 @@ def test_corpus_gemm_flops_and_device_time_match_the_raw_json(corpus_op_perf):
     assert checked > 1000  # every GEMM of 30+ real traces
 
 
+RAW_DTYPES = {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16"}
+
+
+def test_corpus_mfu_divides_by_the_peak_of_the_dtype_its_gemms_ran_in(corpus_op_perf):
+    """The raw JSON's innermost GEMMs (aten::mm/addmm/bmm holding no other GEMM on their thread), FLOPs by their first
+    input's type: where one dtype holds all of them, it is the peak's dtype (no --dtype given)."""
+    checked = 0
+    for name, (path, _, _, _, findings) in corpus_op_perf.items():
+        doc = json.loads(_raw(path), parse_float=Decimal)
+        events = [e for e in (doc if isinstance(doc, list) else doc["traceEvents"]) if isinstance(e, dict)
+                  and e.get("ph") == "X" and e.get("name") in GEMMS and "Input type" in (e.get("args") or {}) and "dur" in e]
+        spans = defaultdict(list)
+        for e in events:
+            spans[(e.get("pid"), e.get("tid"))].append((Decimal(e["ts"]), Decimal(e["ts"]) + Decimal(e["dur"]), e))
+        flops_by_type = defaultdict(int)
+        for thread in spans.values():
+            for start, end, e in thread:
+                holds = any(o is not e and start <= s < end and t <= end for s, t, o in thread)
+                flops = _gemm_flops(e["name"], e["args"]["Input Dims"])
+                if not holds and flops:
+                    flops_by_type[RAW_DTYPES.get(e["args"]["Input type"][1 if e["name"] == "aten::addmm" else 0])] += flops
+        if len(flops_by_type) != 1 or None in flops_by_type:
+            continue
+        (dtype,) = flops_by_type
+        assert findings["dtype"]["dtype"] == dtype, name
+        for row in findings["mfu"] if isinstance(findings["mfu"], list) else []:
+            assert f"dense {dtype}," in row["peak"], name
+        checked += 1
+    assert checked >= 2 or not corpus_op_perf
+
+
 def test_corpus_roofline_columns_are_consistent(corpus_op_perf):
     if not corpus_op_perf:
         pytest.skip("no corpus")
-    for name, (_, perf, launched_ns, families) in corpus_op_perf.items():
+    for name, (_, perf, launched_ns, families, _) in corpus_op_perf.items():
         # every launched activity is counted once, under the family of its innermost op
         assert sum(f["device_ns"] for f in families) == launched_ns, name
         timed = perf.filter((pl.col("device_ns") > 0) & pl.col("flops").is_not_null())

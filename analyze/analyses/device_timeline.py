@@ -93,6 +93,7 @@ def device_timeline(inputs: Inputs) -> Output:
         "_trace_step_flops": trace_step_flops(perf, runtime),
         "_cpu_comm_ops": cpu_comm_ops,
         "_op_totals": op_perf.op_totals(perf),
+        "_dtype_flops": op_perf.dtype_flops(perf),
         "_family_time": op_perf.family_time(cpu, launched),
         "_module_rows": module_perf.module_perf(modules, ops, perf, launched,
                                                module_perf.backward_points(links, linked, launched), heavy),
@@ -162,6 +163,9 @@ OP_PERF = schema.table_spec(
                                        "the memory bandwidth (memory-bound)."),
     ("nested", pa.bool_(), "Inside another op with a FLOPs/bytes model on its thread (its time is in the outer op's "
                            "too)."),
+    ("innermost", pa.bool_(), "Has FLOPs and holds no other op with FLOPs on its thread: the op that ran the "
+                              "arithmetic, whose dtype is the compute dtype (autocast: an fp32 aten::linear holds the "
+                              "bf16 addmm)."),
 )
 
 LAUNCH_SUMMARY = schema.table_spec(
@@ -193,4 +197,4 @@ ANALYSIS = Analysis("device_timeline", "CPU launch and GPU execution, per rank",
               "kernel_categories": KERNEL_CATEGORIES}, device_timeline,
              per_rank=True, parts=("kernel_launches", "op_perf"),
              passes=("_gpu_idle", "_collective_calls", "_sync_points", "_kernel_totals", "_gpu_spans", "_step_flops",
-                     "_cpu_comm_ops", "_trace_step_flops", "_op_totals", "_family_time", "_module_rows"))
+                     "_cpu_comm_ops", "_trace_step_flops", "_op_totals", "_dtype_flops", "_family_time", "_module_rows"))

@@ -20,6 +20,7 @@ import pyarrow as pa
 from steplens.analyze.analyses.devices import DEVICES, match_device
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.contract import schema
+from steplens.analyze.contract.text import utilization_text
 from steplens.analyze.contract.manifest import data_parallel_size
 
 
@@ -29,8 +30,8 @@ class Peak:
     label: str  # what it is, for every printed figure
 
 
-def peak_for(device_name: str | None, dtype: str, num_sms: int | None = None,
-             peak_tflops: float | None = None, device_activity: bool | None = None) -> tuple[Peak | None, str]:
+def peak_for(device_name: str | None, dtype: str, num_sms: int | None = None, peak_tflops: float | None = None,
+             device_activity: bool | None = None, dtype_origin: str = "") -> tuple[Peak | None, str]:
     """The peak to divide by, or None with a message saying why and how to supply one.
 
     `device_activity`: whether the run's traces hold any device work (kernels, copies), None without
@@ -50,9 +51,63 @@ def peak_for(device_name: str | None, dtype: str, num_sms: int | None = None,
     tflops = DEVICES[key].peak_tflops.get(dtype)
     if tflops is None:
         known = ", ".join(sorted(DEVICES[key].peak_tflops))  # the dtypes of this device's datasheet
-        return None, (f"no {dtype} peak for {key} (its datasheet's: {known}); pass --dtype with the job's compute "
-                      "dtype, or --peak-tflops")
+        origin = f"; {dtype}: {dtype_origin}" if dtype_origin else ""
+        return None, (f"no {dtype} peak for {key} (its datasheet's: {known}{origin}); pass --dtype with the job's "
+                      "compute dtype, or --peak-tflops")
     return Peak(tflops * 1e12, f"{tflops:g} TFLOP/s dense {dtype}, {key} ({DEVICES[key].peak_source})"), ""
+
+
+DTYPE_ASSUMED = "assumed: neither the traces' op shapes nor a DeepSpeed config say it; pass --dtype"
+# torch dtype names in DeepSpeed's torch_autocast config -> the peak table's
+AUTOCAST_DTYPES = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16", "torch.float16": "fp16",
+                   "half": "fp16"}
+
+
+def compute_dtype(given: str | None, dtype_flops: pl.DataFrame, facts: dict, device_key: str | None) -> tuple[str, str]:
+    """The dtype whose dense peak MFU divides by, and where it came from: --dtype; else the dtype holding the most
+    FLOPs of the traces' innermost ops with FLOPs (op_perf.dtype_flops; an fp32 convolution counts as tf32 on a
+    device with TF32 tensor cores, where PyTorch runs it so by default: op_perf.with_roofline); else the DeepSpeed
+    config's (bf16 or fp16 enabled, torch_autocast's dtype, else fp32, DeepSpeed's default); else bf16, assumed."""
+    if given:
+        return given, "given with --dtype"
+    counted = dtype_flops.filter(pl.col("dtype").is_not_null() & (pl.col("flops") > 0)) if not dtype_flops.is_empty() \
+        else dtype_flops
+    if not counted.is_empty():
+        tf32 = device_key is not None and "tf32" in DEVICES[device_key].peak_tflops
+        rated = counted.with_columns(dtype=pl.when(pl.col("conv") & (pl.col("dtype") == "fp32") & pl.lit(tf32))
+                                     .then(pl.lit("tf32")).otherwise(pl.col("dtype")))
+        by_dtype = rated.group_by("dtype").agg(pl.col("flops").sum()).sort("flops", "dtype", descending=[True, False])
+        total = by_dtype["flops"].sum()
+        top, share = by_dtype["dtype"][0], by_dtype["flops"][0] / total
+        # the others that a rounded share would show
+        others = ", ".join(f"{d} {f / total:.0%}" for d, f in by_dtype.tail(-1).head(2).iter_rows() if f / total >= 0.005)
+        return top, (f"the dtype of {share:.0%} of the FLOPs of the traces' innermost ops"
+                     + (f" ({others})" if others else ""))
+    config = _config_dtype(facts)
+    return (config, "the job's DeepSpeed config") if config else ("bf16", DTYPE_ASSUMED)
+
+
+def _config_dtype(facts: dict) -> str | None:
+    """The compute dtype a DeepSpeed run states: the collector's (from the engine), else its config (as JSON in
+    the log or its printed bfloat16_enabled / fp16_enabled lines); None when nothing states it."""
+    if facts.get("dtype") in ("bf16", "fp16", "fp32"):
+        return facts["dtype"]
+    config = facts.get("ds_config") if isinstance(facts.get("ds_config"), dict) else {}
+
+    def enabled(key: str) -> bool:
+        block = config.get(key)
+        return isinstance(block, dict) and block.get("enabled") is True
+
+    autocast = config.get("torch_autocast") if isinstance(config.get("torch_autocast"), dict) else {}
+    if enabled("bf16") or enabled("bfloat16") or facts.get("bfloat16_enabled") is True:
+        return "bf16"
+    if enabled("fp16") or facts.get("fp16_enabled") is True:
+        return "fp16"
+    if autocast.get("enabled") is True and str(autocast.get("dtype")) in AUTOCAST_DTYPES:
+        return AUTOCAST_DTYPES[str(autocast["dtype"])]
+    if config or facts.get("bfloat16_enabled") is False or facts.get("fp16_enabled") is False:
+        return "fp32"  # a DeepSpeed config with neither: fp32 weights and compute
+    return None
 
 
 @dataclass
@@ -346,6 +401,14 @@ COUNTS_DIFFER = ("the counts differ in what they hold: recomputation (in execute
                  "count)")
 
 
+def _dtype_origin(head: dict, findings: dict) -> str:
+    """Where the peak's dtype came from, unless the peak was given whole (--peak-tflops)."""
+    dtype = findings.get("dtype") or {}
+    if not dtype.get("origin") or "--peak-tflops" in head.get("peak", ""):
+        return ""
+    return f"; {dtype['dtype']}: {dtype['origin']}"
+
+
 def mfu_lines(utilization: list | dict, findings: dict) -> list[str]:
     """One headline figure with its numerator named, the other numerators beside it; where they disagree."""
     if isinstance(utilization, dict) and utilization.get("note"):
@@ -353,11 +416,11 @@ def mfu_lines(utilization: list | dict, findings: dict) -> list[str]:
     if not isinstance(utilization, list) or not utilization:
         return []
     head, *others = utilization
-    beside = "; ".join(f"{r['metric']} {r['utilization']:.1%} from {NUMERATOR_WORDS.get(r['numerator'], r['numerator'])}"
+    beside = "; ".join(f"{r['metric']} {utilization_text(r['utilization'])} from {NUMERATOR_WORDS.get(r['numerator'], r['numerator'])}"
                        for r in others)
-    lines = [f"{head['metric']}: {head['utilization']:.1%} (median over steps) from "
+    lines = [f"{head['metric']}: {utilization_text(head['utilization'])} (median over steps) from "
              f"{NUMERATOR_WORDS.get(head['numerator'], head['numerator'])}{f'; beside it {beside}' if beside else ''}. "
-             f"Numerator: {head['definition']}. Peak: {head['peak']}."]
+             f"Numerator: {head['definition']}. Peak: {head['peak']}{_dtype_origin(head, findings)}."]
     for pair in findings.get("mfu_numerators_disagree") or []:
         a, b = (NUMERATOR_WORDS.get(n, n) for n in pair["numerators"])
         lines.append(f"MFU numerators disagree: {b} gives {pair['ratio']:.2f}x the FLOPs per step of {a} "
@@ -366,9 +429,9 @@ def mfu_lines(utilization: list | dict, findings: dict) -> list[str]:
     model = [r for r in utilization if r["metric"] == "MFU" and r.get("utilization") is not None]
     for row in (r for r in utilization if r["metric"] == "HFU" and r.get("utilization") is not None and model):
         if row["utilization"] < model[0]["utilization"]:
-            lines.append(f"HFU below MFU: HFU {row['utilization']:.1%} from "
+            lines.append(f"HFU below MFU: HFU {utilization_text(row['utilization'])} from "
                          f"{NUMERATOR_WORDS.get(row['numerator'], row['numerator'])} against MFU "
-                         f"{model[0]['utilization']:.1%} from {NUMERATOR_WORDS.get(model[0]['numerator'], model[0]['numerator'])}"
+                         f"{utilization_text(model[0]['utilization'])} from {NUMERATOR_WORDS.get(model[0]['numerator'], model[0]['numerator'])}"
                          f" ({COUNTS_DIFFER}).")
     if findings.get("mfu_refused"):
         lines.append(f"MFU: one numerator left out: {findings['mfu_refused']}.")

@@ -32,7 +32,8 @@ SIGNATURE = ["name", "input_dims", "input_types", "concrete_inputs"]
 COLUMNS = {"rank": pl.Int64, "source": pl.String, "event_id": pl.Int64, "external_id": pl.Int64, "step": pl.Int64,
            "name": pl.String, "family": pl.String, "shapes": pl.String, "dtype": pl.String, "flops": pl.Float64,
            "bytes": pl.Float64, "device_ns": pl.Int64, "achieved_tflops": pl.Float64, "achieved_tbps": pl.Float64,
-           "intensity": pl.Float64, "bound": pl.String, "fraction_of_peak": pl.Float64, "nested": pl.Boolean}
+           "intensity": pl.Float64, "bound": pl.String, "fraction_of_peak": pl.Float64, "nested": pl.Boolean,
+           "innermost": pl.Boolean}
 
 
 @dataclass
@@ -110,15 +111,28 @@ def op_perf(ops: pl.DataFrame, launched: pl.DataFrame, roof: Roof) -> pl.DataFra
 
 
 def _mark_nested(rows: pl.DataFrame) -> pl.DataFrame:
-    """nested: inside another op with a model on its thread (its time is in the outer op's too)."""
+    """nested: inside another op with a model on its thread (its time is in the outer op's too). innermost: an op with
+    FLOPs holding no other op with FLOPs, the op that ran the arithmetic (under autocast an fp32 aten::linear holds the
+    bf16 addmm that ran it)."""
     modeled = pl.col("flops").is_not_null() | pl.col("bytes").is_not_null()
+    counted = pl.col("flops").is_not_null() & (pl.col("flops") > 0)
     # Ties (two ops with the same start and duration) in trace order: the one written first encloses.
     ordered = rows.sort(THREAD + ["ts_ns", "dur_ns", "event_id"], descending=[False] * 4 + [True, False], maintain_order=True)
     end = pl.when(modeled).then(pl.col("hi_ns"))  # only modeled ops enclose
     # Properly nested slices: the earlier one reaching furthest contains this one if any does (a zero-length
     # op at an earlier op's end is beside it, not inside).
     reach = end.cum_max().forward_fill().shift(1).over(THREAD).fill_null(-1)
-    return ordered.with_columns(nested=modeled & (reach >= pl.col("hi_ns")) & (reach > pl.col("ts_ns")))
+    # the next op with FLOPs on the thread, by start: inside this one if any op with FLOPs is (properly nested slices)
+    next_counted = pl.when(counted).then(pl.col("ts_ns")).shift(-1).backward_fill().over(THREAD)
+    return ordered.with_columns(nested=modeled & (reach >= pl.col("hi_ns")) & (reach > pl.col("ts_ns")),
+                                innermost=counted & ~(next_counted < pl.col("hi_ns")).fill_null(False))
+
+
+def dtype_flops(perf: pl.DataFrame) -> pl.DataFrame:
+    """FLOPs of the innermost ops with FLOPs per rank and dtype, convolutions apart (rank, dtype, conv, flops): what
+    the run's compute dtype is read from (mfu.compute_dtype)."""
+    return perf.filter(pl.col("innermost")).group_by("rank", "dtype", conv=pl.col("family") == "conv").agg(
+        flops=pl.col("flops").sum())
 
 
 def with_roofline(rows: pl.DataFrame, roof: Roof) -> pl.DataFrame:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections import Counter
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from steplens.analyze.contract.manifest import process_count, run_facts
 
 @dataclass
 class Options:
-    dtype: str = "bf16"
+    dtype: str | None = None  # None: the run's (mfu.compute_dtype)
     peak_tflops: float | None = None
     shape: dict | None = None  # the model's shape as given on the command line (mfu.SHAPE_FIELDS), any part
     recompute: bool = False
@@ -175,7 +175,6 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     facts = run_facts(manifest)
     device_name, num_sms = _device(manifest)
     device_activity = _device_activity(manifest)
-    peak, peak_problem = mfu.peak_for(device_name, options.dtype, num_sms, options.peak_tflops, device_activity)
     roof, mixed = op_perf.device_roof(device_name, num_sms), _mixed_devices(manifest)
     if device_activity is None:  # the ops and their device time come from the traces
         roof = op_perf.Roof(problem="no roofline: no profiler traces")
@@ -183,10 +182,8 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
         roof = op_perf.Roof(problem="no roofline: the traces hold no GPU work")
     elif mixed:
         roof = op_perf.Roof(problem=f"no roofline: {mixed}")
-    if mixed and peak is None:
-        peak_problem = f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
     context = RunContext(device_name, num_sms, devices.match_device(device_name, num_sms) if device_name else None,
-                         roof, peak, peak_problem, process_count(manifest), device_activity,
+                         roof, None, None, process_count(manifest), device_activity,
                          _kind_count(manifest, "cuda_runtime") + _kind_count(manifest, "cuda_driver"),
                          ", ".join(manifest.get("environment", {}).get("backend") or []) or None,
                          _world_size_of_rank(manifest), _shared_files(manifest))
@@ -203,8 +200,16 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
         for name, parts in frames.items():
             gathered.setdefault(name, []).extend(parts)
 
-    findings: dict = {"device": device_name if ranks else None}
     computed = {name: pl.concat(frames, how="diagonal_relaxed") for name, frames in gathered.items()}
+    # the peak's dtype: the traces' innermost ops say it best, so it is known only now
+    dtype, dtype_origin = mfu.compute_dtype(options.dtype, computed.get("_dtype_flops", pl.DataFrame()), facts,
+                                            context.device_key)
+    options = replace(options, dtype=dtype)
+    peak, peak_problem = mfu.peak_for(device_name, dtype, num_sms, options.peak_tflops, device_activity, dtype_origin)
+    if mixed and peak is None:
+        peak_problem = f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
+    context = replace(context, peak=peak, peak_problem=peak_problem)
+    findings: dict = {"device": device_name if ranks else None, "dtype": {"dtype": dtype, "origin": dtype_origin}}
     inputs = Inputs(out_dir, facts, options, ranks, computed=computed, findings=findings, context=context)
     for analysis in per_rank:
         for table, spec in analysis.writes.items():

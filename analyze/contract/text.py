@@ -101,3 +101,8 @@ def number_ranges(numbers: list[int]) -> str:
     if start is not None:
         parts.append(f"{start}-{prev}" if prev != start else f"{start}")
     return ", ".join(parts)
+
+
+def utilization_text(value: float) -> str:
+    """An MFU-like share: one decimal of a percent (9.8%), two significant digits below 0.1% (0.020%, not 0.0%)."""
+    return f"{value:.1%}" if value == 0 or abs(value) >= 0.001 else f"{value * 100:.2g}%"

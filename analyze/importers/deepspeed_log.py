@@ -822,6 +822,8 @@ def _launcher_or_status(state: LogState, line: str, i: int, previous: str = "") 
         key, value = m[1], m[2].strip()
         if key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps") and value.isdigit():
             facts[key] = int(value)
+        elif key in ("bfloat16_enabled", "fp16_enabled") and value in ("True", "False"):
+            facts[key] = value == "True"  # the compute dtype of MFU's peak (mfu.compute_dtype)
         elif key == "world_size" and value.isdigit():
             # DeepSpeedConfig's world_size is the data-parallel group's size (mpu given): the job's under
             # no model parallelism only, so it is the world size only where nothing else states one.
