@@ -28,7 +28,7 @@ def test_a_rank_that_waits_is_told_apart_from_the_op():
     assert row["least_wait_median_busbw_gbps"] == (1 << 20) / 1_000_000
     line = comms_log.logged_lines(comms_log.costliest_finding(stats), {})[0]
     assert "the median call takes 1 ms on rank 1, the rank that waits least" in " ".join(line.split())
-    assert "up to 32 ms on a rank that reaches it early" in " ".join(line.split())
+    assert "and 32 ms on the rank that waits most, which reaches it early" in " ".join(line.split())
 
 
 def test_ranks_that_agree_keep_the_plain_median():

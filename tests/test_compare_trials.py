@@ -343,8 +343,15 @@ def test_megatron_log_gives_mfu_from_its_model_shape(corpus, tmp_path):
     rows = pl.read_parquet(run / ".steplens" / "mfu").filter(pl.col("numerator") == "megatron_args")
     logged = {int(n) - 1: float(ms) for n, ms in
               re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)", text)}
-    kept = pl.read_parquet(run / ".steplens" / "step_time").filter(~pl.col("excluded"))
-    assert sorted(rows["step"].to_list()) == sorted(kept["step"].to_list()) and len(logged) - 5 < rows.height <= len(logged)
+    table = pl.read_parquet(run / ".steplens" / "step_time")
+    kept = table.filter(~pl.col("excluded"))
+    # an evaluation after iteration N runs in the logged interval that holds step N (0-based): no training step's time
+    evaluated = [int(n) for n in re.findall(r"validation loss at iteration\s+(\d+) \|", text)]
+    after_evaluation = {min(s for s in logged if s >= n) for n in evaluated if any(s >= n for s in logged)}
+    assert len(after_evaluation) == 4 and after_evaluation.isdisjoint(kept["step"].to_list())
+    assert all("evaluation" in r for r in table.filter(pl.col("step").is_in(list(after_evaluation)))["reason"])
+    assert sorted(rows["step"].to_list()) == sorted(kept["step"].to_list())
+    assert len(logged) - 5 - len(after_evaluation) < rows.height <= len(logged) - len(after_evaluation)
     for step, utilization, row_flops in rows.select("step", "utilization", "flops").iter_rows():
         assert row_flops == flops
         assert utilization == pytest.approx(flops / (logged[step] / 1e3 * 8 * 312e12), rel=1e-9)

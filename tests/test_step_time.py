@@ -307,13 +307,18 @@ def test_megatron_log_step_time_from_its_iteration_lines(corpus, tmp_path):
     """A real Megatron-DeepSpeed log (8 GPUs, killed by SIGTERM): one mean iteration time per logging interval."""
     (tmp_path / "run").mkdir()
     shutil.copyfile(corpus / MEGATRON_LOG, tmp_path / "run" / "train.log")
-    times = {}
+    times, evaluated = {}, []
     for line in (tmp_path / "run" / "train.log").read_text(errors="replace").splitlines():
         if m := MEGATRON_LINE.match(line):  # iteration N: N iterations done, the 0-based step N - 1
             times[int(m[1]) - 1] = int((Decimal(m[2]) * 1_000_000).to_integral_value())
+        elif m := re.search(r"validation loss at iteration\s+(\d+) \|", line):
+            evaluated.append(int(m[1]))
     findings, lines = analyse(tmp_path / "run", tmp_path / "out")
     block = findings["step_time"]
-    warm = warm_up(times, set())
+    # the interval after each evaluation holds it (iterations 110, 210, 310, 410 at ~805 ms against ~490 ms)
+    after_evaluation = {min(s for s in times if s >= n) for n in evaluated if any(s >= n for s in times)}
+    assert sorted(after_evaluation) == [109, 209, 309, 409]
+    warm = warm_up(times, set()) | after_evaluation
     assert block["source"] == "log" and block["interval_means"] is True
     assert {k: block[k] for k in ("steps", "total_steps", "median_ns", "p90_ns", "max_ns")} == expected_summary(times, warm)
     assert any(line.startswith("Step time:") and "logged iterations, each the mean of its logging interval" in line

@@ -116,7 +116,8 @@ def logged_lines(logged: dict, findings: dict) -> list[str]:
                 f"{duration(logged['total_latency_ns'])} over {logged['calls']} calls, mostly waiting: the median call "
                 f"takes {duration(least)} on rank {logged['least_wait_rank']}, the rank that waits least (nearest the "
                 + (f"op's own time, busbw {busbw:.2f} GB/s" if busbw is not None else "op's own time")
-                + f"), and up to {duration(most)} on a rank that reaches it early and waits for a later one ({timing})."]
+                + f"), and {duration(most)} on the rank that waits most, which reaches it early and waits for a later "
+                f"one (each a rank's median call; {timing})."]
     return [f"Logged comms: {logged['op']} of {binary_bytes(logged['nccl_bytes'])} costs most, "
             f"{duration(logged['total_latency_ns'])} over {logged['calls']} calls (median "
             f"{duration(logged['median_latency_ns'])}" + (f", busbw {busbw:.2f} GB/s" if busbw is not None else "")

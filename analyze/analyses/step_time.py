@@ -41,6 +41,9 @@ Excluded steps, each named in ``reason`` (several joined by ","):
   wrapped ``save_checkpoint``). The save runs between steps: the ranks enter that step's first
   collective as each finishes saving, and a log interval that holds it holds the save (and the
   collector's cycle of that step holds the save itself).
+* ``evaluation``: the step that follows an evaluation (``facts["evaluation_steps"]``, Megatron's "validation
+  loss at iteration N"); a log interval that holds it (Megatron prints every log_interval-th iteration, each the
+  interval's average) holds the evaluation's time. No training step's work.
 * ``negative_duration``: the step (or one of its micro steps, or one of its timers) ends before it
   starts: clock trouble.
 * ``no_time``: the step's time is 0: nothing was measured (DeepSpeed's FLOPs profiler leaves the
@@ -355,6 +358,11 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
         too_long=(pl.col("step_time_ns") > span) if span is not None else pl.lit(False))
     instrumented = {} if source == "profiler_steps" else instrumented_steps(
         facts, flops_profile, profiler_steps, frame["step"].max())
+    timed = frame["step"].drop_nulls().unique().sort()
+    for step in facts.get("evaluation_steps") or []:  # the row whose step (or log interval) holds the evaluation
+        at = timed.search_sorted(step, side="left")
+        if isinstance(step, int) and at < len(timed):
+            instrumented.setdefault(timed[at], set()).add("evaluation")
     reasons = pl.DataFrame({"step": list(instrumented), "instrumented": [",".join(sorted(r)) for r in instrumented.values()]},
                            schema={"step": pl.Int64, "instrumented": pl.String})
     frame = frame.join(reasons, on="step", how="left").with_columns(
@@ -561,6 +569,7 @@ def overflow_finding(table: pl.DataFrame, scalars: pl.DataFrame | None = None) -
 EXCLUSION_WORDS = {"warm_up": "warm-up {steps}", "flops_profiler": "FLOPs profiler {steps}",
                    "profiler_warmup": "profiler warm-up {steps}", "profiler_window": "profiler window {steps}",
                    "profiler_export": "trace export {steps}", "checkpoint_save": "checkpoint save {steps}",
+                   "evaluation": "{steps} (after an evaluation)",
                    "collector_flush": "{steps} (the collector's flushes)",
                    "overflow_skipped": "{steps} (skipped on fp16 overflow)",
                    "incomplete": "{steps} (incomplete: a rank's record is missing, or the job stopped inside)",
@@ -775,7 +784,7 @@ STEP_TIME = schema.table_spec(
     ("loss_scale", pa.float64(), "fp16 loss scale after the step."),
     ("excluded", pa.bool_(), "Left out of the run's step-time summary."),
     ("reason", pa.string(), "Why: warm_up, flops_profiler, profiler_warmup, profiler_window, profiler_export, "
-                            "checkpoint_save, collector_flush, overflow_skipped, incomplete, no_previous_step, "
+                            "checkpoint_save, evaluation, collector_flush, overflow_skipped, incomplete, no_previous_step, "
                             "negative_duration, longer_than_run, no_time (comma-separated)."),
     ("definition", pa.string(), "The step-time definition of the source, in words."),
 )

@@ -44,6 +44,9 @@ checkpoint: .../global_stepN/...", Megatron's "saving checkpoint at iteration N"
 done when it began (the 0-based step that follows it), to the run fact `checkpoint_steps`. A custom tag
 without global_stepN places no step.
 
+Evaluations. Megatron's "validation loss at iteration N" adds N (the 0-based step that follows the evaluation,
+whose logged interval holds its time) to the run fact `evaluation_steps`.
+
 Last lines. Per rank, its last line in the file (number, text, its time stamp when it has one, and the
 latest stamp of the rank's lines up to it) goes to the run fact `log_last_line_rank<r>`: which rank fell
 silent first when a job hangs or dies.
@@ -175,6 +178,7 @@ CHECKPOINT_TAG_STEP = re.compile(r"global_step(\d+)")
 # it, when training_log printed the iteration line from rank 0 (print_rank_0), not from the last rank.
 MEGATRON_WORLD = re.compile(r"using world size: (\d{1,9})(?:, data-parallel[- ]size: \d+| and model-parallel size: \d+)")
 MEGATRON_CHECKPOINT = re.compile(r"saving checkpoint at iteration\s+(\d+) to ")
+MEGATRON_EVALUATION = re.compile(r"validation loss at iteration\s+(\d+)\s*\|")  # training.py evaluate_and_print_results
 # Megatron's resolved arguments (arguments.py _print_args): "  name ....... value" between these lines.
 MEGATRON_ARGS_START = re.compile(r"^-+ arguments -+$")
 MEGATRON_ARGS_END = re.compile(r"^-+ end of arguments -+$")
@@ -212,6 +216,7 @@ class Run:
     last_timer_step: dict = field(default_factory=dict)  # rank -> the step of its last global timer line
     unsynced_timers: dict = field(default_factory=dict)  # rank -> state.timers rows numbered since the last step=N line
     checkpoint_steps: set = field(default_factory=set)  # optimizer steps done when a checkpoint save began
+    evaluation_steps: set = field(default_factory=set)  # optimizer steps done when an evaluation ran (Megatron)
     last_lines: dict = field(default_factory=dict)  # rank -> its last line: line number, text, latest time seen
     comms: dict = field(default_factory=dict)  # rank -> list of comms row dicts (latency still as logged)
     step_lines: dict = field(default_factory=dict)  # (rank, steps done) -> step=N lines seen: one per engine
@@ -835,6 +840,8 @@ def _launcher_or_status(state: LogState, line: str, i: int, previous: str = "") 
     elif m := MEGATRON_CHECKPOINT.search(line):
         state.run.checkpoint_steps.add(int(m[1]))
         state.run.has_records = True
+    elif m := MEGATRON_EVALUATION.search(line):
+        state.run.evaluation_steps.add(int(m[1]))
     elif EXIT_OK.search(line):
         state.run.exits_ok += 1
     elif m := EXIT_CODE.search(line):
@@ -1015,6 +1022,8 @@ def _build(state: LogState, issues: list) -> Imported:
         facts["runs_in_file"] = len(state.runs)
     if checkpoints := set().union(*(run.checkpoint_steps for run in state.runs)):
         facts["checkpoint_steps"] = sorted(checkpoints)
+    if evaluations := set().union(*(run.evaluation_steps for run in state.runs)):
+        facts["evaluation_steps"] = sorted(evaluations)
     for rank, last in state.runs[-1].last_lines.items():  # the last run of the file: how the job ended
         stamped_ns = _ts_ns(state, *last["stamped"]) if last["stamped"] else None
         facts[f"log_last_line_rank{rank}"] = {"line": last["line"], "text": last["text"], "source": state.rel,
