@@ -266,15 +266,34 @@ def catch_interrupts() -> None:
         sys.exit(EXIT_INTERRUPTED)
 
 
+# The narrowest terminal the output is laid out for: rich takes COLUMNS as it is, and COLUMNS=0 printed nothing at
+# all (errors included), COLUMNS=1 a character a line.
+MIN_COLUMNS = 40
+
+
+def usable_columns() -> None:
+    """COLUMNS that is no width (0, negative, text) is dropped, so the terminal's own width (or 80) is used; one
+    narrower than MIN_COLUMNS is widened to it."""
+    given = os.environ.get("COLUMNS")
+    if given is None:
+        return
+    if not given.strip().isdigit() or int(given) == 0:
+        del os.environ["COLUMNS"]
+    elif int(given) < MIN_COLUMNS:
+        os.environ["COLUMNS"] = str(MIN_COLUMNS)
+
+
 def main() -> None:
     """The `analyze` script."""
     catch_interrupts()
+    usable_columns()
     exit_without_teardown(analyze_entry)
 
 
 def steplens_main() -> None:
     """The `steplens` script (every subcommand), set up as `analyze` is before polars is imported."""
     catch_interrupts()
+    usable_columns()
     exit_without_teardown(_steplens_entry)
 
 

@@ -454,6 +454,16 @@ def test_compare_takes_mfu_of_one_numerator_and_peak_from_both_runs(tmp_path):
     [mfu] = [m for m in result["metrics"] if m["metric"].startswith("MFU")]
     assert mfu["base"] is None and mfu["new"] is None
     assert any(w.startswith("MFU not compared: the runs' MFU figures share no numerator and peak") for w in result["warnings"])
+    # one side without MFU (no peak: a CPU run analysed without --peak-tflops): the other side's figure still shows
+    runs["d"] = tmp_path / "d"
+    shutil.copytree(sample, runs["d"], ignore=shutil.ignore_patterns(".steplens"))
+    assert CliRunner().invoke(analyze, [str(runs["d"]), "-q"]).exit_code in (0, 1)
+    one_sided = CliRunner().invoke(steplens, ["compare", str(runs["d"]), str(runs["a"]), "--out", str(tmp_path / "da"),
+                                              "--format", "json"])
+    result = json.loads(one_sided.stdout)
+    [mfu] = [m for m in result["metrics"] if m["metric"].startswith("MFU")]
+    assert mfu["base"] is None and mfu["new"] == pytest.approx(headline(runs["a"])[1])
+    assert "MFU of the new run only: the base run has none" in result["warnings"]
 
 
 def mfu_words(numerator: str) -> str:

@@ -403,3 +403,16 @@ def test_a_name_with_emoji_codes_prints_as_written(synthetic_run, tmp_path):
                           timeout=300, env={**os.environ, "COLUMNS": "300"})
     assert done.returncode == 0, done.stderr
     assert ":smiley: :warning: run/.steplens/report.html" in done.stdout and "\U0001f603" not in done.stdout
+
+
+@pytest.mark.parametrize("columns, narrowest", [("0", 80), ("-3", 80), ("wide", 80), ("1", 40)])
+def test_a_columns_value_that_is_no_width_still_prints_every_message(columns, narrowest, tmp_path):
+    """COLUMNS=0 made rich print nothing, the error of a missing folder included; COLUMNS=1 a character a line."""
+    missing = "no such run folder"
+    done = subprocess.run([str(Path(sys.executable).parent / "analyze"), missing], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": columns}, cwd=tmp_path)
+    assert done.returncode == 2
+    said = " ".join(done.stderr.split())
+    assert f"{missing}: no such file or folder" in said
+    assert all(len(line) <= narrowest for line in done.stderr.splitlines())
+    assert len(done.stderr.splitlines()) <= -(-len(said) // (narrowest - 10)) + 1  # not a character a line

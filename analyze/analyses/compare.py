@@ -208,8 +208,14 @@ def mfu_pair(base, new) -> tuple[str, float | None, float | None, str | None]:
             words = NUMERATOR_WORDS.get(figure["numerator"], figure["numerator"])
             return (f"MFU (median, {words})", figure["utilization"], theirs[(figure["numerator"], figure["peak"])], None)
     figures = {side: _mfu_figures(run) for side, run in (("base", base), ("new", new))}
-    if not all(figures.values()):
+    if not any(figures.values()):
         return "MFU (median)", None, None, None
+    if not all(figures.values()):  # one side's figure shown, the other's n/a: never both n/a beside a number
+        side, row = next((side, rows[0]) for side, rows in figures.items() if rows)
+        words = NUMERATOR_WORDS.get(row["numerator"], row["numerator"])
+        other = "new" if side == "base" else "base"
+        return (f"MFU (median, {words})", row["utilization"] if side == "base" else None,
+                row["utilization"] if side == "new" else None, f"MFU of the {side} run only: the {other} run has none")
     stated = "; ".join(f"{side}: " + ", ".join(f"{NUMERATOR_WORDS.get(r['numerator'], r['numerator'])} over {r['peak']}"
                                                 for r in rows) for side, rows in figures.items())
     return "MFU (median)", None, None, f"MFU not compared: the runs' MFU figures share no numerator and peak ({stated})"

@@ -20,6 +20,8 @@ The step-time checks read the `step_time` table, which already leaves such steps
 
 from __future__ import annotations
 
+import math
+
 import polars as pl
 
 from steplens.analyze.analyses.devices import DEVICES, FASTEST_LINK
@@ -62,7 +64,8 @@ def mark_impossible_mfu(table: pl.DataFrame, finding) -> tuple[pl.DataFrame, obj
 
 def _mfu_detail(row: dict) -> str:
     # past 1,000,000% as a multiple of the peak: a peak of 1e-300 TFLOP/s once printed a 307-digit percentage
-    shown = f"{row['utilization']:.1%}" if row["utilization"] < 1e4 else f"{row['utilization']:.3g}x the peak"
+    shown = f"{row['utilization']:.1%}" if row["utilization"] < 1e4 else f"{row['utilization']:.3g}x the peak" \
+        if math.isfinite(row["utilization"]) else "beyond any multiple of the peak (an infinite ratio)"
     return f"{row['metric']} {shown} (numerator {row['numerator']}) is above 100%: impossible"
 
 
