@@ -539,6 +539,20 @@ def test_junk_between_events_costs_no_event(tmp_path, traces, junk):
     assert [i.reason for i in parsed.issues] == ["malformed_event"]
 
 
+@pytest.mark.parametrize("element", ["null", "42", '"an event"', "[1, [2]]"])
+@pytest.mark.parametrize("where", ["middle", "last"])
+def test_an_element_that_is_no_event_costs_no_event_and_keeps_the_trailer(tmp_path, traces, element, where):
+    """null, a number, a string or a list in traceEvents, even as its last element, is one malformed element: the
+    events and the metadata after the array (baseTimeNanoseconds, to which this trace's ts are relative) are kept.
+    As the last element it once read as a file cut short, and every ts came out 1.7e18 ns early."""
+    t = traces["relative"]
+    at = t.spans[len(t.spans) // 2][1] if where == "middle" else t.spans[-1][1]
+    as_written = sorted(i.reason for i in _parse_text(tmp_path, t.text).issues)
+    parsed = _parse_text(tmp_path, t.text[:at] + ", " + element + t.text[at:])
+    assert _kept(parsed) == expected_events(t)
+    assert sorted(i.reason for i in parsed.issues) == sorted(as_written + ["malformed_event"])  # not "truncated"
+
+
 def test_damage_inside_nested_objects_does_not_end_the_array(tmp_path, traces):
     """A NaN in an event whose args hold a list of objects: resynchronising inside that list must not
     take its `]}}` for the end of traceEvents and drop every later event."""

@@ -523,10 +523,27 @@ class EventReader:
                 events.append(event)
             pos = end
 
+    def _value_end(self, view: memoryview, pos: int) -> int | None:
+        """Where the JSON value at `pos` ends when it is whole and more follows it, else None (junk, or a value
+        that may go on past the bytes read so far)."""
+        try:
+            _RAW.decode(view[pos:])
+        except msgspec.DecodeError as e:
+            offset = _error_offset(e)
+            if offset is not None and "trailing characters" in str(e):
+                return pos + offset - 1
+        except RecursionError:
+            pass
+        return None
+
     def _next_event(self, view: memoryview, pos: int) -> tuple[int, Any] | None:
         """The event at `pos` and where it ends (event None when it was skipped as damaged), or None
         when it may go on past the bytes read so far."""
-        if view[pos] != 0x7B:  # not an event: junk between events (a stray comma, zeros) up to the next one
+        if view[pos] != 0x7B:  # not an event
+            if (end := self._value_end(view, pos)) is not None:  # a whole JSON value (null, 42, "text", [1, 2])
+                self._skip("malformed_event", f"an element that is no event object: {bytes(view[pos:min(end, pos + 60)])!r}")
+                return end, None
+            # junk between events (a stray comma, zeros) up to the next one
             start = self.buf.find(b"{", pos)
             if start < 0:
                 return None
