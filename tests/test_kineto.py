@@ -107,6 +107,26 @@ def test_graph_launch_links_every_kernel(tmp_path):
     assert parsed.flows["src_event_id"].n_unique() == 1
 
 
+def test_a_correlation_id_repeated_by_an_appended_window_links_by_time(tmp_path):
+    """Two windows in one file, the second 1 s later with its correlation ids starting again (step 7, then step 9):
+    each kernel belongs to the launch of its own window, and the repeats are counted."""
+    first = _events()
+    later = [{**e, "ts": e["ts"] + 1_000_000, **({"name": "ProfilerStep#9"} if e["name"] == "ProfilerStep#7" else {})}
+             for e in _events()]
+    parsed = read_trace(write_trace(tmp_path / "t.json", first + later), "t.json")
+    ev = parsed.events.sort("ts_ns")
+    kernels = ev.filter(pl.col("kind") == "kernel")
+    assert kernels["step"].to_list() == [7, 7, 7, 9, 9, 9]
+    calls = ev.filter(pl.col("is_launch")).select("event_id", call_ts="ts_ns")
+    linked = parsed.flows.filter(pl.col("flow_type") == "launch").join(calls, left_on="src_event_id", right_on="event_id")
+    linked = linked.join(ev.select("event_id", "ts_ns"), left_on="dst_event_id", right_on="event_id")
+    # by hand: each kernel starts 18.751 us after its own call
+    assert (linked["ts_ns"] - linked["call_ts"]).to_list() == [18_751] * 6
+    assert [(i.reason, i.count) for i in parsed.issues if i.reason == "correlation_reused"] == [("correlation_reused", 3)]
+    alone = read_trace(write_trace(tmp_path / "one.json", first), "one.json")  # one window: nothing to say
+    assert not [i for i in alone.issues if i.reason == "correlation_reused"]
+
+
 @pytest.mark.parametrize("api", ["cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                                  "cudaGraphLaunch", "hipLaunchKernel", "hipExtModuleLaunchKernel", "hipGraphLaunch",
                                  "cudaMemcpyAsync", "cudaMemsetAsync", "hipMemcpyAsync"])

@@ -98,6 +98,9 @@ _DECLARED = (
     IssueReason("device_activity_outside_window", ("warning",), "Device activities further from the trace's host events "
                 "than the window's length (at least 1 s): a clock glitch; kept, left out of the device analyses."),
     IssueReason("orphan_device_activity", ("warning",), "Device activities whose launch is not in the trace (no step)."),
+    IssueReason("correlation_reused", ("warning",), "Launch calls whose correlation id an earlier call of the same kind "
+                "already has (windows appended into one file, merged traces): each device activity is linked to the "
+                "call with its id that started last before it."),
     # Nsight Systems exports (importers/nsys.py)
     IssueReason("nsys_schema_gap", ("info",), "Tables or columns this Nsight Systems export version lacks; what they "
                                               "would give is absent."),

@@ -82,8 +82,9 @@ def apply(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue],
     events = events.with_columns(
         is_launch=pl.col("kind").is_in(LAUNCH_KINDS) & pl.col("name").str.contains(LAUNCH_API.pattern))
     steps = step_windows(events, issues, step_name)
-    events = assign_steps(events, steps)
-    flows = links(events, endpoints, issues)
+    launched = launch_links(events, issues)
+    events = assign_steps(events, steps, launched)
+    flows = links(events, launched, endpoints, issues)
     _count_stray_device_work(events, issues)
     launched_by = flows.filter(pl.col("flow_type") == "launch").unique("dst_event_id", keep="first").select(
         event_id="dst_event_id", launch_event_id="src_event_id")
@@ -170,8 +171,9 @@ def _without_reused_numbers(steps: pl.DataFrame, issues: list[Issue]) -> pl.Data
     return steps.filter(~pl.col("step").is_in(reused.implode()))
 
 
-def assign_steps(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
-    """CPU events get the step whose window holds their start; device events the step of their launch.
+def assign_steps(events: pl.DataFrame, steps: pl.DataFrame, launched: pl.DataFrame) -> pl.DataFrame:
+    """CPU events get the step whose window holds their start; device events the step of their launch call
+    (`launched`: launch_links' table).
 
     `events` is sorted by ts_ns (event_id order), which the as-of join needs and keeps."""
     if steps.is_empty():
@@ -179,33 +181,51 @@ def assign_steps(events: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     windows = steps.select("start_ns", step_end_ns="end_ns", window_step="step").sort("start_ns")
     events = events.join_asof(windows, left_on="ts_ns", right_on="start_ns", strategy="backward", check_sortedness=False)
     events = events.with_columns(time_step=pl.when(pl.col("ts_ns") < pl.col("step_end_ns")).then(pl.col("window_step")))
-    launch_steps = (
-        events.select("kind", "correlation", "time_step")  # the columns first: a filter copies all it holds
-        .filter(pl.col("kind").is_in(LAUNCH_KINDS) & pl.col("correlation").is_not_null())
-        .group_by("correlation")
-        .agg(launch_step=pl.col("time_step").first())
-    )
+    launch_steps = launched.join(events.select(src_event_id="event_id", launch_step="time_step"), on="src_event_id").select(
+        event_id="dst_event_id", launch_step="launch_step")
     # Device work takes its launch's step, and none when its launch is not in the file (enqueued before
     # the window): a time guess would put it in whichever step was open when it ran.
     work = pl.col("kind").is_in(WORK_KINDS)
-    events = events.join(launch_steps, on="correlation", how="left", maintain_order="left").with_columns(
+    events = events.join(launch_steps, on="event_id", how="left", maintain_order="left").with_columns(
         step=pl.when(work).then(pl.col("launch_step")).otherwise(pl.col("time_step"))
     )
     return events.drop("start_ns", "step_end_ns", "window_step", "time_step", "launch_step")
 
 
-def launch_links(events: pl.DataFrame) -> pl.DataFrame:
-    """Launch -> device work by correlation id. A graph launch links to every kernel it ran."""
+def launch_links(events: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
+    """Launch -> device work by correlation id. A graph launch links to every kernel it ran.
+
+    A correlation id is one call's: where a trace repeats one among its calls of one kind (profiler windows appended
+    into one file, traces merged), each activity takes the call with its id that started last before it, a launch
+    API before another call, and the repeats are counted (correlation_reused)."""
     # The columns first: a filter copies every column it holds (over a third of the semantics stage)
-    ids = events.select("event_id", "kind", "correlation", "is_launch")
-    calls = ids.filter(pl.col("kind").is_in(LAUNCH_KINDS) & pl.col("correlation").is_not_null())
-    device = ids.filter(pl.col("kind").is_in(WORK_KINDS) & pl.col("correlation").is_not_null())
-    # Correlation ids are unique per call; if a trace repeats one, keep the launch API (then the first).
-    calls = calls.sort(["correlation", "is_launch", "event_id"], descending=[False, True, False], maintain_order=True).unique(
-        "correlation", keep="first")
-    return device.join(calls, on="correlation", how="inner", suffix="_src").select(
+    ids = events.select("event_id", "kind", "correlation", "is_launch", "ts_ns")
+    calls = ids.filter(pl.col("kind").is_in(LAUNCH_KINDS) & pl.col("correlation").is_not_null()).drop("kind")
+    device = ids.filter(pl.col("kind").is_in(WORK_KINDS) & pl.col("correlation").is_not_null()).select(
+        "event_id", "correlation", "ts_ns")
+    # one call per id: the launch API, then the first
+    first = calls.sort(["correlation", "is_launch", "event_id"], descending=[False, True, False], maintain_order=True).unique(
+        "correlation", keep="first").select("correlation", src_event_id="event_id")
+    linked = device.join(first, on="correlation", how="inner")
+    reused = calls.filter(pl.struct("correlation", "is_launch").is_duplicated())
+    if not reused.is_empty():
+        repeats = reused.height - reused.select("correlation", "is_launch").n_unique()
+        issues.append(Issue("warning", "correlation_reused", repeats,
+                            "launch calls whose correlation id an earlier call of the same kind already has (profiler "
+                            "windows appended into one file, or traces merged); each device activity is linked to the "
+                            "call with its id that started last before it"))
+        ids_reused = reused["correlation"].unique().implode()
+        candidates = calls.filter(pl.col("correlation").is_in(ids_reused) & pl.col("ts_ns").is_not_null())
+        # a launch API before another call with the id
+        candidates = candidates.filter(pl.col("is_launch") | ~pl.col("is_launch").any().over("correlation"))
+        timed = linked.filter(pl.col("correlation").is_in(ids_reused) & pl.col("ts_ns").is_not_null()).sort("ts_ns").join_asof(
+            candidates.select("correlation", "ts_ns", latest_src="event_id").sort("ts_ns"), on="ts_ns", by="correlation",
+            strategy="backward", check_sortedness=False)
+        linked = linked.join(timed.select("event_id", "latest_src"), on="event_id", how="left").with_columns(
+            src_event_id=pl.coalesce("latest_src", "src_event_id"))  # none before it (clock skew): the first
+    return linked.select(
         flow_type=pl.lit("launch"),
-        src_event_id="event_id_src",
+        src_event_id="src_event_id",
         dst_event_id="event_id",
         via=pl.lit("correlation"),
         flow_id="correlation",
@@ -249,9 +269,8 @@ def flow_links(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue
     )
 
 
-def links(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
-    """Launch links by correlation, plus the links only flow events give; orphan device work counted."""
-    by_correlation = launch_links(events)
+def links(events: pl.DataFrame, by_correlation: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
+    """Launch links by correlation (launch_links), plus the links only flow events give; orphan device work counted."""
     by_flow = flow_links(events, endpoints, issues)
     # Correlation is authoritative for launches; flow events add only the links it cannot see.
     extra = by_flow.join(by_correlation, on="dst_event_id", how="anti")
