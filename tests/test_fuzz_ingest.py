@@ -407,11 +407,19 @@ def test_garbage_after_the_json_document_is_named(tmp_path, traces):
     assert outcome.events[1] == expected_events(traces["rank1"]) and outcome.exit_code == 0
 
 
-def test_a_damaged_json_file_is_a_lost_rank(tmp_path, traces):
-    """Junk named like a trace is an error (exit 1), not an informational 'not a trace'."""
-    outcome = run_analyze(two_rank_run(tmp_path, traces, b"\x00\x01junk" * 50, "rank1.json"), "--ingest-only")
+@pytest.mark.parametrize("junk", [b"\x00\x01junk" * 50, b"{not json at all, disk error", b'{"a": [1, 2'])
+def test_a_damaged_json_file_is_a_lost_rank(tmp_path, traces, junk):
+    """Junk named like a trace is an error (exit 1), not an informational 'not a trace', a brace first included."""
+    outcome = run_analyze(two_rank_run(tmp_path, traces, junk, "rank1.json"), "--ingest-only")
     assert outcome.exit_code == 1
     assert {"damaged_trace"} <= {i["reason"] for i in outcome.issues if i["severity"] == "error"}
+
+
+def test_another_json_format_is_no_trace_and_no_error(tmp_path, traces):
+    outcome = run_analyze(two_rank_run(tmp_path, traces, b'{"train_batch_size": 8, "bf16": {"enabled": true}}',
+                                       "ds_config.json"), "--ingest-only")
+    assert outcome.exit_code == 0
+    assert [i["reason"] for i in outcome.issues if i["file"] == "ds_config.json"] == ["not_a_trace"]
 
 
 def test_a_rank_in_a_name_beyond_any_job_is_named_not_taken(tmp_path, traces):

@@ -127,6 +127,8 @@ def _describe_non_trace(head: bytes) -> tuple[str, bool]:
             return "a JSON array of arrays (looks like a torch memory_timeline export)", False
         return "a JSON array whose elements are not trace events", False
     if text[:1] == b"{":
+        if not re.match(rb'\{\s*("|\}|$)', text):  # a JSON object's first key, its end, or more to read
+            return f"not JSON (starts with {text[:16]!r})", True
         key = re.match(rb'\{\s*"([^"]{0,80})"', text)
         first = key.group(1).decode("utf-8", "replace") if key else "?"
         hint = " (rocprofiler-sdk output)" if "rocprofiler" in first else ""
@@ -343,7 +345,13 @@ class EventReader:
         if not sniff(self.buf[:SNIFF_BYTES]):
             if not self.buf and self.stream.truncated:
                 raise NotATrace(self.stream.truncated, damaged=True)
-            raise NotATrace(*_describe_non_trace(self.buf[:4096]))
+            what, damaged = _describe_non_trace(self.buf[:4096])
+            if not damaged and self.eof:  # the whole file read: another format only if it is JSON at all
+                try:
+                    msgspec.json.decode(self.buf)
+                except (msgspec.DecodeError, RecursionError) as e:
+                    what, damaged = f"not valid JSON ({e})", True
+            raise NotATrace(what, damaged=damaged)
         text = self.buf.lstrip()
         if text[:1] == b"[":
             start = len(self.buf) - len(text) + 1
