@@ -415,6 +415,24 @@ def test_a_damaged_json_file_is_a_lost_rank(tmp_path, traces, junk):
     assert {"damaged_trace"} <= {i["reason"] for i in outcome.issues if i["severity"] == "error"}
 
 
+@pytest.mark.parametrize("damaged", ["one kernel", "every kernel"])
+def test_a_trace_that_lost_a_tenth_of_its_events_is_data_lost(tmp_path, traces, damaged):
+    """Kernels whose dur is NaN (no JSON number) are skipped: one of them is a warning, every kernel (far more than
+    a tenth of the file's elements, counted here from the raw text) is data lost: an error, exit 1."""
+    t = traces["rank1"]
+    kernels = [i for i, e in enumerate(t.events) if e.get("cat") == "kernel" and "dur" in e]
+    assert len(kernels) >= 0.2 * len(t.events)
+    text = t.text
+    for i in reversed(kernels if damaged == "every kernel" else kernels[:1]):  # from the end: earlier spans hold
+        text = set_value(Trace(text, t.spans, t.events, t.base_ns), i, "dur", "NaN")
+    outcome = run_analyze(two_rank_run(tmp_path, traces, text), "--ingest-only")
+    lost = [i for i in outcome.issues if i["reason"] == "events_lost"]
+    if damaged == "one kernel":
+        assert outcome.exit_code == 0 and not lost
+    else:
+        assert outcome.exit_code == 1 and [(i["severity"], i["count"]) for i in lost] == [("error", len(kernels))]
+
+
 def test_another_json_format_is_no_trace_and_no_error(tmp_path, traces):
     outcome = run_analyze(two_rank_run(tmp_path, traces, b'{"train_batch_size": 8, "bf16": {"enabled": true}}',
                                        "ds_config.json"), "--ingest-only")
