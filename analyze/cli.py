@@ -120,7 +120,8 @@ also be a single trace file, analysed as a one-rank run into .steplens-FILE/ bes
 @click.option("--format", "fmt", type=click.Choice(["text", "md"]), default="text", show_default=True,
               help="text: terminal tables; md: print summary.md (markdown for a PR comment) instead.")
 @click.option("--kernel-categories", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
-              help="CSV with columns category,pattern (regex on kernel names), checked before the built-in patterns.")
+              help="CSV with columns category,pattern (regex on kernel names), checked before the built-in patterns "
+                   "(a kernel with a recorded collective stays communication, copies and sets stay memcpy and memset).")
 @click.option("--step-range", default=None, metavar="REGEX",
               help="Nsight Systems exports: the NVTX ranges that are steps, the step number in the first group "
                    "(default: ProfilerStep#N, 'iteration N', 'step N'). Without step ranges the whole window is analysed.")
