@@ -172,11 +172,12 @@ def test_step_breakdown_matches_the_raw_8_rank_trace(dlrm, batch_events, tmp_pat
 
 def _raw_exposed_by_op(trace: Path) -> dict[str, Decimal]:
     """Per collective (from the NCCL kernel's name), this rank's exposed time in ns: each NCCL
-    kernel's duration minus the part covered by non-NCCL kernels on another stream of its device."""
+    kernel's duration minus the part covered by other device work (non-NCCL kernels, copies, sets) on another
+    stream of its device."""
     events = [e for e in json.loads(trace.read_text(), parse_float=Decimal)["traceEvents"]
-              if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    nccl = [e for e in events if "nccl" in e["name"].lower()]
-    compute = [e for e in events if "nccl" not in e["name"].lower()]
+              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    nccl = [e for e in events if e["cat"] == "kernel" and "nccl" in e["name"].lower()]
+    compute = [e for e in events if e not in nccl]
     exposed: dict[str, Decimal] = {}
     for kernel in nccl:
         start, end = Decimal(kernel["ts"]) * 1000, (Decimal(kernel["ts"]) + Decimal(kernel["dur"])) * 1000

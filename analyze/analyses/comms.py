@@ -2,8 +2,9 @@
 
 One row per collective kernel per rank: bytes and bandwidth with the nccl-tests definitions
 (NVIDIA/nccl-tests doc/PERFORMANCE.md: algbw = S / t, busbw = algbw * factor, GB/s = 1e9 bytes/s,
-n = the process group's size), time exposed (not overlapped by compute kernels on another stream of
-the same device) vs overlapped, and the cross-rank instance it belongs to.
+n = the process group's size), time exposed (not overlapped by compute on another stream of the same device:
+any other device work, kernels, copies and sets, as step_breakdown counts compute) vs overlapped, and the
+cross-rank instance it belongs to.
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ def with_call_sites(calls: pl.DataFrame, runtime: pl.DataFrame, threads: CpuThre
 
 
 def _add_exposure(comm: pl.DataFrame, device: pl.DataFrame) -> pl.DataFrame:
-    """Overlapped = covered by compute kernels on another stream of the same device; the rest is exposed."""
-    compute = device.lazy().filter((pl.col("kind") == "kernel") & ~_is_communication(device)).select(
+    """Overlapped = covered by compute on another stream of the same device (every other device activity: kernels,
+    copies, sets, as step_breakdown's compute); the rest is exposed."""
+    compute = device.lazy().filter(pl.col("kind").is_in(schema.WORK_KINDS) & ~_is_communication(device)).select(
         "rank", "device", "stream", "ts_ns", "dur_ns").collect()
     by_device = compute.partition_by("rank", "device", as_dict=True)
     empty = compute.clear()
@@ -200,8 +202,9 @@ def exposed_comm_finding(calls: pl.DataFrame, cpu_comm_ops: int, backend: str | 
         "exposed_comm_ns": int(worst_rank["exposed_ns"]),
         "exposed_comm_rank": worst_rank["rank"],
         "exposed_comm_median_rank_ns": int(per_rank["exposed_ns"].median()),
-        "exposed_comm_definition": "communication kernel time not overlapped by compute kernels on another stream of the "
-                                   "same device, on the rank with the most (exposed_comm_rank); never summed over ranks",
+        "exposed_comm_definition": "communication kernel time not overlapped by compute (kernels, copies, sets) on "
+                                   "another stream of the same device, on the rank with the most (exposed_comm_rank); "
+                                   "never summed over ranks",
     }
 
 
@@ -301,7 +304,8 @@ COLLECTIVES = schema.table_spec(
     ("algbw_gbps", pa.float64(), "S / duration, GB/s (1e9 B/s)."),
     ("busbw_gbps", pa.float64(), "algbw x nccl-tests bus factor (allreduce 2(n-1)/n, allgather/reducescatter/alltoall "
                                  "(n-1)/n, else 1)."),
-    ("overlapped_ns", pa.int64(), "Part covered by compute kernels on another stream of the same device."),
+    ("overlapped_ns", pa.int64(), "Part covered by compute (kernels, copies, sets) on another stream of the same "
+                                  "device."),
     ("exposed_ns", pa.int64(), "dur_ns - overlapped_ns."),
     ("regime", pa.string(), "latency-bound below 1 MiB, else bandwidth-bound."),
     ("device", pa.int64(), "GPU."),
