@@ -107,6 +107,17 @@ def test_graph_launch_links_every_kernel(tmp_path):
     assert parsed.flows["src_event_id"].n_unique() == 1
 
 
+@pytest.mark.parametrize("overlap_us, counted", [(0, 0), (0.5, 0), (2, 1), (30, 1)])
+def test_steps_of_one_thread_that_overlap_are_counted(tmp_path, overlap_us, counted):
+    """ProfilerStep#7 [100, 150.5) us, then #8 starting `overlap_us` before #7 ends: a microsecond of rounding is
+    no overlap, more is (step times would hold that time twice)."""
+    events = _events() + [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#8", "pid": 10, "tid": 1,
+                           "ts": 150.5 - overlap_us, "dur": 40}]
+    parsed = read_trace(write_trace(tmp_path / "t.json", events), "t.json")
+    assert [i.count for i in parsed.issues if i.reason == "overlapping_steps"] == ([counted] if counted else [])
+    assert parsed.steps["step"].to_list() == [7, 8]  # kept as given
+
+
 def test_a_correlation_id_repeated_by_an_appended_window_links_by_time(tmp_path):
     """Two windows in one file, the second 1 s later with its correlation ids starting again (step 7, then step 9):
     each kernel belongs to the launch of its own window, and the repeats are counted."""

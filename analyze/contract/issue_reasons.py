@@ -95,6 +95,8 @@ _DECLARED = (
     IssueReason("bad_step_number", ("warning",), "ProfilerStep numbers too large to be steps; kept as plain events."),
     IssueReason("reused_step_number", ("warning",), "A step number marking spans one after another (a restarted "
                 "counter, copied annotations): left out of the steps; the events are kept, with no step."),
+    IssueReason("overlapping_steps", ("warning",), "Steps that start before the step before them on their thread "
+                "ended (edited annotations, merged traces): their step times hold that time twice; kept as given."),
     IssueReason("flow_without_end", ("info",), "Flow starts whose end is outside the trace window."),
     IssueReason("flow_unbound", ("info",), "Flow pairs whose start or end matches no slice; not linked."),
     IssueReason("device_activity_outside_window", ("warning",), "Device activities further from the trace's host events "

@@ -146,9 +146,29 @@ def step_windows(events: pl.DataFrame, issues: list[Issue], step_name: re.Patter
     steps = _without_reused_numbers(steps, issues)
     # Ranges of one number nested on one thread ("iteration 3" holding "step 3") are one step: one row a thread
     # (the spans left of a number overlap, so their hull is each thread's span of the step)
-    return steps.group_by("step", "pid", "tid", maintain_order=True).agg(
+    steps = steps.group_by("step", "pid", "tid", maintain_order=True).agg(
         pl.col("start_ns").min(), pl.col("end_ns").max()).select(
         "step", "start_ns", "end_ns", dur_ns=pl.col("end_ns") - pl.col("start_ns"), pid="pid", tid="tid").sort("start_ns")
+    _count_overlapping_steps(steps, issues)
+    return steps
+
+
+STEP_OVERLAP_SLACK_NS = 1_000  # a microsecond: Kineto writes times in us, a step's end rounded past the next's start
+
+
+def _count_overlapping_steps(steps: pl.DataFrame, issues: list[Issue]) -> None:
+    """Steps of one thread run one after another: one that starts before the thread's step before it ended holds
+    time of that step too (the step annotations were edited, or two runs' traces merged). Counted, kept as given."""
+    thread = ["pid", "tid"]
+    ordered = steps.sort(*thread, "start_ns", maintain_order=True).with_columns(
+        before_step=pl.col("step").shift(1).over(thread), before_end_ns=pl.col("end_ns").shift(1).over(thread))
+    overlapping = ordered.filter(pl.col("start_ns") < pl.col("before_end_ns") - STEP_OVERLAP_SLACK_NS)
+    if overlapping.height:
+        first = overlapping.row(0, named=True)
+        issues.append(Issue("warning", "overlapping_steps", overlapping.height,
+                            f"steps that start before the step before them on their thread ended (step {first['step']} "
+                            f"starts {(first['before_end_ns'] - first['start_ns']) / 1e6:.3g} ms before step "
+                            f"{first['before_step']} ends): step times from them hold that time twice"))
 
 
 def _without_reused_numbers(steps: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
