@@ -250,6 +250,8 @@ CASES = {
     "dur 'Infinity'": _event_value("dur", '"Infinity"', {"bad_duration"}),
     "ProfilerStep dur 9.2e15 us (int64 wrap)": _step_value("dur", "9.2e15", {"bad_duration"}),
     "ProfilerStep#99999999999999999999999": _step_value("name", '"ProfilerStep#99999999999999999999999"', {"bad_step_number"}),
+    "ProfilerStep#-5": _step_value("name", '"ProfilerStep#-5"', {"bad_step_number"}),
+    "ProfilerStep# without a number": _step_value("name", '"ProfilerStep#"', {"bad_step_number"}),
     "NaN token mid-file": _nan_at("middle"),
     "NaN token in the first chunk": _nan_at("first"),
     "args nested 5000 deep": Case(_deep_args, {"nesting_too_deep"}),

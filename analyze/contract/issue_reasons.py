@@ -92,7 +92,8 @@ _DECLARED = (
     IssueReason("bad_duration", ("warning",), "dur that is not a number or implausible; kept without a duration."),
     IssueReason("unrepresentable_value", ("warning",), "Values out of range for their meaning (a trace arg) or their "
                 "column (a log's number past int64, nan where a count belongs); stored as null."),
-    IssueReason("bad_step_number", ("warning",), "ProfilerStep numbers too large to be steps; kept as plain events."),
+    IssueReason("bad_step_number", ("warning",), "ProfilerStep annotations whose number is missing or too large to "
+                "be a step; kept as plain events."),
     IssueReason("reused_step_number", ("warning",), "A step number marking spans one after another (a restarted "
                 "counter, copied annotations): left out of the steps; the events are kept, with no step."),
     IssueReason("overlapping_steps", ("warning",), "Steps that start before the step before them on their thread "

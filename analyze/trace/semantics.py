@@ -121,12 +121,14 @@ def step_windows(events: pl.DataFrame, issues: list[Issue], step_name: re.Patter
         & ~pl.col("kind").is_in(schema.DEVICE_KINDS)
     ).with_columns(digits=pl.col("name").str.extract(step_name.pattern))
     number = pl.col("digits").cast(pl.Int64, strict=False)
-    damaged = marked.filter(pl.col("digits").is_not_null() & ~number.is_between(0, MAX_STEP).fill_null(False))
+    # ("ProfilerStep#-5", "ProfilerStep#": named as steps, with no step number the pattern takes)
+    damaged = marked.filter(~number.is_between(0, MAX_STEP).fill_null(False))
     if damaged.height:
-        # what the step pattern's group captured: digits past the step limit, or (a pattern given with
+        # what the step pattern's group captured: digits past the step limit, nothing, or (a pattern given with
         # --step-range) text that is no number at all
         digits = damaged["digits"][0]
-        why = (f"step numbers above {MAX_STEP} are damage, not steps" if digits.isdigit() else
+        why = ("a step annotation without a step number" if digits is None else
+               f"step numbers above {MAX_STEP} are damage, not steps" if digits.isdigit() else
                f"the step pattern's group captured {digits!r:.40}, not a step number")
         issues.append(Issue("warning", "bad_step_number", damaged.height, f"{why}; those events are kept as plain "
                             f"events, e.g. {damaged['name'][0]!r:.80}"))
