@@ -165,9 +165,12 @@ def _step_range(value: str | None) -> tuple[int, int] | None:
         return None
     first, _, last = value.partition(":")
     try:
-        return int(first), int(last or first)
+        low, high = int(first), int(last or first)
     except ValueError:
         raise click.BadParameter("expected A:B (ProfilerStep numbers, inclusive) or A") from None
+    if low > high:
+        raise click.BadParameter(f"{low}:{high} runs backwards: the first step comes first ({high}:{low})")
+    return low, high
 
 
 @click.command("export-trace")
