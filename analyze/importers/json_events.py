@@ -699,7 +699,8 @@ def _report_trailing(text: bytes, more_bytes: int, more_junk: bool, after: str, 
     junk = b"" if _is_padding(text) else text.strip(b" \t\r\n\0")
     size = len(text) + more_bytes
     if junk or more_junk:
-        issues.append(Issue("warning", "trailing_garbage", size, f"bytes after the end of {after} ignored, e.g. {junk[:60]!r}"))
+        example = f", e.g. {junk[:60]!r}" if junk else ""  # (after gzip data only their count is kept)
+        issues.append(Issue("warning", "trailing_garbage", size, f"bytes after the end of {after} ignored{example}"))
     elif b"\0" in text or more_bytes:
         issues.append(Issue("info", "zero_padding", size, f"zero bytes after the end of {after} (a preallocated file?); ignored"))
 
