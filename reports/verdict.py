@@ -135,7 +135,7 @@ def mfu_headline(f: dict) -> str | None:
         return None
     head = utilization[0]
     # a peak whose dtype nothing in the run states is a guess: said on the line that divides by it
-    assumed = ", dtype assumed" if (f.get("dtype") or {}).get("origin", "").startswith("assumed") \
+    assumed = ", dtype assumed" if (f.get("mfu_dtype") or {}).get("origin", "").startswith("assumed") \
         and "--peak-tflops" not in head["peak"] else ""
     return (f"{head['metric']}: {utilization_text(head['utilization'])} ({NUMERATOR_SHORT.get(head['numerator'], head['numerator'])}; "
             f"peak {first_clause(head['peak'])}{assumed})")

@@ -311,7 +311,7 @@ def test_corpus_mfu_divides_by_the_peak_of_the_dtype_its_gemms_ran_in(corpus_op_
         if len(flops_by_type) != 1 or None in flops_by_type:
             continue
         (dtype,) = flops_by_type
-        assert findings["dtype"]["dtype"] == dtype, name
+        assert findings["mfu_dtype"]["dtype"] == dtype, name
         for row in findings["mfu"] if isinstance(findings["mfu"], list) else []:
             assert f"dense {dtype}," in row["peak"], name
         checked += 1

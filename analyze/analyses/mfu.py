@@ -403,7 +403,7 @@ COUNTS_DIFFER = ("the counts differ in what they hold: recomputation (in execute
 
 def _dtype_origin(head: dict, findings: dict) -> str:
     """Where the peak's dtype came from, unless the peak was given whole (--peak-tflops)."""
-    dtype = findings.get("dtype") or {}
+    dtype = findings.get("mfu_dtype") or {}
     if not dtype.get("origin") or "--peak-tflops" in head.get("peak", ""):
         return ""
     return f"; {dtype['dtype']}: {dtype['origin']}"
@@ -499,7 +499,7 @@ def _mfu(inputs: Inputs) -> Output:
                         ~pl.col("excluded") & (pl.col("step_time_ns") > 0)).is_empty() else "")
     table, finding = sanity.mark_impossible_mfu(
         table, mfu_finding(table, problem or log_problem or context.peak_problem or missing or no_step_time or graphs_note))
-    qualified = {}
+    qualified = {"mfu_dtype": {"dtype": inputs.options.dtype, "origin": context.dtype_origin}}
     if isinstance(finding, list) and (disagree := numerators_disagree(finding)):
         qualified["mfu_numerators_disagree"] = disagree
     if isinstance(finding, list) and (problem or missing):  # a numerator refused beside those computed

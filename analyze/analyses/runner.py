@@ -52,6 +52,7 @@ class RunContext:
     # rank -> the trace file it came from, for the ranks that share one (one Nsight Systems export of several
     # processes: one host's clock)
     file_of_rank: dict = field(default_factory=dict)
+    dtype_origin: str = ""  # where the peak's dtype came from (mfu.compute_dtype), once the per-rank analyses ran
 
 
 def _device(manifest: dict) -> tuple[str | None, int | None]:
@@ -208,8 +209,8 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     peak, peak_problem = mfu.peak_for(device_name, dtype, num_sms, options.peak_tflops, device_activity, dtype_origin)
     if mixed and peak is None:
         peak_problem = f"{mixed}; pass --peak-tflops (dense, per GPU) to compute MFU"
-    context = replace(context, peak=peak, peak_problem=peak_problem)
-    findings: dict = {"device": device_name if ranks else None, "dtype": {"dtype": dtype, "origin": dtype_origin}}
+    context = replace(context, peak=peak, peak_problem=peak_problem, dtype_origin=dtype_origin)
+    findings: dict = {"device": device_name if ranks else None}
     inputs = Inputs(out_dir, facts, options, ranks, computed=computed, findings=findings, context=context)
     for analysis in per_rank:
         for table, spec in analysis.writes.items():
