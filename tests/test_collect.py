@@ -423,6 +423,33 @@ def test_a_part_with_a_column_of_another_type_is_skipped(tmp_path, columns):
     assert issue[:3] == ["error", "collector_part_columns", 1] and rel in issue[3] and "of other types" in issue[3]
 
 
+@pytest.mark.parametrize("rewrite", ["polars", "large_string", "dictionary"])
+def test_a_part_rewritten_with_its_text_stored_another_way_is_read_as_written(tmp_path, rewrite):
+    """A part read and written again by polars (its strings become large_string), or with text stored as a
+    dictionary, holds the same values: its rows are read, not skipped as another steplens version's."""
+    import polars as pl
+
+    rel = "collector/train_steps/" + sorted(SAMPLE_STEPS.glob("rank0-*.parquet"))[0].name
+    original = pq.read_table(SAMPLE_STEPS / Path(rel).name)
+    (tmp_path / rel).parent.mkdir(parents=True)
+    if rewrite == "polars":
+        pl.read_parquet(SAMPLE_STEPS / Path(rel).name).write_parquet(tmp_path / rel)
+    else:
+        texts = [i for i, f in enumerate(original.schema) if f.type == pa.string()]
+        assert texts  # the part has text columns to store another way
+        table = original
+        for i in texts:
+            column = table.column(i)
+            table = table.set_column(i, table.schema.field(i).name, column.cast(pa.large_string()) if
+                                     rewrite == "large_string" else column.dictionary_encode())
+        pq.write_table(table, tmp_path / rel)
+    result = collector_parts.parse(tmp_path / rel, rel)
+    assert not result.issues
+    [frame] = result.tables.values()
+    written = original.drop_columns([c for c in ("source",) if c in original.column_names])  # source: the part's path
+    assert frame.drop("source").to_arrow().cast(written.schema).equals(written)
+
+
 SAMPLE_STEPS = SAMPLE_MANIFEST.parents[1] / "train_steps"
 
 

@@ -69,6 +69,16 @@ def _read_bounded(path: Path) -> tuple[pa.Table, str | None]:
     return arrow, None
 
 
+# Arrow types that hold the same text or bytes as the collector's own, each castable to it without loss.
+SAME_VALUES = {pa.string(): (pa.large_string(), pa.string_view()), pa.binary(): (pa.large_binary(), pa.binary_view())}
+
+
+def _same_values(actual: pa.DataType, expected: pa.DataType) -> bool:
+    if pa.types.is_dictionary(actual):
+        actual = actual.value_type
+    return actual == expected or actual in SAME_VALUES.get(expected, ())
+
+
 def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
 
     table, rank = part.table, part.rank
@@ -87,8 +97,13 @@ def _parse_part(path: Path, rel: str, part: layout.CollectorPart) -> Imported:
     # (not UTF-8) it would make polars panic, so the columns go on without it (no copy).
     arrow = pa.Table.from_arrays(arrow.columns, names=names)
     missing, extra = set(expected.names) - set(arrow.schema.names), set(arrow.schema.names) - set(expected.names)
-    # A column of another type is another column: casting it could truncate (2.5 -> rank 2) or fail.
-    retyped = sorted(f.name for f in arrow.schema if f.name in expected.names and f.type != expected.field(f.name).type)
+    # A column of another type is another column: casting it could truncate (2.5 -> rank 2) or fail. Text stored
+    # another way (large or view strings, dictionary-encoded: a part rewritten by polars or pandas) is the same values.
+    retyped = sorted(f.name for f in arrow.schema if f.name in expected.names
+                     and not _same_values(f.type, expected.field(f.name).type))
+    for i, f in enumerate(arrow.schema):
+        if f.name in expected.names and f.type != expected.field(f.name).type and f.name not in retyped:
+            arrow = arrow.set_column(i, f.name, arrow.column(i).cast(expected.field(f.name).type))
     missing -= set(layout.LATER_COLUMNS.get(table, ()))
     if extra or retyped or missing:
         return Imported(issues=[["error", "collector_part_columns", 1,
