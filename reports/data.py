@@ -82,7 +82,7 @@ MAX_KERNEL_LABEL = 60
 
 def kernel_labels(names: list[str]) -> dict[str, str]:
     """Each kernel's base name for a table cell (the full demangled name goes in its tooltip); base
-    names shared by several kernels of the table (template instances) are numbered."""
+    names shared by several kernels of `names` (template instances) are numbered, in the order given."""
     bases = [base_name(str(name)) for name in names]
     bases = [b if len(b) <= MAX_KERNEL_LABEL else b[: MAX_KERNEL_LABEL - 1] + "…" for b in bases]
     numbered: dict[str, int] = {}

@@ -152,9 +152,10 @@ def _drawn(sections: list[dict], drawer, not_drawn: list[str] | None = None) -> 
 
 
 def _kernel_cells(frame: pl.DataFrame, column: str, limit: int) -> dict[str, Cell]:
-    """A kernel column's cells: each shown name's base name, the full demangled name in its tooltip."""
-    labels = kernel_labels(frame.head(limit)[column].to_list())
-    return {name: Cell(label, name) for name, label in labels.items()}
+    """A kernel column's cells: each shown name's base name, the full demangled name in its tooltip. Base names are
+    numbered over the whole table, shown rows or not: a name shared with a kernel further down is numbered too."""
+    labels = kernel_labels(frame[column].to_list())
+    return {name: Cell(labels[name], name) for name in frame.head(limit)[column].to_list()}
 
 
 # How a column's cells are shown, by the name an analysis's section gives (or any function of the value).

@@ -796,3 +796,18 @@ def test_a_column_of_sentences_keeps_a_reading_width_on_a_narrow_page(browser, t
         assert max(detail) > 60 and widths and min(widths) >= 250
     finally:
         browser.set_window_size(1280, 4000)
+
+
+def test_a_kernel_sharing_its_base_name_with_one_further_down_is_numbered_in_every_view():
+    """Template instances share a base name. In the top five, `foo<int>` alone looked like the only foo, while
+    `foo<float>` (7th) shared its name: both views number over the whole top_kernels table, so the shown row says it
+    is one of several, with the same number in summary.md and report.html."""
+    from steplens.reports import html
+    from steplens.reports.data import kernel_labels
+
+    names = ["void foo<int>(int*)", "void a()", "void b()", "void c()", "void d()", "void e()", "void foo<float>(float*)"]
+    frame = pl.DataFrame({"name": names})
+    cells = html._kernel_cells(frame, "name", limit=5)
+    assert list(cells) == names[:5]  # the shown rows only
+    assert str(cells[names[0]]) == kernel_labels(names)[names[0]] == "foo (1)" and cells[names[0]].full == names[0]
+    assert kernel_labels(names)[names[6]] == "foo (2)" and str(cells[names[1]]) == "a"
