@@ -145,12 +145,16 @@ def _dtype_flops(rows: list[tuple[str, bool, float]]) -> pl.DataFrame:
     (None, [("fp32", False, 7.0), ("bf16", False, 3.0)], {"dtype": "bf16"}, "a100", "fp32", "70% of the FLOPs"),
     (None, [("fp32", True, 7.0), ("fp32", False, 3.0)], {}, "a100", "tf32", "70%"),  # convolutions on TF32 cores
     (None, [("fp32", True, 7.0), ("fp32", False, 3.0)], {}, "v100-sxm", "fp32", "100%"),  # V100: no TF32
-    (None, [(None, False, 5.0)], {"dtype": "fp16"}, "a100", "fp16", "DeepSpeed config"),  # no op dtype: the config
-    (None, [], {"ds_config": {"bf16": {"enabled": True}}}, None, "bf16", "DeepSpeed config"),
-    (None, [], {"ds_config": {"bf16": {"enabled": "auto"}, "fp16": {"enabled": True}}}, None, "fp16", "DeepSpeed config"),
-    (None, [], {"ds_config": {"train_batch_size": 8}}, None, "fp32", "DeepSpeed config"),  # neither enabled
+    (None, [(None, False, 5.0)], {"dtype": "fp16"}, "a100", "fp16", "DeepSpeed or Megatron config"),  # no op dtype: the config
+    (None, [], {"ds_config": {"bf16": {"enabled": True}}}, None, "bf16", "DeepSpeed or Megatron config"),
+    (None, [], {"ds_config": {"bf16": {"enabled": "auto"}, "fp16": {"enabled": True}}}, None, "fp16", "DeepSpeed or Megatron config"),
+    (None, [], {"ds_config": {"train_batch_size": 8}}, None, "fp32", "DeepSpeed or Megatron config"),  # neither enabled
     (None, [], {"ds_config": {"torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}}}, None, "bf16", "config"),
-    (None, [], {"bfloat16_enabled": False, "fp16_enabled": True}, None, "fp16", "DeepSpeed config"),  # the log's lines
+    (None, [], {"bfloat16_enabled": False, "fp16_enabled": True}, None, "fp16", "DeepSpeed"),  # the log's lines
+    (None, [], {"megatron_args": {"bf16": False, "fp16": True}}, None, "fp16", "Megatron config"),
+    (None, [], {"megatron_args": {"bf16": False, "fp16": False}}, None, "fp32", "Megatron config"),
+    (None, [], {"megatron_args": {"bf16": True}}, None, "bf16", "Megatron config"),  # a command line's --bf16
+    (None, [], {"megatron_args": {"num_layers": 2}}, None, "bf16", "assumed"),
     (None, [], {}, None, "bf16", "assumed"),
 ])
 def test_the_peaks_dtype_is_the_runs_own(given, rows, facts, device, dtype, origin):

@@ -57,7 +57,7 @@ def peak_for(device_name: str | None, dtype: str, num_sms: int | None = None, pe
     return Peak(tflops * 1e12, f"{tflops:g} TFLOP/s dense {dtype}, {key} ({DEVICES[key].peak_source})"), ""
 
 
-DTYPE_ASSUMED = "assumed: neither the traces' op shapes nor a DeepSpeed config say it; pass --dtype"
+DTYPE_ASSUMED = "assumed: neither the traces' op shapes nor a DeepSpeed or Megatron config say it; pass --dtype"
 # torch dtype names in DeepSpeed's torch_autocast config -> the peak table's
 AUTOCAST_DTYPES = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16", "torch.float16": "fp16",
                    "half": "fp16"}
@@ -84,14 +84,20 @@ def compute_dtype(given: str | None, dtype_flops: pl.DataFrame, facts: dict, dev
         return top, (f"the dtype of {share:.0%} of the FLOPs of the traces' innermost ops"
                      + (f" ({others})" if others else ""))
     config = _config_dtype(facts)
-    return (config, "the job's DeepSpeed config") if config else ("bf16", DTYPE_ASSUMED)
+    return (config, "the job's DeepSpeed or Megatron config") if config else ("bf16", DTYPE_ASSUMED)
 
 
 def _config_dtype(facts: dict) -> str | None:
-    """The compute dtype a DeepSpeed run states: the collector's (from the engine), else its config (as JSON in
-    the log or its printed bfloat16_enabled / fp16_enabled lines); None when nothing states it."""
+    """The compute dtype a DeepSpeed or Megatron run states: the collector's (from the engine), else Megatron's
+    --bf16 / --fp16 arguments, else the DeepSpeed config (as JSON in the log or its printed bfloat16_enabled /
+    fp16_enabled lines); None when nothing states it."""
     if facts.get("dtype") in ("bf16", "fp16", "fp32"):
         return facts["dtype"]
+    megatron = facts.get("megatron_args") if isinstance(facts.get("megatron_args"), dict) else {}
+    if megatron.get("bf16") is True or megatron.get("fp16") is True:  # (a command line's --bf16 flag alone too)
+        return "bf16" if megatron.get("bf16") is True else "fp16"
+    if megatron.get("bf16") is False and megatron.get("fp16") is False:
+        return "fp32"  # Megatron's default
     config = facts.get("ds_config") if isinstance(facts.get("ds_config"), dict) else {}
 
     def enabled(key: str) -> bool:

@@ -190,7 +190,8 @@ MEGATRON_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_atte
                        "global_batch_size", "micro_batch_size", "padded_vocab_size", "vocab_size",
                        "make_vocab_size_divisible_by", "swiglu",
                        "num_experts", "world_size", "data_parallel_size", "tensor_model_parallel_size",
-                       "pipeline_model_parallel_size", "checkpoint_activations", "recompute_granularity")
+                       "pipeline_model_parallel_size", "checkpoint_activations", "recompute_granularity",
+                       "bf16", "fp16")  # (the last two: the compute dtype of MFU's peak)
 MEGATRON_FLAG = re.compile(r"(?:^|\s)--([a-z][a-z0-9-]*)(?:[ =]([^\s-][^\s]*))?(?=\s|$)")
 # A command line (the DeepSpeed runner's, or a script's own "cmd = ..." echo) stating the batch.
 SCRIPT_CMD = re.compile(r"^cmd = (.*)$")
