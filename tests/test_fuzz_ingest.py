@@ -472,6 +472,21 @@ def test_duplicated_rank_is_named(tmp_path, traces):
     assert outcome.events[1] == expected_events(traces["rank1"])  # counted once
 
 
+def test_of_two_claims_on_a_rank_the_file_named_for_it_is_kept(tmp_path, traces):
+    """rank1's trace (distributedInfo.rank 1) also copied as rank0-old.json, which sorts first: the misnamed copy is
+    the duplicate, and its name's disagreement with its trace is said."""
+    assert traces["rank1"].text.count('"rank": 1') >= 1  # the trace records its rank
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "rank0-old.json").write_text(traces["rank1"].text)
+    (run / "rank1.json").write_text(traces["rank1"].text)
+    outcome = run_analyze(run, "--ingest-only")
+    by_file = {(i["file"], i["reason"]) for i in outcome.issues}
+    assert ("rank0-old.json", "duplicate_rank") in by_file and ("rank0-old.json", "rank_name_disagrees") in by_file
+    assert not {reason for file, reason in by_file if file == "rank1.json"} & {"duplicate_rank", "rank_name_disagrees"}
+    assert outcome.events[1] == expected_events(traces["rank1"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Special files and memory: these run analyze in a subprocess, so a hang or a blow-up fails the test.
 

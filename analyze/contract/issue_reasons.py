@@ -56,6 +56,9 @@ _DECLARED = (
                 "or out of range (contract/manifest.py fact_problem); left out of the run's facts."),
     # Ranks (pipeline/ingest.py)
     IssueReason("rank_from_filename", ("warning",), "No distributedInfo.rank: the rank is taken from the file name."),
+    IssueReason("rank_name_disagrees", ("warning",), "The file name names another rank than the trace's "
+                "distributedInfo.rank (renamed or copied): the trace's own rank is taken, and of two claims on a rank "
+                "the file whose name agrees is kept."),
     IssueReason("rank_from_process", ("warning",), "A file of several processes (an nsys export): one rank per process, "
                                                    "in file then process order."),
     IssueReason("rank_in_name_ignored", ("warning",), "A file name's rank<N> is beyond any job's ranks (2^24): not taken "

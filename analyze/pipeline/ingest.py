@@ -449,6 +449,10 @@ def _assign_ranks(sources: list[Source]) -> None:
         if origin == "file name":
             s.issues.append(["warning", "rank_from_filename", 1,
                              f"no distributedInfo.rank in the trace; rank {s.rank} taken from the file name"])
+        elif origin == "distributedInfo" and _name_disagrees(s):
+            s.issues.append(["warning", "rank_name_disagrees", 1,
+                             f"the file name says rank {schema.rank_in_name(Path(s.path).name)}, the trace's "
+                             f"distributedInfo.rank {rank}: the trace's own rank is taken"])
     _ranks_by_process(sources)
     _reject_duplicate_ranks(sources)
     if not unresolved:
@@ -484,6 +488,12 @@ def _ranks_by_process(sources: list[Source]) -> None:
                          f"its file, in the order its importer gives) is treated as rank {rank}"])
 
 
+def _name_disagrees(source: Source) -> bool:
+    """A trace whose file name names another rank than the one it records (renamed or copied under another name)."""
+    named = schema.rank_in_name(Path(source.path).name) if source.unit_index is None else None
+    return named is not None and source.trace_rank is not None and named != source.trace_rank
+
+
 def _overlap(a: Source, b: Source) -> bool:
     span_a, span_b = a.trace_meta.get("span_ns"), b.trace_meta.get("span_ns")
     return bool(span_a and span_b) and max(span_a[0], span_b[0]) < min(span_a[1], span_b[1])
@@ -495,9 +505,11 @@ def _reject_duplicate_ranks(sources: list[Source]) -> None:
     windows of one process (torch.profiler's repeat >= 2: one file per window, each with the process's
     baseTimeNanoseconds) share a rank and a base time, but neither host-clock time nor steps: all kept.
     Two traces of one rank recording different world sizes are two jobs' (one process has one world
-    size): the later one is an error and skipped too."""
+    size): the later one is an error and skipped too. A trace whose file name names another rank than it records
+    counts as later than one whose name agrees."""
     kept: dict[int, list[Source]] = {}
-    for s in sources:
+    # of two claims, the trace whose file name agrees with the rank it records is kept (then path order)
+    for s in sorted(sources, key=_name_disagrees):
         if s.rank is None or s.status not in ("ingested", "reused") or s.kind not in importers.TRACE_KINDS:
             continue
         twin = next((k for k in kept.get(s.rank, []) if (k.size, k.hash_prefix) == (s.size, s.hash_prefix)
