@@ -277,7 +277,7 @@ def usable_columns() -> None:
     given = os.environ.get("COLUMNS")
     if given is None:
         return
-    if not given.strip().isdigit() or int(given) == 0:
+    if not (given.strip().isascii() and given.strip().isdigit()) or int(given) == 0:  # ('²' is a digit to Python)
         del os.environ["COLUMNS"]
     elif int(given) < MIN_COLUMNS:
         os.environ["COLUMNS"] = str(MIN_COLUMNS)

@@ -411,7 +411,7 @@ def test_garbage_after_the_json_document_is_named(tmp_path, traces):
     assert outcome.events[1] == expected_events(traces["rank1"]) and outcome.exit_code == 0
 
 
-@pytest.mark.parametrize("junk", [b"\x00\x01junk" * 50, b"{not json at all, disk error", b'{"a": [1, 2'])
+@pytest.mark.parametrize("junk", [b"\x00\x01junk" * 50, b"{not json at all, disk error"])
 def test_a_damaged_json_file_is_a_lost_rank(tmp_path, traces, junk):
     """Junk named like a trace is an error (exit 1), not an informational 'not a trace', a brace first included."""
     outcome = run_analyze(two_rank_run(tmp_path, traces, junk, "rank1.json"), "--ingest-only")
@@ -437,11 +437,21 @@ def test_a_trace_that_lost_a_tenth_of_its_events_is_data_lost(tmp_path, traces, 
         assert outcome.exit_code == 1 and [(i["severity"], i["count"]) for i in lost] == [("error", len(kernels))]
 
 
-def test_another_json_format_is_no_trace_and_no_error(tmp_path, traces):
-    outcome = run_analyze(two_rank_run(tmp_path, traces, b'{"train_batch_size": 8, "bf16": {"enabled": true}}',
-                                       "ds_config.json"), "--ingest-only")
+@pytest.mark.parametrize("text", [b'{"train_batch_size": 8, "bf16": {"enabled": true}}',
+                                  b'{"iteration": 19, "loss": 1.2}\n{"iteration": 39, "loss": 1.1}\n',  # JSON Lines
+                                  b'{"loss": NaN, "step": 3}'])  # Python's json.dump of a diverged run
+def test_another_json_format_is_no_trace_and_no_error(tmp_path, traces, text):
+    outcome = run_analyze(two_rank_run(tmp_path, traces, text, "metrics.json"), "--ingest-only")
     assert outcome.exit_code == 0
-    assert [i["reason"] for i in outcome.issues if i["file"] == "ds_config.json"] == ["not_a_trace"]
+    assert [i["reason"] for i in outcome.issues if i["file"] == "metrics.json"] == ["not_a_trace"]
+
+
+def test_a_stray_quote_between_events_costs_no_event(tmp_path, traces):
+    """`, "x{...}`: read as a string, the quote would take the next event's start with it."""
+    t = traces["rank1"]
+    i = len(t.spans) // 2
+    parsed = _parse_text(tmp_path, t.text[:t.spans[i][1]] + ', "x' + t.text[t.spans[i][1]:].lstrip(", "))
+    assert _kept(parsed) == expected_events(t)
 
 
 def test_a_rank_in_a_name_beyond_any_job_is_named_not_taken(tmp_path, traces):

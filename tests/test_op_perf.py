@@ -11,6 +11,7 @@
 
 import gzip
 import json
+import re
 from collections import defaultdict
 from decimal import Decimal
 from pathlib import Path
@@ -134,18 +135,22 @@ def test_innermost_marks_the_op_that_ran_the_arithmetic():
     assert by_dtype == {"bf16": 2 * 64 * 32 * 128 + 64 * 32, "fp32": 2 * 64 * 32 * 128}
 
 
-def _dtype_flops(rows: list[tuple[str, bool, float]]) -> pl.DataFrame:
-    return pl.DataFrame({"rank": [0] * len(rows), "dtype": [r[0] for r in rows], "conv": [r[1] for r in rows],
-                         "flops": [r[2] for r in rows]}, schema={"rank": pl.Int64, "dtype": pl.String, "conv": pl.Boolean,
+def _dtype_flops(rows: list[tuple[str, str, float]]) -> pl.DataFrame:
+    return pl.DataFrame({"rank": [0] * len(rows), "dtype": [r[0] for r in rows], "family": [r[1] for r in rows],
+                         "flops": [r[2] for r in rows]}, schema={"rank": pl.Int64, "dtype": pl.String, "family": pl.String,
                                                                  "flops": pl.Float64})
 
 
 @pytest.mark.parametrize("given, rows, facts, device, dtype, origin", [
-    ("fp8", [("bf16", False, 9.0)], {}, "h100-sxm", "fp8", "--dtype"),
-    (None, [("fp32", False, 7.0), ("bf16", False, 3.0)], {"dtype": "bf16"}, "a100", "fp32", "70% of the FLOPs"),
-    (None, [("fp32", True, 7.0), ("fp32", False, 3.0)], {}, "a100", "tf32", "70%"),  # convolutions on TF32 cores
-    (None, [("fp32", True, 7.0), ("fp32", False, 3.0)], {}, "v100-sxm", "fp32", "100%"),  # V100: no TF32
-    (None, [(None, False, 5.0)], {"dtype": "fp16"}, "a100", "fp16", "DeepSpeed or Megatron config"),  # no op dtype: the config
+    ("fp8", [("bf16", "gemm", 9.0)], {}, "h100-sxm", "fp8", "--dtype"),
+    (None, [("fp32", "gemm", 7.0), ("bf16", "attention", 3.0)], {"dtype": "bf16"}, "a100", "fp32", "70% of the FLOPs"),
+    (None, [("fp32", "conv", 7.0), ("fp32", "gemm", 3.0)], {}, "a100", "tf32", "70%"),  # convolutions on TF32 cores
+    (None, [("fp32", "conv", 7.0), ("fp32", "gemm", 3.0)], {}, "v100-sxm", "fp32", "100%"),  # V100: no TF32
+    # elementwise and integer ops never pick the peak: the matmuls do, else the config
+    (None, [("bf16", "gemm", 1.0), ("fp32", "elementwise", 9.0)], {}, "h100-sxm", "bf16", "100%"),
+    (None, [("int", "gemm", 9.0)], {"ds_config": {"bf16": {"enabled": True}}}, "h100-sxm", "bf16", "config"),
+    (None, [("fp64", "gemm", 3.0), ("bf16", "gemm", 1.0)], {}, "a100", "bf16", "100%"),  # no fp64 peak in the table
+    (None, [(None, "gemm", 5.0)], {"dtype": "fp16"}, "a100", "fp16", "DeepSpeed or Megatron config"),  # no op dtype: the config
     (None, [], {"ds_config": {"bf16": {"enabled": True}}}, None, "bf16", "DeepSpeed or Megatron config"),
     (None, [], {"ds_config": {"bf16": {"enabled": "auto"}, "fp16": {"enabled": True}}}, None, "fp16", "DeepSpeed or Megatron config"),
     (None, [], {"ds_config": {"train_batch_size": 8}}, None, "fp32", "DeepSpeed or Megatron config"),  # neither enabled
@@ -160,6 +165,27 @@ def _dtype_flops(rows: list[tuple[str, bool, float]]) -> pl.DataFrame:
 def test_the_peaks_dtype_is_the_runs_own(given, rows, facts, device, dtype, origin):
     got, said = mfu.compute_dtype(given, _dtype_flops(rows), facts, device)
     assert got == dtype and origin in said
+
+
+@pytest.mark.parametrize("kernels, device, dtype", [
+    ([("cutlass_80_tensorop_s1688gemm_128x128_32x3_nn_align4", "gemm", 6), ("ampere_sgemm_64x32_nn", "gemm", 4)],
+     "a100", "tf32"),
+    ([("sm80_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize64x64x32", "gemm", 9), ("ampere_sgemm_64x32_nn", "gemm", 1)],
+     "a100", "tf32"),
+    ([("ampere_sgemm_128x64_nn", "gemm", 9), ("cutlass_80_tensorop_s1688gemm_64x64_16x6_tn_align4", "gemm", 1)],
+     "a100", "fp32"),  # mostly SIMT fp32 GEMMs: fp32, and the note says how to say otherwise
+    ([("cutlass_80_tensorop_s1688gemm_128x128_32x3_nn_align4", "gemm", 9)], "v100-sxm", "fp32"),  # (no TF32 peak)
+])
+def test_fp32_matmuls_that_ran_on_tf32_kernels_take_the_tf32_peak(kernels, device, dtype):
+    """fp32 GEMMs whose kernels are TF32 tensor-op kernels (allow_tf32 set) ran at the TF32 rate: dividing by the fp32
+    peak would read 8x too high on an A100."""
+    totals = pl.DataFrame({"name": [k[0] for k in kernels], "category": [k[1] for k in kernels],
+                           "rank": [0] * len(kernels), "time_ns": [k[2] for k in kernels]})
+    share = mfu.tf32_gemm_share(totals)
+    assert share == pytest.approx(sum(k[2] for k in kernels if "s1688" in k[0] or "tf32" in k[0]) / sum(k[2] for k in kernels))
+    got, said = mfu.compute_dtype(None, _dtype_flops([("fp32", "gemm", 1.0)]), {}, device, share)
+    assert got == dtype
+    assert ("allow_tf32" in said) == (dtype == "fp32" and device == "a100")
 
 
 def test_roofline_position_by_hand():
@@ -315,6 +341,15 @@ def test_corpus_mfu_divides_by_the_peak_of_the_dtype_its_gemms_ran_in(corpus_op_
         if len(flops_by_type) != 1 or None in flops_by_type:
             continue
         (dtype,) = flops_by_type
+        # fp32 GEMMs whose kernels ran on TF32 tensor cores (most GEMM kernel time), on a device that has them
+        gemm_ns = defaultdict(int)
+        for e in (doc if isinstance(doc, list) else doc["traceEvents"]):
+            if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") == "kernel" and "gemm" in str(e.get("name")).lower():
+                gemm_ns[bool(re.search(r"(?i)tf32|tensorop_s1688", e["name"]))] += int(Decimal(e["dur"]) * 1000)
+        devices = " ".join(str(d.get("name")) for d in (doc.get("deviceProperties") or []) if isinstance(d, dict)) \
+            if isinstance(doc, dict) else ""
+        if dtype == "fp32" and gemm_ns[True] > gemm_ns[False] and re.search(r"A100|H100|H200|B200|MI300", devices):
+            dtype = "tf32"
         assert findings["mfu_dtype"]["dtype"] == dtype, name
         for row in findings["mfu"] if isinstance(findings["mfu"], list) else []:
             assert f"dense {dtype}," in row["peak"], name

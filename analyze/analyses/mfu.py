@@ -63,26 +63,55 @@ AUTOCAST_DTYPES = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp1
                    "half": "fp16"}
 
 
-def compute_dtype(given: str | None, dtype_flops: pl.DataFrame, facts: dict, device_key: str | None) -> tuple[str, str]:
+# The families whose FLOPs run on the tensor cores a dense peak rates: their dtype is the peak's.
+PEAK_FAMILIES = ("gemm", "conv", "attention")
+# GEMM kernels that run fp32 operands on TF32 tensor cores: cuBLAS's xmma kernels name the type (..._tf32f32_...), and
+# CUTLASS's SM80 single-precision tensor-op kernels its 16x8x8 TF32 instruction (cutlass_80_tensorop_s1688gemm_...).
+TF32_KERNEL = r"(?i)tf32|tensorop_s1688"
+TF32_NOTE = ("; fp32 matmuls run on TF32 tensor cores when torch.backends.cuda.matmul.allow_tf32 (or "
+             "set_float32_matmul_precision('high')) is set: then pass --dtype tf32")
+
+
+def tf32_gemm_share(kernel_totals: pl.DataFrame) -> float:
+    """The share of the GEMM kernels' time in kernels named as TF32 tensor-op GEMMs (TF32_KERNEL); 0 without any."""
+    if kernel_totals.is_empty():
+        return 0.0
+    gemm = kernel_totals.filter(pl.col("category") == "gemm")
+    total = gemm["time_ns"].sum()
+    return float(gemm.filter(pl.col("name").str.contains(TF32_KERNEL))["time_ns"].sum() / total) if total else 0.0
+
+
+def compute_dtype(given: str | None, dtype_flops: pl.DataFrame, facts: dict, device_key: str | None,
+                  tf32_share: float = 0.0) -> tuple[str, str]:
     """The dtype whose dense peak MFU divides by, and where it came from: --dtype; else the dtype holding the most
-    FLOPs of the traces' innermost ops with FLOPs (op_perf.dtype_flops; an fp32 convolution counts as tf32 on a
-    device with TF32 tensor cores, where PyTorch runs it so by default: op_perf.with_roofline); else the DeepSpeed
-    config's (bf16 or fp16 enabled, torch_autocast's dtype, else fp32, DeepSpeed's default); else bf16, assumed."""
+    FLOPs of the traces' innermost matmuls, convolutions and attention (op_perf.dtype_flops; among the dtypes the
+    device has a peak for; an fp32 convolution counts as tf32 on a device with TF32 tensor cores, where PyTorch runs
+    it so by default: op_perf.with_roofline); else the run's config (the collector's engine dtype, Megatron's --bf16
+    / --fp16, DeepSpeed's bf16 / fp16 / torch_autocast, else fp32, their default); else bf16, assumed. fp32 matmuls
+    count as tf32 when most of the run's GEMM kernel time (`tf32_share`) is in TF32 tensor-op kernels."""
     if given:
         return given, "given with --dtype"
-    counted = dtype_flops.filter(pl.col("dtype").is_not_null() & (pl.col("flops") > 0)) if not dtype_flops.is_empty() \
-        else dtype_flops
+    rated_dtypes = list(DEVICES[device_key].peak_tflops) if device_key is not None else None
+    counted = dtype_flops.filter(pl.col("dtype").is_not_null() & (pl.col("flops") > 0)
+                                 & pl.col("family").is_in(PEAK_FAMILIES)) if not dtype_flops.is_empty() else dtype_flops
     if not counted.is_empty():
         tf32 = device_key is not None and "tf32" in DEVICES[device_key].peak_tflops
-        rated = counted.with_columns(dtype=pl.when(pl.col("conv") & (pl.col("dtype") == "fp32") & pl.lit(tf32))
+        on_tf32 = (pl.col("family") == "conv") | ((pl.col("family") != "conv") & pl.lit(tf32_share > 0.5))
+        rated = counted.with_columns(dtype=pl.when(on_tf32 & (pl.col("dtype") == "fp32") & pl.lit(tf32))
                                      .then(pl.lit("tf32")).otherwise(pl.col("dtype")))
+        if rated_dtypes is not None:  # (an integer or fp64 op has no dense tensor-core peak to be the run's)
+            rated = rated.filter(pl.col("dtype").is_in(rated_dtypes))
         by_dtype = rated.group_by("dtype").agg(pl.col("flops").sum()).sort("flops", "dtype", descending=[True, False])
-        total = by_dtype["flops"].sum()
-        top, share = by_dtype["dtype"][0], by_dtype["flops"][0] / total
-        # the others that a rounded share would show
-        others = ", ".join(f"{d} {f / total:.0%}" for d, f in by_dtype.tail(-1).head(2).iter_rows() if f / total >= 0.005)
-        return top, (f"the dtype of {share:.0%} of the FLOPs of the traces' innermost ops"
-                     + (f" ({others})" if others else ""))
+        if not by_dtype.is_empty():
+            total = by_dtype["flops"].sum()
+            top, share = by_dtype["dtype"][0], by_dtype["flops"][0] / total
+            # the others that a rounded share would show
+            others = ", ".join(f"{d} {f / total:.0%}" for d, f in by_dtype.tail(-1).head(2).iter_rows() if f / total >= 0.005)
+            ran_on = (f", fp32 counted as tf32: {tf32_share:.0%} of the GEMM kernel time is in TF32 tensor-op kernels"
+                      if tf32 and tf32_share > 0.5 and "fp32" in counted["dtype"].to_list() else "")
+            return top, (f"the dtype of {share:.0%} of the FLOPs of the traces' innermost matmuls, convolutions and "
+                         f"attention" + (f" ({others})" if others else "") + ran_on
+                         + (TF32_NOTE if top == "fp32" and tf32 else ""))
     config = _config_dtype(facts)
     return (config, "the job's DeepSpeed or Megatron config") if config else ("bf16", DTYPE_ASSUMED)
 

@@ -129,10 +129,9 @@ def _mark_nested(rows: pl.DataFrame) -> pl.DataFrame:
 
 
 def dtype_flops(perf: pl.DataFrame) -> pl.DataFrame:
-    """FLOPs of the innermost ops with FLOPs per rank and dtype, convolutions apart (rank, dtype, conv, flops): what
-    the run's compute dtype is read from (mfu.compute_dtype)."""
-    return perf.filter(pl.col("innermost")).group_by("rank", "dtype", conv=pl.col("family") == "conv").agg(
-        flops=pl.col("flops").sum())
+    """FLOPs of the innermost ops with FLOPs per rank, dtype and family (rank, dtype, family, flops): what the run's
+    compute dtype is read from (mfu.compute_dtype)."""
+    return perf.filter(pl.col("innermost")).group_by("rank", "dtype", "family").agg(flops=pl.col("flops").sum())
 
 
 def with_roofline(rows: pl.DataFrame, roof: Roof) -> pl.DataFrame:

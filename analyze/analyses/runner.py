@@ -204,7 +204,7 @@ def run(out_dir: Path, options: Options | None = None, map_ranks=None) -> dict:
     computed = {name: pl.concat(frames, how="diagonal_relaxed") for name, frames in gathered.items()}
     # the peak's dtype: the traces' innermost ops say it best, so it is known only now
     dtype, dtype_origin = mfu.compute_dtype(options.dtype, computed.get("_dtype_flops", pl.DataFrame()), facts,
-                                            context.device_key)
+                                            context.device_key, mfu.tf32_gemm_share(computed.get("_kernel_totals", pl.DataFrame())))
     options = replace(options, dtype=dtype)
     peak, peak_problem = mfu.peak_for(device_name, dtype, num_sms, options.peak_tflops, device_activity, dtype_origin)
     if mixed and peak is None:

@@ -359,10 +359,9 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
     instrumented = {} if source == "profiler_steps" else instrumented_steps(
         facts, flops_profile, profiler_steps, frame["step"].max())
     timed = frame["step"].drop_nulls().unique().sort()
-    for step in facts.get("evaluation_steps") or []:  # the row whose step (or log interval) holds the evaluation
-        at = timed.search_sorted(step, side="left")
-        if isinstance(step, int) and at < len(timed):
-            instrumented.setdefault(timed[at], set()).add("evaluation")
+    for step in facts.get("evaluation_steps") or [] if source != "profiler_steps" else []:
+        if type(step) is int and (at := timed.search_sorted(step, side="left")) < len(timed):
+            instrumented.setdefault(timed[at], set()).add("evaluation")  # the row (or log interval) holding it
     reasons = pl.DataFrame({"step": list(instrumented), "instrumented": [",".join(sorted(r)) for r in instrumented.values()]},
                            schema={"step": pl.Int64, "instrumented": pl.String})
     frame = frame.join(reasons, on="step", how="left").with_columns(

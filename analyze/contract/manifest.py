@@ -98,7 +98,7 @@ def fact_problem(key: str, value) -> str | None:
     lowest = 1 if key in POSITIVE_COUNT_FACTS else 0 if key in COUNT_FACTS else None
     if lowest is not None and not is_count(value, lowest):
         return f"not a whole number from {lowest} to 2**53: {str(value)[:40]!r}"
-    if key == "checkpoint_steps" and not (isinstance(value, list)
+    if key in ("checkpoint_steps", "evaluation_steps") and not (isinstance(value, list)
                                           and all(type(s) is int and 0 <= s <= MAX_STEP for s in value)):
         return "not a list of step numbers"
     return None

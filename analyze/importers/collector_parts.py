@@ -70,7 +70,9 @@ def _read_bounded(path: Path) -> tuple[pa.Table, str | None]:
 
 
 # Arrow types that hold the same text or bytes as the collector's own, each castable to it without loss.
-SAME_VALUES = {pa.string(): (pa.large_string(), pa.string_view()), pa.binary(): (pa.large_binary(), pa.binary_view())}
+# (the view types: pyarrow 16 and later)
+SAME_VALUES = {pa.string(): tuple(t() for t in (pa.large_string, getattr(pa, "string_view", None)) if t),
+               pa.binary(): tuple(t() for t in (pa.large_binary, getattr(pa, "binary_view", None)) if t)}
 
 
 def _same_values(actual: pa.DataType, expected: pa.DataType) -> bool:

@@ -155,6 +155,7 @@ _EVENT_END = re.compile(rb"\}\s*(?:,\s*\{|\])")
 # 2020 format is a bare array); not one inside a damaged event, which more events follow.
 _ARRAY_END = re.compile(rb"\](?![\s}]*,\s*\{)\s*(?:\}|,\s*\"|$)")
 _SEPARATOR = re.compile(rb"\s*,?\s*")
+_ELEMENT_FOLLOWS = re.compile(rb"\s*[,\]]")
 _ERROR_OFFSET = re.compile(r"\(byte (\d+)\)")
 # A syntax error this close to the end of the bytes read so far may just be an event that goes on.
 _NEAR_END = 1024
@@ -345,13 +346,7 @@ class EventReader:
         if not sniff(self.buf[:SNIFF_BYTES]):
             if not self.buf and self.stream.truncated:
                 raise NotATrace(self.stream.truncated, damaged=True)
-            what, damaged = _describe_non_trace(self.buf[:4096])
-            if not damaged and self.eof:  # the whole file read: another format only if it is JSON at all
-                try:
-                    msgspec.json.decode(self.buf)
-                except (msgspec.DecodeError, RecursionError) as e:
-                    what, damaged = f"not valid JSON ({e})", True
-            raise NotATrace(what, damaged=damaged)
+            raise NotATrace(*_describe_non_trace(self.buf[:4096]))
         text = self.buf.lstrip()
         if text[:1] == b"[":
             start = len(self.buf) - len(text) + 1
@@ -538,7 +533,9 @@ class EventReader:
             _RAW.decode(view[pos:])
         except msgspec.DecodeError as e:
             offset = _error_offset(e)
-            if offset is not None and "trailing characters" in str(e):
+            # an element of the array: the next one or the array's end follows (not a stray quote that would take
+            # the start of the next event for a string)
+            if offset is not None and "trailing characters" in str(e) and _ELEMENT_FOLLOWS.match(self.buf, pos + offset - 1):
                 return pos + offset - 1
         except RecursionError:
             pass
