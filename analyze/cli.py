@@ -101,8 +101,9 @@ also be a single trace file, analysed as a one-rank run into .steplens-FILE/ bes
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no ingest summary: print only the findings.")
 @click.option("--ingest-only", is_flag=True, help="Write the trace tables only; skip the runner.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp8", "tf32", "fp32"]), default=None,
-              help="Compute dtype whose dense peak MFU divides by. Default: the dtype of most of the traced ops' "
-                   "FLOPs, else the DeepSpeed config's, else bf16 (said to be assumed).")
+              help="Compute dtype whose dense peak MFU divides by. Default: the dtype of most of the traced matmuls' "
+                   "FLOPs (TF32 where their kernels are TF32 ones), else the job's DeepSpeed or Megatron config's, else "
+                   "bf16 (said to be assumed).")
 @click.option("--peak-tflops", type=FiniteNumber(), default=None,
               help="Dense peak TFLOP/s per GPU, overriding the device table (needed for devices it does not know).")
 @click.option("--params", type=FiniteNumber(), default=None,

@@ -484,7 +484,8 @@ def test_duplicated_rank_is_named(tmp_path, traces):
 
 def test_of_two_claims_on_a_rank_the_file_named_for_it_is_kept(tmp_path, traces):
     """rank1's trace (distributedInfo.rank 1) also copied as rank0-old.json, which sorts first: the misnamed copy is
-    the duplicate, and its name's disagreement with its trace is said."""
+    the duplicate, and its name's disagreement with its trace is said (only there: files named by local rank
+    disagree on every node but the first, and are no problem)."""
     assert traces["rank1"].text.count('"rank": 1') >= 1  # the trace records its rank
     run = tmp_path / "run"
     run.mkdir()
@@ -495,6 +496,10 @@ def test_of_two_claims_on_a_rank_the_file_named_for_it_is_kept(tmp_path, traces)
     assert ("rank0-old.json", "duplicate_rank") in by_file and ("rank0-old.json", "rank_name_disagrees") in by_file
     assert not {reason for file, reason in by_file if file == "rank1.json"} & {"duplicate_rank", "rank_name_disagrees"}
     assert outcome.events[1] == expected_events(traces["rank1"])
+    (run / "rank0-old.json").rename(tmp_path / "elsewhere.json")
+    (run / "rank1.json").rename(run / "node1_local_rank0.json")  # named by local rank, alone: nothing to say
+    alone = run_analyze(run, "--ingest-only")
+    assert alone.exit_code == 0 and "rank_name_disagrees" not in {i["reason"] for i in alone.issues}
 
 
 # ---------------------------------------------------------------------------------------------

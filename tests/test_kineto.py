@@ -136,6 +136,10 @@ def test_a_correlation_id_repeated_by_an_appended_window_links_by_time(tmp_path)
     assert [(i.reason, i.count) for i in parsed.issues if i.reason == "correlation_reused"] == [("correlation_reused", 3)]
     alone = read_trace(write_trace(tmp_path / "one.json", first), "one.json")  # one window: nothing to say
     assert not [i for i in alone.issues if i.reason == "correlation_reused"]
+    # the device clock a few microseconds behind: the second window's kernels still take their own window's calls
+    skewed = [{**e, "ts": e["ts"] - (19.0 if e["cat"] == "kernel" else 0)} for e in later]
+    parsed = read_trace(write_trace(tmp_path / "skew.json", first + skewed), "skew.json")
+    assert parsed.events.filter(pl.col("kind") == "kernel").sort("ts_ns")["step"].to_list() == [7, 7, 7, 9, 9, 9]
 
 
 @pytest.mark.parametrize("api", ["cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",

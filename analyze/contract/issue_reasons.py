@@ -56,9 +56,8 @@ _DECLARED = (
                 "or out of range (contract/manifest.py fact_problem); left out of the run's facts."),
     # Ranks (pipeline/ingest.py)
     IssueReason("rank_from_filename", ("warning",), "No distributedInfo.rank: the rank is taken from the file name."),
-    IssueReason("rank_name_disagrees", ("warning",), "The file name names another rank than the trace's "
-                "distributedInfo.rank (renamed or copied): the trace's own rank is taken, and of two claims on a rank "
-                "the file whose name agrees is kept."),
+    IssueReason("rank_name_disagrees", ("warning",), "Of two traces of one rank, the one whose file name names "
+                "another rank than its distributedInfo.rank (renamed or copied) is the one skipped."),
     IssueReason("rank_from_process", ("warning",), "A file of several processes (an nsys export): one rank per process, "
                                                    "in file then process order."),
     IssueReason("rank_in_name_ignored", ("warning",), "A file name's rank<N> is beyond any job's ranks (2^24): not taken "
@@ -106,9 +105,9 @@ _DECLARED = (
     IssueReason("device_activity_outside_window", ("warning",), "Device activities further from the trace's host events "
                 "than the window's length (at least 1 s): a clock glitch; kept, left out of the device analyses."),
     IssueReason("orphan_device_activity", ("warning",), "Device activities whose launch is not in the trace (no step)."),
-    IssueReason("correlation_reused", ("warning",), "Launch calls whose correlation id an earlier call of the same kind "
-                "already has (windows appended into one file, merged traces): each device activity is linked to the "
-                "call with its id that started last before it."),
+    IssueReason("correlation_reused", ("warning",), "Runtime calls whose correlation id an earlier call of the same "
+                "role (launch API or other) has (windows appended into one file, merged traces): each device activity "
+                "is linked to the call with its id that started last before it."),
     # Nsight Systems exports (importers/nsys.py)
     IssueReason("nsys_schema_gap", ("info",), "Tables or columns this Nsight Systems export version lacks; what they "
                                               "would give is absent."),

@@ -449,10 +449,6 @@ def _assign_ranks(sources: list[Source]) -> None:
         if origin == "file name":
             s.issues.append(["warning", "rank_from_filename", 1,
                              f"no distributedInfo.rank in the trace; rank {s.rank} taken from the file name"])
-        elif origin == "distributedInfo" and _name_disagrees(s):
-            s.issues.append(["warning", "rank_name_disagrees", 1,
-                             f"the file name says rank {schema.rank_in_name(Path(s.path).name)}, the trace's "
-                             f"distributedInfo.rank {rank}: the trace's own rank is taken"])
     _ranks_by_process(sources)
     _reject_duplicate_ranks(sources)
     if not unresolved:
@@ -520,6 +516,10 @@ def _reject_duplicate_ranks(sources: list[Source]) -> None:
             kept.setdefault(s.rank, []).append(s)
             continue
         s.status = "error"
+        if _name_disagrees(s):  # (only here: files named by local rank disagree on every node but the first)
+            s.issues.append(["warning", "rank_name_disagrees", 1,
+                             f"the file name says rank {schema.rank_in_name(Path(s.path).name)}, the trace's "
+                             f"distributedInfo.rank {s.rank}: of two traces of rank {s.rank}, the one named for it is kept"])
         s.issues.append(["error", "duplicate_rank", 1,
                          f"claims rank {s.rank} for the same time as {twin.path} (overlapping time, identical file or the "
                          "same profiler steps); skipped, not merged into that rank" if twin is not None else

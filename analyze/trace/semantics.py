@@ -214,12 +214,17 @@ def assign_steps(events: pl.DataFrame, steps: pl.DataFrame, launched: pl.DataFra
     return events.drop("start_ns", "step_end_ns", "window_step", "time_step", "launch_step")
 
 
+# A reused correlation id's activity is linked to the last call with the id that started before it, or this little
+# after it: device and host clocks disagree by microseconds.
+LINK_CLOCK_SLACK_NS = 100_000
+
+
 def launch_links(events: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
     """Launch -> device work by correlation id. A graph launch links to every kernel it ran.
 
     A correlation id is one call's: where a trace repeats one among its calls of one kind (profiler windows appended
-    into one file, traces merged), each activity takes the call with its id that started last before it, a launch
-    API before another call, and the repeats are counted (correlation_reused)."""
+    into one file, traces merged), each activity takes the call with its id that started last before it (clock skew
+    allowed: LINK_CLOCK_SLACK_NS), a launch API before another call, and the repeats are counted (correlation_reused)."""
     # The columns first: a filter copies every column it holds (over a third of the semantics stage)
     ids = events.select("event_id", "kind", "correlation", "is_launch", "ts_ns")
     calls = ids.filter(pl.col("kind").is_in(LAUNCH_KINDS) & pl.col("correlation").is_not_null()).drop("kind")
@@ -233,16 +238,17 @@ def launch_links(events: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
     if not reused.is_empty():
         repeats = reused.height - reused.select("correlation", "is_launch").n_unique()
         issues.append(Issue("warning", "correlation_reused", repeats,
-                            "launch calls whose correlation id an earlier call of the same kind already has (profiler "
-                            "windows appended into one file, or traces merged); each device activity is linked to the "
-                            "call with its id that started last before it"))
+                            "runtime calls whose correlation id an earlier call of the same role (launch API or other) "
+                            "has (profiler windows appended into one file, or traces merged); each device activity is "
+                            "linked to the call with its id that started last before it"))
         ids_reused = reused["correlation"].unique().implode()
         candidates = calls.filter(pl.col("correlation").is_in(ids_reused) & pl.col("ts_ns").is_not_null())
         # a launch API before another call with the id
         candidates = candidates.filter(pl.col("is_launch") | ~pl.col("is_launch").any().over("correlation"))
-        timed = linked.filter(pl.col("correlation").is_in(ids_reused) & pl.col("ts_ns").is_not_null()).sort("ts_ns").join_asof(
-            candidates.select("correlation", "ts_ns", latest_src="event_id").sort("ts_ns"), on="ts_ns", by="correlation",
-            strategy="backward", check_sortedness=False)
+        timed = linked.filter(pl.col("correlation").is_in(ids_reused) & pl.col("ts_ns").is_not_null()).with_columns(
+            skewed_ns=pl.col("ts_ns") + LINK_CLOCK_SLACK_NS).sort("skewed_ns").join_asof(
+            candidates.select("correlation", call_ns="ts_ns", latest_src="event_id").sort("call_ns"), left_on="skewed_ns",
+            right_on="call_ns", by="correlation", strategy="backward", check_sortedness=False)
         linked = linked.join(timed.select("event_id", "latest_src"), on="event_id", how="left").with_columns(
             src_event_id=pl.coalesce("latest_src", "src_event_id"))  # none before it (clock skew): the first
     return linked.select(
