@@ -95,39 +95,36 @@ def test_no_formula_or_bad_shapes_give_null_flops(name, dims, types, concrete):
     assert _model(name, dims, types, concrete)[1] is None
 
 
-def test_nested_marks_ops_inside_another_modeled_op_only():
-    """linear [0, 100] holds addmm [10, 60]; an mm of zero length at 100 sits beside the linear, not in it;
-    an unmodeled op around everything encloses nothing."""
+def _wrapper_linear_addmm_mm(linear_type: str, mm_type: str) -> pl.DataFrame:
+    """op_perf of four ops on one thread, no device work: my::wrapper [-5, 195] (no model) around aten::linear
+    [0, 100] holding aten::addmm [10, 60] (bf16), then aten::mm of zero length at 100."""
     mm, lin = json.dumps([[64, 128], [128, 32]]), json.dumps([[64, 128], [32, 128], [32]])
     addmm = json.dumps([[32], [64, 128], [128, 32], [], []])
-    rows = [("my::wrapper", -5, 200, "[[1]]", '["float"]'), ("aten::linear", 0, 100, lin, json.dumps([BF16] * 3)),
-            ("aten::addmm", 10, 50, addmm, json.dumps([BF16] * 3 + ["Scalar"] * 2)), ("aten::mm", 100, 0, mm, json.dumps([BF16] * 2))]
+    rows = [("my::wrapper", -5, 200, "[[1]]", '["float"]'), ("aten::linear", 0, 100, lin, json.dumps([linear_type] * 3)),
+            ("aten::addmm", 10, 50, addmm, json.dumps([BF16] * 3 + ["Scalar"] * 2)),
+            ("aten::mm", 100, 0, mm, json.dumps([mm_type] * 2))]
     ops = pl.DataFrame({"rank": [0] * 4, "source": ["s"] * 4, "event_id": [1, 2, 3, 4], "ts_ns": [r[1] for r in rows],
                         "dur_ns": [r[2] for r in rows], "name": [r[0] for r in rows], "pid": [1] * 4, "tid": [1] * 4,
                         "step": [None] * 4, "external_id": [1, 2, 3, 4], "input_dims": [r[3] for r in rows],
                         "input_types": [r[4] for r in rows], "concrete_inputs": [None] * 4})
     launched = pl.DataFrame(schema={"rank": pl.Int64, "source": pl.String, "launch_pid": pl.Int64, "launch_tid": pl.Int64,
                                     "launch_ts_ns": pl.Int64, "dur_ns": pl.Int64})
-    perf = op_perf.op_perf(ops, launched, op_perf.Roof())
+    return op_perf.op_perf(ops, launched, op_perf.Roof())
+
+
+def test_nested_marks_ops_inside_another_modeled_op_only():
+    """The linear holds the addmm; the mm of zero length at the linear's end sits beside it, not in it; the
+    unmodeled op around everything encloses nothing."""
+    perf = _wrapper_linear_addmm_mm(BF16, BF16)
     assert dict(perf.select("name", "nested").iter_rows()) == {"my::wrapper": False, "aten::linear": False,
                                                                 "aten::addmm": True, "aten::mm": False}
     assert perf["device_ns"].to_list() == [0, 0, 0, 0] and perf["bound"].is_null().all()  # no device work, no roofline
 
 
 def test_innermost_marks_the_op_that_ran_the_arithmetic():
-    """Autocast: an fp32 aten::linear [0, 100] holds the bf16 aten::addmm [10, 60] that ran it; an mm of zero length
-    at 100 is beside the linear and holds nothing; an op without FLOPs is never innermost."""
-    lin, addmm = json.dumps([[64, 128], [32, 128], [32]]), json.dumps([[32], [64, 128], [128, 32], [], []])
-    mm = json.dumps([[64, 128], [128, 32]])
-    rows = [("my::wrapper", -5, 200, "[[1]]", '["float"]'), ("aten::linear", 0, 100, lin, json.dumps([F32] * 3)),
-            ("aten::addmm", 10, 50, addmm, json.dumps([BF16] * 3 + ["Scalar"] * 2)), ("aten::mm", 100, 0, mm, json.dumps([F32] * 2))]
-    ops = pl.DataFrame({"rank": [0] * 4, "source": ["s"] * 4, "event_id": [1, 2, 3, 4], "ts_ns": [r[1] for r in rows],
-                        "dur_ns": [r[2] for r in rows], "name": [r[0] for r in rows], "pid": [1] * 4, "tid": [1] * 4,
-                        "step": [None] * 4, "external_id": [1, 2, 3, 4], "input_dims": [r[3] for r in rows],
-                        "input_types": [r[4] for r in rows], "concrete_inputs": [None] * 4})
-    launched = pl.DataFrame(schema={"rank": pl.Int64, "source": pl.String, "launch_pid": pl.Int64, "launch_tid": pl.Int64,
-                                    "launch_ts_ns": pl.Int64, "dur_ns": pl.Int64})
-    perf = op_perf.op_perf(ops, launched, op_perf.Roof())
+    """Autocast: an fp32 aten::linear holds the bf16 aten::addmm that ran it; the mm of zero length at its end
+    holds nothing; an op without FLOPs is never innermost."""
+    perf = _wrapper_linear_addmm_mm(F32, F32)
     assert dict(perf.select("name", "innermost").iter_rows()) == {"my::wrapper": False, "aten::linear": False,
                                                                    "aten::addmm": True, "aten::mm": True}
     by_dtype = dict(op_perf.dtype_flops(perf).select("dtype", "flops").iter_rows())
