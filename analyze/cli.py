@@ -11,6 +11,7 @@ import re
 import secrets
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 import click
@@ -236,7 +237,12 @@ def _say_or_md(console, fmt: str, text: str, indent: int = 0) -> None:
 
 
 def _path_or_url(value: str | None, folder: bool = False) -> Path | str | None:
-    """A local path, or an object-store URL kept as text (a Path would fold its '//')."""
+    """A local path, or an object-store URL kept as text (a Path would fold its '//'); a file:// URL is its path."""
+    if value is not None and value.lower().startswith("file://"):
+        value = urllib.parse.unquote(urllib.parse.urlparse(value).path)
+    if value is not None and value.lower().startswith("memory://"):
+        raise click.BadParameter(f"{value}: a memory:// store lives as long as this process; what analyze wrote there "
+                                 "would be gone when it ends")
     if value is None or remote.is_url(value):
         return value
     if folder and Path(value).is_file():

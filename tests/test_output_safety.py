@@ -416,3 +416,15 @@ def test_a_columns_value_that_is_no_width_still_prints_every_message(columns, na
     assert f"{missing}: no such file or folder" in said
     assert all(len(line) <= narrowest for line in done.stderr.splitlines())
     assert len(done.stderr.splitlines()) <= -(-len(said) // (narrowest - 10)) + 1  # not a character a line
+
+
+def test_a_file_url_out_is_its_path_and_a_memory_store_is_refused(synthetic_run, tmp_path):
+    """--out file:///... wrote nothing where it said ("cannot write"); --out memory://x reported a report that was
+    gone once analyze ended."""
+    run = _copy(synthetic_run, tmp_path / "run")
+    out = tmp_path / "out dir"
+    done = CliRunner().invoke(analyze, [str(run), "-q", "--ingest-only", "--out", "file://" + str(out).replace(" ", "%20")])
+    assert done.exit_code == 0, done.output
+    assert (out / "run.json").is_file()
+    refused = CliRunner().invoke(analyze, [str(run), "-q", "--out", "memory://results"])
+    assert refused.exit_code == 2 and "would be gone when it ends" in " ".join(refused.output.split())
