@@ -9,6 +9,7 @@ import json
 import os
 import re
 import secrets
+import socket
 import sys
 import time
 import urllib.parse
@@ -514,8 +515,12 @@ def _guarded(command: click.Command, args: list[str] | None = None, prog_name: s
         fail(safe_text(e), EXIT_UNWRITABLE)
     except IngestError as e:
         fail(safe_text(e))
+    except socket.gaierror as e:  # (an OSError without a file name): name the URLs given, one of whose hosts it is
+        urls = ", ".join(safe_text(a) for a in (args if args is not None else sys.argv[1:]) if remote.URL.match(str(a)))
+        fail(f"{urls or 'a URL given'}: cannot reach its host ({e.strerror or e})")
     except OSError as e:
-        fail(f"{safe_text(e.filename or '')}: {e.strerror or e}", EXIT_UNWRITABLE if e.errno in _WRITE_ERRNOS else EXIT_NOTHING)
+        fail(f"{safe_text(e.filename)}: {e.strerror or e}" if e.filename else safe_text(e.strerror or e),
+             EXIT_UNWRITABLE if e.errno in _WRITE_ERRNOS else EXIT_NOTHING)
     except (Exception, pl.exceptions.PanicException) as e:  # noqa: BLE001 - one line and a distinct status, no traceback
         if os.environ.get("STEPLENS_DEBUG"):
             raise

@@ -428,3 +428,22 @@ def test_a_file_url_out_is_its_path_and_a_memory_store_is_refused(synthetic_run,
     assert (out / "run.json").is_file()
     refused = CliRunner().invoke(analyze, [str(run), "-q", "--out", "memory://results"])
     assert refused.exit_code == 2 and "would be gone when it ends" in " ".join(refused.output.split())
+
+
+def test_an_unreachable_host_names_the_url_given(capsys):
+    """An --out URL whose host does not resolve said 'error: : Name or service not known', naming nothing."""
+    import socket
+
+    import click
+
+    from steplens.analyze import cli
+
+    @click.command()
+    @click.option("--out")
+    def reaches(out):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    with pytest.raises(SystemExit) as ended:
+        cli._guarded(reaches, ["--out", "ftp://x/y"], prog_name="analyze")
+    assert ended.value.code == EXIT_NOTHING
+    assert "ftp://x/y: cannot reach its host (Name or service not known)" in " ".join(capsys.readouterr().err.split())
