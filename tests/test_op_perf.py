@@ -183,6 +183,7 @@ def test_fp32_matmuls_that_ran_on_tf32_kernels_take_the_tf32_peak(kernels, devic
     got, said = mfu.compute_dtype(None, _dtype_flops([("fp32", "gemm", 1.0)]), {}, device, share)
     assert got == dtype
     assert ("allow_tf32" in said) == (dtype == "fp32" and device == "a100")
+    assert (f"{share:.0%} of the GEMM kernel time is in TF32 tensor-op kernels" in said) == (dtype == "tf32")
 
 
 def test_roofline_position_by_hand():

@@ -295,6 +295,15 @@ def instrumented_steps(facts: dict, flops_profile: pl.DataFrame, profiler_steps:
     return found
 
 
+def _mark_evaluations(instrumented: dict[int, set[str]], evaluations: list[int], steps: pl.Series) -> None:
+    """An evaluation after step N runs before step N: the timed row of step N, or the first after it (a log interval's
+    row is its last step), holds it."""
+    timed = steps.drop_nulls().unique().sort()
+    for step in evaluations:
+        if type(step) is int and (at := timed.search_sorted(step, side="left")) < len(timed):
+            instrumented.setdefault(timed[at], set()).add("evaluation")
+
+
 def flush_steps(facts: dict, last_step: int | None) -> range:
     """The optimizer steps that ran while the collector wrote a flush on its writer thread, up to `last_step`
     (alarm_rules.flush_steps), from the run fact first_flush_step and the collector's flush_every."""
@@ -358,10 +367,8 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
         too_long=(pl.col("step_time_ns") > span) if span is not None else pl.lit(False))
     instrumented = {} if source == "profiler_steps" else instrumented_steps(
         facts, flops_profile, profiler_steps, frame["step"].max())
-    timed = frame["step"].drop_nulls().unique().sort()
-    for step in facts.get("evaluation_steps") or [] if source != "profiler_steps" else []:
-        if type(step) is int and (at := timed.search_sorted(step, side="left")) < len(timed):
-            instrumented.setdefault(timed[at], set()).add("evaluation")  # the row (or log interval) holding it
+    if source != "profiler_steps":  # (ProfilerStep numbers are the profiler's counter, not the log's)
+        _mark_evaluations(instrumented, facts.get("evaluation_steps") or [], frame["step"])
     reasons = pl.DataFrame({"step": list(instrumented), "instrumented": [",".join(sorted(r)) for r in instrumented.values()]},
                            schema={"step": pl.Int64, "instrumented": pl.String})
     frame = frame.join(reasons, on="step", how="left").with_columns(
