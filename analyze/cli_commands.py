@@ -126,7 +126,12 @@ def _warn_skipped(skipped: list[tuple[str, str]]) -> None:
 
 def _print_result_table(result) -> None:
     """The result as a table when it fits the terminal (80 columns when piped); otherwise one block per row,
-    `column | value`, as psql's expanded display, each value cut into lines under its column."""
+    `column | value`, as psql's expanded display, each value cut into lines under its column. A line break inside a
+    value is shown as \\n (it would read as rows of their own)."""
+    import polars as pl
+
+    result = result.with_columns(pl.col(pl.String).str.replace_all("\r", r"\r", literal=True)
+                                 .str.replace_all("\n", r"\n", literal=True))
     width = max(Console(emoji=False).width, 40)
     with pl_config():
         table = safe_text(str(result))  # a value's control characters (ESC ] ... BEL sets the title) shown as ?

@@ -118,6 +118,30 @@ def test_steps_of_one_thread_that_overlap_are_counted(tmp_path, overlap_us, coun
     assert parsed.steps["step"].to_list() == [7, 8]  # kept as given
 
 
+def test_events_written_twice_count_once(tmp_path):
+    """A rank's events written twice into one file: each kernel, call and annotation with an id once, the repeats
+    counted; two identical host ops without an id (a recursion within one clock tick) both kept."""
+    events = [{**e, "args": {**e.get("args", {}), "External id": 1}} if e["name"] == "ProfilerStep#7" else e
+              for e in _events()]
+    recursion = [{"ph": "X", "cat": "python_function", "name": "f", "pid": 10, "tid": 1, "ts": 140, "dur": 1}] * 2
+    parsed = read_trace(write_trace(tmp_path / "t.json", events + recursion + events), "t.json")
+    ev = parsed.events
+    assert ev.filter(pl.col("kind") == "kernel")["name"].sort().to_list() == ["k0", "k1", "k2"]
+    assert ev.filter(pl.col("is_launch")).height == 3 and ev.filter(pl.col("name") == "f").height == 2
+    assert [(i.reason, i.count) for i in parsed.issues if i.reason in ("repeated_events", "correlation_reused",
+                                                                       "reused_step_number", "overlapping_steps")] == [
+        ("repeated_events", 7)]  # the annotation, 3 calls, 3 kernels
+    assert ev["event_id"].to_list() == list(range(ev.height))  # still each row's number
+    assert parsed.steps["step"].to_list() == [7]
+    assert sorted(parsed.flows.filter(pl.col("flow_type") == "launch")["dst_event_id"].to_list()) == sorted(
+        ev.filter(pl.col("kind") == "kernel")["event_id"].to_list())
+    # a kernel that differs in one field (another duration) is no repeat
+    differs = [{**e, "dur": 0.5} if e.get("cat") == "kernel" and e["name"] == "k1" else e for e in events]
+    parsed = read_trace(write_trace(tmp_path / "d.json", events + differs), "d.json")
+    assert parsed.events.filter(pl.col("name") == "k1").height == 2
+    assert [i.count for i in parsed.issues if i.reason == "repeated_events"] == [6]
+
+
 def test_a_correlation_id_repeated_by_an_appended_window_links_by_time(tmp_path):
     """Two windows in one file, the second 1 s later with its correlation ids starting again (step 7, then step 9):
     each kernel belongs to the launch of its own window, and the repeats are counted."""

@@ -95,6 +95,18 @@ def test_the_table_format_shows_control_characters_as_question_marks(runs):
     assert not any(c in shown.output for c in "\x1b\x07\u202e")
 
 
+def test_the_table_format_shows_a_line_break_inside_a_value_as_backslash_n(runs):
+    """Two rows whose first value holds line breaks: two rows on screen, the breaks written \\n (they read as rows of
+    their own); json keeps the value exactly."""
+    root, _ = runs
+    query = "SELECT * FROM (VALUES ('a' || chr(10) || 'b' || chr(13) || chr(10) || 'c', 1), ('x', 2)) t(v, n)"
+    table = CliRunner().invoke(steplens, ["sql", str(root), query])
+    assert table.exit_code == 0
+    body = [line for line in table.output.splitlines() if "┆" in line][3:]  # the rows under the names, dashes and types
+    assert [line.split("┆")[0].strip(" │") for line in body] == ["a\\nb\\r\\nc", "x"]
+    assert _sql_output(root, query, "json").splitlines()[0] == '{"v":"a\\nb\\r\\nc","n":1}'
+
+
 def test_cli_formats_and_errors(runs, tmp_path):
     root, truths = runs
     runner = CliRunner()

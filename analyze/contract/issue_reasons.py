@@ -108,6 +108,8 @@ _DECLARED = (
     IssueReason("correlation_reused", ("warning",), "Runtime calls whose correlation id an earlier call of the same "
                 "role (launch API or other) has (windows appended into one file, merged traces): each device activity "
                 "is linked to the call with its id that started last before it."),
+    IssueReason("repeated_events", ("warning",), "Events listed twice or more in one file, every field equal (device "
+                "work that took time, or calls with a correlation or External id): kept once."),
     # Nsight Systems exports (importers/nsys.py)
     IssueReason("nsys_schema_gap", ("info",), "Tables or columns this Nsight Systems export version lacks; what they "
                                               "would give is absent."),

@@ -79,6 +79,7 @@ def apply(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue],
     """(events with `is_launch`, `step` and `launch_event_id`, steps, flow links); what does not
     hold together (orphan device work, unpaired flows, damaged step numbers) is added to `issues`.
     `step_name` matches the host ranges that are steps, the step number in its first group."""
+    events = _without_repeated_events(events, issues)
     events = events.with_columns(
         is_launch=pl.col("kind").is_in(LAUNCH_KINDS) & pl.col("name").str.contains(LAUNCH_API.pattern))
     steps = step_windows(events, issues, step_name)
@@ -90,6 +91,35 @@ def apply(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue],
         event_id="dst_event_id", launch_event_id="src_event_id")
     events = events.join(launched_by, on="event_id", how="left", maintain_order="left")
     return events, steps, flows
+
+
+def _without_repeated_events(events: pl.DataFrame, issues: list[Issue]) -> pl.DataFrame:
+    """The events with each one listed twice or more (every field equal: a rank's events written twice into one file,
+    traces merged with themselves) kept once, counted (repeated_events). Only rows that cannot be two real events are
+    judged: device work that took time (a stream runs one activity at a time) and calls with a correlation or External
+    id (each call's own); identical host ops without an id may be a recursion timed within one clock tick."""
+    ts = pl.col("ts_ns")
+    # Repeats share their ts, so in ts order they sit among rows whose neighbour has the same ts: a few columns of
+    # those first (about 2 ms a 75k-event rank), every column only where those few repeat
+    ids = [c for c in ("correlation", "external_id") if c in events.columns]
+    judged = pl.any_horizontal(pl.col("kind").is_in(WORK_KINDS) & (pl.col("dur_ns") > 0),
+                               *(pl.col(c).is_not_null() for c in ids))
+    keys = [c for c in ("ts_ns", "dur_ns", "tid", *ids) if c in events.columns]
+    same_tick = events.select(pl.int_range(pl.len(), dtype=pl.UInt32).alias("row"), *keys, "kind").filter(
+        judged & ((ts == ts.shift(1)) | (ts == ts.shift(-1))))
+    same_tick = same_tick.filter(pl.struct(keys).is_duplicated())
+    if same_tick.is_empty():
+        return events
+    rows = events[same_tick["row"]]
+    fields = [c for c in events.columns if c != "event_id"]
+    repeats = rows.with_columns(row=same_tick["row"]).filter(pl.struct(fields).is_first_distinct().not_())["row"]
+    if repeats.is_empty():
+        return events
+    issues.append(Issue("warning", "repeated_events", repeats.len(),
+                        "events listed more than once in the file (every field equal: device work, or calls with an id), "
+                        "as when a rank's events are written twice or traces merged with themselves; each counted once"))
+    kept = events.filter(~pl.int_range(pl.len(), dtype=pl.UInt32).is_in(repeats.implode()))
+    return kept.with_columns(event_id=pl.int_range(pl.len(), dtype=pl.Int64))
 
 
 def _count_stray_device_work(events: pl.DataFrame, issues: list[Issue]) -> None:
