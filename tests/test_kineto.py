@@ -351,6 +351,15 @@ def test_truncated_trace_keeps_every_complete_event(tmp_path, corpus, gz):
     expected = sum(1 for e in complete if e.get("ph") in ("X", "i"))
     assert parsed.events.height == expected > 0
     assert [i.reason for i in parsed.issues if i.severity == "error"] == ["truncated"]
+    assert "kept every complete event before the cut" in str(parsed.issues)
+
+
+def test_a_trace_cut_inside_its_first_event_says_none_was_kept(tmp_path):
+    path = tmp_path / "cut.json"
+    path.write_bytes(b'{"schemaVersion": 1, "traceEvents": [{"ph": "M", "name": "process_name", "pid": 1}, {"ph": "X", "na')
+    parsed = read_trace(path, path.name)
+    assert parsed.events.height == 0
+    assert [i.detail.split("; ")[-1] for i in parsed.issues if i.reason == "truncated"] == ["no complete event before the cut"]
 
 
 def _event_ends(doc: bytes) -> list[int]:

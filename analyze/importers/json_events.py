@@ -302,6 +302,7 @@ class EventReader:
         self.trailer = b""  # everything after it, up to MAX_EVENT_BYTES
         self.trailer_dropped = 0  # bytes after that, not kept
         self.trailer_dropped_junk = False  # whether any of them is more than zero padding or blanks
+        self.read_any = False  # whether any event was decoded
         self.skipped: dict[str, list] = {}  # reason -> [events, first example]
         self.repaired: dict[str, list] = {}  # reason -> [events kept after a repair, first example]
         self.truncated: str | None = None  # why the events array never closed
@@ -387,6 +388,7 @@ class EventReader:
                 self._count_duplicate_keys(self.buf[:consumed - 1] if ended else self.buf[:consumed])
             self.buf = self.buf[consumed:]
             if len(events):
+                self.read_any = True
                 yield events
             if ended:
                 self._finish(0)
@@ -675,7 +677,8 @@ class EventReader:
         gzip data, skipped events."""
         if self.stream.truncated or self.truncated:
             why = self.stream.truncated or self.truncated
-            issues.append(Issue("error", "truncated", 1, f"{why}; kept every complete event before the cut"))
+            kept = "kept every complete event before the cut" if self.read_any else "no complete event before the cut"
+            issues.append(Issue("error", "truncated", 1, f"{why}; {kept}"))
         if self.stream.trailing_bytes:
             _report_trailing(b"", self.stream.trailing_bytes, not self.stream.trailing_zeros, "the gzip data", issues)
         for reason, (n, example) in sorted(self.skipped.items()) + sorted(self.repaired.items()):
