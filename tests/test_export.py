@@ -93,6 +93,26 @@ def test_nothing_to_export_writes_nothing_and_the_next_analyze_runs(exported, tm
     assert again.exit_code == 0, again.output
 
 
+def test_an_export_beside_the_ranks_traces_is_not_read_as_a_rank(exported, tmp_path):
+    """The merged trace written into the input folder: the next `analyze` names it and reads the ranks as before
+    (it was a fourth trace claiming rank 0)."""
+    import shutil
+
+    import polars as pl
+
+    run, _, _, _ = exported
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns(".steplens"))
+    merged = copy / "merged.json"
+    assert CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(merged)]).exit_code == 0
+    analyse(copy, jobs=1)
+    issues = pl.read_parquet(copy / ".steplens" / "ingest_issues").filter(pl.col("file") == "merged.json")
+    assert issues.select("severity", "reason").rows() == [("info", "not_a_trace")]
+    assert "steplens export-trace" in issues["detail"][0]
+    ranks = pl.read_parquet(copy / ".steplens" / "trace_events").select(pl.col("rank").unique().sort())["rank"]
+    assert ranks.to_list() == [0, 1, 2]
+
+
 def test_negative_durations_keep_their_value():
     """µs text for ns: floor division wrote -1500 ns as -2.500 and -5 ns as -1.995."""
     from steplens.analyze.query.export_trace import _us
