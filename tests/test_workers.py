@@ -401,3 +401,38 @@ def test_a_library_user_process_keeps_its_garbage_collector_as_it_is():
     with workers_module.imports_without_collections():
         assert gc.isenabled()
     assert gc.get_freeze_count() == frozen
+
+
+def test_analyses_of_a_reused_parse_start_workers_when_worth_it_and_give_the_same_tables(tmp_path, monkeypatch):
+    """`analyze` again with another option parses nothing, so no worker was up and a large run's per-rank analyses
+    ran in this process alone: they start workers of their own from ANALYSIS_WORKER_WORTH_EVENTS trace events (here
+    lowered to one, and a batch a rank), with the same tables as one process gives, and leave no process behind."""
+    import polars as pl
+    from click.testing import CliRunner
+
+    from synthetic import generate_run
+
+    run = tmp_path / "run"
+    generate_run(run, ranks=4, steps=3, seed=5)
+    assert CliRunner().invoke(cli.analyze, [str(run), "-q", "--jobs", "2"]).exit_code in (0, 1)
+
+    def tables() -> dict:
+        out = run / ".steplens"
+        return {name: pl.read_parquet(out / name).sort(pl.all()) for name in ("kernel_launches", "op_perf", "gpu_idle")}
+
+    from steplens.analyze.analyses import runner
+
+    monkeypatch.setattr(runner, "RANK_BATCH_EVENTS", 1)  # a batch a rank, as large ranks are
+    started = []
+    pool = Workers.pool
+    monkeypatch.setattr(Workers, "pool", lambda self, wanted: started.append(wanted) or pool(self, wanted))
+    assert CliRunner().invoke(cli.analyze, [str(run), "-q", "--jobs", "2", "--peak-tflops", "100"]).exit_code in (0, 1)
+    alone = tables()
+    assert started == []  # 4 small ranks: not worth a worker
+    before = python_children()
+    monkeypatch.setattr(workers_module, "ANALYSIS_WORKER_WORTH_EVENTS", 1)
+    assert CliRunner().invoke(cli.analyze, [str(run), "-q", "--jobs", "2", "--peak-tflops", "200"]).exit_code in (0, 1)
+    assert started == [3]  # a worker for each batch but the one this process takes (Workers caps it at jobs - 1)
+    shared = tables()
+    assert all(shared[name].equals(alone[name]) for name in alone)
+    assert python_children() <= before

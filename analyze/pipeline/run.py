@@ -73,7 +73,8 @@ def _analyse(stage: Staged, options, workers: Workers, client, store, hooks: Hoo
 
         map_ranks, map_figures = cluster.rank_mapper(client, store), None
     else:  # the workers stay for the report's figures, doing the caller's idle work meanwhile
-        map_ranks = functools.partial(workers.map_ranks, then=hooks.when_idle) if hooks.when_idle else workers.map_ranks
+        events = sum(s.get("events") or 0 for s in stage.manifest.get("sources", []) if isinstance(s.get("events"), int))
+        map_ranks = functools.partial(workers.map_ranks, then=hooks.when_idle, events=events)
         map_figures = workers.map
     if hooks.analyse is None:
         return runner.run(folder, options, map_ranks)

@@ -193,6 +193,19 @@ def worth_workers(jobs: int, files: int, json_bytes: int, sure_traces: int | Non
     `sure_traces`: how many of them count towards WORKER_WORTH_FILES (all by default)."""
     traces = files if sure_traces is None else sure_traces
     return files >= 2 and (json_bytes >= WORKER_WORTH_BYTES or (jobs - 1 >= FILES_WORKERS_MIN and traces >= WORKER_WORTH_FILES))
+# The per-rank analyses of a run whose traces were not parsed now (all reused: `analyze` again with other options)
+# start workers of their own from this many trace events: they cost about 2.5 us of CPU an event (190 ms a real
+# 75k-event A100 rank) and a worker's start about 0.35 s of CPU on the cores they share, so below this the
+# start costs more than the half of the work it takes.
+ANALYSIS_WORKER_WORTH_EVENTS = 300_000
+
+
+def worth_analysis_workers(jobs: int, batches: int, events: int) -> bool:
+    """Whether the per-rank analyses of `batches` batches holding `events` trace events in all are worth
+    starting workers for (when none are up from the parse)."""
+    return jobs >= 2 and batches >= 2 and events >= ANALYSIS_WORKER_WORTH_EVENTS
+
+
 # A file counts towards WORKER_WORTH_FILES before discovery only from this size: a run folder's small
 # .json files (ds_config.json, comms dumps, autotuning experiments, manifests) are not traces.
 TRACE_GUESS_MIN_BYTES = 256 << 10
@@ -386,12 +399,15 @@ class Workers:
             remaining -= (item is not None) + len(finished)
             yield from collect(finished)
 
-    def map_ranks(self, one_batch, batches: list, then=None) -> list:
+    def map_ranks(self, one_batch, batches: list, then=None, events: int = 0) -> list:
         """one_batch(batch) for each batch of ranks, in order: on the workers the parse started and this
-        process (share); here alone when the parse needed none. Then the workers stop, unless `then` is
+        process (share); when the parse needed none, on workers started now if the batches' `events` trace
+        events are worth it (worth_analysis_workers), else here alone. Then the workers stop, unless `then` is
         given: each worker starts on it (the report's imports) and stays for `map`."""
         if not self.started:
-            return list(map(one_batch, batches))
+            if not worth_analysis_workers(self.jobs, len(batches), events):
+                return list(map(one_batch, batches))
+            self.pool(len(batches) - 1)
         try:
             results = dict(self.share(one_batch, batches)) if len(batches) > 1 else {b: one_batch(b) for b in batches}
         except BaseException:
