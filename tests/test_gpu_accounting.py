@@ -570,3 +570,32 @@ def test_the_idle_sentence_names_the_steps_idle_where_it_differs():
     assert "main cause other: the next work was already queued" in line
     same = launch.gpu_idle_lines(idle, {"step_breakdown": {"time_split": {"idle_share": 0.0812}}})[0]
     assert "inside the profiled steps" not in same
+
+
+def test_the_launch_stall_named_is_the_host_bound_ranks_and_not_a_call_that_waited_for_its_copy(tmp_path):
+    """Rank 0: a cudaMemcpyAsync of 300 us (400-700) whose DtoH copy ran 690-695 us, waiting behind a long kernel
+    (it returned once its copy had ended: synchronous, pageable memory), and gaps of 10 us. Rank 1: kernels launched by
+    40 us calls made after the kernel before ended, each opening a 41 us gap (host-bound 3 x 41 = 123 us).
+    The call named is rank 1's 40 us cudaLaunchKernel, not rank 0's 300 us copy (by hand)."""
+    rank0 = [_step(1, 0, 1000), _launch(10, 1, dur=2), _kernel(20, 660, 1, stream=7),
+             _launch(400, 2, name="cudaMemcpyAsync", dur=300),
+             {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)", "pid": 0, "tid": 7, "ts": 690,
+              "dur": 5, "args": {"correlation": 2, "stream": 7, "device": 0}},
+             _launch(701, 3, dur=2), _kernel(705, 290, 3, stream=7)]
+    rank1 = [_step(1, 0, 1000)]
+    for i in range(4):  # kernels 1-201, 242-442, 483-683, 724-924: calls 201-241, 442-482, 683-723
+        start = i * 241
+        rank1 += [_launch(start - 40 if i else 0, 10 + i, dur=40 if i else 1), _kernel(start + 1 if i else 1, 200, 10 + i, stream=7)]
+    write_trace(tmp_path / "run" / "rank0.json", rank0, distributedInfo={"rank": 0, "world_size": 2})
+    write_trace(tmp_path / "run" / "rank1.json", rank1, distributedInfo={"rank": 1, "world_size": 2})
+    out, findings, _ = _analyse(tmp_path / "run")
+    summary = {(row["rank"], row["launch_api"]): row for row in _table(out, "launch_summary").iter_rows(named=True)}
+    copy = summary[(0, "cudaMemcpyAsync")]
+    assert (copy["api_ns_max"], copy["launch_ns_max"]) == (300_000, None)
+    assert summary[(1, "cudaLaunchKernel")]["launch_ns_max"] == 40_000
+    slow = findings["gpu_idle"]["slowest_launch"]
+    assert (slow["rank"], slow["launch_api"], slow["api_ns"]) == (1, "cudaLaunchKernel", 40_000)
+    from steplens.analyze.analyses import launch
+
+    line = " ".join(launch.gpu_idle_lines(findings["gpu_idle"], findings)[0].split())
+    assert "the longest launch call took 40 µs (cudaLaunchKernel, rank 1, the rank with the most host-bound idle;" in line

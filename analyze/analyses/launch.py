@@ -383,14 +383,19 @@ def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
     # `launched` is in time order. Not a window over the call keys: one group per call made it 5x slower.
     first_of_call = pl.struct(call).is_first_distinct()
     later_in_graph = pl.col("launch_api").str.contains(GRAPH_LAUNCH) & ~first_of_call
+    # A call that returned only once its own work had ended waited for the device (a copy to pageable memory is
+    # synchronous whatever its name): its length is the device's, no launch stall
+    returned_first = (pl.col("launch_ts_ns") + pl.col("api_ns")) < (pl.col("ts_ns") + pl.col("dur_ns").fill_null(0))
     linked = linked.with_columns(queued=pl.when(~later_in_graph).then(pl.col("queue_ns").clip(lower_bound=0)),
-                                 call_ns=pl.when(first_of_call).then(pl.col("api_ns")))
+                                 call_ns=pl.when(first_of_call).then(pl.col("api_ns")),
+                                 stall_ns=pl.when(first_of_call & returned_first).then(pl.col("api_ns")))
     return linked.group_by("rank", "launch_api").agg(
         activities=pl.len(),
         api_ns_median=pl.col("api_ns").median(),
         api_ns_p90=nearest_rank_expr("api_ns", 90),
         api_ns_max=pl.col("call_ns").max(),  # each call once: a graph launch runs many kernels
         api_ns_total=pl.col("call_ns").sum(),
+        launch_ns_max=pl.col("stall_ns").max(),
         queue_ns_median=pl.col("queued").median(),
         queue_ns_p90=nearest_rank_expr("queued", 90),
         gpu_ns_total=pl.col("dur_ns").sum(),
@@ -406,19 +411,25 @@ MAIN_CAUSE_MIN_IDLE_SHARE = 0.01
 SLOW_LAUNCH_SHARE = 0.1
 
 
-def slowest_launch(launches: pl.DataFrame, host_bound_ns: int) -> dict | None:
-    """The longest launch call of the run (launch_summary's api_ns_max), when it is at least SLOW_LAUNCH_SHARE of the
-    host-bound idle: rank, launch_api, api_ns and its API's median."""
-    if launches.is_empty() or not host_bound_ns:
+def slowest_launch(launches: pl.DataFrame, idle: pl.DataFrame) -> dict | None:
+    """On the rank with the most host-bound idle (`idle`: gpu_idle's whole-window rows), its longest launch call that
+    returned before its work ended (launch_summary's launch_ns_max), when it is at least SLOW_LAUNCH_SHARE of that
+    rank's host-bound idle: rank, launch_api, api_ns and its API's median. Another rank's stall, or a call that waited
+    for the device, is no evidence of this idle."""
+    if launches.is_empty() or idle.is_empty():
         return None
-    # a blocking copy's call waits for the device: its length is the device's, not a launch stall
-    top = launches.filter(pl.col("api_ns_max").is_not_null() & ~pl.col("launch_api").str.contains(SYNC_API)).sort(
-        "api_ns_max", "rank", descending=[True, False])
-    if top.is_empty() or top["api_ns_max"][0] < SLOW_LAUNCH_SHARE * host_bound_ns:
+    by_rank = idle.group_by("rank").agg(pl.col("host_bound_ns").sum()).sort("host_bound_ns", "rank", descending=[True, False])
+    rank, host_bound_ns = by_rank.row(0)
+    if not host_bound_ns:
+        return None
+    # a synchronous API's call waits for the device by definition
+    top = launches.filter((pl.col("rank") == rank) & pl.col("launch_ns_max").is_not_null()
+                          & ~pl.col("launch_api").str.contains(SYNC_API)).sort("launch_ns_max", descending=True)
+    if top.is_empty() or top["launch_ns_max"][0] < SLOW_LAUNCH_SHARE * host_bound_ns:
         return None
     row = top.row(0, named=True)
-    return {"rank": row["rank"], "launch_api": row["launch_api"], "api_ns": row["api_ns_max"],
-            "api_ns_median": row["api_ns_median"]}
+    return {"rank": rank, "launch_api": row["launch_api"], "api_ns": row["launch_ns_max"],
+            "api_ns_median": row["api_ns_median"], "ranks": idle["rank"].n_unique()}
 
 
 def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0, launches: pl.DataFrame | None = None) -> dict:
@@ -441,7 +452,7 @@ def idle_finding(idle: pl.DataFrame, runtime_calls: int = 0, launches: pl.DataFr
     return {
         "idle_share": share,
         "main_cause": main,
-        "slowest_launch": slowest_launch(launches if launches is not None else pl.DataFrame(), causes["host_bound"])
+        "slowest_launch": slowest_launch(launches if launches is not None else pl.DataFrame(), windows)
         if main == "host_bound" else None,
         **{f"{c}_ns": v for c, v in causes.items()},
         "definition": "time no stream of the device was busy (every step's work and work launched before the window "
@@ -477,8 +488,9 @@ def gpu_idle_lines(idle: dict, findings: dict) -> list[str]:
     steps = (f"; {split['idle_share']:.1%} inside the profiled steps' device spans, the verdict's figure"
              if split.get("idle_share") is not None and abs(split["idle_share"] - idle["idle_share"]) >= 0.001 else "")
     if slow := idle.get("slowest_launch"):
+        where = ", the rank with the most host-bound idle" if slow.get("ranks", 1) > 1 else ""
         cause += (f"; the longest launch call took {duration(slow['api_ns'])} ({slow['launch_api']}, rank "
-                  f"{slow['rank']}; its median {duration(slow['api_ns_median'])})")
+                  f"{slow['rank']}{where}; its median {duration(slow['api_ns_median'])})")
     return [f"GPU idle: {idle['idle_share']:.1%} of the profiled time (no stream busy, from the first device activity "
             f"or profiled step to the last{steps}){cause}"
             f"{profiler_effect.window_note(findings.get('profiler_after_effect'))}."]
