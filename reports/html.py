@@ -23,10 +23,11 @@ import polars as pl
 from markupsafe import Markup, escape
 
 from steplens.analyze.analyses import ANALYSES
+from steplens.analyze.analyses.step_time import source_words
 from steplens.analyze.contract.text import number_ranges, safe_text, sentence, text_value, utilization_text
 
 from .data import Run, kernel_labels, load, ms, size, write_atomic
-from .verdict import NUMERATOR_SHORT, STEP_SOURCE_WORDS, first_screen, verdict
+from .verdict import NUMERATOR_SHORT, first_screen, verdict
 
 
 def _shown(value):
@@ -232,7 +233,7 @@ def key_numbers(run: Run) -> list[tuple[str, str]]:
         numbers.append(("device", ", ".join(devices)))
     step = f.get("step_time") or {}
     if step.get("median_ns") is not None:  # the verdict's first sentence says over which steps
-        numbers.append((f"step time ({STEP_SOURCE_WORDS.get(step.get('source'), step.get('source'))})",
+        numbers.append((f"step time ({source_words(step, 'short')})",
                         f"median {ms(step['median_ns'])}, p90 {ms(step.get('p90_ns'))}" if step.get("steps", 0) > 1
                         else ms(step["median_ns"])))
     elif slow := step.get("slowest_step"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from steplens.analyze.analyses import ANALYSES
 from steplens.analyze.analyses.job_end import job_end_lines
 from steplens.analyze.analyses.monitor import distinct_alarms
-from steplens.analyze.analyses.step_time import OUTSIDE_HEADLINE, outside_line, step_name
+from steplens.analyze.analyses.step_time import OUTSIDE_HEADLINE, outside_line, source_words, step_name
 from steplens.analyze.contract.text import utilization_text
 from steplens.analyze.contract.units import binary_bytes
 
@@ -42,7 +42,6 @@ def verdict(run: Run) -> list[str]:
 FIRST_SCREEN = 6
 MAX_PROBLEMS = 3
 EXPOSED_WORTH_NAMING = 0.05  # exposed communication below 5% of the step is not the first thing to fix
-STEP_SOURCE_WORDS = {"train_steps": "collector", "log": "logs", "profiler_steps": "profiled steps"}
 NUMERATOR_SHORT = {"palm": "analytic count", "megatron_args": "Megatron's count", "trace_shapes": "trace op shapes",
                    "collector_flops_profile": "FLOPs profile", "deepspeed_flops_profile": "DeepSpeed's FLOPs profile",
                    "profiler_flops": "profiler FLOPs"}
@@ -83,7 +82,7 @@ def time_headline(f: dict) -> str | None:
 
 def step_headline(f: dict) -> str | None:
     summary = f.get("step_time") or {}
-    source = STEP_SOURCE_WORDS.get(summary.get("source"), summary.get("source"))
+    source = source_words(summary, 'short')
     if summary.get("steps") and summary.get("median_ns") is not None and summary["steps"] > 1:
         return (f"Steps: median {ms(summary['median_ns'])}, p90 {ms(summary['p90_ns'])} over {summary['steps']} of "
                 f"{summary['total_steps']} ({source})")

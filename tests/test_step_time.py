@@ -208,7 +208,12 @@ def test_logs_only_run_takes_step_time_from_the_timer_lines(ds_steady_run, tmp_p
     block = findings["step_time"]
     assert block["source"] == "log" and "wall_clock_breakdown" in block["definition"]
     assert {k: block[k] for k in ("steps", "total_steps", "median_ns", "p90_ns", "max_ns")} == expected_summary(times, warm)
-    assert any(line.startswith("Step time:") and "from the logs" in line for line in lines)
+    assert any(line.startswith("Step time:") and "from the logs' fwd + bwd + step timers (wall_clock_breakdown: not "
+               "the whole iteration)" in line for line in lines)
+    # the first screen says what the figure times: fwd + bwd + step, not the iteration around it
+    from steplens.reports.verdict import step_headline
+
+    assert step_headline(findings).endswith(f"over {block['steps']} of {block['total_steps']} (logs: fwd+bwd+step)")
 
 
 # Five steps of a Megatron-DeepSpeed log (its layout as a 2024 AuroraGPT run printed it): the fourth is the step

@@ -536,6 +536,7 @@ def profiled_windows(table: pl.DataFrame, profiler_steps: pl.DataFrame) -> dict 
         windows = windows.with_columns(step_time_ns=pl.lit(None, pl.Int64), after_last_step=pl.lit(False))
     values = kept["step_time_ns"].drop_nulls().to_list()
     return {"steps": windows.sort("step").to_dicts(), "source": source,
+            "definition": table["definition"][0] if table.height and "definition" in table.columns else None,
             "run_median_ns": round(statistics.median(values)) if has_typical_time(values) else None}
 
 
@@ -584,6 +585,19 @@ EXCLUSION_WORDS = {"warm_up": "warm-up {steps}", "flops_profiler": "FLOPs profil
 
 
 SOURCE_WORDS = {"train_steps": "the collector's train_steps", "log": "the logs", "profiler_steps": "the profiled steps"}
+SHORT_SOURCE_WORDS = {"train_steps": "collector", "log": "logs", "profiler_steps": "profiled steps"}
+# DeepSpeed's wall_clock_breakdown timers time fwd, bwd and step, not the iteration around them (data loading, the
+# script's own work): said wherever the step time comes from them, so it is not read as the job's step
+TIMERS_WORDS = {"full": "the logs' fwd + bwd + step timers (wall_clock_breakdown: not the whole iteration)",
+                "short": "logs: fwd+bwd+step", "subject": "the logs' fwd + bwd + step"}
+
+
+def source_words(summary: dict, form: str = "full") -> str:
+    """Where the step time came from, in words: `full`, `short` (the first screen's) or `subject` (of 'timed it')."""
+    if summary.get("definition") == DEFINITIONS["log_timers"]:
+        return TIMERS_WORDS[form]
+    source = summary.get("source")
+    return (SHORT_SOURCE_WORDS if form == "short" else SOURCE_WORDS).get(source, source)
 
 
 def _step_ranges(steps: list[int], count: int) -> str:
@@ -610,7 +624,7 @@ def _times(excluded: dict) -> str:
 def step_lines(summary: dict) -> list[str]:
     """Step time over the run, the slowest step when it stands out, and where the profiled steps sit."""
     lines = []
-    source = SOURCE_WORDS.get(summary.get("source"), summary.get("source"))
+    source = source_words(summary)
     few = summary.get("kept_steps")  # too few kept steps, too far apart, for a typical time
     if summary.get("steps") == 1:
         line = (f"Step time: {duration(summary['max_ns'])} ({step_name(summary['max_step'], summary)}, the only one of "
@@ -651,7 +665,7 @@ def step_lines(summary: dict) -> list[str]:
                      "an earlier checkpoint; the later recording of each is the one timed.")
     profiled = summary.get("profiled_steps") or {}
     for window in profiled.get("steps", [])[:PROFILED_SAID]:
-        timed = (f"; {SOURCE_WORDS.get(profiled['source'], profiled['source'])} timed it {duration(window['step_time_ns'])}"
+        timed = (f"; {source_words(profiled, 'subject')} timed it {duration(window['step_time_ns'])}"
                  if window.get("step_time_ns") is not None else "")
         median = (f", the run's median step is {duration(profiled['run_median_ns'])}"
                   if profiled.get("run_median_ns") is not None else "")
