@@ -80,6 +80,11 @@ def test_an_a100_rank_of_8_and_a_v100_rank_of_2_are_not_aligned_as_one_job(tmp_p
     assert "Not one job: rank 3" in result.output
     # and the first screen says so
     assert ("Not one job: rank(s) 3 not aligned with rank 1", "steps") in first_screen(findings)
+    # the step time is the job's: rank 1's ProfilerSteps alone (rank 3's are another job's), and says so
+    step_time = findings["step_time"]
+    assert (step_time["median_ns"], step_time["other_job_ranks"]) == (round(_median_step_us(docs[1]) * 1000), [3])
+    assert any(line.startswith("Step time:") and "from the profiled steps of the ranks of one job (rank 3 left out: "
+               "another job's trace)" in line for line in finding_lines(findings))
 
 
 def test_without_world_sizes_the_clocks_still_tell_two_jobs_apart(tmp_path):

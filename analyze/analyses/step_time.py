@@ -76,6 +76,7 @@ from steplens.analyze.contract.manifest import MAX_STEP
 from steplens.analyze.contract.text import number_ranges
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.analyses.percentile import nearest_rank
+from steplens.analyze.analyses.steps import REFUSED_PREFIX
 from steplens.analyze.contract.units import duration
 
 MAD_Z_SCALE = 0.6745  # modified z-score (Iglewicz & Hoaglin 1993): 0.6745 (x - median) / MAD
@@ -638,6 +639,8 @@ def step_lines(summary: dict) -> list[str]:
                 f"({step_name(summary['max_step'], summary)}) over {summary['steps']} of {summary['total_steps']} "
                 + ("logged iterations, each the mean of its logging interval" if summary.get("interval_means") else "steps")
                 + f", from {source}")
+    if summary.get("steps") and (other := summary.get("other_job_ranks")):
+        line += f" of the ranks of one job (rank{'s' if len(other) > 1 else ''} {number_ranges(other)} left out: another job's trace)"
     if summary.get("steps"):
         if excluded := summary.get("excluded_steps"):
             line += "; left out: " + "; ".join(
@@ -763,9 +766,17 @@ def steps_section(page, run):
 
 def _step_time(inputs: Inputs) -> Output:
     profiler_steps = inputs.table("steps", ["rank", "step", "start_ns", "end_ns"])
+    # A trace refused as a rank of this job (steps.unalignable: another world size, no shared collective) has steps of
+    # another job: its windows are no step of this one
+    offsets = inputs.table("clock_offsets", ["rank", "method"])
+    other_job = [] if offsets.is_empty() else sorted(offsets.filter(
+        pl.col("method").str.starts_with(REFUSED_PREFIX))["rank"].to_list())
+    profiler_steps = profiler_steps.filter(~pl.col("rank").is_in(other_job))
     table = step_time_table(inputs.table("train_steps"), inputs.table("step_timers"), inputs.table("scalars"),
                             profiler_steps, inputs.table("flops_profile"), inputs.facts)
     finding = step_time_summary(table)
+    if other_job and finding.get("source") == "profiler_steps":
+        finding["other_job_ranks"] = other_job
     # The slowest step over the whole run (not only the profiled ones), and only when it stands out.
     if slow := slowest_step(table):
         finding["slowest_step"] = slow
@@ -810,6 +821,7 @@ STEP_TIME = schema.table_spec(
 )
 
 
-ANALYSIS = Analysis("step_time", "Step time over the run", ("train_steps", "step_timers", "scalars", "steps", "flops_profile"),
+ANALYSIS = Analysis("step_time", "Step time over the run", ("train_steps", "step_timers", "scalars", "steps", "flops_profile",
+                                                           "clock_offsets"),
                     {"step_time": STEP_TIME}, _step_time,
                     former_keys={key: key for key in ("slowest_step", "profiled_steps", "fp16_overflow")}, phrase=lambda summary, findings: step_lines(summary), section=steps_section)
