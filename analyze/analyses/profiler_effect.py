@@ -56,6 +56,9 @@ def after_effect(step_time: pl.DataFrame, facts: dict) -> dict | None:
                "window_ratio_max": window_times.max() / run_median if run_median and window_times.len() else None,
                "window_slowed": bool(run_median and window_times.len() and window_times.max() > SLOW_WINDOW * run_median),
                "cupti_teardown": (facts.get("collector_profiler") or {}).get("cupti_teardown"),
+               "cupti_teardown_by": (facts.get("collector_profiler") or {}).get("cupti_teardown_by"),
+               "collector_record": "collector_profiler" in facts,
+               "step_source": step_time["source"][0],
                "definition": "median kept step after the last profiler window / median kept step before the first; "
                              f"beyond noise: Mann-Whitney U p < {P_VALUE} and a change of at least {MIN_CHANGE:.0%}"}
     if before.len() and after.len():
@@ -95,6 +98,16 @@ def after_effect_lines(finding: dict) -> list[str]:
     if finding["cupti_teardown"]:
         cause = ("CUPTI was released after the windows (TEARDOWN_CUPTI=1), so the profiler is not the likely cause: "
                  "look at what else changed in the run")
+    elif finding["cupti_teardown"] is False:
+        by = f" ({finding['cupti_teardown_by']})" if finding.get("cupti_teardown_by") else ""
+        cause = (f"likely cause: CUPTI stayed attached after the windows{by}, and every later kernel launch pays for it "
+                 "(pytorch/pytorch#144455): where the job uses no CUDA graphs, TEARDOWN_CUPTI=1 releases it; with "
+                 "them, profile in a run of its own")
+    elif finding.get("step_source") == "train_steps" and not finding.get("collector_record"):
+        # the collector opened the windows, but is older than its record of the CUPTI decision
+        cause = ("likely cause: Kineto leaves CUPTI attached after profiling unless TEARDOWN_CUPTI=1 is set "
+                 "(pytorch/pytorch#144455), and this collector's record does not say whether it was (a collector "
+                 "older than that record): set TEARDOWN_CUPTI=1 in the job's environment")
     else:
         cause = "likely cause: " + CAUSE
     return [f"Steps ran {finding['ratio']:.2f}x slower after the profiler windows ({figures}; beyond the "
