@@ -551,6 +551,8 @@ def test_a_graph_launch_is_one_call_and_a_blocking_copy_no_launch_stall(tmp_path
     summary = {row["launch_api"]: row for row in _table(out, "launch_summary").iter_rows(named=True)}
     assert (summary["cudaGraphLaunch"]["activities"], summary["cudaGraphLaunch"]["api_ns_max"],
             summary["cudaGraphLaunch"]["api_ns_total"]) == (3, 60_000, 60_000)
+    assert (summary["cudaGraphLaunch"]["api_ns_median"], summary["cudaGraphLaunch"]["api_ns_p90"]) == (60_000, 60_000)
+    assert (summary["cudaLaunchKernel"]["api_ns_median"], summary["cudaLaunchKernel"]["api_ns_p90"]) == (3_000, 30_000)
     assert (summary["cudaLaunchKernel"]["api_ns_max"], summary["cudaLaunchKernel"]["api_ns_total"]) == (30_000, 36_000)
     assert summary["cudaMemcpy"]["api_ns_max"] == 500_000
     idle = findings["gpu_idle"]
