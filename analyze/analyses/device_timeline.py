@@ -172,7 +172,7 @@ LAUNCH_SUMMARY = schema.table_spec(
     ("rank", pa.int64(), "Rank."),
     ("launch_api", pa.string(), "Launch API."),
     ("activities", pa.int64(), "Device activities it launched."),
-    ("api_ns_median", pa.float64(), "Median CPU cost."),
+    ("api_ns_median", pa.float64(), "Median CPU cost of a call (each call once: a graph launch runs many activities)."),
     ("api_ns_p90", pa.float64(), "90th percentile CPU cost (nearest rank: analyze/analyses/percentile.py)."),
     ("api_ns_max", pa.int64(), "The longest call: one stall the percentiles hide."),
     ("api_ns_total", pa.int64(), "CPU time of all the calls, each once (a graph launch runs many activities)."),
