@@ -68,6 +68,11 @@ def test_overlapping_steps_idle_only_when_no_stream_is_busy(tmp_path):
     assert (step1["host_bound_ns"], step1["other_ns"]) == (140_000, 10_000)
     assert findings["gpu_idle"]["idle_share"] == pytest.approx(150 / 310)
     assert findings["gpu_idle"]["main_cause"] == "host_bound"
+    # The verdict's split counts the 140 us of step 2's span, inside step 1's, once: over the 310 us the two spans
+    # cover, compute 160 us and idle 150 us (summed spans read 300 of 450 us compute)
+    split = findings["step_breakdown"]["time_split"]
+    assert (split["span_ns"], split["overlap_ns"]) == (310_000, 140_000)
+    assert (split["compute_share"], split["idle_share"]) == (pytest.approx(160 / 310), pytest.approx(150 / 310))
     # The per-stream rows keep their meaning: step 1 on stream 7 idles 270 us between its own kernels.
     own_stream = _table(out, "gpu_idle").filter((pl.col("stream") == 7) & (pl.col("step") == 1)).row(0, named=True)
     assert own_stream["idle_ns"] == 270_000

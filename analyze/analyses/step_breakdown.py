@@ -46,8 +46,9 @@ TIMELINE_SCHEMA = {"rank": pl.Int64, "step": pl.Int64, "activity": pl.String, "s
 
 
 def step_breakdown_tables(launch_parts: Iterable[pl.DataFrame], collectives: pl.DataFrame, gpu_idle: pl.DataFrame,
-                          step_stats: pl.DataFrame, offsets: pl.DataFrame) -> dict[str, pl.DataFrame]:
-    """step_breakdown (every rank and step) and step_timeline (the slowest profiled step).
+                          step_stats: pl.DataFrame, offsets: pl.DataFrame) -> dict:
+    """step_breakdown (every rank and step), step_timeline (the slowest profiled step) and covered_by_steps (_Lane's
+    covered_by_steps summed over the devices).
 
     `launch_parts` yields kernel_launches rows (LAUNCH_COLUMNS) a few whole ranks at a time (the parts the
     per-rank analyses wrote), so memory is bounded by the largest part; each part is one pass, whatever its
@@ -62,10 +63,11 @@ def step_breakdown_tables(launch_parts: Iterable[pl.DataFrame], collectives: pl.
     keys = LANE + ["step"]
     step_rows = gpu_idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_not_null())
     spans = step_rows.select(*keys, "span_start_ns", "span_end_ns")
-    breakdowns, timelines = [], []
+    breakdowns, timelines, covered = [], [], np.zeros(3, np.int64)
     for part in launch_parts:
         for lane in _lanes(_work(part, comm_ids), spans):
             breakdowns.append(lane.breakdown())
+            covered += lane.covered_by_steps()
             rank = lane.key["rank"]
             if slowest is not None and rank not in refused:
                 timelines.append(lane.timeline(slowest, offset_of.get(rank, 0)))
@@ -76,7 +78,8 @@ def step_breakdown_tables(launch_parts: Iterable[pl.DataFrame], collectives: pl.
     breakdown = pl.concat(breakdowns).join(causes, on=keys, how="left", nulls_equal=True).with_columns(
         idle_ns=pl.col("span_ns") - pl.col("compute_ns") - pl.col("exposed_comm_ns"))
     return {"step_breakdown": breakdown.select(list(BREAKDOWN_SCHEMA)).cast(BREAKDOWN_SCHEMA).sort("step", "rank", "device"),
-            "step_timeline": pl.concat([pl.DataFrame(schema=TIMELINE_SCHEMA)] + timelines).sort("rank", "start_ns")}
+            "step_timeline": pl.concat([pl.DataFrame(schema=TIMELINE_SCHEMA)] + timelines).sort("rank", "start_ns"),
+            "covered_by_steps": covered}
 
 
 def slowest_profiled_step(step_stats: pl.DataFrame) -> int | None:
@@ -115,6 +118,13 @@ class _Lane:
                              "step": pl.Series(self.steps, dtype=pl.Int64), "span_ns": pl.Series(self.hi - self.lo),
                              "compute_ns": pl.Series(compute, dtype=pl.Int64),
                              "exposed_comm_ns": pl.Series(busy - compute, dtype=pl.Int64)})
+
+    def covered_by_steps(self) -> np.ndarray:
+        """[span, compute, busy] ns over the union of the steps' spans: where consecutive steps' work overlapped (on
+        other streams, behind a backlog) the spans overlap, and the time there is counted once."""
+        lo, hi = intervals.union(self.lo, self.hi)
+        return np.array([int((hi - lo).sum()), int(intervals.covered(*self.compute, lo, hi).sum()),
+                         int(intervals.covered(*self.busy, lo, hi).sum())], dtype=np.int64)
 
     def timeline(self, step: int, offset_ns: int) -> pl.DataFrame:
         """Compute, exposed-communication and idle segments of one step, on the reference clock."""
@@ -190,29 +200,33 @@ def _difference(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray, b_e: np.ndarr
     return intervals.union(lo[keep], hi[keep])
 
 
-def time_split(breakdown: pl.DataFrame, unstepped_device_ns: int = 0) -> dict | None:
-    """Where the profiled steps' device time went, over every rank and step of step_breakdown: each
-    activity's share of the summed step spans, the main idle cause, and the median step's span (the
-    longest rank's, per step); `unstepped_device_ns`, the device work in no step (its launch is not in the
-    trace), kept beside it. None without profiled steps."""
-    if breakdown.is_empty() or not breakdown["span_ns"].sum():
+def time_split(breakdown: pl.DataFrame, covered: np.ndarray, unstepped_device_ns: int = 0) -> dict | None:
+    """Where the profiled steps' device time went: each activity's share of the time the steps' spans cover
+    (`covered`: [span, compute, busy] ns over the union of each device's step spans, so time in two steps' spans
+    counts once), the main idle cause over every rank and step of step_breakdown, and the median step's span (the
+    longest rank's, per step); `unstepped_device_ns`, the device work in no step (its launch is not in the trace),
+    kept beside it. None without profiled steps."""
+    span, compute, busy = (int(x) for x in covered)
+    if breakdown.is_empty() or not span:
         return None
-    span = breakdown["span_ns"].sum()
     idle_by_cause = {cause: int(breakdown[f"{cause}_ns"].fill_null(0).sum()) for cause in launch.CAUSES}
     main_cause = max(launch.CAUSES, key=lambda cause: idle_by_cause[cause]) if any(idle_by_cause.values()) else None
     step_spans = breakdown.group_by("step").agg(pl.col("span_ns").max())["span_ns"]
     return {
-        "steps": step_spans.len(), "ranks": breakdown["rank"].n_unique(), "span_ns": int(span),
+        "steps": step_spans.len(), "ranks": breakdown["rank"].n_unique(), "span_ns": span,
+        "overlap_ns": int(breakdown["span_ns"].sum()) - span,
         "median_step_span_ns": round(step_spans.median()),
-        "compute_share": breakdown["compute_ns"].sum() / span,
-        "exposed_comm_share": breakdown["exposed_comm_ns"].sum() / span,
-        "idle_share": breakdown["idle_ns"].sum() / span,
+        "compute_share": compute / span,
+        "exposed_comm_share": (busy - compute) / span,
+        "idle_share": (span - busy) / span,
         "main_idle_cause": main_cause,
         "unstepped_device_ns": int(unstepped_device_ns),
-        "definition": "step_breakdown summed over ranks and profiled steps: each activity's share of the summed step "
-                      "spans (gpu_idle's step spans: the device work launched in the step, opened where the device "
+        "definition": "each activity's share of the time the profiled steps' spans cover on every rank's devices "
+                      "(gpu_idle's step spans: the device work launched in the step, opened where the device "
                       "went idle before it with the step begun and closed where it sat idle after it with the step "
-                      "still running on the CPU); median_step_span_ns: the median over "
+                      "still running on the CPU; where one step's work still ran when the next step's began, their "
+                      "spans overlap and that time counts once: overlap_ns, the summed spans' excess); main_idle_cause: "
+                      "the most idle of step_breakdown's causes summed over ranks and steps; median_step_span_ns: the median over "
                       "steps of the longest rank's span; unstepped_device_ns: summed duration of the device work "
                       "whose launch is not in the trace (kernel_launches with no step), in no step's span",
     }
@@ -264,7 +278,7 @@ def _step_breakdown(inputs: Inputs) -> Output:
 
     tables = step_breakdown_tables(parts(), inputs.table("collectives"), inputs.table("gpu_idle"),
                                    inputs.table("step_stats"), inputs.table("clock_offsets"))
-    split = time_split(tables["step_breakdown"], sum(unstepped))
+    split = time_split(tables["step_breakdown"], tables.pop("covered_by_steps", np.zeros(3, np.int64)), sum(unstepped))
     return Output(tables=tables, finding={"time_split": split} if split else None)
 
 
