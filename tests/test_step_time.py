@@ -330,6 +330,23 @@ def test_megatron_log_step_time_from_its_iteration_lines(corpus, tmp_path):
                for line in lines)
 
 
+@pytest.mark.parametrize("bad", ["48412345678901234.7", "nan", "1e300"])
+def test_a_logged_time_that_is_no_time_costs_its_step_only(corpus, tmp_path, bad):
+    """One Megatron iteration time damaged (past int64 in ns, nan, 1e300): the run was lost (an internal error, rc 5);
+    that interval is left out (no_time) and every other step is as the intact log's."""
+    (tmp_path / "run").mkdir()
+    text = (corpus / MEGATRON_LOG).read_text(errors="replace")
+    first = next(m for m in map(MEGATRON_LINE.match, text.splitlines()) if m)
+    damaged = text.replace(f"elapsed time per iteration (ms): {first[2]}", f"elapsed time per iteration (ms): {bad}", 1)
+    assert damaged != text
+    (tmp_path / "run" / "train.log").write_text(damaged)
+    findings, _ = analyse(tmp_path / "run", tmp_path / "out")
+    table = pl.read_parquet(tmp_path / "out" / "step_time")
+    row = table.filter(pl.col("step") == int(first[1]) - 1).row(0, named=True)
+    assert row["step_time_ns"] is None and "no_time" in row["reason"].split(",")
+    assert findings["step_time"]["steps"] > 30
+
+
 def test_fp16_overflow_skips_from_a_deepspeed_chat_log(corpus, tmp_path):
     """DeepSpeed's `step=N, skipped=S` lines: S of N steps skipped, against the last such line."""
     name = "DeepSpeedExamples/deepspeed_chat_step1_sft/opt-1.3b-globalBatchSize128.log"

@@ -46,8 +46,8 @@ Excluded steps, each named in ``reason`` (several joined by ","):
   interval's average) holds the evaluation's time. No training step's work.
 * ``negative_duration``: the step (or one of its micro steps, or one of its timers) ends before it
   starts: clock trouble.
-* ``no_time``: the step's time is 0: nothing was measured (DeepSpeed's FLOPs profiler leaves the
-  timers of the step it profiles at 0).
+* ``no_time``: the step's time is 0, or none (a logged nan or inf): nothing was measured (DeepSpeed's
+  FLOPs profiler leaves the timers of the step it profiles at 0).
 * ``longer_than_run``: the step is longer than the run's span (first step start to last step end, or
   first to last log line): a unit error or clock trouble. Both also become an `inputs_disagree`
   finding (analyze/analyses/sanity.py).
@@ -185,6 +185,11 @@ def _from_timers(timers: pl.DataFrame) -> pl.DataFrame:
         incomplete=pl.col("ranks") < pl.col("ranks").max(), negative=pl.col("step").is_in(negative))
 
 
+def _ns(value: pl.Expr) -> pl.Expr:
+    """A logged time in ns, null where the log's number is none (nan, inf, a rate of 5e-12 samples/s: past int64)."""
+    return pl.when(value.is_finite()).then(value.round()).cast(pl.Int64, strict=False)
+
+
 def _from_scalars(scalars: pl.DataFrame, facts: dict) -> tuple[pl.DataFrame, str]:
     logged = scalars.filter((pl.col("origin") == "log") & pl.col("step").is_not_null()) if not scalars.is_empty() \
         else scalars
@@ -195,17 +200,17 @@ def _from_scalars(scalars: pl.DataFrame, facts: dict) -> tuple[pl.DataFrame, str
     if isinstance(batch, int) and not rate.is_empty():
         seconds = batch / pl.col("value")
         return rate.group_by("step").agg(
-            step_time_ns=(seconds * 1e9).round().cast(pl.Int64).max(), slowest_rank=pl.col("rank").first(),
+            step_time_ns=_ns(seconds * 1e9).max(), slowest_rank=pl.col("rank").first(),
             ranks=pl.col("rank").n_unique().cast(pl.Int64)), "log_throughput"
     iteration = logged.filter(pl.col("name") == MEGATRON_ITERATION)
     if not iteration.is_empty():
         return iteration.group_by("step").agg(
-            step_time_ns=(pl.col("value") * 1e6).round().cast(pl.Int64).max(), slowest_rank=pl.col("rank").first(),
+            step_time_ns=_ns(pl.col("value") * 1e6).max(), slowest_rank=pl.col("rank").first(),
             ranks=pl.col("rank").n_unique().cast(pl.Int64)), "log_megatron"
     iteration = logged.filter(pl.col("name") == PIPELINE_ITERATION)
     if not iteration.is_empty():
         return iteration.group_by("step").agg(
-            step_time_ns=(pl.col("value") * 1e9).round().cast(pl.Int64).max(), slowest_rank=pl.col("rank").first(),
+            step_time_ns=_ns(pl.col("value") * 1e9).max(), slowest_rank=pl.col("rank").first(),
             ranks=pl.col("rank").n_unique().cast(pl.Int64)), "log_pipeline"
     return pl.DataFrame(), ""
 
@@ -381,6 +386,9 @@ def step_time_table(train_steps: pl.DataFrame | None = None, step_timers: pl.Dat
             pl.when(pl.col("no_previous").fill_null(False)).then(pl.lit("no_previous_step")),
             pl.when(pl.col("skipped").fill_null(False)).then(pl.lit("overflow_skipped")),
             pl.col("instrumented"), separator=",", ignore_nulls=True).replace("", None))
+    # no time for no other reason: the log's number was none (nan, inf, past int64)
+    frame = frame.with_columns(reason=pl.col("reason").fill_null(
+        pl.when(pl.col("step_time_ns").is_null()).then(pl.lit("no_time"))))
     warm = _warm_up(frame)
     frame = frame.with_columns(
         reason=pl.when(pl.col("step").is_in(list(warm))).then(pl.lit("warm_up")).otherwise(pl.col("reason")),
