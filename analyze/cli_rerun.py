@@ -131,18 +131,22 @@ def _arguments(argv: list[str]) -> tuple[Path, Path, bool] | None:
 
 
 def answer(argv: list[str]) -> int | None:
-    """The exit status after printing what the full command would, or None: run the full command."""
+    """The exit status after printing what the full command would, or None: run the full command (which also says
+    what is wrong with a path that cannot be looked at: a name too long, a folder it may not read)."""
     parsed = _arguments(argv)
     if parsed is None:
         return None
     run_dir, out_dir, quiet = parsed
-    if not run_dir.is_dir() or not out_dir.is_dir():
-        return None
-    manifest = reuse.read_manifest(out_dir)
-    recorded = manifest.get("rerun")
-    if not isinstance(recorded, dict) or not reuse.complete(out_dir, manifest):
-        return None
-    if recorded.get("key") != reuse.listing_key(run_dir, out_dir):
+    try:
+        if not run_dir.is_dir() or not out_dir.is_dir():
+            return None
+        manifest = reuse.read_manifest(out_dir)
+        recorded = manifest.get("rerun")
+        if not isinstance(recorded, dict) or not reuse.complete(out_dir, manifest):
+            return None
+        if recorded.get("key") != reuse.listing_key(run_dir, out_dir):
+            return None
+    except (OSError, RuntimeError):  # (RuntimeError: a symlink loop, as pathlib says it)
         return None
     try:
         summary = [] if quiet else [(text.replace(recorded["out_token"], str(out_dir)), int(indent))
@@ -358,6 +362,9 @@ def _run_dir_and_jobs(argv: list[str]) -> tuple[Path, int] | None:
                 jobs = int(value)
         elif not arg.startswith("-"):
             run_dir = arg
-    if run_dir is None or "://" in run_dir or not Path(run_dir).is_dir():
+    try:
+        if run_dir is None or "://" in run_dir or not Path(run_dir).is_dir():
+            return None
+    except OSError:  # (a name too long to look at: the full command says so)
         return None
     return Path(run_dir), jobs

@@ -447,3 +447,21 @@ def test_an_unreachable_host_names_the_url_given(capsys):
         cli._guarded(reaches, ["--out", "ftp://x/y"], prog_name="analyze")
     assert ended.value.code == EXIT_NOTHING
     assert "ftp://x/y: cannot reach its host (Name or service not known)" in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("case", ["run name too long", "out name too long", "out a link loop", "run a link loop"])
+def test_paths_that_cannot_be_looked_at_are_named_not_a_traceback(synthetic_run, tmp_path, case):
+    """The `analyze` script answers a re-run before its imports: a path it could not stat (a name past the system's
+    255 bytes) printed a Python traceback with exit 1, the status of a written result; a link that leads to itself
+    was an internal error (exit 5)."""
+    long_name = str(tmp_path / ("r" * 300))
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    run, out = {"run name too long": (long_name, None), "out name too long": (str(synthetic_run), long_name),
+                "out a link loop": (str(synthetic_run), str(loop)), "run a link loop": (str(loop), None)}[case]
+    analyse(synthetic_run, jobs=1)  # a result to answer a re-run from, as the script does first
+    done = subprocess.run([str(Path(sys.executable).parent / "analyze"), run, "-q", *(["--out", out] if out else [])],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_NOTHING and "Traceback" not in done.stderr and "internal error" not in done.stderr
+    assert ("File name too long" if "too long" in case else "a symbolic link that leads to itself") in " ".join(
+        done.stderr.split())

@@ -139,7 +139,10 @@ def discover(run_dir: Path, out_dir: Path | None) -> Discovered:
     """Every file under run_dir, skipping hidden files and folders and the output folder (None: one
     in object storage)."""
     files, named = [], []  # named: folders not looked into, each with its issue
-    out_dir = out_dir.resolve() if out_dir is not None else None
+    try:
+        out_dir = out_dir.resolve() if out_dir is not None else None
+    except RuntimeError:  # a link that leads to itself: refused as an output later (a link), never inside the run
+        out_dir = out_dir.absolute()
 
     def unlisted(path: Path, error: OSError) -> None:
         """A sub-folder that cannot be listed (permissions, a path past the system's limit) costs what it holds."""
