@@ -465,3 +465,24 @@ def test_paths_that_cannot_be_looked_at_are_named_not_a_traceback(synthetic_run,
     assert done.returncode == EXIT_NOTHING and "Traceback" not in done.stderr and "internal error" not in done.stderr
     assert ("File name too long" if "too long" in case else "a symbolic link that leads to itself") in " ".join(
         done.stderr.split())
+
+
+def test_what_a_linked_file_outside_the_run_holds_is_not_quoted(tmp_path):
+    """Links in a run folder are followed (traces are linked in), but a linked file outside it that is no trace had
+    its first bytes quoted in ingest_issues, run.json and the report that goes on a PR ('starts with b'root:*:...'');
+    a file of the folder itself is still described."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "shadow").write_text("root:*:20228:0:99999:7:::\n")
+    (outside / "keys.json").write_text('{"secret_api_key": "abc"}')
+    run = tmp_path / "run"
+    write_trace(run / "rank0.pt.trace.json", [{"ph": "X", "cat": "cpu_op", "name": "op", "pid": 1, "tid": 1, "ts": 1, "dur": 1}])
+    (run / "rank1.pt.trace.json").symlink_to(outside / "shadow")
+    (run / "keys.json").symlink_to(outside / "keys.json")
+    (run / "own.json").write_text('{"own_key": 1}')
+    analyse(run, jobs=1)
+    written = b"".join(p.read_bytes() for p in (run / ".steplens").rglob("*") if p.is_file())
+    assert b"root:" not in written and b"secret_api_key" not in written
+    issues = {r["file"]: r for r in pq.read_table(run / ".steplens" / "ingest_issues").to_pylist()}
+    assert issues["rank1.pt.trace.json"]["reason"] == "damaged_trace" and "not quoted" in issues["rank1.pt.trace.json"]["detail"]
+    assert issues["keys.json"]["reason"] == "not_a_trace" and "'own_key'" in issues["own.json"]["detail"]

@@ -284,17 +284,30 @@ def _trace_tables(decoded: DecodedTrace, source: str) -> ParsedTrace:
     return ParsedTrace(events, flows, steps, decoded.meta, issues, decoded.raw_bytes, seconds, decoded.unit)
 
 
+LINKED_ELSEWHERE = "a link to a file outside the run folder that is no trace (what it holds is not quoted)"
+
+
+def _linked_from_elsewhere(abs_path: str, relative: str) -> bool:
+    """Whether the file at abs_path (`relative` to its run folder) is a link to a file outside that folder."""
+    if "://" in abs_path or not relative or not abs_path.endswith(relative):
+        return False
+    root = os.path.realpath(abs_path[: len(abs_path) - len(relative)] or ".")
+    return os.path.commonpath([root, os.path.realpath(abs_path)]) != root
+
+
 def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
     started = time.perf_counter()
     try:
         parsed = read_trace(_opened(abs_path), source.path, abs_path)
     except NotATrace as e:
+        # What a linked file outside the run folder holds is not quoted: the report goes on a PR
+        what = LINKED_ELSEWHERE if _linked_from_elsewhere(abs_path, source.path) else str(e)
         if e.damaged:  # a .json file that is not JSON, or a trace cut before its events: a lost input
             source.status = "error"
-            source.issues.append(["error", "damaged_trace", 1, f"a trace file with nothing usable: {e}"])
+            source.issues.append(["error", "damaged_trace", 1, f"a trace file with nothing usable: {what}"])
         else:
             source.status = "ignored"
-            source.issues.append(["info", "not_a_trace", 1, f"not a trace: {e}"])
+            source.issues.append(["info", "not_a_trace", 1, f"not a trace: {what}"])
         return source
     except (OSError, EOFError) as e:
         source.status = "error"
