@@ -225,3 +225,24 @@ def test_a_second_analyze_into_an_output_being_written_is_refused(tmp_path):
     done = subprocess.run([str(SCRIPT), str(run), "--out", str(out), "-q"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode in (0, 1) and (out / "run.json").exists() and not (tmp_path / f".out.tmp-{other.pid}").exists()
+
+
+def test_a_process_that_took_a_dead_writers_id_holds_no_lock(tmp_path):
+    """A killed analyze leaves .NAME.tmp-PID behind; when a later process gets that id, the folder read as a live
+    writer's and the output stayed refused (exit 4) for as long as that process lived. A process started after the
+    folder was last changed cannot be its writer: the run goes ahead and cleans the leftover."""
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns(".steplens"))
+    out = tmp_path / "out"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        leftover = tmp_path / f".out.tmp-{other.pid}"
+        (leftover / "_scratch").mkdir(parents=True)
+        os.utime(leftover, (time.time() - 3600, time.time() - 3600))  # written an hour before that process began
+        done = subprocess.run([str(SCRIPT), str(run), "--out", str(out), "-q"], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode in (0, 1), done.stderr
+        assert (out / "run.json").exists() and not leftover.exists()
+    finally:
+        other.kill()
+        other.wait()

@@ -640,7 +640,7 @@ def _recover(out_dir: Path) -> None:
         pid = leftover.name.rsplit("-", 1)[-1]
         if not pid.isdigit() or leftover.is_symlink() or not leftover.is_dir():
             continue
-        if not _alive(int(pid)) and _is_staging(leftover):
+        if not _writing(int(pid), leftover) and _is_staging(leftover):
             shutil.rmtree(leftover, ignore_errors=True)
 
 
@@ -649,7 +649,7 @@ def _other_writer(out_dir: Path) -> int | None:
     two runs writing one output would each publish over the other, and both say they succeeded."""
     for staging in out_dir.parent.glob(reuse.staged_folder(out_dir, "tmp").name):
         pid = staging.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid() or not _alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or not _writing(int(pid), staging):
             continue
         try:
             if staging.is_dir() and not staging.is_symlink() and _is_staging(staging):
@@ -663,6 +663,35 @@ def _is_staging(folder: Path) -> bool:
     """A staging folder holds steplens's scratch space or manifest, or nothing yet."""
     names = set(os.listdir(folder))
     return not names or "_scratch" in names or _written_by_steplens(folder)
+
+
+def _writing(pid: int, staging: Path) -> bool:
+    """Whether process `pid` may be the one writing `staging` (named after it): alive, and not started after the
+    folder was last changed (a writer makes its folder after it starts: a later process has only reused the id of a
+    killed one, whose folder would otherwise hold the output for good)."""
+    if not _alive(pid):
+        return False
+    started = _process_start_s(pid)
+    try:
+        return started is None or started <= staging.stat().st_mtime + START_TIME_SLACK_S
+    except OSError:
+        return False
+
+
+START_TIME_SLACK_S = 2.0  # /proc's boot time is whole seconds
+
+
+def _process_start_s(pid: int) -> float | None:
+    """When process `pid` started (epoch seconds), from Linux's /proc; None where that cannot be told."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        ticks = int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22, starttime: clock ticks after boot
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def _alive(pid: int) -> bool:
