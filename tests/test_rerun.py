@@ -246,3 +246,38 @@ def test_a_process_that_took_a_dead_writers_id_holds_no_lock(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_dead_runs_staging_folder_of_tables_alone_is_cleaned(tmp_path):
+    """A run stopped after its scratch space was removed and before its manifest was written left a staging folder
+    holding ingested tables only, which no later run recognised or removed (144 KB each, for good)."""
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns(".steplens"))
+    out = tmp_path / "out"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    leftover = tmp_path / f".out.tmp-{gone.pid}"
+    (leftover / "trace_events" / "rank=0").mkdir(parents=True)
+    (leftover / "trace_events" / "rank=0" / "part-0.parquet").write_bytes(b"PAR1")
+    (leftover / "ingest_issues").mkdir()
+    done = subprocess.run([str(SCRIPT), str(run), "--out", str(out), "-q"], capture_output=True, text=True, timeout=300)
+    assert done.returncode in (0, 1), done.stderr
+    assert (out / "run.json").exists() and not leftover.exists()
+
+
+def test_this_runs_own_staging_folder_goes_whatever_it_holds_when_it_fails(tmp_path, monkeypatch):
+    """An internal error raised after the scratch space was removed left this process's staging folder behind."""
+    from steplens.analyze.pipeline import analyse, ingest
+
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns(".steplens"))
+
+    def fails(run_dir, out_dir, staging, *args):
+        shutil.rmtree(staging / "_scratch")
+        (staging / "trace_events").mkdir()
+        raise ValueError("a bug after the scratch space went")
+
+    monkeypatch.setattr(ingest, "_stage", fails)
+    with pytest.raises(ValueError, match="a bug after"):
+        analyse(run, tmp_path / "out", jobs=1)
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []

@@ -660,9 +660,10 @@ def _other_writer(out_dir: Path) -> int | None:
 
 
 def _is_staging(folder: Path) -> bool:
-    """A staging folder holds steplens's scratch space or manifest, or nothing yet."""
+    """A staging folder holds steplens's scratch space or manifest, or nothing yet, or only ingested tables (a
+    run stopped between the two)."""
     names = set(os.listdir(folder))
-    return not names or "_scratch" in names or _written_by_steplens(folder)
+    return not names or "_scratch" in names or _written_by_steplens(folder) or names <= set(schema.TABLES)
 
 
 def _writing(pid: int, staging: Path) -> bool:
@@ -893,6 +894,7 @@ def staged(
         raise IngestError(f"{run_dir}: nothing steplens reads here (no traces, collector output or DeepSpeed artifacts"
                           f"; {len(found.unknown)} other file(s){not_followed})")
     staging = reuse.staged_folder(out_dir, "tmp", os.getpid())
+    made = False
     try:
         try:
             out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -901,6 +903,7 @@ def staged(
             if staging.exists() and _is_staging(staging):
                 shutil.rmtree(staging)
             (staging / "_scratch").mkdir(parents=True)
+            made = True  # this process's own, whatever it holds when the block ends
             if writer := _other_writer(out_dir):  # checked with our own staging in place: of two, one sees the other
                 raise OutputUnwritable(f"{out_dir} is being written by another analyze (process {writer}): wait for "
                                        "it to finish, or give another folder with --out")
@@ -910,7 +913,7 @@ def staged(
         except OSError as e:
             raise OutputUnwritable(f"cannot write to {out_dir}: {e.strerror or e}: use --out DIR") from e
     finally:
-        if staging.exists() and _is_staging(staging):
+        if staging.is_dir() and not staging.is_symlink() and (made or _is_staging(staging)):
             shutil.rmtree(staging, ignore_errors=True)
 
 
