@@ -719,3 +719,23 @@ def test_ranks_of_another_file_get_one_offset():
     assert offsets["offset_ns"].to_list() == [0, 0, 110, 110]
     alone = steps.clock_offsets(calls, [0, 1, 2, 3]).sort("rank")
     assert alone["offset_ns"].to_list() == [0, 0, 100, 120]
+
+
+@pytest.mark.parametrize("damage, count", [("DROP TABLE CUPTI_ACTIVITY_KIND_KERNEL", 3),  # 3 kernel launch calls
+                                           ("ALTER TABLE CUPTI_ACTIVITY_KIND_KERNEL DROP COLUMN streamId", 3)])  # 3 kernels
+def test_an_export_that_lost_its_kernels_or_their_streams_says_data_was_lost(tmp_path, damage, count):
+    """The kernel table gone while the launches remain, or the kernels' streamId gone: the verdict read 'idle 98%'
+    off the copies alone with exit 0 and an info-level schema gap. Now an error (events_lost): numbers cover what was
+    readable, exit 1."""
+    (tmp_path / "run").mkdir()
+    path = _build_export(tmp_path / "run" / "a.sqlite")
+    db = sqlite3.connect(path)
+    db.execute(damage)
+    db.commit()
+    db.close()
+    parsed = read_trace(path, "a.sqlite")
+    assert [(i.severity, i.count) for i in parsed.issues if i.reason == "events_lost"] == [("error", count)]
+    result = CliRunner().invoke(analyze, [str(tmp_path / "run"), "-q"])
+    assert result.exit_code == 1 and "lost data" in result.output
+    intact = read_trace(_build_export(tmp_path / "intact.sqlite"), "intact.sqlite")
+    assert not [i for i in intact.issues if i.reason == "events_lost"]

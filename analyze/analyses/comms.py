@@ -117,7 +117,9 @@ def _add_exposure(comm: pl.DataFrame, device: pl.DataFrame) -> pl.DataFrame:
     empty = compute.clear()
     pieces = []
     for (rank, device, stream), group in comm.group_by("rank", "device", "stream", maintain_order=True):
-        others = by_device.get((rank, device), empty).filter(pl.col("stream") != stream)
+        # (a collective with no stream, out of the timeline: only work on a known other stream hides it)
+        others = by_device.get((rank, device), empty).filter(pl.col("stream").ne_missing(pl.lit(stream, pl.Int64))
+                                                             & pl.col("stream").is_not_null())
         starts = others["ts_ns"].to_numpy()
         u_s, u_e = intervals.union(starts, starts + others["dur_ns"].fill_null(0).to_numpy())
         lo = group["ts_ns"].to_numpy()
