@@ -142,6 +142,17 @@ def test_events_written_twice_count_once(tmp_path):
     assert [i.count for i in parsed.issues if i.reason == "repeated_events"] == [6]
 
 
+def test_kernels_without_a_stream_are_said_lost_to_the_timeline(tmp_path):
+    """Kernels with no args.stream and a thread id that is no number have no place on the GPU timeline: their time
+    is left out of busy and idle, so that is data lost (an error), not a silent 98% idle."""
+    events = [{**e, "tid": "stream x", "args": {k: v for k, v in e["args"].items() if k != "stream"}}
+              if e.get("cat") == "kernel" else e for e in _events()]
+    parsed = read_trace(write_trace(tmp_path / "t.json", events), "t.json")
+    assert [(i.severity, i.count) for i in parsed.issues if i.reason == "events_lost"] == [("error", 3)]
+    intact = read_trace(write_trace(tmp_path / "i.json", _events()), "i.json")
+    assert not [i for i in intact.issues if i.reason == "events_lost"]
+
+
 def test_a_correlation_id_repeated_by_an_appended_window_links_by_time(tmp_path):
     """Two windows in one file, the second 1 s later with its correlation ids starting again (step 7, then step 9):
     each kernel belongs to the launch of its own window, and the repeats are counted."""

@@ -87,6 +87,7 @@ def apply(events: pl.DataFrame, endpoints: pl.DataFrame, issues: list[Issue],
     events = assign_steps(events, steps, launched)
     flows = links(events, launched, endpoints, issues)
     _count_stray_device_work(events, issues)
+    _count_streamless_device_work(events, issues)
     launched_by = flows.filter(pl.col("flow_type") == "launch").unique("dst_event_id", keep="first").select(
         event_id="dst_event_id", launch_event_id="src_event_id")
     events = events.join(launched_by, on="event_id", how="left", maintain_order="left")
@@ -133,6 +134,16 @@ def _count_stray_device_work(events: pl.DataFrame, issues: list[Issue]) -> None:
         issues.append(Issue("warning", "device_activity_outside_window", stray.height,
                             f"device activities {_side_of_window(stray, edge)} the trace's host events (more than the window's "
                             "length, and at least 1 s): a clock glitch; kept in trace_events, left out of the device analyses"))
+
+
+def _count_streamless_device_work(events: pl.DataFrame, issues: list[Issue]) -> None:
+    """Device work with no stream (no args.stream and a thread id that is no number; an export without streamId) has
+    no place on the device's timeline: the busy and idle figures leave it out, so that is data lost, said."""
+    lost = events.select((pl.col("kind").is_in(WORK_KINDS) & pl.col("stream").is_null()).sum()).item()
+    if lost:
+        issues.append(Issue("error", "events_lost", lost, f"{lost:,} device activities without a stream (no stream "
+                            "argument or numeric thread id): kept in trace_events, out of the GPU timeline (busy, idle, "
+                            "exposed communication)"))
 
 
 def _side_of_window(stray: pl.DataFrame, edge: dict) -> str:
