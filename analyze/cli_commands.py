@@ -277,6 +277,21 @@ def _analysed(run_dir: Path) -> Path:
         return publish(stage).out_dir
 
 
+# compare's files, each with what its first bytes hold when compare wrote it: another file of the name is the user's
+COMPARE_FILES = {"compare.html": b"<title>steplens compare: ", "compare.md": b"### steplens compare: "}
+
+
+def _not_written_by_compare(path: Path, mark: bytes) -> bool:
+    """Whether `path` is there and not a file compare wrote (a link, a folder, another file of that name)."""
+    if not os.path.lexists(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            return path.is_symlink() or mark not in f.read(1024)
+    except OSError:
+        return True
+
+
 @click.command("compare")
 @click.argument("base_run", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("new_run", type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -321,6 +336,9 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
                if (lost := lost_inputs(run.manifest))]
     result["warnings"] += [f"the {role} run's analysis lost data from {len(lost)} input(s) ({_listed(lost)}; see "
                            f"{out}/ingest_issues): it is compared on what was read" for role, out, lost in partial]
+    if foreign := [name for name, mark in COMPARE_FILES.items() if _not_written_by_compare(out_dir / name, mark)]:
+        fail(f"--out {safe_text(out_dir)}: its {' and '.join(foreign)} {'is' if len(foreign) == 1 else 'are'} not one "
+             "compare wrote; move it, or give compare another folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / "compare.html", html.render_compare(result))
     write_atomic(out_dir / "compare.md", markdown.render_compare(result))

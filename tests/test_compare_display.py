@@ -335,3 +335,19 @@ def test_what_a_step_is_reads_one_field_a_line_with_each_runs_value(compared):
     assert fields and all(re.fullmatch(r"[a-z_]+: base .+, new .+, status (same|different|missing)(, detail .+)?", f)
                           for f in fields), fields
     assert "values base" not in block and "detail not recorded" not in block
+
+
+def test_compare_writes_over_its_own_files_only(compared, tmp_path):
+    """--out a folder holding the user's own compare.md: it was overwritten (exit 0); now refused, the file as it was.
+    Compare's own earlier files are replaced as before."""
+    root, _ = compared
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "compare.md").write_text("my notes\n")
+    done = subprocess.run([str(BIN / "steplens"), "compare", str(root / "base"), str(root / "new"), "--out", str(mine)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "its compare.md is not one compare wrote" in " ".join(done.stderr.split())
+    assert (mine / "compare.md").read_text() == "my notes\n" and not (mine / "compare.html").exists()
+    again = subprocess.run([str(BIN / "steplens"), "compare", str(root / "base"), str(root / "new"), "--out",
+                            str(root / "out")], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
