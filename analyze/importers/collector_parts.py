@@ -236,9 +236,11 @@ def _parse_manifest(path: Path, rel: str) -> Imported:
     else:
         run_status = "failed" if status == "failed" else "incomplete"
         flushed = "nothing was flushed" if last is None else f"rows up to step {last} were flushed"
-        detail = (f"collector manifest of rank {rank} says {status!r}: the rank did not finish (killed, crashed or still "
-                  f"running), or the collector's writes failed (a read-only or full disk); {steps} steps had run at its "
-                  f"last update, {flushed}; everything after is missing")
+        says = f"says {status!r}" if status is not None else "gives no status"
+        ran = f"{steps} steps had run at its last update, " if steps is not None else ""
+        detail = (f"collector manifest of rank {rank} {says}: the rank did not finish (killed, crashed or still "
+                  f"running), or the collector's writes failed (a read-only or full disk); {ran}{flushed}; "
+                  "everything after is missing")
         issues.append(["error", "collector_missing_tail", 1, detail])
     dropped, dropped_damaged = _counts(doc.get("dropped_rows"))
     rejected, rejected_damaged = _counts(doc.get("rejected_values"))
