@@ -168,8 +168,10 @@ def pl_config():
 def _step_range(value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None
-    first, _, last = value.partition(":")
+    first, colon, last = value.partition(":")
     try:
+        if colon and not last:  # "10:" is no range: an open end would be read as step 10 alone
+            raise ValueError
         low, high = int(first), int(last or first)
     except ValueError:
         raise click.BadParameter("expected A:B (ProfilerStep numbers, inclusive) or A") from None

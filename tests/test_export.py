@@ -73,6 +73,7 @@ def test_step_range_and_errors(exported, tmp_path):
     steps = {e["args"]["step"] for e in json.loads(out.read_text())["traceEvents"] if e.get("ph") == "X"}
     assert steps == {12}
     assert runner.invoke(steplens, ["export-trace", str(run), "--steps", "x"]).exit_code == 2
+    assert runner.invoke(steplens, ["export-trace", str(run), "--steps", "10:"]).exit_code == 2  # was read as step 10 alone
     backwards = runner.invoke(steplens, ["export-trace", str(run), "--steps", "13:10", "--out", str(tmp_path / "b.json")])
     assert backwards.exit_code == 2 and "13:10 runs backwards" in backwards.output and not (tmp_path / "b.json").exists()
     none = runner.invoke(steplens, ["export-trace", str(run), "--steps", "99:99", "--out", str(out)])
