@@ -486,3 +486,16 @@ def test_what_a_linked_file_outside_the_run_holds_is_not_quoted(tmp_path):
     issues = {r["file"]: r for r in pq.read_table(run / ".steplens" / "ingest_issues").to_pylist()}
     assert issues["rank1.pt.trace.json"]["reason"] == "damaged_trace" and "not quoted" in issues["rank1.pt.trace.json"]["detail"]
     assert issues["keys.json"]["reason"] == "not_a_trace" and "'own_key'" in issues["own.json"]["detail"]
+
+
+def test_a_result_written_inside_the_run_folder_is_no_input_of_the_next_run(synthetic_run, tmp_path):
+    """--out RUN/sub, then analyze RUN: sub's run.json, findings.json and tables were read as inputs (not_a_trace and
+    more); a folder analyze wrote is now named once and not read."""
+    run = tmp_path / "run"
+    shutil.copytree(synthetic_run, run, ignore=shutil.ignore_patterns(".steplens"))
+    analyse(run, run / "sub", jobs=1)
+    analyse(run, jobs=1)
+    issues = pq.read_table(run / ".steplens" / "ingest_issues").to_pylist()
+    assert [(i["file"], i["reason"]) for i in issues if i["file"].startswith("sub")] == [("sub", "output_folder")]
+    manifest = json.loads((run / ".steplens" / "run.json").read_text())
+    assert not [s for s in manifest["sources"] if s["path"].startswith("sub/")]

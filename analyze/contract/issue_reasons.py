@@ -56,6 +56,8 @@ _DECLARED = (
     IssueReason("bad_fact", ("warning",), "A run fact (a log's ds_config, a manifest's settings, ...) of the wrong type "
                 "or out of range (contract/manifest.py fact_problem); left out of the run's facts."),
     # Ranks (pipeline/ingest.py)
+    IssueReason("output_folder", ("info",), "A folder analyze wrote (an --out inside the run folder): not read as "
+                                            "an input."),
     IssueReason("rank_from_filename", ("warning",), "No distributedInfo.rank: the rank is taken from the file name."),
     IssueReason("rank_name_disagrees", ("warning",), "Of two traces of one rank, the one whose file name names "
                 "another rank than its distributedInfo.rank (renamed or copied) is the one skipped."),

@@ -167,6 +167,10 @@ def discover(run_dir: Path, out_dir: Path | None) -> Discovered:
                 continue
             if linked:  # not followed (it can lead out of the run, or in a loop), and named for it
                 named.append((path, ["warning", "linked_folder", 1, "a symbolic link to a folder: not followed"]))
+            elif (path / schema.MANIFEST_FILE).is_file() and _written_by_steplens(path):
+                named.append((path, ["info", "output_folder", 1, "a result analyze wrote (an --out inside the run "
+                                                                 "folder): not read as an input"]))
+                continue
             kept.append(d)
         dirs[:] = kept
         files.extend(Path(root) / name for name in sorted(names) if not name.startswith("."))
