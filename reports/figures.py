@@ -192,8 +192,8 @@ def step_time_series(step_time: pl.DataFrame, profiled: list[int], p90_ns: float
     fig, ax = _subplots(figsize=(9, 3))
     excluded_rows = pl.col("excluded").fill_null(False)
     kept, excluded = step_time.filter(~excluded_rows), step_time.filter(excluded_rows)
-    slowest = float(step_time["step_time_ns"].max()) / 1e6
-    top = min(slowest, OFF_SCALE * p90_ns / 1e6) if p90_ns else slowest
+    slowest = float(step_time["step_time_ns"].max() or 0) / 1e6  # (no time at all: a log of zeros or nan)
+    top = (min(slowest, OFF_SCALE * p90_ns / 1e6) if p90_ns else slowest) or 1.0
 
     def draw(frame: pl.DataFrame, fmt: str, **style) -> None:
         times = frame["step_time_ns"].to_numpy() / 1e6

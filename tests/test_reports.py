@@ -601,3 +601,20 @@ def test_a_long_markdown_cell_is_cut_at_a_word():
     assert _cell(detail) == "train/loss = 10.6391 against a trailing median of 10.5731 over 10 points;…"  # not "robus…"
     kernel = "void at::native::elementwise_kernel<128, 2, " + "x" * 100
     assert _cell(kernel).endswith("…") and len(_cell(kernel)) <= MAX_CELL + 20
+
+
+@pytest.mark.parametrize("times", [[0, 0, 0], [None, None, None]])
+def test_the_step_time_figure_of_steps_without_a_time_draws_without_a_warning(times):
+    """Every step time 0 (a log of CurrSamplesPerSec=inf) or none (nan): matplotlib warned of identical y limits on
+    stderr (or the figure failed on None); the figure is drawn, quietly."""
+    import warnings
+
+    import polars as pl
+
+    from steplens.reports import figures
+
+    table = pl.DataFrame({"step": [0, 1, 2], "step_time_ns": times, "excluded": [False, False, True],
+                          "reason": [None, None, "warm_up"]}, schema_overrides={"step_time_ns": pl.Int64})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert figures.step_time_series(table, [], None).startswith("<svg")
