@@ -388,6 +388,19 @@ def _event_ends(doc: bytes) -> list[int]:
         ends.append(len(text[:pos].encode()))
 
 
+def test_a_second_trace_concatenated_after_the_first_is_said_lost(tmp_path):
+    """Two whole traces written one after the other into one file: the second read as 'trailing garbage' (a warning,
+    exit 0). Its events are lost: an error naming it; the first is read whole."""
+    one = json.dumps({"schemaVersion": 1, "traceEvents": _events()})
+    path = tmp_path / "two.json"
+    path.write_text(one + "\n" + one + "\n")
+    parsed = read_trace(path, "two.json")
+    assert parsed.events.height == read_trace(write_trace(tmp_path / "one.json", _events()), "one.json").events.height
+    assert [(i.severity, i.reason) for i in parsed.issues if i.severity != "info"] == [("error", "duplicate_trace_events")]
+    path.write_text(one + "\n garbage")  # anything else after the document stays what it was
+    assert [i.reason for i in read_trace(path, "two.json").issues] == ["trailing_garbage"]
+
+
 def test_non_traces_are_named(tmp_path, corpus):
     with pytest.raises(NotATrace, match="memory_timeline"):
         read_trace(corpus / "HolisticTraceAnalysis/memory_analysis/memory_timeline.raw.gz", "m")

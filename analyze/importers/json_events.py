@@ -698,7 +698,11 @@ def _report_trailing(text: bytes, more_bytes: int, more_junk: bool, after: str, 
     """Bytes after the end of the data (`text`, then `more_bytes` not kept): zero padding or garbage."""
     junk = b"" if _is_padding(text) else text.strip(b" \t\r\n\0")
     size = len(text) + more_bytes
-    if junk or more_junk:
+    if re.match(rb'\{\s*"(traceEvents|schemaVersion|deviceProperties|distributedInfo)"', junk):
+        # a second trace written after the first (two documents concatenated): its events are lost, not garbage
+        issues.append(Issue("error", "duplicate_trace_events", 1, f"a second trace document after the end of {after} "
+                            f"({size:,} bytes, starting {junk[:40]!r}): not read, its events lost; split the file"))
+    elif junk or more_junk:
         example = f", e.g. {junk[:60]!r}" if junk else ""  # (after gzip data only their count is kept)
         issues.append(Issue("warning", "trailing_garbage", size, f"bytes after the end of {after} ignored{example}"))
     elif b"\0" in text or more_bytes:

@@ -103,8 +103,9 @@ def _without_repeated_events(events: pl.DataFrame, issues: list[Issue]) -> pl.Da
     # Repeats share their ts, so in ts order they sit among rows whose neighbour has the same ts: a few columns of
     # those first (about 2 ms a 75k-event rank), every column only where those few repeat
     ids = [c for c in ("correlation", "external_id") if c in events.columns]
-    judged = pl.any_horizontal(pl.col("kind").is_in(WORK_KINDS) & (pl.col("dur_ns") > 0),
-                               *(pl.col(c).is_not_null() for c in ids))
+    # (on a thread or stream that is not known, two rows may have been on two: not judged)
+    judged = pl.col("tid").is_not_null() & pl.any_horizontal(pl.col("kind").is_in(WORK_KINDS) & (pl.col("dur_ns") > 0),
+                                                             *(pl.col(c).is_not_null() for c in ids))
     keys = [c for c in ("ts_ns", "dur_ns", "tid", *ids) if c in events.columns]
     same_tick = events.select(pl.int_range(pl.len(), dtype=pl.UInt32).alias("row"), *keys, "kind").filter(
         judged & ((ts == ts.shift(1)) | (ts == ts.shift(-1))))
