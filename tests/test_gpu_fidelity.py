@@ -301,19 +301,24 @@ def test_after_effect_sentences_follow_the_figures(after_ms, released, words):
 @pytest.mark.parametrize("facts, words", [
     ({"collector_profiler": {"cupti_teardown": False, "cupti_teardown_by": "the collector's cupti_teardown setting"}},
      "CUPTI stayed attached after the windows (the collector's cupti_teardown setting), and every later kernel launch"),
-    ({}, "this collector's record does not say whether it was (a collector older than that record): set "
-         "TEARDOWN_CUPTI=1 in the job's environment"),
+    ({"settings": {"profile": {"active": 1}}},
+     "this collector's record does not say whether it was (a collector older than that record): set "
+     "TEARDOWN_CUPTI=1 in the job's environment"),
+    ({"collector_profiler": {"cupti_teardown": None, "cupti_teardown_by": "no CUDA device: no CUPTI"}},
+     "the profiler is not the likely cause (no CUDA device: no CUPTI)"),
+    ({}, "let the steplens collector open the windows"),  # the job opened its windows itself
 ])
 def test_the_after_effect_cause_follows_what_the_collector_recorded(facts, words):
-    """The collector's own record of CUPTI (released, left attached and why, or no record: an older collector) decides
-    the cause said: 'let the collector open the windows' was advised to a job whose windows the collector opened."""
+    """The collector's own record of CUPTI (released, left attached and why, no CUDA, or no record though it was set to
+    profile: an older collector) decides the cause said: 'let the collector open the windows' was advised to a job
+    whose windows the collector opened; it stays the advice where the job opened them itself."""
     from steplens.analyze.analyses import profiler_effect
 
     times = {s: 100.0 + s % 3 for s in range(10)} | {10: 300.0} | {s: 150.0 + s % 3 for s in range(11, 20)}
     finding = profiler_effect.after_effect(_step_table(times, {9: "profiler_warmup", 10: "profiler_window"}), facts)
     text = " ".join(profiler_effect.after_effect_lines(finding))
     assert "slower after the profiler windows" in text and words in text
-    assert "let the steplens collector open the windows" not in text
+    assert ("let the steplens collector open the windows" in text) is (facts == {})
 
 
 def test_after_effect_needs_a_whole_run_record_and_enough_steps():

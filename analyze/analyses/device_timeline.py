@@ -176,9 +176,10 @@ LAUNCH_SUMMARY = schema.table_spec(
     ("api_ns_p90", pa.float64(), "90th percentile CPU cost (nearest rank: analyze/analyses/percentile.py)."),
     ("api_ns_max", pa.int64(), "The longest call: one stall the percentiles hide."),
     ("api_ns_total", pa.int64(), "CPU time of all the calls, each once (a graph launch runs many activities)."),
-    ("launch_ns_max", pa.int64(), "The longest call that returned before its work ended: a launch stall. A call that "
-                                  "returned only once its work had ended waited for the device (a cudaMemcpyAsync to "
-                                  "pageable memory is synchronous): its length is the device's."),
+    ("launch_ns_max", pa.int64(), "The longest call that is a launch stall: every kernel launch, and the copies and "
+                                  "sets whose call returned before they ended. One that returned only once its copy had "
+                                  "ended waited for the device (a cudaMemcpyAsync to pageable memory is synchronous): "
+                                  "its length is the device's."),
     ("queue_ns_median", pa.float64(), "Median queueing (queue_ns clipped at 0)."),
     ("queue_ns_p90", pa.float64(), "90th percentile queueing (clipped at 0; nearest rank)."),
     ("gpu_ns_total", pa.int64(), "GPU time launched."),

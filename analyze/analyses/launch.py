@@ -383,9 +383,11 @@ def launch_summary(launched: pl.DataFrame) -> pl.DataFrame:
     # `launched` is in time order. Not a window over the call keys: one group per call made it 5x slower.
     first_of_call = pl.struct(call).is_first_distinct()
     later_in_graph = pl.col("launch_api").str.contains(GRAPH_LAUNCH) & ~first_of_call
-    # A call that returned only once its own work had ended waited for the device (a copy to pageable memory is
-    # synchronous whatever its name): its length is the device's, no launch stall
-    returned_first = (pl.col("launch_ts_ns") + pl.col("api_ns")) < (pl.col("ts_ns") + pl.col("dur_ns").fill_null(0))
+    # A copy or set whose call returned only once it had ended waited for the device (a copy to pageable memory is
+    # synchronous whatever its name): its length is the device's, no launch stall. A kernel launch never waits for
+    # its kernel, however short the kernel.
+    returned_first = ~pl.col("kind").is_in(["gpu_memcpy", "gpu_memset"]) | (
+        (pl.col("launch_ts_ns") + pl.col("api_ns")) < (pl.col("ts_ns") + pl.col("dur_ns").fill_null(0)))
     linked = linked.with_columns(queued=pl.when(~later_in_graph).then(pl.col("queue_ns").clip(lower_bound=0)),
                                  call_ns=pl.when(first_of_call).then(pl.col("api_ns")),
                                  stall_ns=pl.when(first_of_call & returned_first).then(pl.col("api_ns")))

@@ -57,8 +57,10 @@ def after_effect(step_time: pl.DataFrame, facts: dict) -> dict | None:
                "window_slowed": bool(run_median and window_times.len() and window_times.max() > SLOW_WINDOW * run_median),
                "cupti_teardown": (facts.get("collector_profiler") or {}).get("cupti_teardown"),
                "cupti_teardown_by": (facts.get("collector_profiler") or {}).get("cupti_teardown_by"),
+               # the collector was set to open the windows: without its record of CUPTI, it is older than that record
+               "collector_profiled": bool(((facts.get("settings") or {}) if isinstance(facts.get("settings"), dict)
+                                           else {}).get("profile")),
                "collector_record": "collector_profiler" in facts,
-               "step_source": step_time["source"][0],
                "definition": "median kept step after the last profiler window / median kept step before the first; "
                              f"beyond noise: Mann-Whitney U p < {P_VALUE} and a change of at least {MIN_CHANGE:.0%}"}
     if before.len() and after.len():
@@ -103,7 +105,10 @@ def after_effect_lines(finding: dict) -> list[str]:
         cause = (f"likely cause: CUPTI stayed attached after the windows{by}, and every later kernel launch pays for it "
                  "(pytorch/pytorch#144455): where the job uses no CUDA graphs, TEARDOWN_CUPTI=1 releases it; with "
                  "them, profile in a run of its own")
-    elif finding.get("step_source") == "train_steps" and not finding.get("collector_record"):
+    elif finding.get("cupti_teardown_by") and "no CUPTI" in finding["cupti_teardown_by"]:
+        cause = (f"the profiler is not the likely cause ({finding['cupti_teardown_by']}): look at what else changed in "
+                 "the run")
+    elif finding.get("collector_profiled") and not finding.get("collector_record"):
         # the collector opened the windows, but is older than its record of the CUPTI decision
         cause = ("likely cause: Kineto leaves CUPTI attached after profiling unless TEARDOWN_CUPTI=1 is set "
                  "(pytorch/pytorch#144455), and this collector's record does not say whether it was (a collector "

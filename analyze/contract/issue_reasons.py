@@ -47,9 +47,10 @@ _DECLARED = (
     IssueReason("worker_lost", ("error",), "analyze --scheduler: every Dask worker that parsed the file died; not used."),
     IssueReason("no_such_run", ("error",), "A log asked for a job it does not hold (jobs appended to one log are read apart)."),
     IssueReason("no_events", ("error",), "A trace with no complete events."),
-    IssueReason("events_lost", ("error",), "A tenth or more of a trace's events left out (malformed, oversized, "
+    IssueReason("events_lost", ("error", "warning"), "A tenth or more of a trace's events left out (malformed, oversized, "
                 "without a usable time), or device work out of its timeline (an export's kernels gone while their "
-                "launches remain, activities without a stream): its figures stand on the rest only."),
+                "launches remain, activities without a stream; a warning where that is under a tenth of the device "
+                "work): its figures stand on the rest only."),
     IssueReason("import_failed", ("error",), "An importer of a native artifact failed on the file."),
     IssueReason("no_data", ("info",), "Recognised by an importer but holds no data."),
     IssueReason("bad_metadata", ("warning",), "Trace metadata of the wrong type or out of range; left out."),

@@ -162,12 +162,13 @@ def discover(run_dir: Path, out_dir: Path | None) -> Discovered:
                 if path.resolve() == out_dir:
                     continue
                 linked = path.is_symlink()
+                result = not linked and os.path.isfile(path / schema.MANIFEST_FILE) and _written_by_steplens(path)
             except OSError as e:
                 unlisted(path, e)
                 continue
             if linked:  # not followed (it can lead out of the run, or in a loop), and named for it
                 named.append((path, ["warning", "linked_folder", 1, "a symbolic link to a folder: not followed"]))
-            elif (path / schema.MANIFEST_FILE).is_file() and _written_by_steplens(path):
+            elif result:
                 named.append((path, ["info", "output_folder", 1, "a result analyze wrote (an --out inside the run "
                                                                  "folder): not read as an input"]))
                 continue
