@@ -229,8 +229,8 @@ def test_a_second_analyze_into_an_output_being_written_is_refused(tmp_path):
 
 def test_a_process_that_took_a_dead_writers_id_holds_no_lock(tmp_path):
     """A killed analyze leaves .NAME.tmp-PID behind; when a later process gets that id, the folder read as a live
-    writer's and the output stayed refused (exit 4) for as long as that process lived. A process started after the
-    folder was last changed cannot be its writer: the run goes ahead and cleans the leftover."""
+    writer's and the output stayed refused (exit 4) for as long as that process lived. A process that did not start when
+    the writer recorded it started cannot be its writer: the run goes ahead and cleans the leftover."""
     run = tmp_path / "run"
     shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns(".steplens"))
     out = tmp_path / "out"
@@ -238,7 +238,8 @@ def test_a_process_that_took_a_dead_writers_id_holds_no_lock(tmp_path):
     try:
         leftover = tmp_path / f".out.tmp-{other.pid}"
         (leftover / "_scratch").mkdir(parents=True)
-        os.utime(leftover, (time.time() - 3600, time.time() - 3600))  # written an hour before that process began
+        # its writer's start, in ticks after boot, as analyze records it: not that of the process now holding the id
+        (leftover / "_writer").write_text("1")
         done = subprocess.run([str(SCRIPT), str(run), "--out", str(out), "-q"], capture_output=True, text=True,
                               timeout=300)
         assert done.returncode in (0, 1), done.stderr

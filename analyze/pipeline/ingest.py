@@ -668,35 +668,34 @@ def _is_staging(folder: Path) -> bool:
     """A staging folder holds steplens's scratch space or manifest, or nothing yet, or only ingested tables (a
     run stopped between the two)."""
     names = set(os.listdir(folder))
-    return not names or "_scratch" in names or _written_by_steplens(folder) or names <= set(schema.TABLES)
+    return (not names or "_scratch" in names or WRITER_FILE in names or _written_by_steplens(folder)
+            or names <= set(schema.TABLES))
+
+
+WRITER_FILE = "_writer"  # in a staging folder: its writer's start time, in ticks after boot (removed at publish)
 
 
 def _writing(pid: int, staging: Path) -> bool:
-    """Whether process `pid` may be the one writing `staging` (named after it): alive, and not started after the
-    folder was last changed (a writer makes its folder after it starts: a later process has only reused the id of a
-    killed one, whose folder would otherwise hold the output for good)."""
+    """Whether process `pid` may be the one writing `staging` (named after it): alive, and, where both are known, the
+    process that started when the folder's writer did (its WRITER_FILE): a process that only took the id of a killed
+    writer is not, and its folder would otherwise hold the output for as long as it lives. No clock is compared."""
     if not _alive(pid):
         return False
-    started = _process_start_s(pid)
     try:
-        return started is None or started <= staging.stat().st_mtime + START_TIME_SLACK_S
-    except OSError:
-        return False
+        recorded = (staging / WRITER_FILE).read_text()[:32]
+    except (OSError, UnicodeDecodeError):
+        return True  # (written by an older steplens, or not yet: its writer is taken to be alive)
+    started = _start_ticks(pid)
+    return started is None or started == recorded
 
 
-START_TIME_SLACK_S = 2.0  # /proc's boot time is whole seconds
-
-
-def _process_start_s(pid: int) -> float | None:
-    """When process `pid` started (epoch seconds), from Linux's /proc; None where that cannot be told."""
+def _start_ticks(pid: int) -> str | None:
+    """When process `pid` started, in clock ticks after boot, as Linux's /proc says; None where that cannot be told."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        ticks = int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22, starttime: clock ticks after boot
-        with open("/proc/stat", "rb") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        return stat[stat.rindex(b")") + 2:].split()[19].decode()  # field 22, starttime
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
         return None
 
 
@@ -909,6 +908,8 @@ def staged(
                 shutil.rmtree(staging)
             (staging / "_scratch").mkdir(parents=True)
             made = True  # this process's own, whatever it holds when the block ends
+            if (ticks := _start_ticks(os.getpid())) is not None:
+                (staging / WRITER_FILE).write_text(ticks)
             if writer := _other_writer(out_dir):  # checked with our own staging in place: of two, one sees the other
                 raise OutputUnwritable(f"{out_dir} is being written by another analyze (process {writer}): wait for "
                                        "it to finish, or give another folder with --out")
@@ -925,6 +926,7 @@ def staged(
 def publish(stage: Staged) -> IngestResult:
     """Swap the staged result in at out_dir (the previous result stays until then)."""
     try:
+        (stage.folder / WRITER_FILE).unlink(missing_ok=True)  # the result is no one's work in progress
         stage.manifest["output_entries"] = sorted(os.listdir(stage.folder))
         _write_json(stage.folder / schema.MANIFEST_FILE, stage.manifest)
         _swap_in(stage.folder, stage.out_dir, stage.run_dir)
