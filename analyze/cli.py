@@ -249,9 +249,10 @@ def _path_or_url(value: str | None, folder: bool = False) -> Path | str | None:
     if folder and Path(value).is_file():
         raise click.BadParameter(f"{value} is a file, not a folder")
     try:
-        Path(value).resolve()
-    except RuntimeError:  # pathlib's word for a link that leads, at last, to itself
-        raise click.BadParameter(f"{value}: a symbolic link that leads to itself (a loop)") from None
+        os.stat(value)
+    except OSError as e:  # (a path that is not there yet is fine: --out makes it)
+        if e.errno == errno.ELOOP:
+            raise click.BadParameter(f"{value}: a symbolic link that leads to itself (a loop)") from None
     return Path(value)
 
 

@@ -287,9 +287,11 @@ def _not_written_by_compare(path: Path, mark: bytes) -> bool:
     """Whether `path` is there and not a file compare wrote (a link, a folder, another file of that name)."""
     if not os.path.lexists(path):
         return False
+    if path.is_symlink() or not path.is_file():  # (a FIFO would block the read)
+        return True
     try:
         with open(path, "rb") as f:
-            return path.is_symlink() or mark not in f.read(1024)
+            return mark not in f.read(1024)
     except OSError:
         return True
 
@@ -328,6 +330,9 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
                       if (p / schema.MANIFEST_FILE).is_file()), None)) is not None:
         fail(f"--out {safe_text(out_dir)}: inside {safe_text(held)}, a folder analyze wrote; give compare a folder "
              "of its own")
+    if foreign := [name for name, mark in COMPARE_FILES.items() if _not_written_by_compare(out_dir / name, mark)]:
+        fail(f"--out {safe_text(out_dir)}: its {' and '.join(foreign)} {'is' if len(foreign) == 1 else 'are'} not one "
+             "compare wrote; move it, or give compare another folder")
     try:
         base, new = load(_analysed(base_run)), load(_analysed(new_run))
     except (DamagedRun, IngestError) as e:
@@ -338,9 +343,6 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
                if (lost := lost_inputs(run.manifest))]
     result["warnings"] += [f"the {role} run's analysis lost data from {len(lost)} input(s) ({_listed(lost)}; see "
                            f"{out}/ingest_issues): it is compared on what was read" for role, out, lost in partial]
-    if foreign := [name for name, mark in COMPARE_FILES.items() if _not_written_by_compare(out_dir / name, mark)]:
-        fail(f"--out {safe_text(out_dir)}: its {' and '.join(foreign)} {'is' if len(foreign) == 1 else 'are'} not one "
-             "compare wrote; move it, or give compare another folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / "compare.html", html.render_compare(result))
     write_atomic(out_dir / "compare.md", markdown.render_compare(result))

@@ -297,7 +297,10 @@ def _linked_from_elsewhere(abs_path: str, relative: str) -> bool:
     if "://" in abs_path or not relative or not abs_path.endswith(relative):
         return False
     root = os.path.realpath(abs_path[: len(abs_path) - len(relative)] or ".")
-    return os.path.commonpath([root, os.path.realpath(abs_path)]) != root
+    try:
+        return os.path.commonpath([root, os.path.realpath(abs_path)]) != root
+    except ValueError:  # on two drives (Windows)
+        return True
 
 
 def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
