@@ -72,7 +72,7 @@ def render(out_dir: Path) -> str:
                               for r in shown.head(TOP_ROWS).iter_rows(named=True)])
     top = run.table("top_kernels")
     if not top.is_empty():
-        lines += ["**Top kernels** (device work, most time first: kernels, and copies and sets where they rank)", ""]
+        lines += ["**Top kernels** (kernels, memcpy and memset, by total GPU time)", ""]
         labels = kernel_labels(top["name"].to_list())  # numbered over the whole table, as report.html numbers them
         lines += table_lines(["kernel", "category", "calls", "total"],
                              [[labels[r["name"]], r["category"], r["calls"], ms(r["time_ns"])]

@@ -189,3 +189,15 @@ def test_a_killed_rank_s_last_step_is_its_last_recorded_one():
     rank, basis = job_end._first_stalled(killed, 10.0, flush_every=5)
     assert rank is None and "tells no rank apart" in basis
     assert job_end._first_stalled(killed, 10.0, flush_every=3)[0] == 1
+
+
+def test_a_collector_manifest_without_status_or_steps_says_so(tmp_path):
+    """A manifest whose status and step count are gone (mangled): the issue read "says None ... None steps had run"."""
+    from steplens.analyze.importers import collector_parts
+
+    path = tmp_path / "collector" / "manifest" / "rank0.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"format": "steplens-collector-manifest", "rank": 0, "last_flushed_step": None}))
+    (issue,) = [i for i in collector_parts.parse(path, "collector/manifest/rank0.json").issues
+                if i[1] == "collector_missing_tail"]
+    assert "gives no status" in issue[3] and "None" not in issue[3] and "nothing was flushed" in issue[3]

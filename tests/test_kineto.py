@@ -397,6 +397,8 @@ def test_a_second_trace_concatenated_after_the_first_is_said_lost(tmp_path):
     parsed = read_trace(path, "two.json")
     assert parsed.events.height == read_trace(write_trace(tmp_path / "one.json", _events()), "one.json").events.height
     assert [(i.severity, i.reason) for i in parsed.issues if i.severity != "info"] == [("error", "duplicate_trace_events")]
+    path.write_text(one + json.dumps(_events()))  # the second in the old form, a bare array of events
+    assert [i.reason for i in read_trace(path, "two.json").issues] == ["duplicate_trace_events"]
     path.write_text(one + "\n garbage")  # anything else after the document stays what it was
     assert [i.reason for i in read_trace(path, "two.json").issues] == ["trailing_garbage"]
 

@@ -58,8 +58,7 @@ def step_breakdown_tables(launch_parts: Iterable[pl.DataFrame], collectives: pl.
     offset_of = {} if offsets.is_empty() else dict(  # rank -> offset_ns (null: not aligned, drawn on its own clock)
         offsets.select("rank", pl.col("offset_ns").fill_null(0)).iter_rows())  # rowwise-ok: one row per rank
     # A trace refused as a rank of this job (steps.unalignable) is not drawn beside the others.
-    refused = set() if offsets.is_empty() else set(
-        offsets.filter(pl.col("method").str.starts_with(steps.REFUSED_PREFIX))["rank"].to_list())
+    refused = set(steps.refused_ranks(offsets))
     keys = LANE + ["step"]
     step_rows = gpu_idle.filter((pl.col("stream") == ALL_STREAMS) & pl.col("step").is_not_null())
     spans = step_rows.select(*keys, "span_start_ns", "span_end_ns")
@@ -250,7 +249,7 @@ def time_section(page, run):
     section.figure("step_breakdown_bars", breakdown.filter(pl.col("step") == step))
     if not timeline.is_empty():
         offsets = run.table("clock_offsets")
-        refused = [] if offsets.is_empty() else offsets.filter(pl.col("method").str.starts_with("refused: "))["rank"].to_list()
+        refused = steps.refused_ranks(offsets)
         offsets = offsets.filter(~pl.col("rank").is_in(refused)) if refused else offsets
         aligned = not offsets.is_empty() and offsets["offset_ns"].is_not_null().all() and offsets.height > 1
         clock = ("ranks aligned on collective end times (table clock_offsets)" if aligned

@@ -76,7 +76,7 @@ from steplens.analyze.contract.manifest import MAX_STEP
 from steplens.analyze.contract.text import number_ranges
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.analyses.percentile import nearest_rank
-from steplens.analyze.analyses.steps import REFUSED_PREFIX
+from steplens.analyze.analyses.steps import refused_ranks
 from steplens.analyze.contract.units import duration
 
 MAD_Z_SCALE = 0.6745  # modified z-score (Iglewicz & Hoaglin 1993): 0.6745 (x - median) / MAD
@@ -432,7 +432,7 @@ def step_time_summary(table: pl.DataFrame) -> dict:
         "excluded_steps": excluded,
         # Megatron logs one mean per logging interval: each value stands for several steps.
         "interval_means": table["definition"][0] in (DEFINITIONS["log_megatron"], DEFINITIONS["log_pipeline"]),
-        "log_step_label": LOG_STEP_LABELS.get(next((k for k, d in DEFINITIONS.items() if d == table["definition"][0]), "")),
+        "log_step_label": LOG_STEP_LABELS.get(definition_key({"definition": table["definition"][0]}) or ""),
     }
     flushed = table.filter(pl.col("reason") == "collector_flush")["step_time_ns"].drop_nulls()
     if typical and flushed.len() and flushed.median() > (1 + MIN_EXCESS_SHARE) * summary["median_ns"]:
@@ -597,14 +597,24 @@ SOURCE_WORDS = {"train_steps": "the collector's train_steps", "log": "the logs",
 SHORT_SOURCE_WORDS = {"train_steps": "collector", "log": "logs", "profiler_steps": "profiled steps"}
 # DeepSpeed's wall_clock_breakdown timers time fwd, bwd and step, not the iteration around them (data loading, the
 # script's own work): said wherever the step time comes from them, so it is not read as the job's step
-TIMERS_WORDS = {"full": "the logs' fwd + bwd + step timers (wall_clock_breakdown: not the whole iteration)",
-                "short": "logs: fwd+bwd+step", "subject": "the logs' fwd + bwd + step"}
+# (DeepSpeed's throughput line times rank 0's fwd to step, too)
+PART_OF_STEP_WORDS = {
+    "log_timers": {"full": "the logs' fwd + bwd + step timers (wall_clock_breakdown: not the whole iteration)",
+                   "short": "logs: fwd+bwd+step", "subject": "the logs' fwd + bwd + step"},
+    "log_throughput": {"full": "the logs' throughput lines (rank 0's fwd to step: not the whole iteration)",
+                       "short": "logs: fwd-to-step", "subject": "the logs' throughput line"},
+}
+
+
+def definition_key(summary: dict) -> str | None:
+    """The DEFINITIONS key of a step-time summary's definition (None: none of them)."""
+    return next((key for key, words in DEFINITIONS.items() if words == summary.get("definition")), None)
 
 
 def source_words(summary: dict, form: str = "full") -> str:
     """Where the step time came from, in words: `full`, `short` (the first screen's) or `subject` (of 'timed it')."""
-    if summary.get("definition") == DEFINITIONS["log_timers"]:
-        return TIMERS_WORDS[form]
+    if (key := definition_key(summary)) in PART_OF_STEP_WORDS:
+        return PART_OF_STEP_WORDS[key][form]
     source = summary.get("source")
     return (SHORT_SOURCE_WORDS if form == "short" else SOURCE_WORDS).get(source, source)
 
@@ -682,7 +692,7 @@ def step_lines(summary: dict) -> list[str]:
                   if profiled.get("run_median_ns") is not None else "")
         if window.get("after_last_step"):
             lines.append(f"ProfilerStep {window['step']} ({duration(window['profiler_dur_ns'])}, rank {window['rank']}) "
-                         f"began after the last step {SOURCE_WORDS.get(profiled['source'], profiled['source'])} "
+                         f"began after the last step {source_words(profiled)} "
                          "recorded: the profiler was stopped inside its window, so it is no step of training.")
             continue
         lines.append(f"Profiled step {window['step']} took {duration(window['profiler_dur_ns'])} (ProfilerStep window, "
@@ -777,8 +787,7 @@ def _step_time(inputs: Inputs) -> Output:
     # A trace refused as a rank of this job (steps.unalignable: another world size, no shared collective) has steps of
     # another job: its windows are no step of this one
     offsets = inputs.table("clock_offsets", ["rank", "method"])
-    other_job = [] if offsets.is_empty() else sorted(offsets.filter(
-        pl.col("method").str.starts_with(REFUSED_PREFIX))["rank"].to_list())
+    other_job = refused_ranks(offsets)
     profiler_steps = profiler_steps.filter(~pl.col("rank").is_in(other_job))
     table = step_time_table(inputs.table("train_steps"), inputs.table("step_timers"), inputs.table("scalars"),
                             profiler_steps, inputs.table("flops_profile"), inputs.facts)

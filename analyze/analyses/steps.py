@@ -68,6 +68,13 @@ def clock_offsets(calls: pl.DataFrame, ranks: list[int], world_sizes: dict[int, 
 REFUSED_PREFIX = "refused: "
 
 
+def refused_ranks(offsets: pl.DataFrame) -> list[int]:
+    """The ranks clock_offsets refused as ranks of this job (unalignable), in order."""
+    if offsets.is_empty():
+        return []
+    return sorted(offsets.filter(pl.col("method").str.starts_with(REFUSED_PREFIX))["rank"].to_list())
+
+
 def unalignable(offsets: pl.DataFrame, world_sizes: dict[int, int], steps: pl.DataFrame | None) -> dict[int, str]:
     """rank -> why its trace cannot be put on the reference rank's clock as a rank of the same job.
 

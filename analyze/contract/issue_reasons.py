@@ -76,8 +76,9 @@ _DECLARED = (
     IssueReason("malformed_event", ("warning",), "Events that are not valid JSON or have an unexpected shape; skipped."),
     IssueReason("duplicate_keys", ("warning",), "Trace events giving a key twice: read with the last value of each key "
                 "(JSON's usual rule)."),
-    IssueReason("duplicate_trace_events", ("error",), "The file gives traceEvents twice: the first array is read, "
-                "the later one is not (readers that keep a key's last value read only the later)."),
+    IssueReason("duplicate_trace_events", ("error",), "The file gives traceEvents twice (a second key, or a second "
+                "trace written after the first): the first is read, the later one is not (readers that keep a key's "
+                "last value read only the later)."),
     IssueReason("repaired_text", ("warning",), "Events whose strings held bytes that are not UTF-8 or a lone "
                 "surrogate escape: kept, each bad character replaced by U+FFFD."),
     IssueReason("nesting_too_deep", ("warning",), "Events or metadata nested deeper than the decoder allows; skipped."),

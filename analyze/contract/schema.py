@@ -57,6 +57,7 @@ def rank_in_name_issue(file_name: str) -> list | None:
 WORK_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 ALL_STREAMS = -1  # gpu_idle's and step_breakdown's rows that treat a device as one timeline (no stream busy = idle)
 DEFAULT_OUT_DIR = ".steplens"
+EXPORT_MARK = "steplens"  # the otherData key of a merged trace steplens export-trace writes (no rank's trace)
 # Largest rank or world size taken from an input; beyond it the value is not a rank (the largest
 # jobs run on ~10^5 GPUs) and an int64 table or a per-rank figure would overflow.
 MAX_RANK = 1 << 24

@@ -694,11 +694,16 @@ def _is_padding(data: bytes) -> bool:
     return data.count(0) == len(data) or not data.strip(b"\0 \t\r\n")
 
 
+# A second trace after the first: an object opening with a key Kineto writes, or an array of events (the old form)
+SECOND_TRACE = re.compile(rb'\{\s*"(traceEvents|schemaVersion|deviceProperties|distributedInfo|displayTimeUnit|'
+                          rb'otherData|traceName|baseTimeNanoseconds)"|\[\s*\{\s*"(ph|name|cat|pid|tid|ts)"')
+
+
 def _report_trailing(text: bytes, more_bytes: int, more_junk: bool, after: str, issues: list[Issue]) -> None:
     """Bytes after the end of the data (`text`, then `more_bytes` not kept): zero padding or garbage."""
     junk = b"" if _is_padding(text) else text.strip(b" \t\r\n\0")
     size = len(text) + more_bytes
-    if re.match(rb'\{\s*"(traceEvents|schemaVersion|deviceProperties|distributedInfo)"', junk):
+    if SECOND_TRACE.match(junk):
         # a second trace written after the first (two documents concatenated): its events are lost, not garbage
         issues.append(Issue("error", "duplicate_trace_events", 1, f"a second trace document after the end of {after} "
                             f"({size:,} bytes, starting {junk[:40]!r}): not read, its events lost; split the file"))

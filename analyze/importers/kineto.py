@@ -626,9 +626,6 @@ def _report_bad_times(raw: pl.DataFrame, base_ns: int, issues: list[Issue]) -> i
 # Entry point
 
 
-EXPORT_MARK = "steplens"  # the otherData key query/export_trace.py writes
-
-
 def claims(path: Path) -> bool:
     """Any .json or .gz file is offered; one that is not a trace is reported by the parser (not_a_trace)."""
     return True
@@ -661,7 +658,7 @@ def decode(path: Path) -> DecodedTrace:
         reader.close()  # read to the end by now, unless an error or an interrupt stopped it early
     issues: list[Issue] = []
     metadata = reader.metadata(issues)
-    if isinstance(other := metadata.get("otherData"), dict) and EXPORT_MARK in other:
+    if isinstance(other := metadata.get("otherData"), dict) and schema.EXPORT_MARK in other:
         raise NotATrace("a merge of every rank that `steplens export-trace` wrote for Perfetto (its events carry no "
                         "arguments); not read as a rank's trace: analyse the ranks' own traces")
     reader.report(issues)

@@ -244,7 +244,9 @@ def _frame(rows: list[tuple], columns: list[str], **constants) -> pl.DataFrame:
     return frame.with_columns(**{k: pl.lit(v, _EVENT_SCHEMA[k]) for k, v in constants.items()})
 
 
-KERNEL_LAUNCH_API = r"^(cuda|cu)(Launch|GraphLaunch|LaunchKernel)"  # calls whose work is a kernel
+# Calls whose work is one kernel (not cudaLaunchHostFunc, which runs on the host; not a graph launch, whose kernels an
+# export made with --cuda-graph-trace=graph keeps in a table of its own)
+KERNEL_LAUNCH_API = r"^(cudaLaunch(Kernel|CooperativeKernel)?|cuLaunch(Kernel|CooperativeKernel|Grid))(Ex|ExC)?$"
 
 
 def _count_lost_device_work(events: pl.DataFrame, issues: list[Issue]) -> None:

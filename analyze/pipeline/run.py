@@ -73,7 +73,7 @@ def _analyse(stage: Staged, options, workers: Workers, client, store, hooks: Hoo
 
         map_ranks, map_figures = cluster.rank_mapper(client, store), None
     else:  # the workers stay for the report's figures, doing the caller's idle work meanwhile
-        events = sum(s.get("events") or 0 for s in stage.manifest.get("sources", []) if isinstance(s.get("events"), int))
+        events = sum(s["events"] for s in stage.manifest.get("sources", []) if isinstance(s.get("events"), int))
         map_ranks = functools.partial(workers.map_ranks, then=hooks.when_idle, events=events)
         map_figures = workers.map
     if hooks.analyse is None:

@@ -193,10 +193,12 @@ def worth_workers(jobs: int, files: int, json_bytes: int, sure_traces: int | Non
     `sure_traces`: how many of them count towards WORKER_WORTH_FILES (all by default)."""
     traces = files if sure_traces is None else sure_traces
     return files >= 2 and (json_bytes >= WORKER_WORTH_BYTES or (jobs - 1 >= FILES_WORKERS_MIN and traces >= WORKER_WORTH_FILES))
-# The per-rank analyses of a run whose traces were not parsed now (all reused: `analyze` again with other options)
-# start workers of their own from this many trace events: they cost about 2.5 us of CPU an event (190 ms a real
-# 75k-event A100 rank) and a worker's start about 0.35 s of CPU on the cores they share, so below this the
-# start costs more than the half of the work it takes.
+
+
+# The per-rank analyses of a run whose parse started no workers (it was reused: `analyze` again with other options;
+# or it was small) start workers of their own from this many trace events: they cost about 2.5 us of CPU an event
+# (190 ms a real 75k-event A100 rank) and a worker's start about 0.35 s of CPU on the cores they share, so below
+# this the start costs more than the share of the work it takes over.
 ANALYSIS_WORKER_WORTH_EVENTS = 300_000
 
 

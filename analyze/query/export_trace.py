@@ -16,7 +16,6 @@ import msgspec
 import polars as pl
 
 from steplens.analyze.contract import schema
-from steplens.analyze.importers import kineto
 from steplens.analyze.pipeline import remote
 
 GPU_TID_BASE = 1_000_000  # GPU stream s of device d is thread GPU_TID_BASE * (d + 1) + s
@@ -98,7 +97,7 @@ def export_trace(run_dir: Path, out_path: Path, steps: tuple[int, int] | None = 
     trace_events.extend(flows)
 
     doc = {"traceEvents": trace_events, "displayTimeUnit": "ns",
-           "otherData": {kineto.EXPORT_MARK: "ranks aligned on the reference rank's clock (clock_offsets)" + (
+           "otherData": {schema.EXPORT_MARK: "ranks aligned on the reference rank's clock (clock_offsets)" + (
                              f"; ranks {unaligned} on their own clocks (no collective kernels to match)" if unaligned else ""),
                          "origin_ns": origin}}
     if events.height:  # nothing to export writes nothing (an earlier export stays as it was)
