@@ -487,7 +487,8 @@ def test_launch_summary_orders_launch_apis_with_equal_counts_the_same_whatever_t
     from steplens.analyze.analyses import launch
 
     rows = {"rank": [0, 0], "source": ["t", "t"], "launch_pid": [1, 1], "launch_tid": [1, 1], "launch_ts_ns": [100, 200],
-            "ts_ns": [106, 205], "launch_api": ["cudaMemcpyAsync", "cudaLaunchKernel"], "api_ns": [5, 7],
+            "ts_ns": [106, 205], "launch_api": ["cudaMemcpyAsync", "cudaLaunchKernel"], "kind": ["gpu_memcpy", "kernel"],
+            "api_ns": [5, 7],
             "queue_ns": [1, -2], "dur_ns": [10, 20]}
     frame = pl.DataFrame(rows)
     for order in ([0, 1], [1, 0]):
