@@ -563,9 +563,15 @@ def test_a_job_run_again_into_its_folder_is_timed_once_per_step():
     table = st.step_time_table(train_steps)
     assert table.sort("step")["step_time_ns"].to_list() == [None, 150 * ms, 150 * ms]
     assert st.repeated_steps(train_steps) == {"micro_steps": 6, "steps": [0, 1, 2], "step_count": 3, "ranks": [0, 1],
-                                              "rank_count": 2}
+                                              "rank_count": 2, "copies": 0}
     once = train_steps.filter(pl.col("start_ns") >= 10_000 * ms)
     assert st.repeated_steps(once) is None and st.step_time_table(once)["step_time_ns"].to_list() == [None, 150 * ms, 150 * ms]
+    # rank 1's part copied under another name: its 3 rows twice, at the same times; said as a copy, each step once
+    copied = pl.concat([once, once.filter(pl.col("rank") == 1).with_columns(source=pl.lit("copy.parquet"))])
+    repeated = st.repeated_steps(copied)
+    assert (repeated["micro_steps"], repeated["copies"]) == (3, 3)
+    assert st.step_time_table(copied)["step_time_ns"].to_list() == [None, 150 * ms, 150 * ms]
+    assert "a collector part copied under another name" in " ".join(st.step_lines({"repeated_steps": repeated}))
 
 
 def test_time_outside_the_steps_work_is_in_the_step_and_said():

@@ -242,8 +242,10 @@ def repeated_steps(train_steps: pl.DataFrame) -> dict | None:
         return None
     steps = sorted(repeated["step"].drop_nulls().unique().to_list())
     ranks = sorted(repeated["rank"].drop_nulls().unique().to_list())
+    # a recording at the very start time of another is the same one written twice (a part copied), not a run again
+    copies = train_steps.select(pl.struct("rank", "micro_step", "start_ns").is_duplicated()).to_series().sum()
     return {"micro_steps": repeated.height, "steps": steps[:LISTED], "step_count": len(steps), "ranks": ranks[:LISTED],
-            "rank_count": len(ranks)}
+            "rank_count": len(ranks), "copies": int(copies) // 2 if copies else 0}
 
 
 LISTED = 100  # steps or ranks named in findings.json; the count says how many more
@@ -680,10 +682,13 @@ def step_lines(summary: dict) -> list[str]:
                      f"({overflow['share']:.0%}){scale}. Skipped steps do no training: check the loss for inf/NaN and the "
                      "initial loss scale (fp16.initial_scale_power), or use bf16.")
     if repeated := summary.get("repeated_steps"):
+        why = ("each with the same times twice: a collector part copied under another name; each counted once"
+               if repeated.get("copies") == repeated["micro_steps"] else
+               "a job run again into the same folder, or resumed from an earlier checkpoint; the later recording of each "
+               "is the one timed")
         lines.append(f"Steps {_step_ranges(repeated['steps'], repeated['step_count'])} were recorded more than once "
                      f"(rank{'s' if repeated['rank_count'] > 1 else ''} {_step_ranges(repeated['ranks'], repeated['rank_count'])}, "
-                     f"{repeated['micro_steps']} micro step(s)): a job run again into the same folder, or resumed from "
-                     "an earlier checkpoint; the later recording of each is the one timed.")
+                     f"{repeated['micro_steps']} micro step(s)): {why}.")
     profiled = summary.get("profiled_steps") or {}
     for window in profiled.get("steps", [])[:PROFILED_SAID]:
         timed = (f"; {source_words(profiled, 'subject')} timed it {duration(window['step_time_ns'])}"
