@@ -338,7 +338,7 @@ def rank_warnings(base, new, pair: tuple[StepSamples, StepSamples] | None) -> li
 
 
 def _definition_key(definition: str) -> str:
-    return next((key for key, text in step_time.DEFINITIONS.items() if text == definition), definition)
+    return step_time.definition_key(definition) or definition
 
 
 def comparability(base, new) -> pl.DataFrame:

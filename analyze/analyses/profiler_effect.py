@@ -58,8 +58,7 @@ def after_effect(step_time: pl.DataFrame, facts: dict) -> dict | None:
                "cupti_teardown": (facts.get("collector_profiler") or {}).get("cupti_teardown"),
                "cupti_teardown_by": (facts.get("collector_profiler") or {}).get("cupti_teardown_by"),
                # the collector was set to open the windows: without its record of CUPTI, it is older than that record
-               "collector_profiled": bool(((facts.get("settings") or {}) if isinstance(facts.get("settings"), dict)
-                                           else {}).get("profile")),
+               "collector_profiled": isinstance(facts.get("settings"), dict) and bool(facts["settings"].get("profile")),
                "collector_record": "collector_profiler" in facts,
                "definition": "median kept step after the last profiler window / median kept step before the first; "
                              f"beyond noise: Mann-Whitney U p < {P_VALUE} and a change of at least {MIN_CHANGE:.0%}"}
@@ -105,7 +104,7 @@ def after_effect_lines(finding: dict) -> list[str]:
         cause = (f"likely cause: CUPTI stayed attached after the windows{by}, and every later kernel launch pays for it "
                  "(pytorch/pytorch#144455): where the job uses no CUDA graphs, TEARDOWN_CUPTI=1 releases it; with "
                  "them, profile in a run of its own")
-    elif finding.get("cupti_teardown_by") and "no CUPTI" in finding["cupti_teardown_by"]:
+    elif finding.get("collector_record") and finding["cupti_teardown"] is None:  # the collector saw no CUDA device
         cause = (f"the profiler is not the likely cause ({finding['cupti_teardown_by']}): look at what else changed in "
                  "the run")
     elif finding.get("collector_profiled") and not finding.get("collector_record"):

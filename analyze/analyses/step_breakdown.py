@@ -46,9 +46,9 @@ TIMELINE_SCHEMA = {"rank": pl.Int64, "step": pl.Int64, "activity": pl.String, "s
 
 
 def step_breakdown_tables(launch_parts: Iterable[pl.DataFrame], collectives: pl.DataFrame, gpu_idle: pl.DataFrame,
-                          step_stats: pl.DataFrame, offsets: pl.DataFrame) -> dict:
-    """step_breakdown (every rank and step), step_timeline (the slowest profiled step) and covered_by_steps (_Lane's
-    covered_by_steps summed over the devices).
+                          step_stats: pl.DataFrame, offsets: pl.DataFrame) -> tuple[dict[str, pl.DataFrame], np.ndarray]:
+    """step_breakdown (every rank and step) and step_timeline (the slowest profiled step); and _Lane's covered_by_steps
+    summed over the devices.
 
     `launch_parts` yields kernel_launches rows (LAUNCH_COLUMNS) a few whole ranks at a time (the parts the
     per-rank analyses wrote), so memory is bounded by the largest part; each part is one pass, whatever its
@@ -72,13 +72,13 @@ def step_breakdown_tables(launch_parts: Iterable[pl.DataFrame], collectives: pl.
                 timelines.append(lane.timeline(slowest, offset_of.get(rank, 0)))
     breakdowns = [b for b in breakdowns if not b.is_empty()]
     if not breakdowns:
-        return {"step_breakdown": pl.DataFrame(schema=BREAKDOWN_SCHEMA), "step_timeline": pl.DataFrame(schema=TIMELINE_SCHEMA)}
+        return {"step_breakdown": pl.DataFrame(schema=BREAKDOWN_SCHEMA),
+                "step_timeline": pl.DataFrame(schema=TIMELINE_SCHEMA)}, covered
     causes = step_rows.select(*keys, *[pl.col(c).cast(pl.Int64) for c in ("host_bound_ns", "sync_ns", "other_ns")])
     breakdown = pl.concat(breakdowns).join(causes, on=keys, how="left", nulls_equal=True).with_columns(
         idle_ns=pl.col("span_ns") - pl.col("compute_ns") - pl.col("exposed_comm_ns"))
     return {"step_breakdown": breakdown.select(list(BREAKDOWN_SCHEMA)).cast(BREAKDOWN_SCHEMA).sort("step", "rank", "device"),
-            "step_timeline": pl.concat([pl.DataFrame(schema=TIMELINE_SCHEMA)] + timelines).sort("rank", "start_ns"),
-            "covered_by_steps": covered}
+            "step_timeline": pl.concat([pl.DataFrame(schema=TIMELINE_SCHEMA)] + timelines).sort("rank", "start_ns")}, covered
 
 
 def slowest_profiled_step(step_stats: pl.DataFrame) -> int | None:
@@ -275,9 +275,9 @@ def _step_breakdown(inputs: Inputs) -> Output:
             unstepped.append(int(part.filter(pl.col("step").is_null() & (pl.col("dur_ns") > 0))["dur_ns"].sum()))
             yield part
 
-    tables = step_breakdown_tables(parts(), inputs.table("collectives"), inputs.table("gpu_idle"),
+    tables, covered = step_breakdown_tables(parts(), inputs.table("collectives"), inputs.table("gpu_idle"),
                                    inputs.table("step_stats"), inputs.table("clock_offsets"))
-    split = time_split(tables["step_breakdown"], tables.pop("covered_by_steps", np.zeros(3, np.int64)), sum(unstepped))
+    split = time_split(tables["step_breakdown"], covered, sum(unstepped))
     return Output(tables=tables, finding={"time_split": split} if split else None)
 
 

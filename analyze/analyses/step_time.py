@@ -434,7 +434,7 @@ def step_time_summary(table: pl.DataFrame) -> dict:
         "excluded_steps": excluded,
         # Megatron logs one mean per logging interval: each value stands for several steps.
         "interval_means": table["definition"][0] in (DEFINITIONS["log_megatron"], DEFINITIONS["log_pipeline"]),
-        "log_step_label": LOG_STEP_LABELS.get(definition_key({"definition": table["definition"][0]}) or ""),
+        "log_step_label": LOG_STEP_LABELS.get(definition_key(table["definition"][0]) or ""),
     }
     flushed = table.filter(pl.col("reason") == "collector_flush")["step_time_ns"].drop_nulls()
     if typical and flushed.len() and flushed.median() > (1 + MIN_EXCESS_SHARE) * summary["median_ns"]:
@@ -608,14 +608,14 @@ PART_OF_STEP_WORDS = {
 }
 
 
-def definition_key(summary: dict) -> str | None:
-    """The DEFINITIONS key of a step-time summary's definition (None: none of them)."""
-    return next((key for key, words in DEFINITIONS.items() if words == summary.get("definition")), None)
+def definition_key(definition: str | None) -> str | None:
+    """The DEFINITIONS key of a step-time definition (None: none of them)."""
+    return next((key for key, words in DEFINITIONS.items() if words == definition), None)
 
 
 def source_words(summary: dict, form: str = "full") -> str:
     """Where the step time came from, in words: `full`, `short` (the first screen's) or `subject` (of 'timed it')."""
-    if (key := definition_key(summary)) in PART_OF_STEP_WORDS:
+    if (key := definition_key(summary.get("definition"))) in PART_OF_STEP_WORDS:
         return PART_OF_STEP_WORDS[key][form]
     source = summary.get("source")
     return (SHORT_SOURCE_WORDS if form == "short" else SOURCE_WORDS).get(source, source)

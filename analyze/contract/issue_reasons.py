@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 SEVERITIES = ("info", "warning", "error")
 
+# A trace that lost this share of its events (or of its device work) or more is data lost (events_lost, an error:
+# `analyze` exits 1), not a repair: every kernel with a NaN duration dropped left a trace whose GPU read 98% idle,
+# with a warning beside it.
+EVENTS_LOST_SHARE = 0.1
+
 
 @dataclass
 class Issue:

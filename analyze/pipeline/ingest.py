@@ -338,15 +338,10 @@ def _parse_source(abs_path: str, source: Source, scratch: str) -> Source:
 EVENTS_LEFT_OUT = ("malformed_event", "nesting_too_deep", "oversized_event", "missing_timestamp", "bad_timestamp")
 
 
-# A trace that lost this share of its events or more is data lost (an error: `analyze` exits 1), not a repair: every
-# kernel with a NaN duration dropped left a trace whose GPU read 98% idle, with a warning beside it.
-EVENTS_LOST_SHARE = 0.1
-
-
 def _count_events_lost(source: Source, parsed: ParsedTrace) -> None:
     left_out = {i.reason: i.count for i in parsed.issues if i.reason in EVENTS_LEFT_OUT}
     lost, total = sum(left_out.values()), sum(left_out.values()) + parsed.events.height
-    if lost and lost >= EVENTS_LOST_SHARE * total:
+    if lost and lost >= issue_reasons.EVENTS_LOST_SHARE * total:
         reasons = ", ".join(f"{reason} {count:,}" for reason, count in sorted(left_out.items()))
         source.issues.append(["error", "events_lost", lost, f"{lost:,} of the trace's {total:,} events "
                               f"({lost / total:.0%}) were left out ({reasons}): its figures stand on the rest only"])

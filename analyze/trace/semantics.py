@@ -16,7 +16,7 @@ import re
 import polars as pl
 
 from steplens.analyze.contract import schema
-from steplens.analyze.contract.issue_reasons import Issue
+from steplens.analyze.contract.issue_reasons import EVENTS_LOST_SHARE, Issue
 from steplens.analyze.contract.schema import WORK_KINDS
 from steplens.analyze.contract.units import duration
 
@@ -137,9 +137,6 @@ def _count_stray_device_work(events: pl.DataFrame, issues: list[Issue]) -> None:
                             "length, and at least 1 s): a clock glitch; kept in trace_events, left out of the device analyses"))
 
 
-STREAMLESS_LOST_SHARE = 0.1
-
-
 def _count_streamless_device_work(events: pl.DataFrame, issues: list[Issue]) -> None:
     """Device work with no stream (no args.stream and a thread id that is no number; an export without streamId) has
     no place on the device's timeline: the busy and idle figures leave it out, so that is data lost, said."""
@@ -149,7 +146,7 @@ def _count_streamless_device_work(events: pl.DataFrame, issues: list[Issue]) -> 
                                work=pl.col("kind").is_in(WORK_KINDS).sum()).row(0)
     if lost:
         # a tenth of the device work or more is its figures lost (as for events_lost at ingest); a few, a warning
-        issues.append(Issue("error" if lost >= STREAMLESS_LOST_SHARE * work else "warning", "events_lost", lost,
+        issues.append(Issue("error" if lost >= EVENTS_LOST_SHARE * work else "warning", "events_lost", lost,
                             f"{lost:,} of {work:,} device activities without a stream (the trace names none for them): "
                             "kept in trace_events, out of the GPU timeline (busy, idle, exposed communication)"))
 
