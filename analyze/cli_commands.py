@@ -98,14 +98,17 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
 def _csv(frame, header: bool) -> str:
     """CSV text of a result batch; a list or struct value (list(rank), a struct pack) as its JSON text, which CSV
     cannot hold otherwise."""
+    return _nested_as_json(frame).write_csv(include_header=header)
+
+
+def _nested_as_json(frame):
+    """`frame` with each list or struct column as the JSON text of its values."""
     import polars as pl
 
     nested = [name for name, dtype in frame.schema.items() if dtype.is_nested()]
-    if nested:
-        # {"v":VALUE} -> VALUE: the JSON of the value alone
-        frame = frame.with_columns(pl.struct(pl.col(name).alias("v")).struct.json_encode().str.slice(5).str.head(-1)
-                                   .alias(name) for name in nested)
-    return frame.write_csv(include_header=header)
+    # {"v":VALUE} -> VALUE: the JSON of the value alone
+    return frame.with_columns(pl.struct(pl.col(name).alias("v")).struct.json_encode().str.slice(5).str.head(-1)
+                              .alias(name) for name in nested) if nested else frame
 
 
 def _ndjson(frame) -> str:
@@ -130,8 +133,12 @@ def _print_result_table(result) -> None:
     value is shown as \\n (it would read as rows of their own)."""
     import polars as pl
 
+    # a list or struct value as its JSON text (line breaks inside it escaped as JSON escapes them), then a line
+    # break in any text or column name as \n
+    result = _nested_as_json(result)
     result = result.with_columns(pl.col(pl.String).str.replace_all("\r", r"\r", literal=True)
                                  .str.replace_all("\n", r"\n", literal=True))
+    result = result.rename({name: name.replace("\r", r"\r").replace("\n", r"\n") for name in result.columns})
     width = max(Console(emoji=False).width, 40)
     with pl_config():
         table = safe_text(str(result))  # a value's control characters (ESC ] ... BEL sets the title) shown as ?

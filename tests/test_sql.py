@@ -107,6 +107,20 @@ def test_the_table_format_shows_a_line_break_inside_a_value_as_backslash_n(runs)
     assert _sql_output(root, query, "json").splitlines()[0] == '{"v":"a\\nb\\r\\nc","n":1}'
 
 
+def test_the_table_format_keeps_line_breaks_in_lists_structs_and_column_names_on_their_row(runs):
+    """A line break inside a list or struct value, or in a column's name, is shown escaped: each row stays one line."""
+    root, _ = runs
+    query = ("SELECT ['a' || chr(10) || 'b'] AS l, {'k': 'c' || chr(13) || 'd'} AS s, 1 AS \"two\nlines\" "
+             "FROM (VALUES (1), (2)) t(n)")
+    table = CliRunner().invoke(steplens, ["sql", str(root), query])
+    assert table.exit_code == 0
+    lines = table.output.splitlines()
+    names = [line for line in lines if "two" in line]
+    assert len(names) == 1 and "two\\nlines" in names[0]
+    body = [line for line in lines if "┆" in line][3:]
+    assert [[cell.strip(" │") for cell in line.split("┆")] for line in body] == [
+        ['["a\\nb"]', '{"k":"c\\rd"}', "1"]] * 2
+
 def test_cli_formats_and_errors(runs, tmp_path):
     root, truths = runs
     runner = CliRunner()
