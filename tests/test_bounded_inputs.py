@@ -114,3 +114,15 @@ def test_a_monitor_file_keeps_its_first_points_and_counts_the_rest(tmp_path, mon
     imported = monitor_scalars.parse_csv_monitor(csv, csv.name)
     assert imported.tables["scalars"]["global_samples"].to_list() == [8 * s for s in range(1, 101)]
     assert [i[1:3] for i in imported.issues] == [["points_capped", 50]]
+
+
+def test_a_monitor_line_with_a_negative_step_is_a_garbled_line_not_a_point(tmp_path):
+    """DeepSpeed's csv_monitor writes global_samples, a count: a line at step -5 is damage, skipped and counted."""
+    from steplens.analyze.importers import monitor_scalars
+
+    csv = tmp_path / "Train_Samples_train_loss.csv"
+    csv.write_text("step,train_loss\n8,2.5\n-5,2.4\n16,2.3\n")
+    imported = monitor_scalars.parse_csv_monitor(csv, csv.name)
+    assert imported.tables["scalars"]["global_samples"].to_list() == [8, 16]
+    assert [i[1:3] for i in imported.issues] == [["garbled_lines", 1]]
+    assert "lines [3]" in imported.issues[0][3]

@@ -169,6 +169,19 @@ def test_numbers_past_float_range_are_left_out_and_counted(tmp_path):
                        ("unrepresentable_value", 1, "flops_profile.params")]
 
 
+def test_a_summary_value_that_is_no_number_is_left_out_and_counted(tmp_path):
+    """'nan M' or a value cut to its unit is no measurement: left out of the facts, with the key named."""
+    damaged, whole = _damaged_profile(tmp_path, {
+        "fwd flops per GPU:                                                      471.76 M": "fwd flops per GPU: nan M",
+        "world size:                                                             2": "world size: two"})
+    assert "fwd_flops_per_gpu" in whole.facts and "world_size" in whole.facts
+    assert "fwd_flops_per_gpu" not in damaged.facts and "world_size" not in damaged.facts
+    assert {k: v for k, v in damaged.facts.items()} == {
+        k: v for k, v in whole.facts.items() if k not in ("world_size", "fwd_flops_per_gpu")}
+    assert sorted(i[3] for i in damaged.issues if i[1] == "bad_fact") == [
+        "fwd_flops_per_gpu: 'nan M' is not a number; left out", "world_size: 'two' is not a number; left out"]
+
+
 def test_profile_step_past_the_int_digit_limit_is_left_out(tmp_path):
     damaged, whole = _damaged_profile(tmp_path, {"Profile Summary at step 4:": f"Profile Summary at step {'4' * 5000}:"})
     assert "profile_step" not in damaged.facts and whole.facts["profile_step"] == 4

@@ -169,6 +169,8 @@ def _summary(lines: list[str], issues: list) -> tuple[dict, int | None]:
                 facts[key] = int(value[0]) if key in INTEGER_FACTS else value[0]
             except OverflowError:  # more digits than a float holds: inf is no count
                 issues.append(["warning", "bad_fact", 1, f"{key}: a number past float's range; left out"])
+        elif key and key not in facts:  # "nan M", "inf", a value cut off: no measurement
+            issues.append(["warning", "bad_fact", 1, f"{key}: {item[2][:40]!r} is not a number; left out"])
     return facts, None
 
 

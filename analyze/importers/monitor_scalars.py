@@ -124,7 +124,7 @@ def parse_csv_monitor(path: Path, source: str) -> Imported:
             if len(fields) != 2 or len(line) >= MAX_LINE_BYTES:  # a line cut at the reader's limit lost its end
                 raise ValueError(line)
             global_samples, value = int(fields[0]), float(fields[1])  # float() keeps nan and inf
-            if not schema.holds_int64(global_samples):
+            if not schema.holds_int64(global_samples) or global_samples < 0:  # a count of samples: 0 or more
                 raise ValueError(line)
         except ValueError:
             bad_lines.append(number)
@@ -140,7 +140,7 @@ def parse_csv_monitor(path: Path, source: str) -> Imported:
                               f"restarted and appended; all {segment + 1} segments kept, told apart by `segment`")])
     if bad_lines:
         result.issues.append(["error", "garbled_lines", len(bad_lines),
-                              (f"{source}: {len(bad_lines)} line(s) are not `step,value` (lines "
+                              (f"{source}: {len(bad_lines)} line(s) are not `step,value` (a step of 0 or more; lines "
                               f"{bad_lines[:SHOWN_LINES]}{' ...' if len(bad_lines) > SHOWN_LINES else ''}); skipped, "
                               f"{len(rows)} points kept")])
     if cut.strip():
