@@ -574,6 +574,44 @@ def test_a_job_run_again_into_its_folder_is_timed_once_per_step():
     assert "a collector part copied under another name" in " ".join(st.step_lines({"repeated_steps": repeated}))
 
 
+def _two_jobs(first_steps: int, second: list[tuple[int, int]]) -> pl.DataFrame:
+    """One rank: a job recording steps 0..first_steps-1 (micro step = step) every 100 ms from t=0, then a later job
+    recording the (step, micro step) pairs `second` every 30 ms from t=10 s."""
+    from steplens.analyze.importers.base import conform
+
+    ms = 1_000_000
+    rows = [(step, step, step * 100 * ms) for step in range(first_steps)]
+    rows += [(step, micro, 10_000 * ms + i * 30 * ms) for i, (step, micro) in enumerate(second)]
+    return conform([{"rank": 0, "source": "collector/train_steps/rank0-00000.parquet", "step": step, "micro_step": micro,
+                     "start_ns": start, "end_ns": start + 5 * ms, "dur_ns": 5 * ms, "is_boundary": True,
+                     "skipped": False} for step, micro, start in rows], "train_steps")
+
+
+def test_a_job_run_again_for_fewer_steps_leaves_none_of_the_earlier_job_in_the_step_time():
+    """The helper's job run twice into one folder, 10 steps then 5: the earlier job's steps 5-9, which the later job
+    never reached, were timed beside the later job's 0-4 (and step 5 came out at minus 15 s, blamed on the clocks). Every
+    step of the earlier job is left out; the later job's 30 ms cycle is all that is timed."""
+    from steplens.analyze.analyses import step_time as st
+
+    train_steps = _two_jobs(10, [(step, step) for step in range(5)])
+    table = st.step_time_table(train_steps).sort("step")
+    assert table["step"].to_list() == [0, 1, 2, 3, 4]
+    assert table["step_time_ns"].to_list() == [None] + [30_000_000] * 4
+    repeated = st.repeated_steps(train_steps)
+    assert (repeated["micro_steps"], repeated["step_count"], repeated["copies"]) == (10, 10, 0)
+    assert "Steps 0-9 of an earlier recording are left out" in " ".join(st.step_lines({"repeated_steps": repeated}))
+
+
+def test_a_job_resumed_from_an_earlier_checkpoint_keeps_the_steps_before_it():
+    """Resumed at step 3 (DeepSpeed restores the global step, not the micro-step count, which starts at 0 again): the
+    earlier job's steps 0-2 are the run's history and stay; its steps 3-9 were gone back over and are left out."""
+    from steplens.analyze.analyses import step_time as st
+
+    train_steps = _two_jobs(10, [(3 + i, i) for i in range(4)])
+    assert st.superseded(train_steps).to_list() == [False] * 3 + [True] * 7 + [False] * 4
+    assert st.repeated_steps(train_steps)["steps"] == [3, 4, 5, 6, 7, 8, 9]
+
+
 def test_time_outside_the_steps_work_is_in_the_step_and_said():
     """A data loader that takes 100 ms before every forward (the helper's slow-load job): each rank starts a step
     every 120 ms and spends 20 ms (rank 1: 21 ms) in it. Hand-computed: the step time is the 120 ms cycle, not the

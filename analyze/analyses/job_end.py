@@ -25,6 +25,7 @@ import re
 import polars as pl
 
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.analyses.step_time import superseded
 from steplens.analyze.contract import layout
 from datetime import datetime, timezone
 
@@ -38,8 +39,8 @@ ENDED_BADLY = ("failed", "killed", "incomplete")
 def progress(train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: pl.DataFrame, facts: dict) -> pl.DataFrame:
     """Per rank: last finished step, time of the last record (ns, rank clock) and collector manifest status."""
     parts = []
-    if not train_steps.is_empty():
-        parts.append(train_steps.filter(pl.col("is_boundary").fill_null(False))
+    if not train_steps.is_empty():  # the timeline the job went on with (a job run again for fewer steps ended earlier)
+        parts.append(train_steps.filter(~superseded(train_steps) & pl.col("is_boundary").fill_null(False))
                      .select("rank", "step", record_ns="end_ns"))
     if not step_timers.is_empty():
         parts.append(step_timers.select("rank", "step", record_ns=pl.lit(None, pl.Int64)))

@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from steplens.analyze.analyses import job_end
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
+from steplens.analyze.analyses.step_time import superseded
 from steplens.analyze.contract import schema
 from steplens.analyze.contract.failures import DEVICE_OOM, OOM
 from steplens.analyze.contract.units import binary_bytes
@@ -79,7 +80,8 @@ def _trace_rows(inputs: Inputs) -> pl.DataFrame:
 
 
 def _collector_rows(train_steps: pl.DataFrame) -> pl.DataFrame:
-    recorded = train_steps.filter(pl.col("max_allocated_bytes").is_not_null())
+    # the timeline the job went on with: an earlier job's rows in the same folder are another job's memory
+    recorded = train_steps.filter(~superseded(train_steps) & pl.col("max_allocated_bytes").is_not_null())
     return recorded.group_by("rank", "step").agg(
         peak_allocated_bytes=pl.col("max_allocated_bytes").max(), peak_reserved_bytes=pl.col("max_reserved_bytes").max(),
         samples=pl.len(),

@@ -225,19 +225,30 @@ def _from_profiler(profiler_steps: pl.DataFrame) -> pl.DataFrame:
         end_ns=pl.col("end_ns").max()).with_columns(incomplete=pl.col("ranks") < pl.col("ranks").max())
 
 
-def _repeated(train_steps: pl.DataFrame) -> pl.Series:
-    """Rows of a micro step a rank recorded again later: a job run again into the same folder, or resumed from a
-    checkpoint older than where it stopped, repeats its micro step numbers. The later recording is the one the run
-    went on from; summing both doubled those steps' times."""
-    later = pl.col("start_ns").rank("ordinal", descending=True).over("rank", "micro_step") > 1
-    return train_steps.select(repeated=(pl.col("micro_step").is_not_null() & later).fill_null(False))["repeated"]
+def superseded(train_steps: pl.DataFrame) -> pl.Series:
+    """Rows a later recording on the same rank went back over: a job run again into the same folder, or resumed from
+    a checkpoint older than where it stopped, records (step, micro step) again from where it started. Every row of the
+    earlier recording from that point on, re-run or not (a run again for fewer steps leaves the earlier job's last
+    steps behind), belongs to a timeline the run left; summing it with the later one doubled steps and mixed two jobs.
+    A row is superseded when a row starting later (or a copy at the same time, written after it) has a (step, micro
+    step) no higher. Rows without a micro step or a start are never superseded."""
+    if train_steps.is_empty():
+        return pl.Series("superseded", [], pl.Boolean)
+    timed = pl.col("micro_step").is_not_null() & pl.col("start_ns").is_not_null()
+    ranked = (train_steps.select("rank", "step", "micro_step", "start_ns").with_row_index("row").filter(timed)
+              .with_columns(key=pl.struct("step", "micro_step").rank("dense").cast(pl.Int64))
+              .sort("rank", "start_ns", "row"))
+    # the lowest key among the rows after each, on its rank
+    after = pl.col("key").reverse().cum_min().reverse().shift(-1).over("rank")
+    gone = ranked.filter(pl.col("key") >= after)["row"]
+    return train_steps.with_row_index("row").select(superseded=pl.col("row").is_in(gone.implode()))["superseded"]
 
 
 def repeated_steps(train_steps: pl.DataFrame) -> dict | None:
-    """The optimizer steps some rank recorded more than once (their earlier recordings are left out), or None."""
+    """The optimizer steps of rows a later recording superseded on some rank (they are left out), or None."""
     if train_steps.is_empty():
         return None
-    repeated = train_steps.filter(_repeated(train_steps))
+    repeated = train_steps.filter(superseded(train_steps))
     if repeated.is_empty():
         return None
     steps = sorted(repeated["step"].drop_nulls().unique().to_list())
@@ -255,7 +266,7 @@ def _pick_source(train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: 
                  profiler_steps: pl.DataFrame, facts: dict) -> tuple[str, str, pl.DataFrame]:
     """(source, definition key, per-step frame) of the best source with at least one step."""
     if not train_steps.is_empty():
-        train_steps = train_steps.filter(~_repeated(train_steps))
+        train_steps = train_steps.filter(~superseded(train_steps))
         collected = train_steps.filter(_is_collector(pl.col("source")))
         if not collected.is_empty():
             return "train_steps", "collector", _from_micro_steps(collected)
@@ -682,13 +693,15 @@ def step_lines(summary: dict) -> list[str]:
                      f"({overflow['share']:.0%}){scale}. Skipped steps do no training: check the loss for inf/NaN and the "
                      "initial loss scale (fp16.initial_scale_power), or use bf16.")
     if repeated := summary.get("repeated_steps"):
-        why = ("each with the same times twice: a collector part copied under another name; each counted once"
-               if repeated.get("copies") == repeated["micro_steps"] else
-               "a job run again into the same folder, or resumed from an earlier checkpoint; the later recording of each "
-               "is the one timed")
-        lines.append(f"Steps {_step_ranges(repeated['steps'], repeated['step_count'])} were recorded more than once "
-                     f"(rank{'s' if repeated['rank_count'] > 1 else ''} {_step_ranges(repeated['ranks'], repeated['rank_count'])}, "
-                     f"{repeated['micro_steps']} micro step(s)): {why}.")
+        steps = _step_ranges(repeated["steps"], repeated["step_count"])
+        ranks = f"rank{'s' if repeated['rank_count'] > 1 else ''} {_step_ranges(repeated['ranks'], repeated['rank_count'])}"
+        if repeated.get("copies") == repeated["micro_steps"]:
+            lines.append(f"Steps {steps} were recorded twice with the same times ({ranks}, {repeated['micro_steps']} "
+                         "micro step(s)): a collector part copied under another name; each counted once.")
+        else:
+            lines.append(f"Steps {steps} of an earlier recording are left out ({ranks}, {repeated['micro_steps']} micro "
+                         "step(s)): a later job in the same folder went back to an earlier step (the job run again, or "
+                         "resumed from an earlier checkpoint), and only the timeline it went on with is timed.")
     profiled = summary.get("profiled_steps") or {}
     for window in profiled.get("steps", [])[:PROFILED_SAID]:
         timed = (f"; {source_words(profiled, 'subject')} timed it {duration(window['step_time_ns'])}"
