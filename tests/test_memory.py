@@ -289,3 +289,23 @@ def test_a_logged_figure_keeps_the_unit_and_digits_the_log_gave():
                           "peak_by_rank": peaks, "growth": []})
     assert lines[0].startswith("Peak memory: 0.39 GiB allocated on rank 0 (step 15, from DeepSpeed's throughput lines)")
     assert "the lowest of the 2 ranks peaks at 300.00 MiB" in lines[0] and "399" not in lines[0]
+
+
+def test_one_rounding_step_in_a_logged_running_peak_is_not_growth(tmp_path):
+    """The helper's ZeRO-1 job (gas 3, a print every step): MaxMemAllocated went 0.4, 0.4, 0.4, 0.4, 0.4, 0.41, 0.41,
+    0.41 GB, one step of the 0.01 GiB print in a running peak, which can only rise; "Memory grows 2.56 MiB per step"
+    was rounding. Two steps of it over the series (0.40 -> 0.42) is growth."""
+    def judged(peaks: list[float]) -> dict:
+        lines = [f"[2024-01-01 00:00:{k:02d},000] [INFO] [timer.py:264:stop] epoch=0/micro_step={3 * k}/global_step={k}, "
+                 f"RunningAvgSamplesPerSec=350.0, CurrSamplesPerSec=350.0, MemAllocated=0.4GB, MaxMemAllocated={peak}GB"
+                 for k, peak in enumerate(peaks, start=1)]
+        folder = tmp_path / f"in{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        (folder / "train.log").write_text("\n".join(lines) + "\n")
+        _, findings = _analysed(folder, folder.with_suffix(".out"))
+        return findings["memory"]["growth"][0]
+
+    one_step = judged([0.4] * 7 + [0.41] * 5)
+    assert one_step["source"] == "deepspeed_throughput" and one_step["growing"] is False
+    two_steps = judged([0.4] * 4 + [0.41] * 4 + [0.42] * 4)
+    assert two_steps["growing"] is True

@@ -125,12 +125,17 @@ def growth(rows: pl.DataFrame) -> dict | None:
     quarter = max(1, len(y) // 4)
     first, last = float(np.median(y[:quarter])), float(np.median(y[-quarter:]))
     rise = slope * (x[-1] - x[0])
-    floor = max(GROWTH_NOISE_Z * noise, MIN_GROWTH_FRACTION * first, float(kept["resolution_bytes"].max()))
+    resolution = float(kept["resolution_bytes"].max())
+    floor = max(GROWTH_NOISE_Z * noise, MIN_GROWTH_FRACTION * first, resolution)
+    # Figures printed to a resolution (0.01 GiB) move in whole steps of it: a value sitting on a rounding boundary
+    # reads one step higher on a later print, and a running peak keeps that step for good. Growth needs the last
+    # quarter at least two steps above the first.
+    apart = last - first > 1.5 * resolution if resolution else last > first
     return {
         "rank": rows["rank"][0], "source": rows["source"][0], "first_step": int(x[0]), "last_step": int(x[-1]),
         "steps": len(y), "first_bytes": round(first), "last_bytes": round(last),
         "slope_bytes_per_step": slope, "fitted_rise_bytes": round(rise), "noise_bytes": round(noise),
-        "growing": bool(rise > floor and last > first),
+        "growing": bool(rise > floor and apart),
     }
 
 
