@@ -100,6 +100,32 @@ def test_a_collector_record_that_stops_early_is_not_the_jobs_end():
     assert job_end.job_end(failed, pl.DataFrame(), pl.DataFrame(), pl.DataFrame(), {}, None)["status"] == "failed"
 
 
+
+def test_a_launcher_log_cut_short_is_not_the_jobs_end_when_every_rank_recorded_its_completion():
+    """The helper's job whose launcher process was SIGKILLed while its ranks ran on to step 60 and closed their
+    collector manifests: the launcher's log has no end, and the verdict said 'The job did not finish'. Every rank's
+    completed manifest outweighs it; a rank without one, or one still running, does not."""
+    import polars as pl
+    from steplens.analyze.analyses import job_end
+
+    def row(rank, source, status):
+        return {"rank": rank, "source": source, "run_index": 0, "status": status, "exit_code": None, "error": None,
+                "detail": ""}
+
+    def facts(*statuses):
+        return {"world_size": 2, **{f"collector_rank{r}": {"status": s, "updated_ns": 10**18 + r}
+                                    for r, s in enumerate(statuses)}}
+
+    cut = [row(None, "launcher.log", "incomplete")]
+    manifests = [row(r, f"collector/manifest/rank{r}.json", "completed") for r in (0, 1)]
+    status = pl.DataFrame(cut + manifests)
+    none = pl.DataFrame()
+    assert job_end.job_end(status, none, none, none, facts("completed", "completed"), None) is None
+    one_open = pl.DataFrame(cut + manifests[:1] + [row(1, "collector/manifest/rank1.json", "incomplete")])
+    assert job_end.job_end(one_open, none, none, none, facts("completed", "running"), None)["status"] == "incomplete"
+    one_missing = pl.DataFrame(cut + manifests[:1])
+    assert job_end.job_end(one_missing, none, none, none, facts("completed"), None)["status"] == "incomplete"
+
 def test_records_that_end_unevenly_are_no_stall_when_every_process_exited_0():
     """On a full disk the ranks' collector records stopped at different steps, and analyze said 'Rank 1 stopped
     making progress first' of a job whose every process exited 0. Hand-made records: rank 0 to step 11, rank 1 to 5."""

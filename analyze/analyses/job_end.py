@@ -134,6 +134,13 @@ def job_end(run_status: pl.DataFrame, train_steps: pl.DataFrame, step_timers: pl
         manifest = pl.col("source").str.contains(f"(^|/){layout.COLLECTOR_DIR}/{layout.MANIFEST_DIR}/", literal=False)
         bad = bad.filter(~((pl.col("status") == "incomplete") & manifest.fill_null(False))) \
             if "source" in bad.columns else bad
+    # Likewise a launcher's log that stops before the job's end (the launcher killed, its log cut) says nothing of the
+    # ranks when every rank's collector manifest recorded its completion.
+    world = facts.get("world_size")
+    ranks_completed = (not ranks.is_empty() and ranks["manifest_status"].eq_missing("completed").all()
+                       and (not isinstance(world, int) or ranks.height == world))
+    if ranks_completed and not bad.is_empty():
+        bad = bad.filter(~(pl.col("rank").is_null() & (pl.col("status") == "incomplete")))
     uneven = ranks.height > 1 and (ranks["last_step"].n_unique() > 1 or ranks["manifest_status"].n_unique() > 1) \
         and not (launcher_completed and bad.is_empty())
     if bad.is_empty() and not uneven:
