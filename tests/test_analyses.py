@@ -302,6 +302,20 @@ def test_cli_reports_mfu_with_definition(tmp_path):
     assert lone.exit_code == 2 and "--heads and --head-dim go together" in lone.output
 
 
+def test_tokens_per_step_come_from_the_jobs_batch_and_a_sequence_length_given_on_the_command_line():
+    """The helper's logs-only job: the config dump gave train_batch_size 16, --seq-len 64 was given, and MFU said the
+    numerator lacked tokens_per_step. Tokens per step = 16 x 64 = 1024; PaLM's count by hand:
+    (6 x 462,848 + 12 x 2 x 128 x 64) x 1024 = 3,045,064,704 FLOPs a step."""
+    from steplens.analyze.analyses import mfu
+
+    given = {"params": 462848, "layers": 2, "hidden": 128, "seq_len": 64}
+    shape, origin, lacking = mfu.resolve_shape(given, {"train_batch_size": 16})
+    assert lacking == "" and shape.tokens_per_step == 1024 and shape.flops_per_step() == 3_045_064_704
+    assert origin == "the command line and tokens per step = the job's train_batch_size 16 x sequence length 64"
+    assert mfu.resolve_shape(given, {})[2] == "tokens_per_step"
+    assert mfu.resolve_shape({**given, "tokens_per_step": 4096}, {"train_batch_size": 16})[0].tokens_per_step == 4096
+
+
 def test_analysis_tables_match_the_contract(analysed):
     from steplens.analyze import analyses
     out, _, _ = analysed

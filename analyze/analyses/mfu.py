@@ -167,22 +167,30 @@ SHAPE_FIELDS = ("params", "layers", "hidden", "seq_len", "tokens_per_step")
 
 def resolve_shape(given: dict | None, facts: dict) -> tuple[ModelShape | None, str, str]:
     """The analytic numerator's shape: each value from the command line (`given`), else the run's facts (the
-    collector's model_shape, seq_len, train_batch_size). Returns (shape or None, where it came from, what is missing)."""
+    collector's model_shape and seq_len; tokens per step = the job's train_batch_size x the sequence length, wherever
+    that came from). Returns (shape or None, where it came from, what is missing)."""
     given = {k: v for k, v in (given or {}).items() if v is not None}
     recorded = facts.get("model_shape") if isinstance(facts.get("model_shape"), dict) else {}
-    seq_len = facts.get("seq_len") or facts.get("sequence_length")
-    batch = facts.get("train_batch_size")
     from_facts = {"params": recorded.get("non_embedding_params"), "layers": recorded.get("layers"),
-                  "hidden": recorded.get("hidden"), "seq_len": seq_len,
-                  "tokens_per_step": batch * seq_len if type(batch) is int and type(seq_len) is int else None}
-    values = {k: given.get(k, from_facts[k]) for k in SHAPE_FIELDS}
+                  "hidden": recorded.get("hidden"), "seq_len": facts.get("seq_len") or facts.get("sequence_length")}
+    values = {k: given.get(k, from_facts[k]) for k in SHAPE_FIELDS if k != "tokens_per_step"}
+    batch, seq_len = facts.get("train_batch_size"), values["seq_len"]
+    counted = batch * seq_len if type(batch) is int and batch > 0 and type(seq_len) is int else None
+    values["tokens_per_step"] = given.get("tokens_per_step", counted)
     missing = [k for k in SHAPE_FIELDS if not (isinstance(values[k], (int, float)) and values[k] > 0)]
     if missing:
         return None, "", ", ".join(missing)
-    origin = ("the command line" if set(given) >= set(SHAPE_FIELDS) else
-              f"the collector's manifest (layers and hidden size from the {recorded.get('shape_from')}, parameters counted in the job)"
-              if not given else "the command line and the collector's manifest")
-    return ModelShape(**{k: values[k] for k in SHAPE_FIELDS}), origin, ""
+    recorded_fields = {k for k in ("params", "layers", "hidden", "seq_len") if k not in given}
+    parts = []
+    if given:
+        parts.append("the command line")
+    if recorded_fields:
+        parts.append(f"the collector's manifest (layers and hidden size from the {recorded.get('shape_from')}, "
+                     "parameters counted in the job)" if recorded_fields & {"params", "layers", "hidden"}
+                     else "the run's recorded sequence length")
+    if "tokens_per_step" not in given:
+        parts.append(f"tokens per step = the job's train_batch_size {batch} x sequence length {seq_len}")
+    return ModelShape(**{k: values[k] for k in SHAPE_FIELDS}), " and ".join(parts), ""
 
 
 PALM_DEFINITION = ("analytic model FLOPs (PaLM): (6N + 12*L*d*T) per token x tokens per step, N the non-embedding "
