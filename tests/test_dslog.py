@@ -104,6 +104,11 @@ def test_step_lines_become_scalars_on_the_monitor_axis():
     speed = scalars.filter((pl.col("name") == "CurrSamplesPerSec") & (pl.col("step") == 3)).row(0, named=True)
     assert speed["value"] == 70.76169681439102 and speed["global_samples"] == 32
     assert speed["wall_ns"] is not None
+    # DeepSpeed's step=0 line (before any step, and before its config dump names the batch) is at 0 samples: a curve
+    # point without it read as a scalar "known by step only"
+    initial = scalars.filter(pl.col("step").is_null() & pl.col("name").is_in(["lr", "skipped_steps"]))
+    assert initial.height == 2 * len(re.findall(r"\] step=0, skipped", path.read_text())) > 0
+    assert initial["global_samples"].to_list() == [0] * initial.height
 
 
 def test_verbose_comms_lines_repaired_to_the_last_running_total():

@@ -545,8 +545,10 @@ def _comm(state: LogState, m: re.Match, line: str, i: int) -> None:
 
 
 def _samples(state: LogState, steps_done: int) -> int | None:
+    """Samples trained after `steps_done` optimizer steps: 0 before the first (DeepSpeed's step=0 line comes before
+    its config dump), else steps x train_batch_size once the dump gave it."""
     batch = state.facts.get("train_batch_size")
-    return steps_done * batch if isinstance(batch, int) else None
+    return 0 if steps_done == 0 else steps_done * batch if isinstance(batch, int) else None
 
 
 def _scalar(state: LogState, rank: int, name: str, value: float, steps_done: int | None, line: str,
