@@ -17,7 +17,7 @@ from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, FiniteNum
 from steplens.analyze.cli_rerun import EXIT_INTERRUPTED, Terminated, say, warn
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import reuse, schema
-from steplens.analyze.contract.manifest import damage, lost_inputs, run_facts
+from steplens.analyze.contract.manifest import lost_inputs, run_facts
 from steplens.analyze.pipeline.ingest import IngestError, publish, staged
 from steplens.analyze.contract.text import file_name_text, safe_text
 
@@ -214,12 +214,21 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
         if not (out_dir / schema.MANIFEST_FILE).exists():
             fail(f"{run_dir}: not an analysed run (no run.json); run `analyze {run_dir}` first")
         out_path = out_path or out_dir / "merged_trace.json"
-        manifest = reuse.read_manifest(out_dir)
-        if why := (damage(manifest) if manifest else "run.json is not a JSON object") or reuse.result_problem(out_dir, manifest):
-            fail(f"{safe_text(out_dir)}: damaged result ({safe_text(why)}); analyse the run again")
+        from steplens.reports.data import DamagedRun, load
+
+        try:
+            load(out_dir)  # the checks every reader of a result makes (run.json, its listed entries, the files)
+        except DamagedRun as e:
+            fail(safe_text(e))
     if out_path.exists() and not _is_export(out_path):
         fail(f"{safe_text(out_path)} exists and is not a trace steplens exported: give a new file with --out")
-    counts = export_trace(out_dir, out_path, _step_range(steps))
+    import polars as pl
+
+    try:
+        counts = export_trace(out_dir, out_path, _step_range(steps))
+    except (pl.exceptions.SchemaError, pl.exceptions.ColumnNotFoundError) as e:  # a part overwritten with other columns
+        fail(f"{safe_text(out_dir)}: damaged result (a table's part has other columns: "
+             f"{safe_text(str(e).splitlines()[0][:200])}); analyse the run again")
     if not counts["events"]:
         fail(f"{run_dir}: no events to export" + (f" in steps {steps}" if steps else ""))
     if not remote.is_url(run_dir) and out_path.resolve().parent == out_dir.resolve():
@@ -342,9 +351,9 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
              "compare wrote; move it, or give compare another folder")
     try:
         base, new = load(_analysed(base_run)), load(_analysed(new_run))
+        result = comparison.compare(base, new)  # (a table read here may turn out damaged too: other columns)
     except (DamagedRun, IngestError) as e:
         fail(safe_text(e))
-    result = comparison.compare(base, new)
     # A run whose analysis lost inputs (exit 1) is compared on what was read; the comparison says so and exits 1.
     partial = [(role, run.out_dir, lost) for role, run in (("base", base), ("new", new))
                if (lost := lost_inputs(run.manifest))]
@@ -410,22 +419,24 @@ def trials_command(runs_dir: Path, fmt: str) -> None:
     from steplens.analyze.analyses.trials import trials
     from steplens.reports.data import DamagedRun, load
 
-    folders = sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
-    runs, left_out = {}, []
+    # a link is not followed (as analyze and sql do not): it could lead out of RUNS_DIR, where analysing it first
+    # would write a result into someone else's folder
+    folders = sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
+    runs, left_out = {}, [f"{file_name_text(str(link))}: a link, not followed (give the run folder itself); this run is "
+                          "left out" for link in sorted(p for p in runs_dir.iterdir() if p.is_symlink() and p.is_dir())]
     for folder in folders:
         try:
             run = load(_analysed(folder))
+            runs[file_name_text(folder.name)] = (run.table("step_time"), run_facts(run.manifest))
         except (DamagedRun, IngestError) as e:  # named and left out; the other runs are ranked
             left_out.append(f"{safe_text(e)}; this run is left out")
-            continue
-        runs[file_name_text(folder.name)] = (run.table("step_time"), run_facts(run.manifest))
     measured = {name: value for name, value in runs.items() if not value[0].is_empty()}
     left_out += [f"{name}: no step times (collector train_steps, logs or profiler steps); this run is left out"
                  for name in runs if name not in measured]
+    for why in left_out:  # (said before a failure too: why every run was left out)
+        warn(f"warning: {why}")
     if not measured:
         fail(f"{runs_dir}: no run folder with step times (collector train_steps, logs or profiler steps) under it")
-    for why in left_out:
-        warn(f"warning: {why}")
     _print_trials(trials(measured), fmt)
     if left_out:
         sys.exit(EXIT_PARTIAL)

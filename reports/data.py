@@ -40,29 +40,58 @@ class Run:
                 self._tables[key] = pl.DataFrame()
             else:
                 partitioned = name in schema.TABLES and schema.TABLES[name][2]
-                self._tables[key] = pl.read_parquet(folder, columns=columns, hive_partitioning=partitioned)
+                try:
+                    self._tables[key] = pl.read_parquet(folder, columns=columns, hive_partitioning=partitioned)
+                except (pl.exceptions.PolarsError, OSError) as e:  # a part overwritten with other columns, ...
+                    raise DamagedRun(f"{self.out_dir}: damaged result ({name}: {type(e).__name__}: "
+                                     f"{str(e).splitlines()[0][:200] if str(e) else ''}); analyse the run again") from None
+                if columns is None and (name in schema.TABLES or name in _analysis_tables()) and \
+                        (lacking := [c for c in _declared(name) if c not in self._tables[key].columns]):
+                    raise DamagedRun(f"{self.out_dir}: damaged result ({name} lacks its column(s) "
+                                     f"{', '.join(lacking[:3])}); analyse the run again")
         return self._tables[key]
 
 
 def load(out_dir: Path) -> Run:
-    """A run directory written by `analyze` (the `.steplens` folder, or the run folder holding it)."""
+    """A run directory written by `analyze` (the `.steplens` folder, or the run folder holding it); DamagedRun naming
+    the file and the problem when it cannot be read as one (reuse.published_manifest, reuse.missing_entries,
+    reuse.result_problem)."""
+    from steplens.analyze import analyses  # (the analyses' tables, for the check that each still has its parts)
+
     out_dir = Path(out_dir)
-    if not (out_dir / schema.MANIFEST_FILE).exists() and (out_dir / schema.DEFAULT_OUT_DIR / schema.MANIFEST_FILE).exists():
+    if not os.path.lexists(out_dir / schema.MANIFEST_FILE) and \
+            os.path.lexists(out_dir / schema.DEFAULT_OUT_DIR / schema.MANIFEST_FILE):
         out_dir = out_dir / schema.DEFAULT_OUT_DIR
-    manifest_path = out_dir / schema.MANIFEST_FILE
-    if not manifest_path.exists():
+    if not os.path.lexists(out_dir / schema.MANIFEST_FILE):
         raise FileNotFoundError(f"{out_dir}: not an analysed run (no {schema.MANIFEST_FILE}); run `analyze` on it first")
-    findings_path = out_dir / schema.FINDINGS_FILE
-    try:
-        manifest = json.loads(manifest_path.read_bytes())
-        findings = json.loads(findings_path.read_bytes()) if findings_path.exists() else {}
-    except (ValueError, RecursionError) as e:
-        raise DamagedRun(f"{out_dir}: damaged result ({type(e).__name__} in its JSON); analyse the run again") from None
-    if why := damage(manifest) or (None if isinstance(findings, dict) else "findings.json is not an object"):
-        raise DamagedRun(f"{manifest_path}: damaged ({why}); analyse the run again")
-    if why := reuse.result_problem(out_dir, manifest):
+    manifest, why = reuse.published_manifest(out_dir, schema.SCHEMA_VERSION)
+    findings, findings_path = {}, out_dir / schema.FINDINGS_FILE
+    if why is None and os.path.lexists(findings_path):
+        handle = reuse.open_plain_file(findings_path)
+        try:
+            with handle or open(os.devnull, "rb"):
+                findings = json.loads(handle.read(reuse.MAX_MANIFEST_BYTES + 1)) if handle else None
+        except (OSError, ValueError, RecursionError):
+            findings = None
+        why = None if isinstance(findings, dict) else f"{findings_path} is not a plain file holding a JSON object"
+    why = why or damage(manifest)
+    why = why or reuse.missing_entries(out_dir, manifest, set(schema.TABLES) | set(analyses.TABLES))
+    why = why or reuse.result_problem(out_dir, manifest)
+    if why:
         raise DamagedRun(f"{out_dir}: damaged result ({why}); analyse the run again")
     return Run(out_dir, manifest, findings)
+
+
+def _analysis_tables() -> dict:
+    from steplens.analyze import analyses
+
+    return analyses.TABLES
+
+
+def _declared(name: str) -> list[str]:
+    """The columns a table is written with (ingest's or an analysis's declared schema; `rank` for per-rank tables)."""
+    spec = schema.TABLES.get(name) or _analysis_tables()[name]
+    return list(spec[0].names)
 
 
 class DamagedRun(ValueError):

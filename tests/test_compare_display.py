@@ -89,17 +89,17 @@ def test_a_damaged_result_is_named_by_compare_and_left_out_by_trials(tmp_path):
     done = subprocess.run([str(BIN / "steplens"), "compare", str(runs / "good"), str(runs / "bad"), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, env=env)
     assert done.returncode == 2 and "internal error" not in done.stderr
-    assert " ".join(done.stderr.split()) == (f"error: {manifest}: damaged (world_size, facts of the wrong type or out "
-                                             "of range); analyse the run again")
+    assert " ".join(done.stderr.split()) == (f"error: {manifest.parent}: damaged result (world_size, facts of the wrong "
+                                             "type or out of range); analyse the run again")
     done = subprocess.run([str(BIN / "steplens"), "trials", str(runs)], capture_output=True, text=True, env=env)
     assert done.returncode == 1 and "internal error" not in done.stderr
-    assert f"warning: {manifest}: damaged" in " ".join(done.stderr.split()) and "good" in done.stdout
+    assert f"warning: {manifest.parent}: damaged result" in " ".join(done.stderr.split()) and "good" in done.stdout
     # a count of processes below one is damage too (trials took a world size of -4)
     for world_size in (-4, 0):
         manifest.write_text(json.dumps({**json.loads((runs / "good" / ".steplens" / "run.json").read_text()),
                                         "world_size": world_size}))
         done = subprocess.run([str(BIN / "steplens"), "trials", str(runs)], capture_output=True, text=True, env=env)
-        assert done.returncode == 1 and "damaged (world_size of the wrong type or out of range)" in " ".join(
+        assert done.returncode == 1 and "damaged result (world_size of the wrong type or out of range)" in " ".join(
             done.stderr.split())
 
 
@@ -351,3 +351,17 @@ def test_compare_writes_over_its_own_files_only(compared, tmp_path):
     again = subprocess.run([str(BIN / "steplens"), "compare", str(root / "base"), str(root / "new"), "--out",
                             str(root / "out")], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
+
+
+def test_trials_does_not_follow_a_link_out_of_runs_dir(tmp_path):
+    """A link under RUNS_DIR to a run elsewhere: trials analysed it, writing a result into that folder (and a link to
+    /etc had it scan /etc). It is named and left out (exit 1); nothing is written where it points."""
+    runs, elsewhere = tmp_path / "runs", tmp_path / "elsewhere" / "run"
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", runs / "good", ignore=shutil.ignore_patterns(".steplens"))
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", elsewhere, ignore=shutil.ignore_patterns(".steplens"))
+    (runs / "linked").symlink_to(elsewhere)
+    done = subprocess.run([str(BIN / "steplens"), "trials", str(runs)], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 1 and "internal error" not in done.stderr
+    assert f"warning: {runs / 'linked'}: a link, not followed" in done.stderr
+    assert not (elsewhere / ".steplens").exists() and "good" in done.stdout

@@ -174,14 +174,28 @@ def _damaged_copy(runs_root: Path, tmp_path: Path, damage: str) -> tuple[Path, s
     elif damage == "rank_folder":
         shutil.copytree(part.parent, out / "trace_events" / "rank=abc")
         name = "trace_events/rank=abc"
+    elif damage in ("run_json_fifo", "run_json_zero"):  # compare once blocked on the FIFO, read /dev/zero to the OOM killer
+        (out / "run.json").unlink()
+        os.mkfifo(out / "run.json") if damage == "run_json_fifo" else (out / "run.json").symlink_to("/dev/zero")
+        name = "run.json is not a plain file"
+    elif damage in ("run_json_empty", "other_version"):  # compare took {} for a run and passed its CI gate
+        doc = json.loads((out / "run.json").read_text())
+        (out / "run.json").write_text("{}" if damage == "run_json_empty" else json.dumps({**doc, "schema_version": 999}))
+        name = "not written by steplens analyze" if damage == "run_json_empty" else "result schema 999"
+    elif damage == "table_part_removed":  # compare silently lost its top-kernels section
+        for removed in (out / "top_kernels").glob("*.parquet"):
+            removed.unlink()
+        name = "top_kernels/ holds no Parquet file"
     return out, name
 
 
-@pytest.mark.parametrize("damage", ["fifo", "link", "cut", "missing", "rank_folder"])
+@pytest.mark.parametrize("damage", ["fifo", "link", "cut", "missing", "rank_folder", "run_json_fifo", "run_json_zero",
+                                    "run_json_empty", "other_version", "table_part_removed"])
 def test_a_damaged_result_is_refused_by_name_not_read(runs, tmp_path, damage):
     """A result with a FIFO where a part was (reading it blocked sql and export-trace for good, SIGTERM included),
     a part linked to a file outside it, cut short, deleted (sql said 7 of 8 ranks, silently) or a stray rank
-    folder: sql leaves the run out and says why, export-trace and compare refuse it, each naming the file."""
+    folder; a run.json that is a FIFO, a link to /dev/zero, {} or another version's; an analysis table's part removed:
+    sql leaves the run out and says why, export-trace and compare refuse it, each naming the file."""
     import subprocess
     import sys
 
@@ -259,7 +273,7 @@ def test_a_result_being_written_or_replaced_is_no_run_of_its_own(runs, tmp_path)
 def test_a_run_json_that_is_no_plain_file_is_not_read(runs, tmp_path, special):
     """run.json as a FIFO blocked sql and analyze for good; as a link to /dev/zero, reading it never ended (a
     traceback from analyze's re-run check, an out-of-memory kill elsewhere). Neither is read: sql finds no run there,
-    and analyze of the run parses it again."""
+    and analyze of the run parses it again. sql names the damage (it is in analyze's default folder, .steplens)."""
     import subprocess
     import sys
 
@@ -271,7 +285,12 @@ def test_a_run_json_that_is_no_plain_file_is_not_read(runs, tmp_path, special):
         os.mkfifo(manifest)
     else:
         manifest.symlink_to("/dev/zero")
-    assert sql.find_runs(tmp_path) == [] and reuse.read_manifest(manifest.parent) == {}
+    assert sql.find_runs(tmp_path) == [manifest.parent] and reuse.read_manifest(manifest.parent) == {}
+    skipped: list = []
+    with pytest.raises(sql.QueryError):  # no run left to answer
+        sql.query(tmp_path, "SELECT count(*) FROM trace_events", skipped)
+    assert skipped == [(str(manifest.parent), f"damaged result ({manifest} is not a plain file (a link, FIFO or device) "
+                                              "or cannot be read); analyse the run again")]
     binary = Path(sys.executable).parent / "analyze"
     done = subprocess.run([str(binary), str(run), "-q"], capture_output=True, text=True, timeout=120)
     # a folder steplens cannot tell for its own is not replaced: a clear refusal, no traceback
@@ -349,3 +368,29 @@ def test_json_gives_sums_as_numbers(runs):
                  for d in pq_.read_table(part, columns=["dur_ns"]).column("dur_ns").to_pylist() if d is not None]
     assert row == {"n": len(durations), "total": sum(durations), "quarter": pytest.approx(sum(durations) / 4)}
     assert isinstance(row["total"], int)
+
+
+def test_a_part_overwritten_with_other_columns_is_a_damaged_result_for_compare_and_export_trace(runs, tmp_path):
+    """A well-formed Parquet file with other columns where a table's part was: compare and export-trace ended with an
+    internal error (ColumnNotFoundError, SchemaError); they refuse the result, naming the table, exit 2."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    other = pa.table({"x": [1, 2, 3], "step": ["a", "b", "c"]})
+    analysis, events = tmp_path / "analysis" / ".steplens", tmp_path / "events" / ".steplens"
+    for out in (analysis, events):
+        shutil.copytree(runs[0] / "a" / ".steplens", out)
+    pq.write_table(other, analysis / "top_kernels" / "part-0.parquet")
+    pq.write_table(other, sorted((events / "trace_events" / "rank=1").glob("*.parquet"))[0])
+    binary = Path(sys.executable).parent / "steplens"
+    for args, named in ((["compare", str(runs[0] / "a"), str(analysis), "--out", str(tmp_path / "cmp")], "top_kernels"),
+                        (["export-trace", str(events), "--out", str(tmp_path / "t.json")], "other columns")):
+        done = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "COLUMNS": "200"})
+        said = " ".join((done.stdout + done.stderr).split())
+        assert done.returncode == 2 and "damaged result" in said and named in said, (args[0], said)
+        assert "a steplens bug" not in said
+    assert not (tmp_path / "t.json").exists()

@@ -60,6 +60,47 @@ def read_manifest(folder: Path) -> dict:
     return manifest if isinstance(manifest, dict) else {}
 
 
+def published_manifest(folder: Path, schema_version: int) -> tuple[dict, str | None]:
+    """run.json of a published result for a reader (compare, trials, sql, export-trace), with what makes it unusable,
+    naming the file: not a plain file (a FIFO would block the reader, /dev/zero never end), too large, not JSON, not an
+    object, not written by `analyze`, or written by a steplens whose tables differ (schema_version). ({}, why) then."""
+    path = Path(folder) / MANIFEST_FILE
+    handle = open_plain_file(path)
+    if handle is None:
+        return {}, f"{path} is not a plain file (a link, FIFO or device) or cannot be read"
+    try:
+        with handle:
+            data = handle.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            return {}, f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB: not one steplens wrote"
+        manifest = json.loads(data)
+    except (OSError, ValueError, RecursionError) as e:
+        return {}, f"{path} is not valid JSON ({type(e).__name__}: cut short or edited)"
+    if not isinstance(manifest, dict):
+        return {}, f"{path} holds {type(manifest).__name__}, not an object"
+    if manifest.get("created_by") != OUTPUT_CREATOR:
+        return {}, f"{path} was not written by steplens analyze (created_by {manifest.get('created_by')!r})"
+    if manifest.get("schema_version") != schema_version:
+        return {}, (f"{path} is a result of another steplens version (result schema {manifest.get('schema_version')!r}; "
+                    f"this steplens reads {schema_version})")
+    return manifest, None
+
+
+def missing_entries(out_dir: Path, manifest: dict, tables: set[str]) -> str | None:
+    """What of a published result is gone since `analyze` listed it (run.json output_entries): an entry removed,
+    or a table's folder left without any Parquet file (every table writes one, empty and typed when it has no rows)."""
+    entries = manifest.get("output_entries")
+    for entry in entries if isinstance(entries, list) else []:
+        if not isinstance(entry, str) or os.sep in entry or entry in ("", ".", ".."):
+            continue
+        path = Path(out_dir) / entry
+        if not path.exists():
+            return f"{entry} is missing (run.json lists it)"
+        if entry in tables and path.is_dir() and not any(path.rglob("*.parquet")):
+            return f"{entry}/ holds no Parquet file (a table's part was removed)"
+    return None
+
+
 def complete(out_dir: Path, manifest: dict) -> bool:
     """A result steplens published whole: every entry run.json lists is there, nothing else is, and nothing in it is
     damaged (result_problem)."""

@@ -64,13 +64,17 @@ def find_runs(root: Path | str) -> list[Path] | list[str]:
 
 
 def _runs_with_manifests(root: Path) -> list[tuple[Path, dict]]:
-    """The local runs under root, each with its run.json, read once."""
+    """The local runs under root, each with its run.json, read once: every run.json analyze wrote (its created_by),
+    and any in a folder named .steplens (analyze's default), whatever it holds: connect names what is wrong with it
+    (a user's own run.json elsewhere is not taken for a result)."""
     found = []
     for folder, subfolders, files in os.walk(root, followlinks=False):
         # an analysis being written (.NAME.tmp-PID) or one being replaced (.NAME.old-PID) is no run of its own
         subfolders[:] = sorted(d for d in subfolders if not reuse.STAGED.match(d))
-        if schema.MANIFEST_FILE in files and "schema_version" in (manifest := reuse.read_manifest(Path(folder))):
-            found.append((Path(folder), manifest))
+        if schema.MANIFEST_FILE in files:
+            manifest = reuse.read_manifest(Path(folder))
+            if manifest.get("created_by") == reuse.OUTPUT_CREATOR or Path(folder).name == schema.DEFAULT_OUT_DIR:
+                found.append((Path(folder), manifest))
     return sorted(found, key=lambda run: run[0])
 
 
@@ -100,11 +104,14 @@ def connect(root: Path, skipped: list[tuple[str, str]] | None = None) -> duckdb.
         runs = _runs_with_manifests(Path(root))
     rows, parts, seen_ids = [], {}, set()
     for run, manifest in runs:
-        if why := damage(manifest):
-            skipped.append((str(run), f"damaged run.json ({why})"))
-            continue
-        if not isinstance(run, str) and (why := reuse.result_problem(run, manifest)):  # a FIFO would block the query
-            skipped.append((str(run), f"damaged result: {why}; analyse the run again"))
+        if not isinstance(run, str):  # read again, checked: a FIFO would block the query, another version mislead it
+            manifest, why = reuse.published_manifest(run, schema.SCHEMA_VERSION)
+            why = why or damage(manifest) or reuse.missing_entries(run, manifest, set(schema.TABLES) | set(analyses.TABLES)) \
+                or reuse.result_problem(run, manifest)
+        else:
+            why = damage(manifest)
+        if why:
+            skipped.append((str(run), f"damaged result ({why}); analyse the run again"))
             continue
         run_id = str(manifest.get("run_id") or run)
         if run_id in seen_ids:  # a copied output folder: still a run of its own
