@@ -104,6 +104,8 @@ _DECLARED = (
     IssueReason("bad_duration", ("warning",), "dur that is not a number or implausible; kept without a duration."),
     IssueReason("unrepresentable_value", ("warning",), "Values out of range for their meaning (a trace arg) or their "
                 "column (a log's number past int64, nan where a count belongs); stored as null."),
+    IssueReason("long_text", ("warning",), "Text values (a name, shapes) longer than kineto.MAX_TEXT_CHARS characters; "
+                "cut to that length (a 5 MB kernel name a few hundred times over reached 2 GiB in one column)."),
     IssueReason("bad_step_number", ("warning",), "ProfilerStep annotations whose number is missing or too large to "
                 "be a step; kept as plain events."),
     IssueReason("reused_step_number", ("warning",), "A step number marking spans one after another (a restarted "

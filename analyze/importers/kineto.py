@@ -524,6 +524,43 @@ def _concatenated(chunks: list, counters: dict[str, list]) -> pl.DataFrame:
     return pl.concat(frames, how="vertical_relaxed", rechunk=True)
 
 
+# Text values past this many characters are cut (long_text): a demangled template kernel name runs to a few thousand,
+# an op's shapes with thousands of inputs to tens of thousands; a trace whose names ran to megabytes each, a few
+# hundred times, took 8 GB to read and failed at Arrow's 2 GiB a column.
+MAX_TEXT_CHARS = 1 << 16
+
+
+def _cut_long_text(chunk, cut: dict[str, list]):
+    """A window's columns with every text value past MAX_TEXT_CHARS cut to it, counted per column in `cut`
+    ([count, example]); native (Arrow) and Python (polars) windows alike, so both readers give the same tables."""
+    if isinstance(chunk, pa.RecordBatch):
+        arrays = list(chunk.columns)
+        for i, (name, dtype) in enumerate(zip(chunk.schema.names, chunk.schema.types)):
+            array = arrays[i]
+            if dtype != pa.string() or (data := array.buffers()[2]) is None or data.size <= MAX_TEXT_CHARS:
+                continue  # (no value has more characters than the column has bytes)
+            offsets = np.frombuffer(array.buffers()[1], np.int32, len(array) + 1, array.offset * 4)
+            if int(np.diff(offsets).max()) <= MAX_TEXT_CHARS:  # (nor more characters than its own bytes)
+                continue
+            long = pc.fill_null(pc.greater(pc.utf8_length(array), MAX_TEXT_CHARS), False)
+            if n := pc.sum(long).as_py():
+                _count_cut(cut, name, n, pc.filter(array, long)[0].as_py())
+                arrays[i] = pc.if_else(long, pc.utf8_slice_codeunits(array, 0, MAX_TEXT_CHARS), array)
+        return pa.RecordBatch.from_arrays(arrays, schema=chunk.schema)
+    text = [name for name, dtype in chunk.schema.items() if dtype == pl.String]
+    counts = chunk.select(pl.col(text).str.len_chars().gt(MAX_TEXT_CHARS).sum()).row(0) if text else ()
+    for name, n in zip(text, counts):
+        if n:
+            _count_cut(cut, name, n, chunk.filter(pl.col(name).str.len_chars() > MAX_TEXT_CHARS)[name][0])
+            chunk = chunk.with_columns(pl.col(name).str.slice(0, MAX_TEXT_CHARS))
+    return chunk
+
+
+def _count_cut(cut: dict[str, list], column: str, n: int, example: str) -> None:
+    counted = cut.setdefault(column, [0, f"{len(example):,} characters beginning {example[:40]!r}"])
+    counted[0] += n
+
+
 def _use_native() -> bool:
     """STEPLENS_NATIVE=0 makes the Python reader read every window (it is the reference the native one is held to)."""
     return _columnize is not None and os.environ.get("STEPLENS_NATIVE", "1") != "0"
@@ -635,6 +672,7 @@ def decode(path: Path) -> DecodedTrace:
     """Decode one trace file. Raises NotATrace for JSON that is not a trace, OSError if unreadable."""
     reader = EventReader(ByteStream(path), _Event, _PHASED_EVENT, _native_columns if _use_native() else None)
     counters: dict[str, list] = {}
+    cut: dict[str, list] = {}  # column -> [values cut to MAX_TEXT_CHARS, an example]
     seconds = dict.fromkeys(STAGES, 0.0)
     chunks = []
     # Decoded events hold no reference cycles; collecting garbage over them only costs time.
@@ -644,7 +682,7 @@ def decode(path: Path) -> DecodedTrace:
     try:
         for events in reader.events():
             decoded = time.perf_counter()
-            chunks.append(events if isinstance(events, pa.RecordBatch) else _columns(events, counters))
+            chunks.append(_cut_long_text(events if isinstance(events, pa.RecordBatch) else _columns(events, counters), cut))
             seconds["read_decode"] += decoded - clock
             clock = time.perf_counter()
             seconds["columns"] += clock - decoded
@@ -662,6 +700,9 @@ def decode(path: Path) -> DecodedTrace:
         raise NotATrace("a merge of every rank that `steplens export-trace` wrote for Perfetto (its events carry no "
                         "arguments); not read as a rank's trace: analyse the ranks' own traces")
     reader.report(issues)
+    for column, (n, example) in sorted(cut.items()):
+        issues.append(Issue("warning", "long_text", n, f"'{column}' values longer than {MAX_TEXT_CHARS:,} characters cut "
+                                                       f"to that length, e.g. one of {example}"))
     for column, (n, example) in sorted(counters.items()):
         issues.append(Issue("warning", "unrepresentable_value", n,
                             f"'{column}' values that are not in range for their meaning; stored as null, e.g. {example}"))
