@@ -56,8 +56,8 @@ def _folder_or_url(ctx, param, value: str) -> Path | str:
 @click.argument("query")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="table for reading (control characters in values shown as ?), csv or json (one object per row, "
-                   "values exactly as stored when written to a file or pipe; to a terminal, control characters "
-                   "shown as ?) for other tools.")
+                   "values exactly as stored when written to a file or pipe, but NaN and infinities, which JSON "
+                   "lacks, as null; to a terminal, control characters shown as ?) for other tools.")
 def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
     import polars as pl
 
@@ -80,7 +80,8 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
             # values exactly as stored for the tool that reads them; on a terminal, its escape sequences shown as ?
             shown = safe_text if sys.stdout.isatty() else str
             for index, frame in enumerate(itertools.chain([first], batches)):
-                click.echo(shown(_csv(frame, index == 0) if fmt == "csv" else _ndjson(frame)), nl=False)
+                # (not click.echo: to a file or pipe it strips escape sequences, which are values here)
+                sys.stdout.write(shown(_csv(frame, index == 0) if fmt == "csv" else _ndjson(frame)))
                 sys.stdout.flush()
                 if getattr(sys.stdout, "reader_left", False):  # `| head`: the rest of the result is for no one
                     batches.close()  # the query stops now, not when the generator is collected

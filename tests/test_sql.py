@@ -394,3 +394,16 @@ def test_a_part_overwritten_with_other_columns_is_a_damaged_result_for_compare_a
         assert done.returncode == 2 and "damaged result" in said and named in said, (args[0], said)
         assert "a steplens bug" not in said
     assert not (tmp_path / "t.json").exists()
+
+
+def test_csv_and_json_to_a_pipe_keep_escape_sequences_as_stored(runs):
+    """--format csv to a file or pipe dropped ESC [ ... m and ESC [2J from values and column names (click strips
+    'styles' off a stream that is no terminal): they are values, written exactly."""
+    import subprocess
+    import sys
+
+    binary = Path(sys.executable).parent / "steplens"
+    query = "SELECT 'a' || chr(27) || '[31mRED' || chr(27) || '[2Jz' AS \"c" + "\x1b" + "[1m\""
+    for fmt, expected in (("csv", 'c\x1b[1m\na\x1b[31mRED\x1b[2Jz\n'), ("json", '{"c\\u001b[1m":"a\\u001b[31mRED\\u001b[2Jz"}\n')):
+        done = subprocess.run([str(binary), "sql", str(runs[0]), query, "--format", fmt], capture_output=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.decode() == expected, (fmt, done.stdout)
