@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from steplens.analyze import analyses
-from steplens.analyze.cli_render import EXIT_PARTIAL, EXIT_REGRESSION, FiniteNumber, analyse_and_report, fail
+from steplens.analyze.cli_render import (EXIT_PARTIAL, EXIT_REGRESSION, EXIT_UNWRITABLE, FiniteNumber, analyse_and_report,
+                                           fail)
 from steplens.analyze.cli_rerun import EXIT_INTERRUPTED, Terminated, say, warn
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import reuse, schema
@@ -347,6 +348,13 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
                       if (p / schema.MANIFEST_FILE).is_file()), None)) is not None:
         fail(f"--out {safe_text(out_dir)}: inside {safe_text(held)}, a folder analyze wrote; give compare a folder "
              "of its own")
+    if str(out_dir) in ("", "."):
+        fail("--out: give compare a folder of its own (the default is ./steplens-compare)")
+    # a run's own folder is an input: files written there would be read with it by the next analyze
+    if inside := next((run for run in (base_run, new_run) if out_dir.resolve() == run.resolve()
+                       or run.resolve() in out_dir.resolve().parents), None):
+        fail(f"--out {safe_text(out_dir)}: inside the run folder {safe_text(inside)}, an input; give compare a folder of "
+             "its own")
     if foreign := [name for name, mark in COMPARE_FILES.items() if _not_written_by_compare(out_dir / name, mark)]:
         fail(f"--out {safe_text(out_dir)}: its {' and '.join(foreign)} {'is' if len(foreign) == 1 else 'are'} not one "
              "compare wrote; move it, or give compare another folder")
@@ -360,9 +368,12 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
                if (lost := lost_inputs(run.manifest))]
     result["warnings"] += [f"the {role} run's analysis lost data from {len(lost)} input(s) ({_listed(lost)}; see "
                            f"{out}/ingest_issues): it is compared on what was read" for role, out, lost in partial]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(out_dir / "compare.html", html.render_compare(result))
-    write_atomic(out_dir / "compare.md", markdown.render_compare(result))
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(out_dir / "compare.html", html.render_compare(result))
+        write_atomic(out_dir / "compare.md", markdown.render_compare(result))
+    except OSError as e:
+        fail(f"--out {safe_text(out_dir)}: cannot write there ({e.strerror or e})", EXIT_UNWRITABLE)
     if fmt == "md":
         click.echo((out_dir / "compare.md").read_text(), nl=False)
     elif fmt == "json":

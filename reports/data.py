@@ -101,8 +101,12 @@ class DamagedRun(ValueError):
 def write_atomic(path: Path, text: str) -> Path:
     """Write a text file so that a reader never sees half of it (a temporary file renamed over it)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:  # a full disk, an interrupt: no half-written file left behind
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

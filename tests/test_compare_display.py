@@ -365,3 +365,48 @@ def test_trials_does_not_follow_a_link_out_of_runs_dir(tmp_path):
     assert done.returncode == 1 and "internal error" not in done.stderr
     assert f"warning: {runs / 'linked'}: a link, not followed" in done.stderr
     assert not (elsewhere / ".steplens").exists() and "good" in done.stdout
+
+
+def test_compare_on_a_full_disk_names_its_folder_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """--out on a full disk: exit 4 with 'No space left on device' alone, and .compare.html.tmp-PID left behind. The
+    message names the folder; nothing half-written stays."""
+    import errno
+
+    from click.testing import CliRunner
+
+    from steplens.analyze.cli import steplens
+
+    run = tmp_path / "run"
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", run, ignore=shutil.ignore_patterns(".steplens"))
+    assert subprocess.run([str(BIN / "analyze"), str(run), "-q"], capture_output=True).returncode == 0
+    written = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):
+        if self.name.startswith(".compare."):
+            written(self, text[: len(text) // 2], *args, **kwargs)  # part of it reached the disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return written(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    out = tmp_path / "cmp"
+    done = CliRunner().invoke(steplens, ["compare", str(run), str(run), "--out", str(out)])
+    assert done.exit_code == 4, done.output
+    assert f"--out {out}: cannot write there (No space left on device)" in " ".join(done.output.split())
+    assert list(out.iterdir()) == []
+
+
+def test_compare_writes_nothing_into_a_run_folder(tmp_path):
+    """--out RUN (an input folder, not its .steplens) wrote compare.html and compare.md among the job's files; an empty
+    --out wrote them into the current folder. Both are refused, exit 2, nothing written."""
+    from click.testing import CliRunner
+
+    from steplens.analyze.cli import steplens
+
+    run = tmp_path / "run"
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", run, ignore=shutil.ignore_patterns(".steplens"))
+    assert subprocess.run([str(BIN / "analyze"), str(run), "-q"], capture_output=True).returncode == 0
+    before = sorted(p.name for p in run.iterdir())
+    for out in (run, run / "sub", ""):
+        done = CliRunner().invoke(steplens, ["compare", str(run), str(run), "--out", str(out)])
+        assert done.exit_code == 2 and "a folder of its own" in " ".join(done.output.split()), done.output
+    assert sorted(p.name for p in run.iterdir()) == before and not list(Path.cwd().glob("compare.*"))
