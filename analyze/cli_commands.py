@@ -396,6 +396,10 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
                     pairs = ", ".join(f"{header} {cell}" for header, cell in zip(table["header"][1:], cells) if cell)
                     say(console, f"{label}: {pairs}")
         say(console, f"written: {out_dir / 'compare.html'}, {out_dir / 'compare.md'}", indent=0)
+    if fail_pct is not None and result["verdict"].get("verdict") in ("not comparable", "not established"):
+        # the gate could not judge: said, so that a CI log does not read the exit 0 as a pass
+        warn(f"warning: --fail-on-regression {fail_pct:g}% not applied: the verdict is "
+             f"'{result['verdict']['verdict']}' (see above)")
     if fail_pct is not None and comparison.regressed(result, fail_pct):
         verdict = result["verdict"]
         warn(f"{verdict['metric']} regressed by {abs(verdict['delta']):.1%}, beyond --fail-on-regression {fail_pct:g}%: "

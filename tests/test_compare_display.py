@@ -410,3 +410,21 @@ def test_compare_writes_nothing_into_a_run_folder(tmp_path):
         done = CliRunner().invoke(steplens, ["compare", str(run), str(run), "--out", str(out)])
         assert done.exit_code == 2 and "a folder of its own" in " ".join(done.output.split()), done.output
     assert sorted(p.name for p in run.iterdir()) == before and not list(Path.cwd().glob("compare.*"))
+
+
+def test_a_gate_that_cannot_judge_says_so(tmp_path):
+    """trace_diff's control and test runs (rank 3 against rank 1: no rank in common) have no verdict; with
+    --fail-on-regression the exit 0 read as a pass in a CI log. The gate now says it was not applied."""
+    from conftest import CORPUS
+
+    if not (CORPUS / "HolisticTraceAnalysis" / "trace_diff").is_dir():
+        pytest.skip("shared corpus not found")
+    runs = []
+    for name in ("control", "test"):
+        (tmp_path / name).mkdir()
+        shutil.copy(CORPUS / "HolisticTraceAnalysis" / "trace_diff" / f"{name}.json.gz", tmp_path / name)
+        runs.append(str(tmp_path / name))
+    done = subprocess.run([str(BIN / "steplens"), "compare", *runs, "--out", str(tmp_path / "cmp"),
+                           "--fail-on-regression", "5"], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    assert "warning: --fail-on-regression 5% not applied: the verdict is 'not comparable'" in done.stderr
