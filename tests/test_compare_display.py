@@ -428,3 +428,6 @@ def test_a_gate_that_cannot_judge_says_so(tmp_path):
                            "--fail-on-regression", "5"], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stderr
     assert "warning: --fail-on-regression 5% not applied: the verdict is 'not comparable'" in done.stderr
+    # why: both have ProfilerSteps, of rank 3 and of rank 1 (it said 'no step-time source in common')
+    assert ("both have step times from the profiled ProfilerSteps, but from ranks with none in common (base rank(s) 3, "
+            "new rank(s) 1)") in " ".join(done.stdout.split())

@@ -20,6 +20,7 @@ import polars as pl
 
 from steplens.analyze.analyses import monitor, noise, step_time
 from steplens.analyze.analyses.mfu import NUMERATOR_WORDS
+from steplens.analyze.contract.text import number_ranges
 from steplens.analyze.contract import manifest
 
 # Fields that change the work of one optimizer step (monitor.COMPARABILITY_FIELDS names).
@@ -90,6 +91,18 @@ def common_samples(base, new) -> tuple[StepSamples, StepSamples] | None:
     return None
 
 
+def _no_common_source(base, new, sources: str) -> str:
+    """Why two runs with step times have none to compare: no source in common, or one whose ranks differ (a slowest
+    rank over some ranks is not the slowest over others: their lag would read as a change)."""
+    theirs = {s.source: s for s in step_samples(new)}
+    for ours in step_samples(base):
+        if (other := theirs.get(ours.source)) is not None:
+            key = _definition_key(ours.source)
+            return (f"both have step times from {SOURCE_WORDS.get(key, key)}, but from ranks with none in common "
+                    f"(base rank(s) {number_ranges(list(ours.ranks))}, new rank(s) {number_ranges(list(other.ranks))})")
+    return "the runs have no step-time source in common" + sources
+
+
 def _partial(run, samples: StepSamples) -> bool:
     """Whether `samples` come from fewer ranks than the run has (as far as the run states its world size)."""
     world_size = facts(run).get("world_size")
@@ -138,12 +151,13 @@ def _verdict(base, new, pair: tuple[StepSamples, StepSamples] | None, differs: l
     """The judged metric: step time when a step is the same work in both runs, throughput otherwise."""
     if pair is None:
         without = [side for side, run in (("base", base), ("new", new)) if not step_samples(run)]
-        why = ("neither run has step times" if len(without) == 2 else f"the {without[0]} run has no step times"
-               if without else "the runs have no step-time source in common")
+        sources = " (profiler steps, collector steps, DeepSpeed timers or Megatron iteration times)"
+        why = ("neither run has step times" + sources if len(without) == 2 else
+               f"the {without[0]} run has no step times" + sources if without else _no_common_source(base, new, sources))
         # with different work per step the verdict would be on throughput (the warnings say so): named as such
         return {"metric": "throughput" if differs else "step time", "unit": None if differs else "ns",
                 "verdict": "not comparable", "established": None,
-                "why": f"{why} (profiler steps, collector steps, DeepSpeed timers or Megatron iteration times)"}
+                "why": why}
     base_steps, new_steps = pair
     if not differs:
         return {"metric": "step time", "unit": "ns", "higher_is_better": False, "source": base_steps.source,
