@@ -431,3 +431,17 @@ def test_a_gate_that_cannot_judge_says_so(tmp_path):
     # why: both have ProfilerSteps, of rank 3 and of rank 1 (it said 'no step-time source in common')
     assert ("both have step times from the profiled ProfilerSteps, but from ranks with none in common (base rank(s) 3, "
             "new rank(s) 1)") in " ".join(done.stdout.split())
+
+
+def test_a_cpu_job_against_a_gpu_job_warns_that_the_devices_differ(tmp_path):
+    """The bundled CPU job (its collector saw 'cpu (2 cores)', no trace names a GPU) against the real H200 job: A100
+    against V100 warned, CPU against GPU did not."""
+    if not H200_JOB.is_dir():
+        pytest.skip("shared GPU run not found")
+    cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", cpu, ignore=shutil.ignore_patterns(".steplens"))
+    shutil.copytree(H200_JOB, gpu, ignore=shutil.ignore_patterns(".steplens"))
+    done = subprocess.run([str(BIN / "steplens"), "compare", str(cpu), str(gpu), "--out", str(tmp_path / "cmp")],
+                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode in (0, 1), done.stderr
+    assert "warning: devices differ (cpu (2 cores) vs NVIDIA H200)." in done.stdout + done.stderr

@@ -368,10 +368,20 @@ def warnings(table: pl.DataFrame, base, new) -> list[str]:
               table.filter((pl.col("status") == "different") & ~pl.col("field").is_in(WORK_FIELDS)).iter_rows(named=True)]
     found += [f"{row['field']} {row['detail']}." for row in
               table.filter((pl.col("status") == "missing") & pl.col("required")).iter_rows(named=True)]
-    devices = [tuple(r.manifest.get("environment", {}).get("device_names", [])) for r in (base, new)]
+    devices = [_devices(run) for run in (base, new)]
     if devices[0] and devices[1] and devices[0] != devices[1]:
         found.append(f"devices differ ({', '.join(devices[0])} vs {', '.join(devices[1])}).")
     return found
+
+
+def _devices(run) -> tuple[str, ...]:
+    """The devices the run's traces name, else those its collector saw (a CPU job's `cpu (N cores)` among them)."""
+    traced = run.manifest.get("environment", {}).get("device_names") or []
+    if traced:
+        return tuple(traced)
+    hosts = [v.get("host") for k, v in run.manifest.get("facts", {}).items()
+             if k.startswith("collector_rank") and isinstance(v, dict) and isinstance(v.get("host"), dict)]
+    return tuple(sorted({d for h in hosts if isinstance(h.get("devices"), list) for d in h["devices"] if isinstance(d, str)}))
 
 
 MAX_CURVES = 4
