@@ -20,7 +20,7 @@ from steplens.analyze.analyses import runner
 from steplens.analyze.contract import reuse, schema
 from steplens.analyze.contract.manifest import lost_inputs, run_facts
 from steplens.analyze.pipeline.ingest import IngestError, publish, staged
-from steplens.analyze.contract.text import file_name_text, safe_text
+from steplens.analyze.contract.text import file_name_text, number_ranges, safe_text
 
 def _sql_help() -> str:
     from steplens.analyze.query.sql import EXAMPLES
@@ -193,7 +193,8 @@ def _step_range(value: str | None) -> tuple[int, int] | None:
 @click.argument("run_dir", callback=_folder_or_url)
 @click.option("--steps", default=None, help="Only ProfilerSteps A to B inclusive, as A:B (or one step A).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Output file (default: merged_trace.json in the run directory; for an s3:// or gs:// run, here).")
+              help="Output file (default: merged_trace.json in the run's output folder, which the next analyze of "
+                   "the run replaces with the rest of its result; for an s3:// or gs:// run, here).")
 def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None) -> None:
     """Write one Chrome-trace JSON with every rank of an analysed run on one clock.
 
@@ -239,6 +240,18 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
                  "on their own clocks" if counts["unaligned_ranks"] else "")
     say(Console(highlight=False, emoji=False), f"{out_path}: {counts['events']:,} events and {counts['flows']:,} launch flows from "
         f"{counts['ranks']} rank(s); {counts['partial_overlaps']:,} slices overlap without nesting{unaligned}", indent=0)
+    if not remote.is_url(run_dir):  # (a merge of what was read: the ranks missing or damaged are not in it, and said)
+        manifest = reuse.read_manifest(out_dir)
+        world, traced = manifest.get("world_size"), manifest.get("trace_ranks") or []
+        missing = sorted(set(range(world)) - set(traced)) if type(world) is int and world <= 1 << 20 else []
+        lost = lost_inputs(manifest)
+        if missing:
+            warn(f"warning: no trace of rank(s) {number_ranges(missing)} of world size {world}: not in the export")
+        if lost:
+            warn(f"warning: {len(lost)} input(s) lost data ({safe_text(_listed(lost))}; see {safe_text(out_dir)}/"
+                 "ingest_issues): the export holds what was read")
+        if missing or lost:
+            sys.exit(EXIT_PARTIAL)
 
 
 

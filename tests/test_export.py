@@ -210,3 +210,27 @@ def test_an_output_that_is_no_plain_file_is_refused_unread(exported, tmp_path, s
         out.symlink_to("/dev/zero")
     done = CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(out)])
     assert done.exit_code == 2 and "is not a trace steplens exported" in " ".join(done.output.split())
+
+
+def test_an_export_of_a_run_with_a_rank_missing_and_one_cut_short_says_so(tmp_path):
+    """param/dlrm_kineto (8 ranks) with worker5's trace gone and worker3's cut in half: analyze exits 1 and names
+    both; export-trace said 'from 7 rank(s)' and exited 0. It names the missing rank and the damaged input, exit 1."""
+    import shutil
+
+    from conftest import CORPUS
+
+    source = CORPUS / "param" / "dlrm_kineto"
+    if not source.is_dir():
+        pytest.skip("shared corpus not found")
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    (cut,) = run.glob("worker3_*.json")
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    for gone in run.glob("worker5_*.json"):
+        gone.unlink()
+    assert CliRunner().invoke(steplens, ["analyze", str(run), "-q"]).exit_code == 1
+    done = CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(tmp_path / "merged.json")])
+    said = " ".join(done.output.split())
+    assert done.exit_code == 1, said
+    assert "from 7 rank(s)" in said and "warning: no trace of rank(s) 5 of world size 8: not in the export" in said
+    assert f"warning: 1 input(s) lost data ({cut.name};" in said
