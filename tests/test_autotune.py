@@ -97,6 +97,10 @@ def test_autotune1_single_measurements_do_not_establish_a_ranking():
         assert row["established"] is not True  # DeepSpeed measured every config once
         if row["runner_up"] is not None:
             assert row["trials_needed"] == autotune.min_trials() == 4 and "not established" in row["detail"]
+            # the gap in the metric's own terms (it read 'the 106.8 gap')
+            gap = abs(row["winner_median"] - row["runner_up_median"])
+            unit = " samples/s" if row["metric"] == "throughput" else f" {row['metric']}"
+            assert f"so the {gap:.4g}{unit} gap (" in row["detail"]
     assert tables["autotune_verdict"]["same_environment"].all()
     for table in ("autotune_ranking", "autotune_verdict"):
         assert set(tables[table].columns) == set(analyses.TABLES[table][1])

@@ -110,7 +110,11 @@ VERDICT_FIELDS = ("winner", "winner_median", "winner_trials", "runner_up", "runn
                   "trials_needed", "detail")
 
 
-def verdict(ranked: pl.DataFrame, higher_is_better: bool = True, alpha: float = ALPHA) -> dict:
+# The unit a metric's gap is said in (DeepSpeed's autotuner measures throughput in samples per second)
+METRIC_UNITS = {"throughput": " samples/s"}
+
+
+def verdict(ranked: pl.DataFrame, higher_is_better: bool = True, alpha: float = ALPHA, metric: str = "") -> dict:
     """Does the best configuration beat the runner-up by more than the run-to-run noise?"""
     measured = ranked.filter(pl.col("median").is_not_null())
     out = dict.fromkeys(VERDICT_FIELDS) | {"established": False}
@@ -134,7 +138,8 @@ def verdict(ranked: pl.DataFrame, higher_is_better: bool = True, alpha: float = 
         floor = min_trials(alpha)
         out.update(trials_needed=trials_needed(difference, noise_sd, alpha) if noise_sd else floor,
                    detail=f"ranking not established: {winner['experiment']} and {runner['experiment']} were measured "
-                          f"{winner['ok_trials']} and {runner['ok_trials']} time(s), so the {difference:.4g} gap "
+                          f"{winner['ok_trials']} and {runner['ok_trials']} time(s), so the {difference:.4g}"
+                          f"{METRIC_UNITS.get(metric, f' {metric}' if metric else '')} gap "
                           f"({out['relative_difference']:.2%}) cannot be told from run-to-run noise. An exact one-sided "
                           f"Mann-Whitney test needs at least {floor} trials per config to reach p < {alpha} "
                           f"(1/C(2n,n)); more if the noise is comparable to the gap.")
@@ -180,7 +185,7 @@ def autotune_tables(experiments: pl.DataFrame, facts: dict) -> dict[str, pl.Data
         subset = experiments if stage is None else experiments.filter(pl.col("zero_stage") == stage)
         ranked = rank_experiments(subset, metric).with_columns(tuning_space=pl.lit(space))
         rankings.append(ranked)
-        result = {"tuning_space": space, "metric": metric, **verdict(ranked, higher_is_better)}
+        result = {"tuning_space": space, "metric": metric, **verdict(ranked, higher_is_better, metric=metric)}
         result.update(_check_pick(space, picks, ranked, higher_is_better))
         differing_env = ranked.filter(pl.col("environment_differs"))["experiment"].to_list()
         result["same_environment"] = not differing_env and not fixed_differences
