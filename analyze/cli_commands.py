@@ -361,6 +361,8 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
                       if (p / schema.MANIFEST_FILE).is_file()), None)) is not None:
         fail(f"--out {safe_text(out_dir)}: inside {safe_text(held)}, a folder analyze wrote; give compare a folder "
              "of its own")
+    if os.path.lexists(out_dir) and not (out_dir.is_dir() and not out_dir.is_symlink()):
+        fail(f"--out {safe_text(out_dir)}: not a folder (a file, link or FIFO of that name is there)")
     if str(out_dir) in ("", "."):
         fail("--out: give compare a folder of its own (the default is ./steplens-compare)")
     # a run's own folder is an input: files written there would be read with it by the next analyze

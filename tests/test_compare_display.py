@@ -410,6 +410,12 @@ def test_compare_writes_nothing_into_a_run_folder(tmp_path):
         done = CliRunner().invoke(steplens, ["compare", str(run), str(run), "--out", str(out)])
         assert done.exit_code == 2 and "a folder of its own" in " ".join(done.output.split()), done.output
     assert sorted(p.name for p in run.iterdir()) == before and not list(Path.cwd().glob("compare.*"))
+    os.mkfifo(tmp_path / "fifo")  # (it said 'File exists')
+    done = CliRunner().invoke(steplens, ["compare", str(run), str(run), "--out", str(tmp_path / "fifo")])
+    assert done.exit_code == 2 and "not a folder" in done.output
+    # a run compared with itself is said to be one
+    done = CliRunner().invoke(steplens, ["compare", str(run), str(run / ".steplens"), "--out", str(tmp_path / "cmp")])
+    assert done.exit_code == 0 and "both sides are the same result" in " ".join(done.output.split())
 
 
 def test_a_gate_that_cannot_judge_says_so(tmp_path):

@@ -14,6 +14,7 @@ result says so. The step times themselves come from the best source both runs ha
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -294,9 +295,20 @@ def compare(base, new) -> dict:
         **_kernel_tables(base, new), "comparability": table,
         "warnings": warnings(table, base, new) + source_warnings(base, new, pair) + rank_warnings(base, new, pair)
         + ([mfu_apart] if mfu_apart else [])
-        + ([ONE_RUN_EACH] if verdict.get("established") else []),
+        + ([ONE_RUN_EACH] if verdict.get("established") else [])
+        + ([SAME_RUN] if _same_result(base, new) else []),
         "curves": shown_curves, "shared_curves": shared_curves,
     }
+
+
+SAME_RUN = "both sides are the same result (one run compared with itself): every difference is zero by construction."
+
+
+def _same_result(base, new) -> bool:
+    try:
+        return Path(base.out_dir).resolve() == Path(new.out_dir).resolve()
+    except (OSError, RuntimeError):
+        return False
 
 
 # The rank test takes the steps of each run as its samples: it tells these two runs apart. What moves a run's
