@@ -451,3 +451,12 @@ def test_a_cpu_job_against_a_gpu_job_warns_that_the_devices_differ(tmp_path):
                           capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode in (0, 1), done.stderr
     assert "warning: devices differ (cpu (2 cores) vs NVIDIA H200)." in done.stdout + done.stderr
+
+
+def test_rank_numbers_that_are_no_ranks_are_damage():
+    """run.json ranks [0, 1, 'x', None, -5, 1e30] was taken as a run of 6 ranks; ranks are integers from 0."""
+    from steplens.analyze.contract.manifest import damage
+
+    assert damage({"ranks": [0, 1, 2]}) is None
+    for ranks in ([0, 1, "x"], [0, None], [-5], [1e30], [True]):
+        assert damage({"ranks": ranks}) == "ranks of the wrong type or out of range", ranks

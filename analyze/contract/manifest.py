@@ -172,6 +172,9 @@ def damage(manifest) -> str | None:
         not isinstance(manifest[key], kind) or (kind is int and isinstance(manifest[key], bool)))]
     if "world_size" not in wrong and manifest.get("world_size") is not None and fact_problem("world_size", manifest["world_size"]):
         wrong.append("world_size")  # a count of processes: from 1
+    if "ranks" not in wrong and isinstance(manifest.get("ranks"), list) and not all(
+            type(r) is int and 0 <= r <= MAX_STEP for r in manifest["ranks"]):
+        wrong.append("ranks")  # rank numbers: integers from 0
     devices = (manifest.get("environment") or {}).get("device_names") if "environment" not in wrong else None
     if devices is not None and not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
         wrong.append("environment.device_names")
