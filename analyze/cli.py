@@ -32,6 +32,7 @@ from steplens.analyze.importers import kineto, nsys
 from steplens.analyze.analyses import kernels, runner
 from steplens.analyze import cli_rerun
 from steplens.analyze.contract import reuse, schema
+from steplens.analyze.contract.manifest import missing_ranks
 
 from steplens.analyze.pipeline.ingest import (
     IngestError,
@@ -474,16 +475,7 @@ def _note_python_reader(results: list[IngestResult]) -> None:
 
 
 def _missing_ranks_warning(result: IngestResult) -> str | None:
-    world_size = result.manifest.get("world_size")
-    traced = result.manifest.get("trace_ranks") or []
-    if traced and isinstance(world_size, int) and 0 < world_size <= schema.MAX_RANK and len(traced) < world_size:
-        # The gaps between traced ranks, never a set over range(world_size) (a trace may claim 2**24 ranks).
-        bounds = [-1, *sorted({rank for rank in traced if 0 <= rank < world_size}), world_size]
-        gaps = [(low + 1, high - 1) for low, high in zip(bounds, bounds[1:]) if high - low > 1]
-        missing = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in gaps)
-        return (f"warning: traces of {len(traced)} of {world_size} ranks; no trace for rank(s) {missing} "
-                "(profiled on some ranks only, or lost: see the issues)")
-    return None
+    return f"warning: {missing}" if (missing := missing_ranks(result.manifest)) else None
 
 
 def _show_click_error(error: click.exceptions.ClickException) -> None:

@@ -18,9 +18,9 @@ from steplens.analyze.cli_render import (EXIT_PARTIAL, EXIT_REGRESSION, EXIT_UNW
 from steplens.analyze.cli_rerun import EXIT_INTERRUPTED, Terminated, say, warn
 from steplens.analyze.analyses import runner
 from steplens.analyze.contract import reuse, schema
-from steplens.analyze.contract.manifest import lost_inputs, run_facts
+from steplens.analyze.contract.manifest import lost_inputs, missing_ranks, run_facts
 from steplens.analyze.pipeline.ingest import IngestError, publish, staged
-from steplens.analyze.contract.text import file_name_text, number_ranges, safe_text
+from steplens.analyze.contract.text import file_name_text, safe_text
 
 def _sql_help() -> str:
     from steplens.analyze.query.sql import EXAMPLES
@@ -135,12 +135,21 @@ def _print_result_table(result) -> None:
     value is shown as \\n (it would read as rows of their own)."""
     import polars as pl
 
-    # a list or struct value as its JSON text (line breaks inside it escaped as JSON escapes them), then a line
-    # break in any text or column name as \n
-    result = _nested_as_json(result)
     result = result.with_columns(pl.col(pl.String).str.replace_all("\r", r"\r", literal=True)
                                  .str.replace_all("\n", r"\n", literal=True))
-    result = result.rename({name: name.replace("\r", r"\r").replace("\n", r"\n") for name in result.columns})
+    # a list or struct value holding a line break: the column as each value's Python repr, which escapes it (the
+    # table would show it as rows of its own); a column name likewise, kept apart from any other name
+    for name, dtype in result.schema.items():
+        if dtype.is_nested() and any(map(_holds_line_break, result[name].to_list())):
+            result = result.with_columns(pl.Series(name, [None if v is None else repr(v) for v in result[name].to_list()],
+                                                   pl.String))
+    shown: dict[str, str] = {}
+    for name in result.columns:
+        escaped = name.replace("\r", r"\r").replace("\n", r"\n")
+        while escaped != name and (escaped in result.columns or escaped in shown.values()):
+            escaped += "'"
+        shown[name] = escaped
+    result = result.rename(shown)
     width = max(Console(emoji=False).width, 40)
     with pl_config():
         table = safe_text(str(result))  # a value's control characters (ESC ] ... BEL sets the title) shown as ?
@@ -161,6 +170,15 @@ def _print_result_table(result) -> None:
             click.echo(f"{safe_text(name)[:pad]:<{pad}} | {lines[0]}")
             for more in lines[1:]:
                 click.echo(f"{'':<{pad}} | {more}")
+
+
+def _holds_line_break(value) -> bool:
+    """Whether a list or struct value (as Python lists and dicts) holds text with a line break, at any depth."""
+    if isinstance(value, str):
+        return "\n" in value or "\r" in value
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, list) and any(map(_holds_line_break, value))
 
 
 TABLE_ROWS = 200  # rows the table format shows (pl_config's tbl_rows): more go to --format csv or json
@@ -213,8 +231,8 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
             fail(f"{run_dir}: not an analysed run (no committed run.json); run `analyze {run_dir}` first")
         out_path = out_path or Path("merged_trace.json")
     else:
-        out_dir = run_dir if (run_dir / schema.MANIFEST_FILE).exists() else run_dir / schema.DEFAULT_OUT_DIR
-        if not (out_dir / schema.MANIFEST_FILE).exists():
+        out_dir = reuse.result_folder(run_dir, schema.DEFAULT_OUT_DIR)
+        if out_dir is None:
             fail(f"{run_dir}: not an analysed run (no run.json); run `analyze {run_dir}` first")
         out_path = out_path or out_dir / "merged_trace.json"
         from steplens.reports.data import DamagedRun, load
@@ -229,8 +247,8 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
 
     try:
         counts = export_trace(out_dir, out_path, _step_range(steps))
-    except (pl.exceptions.SchemaError, pl.exceptions.ColumnNotFoundError) as e:  # a part overwritten with other columns
-        fail(f"{safe_text(out_dir)}: damaged result (a table's part has other columns: "
+    except pl.exceptions.PolarsError as e:  # a part overwritten with other columns or types
+        fail(f"{safe_text(out_dir)}: damaged result (a table's part has other columns or types: "
              f"{safe_text(str(e).splitlines()[0][:200])}); analyse the run again")
     if not counts["events"]:
         fail(f"{run_dir}: no events to export" + (f" in steps {steps}" if steps else ""))
@@ -240,17 +258,13 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
                  "on their own clocks" if counts["unaligned_ranks"] else "")
     say(Console(highlight=False, emoji=False), f"{out_path}: {counts['events']:,} events and {counts['flows']:,} launch flows from "
         f"{counts['ranks']} rank(s); {counts['partial_overlaps']:,} slices overlap without nesting{unaligned}", indent=0)
-    if not remote.is_url(run_dir):  # (a merge of what was read: the ranks missing or damaged are not in it, and said)
-        manifest = reuse.read_manifest(out_dir)
-        world, traced = manifest.get("world_size"), manifest.get("trace_ranks") or []
-        missing = sorted(set(range(world)) - set(traced)) if type(world) is int and world <= 1 << 20 else []
-        lost = lost_inputs(manifest)
-        if missing:
-            warn(f"warning: no trace of rank(s) {number_ranges(missing)} of world size {world}: not in the export")
-        if lost:
+    if not remote.is_url(run_dir):  # (a merge of what was read: ranks not traced are not in it, and said, as analyze
+        manifest = reuse.read_manifest(out_dir)  # says it; inputs that lost data make it partial: exit 1, as analyze)
+        if missing := missing_ranks(manifest):
+            warn(f"warning: {missing}: not in the export")
+        if lost := lost_inputs(manifest):
             warn(f"warning: {len(lost)} input(s) lost data ({safe_text(_listed(lost))}; see {safe_text(out_dir)}/"
                  "ingest_issues): the export holds what was read")
-        if missing or lost:
             sys.exit(EXIT_PARTIAL)
 
 
@@ -293,9 +307,8 @@ def _is_export(path: Path) -> bool:
 def _analysed(run_dir: Path) -> Path:
     """The run's analysed output folder, analysing it first (default options) when it has none; IngestError
     when it cannot be (nothing usable in it, an output folder that cannot be written)."""
-    for candidate in (run_dir, run_dir / schema.DEFAULT_OUT_DIR):
-        if (candidate / schema.MANIFEST_FILE).exists():
-            return candidate
+    if (found := reuse.result_folder(run_dir, schema.DEFAULT_OUT_DIR)) is not None:
+        return found
     from steplens.analyze.pipeline.ingest import discover
     from steplens.analyze.pipeline.runs import split_appended_logs, split_runs
 
@@ -330,14 +343,14 @@ def _not_written_by_compare(path: Path, mark: bytes) -> bool:
 @click.command("compare")
 @click.argument("base_run", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("new_run", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("steplens-compare"),
-              show_default=True, help="Folder for compare.html and compare.md.")
+@click.option("--out", "out_text", default="steplens-compare", show_default=True,
+              help="Folder for compare.html and compare.md.")
 @click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True,
               help="text: terminal tables; md: print compare.md (for a PR comment); json: the verdict as data.")
 @click.option("--fail-on-regression", "fail_pct", type=FiniteNumber(zero_allowed=True), default=None, metavar="PCT",
               help=f"Exit {EXIT_REGRESSION} when the judged metric (step time, or throughput when the work per step "
                    "differs) got significantly worse by more than PCT percent (CI gating).")
-def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail_pct: float | None) -> None:
+def compare_command(base_run: Path, new_run: Path, out_text: str, fmt: str, fail_pct: float | None) -> None:
     """Compare two runs: a noise-aware verdict on the work done, and MFU, GPU idle, exposed
     communication, kernel categories and top kernels side by side.
 
@@ -355,16 +368,17 @@ def compare_command(base_run: Path, new_run: Path, out_dir: Path, fmt: str, fail
     from steplens.reports import compare, html, markdown
     from steplens.reports.data import DamagedRun, load, write_atomic
 
+    if not out_text:  # (an unset variable in a CI script: not the current folder)
+        fail("--out is empty: give compare a folder of its own (the default is ./steplens-compare)")
+    out_dir = Path(out_text)
+    if os.path.lexists(out_dir) and not out_dir.is_dir():
+        fail(f"--out {safe_text(out_dir)}: not a folder (a file or FIFO of that name is there)")
     # analyze replaces its output folder whole and refuses one holding files it did not write: compare's files
     # written into one would stop the next analyze of that run
     if (held := next((p for p in (out_dir.resolve(), *out_dir.resolve().parents)
                       if (p / schema.MANIFEST_FILE).is_file()), None)) is not None:
         fail(f"--out {safe_text(out_dir)}: inside {safe_text(held)}, a folder analyze wrote; give compare a folder "
              "of its own")
-    if os.path.lexists(out_dir) and not (out_dir.is_dir() and not out_dir.is_symlink()):
-        fail(f"--out {safe_text(out_dir)}: not a folder (a file, link or FIFO of that name is there)")
-    if str(out_dir) in ("", "."):
-        fail("--out: give compare a folder of its own (the default is ./steplens-compare)")
     # a run's own folder is an input: files written there would be read with it by the next analyze
     if inside := next((run for run in (base_run, new_run) if out_dir.resolve() == run.resolve()
                        or run.resolve() in out_dir.resolve().parents), None):
@@ -453,8 +467,11 @@ def trials_command(runs_dir: Path, fmt: str) -> None:
     # a link is not followed (as analyze and sql do not): it could lead out of RUNS_DIR, where analysing it first
     # would write a result into someone else's folder
     folders = sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
-    runs, left_out = {}, [f"{file_name_text(str(link))}: a link, not followed (give the run folder itself); this run is "
-                          "left out" for link in sorted(p for p in runs_dir.iterdir() if p.is_symlink() and p.is_dir())]
+    # (a link within RUNS_DIR, such as latest -> run_042, names a folder already here: skipped without a word)
+    runs, left_out = {}, [f"{file_name_text(str(link))}: a link out of {file_name_text(str(runs_dir))}, not followed (give "
+                          "the run folder itself); this run is left out"
+                          for link in sorted(runs_dir.iterdir()) if link.is_symlink() and link.is_dir()
+                          and not link.name.startswith(".") and not _within(link, runs_dir)]
     for folder in folders:
         try:
             run = load(_analysed(folder))
@@ -471,6 +488,13 @@ def trials_command(runs_dir: Path, fmt: str) -> None:
     _print_trials(trials(measured), fmt)
     if left_out:
         sys.exit(EXIT_PARTIAL)
+
+
+def _within(link: Path, folder: Path) -> bool:
+    try:
+        return folder.resolve() in link.resolve().parents
+    except (OSError, RuntimeError):  # a loop
+        return False
 
 
 def _print_trials(result: dict, fmt: str) -> None:

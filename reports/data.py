@@ -58,12 +58,10 @@ def load(out_dir: Path) -> Run:
     reuse.result_problem)."""
     from steplens.analyze import analyses  # (the analyses' tables, for the check that each still has its parts)
 
-    out_dir = Path(out_dir)
-    if not os.path.lexists(out_dir / schema.MANIFEST_FILE) and \
-            os.path.lexists(out_dir / schema.DEFAULT_OUT_DIR / schema.MANIFEST_FILE):
-        out_dir = out_dir / schema.DEFAULT_OUT_DIR
-    if not os.path.lexists(out_dir / schema.MANIFEST_FILE):
+    found = reuse.result_folder(Path(out_dir), schema.DEFAULT_OUT_DIR)
+    if found is None:
         raise FileNotFoundError(f"{out_dir}: not an analysed run (no {schema.MANIFEST_FILE}); run `analyze` on it first")
+    out_dir = found
     manifest, why = reuse.published_manifest(out_dir, schema.SCHEMA_VERSION)
     findings, findings_path = {}, out_dir / schema.FINDINGS_FILE
     if why is None and os.path.lexists(findings_path):

@@ -360,11 +360,17 @@ def test_trials_does_not_follow_a_link_out_of_runs_dir(tmp_path):
     shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", runs / "good", ignore=shutil.ignore_patterns(".steplens"))
     shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", elsewhere, ignore=shutil.ignore_patterns(".steplens"))
     (runs / "linked").symlink_to(elsewhere)
+    (runs / "latest").symlink_to(runs / "good")  # within RUNS_DIR: a name for a run already ranked, skipped quietly
+    (runs / ".previous").symlink_to(elsewhere)  # hidden, as hidden folders are
     done = subprocess.run([str(BIN / "steplens"), "trials", str(runs)], capture_output=True, text=True,
                           env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 1 and "internal error" not in done.stderr
-    assert f"warning: {runs / 'linked'}: a link, not followed" in done.stderr
+    assert f"warning: {runs / 'linked'}: a link out of {runs}, not followed" in done.stderr
+    assert "latest" not in done.stderr and "previous" not in done.stderr
     assert not (elsewhere / ".steplens").exists() and "good" in done.stdout
+    (runs / "linked").unlink()
+    done = subprocess.run([str(BIN / "steplens"), "trials", str(runs)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_compare_on_a_full_disk_names_its_folder_and_leaves_no_temporary_file(tmp_path, monkeypatch):
@@ -397,7 +403,7 @@ def test_compare_on_a_full_disk_names_its_folder_and_leaves_no_temporary_file(tm
 
 def test_compare_writes_nothing_into_a_run_folder(tmp_path):
     """--out RUN (an input folder, not its .steplens) wrote compare.html and compare.md among the job's files; an empty
-    --out wrote them into the current folder. Both are refused, exit 2, nothing written."""
+    --out wrote them into the current folder. Both are refused, exit 2, nothing written there."""
     from click.testing import CliRunner
 
     from steplens.analyze.cli import steplens
@@ -409,6 +415,11 @@ def test_compare_writes_nothing_into_a_run_folder(tmp_path):
     for out in (run, run / "sub", ""):
         done = CliRunner().invoke(steplens, ["compare", str(run), str(run), "--out", str(out)])
         assert done.exit_code == 2 and "a folder of its own" in " ".join(done.output.split()), done.output
+    # a link to a folder is a folder (written into where it points)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    done = CliRunner().invoke(steplens, ["compare", str(run), str(run), "--out", str(tmp_path / "link")])
+    assert done.exit_code == 0 and (tmp_path / "real" / "compare.md").is_file(), done.output
     assert sorted(p.name for p in run.iterdir()) == before and not list(Path.cwd().glob("compare.*"))
     os.mkfifo(tmp_path / "fifo")  # (it said 'File exists')
     done = CliRunner().invoke(steplens, ["compare", str(run), str(run), "--out", str(tmp_path / "fifo")])
@@ -460,3 +471,23 @@ def test_rank_numbers_that_are_no_ranks_are_damage():
     assert damage({"ranks": [0, 1, 2]}) is None
     for ranks in ([0, 1, "x"], [0, None], [-5], [1e30], [True]):
         assert damage({"ranks": ranks}) == "ranks of the wrong type or out of range", ranks
+
+
+def test_a_result_read_with_its_report_deleted_and_a_run_json_of_the_users_beside_it(tmp_path):
+    """Readers need the tables and findings.json: a result whose report.html and summary.md the user deleted is read
+    as it is (it was refused as damaged). A run folder holding a run.json of the user's own beside .steplens/ is read
+    through .steplens/ (the foreign file was named as a damaged result, and analysing again could not help)."""
+    from click.testing import CliRunner
+
+    from steplens.analyze.cli import steplens
+
+    run = tmp_path / "run"
+    shutil.copytree(ROOT / "sample_runs" / "deepspeed_cpu_2rank", run, ignore=shutil.ignore_patterns(".steplens"))
+    assert subprocess.run([str(BIN / "analyze"), str(run), "-q"], capture_output=True).returncode == 0
+    (run / ".steplens" / "report.html").unlink()
+    (run / ".steplens" / "summary.md").unlink()
+    (run / "run.json").write_text('{"name": "my run"}')
+    for args in (["compare", str(run), str(run), "--out", str(tmp_path / "cmp")],
+                 ["export-trace", str(run), "--out", str(tmp_path / "t.json")]):
+        done = CliRunner().invoke(steplens, args)
+        assert done.exit_code == 0 and "damaged" not in done.output, (args[0], done.output)

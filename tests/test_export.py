@@ -214,7 +214,8 @@ def test_an_output_that_is_no_plain_file_is_refused_unread(exported, tmp_path, s
 
 def test_an_export_of_a_run_with_a_rank_missing_and_one_cut_short_says_so(tmp_path):
     """param/dlrm_kineto (8 ranks) with worker5's trace gone and worker3's cut in half: analyze exits 1 and names
-    both; export-trace said 'from 7 rank(s)' and exited 0. It names the missing rank and the damaged input, exit 1."""
+    both; export-trace said 'from 7 rank(s)' and exited 0. It names the missing rank and the damaged input, exit 1 (a
+    rank not traced alone, profiled on some ranks only, is said and exits 0, as analyze does)."""
     import shutil
 
     from conftest import CORPUS
@@ -232,5 +233,24 @@ def test_an_export_of_a_run_with_a_rank_missing_and_one_cut_short_says_so(tmp_pa
     done = CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(tmp_path / "merged.json")])
     said = " ".join(done.output.split())
     assert done.exit_code == 1, said
-    assert "from 7 rank(s)" in said and "warning: no trace of rank(s) 5 of world size 8: not in the export" in said
+    assert "from 7 rank(s)" in said and ("warning: traces of 7 of 8 ranks; no trace for rank(s) 5 (profiled on some "
+                                         "ranks only, or lost: see the issues): not in the export") in said
     assert f"warning: 1 input(s) lost data ({cut.name};" in said
+
+
+def test_an_export_of_a_run_profiled_on_some_ranks_only_says_so_and_exits_0(tmp_path):
+    """One of param/dlrm_kineto's 8 ranks, as a job profiled on rank 0 alone leaves it: analyze warns and exits 0;
+    export-trace says the same and exits 0 (a deliberate setup is no lost input)."""
+    import shutil
+
+    from conftest import CORPUS
+
+    source = CORPUS / "param" / "dlrm_kineto"
+    if not source.is_dir():
+        pytest.skip("shared corpus not found")
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(sorted(source.glob("worker0_*.json"))[0], run)
+    assert CliRunner().invoke(steplens, ["analyze", str(run), "-q"]).exit_code == 0
+    done = CliRunner().invoke(steplens, ["export-trace", str(run), "--out", str(tmp_path / "merged.json")])
+    assert done.exit_code == 0 and "no trace for rank(s) 1-7" in " ".join(done.output.split())

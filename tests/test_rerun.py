@@ -82,7 +82,8 @@ def test_the_shortcut_constants_agree_with_the_contract():
     from steplens.analyze import importers
     from steplens.analyze.pipeline import ingest
 
-    assert reuse.MANIFEST_FILE == schema.MANIFEST_FILE and cli_rerun.DEFAULT_OUT_DIR == schema.DEFAULT_OUT_DIR
+    assert reuse.MANIFEST_FILE == schema.MANIFEST_FILE and reuse.FINDINGS_FILE == schema.FINDINGS_FILE
+    assert cli_rerun.DEFAULT_OUT_DIR == schema.DEFAULT_OUT_DIR
     assert reuse.TRACE_KINDS == importers.TRACE_KINDS and reuse.TRACE_TABLES == ingest.PARSED_TABLES
     assert all(schema.TABLES[table][2] for table in reuse.TRACE_TABLES)  # per-rank tables: their parts in rank=N
 

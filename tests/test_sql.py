@@ -108,18 +108,20 @@ def test_the_table_format_shows_a_line_break_inside_a_value_as_backslash_n(runs)
 
 
 def test_the_table_format_keeps_line_breaks_in_lists_structs_and_column_names_on_their_row(runs):
-    """A line break inside a list or struct value, or in a column's name, is shown escaped: each row stays one line."""
+    """A line break inside a list or struct value, or in a column's name, is shown escaped: each row stays one line
+    (the value as its repr); other nested values keep their type and NaN; a name that escaped meets another is kept
+    apart from it (it was an internal error); a blob inside a struct is shown (it was a panic)."""
     root, _ = runs
-    query = ("SELECT ['a' || chr(10) || 'b'] AS l, {'k': 'c' || chr(13) || 'd'} AS s, 1 AS \"two\nlines\" "
-             "FROM (VALUES (1), (2)) t(n)")
+    query = ("SELECT ['a' || chr(10) || 'b'] AS l, {'k': 'c' || chr(13) || 'd'} AS s, [1.5, 'nan'::double] AS f, "
+             "{'b': 'abc'::blob} AS bl, 1 AS \"two\nlines\", 2 AS \"two\\nlines\" FROM (VALUES (1), (2)) t(n)")
     table = CliRunner().invoke(steplens, ["sql", str(root), query])
-    assert table.exit_code == 0
+    assert table.exit_code == 0, table.output
     lines = table.output.splitlines()
     names = [line for line in lines if "two" in line]
-    assert len(names) == 1 and "two\\nlines" in names[0]
+    assert len(names) == 1 and "two\\nlines'" in names[0] and "list[f64]" in table.output
     body = [line for line in lines if "┆" in line][3:]
     assert [[cell.strip(" │") for cell in line.split("┆")] for line in body] == [
-        ['["a\\nb"]', '{"k":"c\\rd"}', "1"]] * 2
+        ["['a\\nb']", "{'k': 'c\\rd'}", "[1.5, NaN]", '{b"abc"}', "1", "2"]] * 2
 
 def test_cli_formats_and_errors(runs, tmp_path):
     root, truths = runs

@@ -610,6 +610,28 @@ def test_a_job_resumed_from_an_earlier_checkpoint_keeps_the_steps_before_it():
     train_steps = _two_jobs(10, [(3 + i, i) for i in range(4)])
     assert st.superseded(train_steps).to_list() == [False] * 3 + [True] * 7 + [False] * 4
     assert st.repeated_steps(train_steps)["steps"] == [3, 4, 5, 6, 7, 8, 9]
+    # step 3, the resumed job's first, follows the earlier job's step 2 by the restart's 9.8 s: no step's time
+    table = st.step_time_table(train_steps).sort("step")
+    assert table.select("step", "step_time_ns", "reason").rows() == [
+        (0, None, "no_previous_step"), (1, 100_000_000, "warm_up"), (2, 100_000_000, "warm_up"),
+        (3, None, "no_previous_step"), (4, 30_000_000, None), (5, 30_000_000, None), (6, 30_000_000, None)]
+
+
+def test_a_clock_that_went_back_drops_no_step_as_a_rerun():
+    """20 steps 100 ms apart on one rank whose clock went back 1 s before step 10 (an NTP step): no step is recorded
+    twice, so no rerun is read into it; step 10 is the one with a negative time, as before."""
+    from steplens.analyze.analyses import step_time as st
+    from steplens.analyze.importers.base import conform
+
+    ms = 1_000_000
+    starts = [10**12 + step * 100 * ms - (1000 * ms if step >= 10 else 0) for step in range(20)]
+    train_steps = conform([{"rank": 0, "source": "collector/train_steps/rank0-00000.parquet", "step": step,
+                            "micro_step": step, "start_ns": start, "end_ns": start + 5 * ms, "dur_ns": 5 * ms,
+                            "is_boundary": True, "skipped": False} for step, start in enumerate(starts)], "train_steps")
+    assert not st.superseded(train_steps).any() and st.repeated_steps(train_steps) is None
+    table = st.step_time_table(train_steps)
+    assert table.filter(pl.col("reason").is_not_null()).sort("step").select("step", "reason").rows() == [
+        (0, "no_previous_step"), (10, "negative_duration")]
 
 
 def test_time_outside_the_steps_work_is_in_the_step_and_said():

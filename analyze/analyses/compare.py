@@ -97,7 +97,8 @@ def _no_common_source(base, new, sources: str) -> str:
     rank over some ranks is not the slowest over others: their lag would read as a change)."""
     theirs = {s.source: s for s in step_samples(new)}
     for ours in step_samples(base):
-        if (other := theirs.get(ours.source)) is not None:
+        other = theirs.get(ours.source)
+        if other is not None and ours.ranks and other.ranks and not set(ours.ranks) & set(other.ranks):
             key = _definition_key(ours.source)
             return (f"both have step times from {SOURCE_WORDS.get(key, key)}, but from ranks with none in common "
                     f"(base rank(s) {number_ranges(list(ours.ranks))}, new rank(s) {number_ranges(list(other.ranks))})")

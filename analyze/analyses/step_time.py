@@ -130,8 +130,10 @@ def _from_micro_steps(micro: pl.DataFrame) -> pl.DataFrame:
         start_ns=pl.col("start_ns").min(), end_ns=pl.col("end_ns").max(), boundary=pl.col("is_boundary").fill_null(False).any(),
         skipped=pl.col("skipped").fill_null(False).any(),
         samples_after=pl.col("global_samples").filter(pl.col("is_boundary").fill_null(False)).max(),
-        loss_scale=pl.col("loss_scale").sort_by("micro_step").last())
-    preceded = pl.col("step").shift(1).over("rank") == pl.col("step") - 1
+        loss_scale=pl.col("loss_scale").sort_by("micro_step").last(),
+        resumed=pl.col("resumed").any() if "resumed" in micro.columns else pl.lit(False))
+    # (the first step a resumed job recorded follows the earlier job's last: the time between is the restart's)
+    preceded = (pl.col("step").shift(1).over("rank") == pl.col("step") - 1) & ~pl.col("resumed")
     per_rank = per_rank.sort("rank", "step").with_columns(
         dur_ns=pl.when(preceded).then(pl.col("end_ns") - pl.col("end_ns").shift(1).over("rank"))).with_columns(
         outside_ns=pl.col("dur_ns") - pl.col("work_ns"))  # this rank's own cycle outside its own micro steps
@@ -225,23 +227,42 @@ def _from_profiler(profiler_steps: pl.DataFrame) -> pl.DataFrame:
         end_ns=pl.col("end_ns").max()).with_columns(incomplete=pl.col("ranks") < pl.col("ranks").max())
 
 
-def superseded(train_steps: pl.DataFrame) -> pl.Series:
-    """Rows a later recording on the same rank went back over: a job run again into the same folder, or resumed from
-    a checkpoint older than where it stopped, records (step, micro step) again from where it started. Every row of the
-    earlier recording from that point on, re-run or not (a run again for fewer steps leaves the earlier job's last
-    steps behind), belongs to a timeline the run left; summing it with the later one doubled steps and mixed two jobs.
-    A row is superseded when a row starting later (or a copy at the same time, written after it) has a (step, micro
-    step) no higher. Rows without a micro step or a start are never superseded."""
+def recordings(train_steps: pl.DataFrame) -> pl.DataFrame:
+    """Per row of train_steps (in its order): `superseded`, a row a later recording on the same rank went back over,
+    and `resumed`, the first row a later recording kept (its step follows one of the earlier recording: the time
+    between them is the restart's, no step's).
+
+    A job run again into the same folder, or resumed from a checkpoint older than where it stopped, records (step,
+    micro step) again from where it started: every row of the earlier recording from that point on, re-run or not (a
+    run again for fewer steps leaves the earlier job's last steps behind), belongs to a timeline the run left; summing
+    it with the later one doubled steps and mixed two jobs. A row is superseded when a row starting later (or a copy at
+    the same time, written after it) has a (step, micro step) no higher. Only on a rank that records some optimizer
+    step twice (a later recording repeats at least the step it starts from): rows out of time order on a rank that
+    repeats none are a clock that went back, which the steps' negative durations say. Rows without a step, a micro
+    step or a start take no part."""
+    rows = train_steps.with_row_index("row").select("row")
     if train_steps.is_empty():
-        return pl.Series("superseded", [], pl.Boolean)
-    timed = pl.col("micro_step").is_not_null() & pl.col("start_ns").is_not_null()
-    ranked = (train_steps.select("rank", "step", "micro_step", "start_ns").with_row_index("row").filter(timed)
+        return rows.with_columns(superseded=pl.lit(False), resumed=pl.lit(False)).drop("row")
+    timed = pl.col("step").is_not_null() & pl.col("micro_step").is_not_null() & pl.col("start_ns").is_not_null()
+    repeats = pl.col("step").filter(pl.col("is_boundary").fill_null(False)).is_duplicated().any().over("rank")
+    ranked = (train_steps.select("rank", "step", "micro_step", "start_ns", "is_boundary").with_row_index("row")
+              .filter(timed).filter(repeats)
               .with_columns(key=pl.struct("step", "micro_step").rank("dense").cast(pl.Int64))
               .sort("rank", "start_ns", "row"))
     # the lowest key among the rows after each, on its rank
     after = pl.col("key").reverse().cum_min().reverse().shift(-1).over("rank")
-    gone = ranked.filter(pl.col("key") >= after)["row"]
-    return train_steps.with_row_index("row").select(superseded=pl.col("row").is_in(gone.implode()))["superseded"]
+    ranked = ranked.with_columns(superseded=pl.col("key") >= after)
+    # a kept row whose row before it (by start) has its key or a higher one, at another time (not a copy of it)
+    before = [pl.col(c).shift(1).over("rank") for c in ("key", "start_ns")]
+    ranked = ranked.with_columns(resumed=~pl.col("superseded").fill_null(False) & (before[0] >= pl.col("key"))
+                                 & (before[1] != pl.col("start_ns")))
+    return rows.join(ranked.select("row", "superseded", "resumed"), on="row", how="left").sort("row").select(
+        pl.col("superseded").fill_null(False), pl.col("resumed").fill_null(False))
+
+
+def superseded(train_steps: pl.DataFrame) -> pl.Series:
+    """recordings' `superseded`: the rows a later recording on the same rank went back over."""
+    return recordings(train_steps)["superseded"]
 
 
 def repeated_steps(train_steps: pl.DataFrame) -> dict | None:
@@ -266,7 +287,8 @@ def _pick_source(train_steps: pl.DataFrame, step_timers: pl.DataFrame, scalars: 
                  profiler_steps: pl.DataFrame, facts: dict) -> tuple[str, str, pl.DataFrame]:
     """(source, definition key, per-step frame) of the best source with at least one step."""
     if not train_steps.is_empty():
-        train_steps = train_steps.filter(~superseded(train_steps))
+        marked = recordings(train_steps)
+        train_steps = train_steps.with_columns(resumed=marked["resumed"]).filter(~marked["superseded"])
         collected = train_steps.filter(_is_collector(pl.col("source")))
         if not collected.is_empty():
             return "train_steps", "collector", _from_micro_steps(collected)
@@ -819,7 +841,8 @@ def _step_time(inputs: Inputs) -> Output:
         finding["profiled_steps"] = windows
     if overflow := overflow_finding(table, inputs.table("scalars")):
         finding["fp16_overflow"] = overflow
-    if repeated := repeated_steps(inputs.table("train_steps", ["rank", "step", "micro_step", "start_ns"])):
+    if repeated := repeated_steps(inputs.table("train_steps", ["rank", "step", "micro_step", "start_ns",
+                                                               "is_boundary"])):
         finding["repeated_steps"] = repeated
     if outside := outside_work(table):
         finding["outside_work"] = outside

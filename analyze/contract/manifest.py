@@ -159,6 +159,27 @@ def lost_inputs(manifest: dict) -> list[str]:
     return lost
 
 
+def _max_rank() -> int:
+    from steplens.analyze.contract.schema import MAX_RANK
+
+    return MAX_RANK
+
+
+def missing_ranks(manifest: dict) -> str | None:
+    """'traces of N of W ranks; no trace for rank(s) ...' for a run traced on fewer ranks than its world size (profiled
+    on some ranks only, or lost: the issues say which), else None."""
+    world_size = manifest.get("world_size")
+    traced = manifest.get("trace_ranks") or []
+    if traced and type(world_size) is int and 0 < world_size <= _max_rank() and len(traced) < world_size:
+        # The gaps between traced ranks, never a set over range(world_size) (a trace may claim 2**24 ranks).
+        bounds = [-1, *sorted({rank for rank in traced if type(rank) is int and 0 <= rank < world_size}), world_size]
+        gaps = [(low + 1, high - 1) for low, high in zip(bounds, bounds[1:]) if high - low > 1]
+        missing = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in gaps)
+        return (f"traces of {len(traced)} of {world_size} ranks; no trace for rank(s) {missing} (profiled on some ranks "
+                "only, or lost: see the issues)")
+    return None
+
+
 # The run.json fields readers of a published run (the sql `runs` view, compare, trials) rely on, and the type each
 # must have (null aside).
 _RUN_FIELDS = {"run_name": str, "world_size": int, "ranks": list, "environment": dict, "created_by": str, "facts": dict}
@@ -173,7 +194,7 @@ def damage(manifest) -> str | None:
     if "world_size" not in wrong and manifest.get("world_size") is not None and fact_problem("world_size", manifest["world_size"]):
         wrong.append("world_size")  # a count of processes: from 1
     if "ranks" not in wrong and isinstance(manifest.get("ranks"), list) and not all(
-            type(r) is int and 0 <= r <= MAX_STEP for r in manifest["ranks"]):
+            type(r) is int and 0 <= r < _max_rank() for r in manifest["ranks"]):
         wrong.append("ranks")  # rank numbers: integers from 0
     devices = (manifest.get("environment") or {}).get("device_names") if "environment" not in wrong else None
     if devices is not None and not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):

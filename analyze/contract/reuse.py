@@ -16,6 +16,7 @@ import stat
 from pathlib import Path
 
 MANIFEST_FILE = "run.json"  # schema.MANIFEST_FILE, which imports pyarrow; test_contract checks they agree
+FINDINGS_FILE = "findings.json"  # schema.FINDINGS_FILE, likewise
 OUTPUT_CREATOR = "steplens ingest"  # run.json created_by: marks an output folder steplens may replace
 PREFIX_BYTES = 64 << 10  # how much of each file its fingerprint reads
 
@@ -60,10 +61,24 @@ def read_manifest(folder: Path) -> dict:
     return manifest if isinstance(manifest, dict) else {}
 
 
+def result_folder(path: Path, default_out: str) -> Path | None:
+    """The published result a reader was pointed at: `path` when its run.json is one analyze wrote, else its
+    `default_out` folder (.steplens) when that holds a run.json, else `path` when it holds any run.json (to be named
+    as damaged), else None. A run folder's own run.json that is not steplens's (the user's) does not hide the result."""
+    path = Path(path)
+    if read_manifest(path).get("created_by") == OUTPUT_CREATOR:
+        return path
+    for folder in (path / default_out, path):
+        if os.path.lexists(folder / MANIFEST_FILE):
+            return folder
+    return None
+
+
 def published_manifest(folder: Path, schema_version: int) -> tuple[dict, str | None]:
     """run.json of a published result for a reader (compare, trials, sql, export-trace), with what makes it unusable,
     naming the file: not a plain file (a FIFO would block the reader, /dev/zero never end), too large, not JSON, not an
-    object, not written by `analyze`, or written by a steplens whose tables differ (schema_version). ({}, why) then."""
+    object, not written by `analyze` (({}, why) for each of these), or written by a steplens whose tables differ
+    (schema_version: (its manifest, why))."""
     path = Path(folder) / MANIFEST_FILE
     handle = open_plain_file(path)
     if handle is None:
@@ -74,24 +89,27 @@ def published_manifest(folder: Path, schema_version: int) -> tuple[dict, str | N
         if len(data) > MAX_MANIFEST_BYTES:
             return {}, f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB: not one steplens wrote"
         manifest = json.loads(data)
-    except (OSError, ValueError, RecursionError) as e:
+    except OSError as e:
+        return {}, f"{path} cannot be read ({e.strerror or e})"
+    except (ValueError, RecursionError) as e:
         return {}, f"{path} is not valid JSON ({type(e).__name__}: cut short or edited)"
     if not isinstance(manifest, dict):
         return {}, f"{path} holds {type(manifest).__name__}, not an object"
     if manifest.get("created_by") != OUTPUT_CREATOR:
         return {}, f"{path} was not written by steplens analyze (created_by {manifest.get('created_by')!r})"
-    if manifest.get("schema_version") != schema_version:
-        return {}, (f"{path} is a result of another steplens version (result schema {manifest.get('schema_version')!r}; "
+    if manifest.get("schema_version") != schema_version:  # (returned with the problem: a result, if not for this reader)
+        return manifest, (f"{path} is a result of another steplens version (result schema {manifest.get('schema_version')!r}; "
                     f"this steplens reads {schema_version})")
     return manifest, None
 
 
 def missing_entries(out_dir: Path, manifest: dict, tables: set[str]) -> str | None:
-    """What of a published result is gone since `analyze` listed it (run.json output_entries): an entry removed,
-    or a table's folder left without any Parquet file (every table writes one, empty and typed when it has no rows)."""
+    """What readers need of a published result that is gone since `analyze` listed it (run.json output_entries): a
+    table's folder or findings.json removed, or a table's folder left without any Parquet file (every table writes
+    one, empty and typed when it has no rows). The report, the summary and an export are the user's to delete."""
     entries = manifest.get("output_entries")
     for entry in entries if isinstance(entries, list) else []:
-        if not isinstance(entry, str) or os.sep in entry or entry in ("", ".", ".."):
+        if not isinstance(entry, str) or not (entry in tables or entry == FINDINGS_FILE):
             continue
         path = Path(out_dir) / entry
         if not path.exists():

@@ -60,21 +60,21 @@ def find_runs(root: Path | str) -> list[Path] | list[str]:
     the committed results."""
     if remote.is_url(root):
         return [url for url, _ in remote.committed_runs(str(root))]
-    return [run for run, _ in _runs_with_manifests(Path(root))]
+    return [run for run, _, _ in _runs_with_manifests(Path(root))]
 
 
-def _runs_with_manifests(root: Path) -> list[tuple[Path, dict]]:
-    """The local runs under root, each with its run.json, read once: every run.json analyze wrote (its created_by),
-    and any in a folder named .steplens (analyze's default), whatever it holds: connect names what is wrong with it
-    (a user's own run.json elsewhere is not taken for a result)."""
+def _runs_with_manifests(root: Path) -> list[tuple[Path, dict, str | None]]:
+    """The local runs under root, each with its run.json read once and checked (reuse.published_manifest: what is
+    wrong with it, or None): every run.json analyze wrote (its created_by), and any in a folder named .steplens
+    (analyze's default), whatever it holds (a user's own run.json elsewhere is not taken for a result)."""
     found = []
     for folder, subfolders, files in os.walk(root, followlinks=False):
         # an analysis being written (.NAME.tmp-PID) or one being replaced (.NAME.old-PID) is no run of its own
         subfolders[:] = sorted(d for d in subfolders if not reuse.STAGED.match(d))
         if schema.MANIFEST_FILE in files:
-            manifest = reuse.read_manifest(Path(folder))
+            manifest, why = reuse.published_manifest(Path(folder), schema.SCHEMA_VERSION)
             if manifest.get("created_by") == reuse.OUTPUT_CREATOR or Path(folder).name == schema.DEFAULT_OUT_DIR:
-                found.append((Path(folder), manifest))
+                found.append((Path(folder), manifest, why))
     return sorted(found, key=lambda run: run[0])
 
 
@@ -98,18 +98,16 @@ def connect(root: Path, skipped: list[tuple[str, str]] | None = None) -> duckdb.
     skipped = [] if skipped is None else skipped
     con = duckdb.connect()
     if remote.is_url(root):  # DuckDB reads the objects through the store's fsspec filesystem, offline too
-        runs = remote.committed_runs(str(root))
+        runs = [(url, manifest, None) for url, manifest in remote.committed_runs(str(root))]
         con.register_filesystem(remote.filesystem(str(root))[0])
     else:
         runs = _runs_with_manifests(Path(root))
     rows, parts, seen_ids = [], {}, set()
-    for run, manifest in runs:
-        if not isinstance(run, str):  # read again, checked: a FIFO would block the query, another version mislead it
-            manifest, why = reuse.published_manifest(run, schema.SCHEMA_VERSION)
-            why = why or damage(manifest) or reuse.missing_entries(run, manifest, set(schema.TABLES) | set(analyses.TABLES)) \
+    for run, manifest, why in runs:
+        why = why or damage(manifest)
+        if not why and not isinstance(run, str):  # a FIFO part would block the query, a missing table mislead it
+            why = reuse.missing_entries(run, manifest, set(schema.TABLES) | set(analyses.TABLES)) \
                 or reuse.result_problem(run, manifest)
-        else:
-            why = damage(manifest)
         if why:
             skipped.append((str(run), f"damaged result ({why}); analyse the run again"))
             continue
