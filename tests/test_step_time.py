@@ -764,3 +764,20 @@ def test_a_profiler_window_after_the_last_step_is_named_as_why_there_is_no_trace
         "open it earlier (profile skip_first and wait) to trace this run")
     assert launch._unopened_window({**facts, "collector_rank0": {"steps_completed": 40}}) is None
     assert launch._unopened_window({"collector_rank0": {"steps_completed": 20}}) is None  # no window asked for
+
+
+def test_an_earlier_jobs_calls_and_scalars_are_told_from_the_later_jobs():
+    """The helper's job run twice into one folder (10 steps, then 5): comms_log counted both jobs' 30 all_reduce calls
+    (the later job made 10). Rows of the collector's other tables recorded before the later recording began, at a step
+    it went back to or after, are the earlier job's; a resumed job's rows before its checkpoint step stay."""
+    from steplens.analyze.analyses import step_time as st
+
+    ms = 1_000_000
+    rerun = _two_jobs(10, [(step, step) for step in range(5)])
+    calls = pl.DataFrame({"rank": [0] * 4, "step": [3, 9, 0, 4],
+                          "ts_ns": [350 * ms, 950 * ms, 10_000 * ms + 1, 10_000 * ms + 130 * ms]})
+    assert st.earlier_recording(rerun, calls, "ts_ns").to_list() == [True, True, False, False]
+    resumed = _two_jobs(10, [(3 + i, i) for i in range(4)])
+    calls = calls.with_columns(step=pl.Series([1, 9, 3, 6]))
+    assert st.earlier_recording(resumed, calls, "ts_ns").to_list() == [False, True, False, False]
+    assert not st.earlier_recording(_two_jobs(10, []), calls, "ts_ns").any()  # one recording: nothing earlier

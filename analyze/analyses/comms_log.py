@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from steplens.analyze.analyses.registry import Analysis, Inputs, Output
 from steplens.analyze.analyses.percentile import nearest_rank_expr
+from steplens.analyze.analyses.step_time import earlier_recording
 from steplens.analyze.contract.units import binary_bytes, duration
 from steplens.analyze.contract import schema
 
@@ -134,6 +135,8 @@ WAITING_RATIO = 2
 
 def _comms_log(inputs: Inputs) -> Output:
     calls = inputs.table("comms_calls")
+    # an earlier job's calls in the same folder (a job run again, resumed from an earlier checkpoint) are not this one's
+    calls = calls.filter(~earlier_recording(inputs.table("train_steps"), calls, "ts_ns"))
     table = comms_log_stats(calls) if not calls.is_empty() else pl.DataFrame()
     return Output(tables={"comms_log_stats": table}, finding=costliest_finding(table))
 
@@ -164,5 +167,5 @@ COMMS_LOG_STATS = schema.table_spec(
 )
 
 
-ANALYSIS = Analysis("comms_log", "Logged communication", ("comms_calls",), {"comms_log_stats": COMMS_LOG_STATS}, _comms_log,
+ANALYSIS = Analysis("comms_log", "Logged communication", ("comms_calls", "train_steps"), {"comms_log_stats": COMMS_LOG_STATS}, _comms_log,
                     former_keys={"logged_comms": None}, phrase=logged_lines)

@@ -296,7 +296,11 @@ def _run_values(values: str) -> str:
 
 
 def _monitor(inputs: Inputs) -> Output:
-    tables = monitor_tables(inputs.table("scalars"), inputs.facts, inputs.options.grad_norm_threshold,
+    scalars = inputs.table("scalars")
+    # the collector's points of an earlier job in the same folder (run again, resumed) are not this job's curve
+    earlier = step_time.earlier_recording(inputs.table("train_steps"), scalars, "wall_ns")
+    scalars = scalars.filter(~(earlier & (pl.col("origin") == "collector").fill_null(False)))
+    tables = monitor_tables(scalars, inputs.facts, inputs.options.grad_norm_threshold,
                             step_time.instrumented(inputs.table("step_time")))
     return Output(tables=tables, finding=alarms_finding(tables["monitor_alarms"]))
 
@@ -335,5 +339,5 @@ RUN_COMPARABILITY = schema.table_spec(
 )
 
 
-ANALYSIS = Analysis("monitor_alarms", "Monitor alarms", ("scalars", "step_time"), {"monitor_alarms": MONITOR_ALARMS, "run_comparability": RUN_COMPARABILITY},
+ANALYSIS = Analysis("monitor_alarms", "Monitor alarms", ("scalars", "step_time", "train_steps"), {"monitor_alarms": MONITOR_ALARMS, "run_comparability": RUN_COMPARABILITY},
                     _monitor, phrase=alarms_lines, section=monitor_sections)

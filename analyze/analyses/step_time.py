@@ -260,6 +260,26 @@ def recordings(train_steps: pl.DataFrame) -> pl.DataFrame:
         pl.col("superseded").fill_null(False), pl.col("resumed").fill_null(False))
 
 
+def earlier_recording(train_steps: pl.DataFrame, rows: pl.DataFrame, time: str) -> pl.Series:
+    """Per row of another per-step table the collector writes (rank, step and the time column `time`): whether an
+    earlier job recorded it on a timeline a later recording went back over (recordings): the later one started after
+    it, at its step or before. Its calls or scalars are the earlier job's, as its train_steps rows are."""
+    keep = pl.Series("earlier", [False] * rows.height, pl.Boolean)
+    if train_steps.is_empty() or rows.is_empty() or not {"rank", "step", time} <= set(rows.columns):
+        return keep
+    restarts = train_steps.filter(recordings(train_steps)["resumed"]).select("rank", at_ns="start_ns", from_step="step")
+    if restarts.is_empty():
+        return keep
+    # on each rank, the lowest step a recording starting at or after each restart goes back to
+    restarts = restarts.sort("rank", "at_ns").with_columns(
+        lowest=pl.col("from_step").reverse().cum_min().reverse().over("rank")).sort("at_ns")
+    probe = rows.select("rank", "step", time).with_row_index("row").drop_nulls(["rank", time]).sort(time)
+    found = probe.join_asof(restarts, left_on=time, right_on="at_ns", by="rank", strategy="forward",
+                            check_sortedness=False)
+    gone = found.filter(pl.col("step") >= pl.col("lowest"))["row"]
+    return rows.with_row_index("row").select(earlier=pl.col("row").is_in(gone.implode()))["earlier"]
+
+
 def superseded(train_steps: pl.DataFrame) -> pl.Series:
     """recordings' `superseded`: the rows a later recording on the same rank went back over."""
     return recordings(train_steps)["superseded"]
