@@ -100,17 +100,14 @@ def sql_command(runs_dir: Path, query: str, fmt: str) -> None:
 def _csv(frame, header: bool) -> str:
     """CSV text of a result batch; a list or struct value (list(rank), a struct pack) as its JSON text, which CSV
     cannot hold otherwise."""
-    return _nested_as_json(frame).write_csv(include_header=header)
-
-
-def _nested_as_json(frame):
-    """`frame` with each list or struct column as the JSON text of its values."""
     import polars as pl
 
     nested = [name for name, dtype in frame.schema.items() if dtype.is_nested()]
-    # {"v":VALUE} -> VALUE: the JSON of the value alone
-    return frame.with_columns(pl.struct(pl.col(name).alias("v")).struct.json_encode().str.slice(5).str.head(-1)
-                              .alias(name) for name in nested) if nested else frame
+    if nested:
+        # {"v":VALUE} -> VALUE: the JSON of the value alone
+        frame = frame.with_columns(pl.struct(pl.col(name).alias("v")).struct.json_encode().str.slice(5).str.head(-1)
+                                   .alias(name) for name in nested)
+    return frame.write_csv(include_header=header)
 
 
 def _ndjson(frame) -> str:
@@ -238,7 +235,7 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
         from steplens.reports.data import DamagedRun, load
 
         try:
-            load(out_dir)  # the checks every reader of a result makes (run.json, its listed entries, the files)
+            manifest = load(out_dir).manifest  # the checks every reader of a result makes (run.json, its entries, files)
         except DamagedRun as e:
             fail(safe_text(e))
     if out_path.exists() and not _is_export(out_path):
@@ -258,8 +255,9 @@ def export_trace_command(run_dir: Path, steps: str | None, out_path: Path | None
                  "on their own clocks" if counts["unaligned_ranks"] else "")
     say(Console(highlight=False, emoji=False), f"{out_path}: {counts['events']:,} events and {counts['flows']:,} launch flows from "
         f"{counts['ranks']} rank(s); {counts['partial_overlaps']:,} slices overlap without nesting{unaligned}", indent=0)
-    if not remote.is_url(run_dir):  # (a merge of what was read: ranks not traced are not in it, and said, as analyze
-        manifest = reuse.read_manifest(out_dir)  # says it; inputs that lost data make it partial: exit 1, as analyze)
+    # a merge of what was read: ranks not traced are not in it, and said, as analyze says it; inputs that lost data
+    # make it partial: exit 1, as analyze
+    if not remote.is_url(run_dir):
         if missing := missing_ranks(manifest):
             warn(f"warning: {missing}: not in the export")
         if lost := lost_inputs(manifest):

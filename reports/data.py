@@ -56,8 +56,6 @@ def load(out_dir: Path) -> Run:
     """A run directory written by `analyze` (the `.steplens` folder, or the run folder holding it); DamagedRun naming
     the file and the problem when it cannot be read as one (reuse.published_manifest, reuse.missing_entries,
     reuse.result_problem)."""
-    from steplens.analyze import analyses  # (the analyses' tables, for the check that each still has its parts)
-
     found = reuse.result_folder(Path(out_dir), schema.DEFAULT_OUT_DIR)
     if found is None:
         raise FileNotFoundError(f"{out_dir}: not an analysed run (no {schema.MANIFEST_FILE}); run `analyze` on it first")
@@ -65,15 +63,16 @@ def load(out_dir: Path) -> Run:
     manifest, why = reuse.published_manifest(out_dir, schema.SCHEMA_VERSION)
     findings, findings_path = {}, out_dir / schema.FINDINGS_FILE
     if why is None and os.path.lexists(findings_path):
-        handle = reuse.open_plain_file(findings_path)
-        try:
-            with handle or open(os.devnull, "rb"):
-                findings = json.loads(handle.read(reuse.MAX_MANIFEST_BYTES + 1)) if handle else None
-        except (OSError, ValueError, RecursionError):
-            findings = None
+        findings = None
+        if (handle := reuse.open_plain_file(findings_path)) is not None:
+            try:
+                with handle:
+                    findings = json.loads(handle.read(reuse.MAX_MANIFEST_BYTES + 1))
+            except (OSError, ValueError, RecursionError):
+                pass
         why = None if isinstance(findings, dict) else f"{findings_path} is not a plain file holding a JSON object"
     why = why or damage(manifest)
-    why = why or reuse.missing_entries(out_dir, manifest, set(schema.TABLES) | set(analyses.TABLES))
+    why = why or reuse.missing_entries(out_dir, manifest, set(schema.TABLES) | set(_analysis_tables()))
     why = why or reuse.result_problem(out_dir, manifest)
     if why:
         raise DamagedRun(f"{out_dir}: damaged result ({why}); analyse the run again")
@@ -81,7 +80,7 @@ def load(out_dir: Path) -> Run:
 
 
 def _analysis_tables() -> dict:
-    from steplens.analyze import analyses
+    from steplens.analyze import analyses  # here: the analyses import this module for their report sections
 
     return analyses.TABLES
 

@@ -160,6 +160,8 @@ def lost_inputs(manifest: dict) -> list[str]:
 
 
 def _max_rank() -> int:
+    # here, not at the top: the collector imports this module (through alarm_rules) and has no use for schema, which
+    # builds every table's Arrow schema when imported
     from steplens.analyze.contract.schema import MAX_RANK
 
     return MAX_RANK

@@ -534,7 +534,7 @@ def _cut_long_text(chunk, cut: dict[str, list]):
     """A window's columns with every text value past MAX_TEXT_CHARS cut to it, counted per column in `cut`
     ([count, example]); native (Arrow) and Python (polars) windows alike, so both readers give the same tables."""
     if isinstance(chunk, pa.RecordBatch):
-        arrays = list(chunk.columns)
+        arrays, changed = list(chunk.columns), False
         for i, (name, dtype) in enumerate(zip(chunk.schema.names, chunk.schema.types)):
             array = arrays[i]
             if dtype != pa.string() or (data := array.buffers()[2]) is None or data.size <= MAX_TEXT_CHARS:
@@ -545,8 +545,8 @@ def _cut_long_text(chunk, cut: dict[str, list]):
             long = pc.fill_null(pc.greater(pc.utf8_length(array), MAX_TEXT_CHARS), False)
             if n := pc.sum(long).as_py():
                 _count_cut(cut, name, n, pc.filter(array, long)[0].as_py())
-                arrays[i] = pc.if_else(long, pc.utf8_slice_codeunits(array, 0, MAX_TEXT_CHARS), array)
-        return pa.RecordBatch.from_arrays(arrays, schema=chunk.schema)
+                arrays[i], changed = pc.if_else(long, pc.utf8_slice_codeunits(array, 0, MAX_TEXT_CHARS), array), True
+        return pa.RecordBatch.from_arrays(arrays, schema=chunk.schema) if changed else chunk
     text = [name for name, dtype in chunk.schema.items() if dtype == pl.String]
     counts = chunk.select(pl.col(text).str.len_chars().gt(MAX_TEXT_CHARS).sum()).row(0) if text else ()
     for name, n in zip(text, counts):
